@@ -1,0 +1,30 @@
+# Two entry points (see README): `make demo` and `make test`. Both set up .venv on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SPEEDC := $(VENV)/bin/speedc
+DEMO_MODEL ?= models/zoo/tiny
+DEMO_PROMPT ?= ROMEO:
+
+.PHONY: setup demo test clean
+
+setup: $(VENV)/.installed
+
+# torch first, pinned: 2.13.0 is the CPU build (on this project's machines it installs from local
+# disk); an unpinned torch would pull a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+demo: setup
+	$(SPEEDC) build $(DEMO_MODEL) -o out/demo --force -v
+	$(SPEEDC) generate out/demo --prompt "$(DEMO_PROMPT)" --max-new-tokens 128 --stats
+	$(SPEEDC) generate out/demo --prompt "$(DEMO_PROMPT)" --max-new-tokens 128 --stats --mode autoregressive
+
+test: setup
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf out $(VENV)

@@ -1,0 +1,182 @@
+"""The PyTorch reference model: a Llama-compatible decoder whose N layers share M weight blocks.
+
+    ids -> embed -> [block[map[0]] -> block[map[1]] -> ... -> block[map[N-1]]] -> norm -> lm_head
+                                      |
+                            after exit_layer layers: exit_norm -> lm_head  (early-exit head)
+
+Every compiled path is checked against this module, so it favours plain, obviously-correct code
+(explicit RoPE, explicit GQA repeat, fp32 RMSNorm) over speed. It is written with ops that export to
+ONNX with `torch.onnx.export(dynamo=False)` (no nn.RMSNorm, no SDPA in the cached path).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from speedc.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [B, L] int -> cos, sin [B, L, head_dim] (Hugging Face's half-split layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+    freqs = positions.float()[..., None] * inv_freq  # [B, L, hd/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [B, L, hd]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, L, hd]; cos/sin [B, L, hd]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, L, H] -> q [B, h, L, hd], k/v [B, kvh, L, hd] with RoPE applied to q and k."""
+        b, length, _ = x.shape
+        q = self.q_proj(x).view(b, length, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, cache: "LayerCache | None" = None, start_pos: int = 0) -> torch.Tensor:
+        b, length, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
+        if cache is None:  # training / full-sequence path
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads)
+        else:
+            cache.k[:, :, start_pos:start_pos + length] = k
+            cache.v[:, :, start_pos:start_pos + length] = v
+            end = start_pos + length
+            groups = self.num_heads // self.num_kv_heads
+            keys = cache.k[:, :, :end].repeat_interleave(groups, dim=1)  # [B, h, end, hd]
+            values = cache.v[:, :, :end].repeat_interleave(groups, dim=1)
+            scores = q @ keys.transpose(-1, -2) / math.sqrt(self.head_dim)  # [B, h, L, end]
+            query_pos = torch.arange(start_pos, end, device=x.device)[:, None]
+            key_pos = torch.arange(end, device=x.device)[None, :]
+            scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
+            out = torch.softmax(scores.float(), dim=-1).to(q.dtype) @ values
+        return self.o_proj(out.transpose(1, 2).reshape(b, length, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """One unique weight block (a Llama decoder layer); used by every logical layer mapped to it."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, cache=None, start_pos: int = 0) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start_pos)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class LayerCache:
+    k: torch.Tensor  # [B, kvh, T, hd]
+    v: torch.Tensor
+
+
+def new_kv_cache(cfg: ModelConfig, batch: int, length: int, dtype=torch.float32, device=None) -> list[LayerCache]:
+    """One cache per logical layer (the reference keeps it simple; compiled paths lay it out per block)."""
+    shape = (batch, cfg.num_key_value_heads, length, cfg.head_dim)
+    return [LayerCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_hidden_layers)]
+
+
+class Decoder(nn.Module):
+    """Embedding, the unique blocks, and the norms. State-dict names match the checkpoint format."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_blocks))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.exit_norm == "own":
+            self.exit_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [B, L, V] final head
+    exit_logits: torch.Tensor | None  # [B, L, V] early-exit head, when asked for
+    hidden_states: list[torch.Tensor] | None = None  # input embedding + output of each layer, when asked for
+
+
+class SharedLlama(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = Decoder(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+
+    def final_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(hidden) @ self.lm_head_weight().T
+
+    def exit_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        norm = self.model.exit_norm if self.cfg.exit_norm == "own" else self.model.norm
+        return norm(hidden) @ self.lm_head_weight().T
+
+    def forward(self, input_ids: torch.Tensor, *, cache: list[LayerCache] | None = None, start_pos: int = 0,
+                with_exit: bool = False, with_hidden: bool = False) -> ForwardOutput:
+        """input_ids [B, L] at positions start_pos.. ; writes K/V into `cache` when given."""
+        cfg = self.cfg
+        b, length = input_ids.shape
+        positions = torch.arange(start_pos, start_pos + length, device=input_ids.device).expand(b, length)
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+        x = self.model.embed_tokens(input_ids)  # [B, L, H]
+        hidden = [x] if with_hidden else None
+        exit_logits = None
+        for layer, block_index in enumerate(cfg.layer_map):
+            x = self.model.blocks[block_index](x, cos, sin, None if cache is None else cache[layer], start_pos)
+            if hidden is not None:
+                hidden.append(x)
+            if with_exit and layer + 1 == cfg.exit_layer:
+                exit_logits = self.exit_head(x)
+        return ForwardOutput(self.final_head(x), exit_logits, hidden)
+
+    def num_unique_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

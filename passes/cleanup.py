@@ -1,0 +1,60 @@
+"""Pass `cleanup` (phase finalize): constant folding, dead-node removal, toposort, fp16 storage.
+
+fp16 stores every floating-point weight as float16 with a Cast back to float32 in front of its
+users: the artifact's weights halve, and ONNX Runtime folds the Casts at session load, so CPU
+steps still compute in fp32. (A TensorRT build computes in fp16 natively.)
+
+    before:  W (fp32) ----------------> Gemm
+    after:   W (fp16) -> Cast(float) -> Gemm
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from speedc.passes.base import CompileState, register_pass
+
+FP16_MIN_ELEMENTS = 1024  # norms, rope tables and masks stay fp32
+
+
+def fold_and_clean(graph: gs.Graph) -> gs.Graph:
+    import onnxruntime
+
+    onnxruntime.set_default_logger_severity(3)  # folding partial graphs makes ORT chatty about Unsqueezes
+    graph.cleanup().toposort()
+    # Weights are never folded into new tensors (that would duplicate them); only small constants.
+    graph.fold_constants(size_threshold=1 << 16, error_ok=True)
+    return graph.cleanup(remove_unused_graph_inputs=True).toposort()
+
+
+def store_weights_fp16(graphs: dict[str, gs.Graph]) -> int:
+    """Convert large float32 initializers to float16 + Cast; the same weight gets the same fp16 copy
+    in every graph, so the artifact still stores it once."""
+    converted: dict[str, np.ndarray] = {}
+    for graph in graphs.values():
+        for const in [t for t in graph.tensors().values() if isinstance(t, gs.Constant)]:
+            if const.values.dtype != np.float32 or const.values.size < FP16_MIN_ELEMENTS:
+                continue
+            if const.name not in converted:
+                converted[const.name] = const.values.astype(np.float16)
+            users = list(const.outputs)
+            stored = gs.Constant(const.name, converted[const.name])
+            cast_out = gs.Variable(f"{const.name}.fp32", dtype=np.float32, shape=list(const.values.shape))
+            graph.nodes.append(gs.Node("Cast", f"{const.name}/Cast_fp32", attrs={"to": 1}, inputs=[stored], outputs=[cast_out]))
+            for node in users:
+                node.inputs = [cast_out if inp is const else inp for inp in node.inputs]
+            const.name = f"{const.name}.unused_fp32"
+        graph.cleanup().toposort()
+    return len(converted)
+
+
+@register_pass("cleanup", phase="finalize")
+def cleanup(state: CompileState) -> CompileState:
+    """Fold constants, drop dead nodes, toposort; with --dtype fp16 store weights as float16."""
+    for name in list(state.graphs):
+        state.graphs[name] = fold_and_clean(state.graphs[name])
+    if state.options.dtype == "fp16":
+        count = store_weights_fp16(state.graphs)
+        state.notes.append(f"cleanup: {count} weights stored as fp16 (computed in fp32 on CPU)")
+    return state

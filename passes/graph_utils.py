@@ -1,0 +1,83 @@
+"""Small onnx-graphsurgeon helpers shared by the passes."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+
+def tensor(graph: gs.Graph, name: str) -> gs.Tensor:
+    tensors = graph.tensors()
+    if name not in tensors:
+        raise KeyError(f"graph has no tensor {name!r}")
+    return tensors[name]
+
+
+def replace_uses(old: gs.Tensor, new: gs.Tensor) -> None:
+    """Make every consumer of `old` read `new` instead (graph outputs are left alone)."""
+    for node in list(old.outputs):
+        for i, inp in enumerate(node.inputs):
+            if inp is old:
+                node.inputs[i] = new
+
+
+def ancestors(outputs: list[gs.Tensor]) -> set[int]:
+    """ids of every node any of `outputs` depends on (gs nodes are not hashable)."""
+    seen: set[int] = set()
+    stack = list(outputs)
+    while stack:
+        t = stack.pop()
+        for producer in t.inputs:
+            if id(producer) not in seen:
+                seen.add(id(producer))
+                stack.extend(producer.inputs)
+    return seen
+
+
+def weight_constants(nodes) -> list[gs.Constant]:
+    """Distinct non-scalar constants feeding `nodes` (weights), in first-use order."""
+    out, seen = [], set()
+    for node in nodes:
+        for inp in node.inputs:
+            if isinstance(inp, gs.Constant) and inp.values.ndim >= 1 and inp.values.size > 1 and inp.name not in seen:
+                if np.issubdtype(inp.values.dtype, np.floating):
+                    seen.add(inp.name)
+                    out.append(inp)
+    return out
+
+
+def bypass_constant_identities(graph: gs.Graph) -> int:
+    """Identity(constant) -> the constant. The PyTorch exporter emits these when it deduplicates
+    parameters with equal values (an unrolled checkpoint's repeated layers)."""
+    count = 0
+    for node in list(graph.nodes):
+        if node.op == "Identity" and isinstance(node.inputs[0], gs.Constant) and node.outputs[0] not in graph.outputs:
+            replace_uses(node.outputs[0], node.inputs[0])
+            count += 1
+    graph.cleanup()
+    return count
+
+
+def linear_to_gemm(graph: gs.Graph) -> int:
+    """MatMul(x2d, Transpose(W)) -> Gemm(x2d, W, transB=1).
+
+    PyTorch exports F.linear as a Transpose of the weight feeding a MatMul; ONNX Runtime would fold
+    that transpose into a second copy of the weight at load time (once per use). Gemm reads the
+    stored [out, in] weight directly, so every weight exists once, in the layout the checkpoint has.
+    """
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "MatMul" or len(node.inputs) != 2:
+            continue
+        producer = node.inputs[1].inputs[0] if node.inputs[1].inputs else None
+        if producer is None or producer.op != "Transpose" or list(producer.attrs.get("perm", [])) != [1, 0]:
+            continue
+        weight = producer.inputs[0]
+        if not isinstance(weight, gs.Constant):
+            continue
+        node.op = "Gemm"
+        node.attrs = {"transB": 1}
+        node.inputs = [node.inputs[0], weight]
+        count += 1
+    graph.cleanup()
+    return count

@@ -1,0 +1,62 @@
+r"""Pass `pipeline` (phase lowering): the decode program -> SPEED's P-slot step graph.
+
+    decode program (B rows, N layers)            step graph (P slots, one stage of S = N/P layers)
+
+    input_ids [B,L] -> embed                     input_ids [1,1] -> embed ------------\\
+                         |                                                           Concat -> [P,1,H]
+                      layer 0 .. N-1             hidden_in [P-1,1,H] (slots 1..P-1) --/        |
+                                                                            layers 0 .. S-1 (batched)
+                                                                                     |
+                                                                          hidden.{S-1} [P,1,H]
+
+Row s of the batch is slot s: it carries the token at position positions[s] and reads the cache
+inputs of stage layer j, whose row s holds logical layer s*S + j. Because the stage's block sequence
+is the same for every slot (the schedule pass guarantees it), each unique weight feeds ONE Gemm over
+all P rows per step. Layers S..N-1 fall away as dead code. The plain N-layer program stays as the
+`prefill` graph (prompt chunks, and one token at a time in autoregressive mode).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from speedc.passes.base import CompileState, register_pass
+from speedc.passes.graph_utils import replace_uses, tensor
+
+
+def build_step_graph(decode: gs.Graph, slots: int, stage_layers: int, exit_layer: int, hidden_size: int) -> gs.Graph:
+    graph = decode.copy()
+    graph.name = "speedc_step"
+    embeddings = tensor(graph, "embeddings")
+    hidden_in = gs.Variable("hidden_in", dtype=np.float32, shape=[slots - 1, 1, hidden_size])
+    slot_inputs = gs.Variable("slot_inputs", dtype=np.float32, shape=[slots, 1, hidden_size])
+    replace_uses(embeddings, slot_inputs)
+    graph.nodes.append(gs.Node("Concat", "slot_inputs_concat", attrs={"axis": 0},
+                               inputs=[embeddings, hidden_in], outputs=[slot_inputs]))
+    input_ids, positions = tensor(graph, "input_ids"), tensor(graph, "positions")
+    input_ids.shape, positions.shape = [1, 1], [slots]
+    past = []
+    for layer in range(stage_layers):
+        for kind in ("key", "value"):
+            t = tensor(graph, f"past.{kind}.{layer}")
+            t.shape = [slots, t.shape[1], "context", t.shape[3]]
+            past.append(t)
+    graph.inputs = [input_ids, positions, hidden_in, *past]
+    outputs = [tensor(graph, f"hidden.{stage_layers - 1}"), tensor(graph, f"hidden.{exit_layer - 1}")]
+    outputs += [tensor(graph, f"present.{kind}.{layer}") for layer in range(stage_layers) for kind in ("key", "value")]
+    graph.outputs = list({t.name: t for t in outputs}.values())  # exit tap may be the stage output itself
+    return graph.cleanup(remove_unused_graph_inputs=True).toposort()
+
+
+@register_pass("pipeline", phase="lowering")
+def pipeline(state: CompileState) -> CompileState:
+    """Rewrite the decode program into the P-slot step graph with one weight load per block per step."""
+    decode = state.graphs.pop("decode")
+    sched = state.schedule
+    if sched.speculative:
+        state.graphs["step"] = build_step_graph(decode, sched.slots, sched.stage_layers, state.exit_layer,
+                                                state.cfg.hidden_size)
+        state.notes.append(f"pipeline: step graph with {sched.slots} slots x {sched.stage_layers} layers")
+    state.graphs["prefill"] = decode
+    return state

@@ -1,0 +1,100 @@
+"""Pass `share` (phase analysis): merge identical weights and derive the layer map from them.
+
+    before: layer 0 -> W_a   layer 1 -> W_b   layer 2 -> W_a' (== W_a)   layer 3 -> W_b' (== W_b)
+    after:  layer 0 -> W_a   layer 1 -> W_b   layer 2 -> W_a            layer 3 -> W_b
+            layer map [0, 1, 0, 1], blocks renamed model.blocks.{m}.*
+
+Identical initializers are found by (dtype, shape, sha256) and confirmed by an exact compare. A
+logical layer is the set of nodes between hidden.{l-1} and hidden.{l}; two layers are the same block
+when they read the same weights. A checkpoint saved by Hugging Face with every layer stored thus comes
+out with its sharing recognised and its weights named exactly as a speedc-native checkpoint's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from speedc.errors import BuildError
+from speedc.models.layer_map import describe_layer_map
+from speedc.passes.base import CompileState, register_pass
+from speedc.passes.graph_utils import ancestors, replace_uses, tensor, weight_constants
+
+_BLOCK_NAME = re.compile(r"^model\.blocks\.(\d+)\.(.+)$")
+
+
+def merge_identical_constants(graph: gs.Graph) -> int:
+    """Point every use of a duplicated weight at one copy; returns how many copies were dropped."""
+    canonical: dict[tuple, list[gs.Constant]] = {}
+    merged = 0
+    constants = [t for t in graph.tensors().values() if isinstance(t, gs.Constant) and t.values.size > 1]
+    for const in sorted(constants, key=lambda c: c.name):
+        values = np.ascontiguousarray(const.values)
+        key = (values.dtype.str, values.shape, hashlib.sha256(values.tobytes()).hexdigest())
+        bucket = canonical.setdefault(key, [])
+        twin = next((c for c in bucket if np.array_equal(c.values, values)), None)
+        if twin is None:
+            bucket.append(const)
+        else:
+            replace_uses(const, twin)
+            merged += 1
+    graph.cleanup()
+    return merged
+
+
+def derive_layer_map(graph: gs.Graph, num_layers: int) -> tuple[list[int], list[list[gs.Constant]]]:
+    """Layer l's weights are those read by nodes that hidden.{l} needs but hidden.{l-1} does not."""
+    previous = ancestors([tensor(graph, "embeddings")])
+    block_of: dict[tuple[str, ...], int] = {}
+    layer_map, block_weights = [], []
+    for layer in range(num_layers):
+        reached = ancestors([tensor(graph, f"hidden.{layer}")])
+        weights = weight_constants(n for n in graph.toposort().nodes if id(n) in reached and id(n) not in previous)
+        key = tuple(sorted(w.name for w in weights if not w.name.startswith("inv_freq")))
+        if key not in block_of:
+            block_of[key] = len(block_of)
+            block_weights.append(weights)
+        layer_map.append(block_of[key])
+        previous = reached
+    return layer_map, block_weights
+
+
+def rename_blocks(block_weights: list[list[gs.Constant]]) -> None:
+    """model.blocks.{first layer using it}.x -> model.blocks.{block index}.x"""
+    for block, weights in enumerate(block_weights):
+        for w in weights:
+            match = _BLOCK_NAME.match(w.name)
+            if match:
+                w.name = f"model.blocks.{block}.{match.group(2)}"
+
+
+@register_pass("share", phase="analysis")
+def share(state: CompileState) -> CompileState:
+    """Merge identical initializers, derive the layer map from the weights, fix the exit point."""
+    graph = state.graphs["decode"]
+    merged = merge_identical_constants(graph)
+    layer_map, block_weights = derive_layer_map(graph, state.cfg.num_hidden_layers)
+    rename_blocks(block_weights)
+    state.layer_map = layer_map
+    state.notes.append(f"share: merged {merged} duplicate initializers; layer map {describe_layer_map(layer_map)}: {layer_map}")
+    if state.has_speedc_section and layer_map != state.cfg.layer_map:
+        state.notes.append(f"share: config.json declares {state.cfg.layer_map}, the weights say {layer_map}; using the weights")
+
+    # The exit point: explicit option > the checkpoint's speedc section > end of the first pass.
+    if state.options.exit_layer is not None:
+        exit_layer = state.options.exit_layer
+    elif state.has_speedc_section:
+        exit_layer = state.cfg.exit_layer
+    else:
+        seen: set[int] = set()
+        exit_layer = next((i for i, b in enumerate(layer_map) if b in seen or seen.add(b)), len(layer_map))
+    if not 1 <= exit_layer <= len(layer_map):
+        raise BuildError(f"--exit-layer must be in 1..{len(layer_map)}, got {exit_layer}")
+    own = state.has_speedc_section and state.cfg.exit_norm == "own" and state.options.exit_layer is None
+    state.exit_layer = exit_layer
+    state.exit_norm = "model.exit_norm.weight" if own else "model.norm.weight"
+    state.notes.append(f"share: early exit after layer {exit_layer} through {state.exit_norm}")
+    return state

@@ -1,0 +1,45 @@
+"""What a backend provides to the decode loop, and the KV-cache layout they share.
+
+The decode loop (runtimes/decode.py) is backend-agnostic: it asks a backend to prefill a chunk of
+tokens through all N layers, or to run one pipelined step over the P slots, and keeps all
+bookkeeping (which slot holds which token, what to flush) itself.
+
+Cache layout (both backends): K and V are [S, P, kv_heads, T, head_dim]: stage layer j, slot s holds
+logical layer s*S + j. A step reads cache[j] ([P, kvh, T, hd], one contiguous slab per stage layer)
+and writes row positions[s] of each valid slot; prefill writes rows start..start+L-1 of every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass
+class StepResult:
+    final_token: int  # argmax of the oldest slot's final logits (meaningful when that slot is valid)
+    final_logits: np.ndarray | None  # [V], only when asked for (sampling)
+    exit_tokens: np.ndarray  # [P] early-exit argmax of every slot: row 0 is the speculation
+
+
+class Backend(Protocol):
+    name: str
+    slots: int  # P (1 for a plain engine)
+    stage_layers: int  # S
+    vocab_size: int
+    max_context: int
+
+    def reset(self, capacity: int) -> None:
+        """Allocate (or clear) the cache for a request of at most `capacity` positions."""
+
+    def prefill(self, ids: list[int], start: int, want_logits: bool) -> tuple[int, np.ndarray | None]:
+        """Run ids at positions start.. through all N layers; return (argmax next token, logits [V] or None)."""
+
+    def step(self, token: int, positions: np.ndarray, valid: np.ndarray, want_logits: bool) -> StepResult:
+        """One pipelined step: `token` enters slot 0; slot s is at positions[s]; invalid slots are bubbles."""
+
+
+def logical_layer(slot: int, stage_layer: int, stage_layers: int) -> int:
+    return slot * stage_layers + stage_layer

@@ -1,0 +1,167 @@
+"""Engine: the embeddable entry point.
+
+    engine = Engine.load("out/small")                       # ONNX Runtime, CPU
+    result = engine.generate("ROMEO:", max_new_tokens=64)   # -> .text, .ids, .stats
+    for piece in engine.stream("ROMEO:", max_new_tokens=64):  # confirmed text only, never speculation
+        print(piece, end="")
+
+With the ONNX Runtime backend this imports numpy, onnxruntime and tokenizers only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from speedc.artifact import TOKENIZER, Manifest, read_manifest
+from speedc.errors import GenerationError, SpeedcError
+from speedc.runtimes.decode import DecodeStats, Decoding, Request, decode_autoregressive, decode_speed, run_to_end
+from speedc.runtimes.sampling import SamplingParams, TokenPicker
+
+MODES = ("speed", "autoregressive")
+BACKENDS = ("onnx", "torch")
+
+
+@dataclass
+class GenerationResult:
+    ids: list[int]
+    text: str | None
+    stats: DecodeStats
+
+    def to_json(self) -> dict:
+        return {"ids": self.ids, "text": self.text, "stats": self.stats.to_json()}
+
+
+def _make_backend(directory: Path, manifest: Manifest, backend: str, device: str, threads: int | None):
+    if backend == "onnx":
+        from speedc.runtimes.onnx_backend import OnnxBackend
+
+        return OnnxBackend(directory, manifest, device=device, threads=threads)
+    if backend == "torch":
+        try:
+            from speedc.runtimes.torch_backend import TorchBackend
+        except ImportError as missing:
+            raise SpeedcError(f"the PyTorch backend needs torch and the compiler extra: pip install 'speedc[compiler]' "
+                              f"({missing.name} is missing)") from None
+        return TorchBackend(directory, manifest, device=device, threads=threads)
+    raise SpeedcError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
+
+
+class Engine:
+    def __init__(self, directory: Path, manifest: Manifest, backend, tokenizer) -> None:
+        self.directory, self.manifest, self.backend, self.tokenizer = directory, manifest, backend, tokenizer
+        self.eos_token_id = manifest.model.get("eos_token_id")
+        self.early_flush_default = False
+
+    @classmethod
+    def load(cls, path: str | Path, *, backend: str = "onnx", device: str = "cpu", threads: int | None = None,
+             verify: bool = True) -> "Engine":
+        directory = Path(path)
+        manifest = read_manifest(directory, verify_hashes=verify)
+        tokenizer = None
+        if (directory / TOKENIZER).exists():
+            try:
+                from tokenizers import Tokenizer
+            except ImportError:
+                raise SpeedcError("text prompts need the tokenizers package: pip install tokenizers") from None
+            tokenizer = Tokenizer.from_file(str(directory / TOKENIZER))
+        return cls(directory, manifest, _make_backend(directory, manifest, backend, device, threads), tokenizer)
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise GenerationError("this artifact has no tokenizer.json: pass token ids instead of text")
+            ids = self.tokenizer.encode(prompt).ids
+        else:
+            ids = [int(i) for i in prompt]
+        if not ids:
+            raise GenerationError("empty prompt: give at least one token")
+        vocab = self.manifest.model["vocab_size"]
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise GenerationError(f"prompt id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        return ids
+
+    def decode_text(self, ids: list[int]) -> str | None:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else None
+
+    def _decoding(self, prompt, max_new_tokens: int, mode: str, sampling: SamplingParams, stop: list[str] | None,
+                  stop_at_eos: bool, early_flush: bool | None) -> tuple[Decoding, list[int]]:
+        if mode not in MODES:
+            raise GenerationError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
+        if max_new_tokens < 1:
+            raise GenerationError("max new tokens must be at least 1")
+        ids = self.encode(prompt)
+        limit = self.manifest.model["max_context"]
+        if len(ids) + max_new_tokens > limit:
+            raise GenerationError(f"prompt ({len(ids)} tokens) + max new tokens ({max_new_tokens}) exceeds the "
+                                  f"model's context of {limit}")
+        if stop and self.tokenizer is None:
+            raise GenerationError("stop strings need a tokenizer; this artifact has none")
+        eos = self.eos_token_id if stop_at_eos else None
+
+        def stop_reason(new_ids: list[int]) -> str | None:
+            if eos is not None and new_ids[-1] == eos:
+                return "eos"
+            if stop:
+                text = self.tokenizer.decode(new_ids)
+                if any(s in text for s in stop):
+                    return "stop_string"
+            return None
+
+        request = Request(ids, max_new_tokens, TokenPicker(sampling), stop_reason)
+        if mode == "autoregressive":
+            return decode_autoregressive(self.backend, request), ids
+        flush = self.early_flush_default if early_flush is None else early_flush
+        return decode_speed(self.backend, request, early_flush=flush), ids
+
+    def _trim(self, text: str | None, stop: list[str] | None) -> str | None:
+        if text is None or not stop:
+            return text
+        cut = min((text.index(s) for s in stop if s in text), default=len(text))
+        return text[:cut]
+
+    # ---- public API ------------------------------------------------------------------------------
+    def generate(self, prompt: str | list[int], *, max_new_tokens: int = 64, mode: str = "speed",
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 repetition_penalty: float = 1.0, stop: list[str] | None = None, stop_at_eos: bool = True,
+                 early_flush: bool | None = None) -> GenerationResult:
+        sampling = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed)
+        decoding, _ = self._decoding(prompt, max_new_tokens, mode, sampling, stop, stop_at_eos, early_flush)
+        ids, stats = run_to_end(decoding)
+        return GenerationResult(ids, self._trim(self.decode_text(ids), stop), stats)
+
+    def stream(self, prompt: str | list[int], *, max_new_tokens: int = 64, mode: str = "speed",
+               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+               repetition_penalty: float = 1.0, stop: list[str] | None = None, stop_at_eos: bool = True,
+               early_flush: bool | None = None, stats_out: list | None = None) -> Iterator[str]:
+        """Yield text pieces as tokens are confirmed by the full model (never a speculated token)."""
+        if self.tokenizer is None:
+            raise GenerationError("streaming text needs a tokenizer; this artifact has none")
+        sampling = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed)
+        decoding, _ = self._decoding(prompt, max_new_tokens, mode, sampling, stop, stop_at_eos, early_flush)
+        ids: list[int] = []
+        shown = ""
+        while True:
+            try:
+                ids.append(next(decoding))
+            except StopIteration as done:
+                if stats_out is not None:
+                    stats_out.append(done.value[1])
+                break
+            text = self._trim(self.tokenizer.decode(ids), stop)
+            if text.endswith("\ufffd"):
+                continue  # an incomplete UTF-8 sequence: wait for the rest of it
+            if len(text) > len(shown):
+                yield text[len(shown):]
+                shown = text
+        final = self._trim(self.tokenizer.decode(ids), stop)
+        if len(final) > len(shown):
+            yield final[len(shown):]
+
+    def describe(self) -> dict:
+        return json.loads(json.dumps({"artifact": str(self.directory), "backend": self.backend.name,
+                                      "slots": self.manifest.slots, "stage_layers": self.manifest.stage_layers}))

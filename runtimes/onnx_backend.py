@@ -1,0 +1,91 @@
+"""ONNX Runtime backend (CPU). Imports numpy and onnxruntime only: no torch, no compiler.
+
+The graphs only read the cache (inputs are views of this backend's numpy buffers, bound without a
+copy) and return the new K/V rows as one small tensor each; this backend writes them in place.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from speedc.artifact import Manifest
+from speedc.errors import ArtifactError, SpeedcError
+from speedc.runtimes.backend import StepResult
+
+
+def _ort():
+    try:
+        import onnxruntime
+    except ImportError:
+        raise SpeedcError("the ONNX Runtime backend needs onnxruntime: pip install onnxruntime") from None
+    return onnxruntime
+
+
+class OnnxBackend:
+    name = "onnx"
+
+    def __init__(self, directory: Path, manifest: Manifest, device: str = "cpu", threads: int | None = None) -> None:
+        ort = _ort()
+        if device != "cpu":
+            raise SpeedcError(f"device {device!r}: the ONNX Runtime backend runs on cpu in this speedc build "
+                              "(use --backend torch --device cuda for GPUs)")
+        model = manifest.model
+        self.slots, self.stage_layers = manifest.slots, manifest.stage_layers
+        self.num_layers = model["num_layers"]
+        self.vocab_size, self.max_context = model["vocab_size"], model["max_context"]
+        self.kv_heads, self.head_dim, self.hidden_size = model["num_kv_heads"], model["head_dim"], model["hidden_size"]
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads or int(os.environ.get("SPEEDC_THREADS", 0)) or (os.cpu_count() or 1)
+        options.inter_op_num_threads = 1
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.log_severity_level = 3
+        self.sessions = {}
+        for name, spec in manifest.graphs.items():
+            try:
+                self.sessions[name] = ort.InferenceSession(str(directory / spec["file"]), options,
+                                                           providers=["CPUExecutionProvider"])
+            except Exception as bad:  # ORT raises its own exception types
+                raise ArtifactError(f"{directory / spec['file']}: ONNX Runtime cannot load it ({str(bad).splitlines()[0]})") from None
+        self.key = self.value = None
+        self.hidden_in = np.zeros((max(self.slots - 1, 0), 1, self.hidden_size), np.float32)
+
+    def reset(self, capacity: int) -> None:
+        shape = (self.stage_layers, self.slots, self.kv_heads, capacity, self.head_dim)
+        if self.key is None or self.key.shape != shape:
+            self.key, self.value = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+        self.hidden_in[:] = 0.0
+
+    def prefill(self, ids: list[int], start: int, want_logits: bool) -> tuple[int, np.ndarray | None]:
+        feeds = {"input_ids": np.asarray([ids], dtype=np.int64), "positions": np.asarray([start], dtype=np.int64)}
+        for layer in range(self.num_layers):
+            slot, j = divmod(layer, self.stage_layers)
+            feeds[f"cache.key.{layer}"] = self.key[j, slot][None]
+            feeds[f"cache.value.{layer}"] = self.value[j, slot][None]
+        names = ["next_token", "new_key", "new_value"] + (["logits"] if want_logits else [])
+        outputs = self.sessions["prefill"].run(names, feeds)
+        token, new_key, new_value = outputs[:3]
+        length = len(ids)
+        # new rows [N, 1, kvh, L, hd] -> buffer[j, slot, :, start:start+L] for layer = slot*S + j
+        shape = (self.slots, self.stage_layers, self.kv_heads, length, self.head_dim)
+        self.key[:, :, :, start:start + length] = new_key[:, 0].reshape(shape).transpose(1, 0, 2, 3, 4)
+        self.value[:, :, :, start:start + length] = new_value[:, 0].reshape(shape).transpose(1, 0, 2, 3, 4)
+        return int(token[0]), (outputs[3][0] if want_logits else None)
+
+    def step(self, token: int, positions: np.ndarray, valid: np.ndarray, want_logits: bool) -> StepResult:
+        feeds = {"input_ids": np.asarray([[token]], dtype=np.int64), "positions": positions.astype(np.int64),
+                 "hidden_in": self.hidden_in}
+        for j in range(self.stage_layers):
+            feeds[f"cache.key.{j}"] = self.key[j]
+            feeds[f"cache.value.{j}"] = self.value[j]
+        names = ["final_token", "exit_tokens", "hidden_out", "new_key", "new_value"] + (["final_logits"] if want_logits else [])
+        outputs = self.sessions["step"].run(names, feeds)
+        final_token, exit_tokens, hidden_out, new_key, new_value = outputs[:5]
+        for slot in np.flatnonzero(valid):  # bubbles never write
+            pos = positions[slot]
+            self.key[:, slot, :, pos] = new_key[:, slot, :, 0]
+            self.value[:, slot, :, pos] = new_value[:, slot, :, 0]
+        self.hidden_in = hidden_out[:-1]  # slot s's output is slot s+1's input next step
+        return StepResult(int(final_token[0]), outputs[5][0] if want_logits else None, exit_tokens)

@@ -1,0 +1,120 @@
+"""PyTorch backend: the same schedule as the compiled step graph, run from the artifact's weights.
+
+    step:  [embed(token); hidden_in] -> [P,1,H] -> stage layers 0..S-1 (each block's weights applied
+           once to all P rows) -> exit head (all rows), final head (row P-1), new K/V rows
+
+It runs on CPU or CUDA (`device="cuda"`); the cache and hidden states stay on the device and only
+token ids (and logits when sampling) cross to the host. Needs torch and the compiler extra.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from speedc.artifact import CONFIG, Manifest, read_weight
+from speedc.errors import SpeedcError
+from speedc.models.checkpoint import model_from_state
+from speedc.models.config import ModelConfig
+from speedc.models.llama import Block, apply_rope, rope_cos_sin
+from speedc.runtimes.backend import StepResult
+
+
+def _attend_layer(block: Block, x: torch.Tensor, starts: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
+                  cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decoder layer for R rows of L tokens at positions starts[r]..; reads the cache, never writes it.
+
+    x [R, L, H]; past_k/v [R, kvh, T, hd] -> (x [R, L, H], new k/v [R, kvh, L, hd]).
+    """
+    rows, length, _ = x.shape
+    h, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    g = h // kvh
+    positions = starts[:, None] + torch.arange(length, device=x.device)[None, :]  # [R, L]
+    cos, sin = rope_cos_sin(positions, hd, cfg.rope_theta)
+    attn = block.self_attn
+    q, k, v = attn.project(block.input_layernorm(x), cos, sin)  # q [R,h,L,hd], k/v [R,kvh,L,hd]
+    qg = (q / math.sqrt(hd)).reshape(rows, kvh, g * length, hd)
+    t = past_k.shape[2]
+    past_mask = torch.where(torch.arange(t, device=x.device)[None, :] < starts[:, None], 0.0, float("-inf"))
+    idx = torch.arange(length, device=x.device)
+    chunk_mask = torch.where(idx[None, :] <= idx[:, None], 0.0, float("-inf")).repeat(g, 1)  # [g*L, L]
+    scores = torch.cat((qg @ past_k.transpose(2, 3) + past_mask[:, None, None, :], qg @ k.transpose(2, 3) + chunk_mask), -1)
+    weights = torch.softmax(scores, dim=-1)
+    ctx = weights[..., :t] @ past_v + weights[..., t:] @ v  # [R, kvh, g*L, hd]
+    ctx = ctx.reshape(rows, h, length, hd).transpose(1, 2).reshape(rows, length, h * hd)
+    x = x + attn.o_proj(ctx)
+    return x + block.mlp(block.post_attention_layernorm(x)), k, v
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, directory: Path, manifest: Manifest, device: str = "cpu", threads: int | None = None) -> None:
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise SpeedcError(f"device {device!r}: CUDA is not available to torch on this machine")
+        if threads:
+            torch.set_num_threads(threads)
+        self.device = torch.device(device)
+        base = ModelConfig.load(directory / CONFIG)
+        index = manifest.weights["index"]
+        own_exit = "model.exit_norm.weight" in index
+        # The artifact's layer map is the one the share pass derived from the weights.
+        cfg = dataclasses.replace(base, layer_map=list(manifest.layer_map), exit_layer=manifest.exit_layer,
+                                  exit_norm="own" if own_exit else "final")
+        tensors = {name: torch.from_numpy(np.array(read_weight(directory, manifest, name), dtype=np.float32))
+                   for name in index}
+        self.cfg = cfg
+        self.model = model_from_state(cfg, tensors).to(self.device)
+        self.slots, self.stage_layers = manifest.slots, manifest.stage_layers
+        self.vocab_size, self.max_context = cfg.vocab_size, cfg.max_position_embeddings
+        self.key = self.value = None
+        self.hidden_in = torch.zeros(max(self.slots - 1, 0), 1, cfg.hidden_size, device=self.device)
+
+    def reset(self, capacity: int) -> None:
+        shape = (self.stage_layers, self.slots, self.cfg.num_key_value_heads, capacity, self.cfg.head_dim)
+        if self.key is None or tuple(self.key.shape) != shape:
+            self.key = torch.zeros(shape, device=self.device)
+            self.value = torch.zeros(shape, device=self.device)
+        self.hidden_in.zero_()
+
+    @torch.no_grad()
+    def prefill(self, ids: list[int], start: int, want_logits: bool) -> tuple[int, np.ndarray | None]:
+        cfg, model = self.cfg, self.model
+        x = model.model.embed_tokens(torch.tensor([ids], device=self.device))  # [1, L, H]
+        starts = torch.tensor([start], device=self.device)
+        length = len(ids)
+        for layer, block_index in enumerate(cfg.layer_map):
+            slot, j = divmod(layer, self.stage_layers)
+            x, k, v = _attend_layer(model.model.blocks[block_index], x, starts, self.key[j, slot][None],
+                                    self.value[j, slot][None], cfg)
+            self.key[j, slot, :, start:start + length] = k[0]
+            self.value[j, slot, :, start:start + length] = v[0]
+        logits = model.final_head(x[:, -1])[0]  # [V]
+        return int(logits.argmax()), (logits.float().cpu().numpy() if want_logits else None)
+
+    @torch.no_grad()
+    def step(self, token: int, positions: np.ndarray, valid: np.ndarray, want_logits: bool) -> StepResult:
+        cfg, model = self.cfg, self.model
+        x = torch.cat((model.model.embed_tokens(torch.tensor([[token]], device=self.device)), self.hidden_in))  # [P,1,H]
+        starts = torch.from_numpy(positions.astype(np.int64)).to(self.device)
+        new_rows, exit_hidden = [], None
+        for j in range(self.stage_layers):
+            x, k, v = _attend_layer(model.model.blocks[cfg.layer_map[j]], x, starts, self.key[j], self.value[j], cfg)
+            new_rows.append((k, v))
+            if j + 1 == cfg.exit_layer:
+                exit_hidden = x
+        exit_tokens = model.exit_head(exit_hidden)[:, 0].argmax(-1)  # [P]
+        final_logits = model.final_head(x[-1])[0]  # [V]
+        tokens = torch.cat((final_logits.argmax()[None], exit_tokens)).cpu().numpy()
+        for slot in np.flatnonzero(valid):  # bubbles never write
+            pos = int(positions[slot])
+            for j, (k, v) in enumerate(new_rows):
+                self.key[j, slot, :, pos] = k[slot, :, 0]
+                self.value[j, slot, :, pos] = v[slot, :, 0]
+        self.hidden_in = x[:-1]
+        logits = final_logits.float().cpu().numpy() if want_logits else None
+        return StepResult(int(tokens[0]), logits, tokens[1:])

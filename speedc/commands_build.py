@@ -1,0 +1,77 @@
+"""Compiler commands: build and inspect."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+
+@click.command()
+@click.argument("checkpoint", type=click.Path(path_type=Path))
+@click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Artifact directory to write.")
+@click.option("--slots", type=click.IntRange(1), default=None, help="Pipeline depth P (default: the schedule's choice).")
+@click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
+              help="Weight storage (fp16 halves the artifact; ONNX Runtime CPU computes in fp32).")
+@click.option("--target", type=click.Choice(["onnx", "trt"]), default="onnx", show_default=True)
+@click.option("--exit-layer", type=click.IntRange(1), default=None, help="Override the early-exit point (logical layers).")
+@click.option("--alpha", type=click.FloatRange(0, 1), default=None,
+              help="Expected speculation acceptance for the schedule's cost model (default: measured in training, else 0.7).")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--allow-pickle", is_flag=True, help="Accept .bin/.pt weights (read with torch.load(weights_only=True)).")
+@click.option("--dump-after", multiple=True, metavar="PASS", help="Write the ONNX graphs after PASS to OUT.dumps/ (repeatable).")
+@click.option("-v", "--verbose", is_flag=True, help="Print the pass pipeline with per-pass time, nodes and weight bytes.")
+def build(checkpoint, out, slots, dtype, target, exit_layer, alpha, force, allow_pickle, dump_after, verbose):
+    """Compile CHECKPOINT into a SPEED artifact: a P-slot speculative step graph with weight reuse,
+    the plain prefill graph, one shared weights file, the tokenizer and a manifest."""
+    from rich.console import Console
+
+    from speedc.build import build as run_build
+    from speedc.passes.base import BuildOptions
+
+    console = Console(stderr=True)
+
+    def on_pass(report):
+        if verbose:
+            nodes = " ".join(f"{g}={n}" for g, n in report.nodes.items())
+            weights = " ".join(f"{g}={b / 1e6:.2f}MB" for g, b in report.initializer_bytes.items())
+            click.echo(f"  {report.phase:>8} | {report.name:<10} {report.seconds * 1000:8.1f} ms | nodes {nodes} | weights {weights}",
+                       err=True)
+
+    if verbose:
+        click.echo(f"building {checkpoint} -> {out}\n     phase | pass            time | graph nodes | initializer bytes", err=True)
+    with console.status("compiling", spinner="dots") if not verbose else _null():
+        result = run_build(checkpoint, out, BuildOptions(slots=slots, dtype=dtype, target=target, exit_layer=exit_layer,
+                                                         alpha=alpha),
+                           force=force, allow_pickle=allow_pickle, dump_after=list(dump_after), on_pass=on_pass)
+    if verbose:
+        for note in result.notes:
+            click.echo(f"  {note}", err=True)
+    m = result.manifest
+    ratio = m.weights["stored_bytes"] / m.weights["unique_bytes_fp32"]
+    click.echo(f"built {out} in {result.seconds:.1f} s: P={m.slots} slots x {m.stage_layers} layers, "
+               f"weights {m.weights['stored_bytes'] / 1e6:.2f} MB ({ratio:.3f} x unique fp32 bytes)")
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@click.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--alpha", type=click.FloatRange(0, 1), default=None, help="Acceptance to predict the speedup at.")
+def inspect(path, as_json, alpha):
+    """Show the layer map, the pipeline schedule (slots x steps) and sizes of a checkpoint or artifact."""
+    from speedc.inspect import describe, render
+
+    info = describe(path, alpha)
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+    else:
+        render(info)

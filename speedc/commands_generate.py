@@ -1,0 +1,83 @@
+"""`speedc generate`: run an artifact (ONNX Runtime by default: no torch imported)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from speedc.errors import GenerationError
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise GenerationError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+
+
+@click.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--prompt", default=None, help="Prompt text.")
+@click.option("--prompt-ids", default=None, help="Prompt as comma-separated token ids, e.g. 1,2,3.")
+@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--mode", type=click.Choice(["speed", "autoregressive"]), default="speed", show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None, help="RNG seed for sampling (same seed, same text in every mode).")
+@click.option("--stop", multiple=True, help="Stop when this string appears (repeatable).")
+@click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-text token.")
+@click.option("--early-flush/--no-early-flush", default=None, help="Flush on a deeper exit head's contradiction (default: the engine's).")
+@click.option("--backend", type=click.Choice(["onnx", "torch"]), default="onnx", show_default=True)
+@click.option("--device", default="cpu", show_default=True, help="cpu, or cuda (torch backend).")
+@click.option("--threads", type=int, default=None, help="Intra-op threads (default: all cores).")
+@click.option("--stream", is_flag=True, help="Print text as tokens are confirmed.")
+@click.option("--stats", is_flag=True, help="Print decode statistics to stderr.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with ids, text and stats.")
+def generate(artifact, prompt, prompt_ids, max_new_tokens, mode, temperature, top_k, top_p, repetition_penalty, seed,
+             stop, ignore_eos, early_flush, backend, device, threads, stream, stats, as_json):
+    """Generate from a compiled ARTIFACT with SPEED (or plain autoregressive decoding)."""
+    from speedc.runtimes.engine import Engine
+
+    if (prompt is None) == (prompt_ids is None):
+        raise GenerationError("give exactly one of --prompt or --prompt-ids")
+    source = prompt if prompt is not None else _parse_ids(prompt_ids)
+    engine = Engine.load(artifact, backend=backend, device=device, threads=threads)
+    options = dict(max_new_tokens=max_new_tokens, mode=mode, temperature=temperature, top_k=top_k, top_p=top_p,
+                   seed=seed, repetition_penalty=repetition_penalty, stop=list(stop) or None,
+                   stop_at_eos=not ignore_eos, early_flush=early_flush)
+    if stream and not as_json:
+        collected: list = []
+        for piece in engine.stream(source, stats_out=collected, **options):
+            click.echo(piece, nl=False)
+            sys.stdout.flush()
+        click.echo()
+        result_stats = collected[0]
+        result = None
+    else:
+        result = engine.generate(source, **options)
+        result_stats = result.stats
+        if as_json:
+            click.echo(json.dumps(result.to_json()))
+        else:
+            click.echo(result.text if result.text is not None else ",".join(map(str, result.ids)))
+    if stats and not as_json:
+        _print_stats(result_stats)
+
+
+def _print_stats(stats) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    data = stats.to_json()
+    table = Table(title="decode stats", show_header=False)
+    for key in ("mode", "prompt_tokens", "new_tokens", "steps", "accepted", "mispredicted", "early_flushes",
+                "flushed_tokens", "acceptance_rate", "tokens_per_step", "prefill_seconds", "decode_seconds",
+                "decode_tokens_per_second", "stop_reason"):
+        value = data[key]
+        table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+    Console(stderr=True).print(table)

@@ -1,0 +1,96 @@
+"""Shared fixtures: random shared-weight models of varied shapes, and the bundled zoo models."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from speedc.models.config import ModelConfig
+
+# Small models run fastest single-threaded, and a second training or test process on a 2-core
+# machine would otherwise make OpenMP threads spin against each other.
+torch.set_num_threads(int(os.environ.get("SPEEDC_TEST_THREADS", "1")))
+os.environ.setdefault("SPEEDC_THREADS", os.environ.get("SPEEDC_TEST_THREADS", "1"))
+
+ZOO = Path(__file__).resolve().parent.parent / "models" / "zoo"
+ZOO_MODELS = [name for name in ("tiny", "small") if (ZOO / name / "model.safetensors").exists()]
+
+
+def random_config(*, vocab=97, hidden=32, heads=4, kv_heads=2, layers=6, layer_map=None, blocks=2, exit_layer=None,
+                  exit_norm="own", tie=True, theta=10000.0, intermediate=48, context=128) -> ModelConfig:
+    spec = layer_map if layer_map is not None else {"pattern": "cycle", "num_blocks": blocks}
+    return ModelConfig.from_json_dict({
+        "model_type": "llama", "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": intermediate,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "rope_theta": theta, "max_position_embeddings": context, "tie_word_embeddings": tie,
+        "speedc": {"layer_map": spec, "exit": {"layer": exit_layer or blocks, "norm": exit_norm}},
+    })
+
+
+def randomize(model: torch.nn.Module, seed: int, scale: float = 0.15) -> torch.nn.Module:
+    """Random weights large enough that logits are far from uniform (norm weights jittered too)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 1:
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+            else:
+                param.copy_(scale * torch.randn(param.shape, generator=gen))
+    return model.eval()
+
+
+@pytest.fixture(params=ZOO_MODELS)
+def zoo_model_dir(request) -> Path:
+    return ZOO / request.param
+
+
+def pytest_report_header(config):
+    return f"zoo models: {', '.join(ZOO_MODELS) or 'none'}; torch threads {torch.get_num_threads()}; " \
+           f"SPEEDC_LONG_TESTS={os.environ.get('SPEEDC_LONG_TESTS', '0')}"
+
+
+def build_artifact(model_or_dir, out: Path, **options) -> Path:
+    """Save a model (if given one) as a checkpoint beside `out` and compile it."""
+    from speedc.build import build
+    from speedc.models.checkpoint import save_checkpoint
+    from speedc.passes.base import BuildOptions
+
+    if isinstance(model_or_dir, (str, Path)):
+        checkpoint = Path(model_or_dir)
+    else:
+        checkpoint = save_checkpoint(model_or_dir, out.parent / f"{out.name}.ckpt")
+    build(checkpoint, out, BuildOptions(**options), force=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tmp_path_factory) -> Path:
+    return build_artifact(ZOO / "tiny", tmp_path_factory.mktemp("tiny") / "art")
+
+
+@pytest.fixture(scope="session")
+def zoo_artifacts(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("zoo")
+    return {name: build_artifact(ZOO / name, root / name) for name in ZOO_MODELS}
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: int = 300):
+    """Run the installed `speedc` console script; returns CompletedProcess (text)."""
+    import subprocess
+    import sys
+
+    exe = Path(sys.executable).with_name("speedc")
+    return subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def assert_one_line_error(result, *fragments: str) -> None:
+    assert result.returncode != 0, result.stdout
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]

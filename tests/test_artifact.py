@@ -1,0 +1,122 @@
+"""`speedc build` artifacts: layout, sizes, sharing recognised from HF layout, atomicity, bad input."""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from conftest import ZOO, assert_one_line_error, build_artifact, run_cli
+from speedc.artifact import MANIFEST, read_manifest, read_weight
+from speedc.errors import ArtifactError
+from speedc.models.checkpoint import load_model, save_unrolled_hf
+
+
+def test_artifact_layout_and_weight_bytes(tiny_artifact):
+    m = read_manifest(tiny_artifact)
+    assert {"manifest.json", "step.onnx", "prefill.onnx", "weights.bin", "tokenizer.json", "config.json"} <= \
+        {p.name for p in tiny_artifact.iterdir()}
+    for graph in ("step.onnx", "prefill.onnx"):
+        onnx.checker.check_model(str(tiny_artifact / graph), full_check=True)
+    # Each unique weight stored once, shared by both graphs.
+    assert m.weights["stored_bytes"] <= 1.02 * m.weights["unique_bytes_fp32"]
+    assert (tiny_artifact / "weights.bin").stat().st_size <= 1.02 * m.weights["unique_bytes_fp32"]
+    for graph in ("step.onnx", "prefill.onnx"):
+        model = onnx.load(str(tiny_artifact / graph), load_external_data=False)
+        assert all(init.data_location == onnx.TensorProto.EXTERNAL for init in model.graph.initializer if init.name in m.weights["index"])
+    assert m.layer_map == [0, 1] * 4 and m.slots == 4 and m.stage_layers == 2
+    assert m.source_checkpoint_sha256 and m.onnx_opset == 17 and m.format_version == 1
+    assert [p["name"] for p in m.build["passes"]] == ["trace", "share", "schedule", "pipeline", "exit_heads",
+                                                      "kv_cache", "cleanup", "trt_lint"]
+
+
+def test_hf_layout_builds_to_the_same_weights(tmp_path, tiny_artifact):
+    hf = save_unrolled_hf(load_model(ZOO / "tiny"), tmp_path / "hf", tokenizer_json=(ZOO / "tiny" / "tokenizer.json").read_text())
+    assert len(list(json.loads((hf / "config.json").read_text()))) and "speedc" not in json.loads((hf / "config.json").read_text())
+    art = build_artifact(hf, tmp_path / "hf-art")
+    native, unrolled = read_manifest(tiny_artifact), read_manifest(art)
+    assert unrolled.layer_map == native.layer_map and unrolled.slots == native.slots
+    shared = set(native.weights["index"]) - {"model.exit_norm.weight"}  # HF layout has no exit norm
+    assert set(unrolled.weights["index"]) == shared
+    for name in shared:
+        np.testing.assert_array_equal(read_weight(art, unrolled, name), read_weight(tiny_artifact, native, name))
+
+
+def test_fp16_storage_halves_the_weights(tmp_path, tiny_artifact):
+    art = build_artifact(ZOO / "tiny", tmp_path / "fp16", dtype="fp16")
+    m = read_manifest(art)
+    assert m.dtype == "fp16"
+    assert abs(m.weights["stored_bytes"] / read_manifest(tiny_artifact).weights["stored_bytes"] - 0.5) < 0.01
+
+
+def test_cli_build_verbose_dump_and_inspect(tmp_path):
+    out = tmp_path / "art"
+    result = run_cli("build", ZOO / "tiny", "-o", out, "-v", "--dump-after", "pipeline", "--slots", "2")
+    assert result.returncode == 0, result.stderr
+    for name in ("trace", "share", "schedule", "pipeline", "exit_heads", "kv_cache", "cleanup", "trt_lint"):
+        assert name in result.stderr
+    assert (tmp_path / "art.dumps" / "after-pipeline-step.onnx").exists()
+    assert read_manifest(out).slots == 2
+    info = json.loads(run_cli("inspect", out, "--json").stdout)
+    assert info["schedule"]["slots"] == 2 and info["layer_map"] == [0, 1] * 4
+    text = run_cli("inspect", ZOO / "tiny").stdout
+    assert "slot 3" in text and "predicted speedup" in text
+
+
+def test_existing_output_refused_without_force(tmp_path, tiny_artifact):
+    out = tmp_path / "exists"
+    out.mkdir()
+    assert_one_line_error(run_cli("build", ZOO / "tiny", "-o", out), "exists", "--force")
+    assert run_cli("build", ZOO / "tiny", "-o", out, "--force").returncode == 0
+    read_manifest(out)
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--slots", "3"], ["--slots 3 does not divide the schedule", "[1, 2, 4]"]),
+    (["--exit-layer", "9"], ["--exit-layer must be in 1..8"]),
+    (["--target", "trt"], ["TensorRT engine building is not available"]),
+    (["--dump-after", "nonsense"], ["no such pass"]),
+])
+def test_bad_build_options(tmp_path, args, fragments):
+    out = tmp_path / "out"
+    assert_one_line_error(run_cli("build", ZOO / "tiny", "-o", out, *args), *fragments)
+    assert not out.exists()
+    assert not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_disk_full_leaves_nothing(tmp_path):
+    out = tmp_path / "out"
+    limit = 200_000  # bytes per file: the weights file cannot be written
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    exe = Path(sys.executable).with_name("speedc")
+    result = subprocess.run([str(exe), "build", str(ZOO / "tiny"), "-o", str(out)], capture_output=True, text=True,
+                            preexec_fn=cap, timeout=300)
+    assert_one_line_error(result, "cannot write the artifact")
+    assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_killed_build_never_leaves_a_loadable_half(tmp_path):
+    """Kill the build at several moments: OUT is either absent or a complete, verifiable artifact."""
+    exe = Path(sys.executable).with_name("speedc")
+    for delay in (1.0, 2.5, 3.5, 5.0):
+        out = tmp_path / f"killed-{delay}"
+        proc = subprocess.Popen([str(exe), "build", str(ZOO / "tiny"), "-o", str(out)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        proc.kill()
+        proc.wait()
+        if out.exists():
+            read_manifest(out)  # verifies every file's hash
+        else:
+            with pytest.raises(ArtifactError):
+                read_manifest(out)

