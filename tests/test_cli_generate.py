@@ -1,0 +1,62 @@
+"""`speedc generate` end to end, and its bad-input contract: one line, exit != 0, no traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from conftest import assert_one_line_error, run_cli
+
+
+def test_generate_json_and_stats(tiny_artifact):
+    result = run_cli("generate", tiny_artifact, "--prompt", "ROMEO:", "--max-new-tokens", "24", "--json", "--ignore-eos")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert len(data["ids"]) == 24 and isinstance(data["text"], str)
+    for key in ("tokens_per_step", "acceptance_rate", "accepted", "mispredicted", "steps", "prefill_seconds",
+                "decode_seconds", "new_tokens"):
+        assert key in data["stats"]
+    plain = json.loads(run_cli("generate", tiny_artifact, "--prompt", "ROMEO:", "--max-new-tokens", "24", "--json",
+                               "--ignore-eos", "--mode", "autoregressive").stdout)
+    assert plain["ids"] == data["ids"]
+    ids = ",".join(map(str, data["ids"][:5]))
+    by_ids = run_cli("generate", tiny_artifact, "--prompt-ids", ids, "--max-new-tokens", "8", "--stats", "--stream")
+    assert by_ids.returncode == 0 and "acceptance_rate" in by_ids.stderr
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--prompt", ""], ["empty prompt"]),
+    (["--prompt-ids", "1,99999"], ["99999", "outside the vocabulary"]),
+    (["--prompt-ids", "1,x"], ["comma-separated integers"]),
+    (["--prompt", "hi", "--max-new-tokens", "600"], ["exceeds the model's context of 512"]),
+    (["--prompt", "hi", "--prompt-ids", "1"], ["exactly one of --prompt or --prompt-ids"]),
+    (["--prompt", "hi", "--temperature", "-1"], ["temperature"]),
+    (["--prompt", "hi", "--top-p", "0"], ["top-p"]),
+    (["--prompt", "hi", "--device", "cuda"], ["device 'cuda'"]),
+])
+def test_bad_requests(tiny_artifact, args, fragments):
+    assert_one_line_error(run_cli("generate", tiny_artifact, *args), *fragments)
+
+
+def test_damaged_artifacts(tiny_artifact, tmp_path):
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(tiny_artifact, corrupt)
+    blob = bytearray((corrupt / "weights.bin").read_bytes())
+    blob[100] ^= 0xFF
+    (corrupt / "weights.bin").write_bytes(bytes(blob))
+    assert_one_line_error(run_cli("generate", corrupt, "--prompt", "hi"), "weights.bin", "sha256 does not match")
+
+    old = tmp_path / "old"
+    shutil.copytree(tiny_artifact, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["format_version"] = 99
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    assert_one_line_error(run_cli("generate", old, "--prompt", "hi"), "format version 99", "rebuild")
+
+    assert_one_line_error(run_cli("generate", tmp_path / "nothing", "--prompt", "hi"), "not an artifact directory")
+    unfinished = tmp_path / "unfinished"
+    shutil.copytree(tiny_artifact, unfinished)
+    (unfinished / "manifest.json").unlink()
+    assert_one_line_error(run_cli("generate", unfinished, "--prompt", "hi"), "no manifest.json")
