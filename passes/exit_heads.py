@@ -1,13 +1,17 @@
 r"""Pass `exit_heads` (phase lowering): early-exit and final heads, with argmax in-graph.
 
-    step graph:
-      hidden.{S-1} [P,1,H] --Gather row P-1--> [1,H] -> final RMSNorm -> Gemm(lm_head) -> final_logits [1,V]
-                                                                                     \\-> ArgMax -> final_token [1]
-      hidden.{exit-1} [P,1,H] -> [P,H] -> exit RMSNorm -> Gemm(lm_head) -> ArgMax -> exit_tokens [P]
-      (row 0 is the speculation for the next position; deeper rows feed the early-flush check)
+    step graph (one LM-head Gemm serves both heads: its weight is read once per step):
+
+      hidden.{S-1} [P,1,H] --row P-1--> final RMSNorm --\
+                                                          Concat [1+R,H] -> Gemm(lm_head) -> [1+R,V] -> ArgMax
+      hidden.{exit-1} [P,1,H] --rows--> exit RMSNorm ----/                       |               |
+                                                                     final_logits = row 0    final_token = [0]
+                                                                                             exit_tokens = [1:]
+      step.onnx:        R = 1 (slot 0's exit: the speculation for the next position)
+      step_flush.onnx:  R = P (every slot's exit: the early-flush check reads the deeper ones)
 
     prefill graph:
-      hidden.{N-1} [1,L,H] --last position--> [1,H] -> final RMSNorm -> Gemm -> logits [1,V], next_token [1]
+      hidden.{N-1} [1,L,H] --last position--> final RMSNorm -> Gemm -> logits [1,V] -> next_token [1]
 
 The heads are emitted here from the stored weights (not the traced ones) so that the exit point the
 share pass chose is honoured. Full logits are an output the runtime fetches only when sampling.
@@ -43,13 +47,20 @@ def emit_rms_norm(graph: gs.Graph, x: gs.Tensor, weight: gs.Constant, eps: float
     return graph.layer(op="Mul", inputs=[normed, weight], outputs=[f"{prefix}.out"], name=f"{prefix}/Mul_w")[0]
 
 
+def _lm_head(graph: gs.Graph, state: CompileState) -> gs.Constant:
+    name = "model.embed_tokens.weight" if state.cfg.tie_word_embeddings else "lm_head.weight"
+    return weight(graph, state, name)
+
+
 def emit_head(graph: gs.Graph, state: CompileState, rows: gs.Tensor, norm_weight: str, prefix: str,
               logits_name: str, token_name: str) -> tuple[gs.Tensor, gs.Tensor]:
     """rows [R, H] -> logits [R, V], argmax tokens [R] (int64)."""
-    cfg = state.cfg
-    lm_head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    normed = emit_rms_norm(graph, rows, weight(graph, state, norm_weight), cfg.rms_norm_eps, prefix)
-    logits = graph.layer(op="Gemm", inputs=[normed, weight(graph, state, lm_head)], outputs=[logits_name],
+    normed = emit_rms_norm(graph, rows, weight(graph, state, norm_weight), state.cfg.rms_norm_eps, prefix)
+    return _logits_and_tokens(graph, state, normed, prefix, logits_name, token_name)
+
+
+def _logits_and_tokens(graph, state, normed, prefix, logits_name, token_name):
+    logits = graph.layer(op="Gemm", inputs=[normed, _lm_head(graph, state)], outputs=[logits_name],
                          attrs={"transB": 1}, name=f"{prefix}/Gemm_lm_head")[0]
     token = graph.layer(op="ArgMax", inputs=[logits], outputs=[token_name], attrs={"axis": -1, "keepdims": 0},
                         name=f"{prefix}/ArgMax")[0]
@@ -63,20 +74,35 @@ def _rows(graph: gs.Graph, hidden: gs.Tensor, hidden_size: int, name: str) -> gs
     return graph.layer(op="Reshape", inputs=[hidden, shape], outputs=[name], name=f"{name}/Reshape")[0]
 
 
-def add_step_heads(graph: gs.Graph, state: CompileState) -> None:
+def _take(graph: gs.Graph, x: gs.Tensor, start: int, end: int, name: str) -> gs.Tensor:
+    """x[start:end] along axis 0."""
+    consts = [gs.Constant(f"{name}.{k}", np.array([v], dtype=np.int64)) for k, v in (("starts", start), ("ends", end), ("axes", 0))]
+    return graph.layer(op="Slice", inputs=[x, *consts], outputs=[name], name=f"{name}/Slice")[0]
+
+
+def add_step_heads(graph: gs.Graph, state: CompileState, all_exit_rows: bool) -> None:
     cfg, sched = state.cfg, state.schedule
+    slots = sched.slots
     stage_out = tensor(graph, f"hidden.{sched.stage_layers - 1}")
     exit_tap = tensor(graph, f"hidden.{state.exit_layer - 1}")
-    oldest_index = gs.Constant("oldest_slot", np.array([sched.slots - 1], dtype=np.int64))
-    oldest = graph.layer(op="Gather", inputs=[stage_out, oldest_index], outputs=["oldest_hidden"], attrs={"axis": 0},
-                         name="final_head/Gather_oldest")[0]
-    final_logits, final_token = emit_head(graph, state, _rows(graph, oldest, cfg.hidden_size, "oldest_rows"),
-                                          "model.norm.weight", "final_head", "final_logits", "final_token")
-    exit_rows = _rows(graph, exit_tap, cfg.hidden_size, "exit_rows")
-    _, exit_tokens = emit_head(graph, state, exit_rows, state.exit_norm, "exit_head", "exit_logits", "exit_tokens")
+    eps = cfg.rms_norm_eps
+    oldest = _rows(graph, _take(graph, stage_out, slots - 1, slots, "oldest_hidden"), cfg.hidden_size, "oldest_rows")
+    final_normed = emit_rms_norm(graph, oldest, weight(graph, state, "model.norm.weight"), eps, "final_head")  # [1, H]
+    exit_source = exit_tap if all_exit_rows else _take(graph, exit_tap, 0, 1, "youngest_hidden")
+    exit_rows = _rows(graph, exit_source, cfg.hidden_size, "exit_rows")  # [R, H]
+    exit_normed = emit_rms_norm(graph, exit_rows, weight(graph, state, state.exit_norm), eps, "exit_head")
+    both = graph.layer(op="Concat", inputs=[final_normed, exit_normed], outputs=["head_rows"], attrs={"axis": 0},
+                       name="heads/Concat_rows")[0]  # [1 + R, H]
+    logits, tokens = _logits_and_tokens(graph, state, both, "heads", "head_logits", "head_tokens")
+    final_logits = _take(graph, logits, 0, 1, "final_logits")
+    final_token = _take(graph, tokens, 0, 1, "final_token")
+    exit_tokens = _take(graph, tokens, 1, slots + 1, "exit_tokens")
+    final_logits.name, final_token.name, exit_tokens.name = "final_logits", "final_token", "exit_tokens"
+    final_logits.dtype, final_token.dtype, exit_tokens.dtype = np.float32, np.int64, np.int64
+    final_token.shape, final_logits.shape = [1], [1, cfg.vocab_size]
+    exit_tokens.shape = [slots if all_exit_rows else 1]
     stage_out.name = "hidden_out"
-    final_token.shape, final_logits.shape, exit_tokens.shape = [1], [1, cfg.vocab_size], [sched.slots]
-    stage_out.shape = [sched.slots, 1, cfg.hidden_size]
+    stage_out.shape = [slots, 1, cfg.hidden_size]
     presents = [t for t in graph.outputs if t.name.startswith("present.")]
     graph.outputs = [final_token, final_logits, exit_tokens, stage_out, *presents]
 
@@ -98,7 +124,12 @@ def add_prefill_head(graph: gs.Graph, state: CompileState) -> None:
 @register_pass("exit_heads", phase="lowering")
 def exit_heads(state: CompileState) -> CompileState:
     """Attach the early-exit and final heads (norm, LM head, argmax) to the step and prefill graphs."""
-    for name, add in (("step", add_step_heads), ("prefill", add_prefill_head)):
+    if "step" in state.graphs:
+        state.graphs["step_flush"] = state.graphs["step"].copy()
+    builders = {"step": lambda g, st: add_step_heads(g, st, all_exit_rows=False),
+                "step_flush": lambda g, st: add_step_heads(g, st, all_exit_rows=True),
+                "prefill": add_prefill_head}
+    for name, add in builders.items():
         if name in state.graphs:
             graph = state.graphs[name]
             # The traced heads (logits / exit_logits at the traced exit point) are replaced.

@@ -49,7 +49,8 @@ def rename_cache_inputs(graph: gs.Graph) -> None:
 def kv_cache(state: CompileState) -> CompileState:
     """Name cache inputs per (stage) layer and stack the new K/V rows into one output each."""
     cfg, sched = state.cfg, state.schedule
-    shapes = {"step": (sched.stage_layers, sched.slots, 1), "prefill": (cfg.num_hidden_layers, 1, "chunk")}
+    step_shape = (sched.stage_layers, sched.slots, 1)
+    shapes = {"step": step_shape, "step_flush": step_shape, "prefill": (cfg.num_hidden_layers, 1, "chunk")}
     for name, graph in state.graphs.items():
         rename_cache_inputs(graph)
         stack_presents(graph, *shapes[name], cfg.num_key_value_heads, cfg.head_dim)

@@ -41,7 +41,8 @@ NEG_INF = float("-inf")
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    # x / sqrt(mean(x^2) + eps) * w: the form ONNX Runtime fuses into SimplifiedLayerNormalization.
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
 class DecodeProgram(nn.Module):

@@ -21,7 +21,7 @@ import numpy as np
 class StepResult:
     final_token: int  # argmax of the oldest slot's final logits (meaningful when that slot is valid)
     final_logits: np.ndarray | None  # [V], only when asked for (sampling)
-    exit_tokens: np.ndarray  # [P] early-exit argmax of every slot: row 0 is the speculation
+    exit_tokens: np.ndarray  # early-exit argmax: [1] (slot 0, the speculation) or [P] (all slots, when asked)
 
 
 class Backend(Protocol):
@@ -37,9 +37,8 @@ class Backend(Protocol):
     def prefill(self, ids: list[int], start: int, want_logits: bool) -> tuple[int, np.ndarray | None]:
         """Run ids at positions start.. through all N layers; return (argmax next token, logits [V] or None)."""
 
-    def step(self, token: int, positions: np.ndarray, valid: np.ndarray, want_logits: bool) -> StepResult:
-        """One pipelined step: `token` enters slot 0; slot s is at positions[s]; invalid slots are bubbles."""
+    def step(self, token: int, positions: np.ndarray, valid: np.ndarray, want_logits: bool,
+             all_exits: bool = False) -> StepResult:
+        """One pipelined step: `token` enters slot 0; slot s is at positions[s]; invalid slots are bubbles.
+        all_exits: return every slot's exit token (the early-flush check), not only slot 0's."""
 
-
-def logical_layer(slot: int, stage_layer: int, stage_layers: int) -> int:
-    return slot * stage_layers + stage_layer

@@ -172,7 +172,7 @@ def decode_speed(backend: Backend, request: Request, *, early_flush: bool = Fals
         for i, slot in enumerate(slots):
             valid[i] = slot is not None
             positions[i] = slot.pos if slot is not None else 0
-        result = backend.step(enter.token if enter else 0, positions, valid, want)
+        result = backend.step(enter.token if enter else 0, positions, valid, want, all_exits=early_flush)
         stats.steps += 1
         pending = None
         oldest = slots[-1]

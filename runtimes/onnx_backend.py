@@ -74,14 +74,15 @@ class OnnxBackend:
         self.value[:, :, :, start:start + length] = new_value[:, 0].reshape(shape).transpose(1, 0, 2, 3, 4)
         return int(token[0]), (outputs[3][0] if want_logits else None)
 
-    def step(self, token: int, positions: np.ndarray, valid: np.ndarray, want_logits: bool) -> StepResult:
+    def step(self, token: int, positions: np.ndarray, valid: np.ndarray, want_logits: bool,
+             all_exits: bool = False) -> StepResult:
         feeds = {"input_ids": np.asarray([[token]], dtype=np.int64), "positions": positions.astype(np.int64),
                  "hidden_in": self.hidden_in}
         for j in range(self.stage_layers):
             feeds[f"cache.key.{j}"] = self.key[j]
             feeds[f"cache.value.{j}"] = self.value[j]
         names = ["final_token", "exit_tokens", "hidden_out", "new_key", "new_value"] + (["final_logits"] if want_logits else [])
-        outputs = self.sessions["step"].run(names, feeds)
+        outputs = self.sessions["step_flush" if all_exits else "step"].run(names, feeds)
         final_token, exit_tokens, hidden_out, new_key, new_value = outputs[:5]
         for slot in np.flatnonzero(valid):  # bubbles never write
             pos = positions[slot]

@@ -97,7 +97,8 @@ class TorchBackend:
         return int(logits.argmax()), (logits.float().cpu().numpy() if want_logits else None)
 
     @torch.no_grad()
-    def step(self, token: int, positions: np.ndarray, valid: np.ndarray, want_logits: bool) -> StepResult:
+    def step(self, token: int, positions: np.ndarray, valid: np.ndarray, want_logits: bool,
+             all_exits: bool = False) -> StepResult:
         cfg, model = self.cfg, self.model
         x = torch.cat((model.model.embed_tokens(torch.tensor([[token]], device=self.device)), self.hidden_in))  # [P,1,H]
         starts = torch.from_numpy(positions.astype(np.int64)).to(self.device)
@@ -107,7 +108,8 @@ class TorchBackend:
             new_rows.append((k, v))
             if j + 1 == cfg.exit_layer:
                 exit_hidden = x
-        exit_tokens = model.exit_head(exit_hidden)[:, 0].argmax(-1)  # [P]
+        exit_rows = exit_hidden if all_exits else exit_hidden[:1]
+        exit_tokens = model.exit_head(exit_rows)[:, 0].argmax(-1)  # [P] or [1]
         final_logits = model.final_head(x[-1])[0]  # [V]
         tokens = torch.cat((final_logits.argmax()[None], exit_tokens)).cpu().numpy()
         for slot in np.flatnonzero(valid):  # bubbles never write

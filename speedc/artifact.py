@@ -4,6 +4,7 @@
       manifest.json     format version, versions, source hash, model dims, schedule, graph I/O,
                         weight index, file hashes
       step.onnx         P-slot speculative step graph            (absent for a plain engine)
+      step_flush.onnx   the same step with every slot's exit head (for early flush)
       prefill.onnx      plain N-layer graph: prompt chunks, and autoregressive decoding
       weights.bin       every unique weight once, shared by both graphs as ONNX external data
       config.json       the model config (for the PyTorch backend and inspection)
@@ -27,6 +28,7 @@ from speedc.errors import ArtifactError
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 STEP_GRAPH = "step.onnx"
+STEP_FLUSH_GRAPH = "step_flush.onnx"
 PREFILL_GRAPH = "prefill.onnx"
 WEIGHTS = "weights.bin"
 CONFIG = "config.json"

@@ -22,8 +22,8 @@ import onnx_graphsurgeon as gs
 from onnx import numpy_helper
 
 from speedc import __version__
-from speedc.artifact import (CONFIG, FORMAT_VERSION, MANIFEST, PREFILL_GRAPH, STEP_GRAPH, TOKENIZER, WEIGHT_ALIGN,
-                             WEIGHTS, Manifest, sha256_file)
+from speedc.artifact import (CONFIG, FORMAT_VERSION, MANIFEST, PREFILL_GRAPH, STEP_FLUSH_GRAPH, STEP_GRAPH, TOKENIZER,
+                             WEIGHT_ALIGN, WEIGHTS, Manifest, sha256_file)
 from speedc.errors import BuildError, SpeedcError
 from speedc.models.checkpoint import checkpoint_hash, load_checkpoint, read_tokenizer_json
 from speedc.passes import cleanup, exit_heads, kv_cache, pipeline, schedule, share, trace, trt_lint  # noqa: F401 (registers)
@@ -37,7 +37,7 @@ PIPELINE: list[tuple[str, list[str]]] = [
     ("finalize", ["cleanup", "trt_lint"]),
 ]
 PASS_ORDER = [name for _, names in PIPELINE for name in names]
-GRAPH_FILES = {"step": STEP_GRAPH, "prefill": PREFILL_GRAPH}
+GRAPH_FILES = {"step": STEP_GRAPH, "step_flush": STEP_FLUSH_GRAPH, "prefill": PREFILL_GRAPH}
 EXTERNAL_MIN_BYTES = 1024
 
 

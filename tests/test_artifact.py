@@ -21,14 +21,14 @@ from speedc.models.checkpoint import load_model, save_unrolled_hf
 
 def test_artifact_layout_and_weight_bytes(tiny_artifact):
     m = read_manifest(tiny_artifact)
-    assert {"manifest.json", "step.onnx", "prefill.onnx", "weights.bin", "tokenizer.json", "config.json"} <= \
-        {p.name for p in tiny_artifact.iterdir()}
-    for graph in ("step.onnx", "prefill.onnx"):
+    assert {"manifest.json", "step.onnx", "step_flush.onnx", "prefill.onnx", "weights.bin", "tokenizer.json",
+            "config.json"} <= {p.name for p in tiny_artifact.iterdir()}
+    for graph in ("step.onnx", "step_flush.onnx", "prefill.onnx"):
         onnx.checker.check_model(str(tiny_artifact / graph), full_check=True)
     # Each unique weight stored once, shared by both graphs.
     assert m.weights["stored_bytes"] <= 1.02 * m.weights["unique_bytes_fp32"]
     assert (tiny_artifact / "weights.bin").stat().st_size <= 1.02 * m.weights["unique_bytes_fp32"]
-    for graph in ("step.onnx", "prefill.onnx"):
+    for graph in ("step.onnx", "step_flush.onnx", "prefill.onnx"):
         model = onnx.load(str(tiny_artifact / graph), load_external_data=False)
         assert all(init.data_location == onnx.TensorProto.EXTERNAL for init in model.graph.initializer if init.name in m.weights["index"])
     assert m.layer_map == [0, 1] * 4 and m.slots == 4 and m.stage_layers == 2

@@ -105,9 +105,14 @@ def test_pipeline_before_after(model):
 
 def test_exit_heads_and_kv_cache_outputs(model):
     state = _through(_state(model), "kv_cache")
-    step = {t.name: t.shape for t in state.graphs["step"].outputs}
-    assert step == {"final_token": [1], "final_logits": [1, 97], "exit_tokens": [3], "hidden_out": [3, 1, 32],
-                    "new_key": [2, 3, 2, 1, 8], "new_value": [2, 3, 2, 1, 8]}
+    expected = {"final_token": [1], "final_logits": [1, 97], "exit_tokens": [1], "hidden_out": [3, 1, 32],
+                "new_key": [2, 3, 2, 1, 8], "new_value": [2, 3, 2, 1, 8]}
+    assert {t.name: t.shape for t in state.graphs["step"].outputs} == expected
+    assert {t.name: t.shape for t in state.graphs["step_flush"].outputs} == {**expected, "exit_tokens": [3]}
+    # One LM-head Gemm per step graph serves the final and the exit rows.
+    for name in ("step", "step_flush"):
+        heads = [n for n in state.graphs[name].nodes if n.op == "Gemm" and n.inputs[1].name == "model.embed_tokens.weight"]
+        assert len(heads) == 1
     prefill = {t.name: t.shape for t in state.graphs["prefill"].outputs}
     assert prefill == {"next_token": [1], "logits": [1, 97], "new_key": [6, 1, 2, "chunk", 8],
                        "new_value": [6, 1, 2, "chunk", 8]}

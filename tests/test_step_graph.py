@@ -33,7 +33,8 @@ def test_step_graph_matches_reference(shape, tmp_path):
     manifest = read_manifest(art)
     slots, stage = manifest.slots, manifest.stage_layers
     assert slots == cfg.num_hidden_layers // cfg.num_blocks and stage == cfg.num_blocks
-    session = ort.InferenceSession(str(art / "step.onnx"))
+    session = ort.InferenceSession(str(art / "step_flush.onnx"))  # every slot's exit head
+    speculation_only = ort.InferenceSession(str(art / "step.onnx"))  # slot 0's exit head only
     rng = np.random.default_rng(0)
     context = 24
     for trial in range(3):
@@ -47,6 +48,10 @@ def test_step_graph_matches_reference(shape, tmp_path):
         for j in range(stage):
             feeds[f"cache.key.{j}"], feeds[f"cache.value.{j}"] = key[j], value[j]
         out = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+        lean = dict(zip([o.name for o in speculation_only.get_outputs()], speculation_only.run(None, feeds)))
+        assert lean["exit_tokens"].tolist() == out["exit_tokens"][:1].tolist()
+        for name in ("final_token", "final_logits", "hidden_out", "new_key", "new_value"):
+            np.testing.assert_array_equal(lean[name], out[name])
 
         with torch.no_grad():
             for slot in range(slots):
