@@ -40,7 +40,8 @@ def _register_commands() -> None:
     # `speedc --help` fast (heavy imports happen inside the commands).
     from speedc import commands_build, commands_generate, commands_model
 
-    for command in (commands_model.train, commands_build.build, commands_build.inspect, commands_generate.generate):
+    for command in (commands_model.train, commands_build.build, commands_build.inspect, commands_generate.generate,
+                    commands_generate.bench):
         command.callback = user_errors(command.callback)
         main.add_command(command)
 

@@ -81,3 +81,40 @@ def _print_stats(stats) -> None:
         value = data[key]
         table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
     Console(stderr=True).print(table)
+
+
+@click.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--new-tokens", type=click.IntRange(2), default=128, show_default=True)
+@click.option("--repeats", type=click.IntRange(1), default=3, show_default=True, help="Passes over the prompt set.")
+@click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable; default: a built-in set).")
+@click.option("--early-flush", is_flag=True, help="Benchmark SPEED with early flush.")
+@click.option("--backend", type=click.Choice(["onnx", "torch"]), default="onnx", show_default=True)
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--threads", type=int, default=None, help="Intra-op threads (default: all cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def bench(artifact, new_tokens, repeats, prompts, early_flush, backend, device, threads, as_json):
+    """Measure SPEED against plain decoding on ARTIFACT: same backend, interleaved runs, identical ids checked first."""
+    from speedc.bench import run_bench
+    from speedc.runtimes.engine import Engine
+
+    engine = Engine.load(artifact, backend=backend, device=device, threads=threads)
+    report = run_bench(engine, prompts=list(prompts) or None, new_tokens=new_tokens, repeats=repeats,
+                       early_flush=early_flush)
+    if as_json:
+        click.echo(json.dumps(report.to_json()))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{artifact} ({report.backend}, P={report.slots}, {report.repeats} runs x {new_tokens} tokens)")
+    for column in ("mode", "ms/token p50", "p90", "min", "tokens/s"):
+        table.add_column(column)
+    for mode, row in report.ms_per_token.items():
+        table.add_row(mode, f"{row['p50']:.3f}", f"{row['p90']:.3f}", f"{row['min']:.3f}", f"{report.tokens_per_second[mode]:.1f}")
+    console = Console()
+    console.print(table)
+    console.print(f"identical ids: {report.identical_ids}   speedup (p50): {report.speedup_p50:.2f}x   "
+                  f"acceptance: {report.acceptance_rate:.3f}   tokens/step: {report.tokens_per_step:.3f}")
+    console.print(f"step cost c(P={report.slots}) = {report.step_cost:.2f}   analytic bound {report.bound:.2f}x   "
+                  f"achieved / bound {report.achieved_over_bound:.2f}   prefill p50 {report.prefill_ms_p50:.2f} ms")

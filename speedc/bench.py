@@ -1,0 +1,113 @@
+"""`speedc bench`: SPEED against plain decoding on the same artifact and backend, measured in one
+run, interleaved (A B A B ...), so machine noise hits both sides alike. Reports medians and spread,
+and refuses to print a speed before checking that both modes produced identical ids.
+
+Also measures the step cost c(P) = (time of one P-slot step) / (time of one plain token / P), i.e.
+a full step against the single-slot stage passes plain decoding does per token, and compares the
+achieved speedup with the analytic bound P / (c(P) (1 + (1 - alpha)(P - 1))).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from speedc.errors import SpeedcError
+from speedc.runtimes.engine import Engine
+
+DEFAULT_PROMPTS = ["ROMEO:\n", "First Citizen:\nBefore we proceed any further, hear me speak.\n", "KING HENRY:\n",
+                   "To be, or not to be, that is the question:\n", "JULIET:\nO Romeo, Romeo!"]
+
+
+@dataclass
+class BenchReport:
+    artifact: str
+    backend: str
+    slots: int
+    new_tokens: int
+    repeats: int
+    identical_ids: bool
+    ms_per_token: dict[str, dict[str, float]]  # mode -> {p50, p90, min}
+    tokens_per_second: dict[str, float]
+    speedup_p50: float
+    acceptance_rate: float
+    tokens_per_step: float
+    step_cost: float  # c(P)
+    bound: float
+    achieved_over_bound: float
+    prefill_ms_p50: float
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return self.__dict__
+
+
+def _percentiles(samples: list[float]) -> dict[str, float]:
+    arr = np.asarray(samples)
+    return {"p50": round(float(np.percentile(arr, 50)), 4), "p90": round(float(np.percentile(arr, 90)), 4),
+            "min": round(float(arr.min()), 4)}
+
+
+def measure_step_cost(engine: Engine, repeats: int = 50) -> float:
+    """c(P): a full P-slot step against P single-slot stage passes (one plain token / P)."""
+    backend = engine.backend
+    slots = backend.slots
+    if slots == 1:
+        return 1.0
+    context = 256
+    backend.reset(context)
+    positions = np.arange(context // 2, context // 2 - slots, -1)
+    valid = np.ones(slots, dtype=bool)
+    step_times, token_times = [], []
+    for _ in range(5):
+        backend.step(1, positions, valid, False)
+        backend.prefill([1], context // 2, False)
+    for _ in range(repeats):  # interleaved
+        start = time.perf_counter()
+        backend.step(1, positions, valid, False)
+        step_times.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        backend.prefill([1], context // 2, False)
+        token_times.append(time.perf_counter() - start)
+    return statistics.median(step_times) / (statistics.median(token_times) / slots)
+
+
+def run_bench(engine: Engine, *, prompts: list[str] | None = None, new_tokens: int = 128, repeats: int = 3,
+              early_flush: bool = False) -> BenchReport:
+    prompts = prompts or DEFAULT_PROMPTS
+    times: dict[str, list[float]] = {"speed": [], "autoregressive": []}
+    prefill: list[float] = []
+    accepted = mispredicted = steps = emitted = 0
+    identical = True
+    engine.generate(prompts[0], max_new_tokens=8, stop_at_eos=False)  # warm-up
+    for _ in range(repeats):
+        for prompt in prompts:
+            results = {}
+            for mode in ("speed", "autoregressive"):
+                result = engine.generate(prompt, max_new_tokens=new_tokens, stop_at_eos=False, mode=mode,
+                                         early_flush=early_flush)
+                results[mode] = result
+                times[mode].append(1000 * result.stats.decode_seconds / max(result.stats.new_tokens - 1, 1))
+                prefill.append(1000 * result.stats.prefill_seconds)
+            identical &= results["speed"].ids == results["autoregressive"].ids
+            s = results["speed"].stats
+            accepted, mispredicted = accepted + s.accepted, mispredicted + s.mispredicted
+            steps, emitted = steps + s.steps, emitted + s.new_tokens - 1
+    if not identical:
+        raise SpeedcError("speed and autoregressive outputs differ: refusing to report speeds (this is a bug)")
+    alpha = accepted / max(accepted + mispredicted, 1)
+    slots = engine.manifest.slots
+    cost = measure_step_cost(engine)
+    bound = slots / (cost * (1 + (1 - alpha) * (slots - 1)))
+    ms = {mode: _percentiles(samples) for mode, samples in times.items()}
+    speedup = ms["autoregressive"]["p50"] / ms["speed"]["p50"]
+    return BenchReport(
+        artifact=str(engine.directory), backend=engine.backend.name, slots=slots, new_tokens=new_tokens,
+        repeats=repeats * len(prompts), identical_ids=identical, ms_per_token=ms,
+        tokens_per_second={mode: round(1000 / v["p50"], 1) for mode, v in ms.items()},
+        speedup_p50=round(speedup, 3), acceptance_rate=round(alpha, 4), tokens_per_step=round(emitted / max(steps, 1), 4),
+        step_cost=round(cost, 3), bound=round(bound, 3), achieved_over_bound=round(speedup / bound, 3),
+        prefill_ms_p50=round(statistics.median(prefill), 3))

@@ -1,0 +1,20 @@
+"""`speedc bench` runs briefly on the tiny model and reports its fields (never asserts a speed)."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import run_cli
+
+
+def test_bench_json_fields(tiny_artifact):
+    result = run_cli("bench", tiny_artifact, "--new-tokens", "16", "--repeats", "1", "--prompt", "ROMEO:",
+                     "--prompt", "JULIET:", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["identical_ids"] is True  # checked before any speed is reported
+    for key in ("ms_per_token", "tokens_per_second", "speedup_p50", "acceptance_rate", "tokens_per_step", "step_cost",
+                "bound", "achieved_over_bound", "prefill_ms_p50"):
+        assert key in report
+    assert set(report["ms_per_token"]) == {"speed", "autoregressive"} and report["repeats"] == 2
+    assert 0 <= report["acceptance_rate"] <= 1 and report["step_cost"] > 0
