@@ -10,7 +10,6 @@ With the ONNX Runtime backend this imports numpy, onnxruntime and tokenizers onl
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -161,7 +160,3 @@ class Engine:
         final = self._trim(self.tokenizer.decode(ids), stop)
         if len(final) > len(shown):
             yield final[len(shown):]
-
-    def describe(self) -> dict:
-        return json.loads(json.dumps({"artifact": str(self.directory), "backend": self.backend.name,
-                                      "slots": self.manifest.slots, "stage_layers": self.manifest.stage_layers}))

@@ -101,6 +101,17 @@ def write_graphs(graphs: dict[str, gs.Graph], directory: Path, weight_names: set
     return specs, index
 
 
+def weight_bytes(index: dict[str, dict], layer_map: list[int]) -> tuple[int, int]:
+    """(fp32 bytes of the unique weights, fp32 bytes an unrolled export storing every layer would need)."""
+    sizes = {name: int(np.prod(entry["shape"])) * 4 for name, entry in index.items()}
+    block_sizes = [0] * (max(layer_map) + 1)
+    for name, size in sizes.items():
+        if name.startswith("model.blocks."):
+            block_sizes[int(name.split(".")[2])] += size
+    unique = sum(sizes.values())
+    return unique, unique - sum(block_sizes) + sum(block_sizes[b] for b in layer_map)
+
+
 def _acceptance_hint(checkpoint: Path) -> float | None:
     training = checkpoint / "training.json"
     try:
@@ -146,8 +157,8 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
         tokenizer = read_tokenizer_json(checkpoint)
         if tokenizer is not None:
             (tmp / TOKENIZER).write_text(tokenizer)
-        unique_bytes = sum(t.numel() * 4 for t in tensors.values())  # fp32 bytes of the checkpoint's weights
         stored = sum(e["length"] for e in index.values())
+        unique_bytes, unrolled_bytes = weight_bytes(index, state.layer_map)
         schedule = state.schedule.to_json()
         manifest = Manifest(
             format_version=FORMAT_VERSION, speedc_version=__version__, onnx_opset=OPSET,
@@ -158,7 +169,8 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
                    "num_unique_blocks": max(state.layer_map) + 1},
             layer_map=state.layer_map, exit_layer=state.exit_layer, schedule=schedule, dtype=options.dtype,
             target=options.target, graphs=specs,
-            weights={"file": WEIGHTS, "unique_bytes_fp32": unique_bytes, "stored_bytes": stored, "index": index},
+            weights={"file": WEIGHTS, "unique_bytes_fp32": unique_bytes, "unrolled_bytes_fp32": unrolled_bytes,
+                     "stored_bytes": stored, "index": index},
             build={"passes": [{"name": r.name, "phase": r.phase, "seconds": round(r.seconds, 3), "nodes": r.nodes,
                                "initializer_bytes": r.initializer_bytes} for r in reports],
                    "notes": state.notes},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -41,7 +42,7 @@ def build(checkpoint, out, slots, dtype, target, exit_layer, alpha, force, allow
 
     if verbose:
         click.echo(f"building {checkpoint} -> {out}\n     phase | pass            time | graph nodes | initializer bytes", err=True)
-    with console.status("compiling", spinner="dots") if not verbose else _null():
+    with console.status("compiling", spinner="dots") if not verbose else contextlib.nullcontext():
         result = run_build(checkpoint, out, BuildOptions(slots=slots, dtype=dtype, target=target, exit_layer=exit_layer,
                                                          alpha=alpha),
                            force=force, allow_pickle=allow_pickle, dump_after=list(dump_after), on_pass=on_pass)
@@ -49,17 +50,10 @@ def build(checkpoint, out, slots, dtype, target, exit_layer, alpha, force, allow
         for note in result.notes:
             click.echo(f"  {note}", err=True)
     m = result.manifest
-    ratio = m.weights["stored_bytes"] / m.weights["unique_bytes_fp32"]
+    w = m.weights
     click.echo(f"built {out} in {result.seconds:.1f} s: P={m.slots} slots x {m.stage_layers} layers, "
-               f"weights {m.weights['stored_bytes'] / 1e6:.2f} MB ({ratio:.3f} x unique fp32 bytes)")
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+               f"weights {w['stored_bytes'] / 1e6:.2f} MB = {w['stored_bytes'] / w['unique_bytes_fp32']:.3f} x unique fp32 "
+               f"bytes (an unrolled export stores {w['unrolled_bytes_fp32'] / 1e6:.2f} MB)")
 
 
 @click.command()

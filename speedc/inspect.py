@@ -12,19 +12,17 @@ from speedc.errors import SpeedcError
 def _from_checkpoint(path: Path, alpha: float | None) -> dict:
     from speedc.build import _acceptance_hint, _has_speedc_section
     from speedc.models.checkpoint import load_checkpoint
-    from speedc.passes.base import BuildOptions, CompileState, run_passes
+    from speedc.passes.base import BuildOptions, CompileState, graph_stats, run_passes
 
     cfg, tensors = load_checkpoint(path)
     state = CompileState(cfg, tensors, BuildOptions(alpha=alpha), has_speedc_section=_has_speedc_section(path),
                          acceptance_hint=_acceptance_hint(path))
     state, _ = run_passes(state, ["trace", "share", "schedule"])
-    unique = sum(t.numel() * 4 for t in tensors.values())
+    stored = sum(t.numel() * 4 for t in tensors.values())
     return {"kind": "checkpoint", "path": str(path), "model": cfg.describe(), "layer_map": state.layer_map,
             "exit_layer": state.exit_layer, "schedule": state.schedule.to_json(),
-            "sizes": {"unique_weight_bytes_fp32": unique,
-                      "unrolled_weight_bytes_fp32": unique + sum(
-                          t.numel() * 4 for n, t in tensors.items() if n.startswith("model.blocks."))
-                      * (len(state.layer_map) / (max(state.layer_map) + 1) - 1)},
+            "sizes": {"checkpoint_weight_bytes_fp32": stored,
+                      "distinct_weight_bytes_fp32": graph_stats(state.graphs["decode"])[1]},
             "notes": state.notes}
 
 
@@ -35,7 +33,7 @@ def _from_artifact(path: Path) -> dict:
             "model": m.model, "layer_map": m.layer_map, "exit_layer": m.exit_layer, "schedule": m.schedule,
             "dtype": m.dtype, "target": m.target,
             "sizes": {"unique_weight_bytes_fp32": m.weights["unique_bytes_fp32"], "stored_weight_bytes": m.weights["stored_bytes"],
-                      "files": files},
+                      "unrolled_export_weight_bytes_fp32": m.weights["unrolled_bytes_fp32"], "files": files},
             "graphs": {name: {"inputs": len(g["inputs"]), "outputs": len(g["outputs"])} for name, g in m.graphs.items()},
             "notes": m.build.get("notes", [])}
 

@@ -47,6 +47,12 @@ def test_hf_layout_builds_to_the_same_weights(tmp_path, tiny_artifact):
     assert set(unrolled.weights["index"]) == shared
     for name in shared:
         np.testing.assert_array_equal(read_weight(art, unrolled, name), read_weight(tiny_artifact, native, name))
+    # What an unrolled export stores is what the Hugging Face checkpoint holds; the artifact stores 1/P of the blocks.
+    from safetensors.torch import load_file
+
+    hf_bytes = sum(t.numel() * 4 for t in load_file(str(hf / "model.safetensors")).values())
+    assert unrolled.weights["unrolled_bytes_fp32"] == hf_bytes
+    assert unrolled.weights["stored_bytes"] < 0.4 * hf_bytes
 
 
 def test_fp16_storage_halves_the_weights(tmp_path, tiny_artifact):

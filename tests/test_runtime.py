@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from conftest import ZOO
+from conftest import ZOO, ZOO_MODELS
 from speedc import Engine
 from speedc.models.checkpoint import load_model, save_unrolled_hf
 from speedc.models.corpus import load_documents
@@ -27,13 +27,9 @@ def held_out_prompts(engine: Engine, count: int = 20) -> list[list[int]]:
     return prompts
 
 
-@pytest.fixture(scope="module", params=["tiny", "small"])
-def zoo(request, tmp_path_factory):
-    from conftest import ZOO_MODELS, build_artifact
-
-    if request.param not in ZOO_MODELS:
-        pytest.skip(f"zoo model {request.param} is not bundled")
-    art = build_artifact(ZOO / request.param, tmp_path_factory.mktemp(request.param) / "art")
+@pytest.fixture(scope="module", params=ZOO_MODELS)
+def zoo(request, zoo_artifacts):
+    art = zoo_artifacts[request.param]
     return request.param, art, Engine.load(art)
 
 
