@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -206,6 +208,24 @@ def train(out: str | Path, opts: TrainOptions, *, resume: bool = False,
     gen = torch.Generator().manual_seed(opts.seed + state["step"])
     started = time.time() - state["wall_seconds"]
     metrics: dict = {}
+    # Ctrl-C finishes the current step, saves, then stops: no work is lost.
+    interrupted: list[int] = []
+    previous_handler = signal.signal(signal.SIGINT, lambda *_: interrupted.append(1)) \
+        if threading.current_thread() is threading.main_thread() else None
+    try:
+        _loop(out, model, optimizer, stream, opts, state, tokenizer_json, gen, started, progress, interrupted)
+    finally:
+        if previous_handler is not None:
+            signal.signal(signal.SIGINT, previous_handler)
+    if interrupted:
+        raise KeyboardInterrupt
+    if not state["history"] or state["history"][-1]["step"] != state["step"]:
+        state["history"].append({"step": state["step"], "wall_seconds": state["wall_seconds"], **evaluate(model, stream, opts)})
+        _save(out, model, optimizer, state, tokenizer_json)
+    return state
+
+
+def _loop(out, model, optimizer, stream, opts, state, tokenizer_json, gen, started, progress, interrupted) -> None:
     while state["step"] < opts.steps:
         step = state["step"]
         for group in optimizer.param_groups:
@@ -220,7 +240,7 @@ def train(out: str | Path, opts: TrainOptions, *, resume: bool = False,
         state["step"] = step + 1
         state["tokens_seen"] += opts.batch_size * opts.seq_len
         state["wall_seconds"] = round(time.time() - started, 1)
-        metrics = {"loss_final": round(final.item(), 4), "loss_exit": round(early.item(), 4)}
+        metrics: dict = {"loss_final": round(final.item(), 4), "loss_exit": round(early.item(), 4)}
         done = state["step"] == opts.steps
         if state["step"] % opts.eval_every == 0 or done:
             metrics.update(evaluate(model, stream, opts))
@@ -229,7 +249,6 @@ def train(out: str | Path, opts: TrainOptions, *, resume: bool = False,
             _save(out, model, optimizer, state, tokenizer_json)
         if progress:
             progress(state["step"], opts.steps, metrics)
-    if not state["history"] or state["history"][-1]["step"] != state["step"]:
-        state["history"].append({"step": state["step"], "wall_seconds": state["wall_seconds"], **evaluate(model, stream, opts)})
-        _save(out, model, optimizer, state, tokenizer_json)
-    return state
+        if interrupted:
+            _save(out, model, optimizer, state, tokenizer_json)
+            return

@@ -23,7 +23,7 @@ def user_errors(fn):
             click.echo(f"error: {err}", err=True)
             sys.exit(1)
         except KeyboardInterrupt:
-            click.echo("interrupted", err=True)
+            click.echo("interrupted (work done so far is saved where the command saves it)", err=True)
             sys.exit(130)
 
     return wrapper

@@ -43,7 +43,12 @@ def train(out: Path, corpus, preset, steps, batch_size, seq_len, lr, exit_weight
                   transient=False) as bar:
         task = bar.add_task("train", total=steps, metrics="")
 
+        started: list[int] = []
+
         def report(step: int, total: int, metrics: dict) -> None:
+            if not started:
+                started.append(step)
+                click.echo(f"training: first step done ({step}/{total}); Ctrl-C saves and stops", err=True)
             shown = " ".join(f"{k}={v}" for k, v in metrics.items())
             bar.update(task, completed=step, total=total, metrics=shown)
             if "val_loss_final" in metrics:

@@ -48,3 +48,29 @@ def test_short_training_run_gives_a_loadable_checkpoint_and_resumes(tmp_path):
 
 def test_bad_corpus(tmp_path):
     assert_one_line_error(run_cli("train", tmp_path / "o", "--corpus", tmp_path / "missing.txt"), "missing.txt")
+
+
+def test_ctrl_c_saves_progress(tmp_path):
+    """SIGINT mid-run: the current step finishes, a checkpoint is saved, exit code 130, resumable."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    corpus = _corpus(tmp_path)
+    out = tmp_path / "run"
+    exe = Path(sys.executable).with_name("speedc")
+    proc = subprocess.Popen([str(exe), "train", str(out), "--preset", "test", "--corpus", str(corpus), "--batch-size", "4",
+                             "--seq-len", "32", "--steps", "100000", "--save-every", "100000", "--eval-every", "100000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = proc.stderr.readline()  # blocks until the first step is done
+    assert "first step done" in first, first
+    time.sleep(1)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    state = json.loads((out / "training.json").read_text())
+    assert state["step"] > 0
+    load_model(out)
