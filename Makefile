@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 SPEEDC := $(VENV)/bin/speedc
-DEMO_MODEL ?= models/zoo/tiny
+DEMO_MODEL ?= models/zoo/small
 DEMO_PROMPT ?= ROMEO:
 
 .PHONY: setup demo test clean
@@ -18,10 +18,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
+# Compile the bundled model, generate greedily with SPEED and with plain decoding (same text, see
+# the stats), sample with a seed, then benchmark SPEED against plain decoding.
 demo: setup
 	$(SPEEDC) build $(DEMO_MODEL) -o out/demo --force -v
 	$(SPEEDC) generate out/demo --prompt "$(DEMO_PROMPT)" --max-new-tokens 128 --stats
 	$(SPEEDC) generate out/demo --prompt "$(DEMO_PROMPT)" --max-new-tokens 128 --stats --mode autoregressive
+	$(SPEEDC) generate out/demo --prompt "$(DEMO_PROMPT)" --max-new-tokens 128 --temperature 0.8 --top-k 40 --seed 1 --stream
+	$(SPEEDC) bench out/demo --repeats 1
 
 test: setup
 	$(PY) -m pytest -q

@@ -35,6 +35,7 @@ class BenchReport:
     speedup_p50: float
     acceptance_rate: float
     tokens_per_step: float
+    early_flush: bool
     step_cost: float  # c(P)
     bound: float
     achieved_over_bound: float
@@ -51,13 +52,13 @@ def _percentiles(samples: list[float]) -> dict[str, float]:
             "min": round(float(arr.min()), 4)}
 
 
-def measure_step_cost(engine: Engine, repeats: int = 50) -> float:
-    """c(P): a full P-slot step against P single-slot stage passes (one plain token / P)."""
+def measure_step_cost(engine: Engine, context: int, repeats: int = 200) -> float:
+    """c(P): a full P-slot step against P single-slot stage passes (one plain token / P), both at
+    a cache of `context` rows with the newest position in the middle, interleaved, medians."""
     backend = engine.backend
     slots = backend.slots
     if slots == 1:
         return 1.0
-    context = 256
     backend.reset(context)
     positions = np.arange(context // 2, context // 2 - slots, -1)
     valid = np.ones(slots, dtype=bool)
@@ -76,7 +77,7 @@ def measure_step_cost(engine: Engine, repeats: int = 50) -> float:
 
 
 def run_bench(engine: Engine, *, prompts: list[str] | None = None, new_tokens: int = 128, repeats: int = 3,
-              early_flush: bool = False) -> BenchReport:
+              early_flush: bool | None = None) -> BenchReport:
     prompts = prompts or DEFAULT_PROMPTS
     times: dict[str, list[float]] = {"speed": [], "autoregressive": []}
     prefill: list[float] = []
@@ -100,13 +101,15 @@ def run_bench(engine: Engine, *, prompts: list[str] | None = None, new_tokens: i
         raise SpeedcError("speed and autoregressive outputs differ: refusing to report speeds (this is a bug)")
     alpha = accepted / max(accepted + mispredicted, 1)
     slots = engine.manifest.slots
-    cost = measure_step_cost(engine)
+    longest = max(len(engine.encode(p)) for p in prompts)
+    cost = measure_step_cost(engine, context=longest + new_tokens)
     bound = slots / (cost * (1 + (1 - alpha) * (slots - 1)))
     ms = {mode: _percentiles(samples) for mode, samples in times.items()}
     speedup = ms["autoregressive"]["p50"] / ms["speed"]["p50"]
     return BenchReport(
         artifact=str(engine.directory), backend=engine.backend.name, slots=slots, new_tokens=new_tokens,
         repeats=repeats * len(prompts), identical_ids=identical, ms_per_token=ms,
+        early_flush=engine.early_flush_default if early_flush is None else early_flush,
         tokens_per_second={mode: round(1000 / v["p50"], 1) for mode, v in ms.items()},
         speedup_p50=round(speedup, 3), acceptance_rate=round(alpha, 4), tokens_per_step=round(emitted / max(steps, 1), 4),
         step_cost=round(cost, 3), bound=round(bound, 3), achieved_over_bound=round(speedup / bound, 3),

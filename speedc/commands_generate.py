@@ -31,7 +31,8 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--seed", type=int, default=None, help="RNG seed for sampling (same seed, same text in every mode).")
 @click.option("--stop", multiple=True, help="Stop when this string appears (repeatable).")
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-text token.")
-@click.option("--early-flush/--no-early-flush", default=None, help="Flush on a deeper exit head's contradiction (default: the engine's).")
+@click.option("--early-flush/--no-early-flush", default=None,
+              help="Flush as soon as a deeper exit head contradicts the in-flight successor (default: on).")
 @click.option("--backend", type=click.Choice(["onnx", "torch"]), default="onnx", show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu, or cuda (torch backend).")
 @click.option("--threads", type=int, default=None, help="Intra-op threads (default: all cores).")
@@ -88,7 +89,7 @@ def _print_stats(stats) -> None:
 @click.option("--new-tokens", type=click.IntRange(2), default=128, show_default=True)
 @click.option("--repeats", type=click.IntRange(1), default=3, show_default=True, help="Passes over the prompt set.")
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable; default: a built-in set).")
-@click.option("--early-flush", is_flag=True, help="Benchmark SPEED with early flush.")
+@click.option("--early-flush/--no-early-flush", default=None, help="SPEED with or without early flush (default: the engine's, on).")
 @click.option("--backend", type=click.Choice(["onnx", "torch"]), default="onnx", show_default=True)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--threads", type=int, default=None, help="Intra-op threads (default: all cores).")
