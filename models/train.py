@@ -207,7 +207,6 @@ def train(out: str | Path, opts: TrainOptions, *, resume: bool = False,
                                           "exp_avg_sq": moments[f"{name}::exp_avg_sq"]}
     gen = torch.Generator().manual_seed(opts.seed + state["step"])
     started = time.time() - state["wall_seconds"]
-    metrics: dict = {}
     # Ctrl-C finishes the current step, saves, then stops: no work is lost.
     interrupted: list[int] = []
     previous_handler = signal.signal(signal.SIGINT, lambda *_: interrupted.append(1)) \

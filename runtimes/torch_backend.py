@@ -20,7 +20,7 @@ from speedc.artifact import CONFIG, Manifest, read_weight
 from speedc.errors import SpeedcError
 from speedc.models.checkpoint import model_from_state
 from speedc.models.config import ModelConfig
-from speedc.models.llama import Block, apply_rope, rope_cos_sin
+from speedc.models.llama import Block, rope_cos_sin
 from speedc.runtimes.backend import StepResult
 
 
