@@ -20,7 +20,7 @@ from speedc.artifact import CONFIG, Manifest, read_weight
 from speedc.errors import SpeedcError
 from speedc.models.checkpoint import model_from_state
 from speedc.models.config import ModelConfig
-from speedc.models.llama import Block, rope_cos_sin
+from speedc.models.llama import Block, SharedLlama, rope_cos_sin
 from speedc.runtimes.backend import StepResult
 
 
@@ -50,6 +50,18 @@ def _attend_layer(block: Block, x: torch.Tensor, starts: torch.Tensor, past_k: t
     return x + block.mlp(block.post_attention_layernorm(x)), k, v
 
 
+def load_model_from_artifact(directory: Path, manifest: Manifest) -> SharedLlama:
+    """The artifact's weights as a PyTorch SharedLlama, with the layer map and exit the compiler chose."""
+    base = ModelConfig.load(directory / CONFIG)
+    index = manifest.weights["index"]
+    # The artifact's layer map is the one the share pass derived from the weights.
+    cfg = dataclasses.replace(base, layer_map=list(manifest.layer_map), exit_layer=manifest.exit_layer,
+                              exit_norm="own" if "model.exit_norm.weight" in index else "final")
+    tensors = {name: torch.from_numpy(np.array(read_weight(directory, manifest, name), dtype=np.float32))
+               for name in index}
+    return model_from_state(cfg, tensors)
+
+
 class TorchBackend:
     name = "torch"
 
@@ -59,16 +71,8 @@ class TorchBackend:
         if threads:
             torch.set_num_threads(threads)
         self.device = torch.device(device)
-        base = ModelConfig.load(directory / CONFIG)
-        index = manifest.weights["index"]
-        own_exit = "model.exit_norm.weight" in index
-        # The artifact's layer map is the one the share pass derived from the weights.
-        cfg = dataclasses.replace(base, layer_map=list(manifest.layer_map), exit_layer=manifest.exit_layer,
-                                  exit_norm="own" if own_exit else "final")
-        tensors = {name: torch.from_numpy(np.array(read_weight(directory, manifest, name), dtype=np.float32))
-                   for name in index}
-        self.cfg = cfg
-        self.model = model_from_state(cfg, tensors).to(self.device)
+        self.model = load_model_from_artifact(directory, manifest).to(self.device)
+        self.cfg = cfg = self.model.cfg
         self.slots, self.stage_layers = manifest.slots, manifest.stage_layers
         self.vocab_size, self.max_context = cfg.vocab_size, cfg.max_position_embeddings
         self.key = self.value = None

@@ -2,6 +2,9 @@
 run, interleaved (A B A B ...), so machine noise hits both sides alike. Reports medians and spread,
 and refuses to print a speed before checking that both modes produced identical ids.
 
+With --peers (the default when torch and transformers are installed) the PyTorch reference decoder and
+transformers' generate run on the same weights in the same interleaved loop, timed end to end.
+
 Also measures the step cost c(P) = (time of one P-slot step) / (time of one plain token / P), i.e.
 a full step against the single-slot stage passes plain decoding does per token, and compares the
 achieved speedup with the analytic bound P / (c(P) (1 + (1 - alpha)(P - 1))).
@@ -40,6 +43,8 @@ class BenchReport:
     bound: float
     achieved_over_bound: float
     prefill_ms_p50: float
+    e2e_ms_per_token: dict[str, dict[str, float]]  # system -> percentiles of (wall time of the call / new tokens)
+    speed_speedup_e2e: dict[str, float]  # system -> its p50 e2e ms/token / SPEED's
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -77,9 +82,12 @@ def measure_step_cost(engine: Engine, context: int, repeats: int = 200) -> float
 
 
 def run_bench(engine: Engine, *, prompts: list[str] | None = None, new_tokens: int = 128, repeats: int = 3,
-              early_flush: bool | None = None) -> BenchReport:
+              early_flush: bool | None = None, peers: dict | None = None) -> BenchReport:
+    """Interleave, per prompt: speed, autoregressive, then each peer; every system's ids must match."""
     prompts = prompts or DEFAULT_PROMPTS
+    peers = peers or {}
     times: dict[str, list[float]] = {"speed": [], "autoregressive": []}
+    e2e: dict[str, list[float]] = {name: [] for name in ("speed", "autoregressive", *peers)}
     prefill: list[float] = []
     accepted = mispredicted = steps = emitted = 0
     identical = True
@@ -88,12 +96,21 @@ def run_bench(engine: Engine, *, prompts: list[str] | None = None, new_tokens: i
         for prompt in prompts:
             results = {}
             for mode in ("speed", "autoregressive"):
+                start = time.perf_counter()
                 result = engine.generate(prompt, max_new_tokens=new_tokens, stop_at_eos=False, mode=mode,
                                          early_flush=early_flush)
+                e2e[mode].append(1000 * (time.perf_counter() - start) / new_tokens)
                 results[mode] = result
                 times[mode].append(1000 * result.stats.decode_seconds / max(result.stats.new_tokens - 1, 1))
                 prefill.append(1000 * result.stats.prefill_seconds)
             identical &= results["speed"].ids == results["autoregressive"].ids
+            ids = engine.encode(prompt)
+            for name, peer in peers.items():
+                start = time.perf_counter()
+                peer_ids = peer(ids, new_tokens)
+                e2e[name].append(1000 * (time.perf_counter() - start) / new_tokens)
+                if peer_ids != results["speed"].ids:
+                    raise SpeedcError(f"{name} produced different ids than SPEED: refusing to report speeds")
             s = results["speed"].stats
             accepted, mispredicted = accepted + s.accepted, mispredicted + s.mispredicted
             steps, emitted = steps + s.steps, emitted + s.new_tokens - 1
@@ -106,6 +123,7 @@ def run_bench(engine: Engine, *, prompts: list[str] | None = None, new_tokens: i
     bound = slots / (cost * (1 + (1 - alpha) * (slots - 1)))
     ms = {mode: _percentiles(samples) for mode, samples in times.items()}
     speedup = ms["autoregressive"]["p50"] / ms["speed"]["p50"]
+    e2e_ms = {name: _percentiles(samples) for name, samples in e2e.items()}
     return BenchReport(
         artifact=str(engine.directory), backend=engine.backend.name, slots=slots, new_tokens=new_tokens,
         repeats=repeats * len(prompts), identical_ids=identical, ms_per_token=ms,
@@ -113,4 +131,5 @@ def run_bench(engine: Engine, *, prompts: list[str] | None = None, new_tokens: i
         tokens_per_second={mode: round(1000 / v["p50"], 1) for mode, v in ms.items()},
         speedup_p50=round(speedup, 3), acceptance_rate=round(alpha, 4), tokens_per_step=round(emitted / max(steps, 1), 4),
         step_cost=round(cost, 3), bound=round(bound, 3), achieved_over_bound=round(speedup / bound, 3),
-        prefill_ms_p50=round(statistics.median(prefill), 3))
+        prefill_ms_p50=round(statistics.median(prefill), 3), e2e_ms_per_token=e2e_ms,
+        speed_speedup_e2e={name: round(v["p50"] / e2e_ms["speed"]["p50"], 3) for name, v in e2e_ms.items() if name != "speed"})

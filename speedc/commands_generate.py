@@ -93,15 +93,20 @@ def _print_stats(stats) -> None:
 @click.option("--backend", type=click.Choice(["onnx", "torch"]), default="onnx", show_default=True)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--threads", type=int, default=None, help="Intra-op threads (default: all cores).")
+@click.option("--peers/--no-peers", default=None,
+              help="Also time the PyTorch reference and transformers generate (default: when installed).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def bench(artifact, new_tokens, repeats, prompts, early_flush, backend, device, threads, as_json):
+def bench(artifact, new_tokens, repeats, prompts, early_flush, backend, device, threads, peers, as_json):
     """Measure SPEED against plain decoding on ARTIFACT: same backend, interleaved runs, identical ids checked first."""
     from speedc.bench import run_bench
+    from speedc.bench_peers import load_peers, peers_available
     from speedc.runtimes.engine import Engine
 
     engine = Engine.load(artifact, backend=backend, device=device, threads=threads)
+    use_peers = peers_available() if peers is None else peers
+    peer_fns = load_peers(artifact, engine.manifest, threads) if use_peers else None
     report = run_bench(engine, prompts=list(prompts) or None, new_tokens=new_tokens, repeats=repeats,
-                       early_flush=early_flush)
+                       early_flush=early_flush, peers=peer_fns)
     if as_json:
         click.echo(json.dumps(report.to_json()))
         return
@@ -115,6 +120,13 @@ def bench(artifact, new_tokens, repeats, prompts, early_flush, backend, device, 
         table.add_row(mode, f"{row['p50']:.3f}", f"{row['p90']:.3f}", f"{row['min']:.3f}", f"{report.tokens_per_second[mode]:.1f}")
     console = Console()
     console.print(table)
+    peers_table = Table(title="end to end (prompt + generation) ms per new token, same ids checked")
+    for column in ("system", "p50", "p90", "SPEED speedup"):
+        peers_table.add_column(column)
+    for name, row in report.e2e_ms_per_token.items():
+        ratio = report.speed_speedup_e2e.get(name)
+        peers_table.add_row(name, f"{row['p50']:.3f}", f"{row['p90']:.3f}", "-" if ratio is None else f"{ratio:.2f}x")
+    console.print(peers_table)
     console.print(f"identical ids: {report.identical_ids}   speedup (p50): {report.speedup_p50:.2f}x   "
                   f"acceptance: {report.acceptance_rate:.3f}   tokens/step: {report.tokens_per_step:.3f}")
     console.print(f"step cost c(P={report.slots}) = {report.step_cost:.2f}   analytic bound {report.bound:.2f}x   "

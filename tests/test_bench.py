@@ -17,4 +17,7 @@ def test_bench_json_fields(tiny_artifact):
                 "bound", "achieved_over_bound", "prefill_ms_p50"):
         assert key in report
     assert set(report["ms_per_token"]) == {"speed", "autoregressive"} and report["repeats"] == 2
+    # Peers ran on the same weights (their ids were checked against SPEED's inside the bench).
+    assert set(report["e2e_ms_per_token"]) == {"speed", "autoregressive", "pytorch-reference", "transformers"}
+    assert set(report["speed_speedup_e2e"]) == {"autoregressive", "pytorch-reference", "transformers"}
     assert 0 <= report["acceptance_rate"] <= 1 and report["step_cost"] > 0
