@@ -85,7 +85,10 @@ def _print_stats(stats) -> None:
 
 
 @click.command()
-@click.argument("artifact", type=click.Path(path_type=Path))
+@click.argument("artifact", type=click.Path(path_type=Path), required=False)
+@click.option("--memory-bound", is_flag=True,
+              help="Instead: build a random ~200 MB model of the zoo shape and report c(P) only (no speedups).")
+@click.option("--memory-bound-hidden", type=click.IntRange(64), default=1024, show_default=True, hidden=True)
 @click.option("--new-tokens", type=click.IntRange(2), default=128, show_default=True)
 @click.option("--repeats", type=click.IntRange(1), default=3, show_default=True, help="Passes over the prompt set.")
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable; default: a built-in set).")
@@ -96,8 +99,25 @@ def _print_stats(stats) -> None:
 @click.option("--peers/--no-peers", default=None,
               help="Also time the PyTorch reference and transformers generate (default: when installed).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def bench(artifact, new_tokens, repeats, prompts, early_flush, backend, device, threads, peers, as_json):
-    """Measure SPEED against plain decoding on ARTIFACT: same backend, interleaved runs, identical ids checked first."""
+def bench(artifact, memory_bound, memory_bound_hidden, new_tokens, repeats, prompts, early_flush, backend, device,
+          threads, peers, as_json):
+    """Measure SPEED against plain decoding (and peers) on ARTIFACT: interleaved runs, identical ids checked first.
+
+    With --memory-bound, measure the step cost c(P) on a large random-weight model instead."""
+    if memory_bound:
+        from speedc.bench_synthetic import synthetic_step_costs
+
+        report = synthetic_step_costs(hidden=memory_bound_hidden, threads=threads)
+        if as_json:
+            click.echo(json.dumps(report))
+        else:
+            click.echo(f"{report['label']}: hidden {report['hidden']}, {report['blocks']} blocks x {report['passes']} passes, "
+                       f"{report['unique_weight_mb']} MB unique weights, context {report['context']}")
+            for row in report["rows"]:
+                click.echo(f"  c(P={row['slots']}) = {row['step_cost']:.2f}")
+        return
+    if artifact is None:
+        raise GenerationError("give an ARTIFACT to benchmark (or --memory-bound)")
     from speedc.bench import run_bench
     from speedc.bench_peers import load_peers, peers_available
     from speedc.runtimes.engine import Engine

@@ -21,3 +21,12 @@ def test_bench_json_fields(tiny_artifact):
     assert set(report["e2e_ms_per_token"]) == {"speed", "autoregressive", "pytorch-reference", "transformers"}
     assert set(report["speed_speedup_e2e"]) == {"autoregressive", "pytorch-reference", "transformers"}
     assert 0 <= report["acceptance_rate"] <= 1 and report["step_cost"] > 0
+
+
+def test_memory_bound_step_cost_rows():
+    """The memory-bound mode (here shrunk to hidden 64 so CI stays fast) reports c(P) rows only."""
+    result = run_cli("bench", "--memory-bound", "--memory-bound-hidden", "64", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["label"].startswith("step cost only")
+    assert [row["slots"] for row in report["rows"]] == [2, 4] and all(row["step_cost"] > 0 for row in report["rows"])

@@ -1,0 +1,54 @@
+"""Step cost on a memory-bound configuration: a random-weight model of the zoo shape but large
+(hidden 1024, about 200 MB of unique fp32 weights, far beyond a CPU's last-level cache), compiled at
+each pipeline depth, then c(P) = (P-slot step time) / (plain token time / P), interleaved.
+
+Random weights make acceptance meaningless, so these rows are step cost only, never end-to-end
+speedups."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from speedc.bench import measure_step_cost
+
+
+def synthetic_config(hidden: int, blocks: int, passes: int):
+    from speedc.models.config import ModelConfig
+
+    return ModelConfig.from_json_dict({
+        "model_type": "llama", "vocab_size": 4096, "hidden_size": hidden, "intermediate_size": 3 * hidden,
+        "num_hidden_layers": blocks * passes, "num_attention_heads": max(hidden // 64, 1),
+        "num_key_value_heads": max(hidden // 256, 1), "max_position_embeddings": 1024,
+        "speedc": {"layer_map": {"pattern": "cycle", "num_blocks": blocks}, "exit": {"layer": blocks, "norm": "own"}},
+    })
+
+
+def synthetic_step_costs(*, hidden: int = 1024, blocks: int = 4, passes: int = 4, context: int = 512,
+                         threads: int | None = None, repeats: int = 100) -> dict:
+    import torch
+
+    from speedc.build import build
+    from speedc.models.checkpoint import save_checkpoint
+    from speedc.models.llama import SharedLlama
+    from speedc.passes.base import BuildOptions
+    from speedc.runtimes.engine import Engine
+
+    cfg = synthetic_config(hidden, blocks, passes)
+    torch.manual_seed(0)
+    model = SharedLlama(cfg)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.02) if param.dim() > 1 else param.fill_(1.0)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = save_checkpoint(model, Path(tmp) / "ckpt")
+        unique_bytes = sum(p.numel() * 4 for p in model.parameters())
+        for slots in [p for p in (2, 4, 8) if passes % p == 0 or p == passes]:
+            if (blocks * passes) % slots:
+                continue
+            art = build(checkpoint, Path(tmp) / f"p{slots}", BuildOptions(slots=slots), force=True).out
+            engine = Engine.load(art, threads=threads, verify=False)
+            rows.append({"slots": slots, "step_cost": round(measure_step_cost(engine, context, repeats), 3)})
+    return {"label": "step cost only (random weights)", "hidden": hidden, "blocks": blocks, "passes": passes,
+            "unique_weight_mb": round(unique_bytes / 1e6, 1), "context": context, "rows": rows}
