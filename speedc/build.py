@@ -7,6 +7,7 @@ after that pass.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -63,10 +64,11 @@ def write_graphs(graphs: dict[str, gs.Graph], directory: Path, weight_names: set
     """Export each graph to ONNX with its weights in ONE shared external-data file.
 
     Every checkpoint weight (and any other initializer of 1 KiB or more) goes to weights.bin; a
-    weight used by both graphs (same name) is written once and both graphs point at the same offset.
+    weight used by several graphs (same name, same bytes) is written once and they all point at it.
     Returns (graph I/O specs, weight index).
     """
     index: dict[str, dict] = {}
+    digests: dict[str, str] = {}
     specs: dict[str, dict] = {}
     with open(directory / WEIGHTS, "wb") as blob:
         for name, graph in graphs.items():
@@ -77,6 +79,7 @@ def write_graphs(graphs: dict[str, gs.Graph], directory: Path, weight_names: set
                 if array.nbytes < EXTERNAL_MIN_BYTES and init.name not in weight_names:
                     continue
                 data = np.ascontiguousarray(array).tobytes()
+                digest = hashlib.sha256(data).hexdigest()
                 entry = index.get(init.name)
                 if entry is None:
                     offset = -(-blob.tell() // WEIGHT_ALIGN) * WEIGHT_ALIGN
@@ -84,7 +87,8 @@ def write_graphs(graphs: dict[str, gs.Graph], directory: Path, weight_names: set
                     blob.write(data)
                     entry = index[init.name] = {"offset": offset, "length": len(data), "dtype": array.dtype.name,
                                                 "shape": list(array.shape)}
-                elif entry["length"] != len(data):
+                    digests[init.name] = digest
+                elif digests[init.name] != digest:
                     raise BuildError(f"internal: weight {init.name} differs between graphs")
                 init.ClearField("raw_data")
                 del init.float_data[:]
