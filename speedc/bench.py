@@ -45,6 +45,7 @@ class BenchReport:
     prefill_ms_p50: float
     e2e_ms_per_token: dict[str, dict[str, float]]  # system -> percentiles of (wall time of the call / new tokens)
     speed_speedup_e2e: dict[str, float]  # system -> its p50 e2e ms/token / SPEED's
+    weight_bytes: dict[str, int] = field(default_factory=dict)  # what each system stores
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:

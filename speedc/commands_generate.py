@@ -118,15 +118,20 @@ def bench(artifact, memory_bound, memory_bound_hidden, new_tokens, repeats, prom
         return
     if artifact is None:
         raise GenerationError("give an ARTIFACT to benchmark (or --memory-bound)")
+    import tempfile
+
     from speedc.bench import run_bench
-    from speedc.bench_peers import load_peers, peers_available
+    from speedc.bench_peers import load_peers, peers_available, peers_weight_bytes
     from speedc.runtimes.engine import Engine
 
     engine = Engine.load(artifact, backend=backend, device=device, threads=threads)
     use_peers = peers_available() if peers is None else peers
-    peer_fns = load_peers(artifact, engine.manifest, threads) if use_peers else None
-    report = run_bench(engine, prompts=list(prompts) or None, new_tokens=new_tokens, repeats=repeats,
-                       early_flush=early_flush, peers=peer_fns)
+    with tempfile.TemporaryDirectory() as workdir:
+        peer_fns = load_peers(artifact, engine.manifest, threads, Path(workdir)) if use_peers else None
+        report = run_bench(engine, prompts=list(prompts) or None, new_tokens=new_tokens, repeats=repeats,
+                           early_flush=early_flush, peers=peer_fns)
+    report.weight_bytes = {"speedc": engine.manifest.weights["stored_bytes"],
+                           "unrolled export": engine.manifest.weights["unrolled_bytes_fp32"], **peers_weight_bytes}
     if as_json:
         click.echo(json.dumps(report.to_json()))
         return
@@ -147,6 +152,7 @@ def bench(artifact, memory_bound, memory_bound_hidden, new_tokens, repeats, prom
         ratio = report.speed_speedup_e2e.get(name)
         peers_table.add_row(name, f"{row['p50']:.3f}", f"{row['p90']:.3f}", "-" if ratio is None else f"{ratio:.2f}x")
     console.print(peers_table)
+    console.print("weight bytes stored: " + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in report.weight_bytes.items()))
     console.print(f"identical ids: {report.identical_ids}   speedup (p50): {report.speedup_p50:.2f}x   "
                   f"acceptance: {report.acceptance_rate:.3f}   tokens/step: {report.tokens_per_step:.3f}")
     console.print(f"step cost c(P={report.slots}) = {report.step_cost:.2f}   analytic bound {report.bound:.2f}x   "
