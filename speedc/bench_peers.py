@@ -54,7 +54,8 @@ def genai_peer(hf_dir: Path, out_dir: Path) -> tuple[Peer, int] | None:
     return generate, stored
 
 
-def load_peers(directory: Path, manifest, threads: int | None, workdir: Path) -> dict[str, Peer]:
+def load_peers(directory: Path, manifest, threads: int | None, workdir: Path) -> tuple[dict[str, Peer], dict[str, int]]:
+    """(peer functions by name, bytes of weights each peer's export stores where known)."""
     if not peers_available():
         raise SpeedcError("peer systems need torch and transformers: pip install 'speedc[dev]'")
     import torch
@@ -81,10 +82,7 @@ def load_peers(directory: Path, manifest, threads: int | None, workdir: Path) ->
         return out[0, len(prompt):].tolist()
 
     peers = {"pytorch-reference": reference, "transformers": transformers_generate}
+    weight_bytes = {}
     if genai is not None:
-        peers["onnxruntime-genai"] = genai[0]
-        peers_weight_bytes["onnxruntime-genai"] = genai[1]
-    return peers
-
-
-peers_weight_bytes: dict[str, int] = {}  # what each peer's export stores, filled by load_peers
+        peers["onnxruntime-genai"], weight_bytes["onnxruntime-genai"] = genai
+    return peers, weight_bytes

@@ -121,17 +121,17 @@ def bench(artifact, memory_bound, memory_bound_hidden, new_tokens, repeats, prom
     import tempfile
 
     from speedc.bench import run_bench
-    from speedc.bench_peers import load_peers, peers_available, peers_weight_bytes
+    from speedc.bench_peers import load_peers, peers_available
     from speedc.runtimes.engine import Engine
 
     engine = Engine.load(artifact, backend=backend, device=device, threads=threads)
     use_peers = peers_available() if peers is None else peers
     with tempfile.TemporaryDirectory() as workdir:
-        peer_fns = load_peers(artifact, engine.manifest, threads, Path(workdir)) if use_peers else None
+        peer_fns, peer_bytes = load_peers(artifact, engine.manifest, threads, Path(workdir)) if use_peers else ({}, {})
         report = run_bench(engine, prompts=list(prompts) or None, new_tokens=new_tokens, repeats=repeats,
                            early_flush=early_flush, peers=peer_fns)
     report.weight_bytes = {"speedc": engine.manifest.weights["stored_bytes"],
-                           "unrolled export": engine.manifest.weights["unrolled_bytes_fp32"], **peers_weight_bytes}
+                           "unrolled export": engine.manifest.weights["unrolled_bytes_fp32"], **peer_bytes}
     if as_json:
         click.echo(json.dumps(report.to_json()))
         return
