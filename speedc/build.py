@@ -116,7 +116,7 @@ def weight_bytes(index: dict[str, dict], layer_map: list[int]) -> tuple[int, int
     return unique, unique - sum(block_sizes) + sum(block_sizes[b] for b in layer_map)
 
 
-def _acceptance_hint(checkpoint: Path) -> float | None:
+def acceptance_hint_from_training(checkpoint: Path) -> float | None:
     training = checkpoint / "training.json"
     try:
         history = json.loads(training.read_text())["history"]
@@ -125,7 +125,7 @@ def _acceptance_hint(checkpoint: Path) -> float | None:
         return None
 
 
-def _has_speedc_section(checkpoint: Path) -> bool:
+def has_speedc_section(checkpoint: Path) -> bool:
     try:
         return "speedc" in json.loads((checkpoint / "config.json").read_text())
     except (OSError, ValueError):
@@ -146,8 +146,8 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
     if out.resolve() == checkpoint.resolve():
         raise BuildError("the output directory must differ from the checkpoint directory")
     cfg, tensors = load_checkpoint(checkpoint, allow_pickle=allow_pickle)
-    state = CompileState(cfg, tensors, options, has_speedc_section=_has_speedc_section(checkpoint),
-                         acceptance_hint=_acceptance_hint(checkpoint))
+    state = CompileState(cfg, tensors, options, has_speedc_section=has_speedc_section(checkpoint),
+                         acceptance_hint=acceptance_hint_from_training(checkpoint))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:

@@ -10,13 +10,13 @@ from speedc.errors import SpeedcError
 
 
 def _from_checkpoint(path: Path, alpha: float | None) -> dict:
-    from speedc.build import _acceptance_hint, _has_speedc_section
+    from speedc.build import acceptance_hint_from_training, has_speedc_section
     from speedc.models.checkpoint import load_checkpoint
     from speedc.passes.base import BuildOptions, CompileState, graph_stats, run_passes
 
     cfg, tensors = load_checkpoint(path)
-    state = CompileState(cfg, tensors, BuildOptions(alpha=alpha), has_speedc_section=_has_speedc_section(path),
-                         acceptance_hint=_acceptance_hint(path))
+    state = CompileState(cfg, tensors, BuildOptions(alpha=alpha), has_speedc_section=has_speedc_section(path),
+                         acceptance_hint=acceptance_hint_from_training(path))
     state, _ = run_passes(state, ["trace", "share", "schedule"])
     stored = sum(t.numel() * 4 for t in tensors.values())
     return {"kind": "checkpoint", "path": str(path), "model": cfg.describe(), "layer_map": state.layer_map,
