@@ -56,14 +56,21 @@ class OnnxBackend:
         shape = (self.stage_layers, self.slots, self.kv_heads, capacity, self.head_dim)
         if self.key is None or self.key.shape != shape:
             self.key, self.value = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+            # The graphs read the cache through views fixed for the life of these buffers (no copies).
+            self.step_cache_feeds = {}
+            for j in range(self.stage_layers):
+                self.step_cache_feeds[f"cache.key.{j}"] = self.key[j]
+                self.step_cache_feeds[f"cache.value.{j}"] = self.value[j]
+            self.prefill_cache_feeds = {}
+            for layer in range(self.num_layers):
+                slot, j = divmod(layer, self.stage_layers)
+                self.prefill_cache_feeds[f"cache.key.{layer}"] = self.key[j, slot][None]
+                self.prefill_cache_feeds[f"cache.value.{layer}"] = self.value[j, slot][None]
         self.hidden_in[:] = 0.0
 
     def prefill(self, ids: list[int], start: int, want_logits: bool) -> tuple[int, np.ndarray | None]:
-        feeds = {"input_ids": np.asarray([ids], dtype=np.int64), "positions": np.asarray([start], dtype=np.int64)}
-        for layer in range(self.num_layers):
-            slot, j = divmod(layer, self.stage_layers)
-            feeds[f"cache.key.{layer}"] = self.key[j, slot][None]
-            feeds[f"cache.value.{layer}"] = self.value[j, slot][None]
+        feeds = {"input_ids": np.asarray([ids], dtype=np.int64), "positions": np.asarray([start], dtype=np.int64),
+                 **self.prefill_cache_feeds}
         names = ["next_token", "new_key", "new_value"] + (["logits"] if want_logits else [])
         outputs = self.sessions["prefill"].run(names, feeds)
         token, new_key, new_value = outputs[:3]
@@ -77,16 +84,14 @@ class OnnxBackend:
     def step(self, token: int, positions: np.ndarray, valid: np.ndarray, want_logits: bool,
              all_exits: bool = False) -> StepResult:
         feeds = {"input_ids": np.asarray([[token]], dtype=np.int64), "positions": positions.astype(np.int64),
-                 "hidden_in": self.hidden_in}
-        for j in range(self.stage_layers):
-            feeds[f"cache.key.{j}"] = self.key[j]
-            feeds[f"cache.value.{j}"] = self.value[j]
+                 "hidden_in": self.hidden_in, **self.step_cache_feeds}
         names = ["final_token", "exit_tokens", "hidden_out", "new_key", "new_value"] + (["final_logits"] if want_logits else [])
         outputs = self.sessions["step_flush" if all_exits else "step"].run(names, feeds)
         final_token, exit_tokens, hidden_out, new_key, new_value = outputs[:5]
-        for slot in np.flatnonzero(valid):  # bubbles never write
-            pos = positions[slot]
-            self.key[:, slot, :, pos] = new_key[:, slot, :, 0]
-            self.value[:, slot, :, pos] = new_value[:, slot, :, 0]
+        # New rows [S, P, kvh, 1, hd] -> buffer[:, s, :, positions[s]] for valid slots only (bubbles never
+        # write). The indexed target is [n, S, kvh, hd] (advanced indices first), hence the transpose.
+        rows = np.flatnonzero(valid)
+        self.key[:, rows, :, positions[rows]] = new_key[:, :, :, 0][:, rows].transpose(1, 0, 2, 3)
+        self.value[:, rows, :, positions[rows]] = new_value[:, :, :, 0][:, rows].transpose(1, 0, 2, 3)
         self.hidden_in = hidden_out[:-1]  # slot s's output is slot s+1's input next step
         return StepResult(int(final_token[0]), outputs[5][0] if want_logits else None, exit_tokens)

@@ -116,11 +116,12 @@ class TorchBackend:
         exit_tokens = model.exit_head(exit_rows)[:, 0].argmax(-1)  # [P] or [1]
         final_logits = model.final_head(x[-1])[0]  # [V]
         tokens = torch.cat((final_logits.argmax()[None], exit_tokens)).cpu().numpy()
-        for slot in np.flatnonzero(valid):  # bubbles never write
-            pos = int(positions[slot])
-            for j, (k, v) in enumerate(new_rows):
-                self.key[j, slot, :, pos] = k[slot, :, 0]
-                self.value[j, slot, :, pos] = v[slot, :, 0]
+        # New rows of valid slots only (bubbles never write), all stage layers in one indexed copy each:
+        # the indexed target is [n, S, kvh, hd] (advanced indices first), hence the transpose.
+        rows = torch.from_numpy(np.flatnonzero(valid)).to(self.device)
+        for buffer, part in ((self.key, 0), (self.value, 1)):
+            new = torch.stack([kv[part][:, :, 0] for kv in new_rows])  # [S, P, kvh, hd]
+            buffer[:, rows, :, starts[rows]] = new[:, rows].transpose(0, 1)
         self.hidden_in = x[:-1]
         logits = final_logits.float().cpu().numpy() if want_logits else None
         return StepResult(int(tokens[0]), logits, tokens[1:])
