@@ -59,7 +59,9 @@ def emit_head(graph: gs.Graph, state: CompileState, rows: gs.Tensor, norm_weight
     return _logits_and_tokens(graph, state, normed, prefix, logits_name, token_name)
 
 
-def _logits_and_tokens(graph, state, normed, prefix, logits_name, token_name):
+def _logits_and_tokens(graph: gs.Graph, state: CompileState, normed: gs.Tensor, prefix: str, logits_name: str,
+                       token_name: str) -> tuple[gs.Tensor, gs.Tensor]:
+    """normed rows [R, H] -> logits [R, V] (one LM-head Gemm), argmax tokens [R] (int64)."""
     logits = graph.layer(op="Gemm", inputs=[normed, _lm_head(graph, state)], outputs=[logits_name],
                          attrs={"transB": 1}, name=f"{prefix}/Gemm_lm_head")[0]
     token = graph.layer(op="ArgMax", inputs=[logits], outputs=[token_name], attrs={"axis": -1, "keepdims": 0},
