@@ -46,6 +46,8 @@ class BenchReport:
     e2e_ms_per_token: dict[str, dict[str, float]]  # system -> percentiles of (wall time of the call / new tokens)
     speed_speedup_e2e: dict[str, float]  # system -> its p50 e2e ms/token / SPEED's
     weight_bytes: dict[str, int] = field(default_factory=dict)  # what each system stores
+    peak_rss_mb: dict[str, float] = field(default_factory=dict)  # system -> peak RSS of a fresh process running it
+    sweep: dict[str, dict] = field(default_factory=dict)  # "slots" / "length" -> {rows, skipped}
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:

@@ -27,19 +27,25 @@ def peers_available() -> bool:
     return True
 
 
-def genai_peer(hf_dir: Path, out_dir: Path) -> tuple[Peer, int] | None:
-    """Export with ORT GenAI's model builder (offline, from the local directory) and wrap its generator.
-    Returns (peer, bytes of the exported weights), or None when onnxruntime-genai is not installed."""
+def genai_export(hf_dir: Path, out_dir: Path) -> bool:
+    """Export with ORT GenAI's model builder (offline, from the local directory); False when
+    onnxruntime-genai is not installed."""
     try:
-        import onnxruntime_genai as og
+        import onnxruntime_genai  # noqa: F401
     except ImportError:
-        return None
+        return False
     built = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(out_dir),
                             "-p", "fp32", "-e", "cpu"], capture_output=True, text=True)
     if built.returncode != 0:
         raise SpeedcError(f"ORT GenAI model builder failed: {(built.stderr.strip().splitlines() or ['?'])[-1]}")
-    model = og.Model(str(out_dir))
-    stored = sum(p.stat().st_size for p in out_dir.glob("*.data"))
+    return True
+
+
+def genai_peer(model_dir: Path) -> Peer:
+    """ONNX Runtime GenAI's greedy generator on an export of its model builder."""
+    import onnxruntime_genai as og
+
+    model = og.Model(str(model_dir))
 
     def generate(prompt: list[int], new_tokens: int) -> list[int]:
         params = og.GeneratorParams(model)
@@ -51,38 +57,67 @@ def genai_peer(hf_dir: Path, out_dir: Path) -> tuple[Peer, int] | None:
             generator.generate_next_token()
         return list(generator.get_sequence(0))[len(prompt):]
 
-    return generate, stored
+    return generate
+
+
+PEER_NAMES = ("pytorch-reference", "transformers", "onnxruntime-genai")
+
+
+def prepare_peers(directory: Path, manifest, threads: int | None, workdir: Path) -> dict[str, int]:
+    """Write what the peers load into WORKDIR: the unrolled HF checkpoint and, when onnxruntime-genai
+    is installed, its builder's export. Returns the bytes of weights each peer's export stores."""
+    if not peers_available():
+        raise SpeedcError("peer systems need torch and transformers: pip install 'speedc[dev]'")
+    from speedc.models.checkpoint import save_unrolled_hf
+    from speedc.runtimes.torch_backend import load_model_from_artifact
+
+    _set_threads(threads)
+    tokenizer = directory / "tokenizer.json"
+    hf_dir = save_unrolled_hf(load_model_from_artifact(directory, manifest), workdir / "hf",
+                              tokenizer_json=tokenizer.read_text() if tokenizer.exists() else None)
+    weight_bytes = {"transformers": sum(p.stat().st_size for p in hf_dir.glob("*.safetensors"))}
+    if tokenizer.exists() and genai_export(hf_dir, workdir / "genai"):
+        weight_bytes["onnxruntime-genai"] = sum(p.stat().st_size for p in (workdir / "genai").glob("*.data"))
+    return weight_bytes
+
+
+def _set_threads(threads: int | None) -> None:
+    import torch
+
+    torch.set_num_threads(threads or int(os.environ.get("SPEEDC_THREADS", 0)) or (os.cpu_count() or 1))
+
+
+def load_peer(name: str, directory: Path, manifest, threads: int | None, workdir: Path) -> Peer:
+    """One peer, from the artifact (pytorch-reference) or from what prepare_peers wrote."""
+    import torch
+
+    _set_threads(threads)
+    if name == "pytorch-reference":
+        from speedc.models.generate import generate
+        from speedc.runtimes.torch_backend import load_model_from_artifact
+
+        model = load_model_from_artifact(directory, manifest)
+        return lambda prompt, new_tokens: generate(model, prompt, new_tokens)
+    if name == "transformers":
+        from transformers import LlamaForCausalLM
+
+        hf = LlamaForCausalLM.from_pretrained(workdir / "hf", torch_dtype=torch.float32).eval()
+
+        @torch.no_grad()
+        def transformers_generate(prompt: list[int], new_tokens: int) -> list[int]:
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              do_sample=False, pad_token_id=0, eos_token_id=None)
+            return out[0, len(prompt):].tolist()
+
+        return transformers_generate
+    if name == "onnxruntime-genai":
+        return genai_peer(workdir / "genai")
+    raise SpeedcError(f"unknown peer {name!r} (known: {', '.join(PEER_NAMES)})")
 
 
 def load_peers(directory: Path, manifest, threads: int | None, workdir: Path) -> tuple[dict[str, Peer], dict[str, int]]:
-    """(peer functions by name, bytes of weights each peer's export stores where known)."""
-    if not peers_available():
-        raise SpeedcError("peer systems need torch and transformers: pip install 'speedc[dev]'")
-    import torch
-    from transformers import LlamaForCausalLM
-
-    from speedc.models.checkpoint import save_unrolled_hf
-    from speedc.models.generate import generate
-    from speedc.runtimes.torch_backend import load_model_from_artifact
-
-    torch.set_num_threads(threads or int(os.environ.get("SPEEDC_THREADS", 0)) or (os.cpu_count() or 1))
-    model = load_model_from_artifact(directory, manifest)
-    tokenizer = directory / "tokenizer.json"
-    hf_dir = save_unrolled_hf(model, workdir / "hf", tokenizer_json=tokenizer.read_text() if tokenizer.exists() else None)
-    hf = LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
-    genai = genai_peer(hf_dir, workdir / "genai") if tokenizer.exists() else None
-
-    def reference(prompt: list[int], new_tokens: int) -> list[int]:
-        return generate(model, prompt, new_tokens)
-
-    @torch.no_grad()
-    def transformers_generate(prompt: list[int], new_tokens: int) -> list[int]:
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                          pad_token_id=0, eos_token_id=None)
-        return out[0, len(prompt):].tolist()
-
-    peers = {"pytorch-reference": reference, "transformers": transformers_generate}
-    weight_bytes = {}
-    if genai is not None:
-        peers["onnxruntime-genai"], weight_bytes["onnxruntime-genai"] = genai
+    """(peer functions by name, bytes of weights each peer's export stores)."""
+    weight_bytes = prepare_peers(directory, manifest, threads, workdir)
+    peers = {name: load_peer(name, directory, manifest, threads, workdir)
+             for name in PEER_NAMES if name == "pytorch-reference" or name in weight_bytes}
     return peers, weight_bytes

@@ -24,12 +24,19 @@ from speedc.errors import GenerationError
 @click.option("--threads", type=int, default=None, help="Intra-op threads (default: all cores).")
 @click.option("--peers/--no-peers", default=None,
               help="Also time the PyTorch reference and transformers generate (default: when installed).")
+@click.option("--sweep", "sweeps", multiple=True, type=click.Choice(["slots", "length"]),
+              help="Also sweep pipeline depth P = 1, 2, 4, 8 (recompiling; needs the compiler) or context 128..2048.")
+@click.option("--memory/--no-memory", default=True, show_default=True,
+              help="Peak RSS of each system, each measured in a fresh process.")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG: tokens/s per system, speedup vs slots with the bound.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def bench(artifact, memory_bound, memory_bound_hidden, new_tokens, repeats, prompts, early_flush, backend, device,
-          threads, peers, as_json):
+          threads, peers, sweeps, memory, plot, as_json):
     """Measure SPEED against plain decoding (and peers) on ARTIFACT: interleaved runs, identical ids checked first.
 
-    With --memory-bound, measure the step cost c(P) on a large random-weight model instead."""
+    Reports ms/token p50/p90, acceptance, tokens/step, c(P), the analytic bound, prefill time, peak
+    RSS and weight bytes per system. With --memory-bound, measure the step cost c(P) on a large
+    random-weight model instead."""
     if memory_bound:
         from speedc.bench_synthetic import synthetic_step_costs
 
@@ -44,24 +51,51 @@ def bench(artifact, memory_bound, memory_bound_hidden, new_tokens, repeats, prom
         return
     if artifact is None:
         raise GenerationError("give an ARTIFACT to benchmark (or --memory-bound)")
+    if plot is not None and plot.suffix.lower() != ".png":
+        raise GenerationError(f"--plot {plot}: give a .png file name")
     import tempfile
 
+    from rich.console import Console
+
     from speedc.bench import run_bench
+    from speedc.bench_memory import peak_rss_mb
     from speedc.bench_peers import load_peers, peers_available
+    from speedc.bench_sweep import sweep_length, sweep_slots
     from speedc.runtimes.engine import Engine
 
+    status = Console(stderr=True)
     engine = Engine.load(artifact, backend=backend, device=device, threads=threads)
     use_peers = peers_available() if peers is None else peers
-    with tempfile.TemporaryDirectory() as workdir:
-        peer_fns, peer_bytes = load_peers(artifact, engine.manifest, threads, Path(workdir)) if use_peers else ({}, {})
+    with tempfile.TemporaryDirectory() as tmp, status.status("bench") as spinner:
+        workdir = Path(tmp)
+        if use_peers:
+            spinner.update("exporting and loading peers on the same weights")
+        peer_fns, peer_bytes = load_peers(artifact, engine.manifest, threads, workdir) if use_peers else ({}, {})
+        spinner.update(f"interleaved runs: speed, autoregressive{''.join(', ' + p for p in peer_fns)}")
         report = run_bench(engine, prompts=list(prompts) or None, new_tokens=new_tokens, repeats=repeats,
                            early_flush=early_flush, peers=peer_fns)
+        if memory:
+            for system in ("speed", "autoregressive", *peer_fns):
+                spinner.update(f"peak RSS: {system} in a fresh process")
+                report.peak_rss_mb[system] = peak_rss_mb(system, artifact, workdir, new_tokens, threads, backend, device)
     report.weight_bytes = {"speedc": engine.manifest.weights["stored_bytes"],
                            "unrolled export": engine.manifest.weights["unrolled_bytes_fp32"], **peer_bytes}
+    with status.status("sweeps") as spinner:
+        if "slots" in sweeps:
+            report.sweep["slots"] = sweep_slots(engine, prompts=list(prompts) or None, new_tokens=new_tokens,
+                                                repeats=repeats, threads=threads, backend=backend, device=device,
+                                                progress=spinner.update)
+        if "length" in sweeps:
+            report.sweep["length"] = sweep_length(engine, prompts=list(prompts) or None, new_tokens=new_tokens,
+                                                  repeats=repeats, progress=spinner.update)
+    if plot is not None:
+        from speedc.bench_plot import write_plot
+
+        write_plot(report.to_json(), plot)
+        status.print(f"wrote {plot}")
     if as_json:
         click.echo(json.dumps(report.to_json()))
         return
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"{artifact} ({report.backend}, P={report.slots}, {report.repeats} runs x {new_tokens} tokens)")
@@ -78,8 +112,28 @@ def bench(artifact, memory_bound, memory_bound_hidden, new_tokens, repeats, prom
         ratio = report.speed_speedup_e2e.get(name)
         peers_table.add_row(name, f"{row['p50']:.3f}", f"{row['p90']:.3f}", "-" if ratio is None else f"{ratio:.2f}x")
     console.print(peers_table)
+    if report.peak_rss_mb:
+        console.print("peak RSS (each system in a fresh process): "
+                      + ", ".join(f"{k} {v:.0f} MB" for k, v in report.peak_rss_mb.items()))
     console.print("weight bytes stored: " + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in report.weight_bytes.items()))
     console.print(f"identical ids: {report.identical_ids}   speedup (p50): {report.speedup_p50:.2f}x   "
                   f"acceptance: {report.acceptance_rate:.3f}   tokens/step: {report.tokens_per_step:.3f}")
     console.print(f"step cost c(P={report.slots}) = {report.step_cost:.2f}   analytic bound {report.bound:.2f}x   "
                   f"achieved / bound {report.achieved_over_bound:.2f}   prefill p50 {report.prefill_ms_p50:.2f} ms")
+    for kind, sweep in report.sweep.items():
+        print_sweep(console, kind, sweep)
+
+
+def print_sweep(console, kind: str, sweep: dict) -> None:
+    from rich.table import Table
+
+    key = "slots" if kind == "slots" else "context"
+    table = Table(title=f"sweep {kind}" + (" (recompiled at each P)" if kind == "slots" else ""))
+    for column in (key, "speed ms/token", "autoregressive ms/token", "speedup", "acceptance", "c(P)", "bound"):
+        table.add_column(column)
+    for row in sweep["rows"]:
+        table.add_row(str(row[key]), f"{row['ms_per_token_speed']:.3f}", f"{row['ms_per_token_autoregressive']:.3f}",
+                      f"{row['speedup']:.2f}x", f"{row['acceptance']:.3f}", f"{row['step_cost']:.2f}", f"{row['bound']:.2f}x")
+    console.print(table)
+    for value, why in sweep["skipped"].items():
+        console.print(f"  {key} {value} skipped: {why}")

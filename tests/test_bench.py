@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import run_cli
+from conftest import assert_one_line_error, run_cli
 
 
 def test_bench_json_fields(tiny_artifact):
@@ -23,6 +23,36 @@ def test_bench_json_fields(tiny_artifact):
     assert set(report["speed_speedup_e2e"]) == {"autoregressive", *peers}
     assert report["weight_bytes"]["speedc"] < report["weight_bytes"]["onnxruntime-genai"]
     assert 0 <= report["acceptance_rate"] <= 1 and report["step_cost"] > 0
+    # Peak RSS, each system in its own process: the ONNX Runtime path never imports torch, the peers do.
+    assert set(report["peak_rss_mb"]) == {"speed", "autoregressive", *peers}
+    assert 0 < report["peak_rss_mb"]["speed"] < report["peak_rss_mb"]["pytorch-reference"]
+
+
+def test_bench_sweeps_and_plot(tiny_artifact, tmp_path):
+    """--sweep slots recompiles at every P the layer map allows; --sweep length fills the context up to
+    the model's limit; --plot writes a PNG. Fields only, never speeds."""
+    plot = tmp_path / "bench.png"
+    result = run_cli("bench", tiny_artifact, "--new-tokens", "8", "--repeats", "1", "--prompt", "ROMEO:", "--no-peers",
+                     "--no-memory", "--sweep", "slots", "--sweep", "length", "--plot", plot, "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    slots = report["sweep"]["slots"]
+    assert [row["slots"] for row in slots["rows"]] == [1, 2, 4]  # tiny: 2 blocks x 4 passes
+    assert list(slots["skipped"]) == ["8"] and "allows P in [1, 2, 4]" in slots["skipped"]["8"]
+    assert slots["rows"][0]["step_cost"] == 1.0 and slots["rows"][0]["acceptance"] == 0.0  # P=1: plain decoding
+    assert all(row["acceptance"] > 0 and row["step_cost"] > 0 for row in slots["rows"][1:])
+    length = report["sweep"]["length"]
+    assert [row["context"] for row in length["rows"]] == [128, 256, 512]  # tiny's context is 512
+    assert set(length["skipped"]) == {"1024", "2048"}
+    assert report["peak_rss_mb"] == {}  # --no-memory
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(tmp_path.glob(".*partial*"))
+
+
+def test_bench_plot_needs_png(tiny_artifact, tmp_path):
+    result = run_cli("bench", tiny_artifact, "--no-peers", "--plot", tmp_path / "bench.jpg")
+    assert_one_line_error(result, "--plot")
+    assert not (tmp_path / "bench.jpg").exists()
 
 
 def test_memory_bound_step_cost_rows():

@@ -1,0 +1,72 @@
+"""`speedc bench --plot FILE.png`: the bench report as a figure (matplotlib, the `bench` extra).
+
+    [ tokens/s per system ]  [ speedup vs slots P, bound drawn ]  [ ms/token vs context ]*
+    * only when the report holds a --sweep length
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from speedc.errors import SpeedcError
+
+
+def _speedup_points(report: dict) -> tuple[list[int], list[float], list[float]]:
+    rows = report.get("sweep", {}).get("slots", {}).get("rows")
+    if rows:
+        return [r["slots"] for r in rows], [r["speedup"] for r in rows], [r["bound"] for r in rows]
+    return [report["slots"]], [report["speedup_p50"]], [report["bound"]]
+
+
+def write_plot(report: dict, path: Path) -> Path:
+    """Draw REPORT (BenchReport JSON, optionally with "sweep") into PATH; returns PATH."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SpeedcError("--plot needs matplotlib: pip install 'speedc[bench]'") from None
+    length_rows = report.get("sweep", {}).get("length", {}).get("rows")
+    panels = 3 if length_rows else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.2))
+
+    systems = report["e2e_ms_per_token"]
+    names = list(systems)
+    tokens_per_second = [1000.0 / systems[name]["p50"] for name in names]
+    axes[0].bar(range(len(names)), tokens_per_second, color=["tab:green" if n == "speed" else "tab:gray" for n in names])
+    axes[0].set_xticks(range(len(names)), names, rotation=30, ha="right")
+    axes[0].set_ylabel("tokens/s (end to end, p50)")
+    axes[0].set_title("same ids, same weights")
+
+    slots, speedups, bounds = _speedup_points(report)
+    axes[1].plot(slots, speedups, "o-", color="tab:green", label="measured speed / autoregressive")
+    axes[1].plot(slots, bounds, "s--", color="tab:blue", label="bound P / (c(P)(1+(1-a)(P-1)))")
+    axes[1].axhline(1.0, color="gray", lw=0.8)
+    axes[1].set_xticks(slots)
+    axes[1].set_xlabel("slots P")
+    axes[1].set_ylabel("speedup")
+    axes[1].set_title(f"acceptance a = {report['acceptance_rate']:.2f}")
+    axes[1].legend(fontsize=8)
+
+    if length_rows:
+        contexts = [r["context"] for r in length_rows]
+        axes[2].plot(contexts, [r["ms_per_token_autoregressive"] for r in length_rows], "o-", color="tab:gray",
+                     label="autoregressive")
+        axes[2].plot(contexts, [r["ms_per_token_speed"] for r in length_rows], "o-", color="tab:green", label="speed")
+        axes[2].set_xscale("log", base=2)
+        axes[2].set_xlabel("context (tokens)")
+        axes[2].set_ylabel("ms / token (p50)")
+        axes[2].legend(fontsize=8)
+    fig.suptitle(f"{Path(report['artifact']).name}: {report['backend']}, P={report['slots']}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial{path.suffix}")  # never leave half a file at PATH
+    try:
+        fig.savefig(partial, dpi=110)
+        os.replace(partial, path)
+    finally:
+        plt.close(fig)
+        partial.unlink(missing_ok=True)
+    return path
