@@ -41,6 +41,7 @@ class CompileState:
     exit_layer: int | None = None  # logical layers before the early-exit head (share pass decides)
     exit_norm: str | None = None  # initializer name of the exit head's RMSNorm weight
     schedule: "object | None" = None  # passes.schedule.Schedule
+    weight_parts: dict[str, list] = field(default_factory=dict)  # stacked weight -> [(part, first row, rows)]
     notes: list[str] = field(default_factory=list)
 
 

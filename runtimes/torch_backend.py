@@ -58,7 +58,7 @@ def load_model_from_artifact(directory: Path, manifest: Manifest) -> SharedLlama
     cfg = dataclasses.replace(base, layer_map=list(manifest.layer_map), exit_layer=manifest.exit_layer,
                               exit_norm="own" if "model.exit_norm.weight" in index else "final")
     tensors = {name: torch.from_numpy(np.array(read_weight(directory, manifest, name), dtype=np.float32))
-               for name in index}
+               for name, entry in index.items() if "parts" not in entry}  # checkpoint tensors, not stacked ones
     return model_from_state(cfg, tensors)
 
 

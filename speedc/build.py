@@ -27,14 +27,15 @@ from speedc.artifact import (CONFIG, FORMAT_VERSION, MANIFEST, PREFILL_GRAPH, ST
                              WEIGHT_ALIGN, WEIGHTS, Manifest, sha256_file)
 from speedc.errors import BuildError, SpeedcError
 from speedc.models.checkpoint import checkpoint_hash, load_checkpoint, read_tokenizer_json
-from speedc.passes import cleanup, exit_heads, kv_cache, pipeline, schedule, share, trace, trt_lint  # noqa: F401 (registers)
+from speedc.passes import (cleanup, exit_heads, fuse_projections, kv_cache, pipeline, schedule, share, trace,  # noqa: F401
+                           trt_lint)  # (importing registers the passes)
 from speedc.passes.base import PASSES, BuildOptions, CompileState, PassReport, run_passes
 from speedc.passes.trace import OPSET
 
 PIPELINE: list[tuple[str, list[str]]] = [
     ("import", ["trace"]),
     ("analysis", ["share", "schedule"]),
-    ("lowering", ["pipeline", "exit_heads", "kv_cache"]),
+    ("lowering", ["pipeline", "exit_heads", "kv_cache", "fuse_projections"]),
     ("finalize", ["cleanup", "trt_lint"]),
 ]
 PASS_ORDER = [name for _, names in PIPELINE for name in names]
@@ -60,13 +61,17 @@ def _io_spec(values) -> list[dict]:
     return spec
 
 
-def write_graphs(graphs: dict[str, gs.Graph], directory: Path, weight_names: set[str]) -> tuple[dict, dict]:
+def write_graphs(graphs: dict[str, gs.Graph], directory: Path, weight_names: set[str],
+                 weight_parts: dict[str, list] | None = None) -> tuple[dict, dict]:
     """Export each graph to ONNX with its weights in ONE shared external-data file.
 
     Every checkpoint weight (and any other initializer of 1 KiB or more) goes to weights.bin; a
     weight used by several graphs (same name, same bytes) is written once and they all point at it.
+    A stacked weight (fuse_projections) is one entry with "parts"; each checkpoint tensor in it gets
+    its own entry "within" it: a byte range of the stacked data, never a copy.
     Returns (graph I/O specs, weight index).
     """
+    weight_parts = weight_parts or {}
     index: dict[str, dict] = {}
     digests: dict[str, str] = {}
     specs: dict[str, dict] = {}
@@ -88,6 +93,8 @@ def write_graphs(graphs: dict[str, gs.Graph], directory: Path, weight_names: set
                     entry = index[init.name] = {"offset": offset, "length": len(data), "dtype": array.dtype.name,
                                                 "shape": list(array.shape)}
                     digests[init.name] = digest
+                    if init.name in weight_parts:
+                        entry["parts"] = _index_parts(index, entry, init.name, weight_parts[init.name], array)
                 elif digests[init.name] != digest:
                     raise BuildError(f"internal: weight {init.name} differs between graphs")
                 init.ClearField("raw_data")
@@ -105,9 +112,23 @@ def write_graphs(graphs: dict[str, gs.Graph], directory: Path, weight_names: set
     return specs, index
 
 
+def _index_parts(index: dict[str, dict], entry: dict, name: str, parts: list, array: np.ndarray) -> list[str]:
+    """Index entries for the checkpoint tensors stacked (row blocks) in weight NAME."""
+    row_bytes = array.itemsize * int(np.prod(array.shape[1:]))
+    for part, first_row, rows in parts:
+        index[part] = {"offset": entry["offset"] + first_row * row_bytes, "length": rows * row_bytes,
+                       "dtype": array.dtype.name, "shape": [rows, *array.shape[1:]], "within": name}
+    return [part for part, _, _ in parts]
+
+
+def stored_entries(index: dict[str, dict]) -> dict[str, dict]:
+    """The index entries that own bytes in weights.bin (not the views "within" a stacked weight)."""
+    return {name: entry for name, entry in index.items() if "within" not in entry}
+
+
 def weight_bytes(index: dict[str, dict], layer_map: list[int]) -> tuple[int, int]:
     """(fp32 bytes of the unique weights, fp32 bytes an unrolled export storing every layer would need)."""
-    sizes = {name: int(np.prod(entry["shape"])) * 4 for name, entry in index.items()}
+    sizes = {name: int(np.prod(entry["shape"])) * 4 for name, entry in stored_entries(index).items()}
     block_sizes = [0] * (max(layer_map) + 1)
     for name, size in sizes.items():
         if name.startswith("model.blocks."):
@@ -156,12 +177,12 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
         if options.target == "trt":
             raise BuildError("--target trt: TensorRT engine building is not available in this speedc build "
                              "(the TensorRT lint passed; build --target onnx to deploy with ONNX Runtime)")
-        specs, index = write_graphs(state.graphs, tmp, set(tensors))
+        specs, index = write_graphs(state.graphs, tmp, set(tensors), state.weight_parts)
         cfg.save(tmp / CONFIG)
         tokenizer = read_tokenizer_json(checkpoint)
         if tokenizer is not None:
             (tmp / TOKENIZER).write_text(tokenizer)
-        stored = sum(e["length"] for e in index.values())
+        stored = sum(e["length"] for e in stored_entries(index).values())
         unique_bytes, unrolled_bytes = weight_bytes(index, state.layer_map)
         schedule = state.schedule.to_json()
         manifest = Manifest(

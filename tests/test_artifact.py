@@ -32,9 +32,17 @@ def test_artifact_layout_and_weight_bytes(tiny_artifact):
         model = onnx.load(str(tiny_artifact / graph), load_external_data=False)
         assert all(init.data_location == onnx.TensorProto.EXTERNAL for init in model.graph.initializer if init.name in m.weights["index"])
     assert m.layer_map == [0, 1] * 4 and m.slots == 4 and m.stage_layers == 2
+    # Stacked projections (fuse_projections): checkpoint tensors are byte ranges of the stacked weight.
+    index = m.weights["index"]
+    stacked = [name for name, entry in index.items() if "parts" in entry]
+    assert len(stacked) == 4  # q+k+v and gate+up, for each of the 2 blocks
+    for name in stacked:
+        rows = [read_weight(tiny_artifact, m, part) for part in index[name]["parts"]]
+        assert all(index[part]["within"] == name for part in index[name]["parts"])
+        np.testing.assert_array_equal(np.concatenate(rows), read_weight(tiny_artifact, m, name))
     assert m.source_checkpoint_sha256 and m.onnx_opset == 17 and m.format_version == 1
     assert [p["name"] for p in m.build["passes"]] == ["trace", "share", "schedule", "pipeline", "exit_heads",
-                                                      "kv_cache", "cleanup", "trt_lint"]
+                                                      "kv_cache", "fuse_projections", "cleanup", "trt_lint"]
 
 
 def test_hf_layout_builds_to_the_same_weights(tmp_path, tiny_artifact):

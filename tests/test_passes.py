@@ -120,6 +120,45 @@ def test_exit_heads_and_kv_cache_outputs(model):
                for g in state.graphs.values() for t in g.inputs)
 
 
+def _random_feeds(graph: gs.Graph, context: int = 6) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for t in graph.inputs:
+        shape = [context if isinstance(d, str) else d for d in t.shape]
+        if t.name == "input_ids":
+            feeds[t.name] = rng.integers(0, 97, size=shape)
+        elif t.name == "positions":
+            feeds[t.name] = rng.integers(1, context, size=shape)
+        else:
+            feeds[t.name] = rng.standard_normal(shape).astype(np.float32)
+    return feeds
+
+
+def test_fuse_projections_before_after(model):
+    before = _through(_state(model), "kv_cache")
+    step = before.graphs["step"]
+    feeds = _random_feeds(step)
+    names = [t.name for t in step.outputs]
+    expected = ort.InferenceSession(gs.export_onnx(step.copy()).SerializeToString()).run(names, feeds)
+    assert _ops(step, "Gemm") == 2 * 7 + 1  # before: 7 projections x 2 layers + the shared LM head
+    after = run_passes(before, ["fuse_projections"])[0]
+    step = after.graphs["step"]
+    # After: q/k/v and gate/up read their input once each: 4 Gemms a layer (qkv, o, gate+up, down) + head.
+    assert _ops(step, "Gemm") == 2 * 4 + 1 and _ops(step, "Split") >= 2 * 2
+    weights = [n.inputs[1].name for n in step.nodes if n.op == "Gemm"]
+    assert "model.blocks.0.self_attn.q_proj.weight+model.blocks.0.self_attn.k_proj.weight+model.blocks.0.self_attn.v_proj.weight" in weights
+    assert "model.blocks.1.mlp.gate_proj.weight+model.blocks.1.mlp.up_proj.weight" in weights
+    assert len(weights) == len(set(weights))  # still no weight loaded twice in a step
+    parts = after.weight_parts["model.blocks.1.mlp.gate_proj.weight+model.blocks.1.mlp.up_proj.weight"]
+    assert [(name.split(".")[-2], first, rows) for name, first, rows in parts] == [("gate_proj", 0, 48), ("up_proj", 48, 48)]
+    got = ort.InferenceSession(gs.export_onnx(step.copy()).SerializeToString()).run(names, feeds)
+    for name, want, have in zip(names, expected, got):
+        np.testing.assert_allclose(have, want, atol=1e-5, rtol=1e-5, err_msg=name)
+    # The prefill graph runs every block several times: each stacked weight is built once and reused.
+    prefill_weights = {n.inputs[1].name for n in after.graphs["prefill"].nodes if n.op == "Gemm"}
+    assert set(weights) <= prefill_weights and len(prefill_weights) == len(set(weights))
+
+
 def test_cleanup_folds_and_fp16_halves_weights(model):
     before = _through(_state(model, dtype="fp16"), "kv_cache")
     nodes_before = {k: len(g.nodes) for k, g in before.graphs.items()}
