@@ -67,9 +67,10 @@ def generate(model: SharedLlama, prompt_ids: list[int], max_new_tokens: int, sam
         raise GenerationError(f"prompt ({len(prompt_ids)}) + max new tokens ({max_new_tokens}) exceeds the context "
                               f"({cfg.max_position_embeddings})")
     gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-    dtype = next(model.parameters()).dtype
-    cache = new_kv_cache(cfg, 1, total, dtype=dtype)
-    logits = model(torch.tensor([prompt_ids]), cache=cache, start_pos=0).logits[0, -1]
+    weight = next(model.parameters())
+    dtype, device = weight.dtype, weight.device  # runs where the model lives (CPU or CUDA)
+    cache = new_kv_cache(cfg, 1, total, dtype=dtype, device=device)
+    logits = model(torch.tensor([prompt_ids], device=device), cache=cache, start_pos=0).logits[0, -1].cpu()
     history = list(prompt_ids)
     out: list[int] = []
     while len(out) < max_new_tokens:
@@ -78,5 +79,5 @@ def generate(model: SharedLlama, prompt_ids: list[int], max_new_tokens: int, sam
         history.append(token)
         if token == eos_token_id or len(out) == max_new_tokens:
             break
-        logits = model(torch.tensor([[token]]), cache=cache, start_pos=len(history) - 1).logits[0, -1]
+        logits = model(torch.tensor([[token]], device=device), cache=cache, start_pos=len(history) - 1).logits[0, -1].cpu()
     return out

@@ -20,7 +20,7 @@ from speedc.runtimes.decode import DecodeStats, Decoding, Request, decode_autore
 from speedc.runtimes.sampling import SamplingParams, TokenPicker
 
 MODES = ("speed", "autoregressive")
-BACKENDS = ("onnx", "torch")
+BACKENDS = ("onnx", "onnx-bound", "torch")
 
 
 @dataclass
@@ -37,7 +37,15 @@ def _make_backend(directory: Path, manifest: Manifest, backend: str, device: str
     if backend == "onnx":
         from speedc.runtimes.onnx_backend import OnnxBackend
 
+        if device != "cpu":  # a device-resident cache needs IO binding
+            from speedc.runtimes.onnx_bound import OnnxBoundBackend
+
+            return OnnxBoundBackend(directory, manifest, device=device, threads=threads)
         return OnnxBackend(directory, manifest, device=device, threads=threads)
+    if backend == "onnx-bound":
+        from speedc.runtimes.onnx_bound import OnnxBoundBackend
+
+        return OnnxBoundBackend(directory, manifest, device=device, threads=threads)
     if backend == "torch":
         try:
             from speedc.runtimes.torch_backend import TorchBackend

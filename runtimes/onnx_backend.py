@@ -24,31 +24,40 @@ def _ort():
     return onnxruntime
 
 
+def open_sessions(directory: Path, manifest: Manifest, names: tuple[str, ...], providers: list, threads: int | None) -> dict:
+    """ONNX Runtime sessions for the artifact graphs in NAMES that it has (a plain engine has no step)."""
+    ort = _ort()
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads or int(os.environ.get("SPEEDC_THREADS", 0)) or (os.cpu_count() or 1)
+    options.inter_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3
+    sessions = {}
+    for name in names:
+        spec = manifest.graphs.get(name)
+        if spec is None:
+            continue
+        try:
+            sessions[name] = ort.InferenceSession(str(directory / spec["file"]), options, providers=providers)
+        except Exception as bad:  # ORT raises its own exception types
+            raise ArtifactError(f"{directory / spec['file']}: ONNX Runtime cannot load it ({str(bad).splitlines()[0]})") from None
+    return sessions
+
+
 class OnnxBackend:
     name = "onnx"
 
     def __init__(self, directory: Path, manifest: Manifest, device: str = "cpu", threads: int | None = None) -> None:
-        ort = _ort()
         if device != "cpu":
-            raise SpeedcError(f"device {device!r}: the ONNX Runtime backend runs on cpu in this speedc build "
-                              "(use --backend torch --device cuda for GPUs)")
+            raise SpeedcError(f"device {device!r}: this backend feeds numpy arrays on the CPU; "
+                              "use --backend onnx-bound for a device-resident cache")
         model = manifest.model
         self.slots, self.stage_layers = manifest.slots, manifest.stage_layers
         self.num_layers = model["num_layers"]
         self.vocab_size, self.max_context = model["vocab_size"], model["max_context"]
         self.kv_heads, self.head_dim, self.hidden_size = model["num_kv_heads"], model["head_dim"], model["hidden_size"]
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads or int(os.environ.get("SPEEDC_THREADS", 0)) or (os.cpu_count() or 1)
-        options.inter_op_num_threads = 1
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.log_severity_level = 3
-        self.sessions = {}
-        for name, spec in manifest.graphs.items():
-            try:
-                self.sessions[name] = ort.InferenceSession(str(directory / spec["file"]), options,
-                                                           providers=["CPUExecutionProvider"])
-            except Exception as bad:  # ORT raises its own exception types
-                raise ArtifactError(f"{directory / spec['file']}: ONNX Runtime cannot load it ({str(bad).splitlines()[0]})") from None
+        self.sessions = open_sessions(directory, manifest, ("prefill", "step", "step_flush"),
+                                      ["CPUExecutionProvider"], threads)
         self.key = self.value = None
         self.hidden_in = np.zeros((max(self.slots - 1, 0), 1, self.hidden_size), np.float32)
 

@@ -18,7 +18,6 @@ import torch
 
 from speedc.artifact import CONFIG, Manifest, read_weight
 from speedc.errors import SpeedcError
-from speedc.models.checkpoint import model_from_state
 from speedc.models.config import ModelConfig
 from speedc.models.llama import Block, SharedLlama, rope_cos_sin
 from speedc.runtimes.backend import StepResult
@@ -52,6 +51,8 @@ def _attend_layer(block: Block, x: torch.Tensor, starts: torch.Tensor, past_k: t
 
 def load_model_from_artifact(directory: Path, manifest: Manifest) -> SharedLlama:
     """The artifact's weights as a PyTorch SharedLlama, with the layer map and exit the compiler chose."""
+    from speedc.models.checkpoint import model_from_state  # imports safetensors: not needed by from_model
+
     base = ModelConfig.load(directory / CONFIG)
     index = manifest.weights["index"]
     # The artifact's layer map is the one the share pass derived from the weights.
@@ -66,14 +67,30 @@ class TorchBackend:
     name = "torch"
 
     def __init__(self, directory: Path, manifest: Manifest, device: str = "cpu", threads: int | None = None) -> None:
+        self._setup(load_model_from_artifact(directory, manifest), manifest.slots, device, threads)
+
+    @classmethod
+    def from_model(cls, model: SharedLlama, slots: int, device: str = "cpu", threads: int | None = None) -> "TorchBackend":
+        """A backend over an in-memory model (no artifact): what the GPU check uses where only torch is
+        installed. SLOTS must give stages with identical block sequences (the schedule pass's rule)."""
+        n = model.cfg.num_hidden_layers
+        stage = n // slots if slots and n % slots == 0 else 0
+        if not stage or any(model.cfg.layer_map[i] != model.cfg.layer_map[i % stage] for i in range(n)) \
+                or (slots > 1 and model.cfg.exit_layer > stage):
+            raise SpeedcError(f"{slots} slots do not fit the layer map {model.cfg.layer_map} (exit after {model.cfg.exit_layer})")
+        backend = cls.__new__(cls)
+        backend._setup(model, slots, device, threads)
+        return backend
+
+    def _setup(self, model: SharedLlama, slots: int, device: str, threads: int | None) -> None:
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise SpeedcError(f"device {device!r}: CUDA is not available to torch on this machine")
         if threads:
             torch.set_num_threads(threads)
         self.device = torch.device(device)
-        self.model = load_model_from_artifact(directory, manifest).to(self.device)
+        self.model = model.to(self.device).eval()
         self.cfg = cfg = self.model.cfg
-        self.slots, self.stage_layers = manifest.slots, manifest.stage_layers
+        self.slots, self.stage_layers = slots, cfg.num_hidden_layers // slots
         self.vocab_size, self.max_context = cfg.vocab_size, cfg.max_position_embeddings
         self.key = self.value = None
         self.hidden_in = torch.zeros(max(self.slots - 1, 0), 1, cfg.hidden_size, device=self.device)

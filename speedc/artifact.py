@@ -6,7 +6,9 @@
       step.onnx         P-slot speculative step graph            (absent for a plain engine)
       step_flush.onnx   the same step with every slot's exit head (for early flush)
       prefill.onnx      plain N-layer graph: prompt chunks, and autoregressive decoding
-      weights.bin       every unique weight once, shared by both graphs as ONNX external data
+      cache_write_step.onnx, cache_write_prefill.onnx
+                        in-place K/V row writers for device-resident caches (IO binding)
+      weights.bin       every unique weight once, shared by all graphs as ONNX external data
       config.json       the model config (for the PyTorch backend and inspection)
       tokenizer.json    (when the checkpoint has one)
 
@@ -30,6 +32,8 @@ MANIFEST = "manifest.json"
 STEP_GRAPH = "step.onnx"
 STEP_FLUSH_GRAPH = "step_flush.onnx"
 PREFILL_GRAPH = "prefill.onnx"
+CACHE_WRITE_STEP_GRAPH = "cache_write_step.onnx"
+CACHE_WRITE_PREFILL_GRAPH = "cache_write_prefill.onnx"
 WEIGHTS = "weights.bin"
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"

@@ -60,10 +60,10 @@ def _percentiles(samples: list[float]) -> dict[str, float]:
             "min": round(float(arr.min()), 4)}
 
 
-def measure_step_cost(engine: Engine, context: int, repeats: int = 200) -> float:
+def measure_step_cost(engine_or_backend, context: int, repeats: int = 200) -> float:
     """c(P): a full P-slot step against P single-slot stage passes (one plain token / P), both at
     a cache of `context` rows with the newest position in the middle, interleaved, medians."""
-    backend = engine.backend
+    backend = getattr(engine_or_backend, "backend", engine_or_backend)
     slots = backend.slots
     if slots == 1:
         return 1.0

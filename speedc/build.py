@@ -23,23 +23,25 @@ import onnx_graphsurgeon as gs
 from onnx import numpy_helper
 
 from speedc import __version__
-from speedc.artifact import (CONFIG, FORMAT_VERSION, MANIFEST, PREFILL_GRAPH, STEP_FLUSH_GRAPH, STEP_GRAPH, TOKENIZER,
-                             WEIGHT_ALIGN, WEIGHTS, Manifest, sha256_file)
+from speedc.artifact import (CACHE_WRITE_PREFILL_GRAPH, CACHE_WRITE_STEP_GRAPH, CONFIG, FORMAT_VERSION, MANIFEST,
+                             PREFILL_GRAPH, STEP_FLUSH_GRAPH, STEP_GRAPH, TOKENIZER, WEIGHT_ALIGN, WEIGHTS, Manifest,
+                             sha256_file)
 from speedc.errors import BuildError, SpeedcError
 from speedc.models.checkpoint import checkpoint_hash, load_checkpoint, read_tokenizer_json
-from speedc.passes import (cleanup, exit_heads, fuse_projections, kv_cache, pipeline, schedule, share, trace,  # noqa: F401
-                           trt_lint)  # (importing registers the passes)
+from speedc.passes import (cache_writer, cleanup, exit_heads, fuse_projections, kv_cache, pipeline,  # noqa: F401
+                           schedule, share, trace, trt_lint)  # (importing registers the passes)
 from speedc.passes.base import PASSES, BuildOptions, CompileState, PassReport, run_passes
 from speedc.passes.trace import OPSET
 
 PIPELINE: list[tuple[str, list[str]]] = [
     ("import", ["trace"]),
     ("analysis", ["share", "schedule"]),
-    ("lowering", ["pipeline", "exit_heads", "kv_cache", "fuse_projections"]),
+    ("lowering", ["pipeline", "exit_heads", "kv_cache", "cache_writer", "fuse_projections"]),
     ("finalize", ["cleanup", "trt_lint"]),
 ]
 PASS_ORDER = [name for _, names in PIPELINE for name in names]
-GRAPH_FILES = {"step": STEP_GRAPH, "step_flush": STEP_FLUSH_GRAPH, "prefill": PREFILL_GRAPH}
+GRAPH_FILES = {"step": STEP_GRAPH, "step_flush": STEP_FLUSH_GRAPH, "prefill": PREFILL_GRAPH,
+               "cache_write_step": CACHE_WRITE_STEP_GRAPH, "cache_write_prefill": CACHE_WRITE_PREFILL_GRAPH}
 EXTERNAL_MIN_BYTES = 1024
 
 

@@ -42,7 +42,7 @@ def test_artifact_layout_and_weight_bytes(tiny_artifact):
         np.testing.assert_array_equal(np.concatenate(rows), read_weight(tiny_artifact, m, name))
     assert m.source_checkpoint_sha256 and m.onnx_opset == 17 and m.format_version == 1
     assert [p["name"] for p in m.build["passes"]] == ["trace", "share", "schedule", "pipeline", "exit_heads",
-                                                      "kv_cache", "fuse_projections", "cleanup", "trt_lint"]
+                                                      "kv_cache", "cache_writer", "fuse_projections", "cleanup", "trt_lint"]
 
 
 def test_hf_layout_builds_to_the_same_weights(tmp_path, tiny_artifact):

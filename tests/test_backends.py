@@ -1,4 +1,5 @@
-"""The PyTorch backend runs the same schedule as the compiled graphs and gives the same ids."""
+"""Every backend runs the same schedule and gives the same ids: ONNX Runtime numpy-fed, ONNX Runtime
+with IO binding (device-resident cache, here on the CPU device), PyTorch."""
 
 from __future__ import annotations
 
@@ -9,15 +10,40 @@ from speedc import Engine
 
 
 @pytest.mark.parametrize("name", ZOO_MODELS)
-def test_torch_and_onnx_backends_agree(name, zoo_artifacts):
+def test_backends_agree(name, zoo_artifacts):
     art = zoo_artifacts[name]
-    onnx_engine, torch_engine = Engine.load(art), Engine.load(art, backend="torch")
+    engines = [Engine.load(art), Engine.load(art, backend="onnx-bound"), Engine.load(art, backend="torch")]
     for prompt in ("ROMEO:\n", "First Citizen:\nWe are accounted poor citizens", "O"):
         for mode in ("speed", "autoregressive"):
-            a = onnx_engine.generate(prompt, max_new_tokens=48, stop_at_eos=False, mode=mode)
-            b = torch_engine.generate(prompt, max_new_tokens=48, stop_at_eos=False, mode=mode)
-            assert a.ids == b.ids, (prompt, mode)
+            ids = [e.generate(prompt, max_new_tokens=48, stop_at_eos=False, mode=mode).ids for e in engines]
+            assert ids[0] == ids[1] == ids[2], (prompt, mode)
         sampled = [e.generate(prompt, max_new_tokens=32, stop_at_eos=False, temperature=0.8, seed=5).ids
-                   for e in (onnx_engine, torch_engine)]
-        assert sampled[0] == sampled[1]
-    assert torch_engine.generate("ROMEO:", max_new_tokens=16).stats.accepted > 0
+                   for e in engines]
+        assert sampled[0] == sampled[1] == sampled[2]
+    assert all(e.generate("ROMEO:", max_new_tokens=16).stats.accepted > 0 for e in engines)
+
+
+def test_bound_backend_writes_the_cache_in_place(zoo_artifacts):
+    """After a request, the device cache holds exactly the rows the numpy-fed backend wrote."""
+    import numpy as np
+
+    art = zoo_artifacts["tiny"]
+    numpy_engine, bound_engine = Engine.load(art), Engine.load(art, backend="onnx-bound")
+    for engine in (numpy_engine, bound_engine):
+        engine.generate("ROMEO:\n", max_new_tokens=40, stop_at_eos=False)
+    written = len(numpy_engine.encode("ROMEO:\n")) + 40 - 1  # the last token is never fed back
+    for kind in ("key", "value"):
+        expected = getattr(numpy_engine.backend, kind)[:, :, :, :written]
+        got = getattr(bound_engine.backend, kind).numpy()[:, :, :, :written]
+        np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_unknown_cuda_provider_is_a_clear_error(zoo_artifacts):
+    import onnxruntime
+
+    from speedc.errors import SpeedcError
+
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        pytest.skip("this onnxruntime has a CUDA provider")
+    with pytest.raises(SpeedcError, match="no CUDA provider"):
+        Engine.load(zoo_artifacts["tiny"], device="cuda")

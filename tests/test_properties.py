@@ -44,11 +44,13 @@ def pool(tmp_path_factory):
     entries = []
     for i, shape in enumerate(SHAPES):
         model = _perturb_exit_head(randomize(SharedLlama(random_config(**shape)), seed=100 + i), seed=i, strength=0.5)
-        entries.append((model, Engine.load(build_artifact(model, root / f"random{i}"))))
+        art = build_artifact(model, root / f"random{i}")
+        entries.append((model, Engine.load(art), Engine.load(art, backend="onnx-bound")))
     # A trained model speculates well; a perturbed copy mispredicts often: both paths get exercised.
     for strength in (0.0, 3.0):
         model = _perturb_exit_head(load_model(ZOO / "tiny"), seed=7, strength=strength)
-        entries.append((model, Engine.load(build_artifact(model, root / f"tiny-{strength}"))))
+        art = build_artifact(model, root / f"tiny-{strength}")
+        entries.append((model, Engine.load(art), Engine.load(art, backend="onnx-bound")))
     return entries
 
 
@@ -62,12 +64,15 @@ sampling = st.one_of(
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data(), which=st.integers(0, len(SHAPES) + 1), new_tokens=st.integers(1, 24),
-       params=sampling, early_flush=st.booleans())
-def test_speed_equals_plain_decoding(pool, data, which, new_tokens, params, early_flush):
-    model, engine = pool[which]
+       params=sampling, early_flush=st.booleans(), bound=st.booleans())
+def test_speed_equals_plain_decoding(pool, data, which, new_tokens, params, early_flush, bound):
+    """SPEED on either ONNX Runtime backend (numpy-fed, or IO binding with in-place cache writes and
+    scratch-row bubbles) equals plain decoding on the numpy-fed one, and the PyTorch reference."""
+    model, engine, bound_engine = pool[which]
     vocab = model.cfg.vocab_size
     prompt = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=12), label="prompt")
-    speed = engine.generate(prompt, max_new_tokens=new_tokens, stop_at_eos=False, early_flush=early_flush, **params)
+    speed = (bound_engine if bound else engine).generate(prompt, max_new_tokens=new_tokens, stop_at_eos=False,
+                                                         early_flush=early_flush, **params)
     plain = engine.generate(prompt, max_new_tokens=new_tokens, stop_at_eos=False, mode="autoregressive", **params)
     assert speed.ids == plain.ids
     assert len(speed.ids) == new_tokens
@@ -81,7 +86,7 @@ def test_speed_equals_plain_decoding(pool, data, which, new_tokens, params, earl
 def test_pool_really_mispredicts_and_accepts(pool):
     """Guard against a vacuous property: across the pool both flushes and acceptances happen."""
     accepted = mispredicted = 0
-    for model, engine in pool:
+    for model, engine, _ in pool:
         result = engine.generate([1, 2, 3, 4], max_new_tokens=32, stop_at_eos=False)
         accepted += result.stats.accepted
         mispredicted += result.stats.mispredicted

@@ -1,0 +1,65 @@
+"""The GPU check script's logic, run on the CPU device here (CI has no GPU), and the GPU paths
+themselves, skipped with a reason where no CUDA device or provider exists."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from speedc import Engine
+from speedc.errors import SpeedcError
+from speedc.gpu_check import memory_bound_model
+from speedc.runtimes.torch_backend import TorchBackend
+
+CUDA = torch.cuda.is_available()
+
+
+def test_gpu_check_cpu_smoke(tmp_path):
+    out = tmp_path / "report.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "speedc.gpu_check", "--device", "cpu", "--hidden", "64", "--blocks", "2",
+                          "--passes", "4", "--new-tokens", "12", "--repeats", "1", "--threads", "1", "--out", str(out)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())
+    torch_row = report["backends"]["torch"]
+    assert torch_row["lossless"] is True and torch_row["prompts"] == 4  # speed == autoregressive == reference
+    assert 0 < torch_row["acceptance"] <= 1 and torch_row["step_cost"] > 0
+    assert set(torch_row["ms_per_token_p50"]) == {"speed", "autoregressive"}
+    assert report["model"]["blocks"] == 2 and report["device"] == "cpu"
+
+
+def test_from_model_needs_stages_with_one_block_sequence():
+    model = memory_bound_model(64, 2, 4, 0.1)  # 8 layers over 2 blocks
+    assert TorchBackend.from_model(model, 4).stage_layers == 2
+    with pytest.raises(SpeedcError, match="3 slots do not fit"):
+        TorchBackend.from_model(model, 3)
+
+
+@pytest.mark.skipif(not CUDA, reason="no CUDA device: the PyTorch CUDA path runs in scripts/gpu_check.sh on a GPU")
+def test_gpu_check_cuda(tmp_path):
+    from speedc.gpu_check import run_check
+
+    report = run_check(device="cuda", hidden=256, blocks=2, passes=4, residual_scale=0.1, new_tokens=16, repeats=1,
+                       workdir=tmp_path, progress=lambda m: None)
+    assert report["backends"]["torch"]["lossless"] is True
+
+
+def _has_ort_cuda() -> bool:
+    import onnxruntime
+
+    return "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+
+
+@pytest.mark.skipif(not (CUDA and _has_ort_cuda()), reason="needs onnxruntime-gpu and an NVIDIA GPU")
+def test_onnxruntime_cuda_matches_cpu(zoo_artifacts):
+    art = zoo_artifacts["tiny"]
+    cpu, gpu = Engine.load(art), Engine.load(art, device="cuda")
+    for mode in ("speed", "autoregressive"):
+        assert (cpu.generate("ROMEO:", max_new_tokens=48, stop_at_eos=False, mode=mode).ids
+                == gpu.generate("ROMEO:", max_new_tokens=48, stop_at_eos=False, mode=mode).ids)
