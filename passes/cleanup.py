@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from speedc.artifact import is_weight_name
 from speedc.passes.base import CompileState, register_pass
 
 FP16_MIN_ELEMENTS = 1024  # norms, rope tables and masks stay fp32
@@ -24,17 +25,19 @@ def fold_and_clean(graph: gs.Graph) -> gs.Graph:
     onnxruntime.set_default_logger_severity(3)  # folding partial graphs makes ORT chatty about Unsqueezes
     graph.cleanup().toposort()
     # Weights are never folded into new tensors (that would duplicate them); only small constants.
-    graph.fold_constants(size_threshold=1 << 16, error_ok=True)
+    graph.fold_constants(size_threshold=1 << 14, error_ok=True)  # 16 KiB: rotary tables stay computed (folded at load)
     return graph.cleanup(remove_unused_graph_inputs=True).toposort()
 
 
 def store_weights_fp16(graphs: dict[str, gs.Graph]) -> int:
-    """Convert large float32 initializers to float16 + Cast; the same weight gets the same fp16 copy
-    in every graph, so the artifact still stores it once."""
+    """Convert large float32 weights (checkpoint and stacked weights) to float16 + Cast;
+    the same weight gets the same fp16 copy in every graph, so the artifact still stores it once.
+    Tables computed at build time (rotary cos/sin) stay float32: rounding them would change outputs."""
     converted: dict[str, np.ndarray] = {}
     for graph in graphs.values():
         for const in [t for t in graph.tensors().values() if isinstance(t, gs.Constant)]:
-            if const.values.dtype != np.float32 or const.values.size < FP16_MIN_ELEMENTS:
+            if (const.values.dtype != np.float32 or const.values.size < FP16_MIN_ELEMENTS
+                    or not is_weight_name(const.name)):
                 continue
             if const.name not in converted:
                 converted[const.name] = const.values.astype(np.float16)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from speedc.artifact import CONFIG, Manifest, read_weight
+from speedc.artifact import CONFIG, Manifest, checkpoint_tensor_names, read_weight
 from speedc.errors import SpeedcError
 from speedc.models.config import ModelConfig
 from speedc.models.llama import Block, SharedLlama, rope_cos_sin
@@ -59,7 +59,7 @@ def load_model_from_artifact(directory: Path, manifest: Manifest) -> SharedLlama
     cfg = dataclasses.replace(base, layer_map=list(manifest.layer_map), exit_layer=manifest.exit_layer,
                               exit_norm="own" if "model.exit_norm.weight" in index else "final")
     tensors = {name: torch.from_numpy(np.array(read_weight(directory, manifest, name), dtype=np.float32))
-               for name, entry in index.items() if "parts" not in entry}  # checkpoint tensors, not stacked ones
+               for name in checkpoint_tensor_names(manifest)}
     return model_from_state(cfg, tensors)
 
 

@@ -28,6 +28,7 @@ import numpy as np
 from speedc.errors import ArtifactError
 
 FORMAT_VERSION = 1
+WEIGHT_PREFIXES = ("model.", "lm_head.")  # checkpoint tensor names (native or Hugging Face layout)
 MANIFEST = "manifest.json"
 STEP_GRAPH = "step.onnx"
 STEP_FLUSH_GRAPH = "step_flush.onnx"
@@ -105,6 +106,16 @@ def read_manifest(directory: str | Path, *, verify_hashes: bool = True) -> Manif
             if sha256_file(file) != expected:
                 raise ArtifactError(f"{file}: sha256 does not match the manifest (corrupt or modified); rebuild the artifact")
     return manifest
+
+
+def is_weight_name(name: str) -> bool:
+    """A model weight (a checkpoint tensor, or a stack of them), not a table a compiler pass computed."""
+    return name.startswith(WEIGHT_PREFIXES)
+
+
+def checkpoint_tensor_names(manifest: "Manifest") -> list[str]:
+    """The checkpoint tensors the artifact stores (each once; a stacked weight's parts, not the stack)."""
+    return [name for name, entry in manifest.weights["index"].items() if is_weight_name(name) and "parts" not in entry]
 
 
 def read_weight(directory: str | Path, manifest: Manifest, name: str) -> np.ndarray:

@@ -25,23 +25,24 @@ from onnx import numpy_helper
 from speedc import __version__
 from speedc.artifact import (CACHE_WRITE_PREFILL_GRAPH, CACHE_WRITE_STEP_GRAPH, CONFIG, FORMAT_VERSION, MANIFEST,
                              PREFILL_GRAPH, STEP_FLUSH_GRAPH, STEP_GRAPH, TOKENIZER, WEIGHT_ALIGN, WEIGHTS, Manifest,
-                             sha256_file)
+                             is_weight_name, sha256_file)
 from speedc.errors import BuildError, SpeedcError
 from speedc.models.checkpoint import checkpoint_hash, load_checkpoint, read_tokenizer_json
-from speedc.passes import (cache_writer, cleanup, exit_heads, fuse_projections, kv_cache, pipeline,  # noqa: F401
-                           schedule, share, trace, trt_lint)  # (importing registers the passes)
+from speedc.passes import (cache_writer, cleanup, exit_heads, fuse_projections, gqa_attention, kv_cache,  # noqa: F401
+                           pipeline, schedule, share, trace, trt_lint)  # (importing registers the passes)
 from speedc.passes.base import PASSES, BuildOptions, CompileState, PassReport, run_passes
 from speedc.passes.trace import OPSET
 
 PIPELINE: list[tuple[str, list[str]]] = [
     ("import", ["trace"]),
     ("analysis", ["share", "schedule"]),
-    ("lowering", ["pipeline", "exit_heads", "kv_cache", "cache_writer", "fuse_projections"]),
+    ("lowering", ["pipeline", "exit_heads", "kv_cache", "cache_writer", "gqa_attention", "fuse_projections"]),
     ("finalize", ["cleanup", "trt_lint"]),
 ]
 PASS_ORDER = [name for _, names in PIPELINE for name in names]
 GRAPH_FILES = {"step": STEP_GRAPH, "step_flush": STEP_FLUSH_GRAPH, "prefill": PREFILL_GRAPH,
-               "cache_write_step": CACHE_WRITE_STEP_GRAPH, "cache_write_prefill": CACHE_WRITE_PREFILL_GRAPH}
+               "cache_write_step": CACHE_WRITE_STEP_GRAPH, "cache_write_prefill": CACHE_WRITE_PREFILL_GRAPH,
+               **{f"{name}.gqa": f"{name}.gqa.onnx" for name in ("step", "step_flush", "prefill")}}
 EXTERNAL_MIN_BYTES = 1024
 
 
@@ -129,8 +130,10 @@ def stored_entries(index: dict[str, dict]) -> dict[str, dict]:
 
 
 def weight_bytes(index: dict[str, dict], layer_map: list[int]) -> tuple[int, int]:
-    """(fp32 bytes of the unique weights, fp32 bytes an unrolled export storing every layer would need)."""
-    sizes = {name: int(np.prod(entry["shape"])) * 4 for name, entry in stored_entries(index).items()}
+    """(fp32 bytes of the unique weights, fp32 bytes an unrolled export storing every layer would need).
+    Other stored constants (tables a pass computed) are not weights."""
+    sizes = {name: int(np.prod(entry["shape"])) * 4 for name, entry in stored_entries(index).items()
+             if is_weight_name(name)}
     block_sizes = [0] * (max(layer_map) + 1)
     for name, size in sizes.items():
         if name.startswith("model.blocks."):

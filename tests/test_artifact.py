@@ -25,6 +25,8 @@ def test_artifact_layout_and_weight_bytes(tiny_artifact):
             "config.json"} <= {p.name for p in tiny_artifact.iterdir()}
     for graph in ("step.onnx", "step_flush.onnx", "prefill.onnx"):
         onnx.checker.check_model(str(tiny_artifact / graph), full_check=True)
+    # ONNX Runtime variants (fused GroupQueryAttention) and the cache writers for IO binding.
+    assert {"step.gqa", "step_flush.gqa", "prefill.gqa", "cache_write_step", "cache_write_prefill"} <= set(m.graphs)
     # Each unique weight stored once, shared by both graphs.
     assert m.weights["stored_bytes"] <= 1.02 * m.weights["unique_bytes_fp32"]
     assert (tiny_artifact / "weights.bin").stat().st_size <= 1.02 * m.weights["unique_bytes_fp32"]
@@ -42,7 +44,8 @@ def test_artifact_layout_and_weight_bytes(tiny_artifact):
         np.testing.assert_array_equal(np.concatenate(rows), read_weight(tiny_artifact, m, name))
     assert m.source_checkpoint_sha256 and m.onnx_opset == 17 and m.format_version == 1
     assert [p["name"] for p in m.build["passes"]] == ["trace", "share", "schedule", "pipeline", "exit_heads",
-                                                      "kv_cache", "cache_writer", "fuse_projections", "cleanup", "trt_lint"]
+                                                      "kv_cache", "cache_writer", "gqa_attention", "fuse_projections", "cleanup",
+                                                      "trt_lint"]
 
 
 def test_hf_layout_builds_to_the_same_weights(tmp_path, tiny_artifact):

@@ -159,6 +159,28 @@ def test_fuse_projections_before_after(model):
     assert set(weights) <= prefill_weights and len(prefill_weights) == len(set(weights))
 
 
+def test_gqa_attention_before_after():
+    model = randomize(SharedLlama(random_config(blocks=2, layers=6, heads=4, kv_heads=2, hidden=64)), seed=12)  # head_dim 16
+    before = _through(_state(model), "cache_writer")
+    assert set(before.graphs) == {"step", "step_flush", "prefill", "cache_write_step", "cache_write_prefill"}
+    assert _ops(before.graphs["step"], "Softmax") == 2  # standard attention: one softmax per stage layer
+    after = run_passes(before, ["gqa_attention"])[0]
+    for name, layers in (("step", 2), ("step_flush", 2), ("prefill", 6)):
+        fused, standard = after.graphs[f"{name}.gqa"], after.graphs[name]
+        assert _ops(fused, "GroupQueryAttention") == layers and _ops(fused, "Softmax") == 0
+        assert len(fused.nodes) < len(standard.nodes) / 2  # rotary, masks, split softmax: gone
+        outputs = {t.name for t in fused.outputs}
+        assert "new_key" not in outputs and {f"cache.key.{i}.out" for i in range(layers)} <= outputs
+        assert {t.name for t in fused.inputs} == {t.name for t in standard.inputs}  # same feeds, same buffers
+    # The standard graphs are untouched (TensorRT and the numpy-fed backend use them).
+    assert _ops(after.graphs["step"], "GroupQueryAttention") == 0
+    trt = run_passes(_through(_state(model, target="trt"), "cache_writer"), ["gqa_attention"])[0]
+    assert not any(name.endswith(".gqa") for name in trt.graphs)  # TensorRT has no such op
+    narrow = randomize(SharedLlama(random_config(blocks=2, layers=6, heads=4, kv_heads=2)), seed=12)  # head_dim 8
+    skipped = run_passes(_through(_state(narrow), "cache_writer"), ["gqa_attention"])[0]
+    assert not any(name.endswith(".gqa") for name in skipped.graphs) and "head_dim % 16" in skipped.notes[-1]
+
+
 def test_cleanup_folds_and_fp16_halves_weights(model):
     before = _through(_state(model, dtype="fp16"), "kv_cache")
     nodes_before = {k: len(g.nodes) for k, g in before.graphs.items()}

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from conftest import ZOO, build_artifact, random_config, randomize
 from speedc import Engine
+from speedc.runtimes.onnx_bound import OnnxBoundBackend
 from speedc.models.checkpoint import load_model
 from speedc.models.generate import generate as reference_generate
 from speedc.models.llama import SharedLlama
@@ -20,8 +21,8 @@ from speedc.models.llama import SharedLlama
 EXAMPLES = int(os.environ.get("SPEEDC_PROPERTY_EXAMPLES", "200"))
 
 SHAPES = [
-    dict(blocks=2, layers=6, heads=4, kv_heads=2),  # P=3
-    dict(blocks=2, layers=8, heads=4, kv_heads=1, tie=False),  # P=4, MQA, untied head
+    dict(blocks=2, layers=6, heads=4, kv_heads=2, hidden=64),  # P=3, head_dim 16 (fused attention graphs)
+    dict(blocks=2, layers=8, heads=4, kv_heads=1, tie=False),  # P=4, MQA, untied head, head_dim 8 (no fused graphs)
     dict(blocks=3, layers=6, heads=2, kv_heads=2, exit_layer=2),  # P=2, exit inside the stage
     dict(blocks=1, layers=5, heads=2, kv_heads=1, exit_norm="final"),  # P=5, one-layer stages
 ]
@@ -38,19 +39,27 @@ def _perturb_exit_head(model: SharedLlama, seed: int, strength: float) -> Shared
     return model
 
 
+def _engines(art) -> tuple[Engine, dict[str, Engine]]:
+    """The numpy-fed engine, and SPEED engines on every ONNX Runtime path: numpy-fed, IO binding as
+    loaded (fused GroupQueryAttention writes the cache where head_dim allows it), IO binding with the
+    cache-writer graphs."""
+    plain = Engine.load(art)
+    writer = Engine.load(art, backend="onnx-bound")
+    writer.backend = OnnxBoundBackend(writer.directory, writer.manifest, fused=False)
+    return plain, {"onnx": plain, "onnx-bound": Engine.load(art, backend="onnx-bound"), "onnx-bound writer": writer}
+
+
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
     root = tmp_path_factory.mktemp("props")
     entries = []
     for i, shape in enumerate(SHAPES):
         model = _perturb_exit_head(randomize(SharedLlama(random_config(**shape)), seed=100 + i), seed=i, strength=0.5)
-        art = build_artifact(model, root / f"random{i}")
-        entries.append((model, Engine.load(art), Engine.load(art, backend="onnx-bound")))
+        entries.append((model, *_engines(build_artifact(model, root / f"random{i}"))))
     # A trained model speculates well; a perturbed copy mispredicts often: both paths get exercised.
     for strength in (0.0, 3.0):
         model = _perturb_exit_head(load_model(ZOO / "tiny"), seed=7, strength=strength)
-        art = build_artifact(model, root / f"tiny-{strength}")
-        entries.append((model, Engine.load(art), Engine.load(art, backend="onnx-bound")))
+        entries.append((model, *_engines(build_artifact(model, root / f"tiny-{strength}"))))
     return entries
 
 
@@ -64,15 +73,15 @@ sampling = st.one_of(
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data(), which=st.integers(0, len(SHAPES) + 1), new_tokens=st.integers(1, 24),
-       params=sampling, early_flush=st.booleans(), bound=st.booleans())
-def test_speed_equals_plain_decoding(pool, data, which, new_tokens, params, early_flush, bound):
-    """SPEED on either ONNX Runtime backend (numpy-fed, or IO binding with in-place cache writes and
-    scratch-row bubbles) equals plain decoding on the numpy-fed one, and the PyTorch reference."""
-    model, engine, bound_engine = pool[which]
+       params=sampling, early_flush=st.booleans(), path=st.sampled_from(["onnx", "onnx-bound", "onnx-bound writer"]))
+def test_speed_equals_plain_decoding(pool, data, which, new_tokens, params, early_flush, path):
+    """SPEED on every ONNX Runtime path (numpy-fed; IO binding with in-place cache writes and
+    scratch-row bubbles, fused or not) equals plain decoding on the numpy-fed one, and the reference."""
+    model, engine, speed_engines = pool[which]
     vocab = model.cfg.vocab_size
     prompt = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=12), label="prompt")
-    speed = (bound_engine if bound else engine).generate(prompt, max_new_tokens=new_tokens, stop_at_eos=False,
-                                                         early_flush=early_flush, **params)
+    speed = speed_engines[path].generate(prompt, max_new_tokens=new_tokens, stop_at_eos=False,
+                                         early_flush=early_flush, **params)
     plain = engine.generate(prompt, max_new_tokens=new_tokens, stop_at_eos=False, mode="autoregressive", **params)
     assert speed.ids == plain.ids
     assert len(speed.ids) == new_tokens

@@ -1,0 +1,134 @@
+r"""Pass `gqa_attention` (phase lowering): ONNX Runtime variants of the graphs whose attention is one
+`com.microsoft.GroupQueryAttention` node per layer, writing the cache in place.
+
+    q2d [R*L, h*hd] ── Reshape [R, L, h*hd] ──┐
+    k2d ── Reshape [R, L, kvh*hd] ────────────┤
+    v2d ── Reshape ───────────────────────────┼─ GroupQueryAttention ── [R, L, h*hd] ── Reshape ── o_proj
+    cache.key.{l} / cache.value.{l} ──────────┤   (rotary inside)    └─ cache.key.{l}.out (same buffer)
+    seqlens_k = positions + L - 1 (int32) ────┤
+    total_sequence_length = max(positions) + L┤
+    cos/sin tables [max_context + 1, hd/2] ───┘  (computed from inv_freq, folded at load)
+
+Why: the standard-op attention (rotary, two masks, split softmax, slices) is ~35 ONNX nodes a layer;
+on a CPU most of a step's time outside the weight Gemms is those nodes and their dispatch. GQA does
+the same math in one kernel, per row at its own position (row r reads cache rows 0..positions[r]+i),
+exactly the slot semantics of a SPEED step, and writes the new K/V rows into the cache when the
+runtime binds past and present to one buffer (IO binding; the `onnx-bound` backend).
+
+The standard graphs stay in the artifact (TensorRT, the numpy-fed backend); these are added as
+`step.gqa`, `step_flush.gqa`, `prefill.gqa`. Only for --target onnx: TensorRT has no such op.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from speedc.passes.base import CompileState, register_pass
+from speedc.passes.graph_utils import tensor
+
+GQA_SUFFIX = ".gqa"
+GQA_HEAD_DIM_MULTIPLE = 16  # ONNX Runtime's CPU kernel: "head_size shall be a multiple of 16"
+
+
+def _projection(node: gs.Node, kind: str) -> bool:
+    return (node.op == "Gemm" and isinstance(node.inputs[1], gs.Constant)
+            and node.inputs[1].name.endswith(f"self_attn.{kind}_proj.weight"))
+
+
+def _layers(graph: gs.Graph) -> list[tuple[gs.Tensor, gs.Tensor, gs.Tensor, gs.Node]]:
+    """Per layer, in graph order: (q2d, k2d, v2d, o_proj Gemm)."""
+    graph.toposort()
+    qkv: dict[str, dict[str, gs.Tensor]] = {}
+    for node in graph.nodes:
+        for kind in ("q", "k", "v"):
+            if _projection(node, kind):
+                qkv.setdefault(node.inputs[0].name, {})[kind] = node.outputs[0]
+    o_projs = [node for node in graph.nodes if _projection(node, "o")]
+    groups = list(qkv.values())
+    if len(groups) != len(o_projs) or any(len(g) != 3 for g in groups):
+        raise ValueError(f"gqa_attention: found {len(groups)} q/k/v groups and {len(o_projs)} o_proj Gemms")
+    return [(g["q"], g["k"], g["v"], o) for g, o in zip(groups, o_projs)]
+
+
+def rotary_tables(graph: gs.Graph, head_dim: int, theta: float, rows: int) -> tuple[gs.Tensor, gs.Tensor]:
+    """cos/sin [rows, hd/2] for positions 0..rows-1 (Hugging Face half-split rotary), computed in the
+    graph from inv_freq (ONNX Runtime folds them at load) so the artifact does not store the tables.
+
+        Range(rows) [rows] -> Cast float -> Unsqueeze [rows, 1] -> Mul inv_freq [hd/2] -> Cos / Sin
+    """
+    inv_freq = (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))).astype(np.float32)
+    index = graph.layer(op="Range", inputs=[gs.Constant("gqa.rows.start", np.array(0, np.int64)),
+                                            gs.Constant("gqa.rows.stop", np.array(rows, np.int64)),
+                                            gs.Constant("gqa.rows.step", np.array(1, np.int64))], outputs=["gqa.rows"])[0]
+    index = graph.layer(op="Cast", inputs=[index], outputs=["gqa.rows.f"], attrs={"to": 1})[0]
+    index = graph.layer(op="Unsqueeze", inputs=[index, gs.Constant("gqa.axis1", np.array([1], np.int64))],
+                        outputs=["gqa.rows.col"])[0]
+    freqs = graph.layer(op="Mul", inputs=[index, gs.Constant("gqa.inv_freq", inv_freq)], outputs=["gqa.freqs"])[0]
+    return (graph.layer(op="Cos", inputs=[freqs], outputs=["gqa.cos_cache"])[0],
+            graph.layer(op="Sin", inputs=[freqs], outputs=["gqa.sin_cache"])[0])
+
+
+def lower_to_gqa(graph: gs.Graph, *, heads: int, kv_heads: int, head_dim: int, theta: float, max_context: int) -> gs.Graph:
+    graph = graph.copy()
+    graph.name = f"{graph.name}{GQA_SUFFIX}"
+    positions, input_ids = tensor(graph, "positions"), tensor(graph, "input_ids")
+    # L (chunk length) as [1] and as a scalar; the per-row sequence lengths GQA expects.
+    ids_shape = graph.layer(op="Shape", inputs=[input_ids], outputs=["gqa.ids_shape"])[0]
+    chunk = graph.layer(op="Slice", inputs=[ids_shape, gs.Constant("gqa.one", np.array([1], np.int64)),
+                                            gs.Constant("gqa.two", np.array([2], np.int64))], outputs=["gqa.chunk"])[0]  # [1]
+    last = graph.layer(op="Add", inputs=[positions, chunk], outputs=["gqa.end"])[0]  # [R] = positions + L
+    last = graph.layer(op="Sub", inputs=[last, gs.Constant("gqa.one_i", np.array([1], np.int64))], outputs=["gqa.last"])[0]
+    seqlens = graph.layer(op="Cast", inputs=[last], outputs=["gqa.seqlens_k"], attrs={"to": 6})[0]  # int32 [R]
+    longest = graph.layer(op="ReduceMax", inputs=[last], outputs=["gqa.longest"], attrs={"keepdims": 0})[0]  # scalar
+    total = graph.layer(op="Add", inputs=[longest, gs.Constant("gqa.one_s", np.array(1, np.int64))], outputs=["gqa.total64"])[0]
+    total = graph.layer(op="Cast", inputs=[total], outputs=["gqa.total"], attrs={"to": 6})[0]  # int32 scalar
+    cos_cache, sin_cache = rotary_tables(graph, head_dim, theta, max_context + 1)  # + the runtime's scratch row
+
+    def rows_by_chunk(x: gs.Tensor, width: int, name: str) -> gs.Tensor:  # [R*L, width] -> [R, L, width]
+        shape = graph.layer(op="Concat", inputs=[gs.Constant(f"{name}.minus1", np.array([-1], np.int64)), chunk,
+                                                 gs.Constant(f"{name}.width", np.array([width], np.int64))],
+                            outputs=[f"{name}.shape"], attrs={"axis": 0})[0]
+        return graph.layer(op="Reshape", inputs=[x, shape], outputs=[f"{name}.3d"])[0]
+
+    cache_outputs = []
+    for layer, (q2d, k2d, v2d, o_proj) in enumerate(_layers(graph)):
+        prefix = f"gqa.{layer}"
+        past_key, past_value = tensor(graph, f"cache.key.{layer}"), tensor(graph, f"cache.value.{layer}")
+        out = gs.Variable(f"{prefix}.out", np.float32)
+        present_key = gs.Variable(f"cache.key.{layer}.out", np.float32, past_key.shape)
+        present_value = gs.Variable(f"cache.value.{layer}.out", np.float32, past_value.shape)
+        graph.nodes.append(gs.Node(
+            "GroupQueryAttention", f"{prefix}/GroupQueryAttention", domain="com.microsoft",
+            attrs={"num_heads": heads, "kv_num_heads": kv_heads, "do_rotary": 1, "rotary_interleaved": 0},
+            inputs=[rows_by_chunk(q2d, heads * head_dim, f"{prefix}.q"), rows_by_chunk(k2d, kv_heads * head_dim, f"{prefix}.k"),
+                    rows_by_chunk(v2d, kv_heads * head_dim, f"{prefix}.v"), past_key, past_value, seqlens, total,
+                    cos_cache, sin_cache],
+            outputs=[out, present_key, present_value]))
+        flat = graph.layer(op="Reshape", inputs=[out, gs.Constant(f"{prefix}.flat", np.array([-1, heads * head_dim], np.int64))],
+                           outputs=[f"{prefix}.ctx"])[0]  # [R*L, h*hd]
+        o_proj.inputs[0] = flat
+        cache_outputs += [present_key, present_value]
+    # The new rows now land in the cache inside the graph: the stacked new_key/new_value outputs go.
+    graph.outputs = [t for t in graph.outputs if t.name not in ("new_key", "new_value")] + cache_outputs
+    graph.import_domains = [onnx.helper.make_opsetid("", graph.opset), onnx.helper.make_opsetid("com.microsoft", 1)]
+    return graph.cleanup(remove_unused_graph_inputs=True).toposort()
+
+
+@register_pass("gqa_attention", phase="lowering")
+def gqa_attention(state: CompileState) -> CompileState:
+    """Add ONNX Runtime graph variants with one fused GroupQueryAttention per layer (--target onnx)."""
+    if state.options.target != "onnx":
+        return state
+    cfg = state.cfg
+    if cfg.head_dim % GQA_HEAD_DIM_MULTIPLE:
+        state.notes.append(f"gqa_attention: skipped (ONNX Runtime's GroupQueryAttention needs head_dim % "
+                           f"{GQA_HEAD_DIM_MULTIPLE} == 0, this model has {cfg.head_dim})")
+        return state
+    for name in [n for n in ("step", "step_flush", "prefill") if n in state.graphs]:
+        state.graphs[name + GQA_SUFFIX] = lower_to_gqa(
+            state.graphs[name], heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim, theta=cfg.rope_theta, max_context=cfg.max_position_embeddings)
+    state.notes.append("gqa_attention: added ONNX Runtime variants with fused GroupQueryAttention")
+    return state
