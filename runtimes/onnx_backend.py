@@ -24,6 +24,15 @@ def _ort():
     return onnxruntime
 
 
+def take_dimensions(backend, manifest: Manifest) -> None:
+    """The sizes every ONNX Runtime backend reads from the manifest, as attributes of BACKEND."""
+    model = manifest.model
+    backend.slots, backend.stage_layers = manifest.slots, manifest.stage_layers
+    backend.num_layers = model["num_layers"]
+    backend.vocab_size, backend.max_context = model["vocab_size"], model["max_context"]
+    backend.kv_heads, backend.head_dim, backend.hidden_size = model["num_kv_heads"], model["head_dim"], model["hidden_size"]
+
+
 def open_sessions(directory: Path, manifest: Manifest, names: tuple[str, ...], providers: list, threads: int | None) -> dict:
     """ONNX Runtime sessions for the artifact graphs in NAMES that it has (a plain engine has no step)."""
     ort = _ort()
@@ -51,11 +60,7 @@ class OnnxBackend:
         if device != "cpu":
             raise SpeedcError(f"device {device!r}: this backend feeds numpy arrays on the CPU; "
                               "use --backend onnx-bound for a device-resident cache")
-        model = manifest.model
-        self.slots, self.stage_layers = manifest.slots, manifest.stage_layers
-        self.num_layers = model["num_layers"]
-        self.vocab_size, self.max_context = model["vocab_size"], model["max_context"]
-        self.kv_heads, self.head_dim, self.hidden_size = model["num_kv_heads"], model["head_dim"], model["hidden_size"]
+        take_dimensions(self, manifest)
         self.sessions = open_sessions(directory, manifest, ("prefill", "step", "step_flush"),
                                       ["CPUExecutionProvider"], threads)
         self.key = self.value = None

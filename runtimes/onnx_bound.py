@@ -22,7 +22,7 @@ import numpy as np
 from speedc.artifact import Manifest
 from speedc.errors import ArtifactError, SpeedcError
 from speedc.runtimes.backend import StepResult
-from speedc.runtimes.onnx_backend import _ort, open_sessions
+from speedc.runtimes.onnx_backend import _ort, open_sessions, take_dimensions
 
 F32 = np.dtype(np.float32).itemsize
 FUSED_SUFFIX = ".gqa"
@@ -62,11 +62,7 @@ class OnnxBoundBackend:
         if not self.fused and "cache_write_prefill" not in available:
             raise ArtifactError(f"{directory}: built without the cache-write graphs IO binding needs; rebuild it "
                                 "with this speedc (speedc build ... --force)")
-        model = manifest.model
-        self.slots, self.stage_layers = manifest.slots, manifest.stage_layers
-        self.num_layers = model["num_layers"]
-        self.vocab_size, self.max_context = model["vocab_size"], model["max_context"]
-        self.kv_heads, self.head_dim, self.hidden_size = model["num_kv_heads"], model["head_dim"], model["hidden_size"]
+        take_dimensions(self, manifest)
         suffix = FUSED_SUFFIX if self.fused else ""
         self.graph = {name: name + suffix for name in ("prefill", "step", "step_flush")}
         names = tuple(self.graph.values()) + (() if self.fused else ("cache_write_step", "cache_write_prefill"))
