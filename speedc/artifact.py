@@ -6,6 +6,8 @@
       step.onnx         P-slot speculative step graph            (absent for a plain engine)
       step_flush.onnx   the same step with every slot's exit head (for early flush)
       prefill.onnx      plain N-layer graph: prompt chunks, and autoregressive decoding
+      step.gqa.onnx, step_flush.gqa.onnx, prefill.gqa.onnx
+                        ONNX Runtime variants: fused GroupQueryAttention writes the cache in place
       cache_write_step.onnx, cache_write_prefill.onnx
                         in-place K/V row writers for device-resident caches (IO binding)
       weights.bin       every unique weight once, shared by all graphs as ONNX external data
@@ -35,6 +37,9 @@ STEP_FLUSH_GRAPH = "step_flush.onnx"
 PREFILL_GRAPH = "prefill.onnx"
 CACHE_WRITE_STEP_GRAPH = "cache_write_step.onnx"
 CACHE_WRITE_PREFILL_GRAPH = "cache_write_prefill.onnx"
+GRAPH_FILES = {"step": STEP_GRAPH, "step_flush": STEP_FLUSH_GRAPH, "prefill": PREFILL_GRAPH,
+               "cache_write_step": CACHE_WRITE_STEP_GRAPH, "cache_write_prefill": CACHE_WRITE_PREFILL_GRAPH,
+               **{f"{name}.gqa": f"{name}.gqa.onnx" for name in ("step", "step_flush", "prefill")}}
 WEIGHTS = "weights.bin"
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"

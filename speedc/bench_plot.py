@@ -61,11 +61,13 @@ def write_plot(report: dict, path: Path) -> Path:
         axes[2].legend(fontsize=8)
     fig.suptitle(f"{Path(report['artifact']).name}: {report['backend']}, P={report['slots']}")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.partial{path.suffix}")  # never leave half a file at PATH
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(partial, dpi=110)
         os.replace(partial, path)
+    except OSError as bad:
+        raise SpeedcError(f"--plot {path}: cannot write it ({bad.strerror or bad})") from None
     finally:
         plt.close(fig)
         partial.unlink(missing_ok=True)

@@ -23,8 +23,7 @@ import onnx_graphsurgeon as gs
 from onnx import numpy_helper
 
 from speedc import __version__
-from speedc.artifact import (CACHE_WRITE_PREFILL_GRAPH, CACHE_WRITE_STEP_GRAPH, CONFIG, FORMAT_VERSION, MANIFEST,
-                             PREFILL_GRAPH, STEP_FLUSH_GRAPH, STEP_GRAPH, TOKENIZER, WEIGHT_ALIGN, WEIGHTS, Manifest,
+from speedc.artifact import (CONFIG, FORMAT_VERSION, GRAPH_FILES, MANIFEST, TOKENIZER, WEIGHT_ALIGN, WEIGHTS, Manifest,
                              is_weight_name, sha256_file)
 from speedc.errors import BuildError, SpeedcError
 from speedc.models.checkpoint import checkpoint_hash, load_checkpoint, read_tokenizer_json
@@ -40,9 +39,6 @@ PIPELINE: list[tuple[str, list[str]]] = [
     ("finalize", ["cleanup", "trt_lint"]),
 ]
 PASS_ORDER = [name for _, names in PIPELINE for name in names]
-GRAPH_FILES = {"step": STEP_GRAPH, "step_flush": STEP_FLUSH_GRAPH, "prefill": PREFILL_GRAPH,
-               "cache_write_step": CACHE_WRITE_STEP_GRAPH, "cache_write_prefill": CACHE_WRITE_PREFILL_GRAPH,
-               **{f"{name}.gqa": f"{name}.gqa.onnx" for name in ("step", "step_flush", "prefill")}}
 EXTERNAL_MIN_BYTES = 1024
 
 

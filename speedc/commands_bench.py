@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from speedc.errors import GenerationError
 @click.option("--early-flush/--no-early-flush", default=None, help="SPEED with or without early flush (default: the engine's, on).")
 @click.option("--backend", type=click.Choice(["onnx", "onnx-bound", "torch"]), default="onnx", show_default=True,
               help="onnx: ONNX Runtime, numpy-fed cache (CPU); onnx-bound: ONNX Runtime IO binding, device-resident cache (what --device cuda uses); torch: PyTorch.")
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N (torch, or onnx with onnxruntime-gpu).")
 @click.option("--threads", type=int, default=None, help="Intra-op threads (default: all cores).")
 @click.option("--peers/--no-peers", default=None,
               help="Also time the PyTorch reference and transformers generate (default: when installed).")
@@ -81,7 +82,7 @@ def bench(artifact, memory_bound, memory_bound_hidden, new_tokens, repeats, prom
                 report.peak_rss_mb[system] = peak_rss_mb(system, artifact, workdir, new_tokens, threads, backend, device)
     report.weight_bytes = {"speedc": engine.manifest.weights["stored_bytes"],
                            "unrolled export": engine.manifest.weights["unrolled_bytes_fp32"], **peer_bytes}
-    with status.status("sweeps") as spinner:
+    with status.status("sweeps") if sweeps else contextlib.nullcontext() as spinner:
         if "slots" in sweeps:
             report.sweep["slots"] = sweep_slots(engine, prompts=list(prompts) or None, new_tokens=new_tokens,
                                                 repeats=repeats, threads=threads, backend=backend, device=device,
