@@ -25,7 +25,7 @@ def synthetic_config(hidden: int, blocks: int, passes: int):
 
 
 def synthetic_step_costs(*, hidden: int = 1024, blocks: int = 4, passes: int = 4, context: int = 512,
-                         threads: int | None = None, repeats: int = 100) -> dict:
+                         threads: int | None = None, repeats: int = 100, backend: str = "onnx") -> dict:
     import torch
 
     from speedc.build import build
@@ -48,7 +48,7 @@ def synthetic_step_costs(*, hidden: int = 1024, blocks: int = 4, passes: int = 4
             if (blocks * passes) % slots:
                 continue
             art = build(checkpoint, Path(tmp) / f"p{slots}", BuildOptions(slots=slots), force=True).out
-            engine = Engine.load(art, threads=threads, verify=False)
+            engine = Engine.load(art, backend=backend, threads=threads, verify=False)
             rows.append({"slots": slots, "step_cost": round(measure_step_cost(engine, context, repeats), 3)})
-    return {"label": "step cost only (random weights)", "hidden": hidden, "blocks": blocks, "passes": passes,
+    return {"label": "step cost only (random weights)", "backend": backend, "hidden": hidden, "blocks": blocks, "passes": passes,
             "unique_weight_mb": round(unique_bytes / 1e6, 1), "context": context, "rows": rows}

@@ -42,11 +42,11 @@ def bench(artifact, memory_bound, memory_bound_hidden, new_tokens, repeats, prom
     if memory_bound:
         from speedc.bench_synthetic import synthetic_step_costs
 
-        report = synthetic_step_costs(hidden=memory_bound_hidden, threads=threads)
+        report = synthetic_step_costs(hidden=memory_bound_hidden, threads=threads, backend=backend)
         if as_json:
             click.echo(json.dumps(report))
         else:
-            click.echo(f"{report['label']}: hidden {report['hidden']}, {report['blocks']} blocks x {report['passes']} passes, "
+            click.echo(f"{report['label']}, {report['backend']}: hidden {report['hidden']}, {report['blocks']} blocks x {report['passes']} passes, "
                        f"{report['unique_weight_mb']} MB unique weights, context {report['context']}")
             for row in report["rows"]:
                 click.echo(f"  c(P={row['slots']}) = {row['step_cost']:.2f}")

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,16 +18,17 @@ from speedc.gpu_check import memory_bound_model
 from speedc.runtimes.torch_backend import TorchBackend
 
 CUDA = torch.cuda.is_available()
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_gpu_check_cpu_smoke(tmp_path):
-    out = tmp_path / "report.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "speedc.gpu_check", "--device", "cpu", "--hidden", "64", "--blocks", "2",
-                          "--passes", "4", "--new-tokens", "12", "--repeats", "1", "--threads", "1", "--out", str(out)],
+    """scripts/gpu_check.sh end to end, on the CPU device with a small model (what a GPU run does, smaller)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OUT": str(tmp_path), "PYTHON": sys.executable}
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--device", "cpu", "--hidden", "64", "--blocks", "2",
+                          "--passes", "4", "--new-tokens", "12", "--repeats", "1", "--threads", "1"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr
-    report = json.loads(out.read_text())
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
     torch_row = report["backends"]["torch"]
     assert torch_row["lossless"] is True and torch_row["prompts"] == 4  # speed == autoregressive == reference
     assert 0 < torch_row["acceptance"] <= 1 and torch_row["step_cost"] > 0
