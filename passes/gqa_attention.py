@@ -13,7 +13,7 @@ Why: the standard-op attention (rotary, two masks, split softmax, slices) is ~35
 on a CPU most of a step's time outside the weight Gemms is those nodes and their dispatch. GQA does
 the same math in one kernel, per row at its own position (row r reads cache rows 0..positions[r]+i),
 exactly the slot semantics of a SPEED step, and writes the new K/V rows into the cache when the
-runtime binds past and present to one buffer (IO binding; the `onnx-bound` backend).
+runtime binds past and present to one buffer (IO binding; the `onnx` backend, runtimes/onnx_bound.py).
 
 The standard graphs stay in the artifact (TensorRT, the numpy-fed backend); these are added as
 `step.gqa`, `step_flush.gqa`, `prefill.gqa`. Only for --target onnx: TensorRT has no such op.

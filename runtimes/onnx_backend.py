@@ -1,4 +1,5 @@
-"""ONNX Runtime backend (CPU). Imports numpy and onnxruntime only: no torch, no compiler.
+"""ONNX Runtime backend fed numpy views (`--backend onnx-numpy`, CPU): the simplest path, and the
+one for artifacts built before the IO-binding graphs. Imports numpy and onnxruntime only.
 
 The graphs only read the cache (inputs are views of this backend's numpy buffers, bound without a
 copy) and return the new K/V rows as one small tensor each; this backend writes them in place.
@@ -54,12 +55,12 @@ def open_sessions(directory: Path, manifest: Manifest, names: tuple[str, ...], p
 
 
 class OnnxBackend:
-    name = "onnx"
+    name = "onnx-numpy"
 
     def __init__(self, directory: Path, manifest: Manifest, device: str = "cpu", threads: int | None = None) -> None:
         if device != "cpu":
             raise SpeedcError(f"device {device!r}: this backend feeds numpy arrays on the CPU; "
-                              "use --backend onnx-bound for a device-resident cache")
+                              "use --backend onnx for a device-resident cache")
         take_dimensions(self, manifest)
         self.sessions = open_sessions(directory, manifest, ("prefill", "step", "step_flush"),
                                       ["CPUExecutionProvider"], threads)

@@ -43,8 +43,13 @@ def _providers(device: str) -> tuple[list, str, int]:
     return [("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"], "cuda", device_id
 
 
+def io_binding_graphs(manifest: Manifest) -> bool:
+    """Whether the artifact has what this backend needs (artifacts built before it lack the graphs)."""
+    return "cache_write_prefill" in manifest.graphs or f"prefill{FUSED_SUFFIX}" in manifest.graphs
+
+
 class OnnxBoundBackend:
-    name = "onnx-bound"
+    name = "onnx"
 
     def __init__(self, directory, manifest: Manifest, device: str = "cpu", threads: int | None = None,
                  fused: bool | None = None) -> None:

@@ -36,7 +36,7 @@ class BenchReport:
     ms_per_token: dict[str, dict[str, float]]  # mode -> {p50, p90, min}
     tokens_per_second: dict[str, float]
     speedup_p50: float
-    acceptance_rate: float
+    acceptance_rate: float  # speculations confirmed / checked (failures at the last layer or by early flush)
     tokens_per_step: float
     early_flush: bool
     step_cost: float  # c(P)
@@ -115,7 +115,8 @@ def run_bench(engine: Engine, *, prompts: list[str] | None = None, new_tokens: i
                 if peer_ids != results["speed"].ids:
                     raise SpeedcError(f"{name} produced different ids than SPEED: refusing to report speeds")
             s = results["speed"].stats
-            accepted, mispredicted = accepted + s.accepted, mispredicted + s.mispredicted
+            # A speculation fails at the last layer (mispredicted) or earlier (early flush): both count.
+            accepted, mispredicted = accepted + s.accepted, mispredicted + s.mispredicted + s.early_flushes
             steps, emitted = steps + s.steps, emitted + s.new_tokens - 1
     if not identical:
         raise SpeedcError("speed and autoregressive outputs differ: refusing to report speeds (this is a bug)")

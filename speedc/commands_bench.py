@@ -20,8 +20,8 @@ from speedc.errors import GenerationError
 @click.option("--repeats", type=click.IntRange(1), default=3, show_default=True, help="Passes over the prompt set.")
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable; default: a built-in set).")
 @click.option("--early-flush/--no-early-flush", default=None, help="SPEED with or without early flush (default: the engine's, on).")
-@click.option("--backend", type=click.Choice(["onnx", "onnx-bound", "torch"]), default="onnx", show_default=True,
-              help="onnx: ONNX Runtime, numpy-fed cache (CPU); onnx-bound: ONNX Runtime IO binding, device-resident cache (what --device cuda uses); torch: PyTorch.")
+@click.option("--backend", type=click.Choice(["onnx", "onnx-numpy", "torch"]), default="onnx", show_default=True,
+              help="onnx: ONNX Runtime with IO binding, cache in device buffers (fused attention on CPU); onnx-numpy: ONNX Runtime fed numpy views (CPU; the simplest path); torch: PyTorch.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N (torch, or onnx with onnxruntime-gpu).")
 @click.option("--threads", type=int, default=None, help="Intra-op threads (default: all cores).")
 @click.option("--peers/--no-peers", default=None,

@@ -33,8 +33,8 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-text token.")
 @click.option("--early-flush/--no-early-flush", default=None,
               help="Flush as soon as a deeper exit head contradicts the in-flight successor (default: on).")
-@click.option("--backend", type=click.Choice(["onnx", "onnx-bound", "torch"]), default="onnx", show_default=True,
-              help="onnx: ONNX Runtime, numpy-fed cache (CPU); onnx-bound: ONNX Runtime IO binding, device-resident cache (what --device cuda uses); torch: PyTorch.")
+@click.option("--backend", type=click.Choice(["onnx", "onnx-numpy", "torch"]), default="onnx", show_default=True,
+              help="onnx: ONNX Runtime with IO binding, cache in device buffers (fused attention on CPU); onnx-numpy: ONNX Runtime fed numpy views (CPU; the simplest path); torch: PyTorch.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N (torch, or onnx with onnxruntime-gpu).")
 @click.option("--threads", type=int, default=None, help="Intra-op threads (default: all cores).")
 @click.option("--stream", is_flag=True, help="Print text as tokens are confirmed.")

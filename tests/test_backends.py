@@ -1,5 +1,5 @@
-"""Every backend runs the same schedule and gives the same ids: ONNX Runtime numpy-fed, ONNX Runtime
-with IO binding (device-resident cache, here on the CPU device), PyTorch."""
+"""Every backend runs the same schedule and gives the same ids: ONNX Runtime with IO binding (fused
+attention, or the cache-writer graphs; here on the CPU device), ONNX Runtime fed numpy views, PyTorch."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from speedc.runtimes.onnx_bound import OnnxBoundBackend
 @pytest.mark.parametrize("name", ZOO_MODELS)
 def test_backends_agree(name, zoo_artifacts):
     art = zoo_artifacts[name]
-    writer = Engine.load(art, backend="onnx-bound")
+    writer = Engine.load(art)
     writer.backend = OnnxBoundBackend(writer.directory, writer.manifest, fused=False)
-    engines = [Engine.load(art), Engine.load(art, backend="onnx-bound"), writer, Engine.load(art, backend="torch")]
+    engines = [Engine.load(art, backend="onnx-numpy"), Engine.load(art), writer, Engine.load(art, backend="torch")]
     assert engines[1].backend.fused and not writer.backend.fused
     for prompt in ("ROMEO:\n", "First Citizen:\nWe are accounted poor citizens", "O"):
         for mode in ("speed", "autoregressive"):
@@ -34,7 +34,7 @@ def test_bound_backend_writes_the_cache_in_place(zoo_artifacts, fused):
     import numpy as np
 
     art = zoo_artifacts["tiny"]
-    numpy_engine, bound_engine = Engine.load(art), Engine.load(art, backend="onnx-bound")
+    numpy_engine, bound_engine = Engine.load(art, backend="onnx-numpy"), Engine.load(art)
     bound_engine.backend = OnnxBoundBackend(bound_engine.directory, bound_engine.manifest, fused=fused)
     for engine in (numpy_engine, bound_engine):
         engine.generate("ROMEO:\n", max_new_tokens=40, stop_at_eos=False)
@@ -54,3 +54,19 @@ def test_unknown_cuda_provider_is_a_clear_error(zoo_artifacts):
         pytest.skip("this onnxruntime has a CUDA provider")
     with pytest.raises(SpeedcError, match="no CUDA provider"):
         Engine.load(zoo_artifacts["tiny"], device="cuda")
+
+
+def test_artifact_without_io_binding_graphs_runs_numpy_fed(zoo_artifacts, tmp_path):
+    """An artifact built before the IO-binding graphs existed still loads with the default backend."""
+    import json
+    import shutil
+
+    art = shutil.copytree(zoo_artifacts["tiny"], tmp_path / "old")
+    manifest = json.loads((art / "manifest.json").read_text())
+    for name in [n for n in manifest["graphs"] if n.startswith("cache_write") or n.endswith(".gqa")]:
+        (art / manifest["graphs"].pop(name)["file"]).unlink()
+    manifest["files"] = {f: h for f, h in manifest["files"].items() if (art / f).exists()}
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    old, current = Engine.load(art), Engine.load(zoo_artifacts["tiny"])
+    assert old.backend.name == "onnx-numpy" and current.backend.name == "onnx"
+    assert old.generate("ROMEO:", max_new_tokens=24).ids == current.generate("ROMEO:", max_new_tokens=24).ids

@@ -43,10 +43,10 @@ def _engines(art) -> tuple[Engine, dict[str, Engine]]:
     """The numpy-fed engine, and SPEED engines on every ONNX Runtime path: numpy-fed, IO binding as
     loaded (fused GroupQueryAttention writes the cache where head_dim allows it), IO binding with the
     cache-writer graphs."""
-    plain = Engine.load(art)
-    writer = Engine.load(art, backend="onnx-bound")
+    plain = Engine.load(art, backend="onnx-numpy")
+    writer = Engine.load(art)
     writer.backend = OnnxBoundBackend(writer.directory, writer.manifest, fused=False)
-    return plain, {"onnx": plain, "onnx-bound": Engine.load(art, backend="onnx-bound"), "onnx-bound writer": writer}
+    return plain, {"onnx-numpy": plain, "onnx": Engine.load(art), "onnx writer graphs": writer}
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ sampling = st.one_of(
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data(), which=st.integers(0, len(SHAPES) + 1), new_tokens=st.integers(1, 24),
-       params=sampling, early_flush=st.booleans(), path=st.sampled_from(["onnx", "onnx-bound", "onnx-bound writer"]))
+       params=sampling, early_flush=st.booleans(), path=st.sampled_from(["onnx-numpy", "onnx", "onnx writer graphs"]))
 def test_speed_equals_plain_decoding(pool, data, which, new_tokens, params, early_flush, path):
     """SPEED on every ONNX Runtime path (numpy-fed; IO binding with in-place cache writes and
     scratch-row bubbles, fused or not) equals plain decoding on the numpy-fed one, and the reference."""
