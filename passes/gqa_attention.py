@@ -25,10 +25,10 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from speedc.artifact import FUSED_SUFFIX
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.graph_utils import tensor
 
-GQA_SUFFIX = ".gqa"
 GQA_HEAD_DIM_MULTIPLE = 16  # ONNX Runtime's CPU kernel: "head_size shall be a multiple of 16"
 
 
@@ -72,7 +72,7 @@ def rotary_tables(graph: gs.Graph, head_dim: int, theta: float, rows: int) -> tu
 
 def lower_to_gqa(graph: gs.Graph, *, heads: int, kv_heads: int, head_dim: int, theta: float, max_context: int) -> gs.Graph:
     graph = graph.copy()
-    graph.name = f"{graph.name}{GQA_SUFFIX}"
+    graph.name = f"{graph.name}{FUSED_SUFFIX}"
     positions, input_ids = tensor(graph, "positions"), tensor(graph, "input_ids")
     # L (chunk length) as [1] and as a scalar; the per-row sequence lengths GQA expects.
     ids_shape = graph.layer(op="Shape", inputs=[input_ids], outputs=["gqa.ids_shape"])[0]
@@ -127,7 +127,7 @@ def gqa_attention(state: CompileState) -> CompileState:
                            f"{GQA_HEAD_DIM_MULTIPLE} == 0, this model has {cfg.head_dim})")
         return state
     for name in [n for n in ("step", "step_flush", "prefill") if n in state.graphs]:
-        state.graphs[name + GQA_SUFFIX] = lower_to_gqa(
+        state.graphs[name + FUSED_SUFFIX] = lower_to_gqa(
             state.graphs[name], heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim, theta=cfg.rope_theta, max_context=cfg.max_position_embeddings)
     state.notes.append("gqa_attention: added ONNX Runtime variants with fused GroupQueryAttention")

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from speedc.artifact import Manifest
+from speedc.artifact import FUSED_SUFFIX, Manifest
 from speedc.errors import ArtifactError, SpeedcError
 from speedc.runtimes.backend import StepResult
 from speedc.runtimes.onnx_backend import _ort, open_sessions, take_dimensions
 
 F32 = np.dtype(np.float32).itemsize
-FUSED_SUFFIX = ".gqa"
 
 
 def _providers(device: str) -> tuple[list, str, int]:

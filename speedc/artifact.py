@@ -37,9 +37,10 @@ STEP_FLUSH_GRAPH = "step_flush.onnx"
 PREFILL_GRAPH = "prefill.onnx"
 CACHE_WRITE_STEP_GRAPH = "cache_write_step.onnx"
 CACHE_WRITE_PREFILL_GRAPH = "cache_write_prefill.onnx"
+FUSED_SUFFIX = ".gqa"  # graph names (and files) of the ONNX Runtime variants with fused attention
 GRAPH_FILES = {"step": STEP_GRAPH, "step_flush": STEP_FLUSH_GRAPH, "prefill": PREFILL_GRAPH,
                "cache_write_step": CACHE_WRITE_STEP_GRAPH, "cache_write_prefill": CACHE_WRITE_PREFILL_GRAPH,
-               **{f"{name}.gqa": f"{name}.gqa.onnx" for name in ("step", "step_flush", "prefill")}}
+               **{f"{name}{FUSED_SUFFIX}": f"{name}{FUSED_SUFFIX}.onnx" for name in ("step", "step_flush", "prefill")}}
 WEIGHTS = "weights.bin"
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"

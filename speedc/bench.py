@@ -39,6 +39,7 @@ class BenchReport:
     acceptance_rate: float  # speculations confirmed / checked (failures at the last layer or by early flush)
     tokens_per_step: float
     early_flush: bool
+    flushes: dict[str, int]  # SPEED runs, summed: flushes at the last layer / by early flush; tokens discarded
     step_cost: float  # c(P)
     bound: float
     achieved_over_bound: float
@@ -93,6 +94,7 @@ def run_bench(engine: Engine, *, prompts: list[str] | None = None, new_tokens: i
     e2e: dict[str, list[float]] = {name: [] for name in ("speed", "autoregressive", *peers)}
     prefill: list[float] = []
     accepted = mispredicted = steps = emitted = 0
+    flushes = {"last_layer": 0, "early": 0, "tokens_discarded": 0}
     identical = True
     engine.generate(prompts[0], max_new_tokens=8, stop_at_eos=False)  # warm-up
     for _ in range(repeats):
@@ -118,6 +120,8 @@ def run_bench(engine: Engine, *, prompts: list[str] | None = None, new_tokens: i
             # A speculation fails at the last layer (mispredicted) or earlier (early flush): both count.
             accepted, mispredicted = accepted + s.accepted, mispredicted + s.mispredicted + s.early_flushes
             steps, emitted = steps + s.steps, emitted + s.new_tokens - 1
+            for key, count in (("last_layer", s.mispredicted), ("early", s.early_flushes), ("tokens_discarded", s.flushed_tokens)):
+                flushes[key] += count
     if not identical:
         raise SpeedcError("speed and autoregressive outputs differ: refusing to report speeds (this is a bug)")
     alpha = accepted / max(accepted + mispredicted, 1)
@@ -133,7 +137,7 @@ def run_bench(engine: Engine, *, prompts: list[str] | None = None, new_tokens: i
         repeats=repeats * len(prompts), identical_ids=identical, ms_per_token=ms,
         early_flush=engine.early_flush_default if early_flush is None else early_flush,
         tokens_per_second={mode: round(1000 / v["p50"], 1) for mode, v in ms.items()},
-        speedup_p50=round(speedup, 3), acceptance_rate=round(alpha, 4), tokens_per_step=round(emitted / max(steps, 1), 4),
+        speedup_p50=round(speedup, 3), acceptance_rate=round(alpha, 4), flushes=flushes, tokens_per_step=round(emitted / max(steps, 1), 4),
         step_cost=round(cost, 3), bound=round(bound, 3), achieved_over_bound=round(speedup / bound, 3),
         prefill_ms_p50=round(statistics.median(prefill), 3), e2e_ms_per_token=e2e_ms,
         speed_speedup_e2e={name: round(v["p50"] / e2e_ms["speed"]["p50"], 3) for name, v in e2e_ms.items() if name != "speed"})

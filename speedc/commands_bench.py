@@ -119,7 +119,9 @@ def bench(artifact, memory_bound, memory_bound_hidden, new_tokens, repeats, prom
                       + ", ".join(f"{k} {v:.0f} MB" for k, v in report.peak_rss_mb.items()))
     console.print("weight bytes stored: " + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in report.weight_bytes.items()))
     console.print(f"identical ids: {report.identical_ids}   speedup (p50): {report.speedup_p50:.2f}x   "
-                  f"acceptance: {report.acceptance_rate:.3f}   tokens/step: {report.tokens_per_step:.3f}")
+                  f"acceptance: {report.acceptance_rate:.3f}   tokens/step: {report.tokens_per_step:.3f}   "
+                  f"flushes: {report.flushes['last_layer']} at the last layer, {report.flushes['early']} early "
+                  f"({report.flushes['tokens_discarded']} tokens discarded)")
     console.print(f"step cost c(P={report.slots}) = {report.step_cost:.2f}   analytic bound {report.bound:.2f}x   "
                   f"achieved / bound {report.achieved_over_bound:.2f}   prefill p50 {report.prefill_ms_p50:.2f} ms")
     for kind, sweep in report.sweep.items():

@@ -14,7 +14,7 @@ def test_bench_json_fields(tiny_artifact):
     report = json.loads(result.stdout)
     assert report["identical_ids"] is True  # checked before any speed is reported
     for key in ("ms_per_token", "tokens_per_second", "speedup_p50", "acceptance_rate", "tokens_per_step", "step_cost",
-                "bound", "achieved_over_bound", "prefill_ms_p50"):
+                "bound", "achieved_over_bound", "prefill_ms_p50", "flushes"):
         assert key in report
     assert set(report["ms_per_token"]) == {"speed", "autoregressive"} and report["repeats"] == 2
     # Peers ran on the same weights (their ids were checked against SPEED's inside the bench).
@@ -23,6 +23,7 @@ def test_bench_json_fields(tiny_artifact):
     assert set(report["speed_speedup_e2e"]) == {"autoregressive", *peers}
     assert report["weight_bytes"]["speedc"] < report["weight_bytes"]["onnxruntime-genai"]
     assert 0 <= report["acceptance_rate"] <= 1 and report["step_cost"] > 0
+    assert set(report["flushes"]) == {"last_layer", "early", "tokens_discarded"}
     # Peak RSS, each system in its own process: the ONNX Runtime path never imports torch, the peers do.
     assert set(report["peak_rss_mb"]) == {"speed", "autoregressive", *peers}
     assert 0 < report["peak_rss_mb"]["speed"] < report["peak_rss_mb"]["pytorch-reference"]
