@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from pathlib import Path
 
 import click
@@ -53,8 +54,8 @@ def bench(artifact, memory_bound, memory_bound_hidden, new_tokens, repeats, prom
         return
     if artifact is None:
         raise GenerationError("give an ARTIFACT to benchmark (or --memory-bound)")
-    if plot is not None and plot.suffix.lower() != ".png":
-        raise GenerationError(f"--plot {plot}: give a .png file name")
+    if plot is not None:
+        check_plot_path(plot)  # before minutes of measuring, not after
     import tempfile
 
     from rich.console import Console
@@ -90,14 +91,28 @@ def bench(artifact, memory_bound, memory_bound_hidden, new_tokens, repeats, prom
         if "length" in sweeps:
             report.sweep["length"] = sweep_length(engine, prompts=list(prompts) or None, new_tokens=new_tokens,
                                                   repeats=repeats, progress=spinner.update)
-    if plot is not None:
+    if as_json:
+        click.echo(json.dumps(report.to_json()))
+    else:
+        print_report(report, artifact, new_tokens)
+    if plot is not None:  # after the report is out: a failing plot never loses the measurements
         from speedc.bench_plot import write_plot
 
         write_plot(report.to_json(), plot)
         status.print(f"wrote {plot}")
-    if as_json:
-        click.echo(json.dumps(report.to_json()))
-        return
+
+
+def check_plot_path(plot: Path) -> None:
+    if plot.suffix.lower() != ".png":
+        raise GenerationError(f"--plot {plot}: give a .png file name")
+    folder = plot.parent if str(plot.parent) else Path(".")
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), Path("."))
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise GenerationError(f"--plot {plot}: {existing} is not a writable folder")
+
+
+def print_report(report, artifact: Path, new_tokens: int) -> None:
+    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"{artifact} ({report.backend}, P={report.slots}, {report.repeats} runs x {new_tokens} tokens)")
