@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from speedc.errors import BuildError
+from speedc.models.layer_map import valid_slot_counts
 from speedc.passes.base import CompileState, register_pass
 
 STEP_COST_SLOPE = 0.05  # beta: c(P) = 1 + beta (P - 1)
@@ -35,20 +36,6 @@ def step_cost(slots: int, slope: float = STEP_COST_SLOPE) -> float:
 def predicted_speedup(slots: int, alpha: float, cost: float | None = None) -> float:
     cost = step_cost(slots) if cost is None else cost
     return slots / (cost * (1.0 + (1.0 - alpha) * (slots - 1)))
-
-
-def valid_slot_counts(layer_map: list[int], exit_layer: int) -> list[int]:
-    """P values whose stages all run the same block sequence and whose first stage holds the exit."""
-    n = len(layer_map)
-    valid = []
-    for slots in range(1, n + 1):
-        if n % slots:
-            continue
-        stage = n // slots
-        same = all(layer_map[s * stage + j] == layer_map[j] for s in range(slots) for j in range(stage))
-        if same and (slots == 1 or exit_layer <= stage):
-            valid.append(slots)
-    return valid
 
 
 @dataclass

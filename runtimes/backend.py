@@ -11,10 +11,22 @@ and writes row positions[s] of each valid slot; prefill writes rows start..start
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+
+
+def cache_slab(layer: int, stage_layers: int) -> tuple[int, int]:
+    """(stage layer j, slot s) of the cache slab holding logical layer `layer` = s * S + j."""
+    slot, stage_layer = divmod(layer, stage_layers)
+    return stage_layer, slot
+
+
+def resolve_threads(threads: int | None) -> int:
+    """Intra-op threads: the argument, else $SPEEDC_THREADS, else every core."""
+    return threads or int(os.environ.get("SPEEDC_THREADS", 0)) or (os.cpu_count() or 1)
 
 
 @dataclass

@@ -48,6 +48,12 @@ class DecodeStats:
         return self.accepted / checked if checked else 0.0
 
     @property
+    def failed_speculations(self) -> int:
+        """Speculations that did not survive: contradicted at the last layer or by an early flush
+        (what the analytic bound's 1 - alpha counts)."""
+        return self.mispredicted + self.early_flushes
+
+    @property
     def tokens_per_step(self) -> float:
         return (self.new_tokens - 1) / self.steps if self.steps else 0.0
 

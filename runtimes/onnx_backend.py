@@ -7,14 +7,13 @@ copy) and return the new K/V rows as one small tensor each; this backend writes 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 
 from speedc.artifact import Manifest
 from speedc.errors import ArtifactError, SpeedcError
-from speedc.runtimes.backend import StepResult
+from speedc.runtimes.backend import StepResult, cache_slab, resolve_threads
 
 
 def _ort():
@@ -38,7 +37,7 @@ def open_sessions(directory: Path, manifest: Manifest, names: tuple[str, ...], p
     """ONNX Runtime sessions for the artifact graphs in NAMES that it has (a plain engine has no step)."""
     ort = _ort()
     options = ort.SessionOptions()
-    options.intra_op_num_threads = threads or int(os.environ.get("SPEEDC_THREADS", 0)) or (os.cpu_count() or 1)
+    options.intra_op_num_threads = resolve_threads(threads)
     options.inter_op_num_threads = 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
@@ -78,7 +77,7 @@ class OnnxBackend:
                 self.step_cache_feeds[f"cache.value.{j}"] = self.value[j]
             self.prefill_cache_feeds = {}
             for layer in range(self.num_layers):
-                slot, j = divmod(layer, self.stage_layers)
+                j, slot = cache_slab(layer, self.stage_layers)
                 self.prefill_cache_feeds[f"cache.key.{layer}"] = self.key[j, slot][None]
                 self.prefill_cache_feeds[f"cache.value.{layer}"] = self.value[j, slot][None]
         self.hidden_in[:] = 0.0
@@ -98,7 +97,7 @@ class OnnxBackend:
 
     def step(self, token: int, positions: np.ndarray, valid: np.ndarray, want_logits: bool,
              all_exits: bool = False) -> StepResult:
-        feeds = {"input_ids": np.asarray([[token]], dtype=np.int64), "positions": positions.astype(np.int64),
+        feeds = {"input_ids": np.asarray([[token]], dtype=np.int64), "positions": np.asarray(positions, dtype=np.int64),
                  "hidden_in": self.hidden_in, **self.step_cache_feeds}
         names = ["final_token", "exit_tokens", "hidden_out", "new_key", "new_value"] + (["final_logits"] if want_logits else [])
         outputs = self.sessions["step_flush" if all_exits else "step"].run(names, feeds)

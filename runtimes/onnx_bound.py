@@ -21,7 +21,7 @@ import numpy as np
 
 from speedc.artifact import FUSED_SUFFIX, Manifest
 from speedc.errors import ArtifactError, SpeedcError
-from speedc.runtimes.backend import StepResult
+from speedc.runtimes.backend import StepResult, cache_slab
 from speedc.runtimes.onnx_backend import _ort, open_sessions, take_dimensions
 
 F32 = np.dtype(np.float32).itemsize
@@ -100,22 +100,29 @@ class OnnxBoundBackend:
         for buffer in self.hidden:  # a fresh request starts from empty slots
             buffer.update_inplace(np.zeros((self.slots, 1, self.hidden_size), np.float32))
 
+    def _cache_views(self, role: str, base: int, rows: int) -> list[tuple[int, int, tuple]]:
+        """(input index, address, shape) of each cache view a graph reads: a step reads one
+        [P, kvh, T, hd] slab per stage layer; prefill one [1, kvh, T, hd] slab per logical layer."""
+        slab = self.kv_heads * rows * self.head_dim * F32  # bytes of one (stage layer, slot) slab
+        if role != "prefill":
+            return [(j, base + j * self.slots * slab, (self.slots, self.kv_heads, rows, self.head_dim))
+                    for j in range(self.stage_layers)]
+        views = []
+        for layer in range(self.num_layers):
+            j, slot = cache_slab(layer, self.stage_layers)
+            views.append((layer, base + (j * self.slots + slot) * slab, (1, self.kv_heads, rows, self.head_dim)))
+        return views
+
     def _make_bindings(self, rows: int) -> None:
         """One binding per (graph, with logits?): cache views and fixed outputs bound here, once."""
         self.bindings = {}
-        slab = self.kv_heads * rows * self.head_dim * F32  # one (stage layer, slot) [kvh, T, hd]
         for role, graph in self.graph.items():
             if graph not in self.sessions:
                 continue  # a plain engine has no step graphs
             for with_logits in (False, True):
                 binding = self.sessions[graph].io_binding()
                 for kind, buffer in (("key", self.key), ("value", self.value)):
-                    base = buffer.data_ptr()
-                    views = ([(j, base + j * self.slots * slab, (self.slots, self.kv_heads, rows, self.head_dim))
-                              for j in range(self.stage_layers)] if role != "prefill" else
-                             [(layer, base + ((layer % self.stage_layers) * self.slots + layer // self.stage_layers) * slab,
-                               (1, self.kv_heads, rows, self.head_dim)) for layer in range(self.num_layers)])
-                    for index, address, view in views:
+                    for index, address, view in self._cache_views(role, buffer.data_ptr(), rows):
                         self._bind(binding, f"cache.{kind}.{index}", address, view)
                         if self.fused:  # present = past: GroupQueryAttention writes the new rows in place
                             self._bind(binding, f"cache.{kind}.{index}.out", address, view, output=True)
@@ -174,7 +181,7 @@ class OnnxBoundBackend:
         # Bubbles run at the scratch row: with fused attention that is where their K/V land.
         write_at = np.where(valid, positions, self.capacity).astype(np.int64)
         binding.bind_cpu_input("input_ids", np.asarray([[token]], dtype=np.int64))
-        binding.bind_cpu_input("positions", write_at if self.fused else positions.astype(np.int64))
+        binding.bind_cpu_input("positions", write_at if self.fused else np.asarray(positions, dtype=np.int64))
         # slot s's output is slot s+1's input: the first P-1 rows of the last hidden_out, in place
         self._bind(binding, "hidden_in", previous.data_ptr(), (self.slots - 1, 1, self.hidden_size))
         self._bind(binding, "hidden_out", nxt.data_ptr(), (self.slots, 1, self.hidden_size), output=True)

@@ -19,8 +19,9 @@ import torch
 from speedc.artifact import CONFIG, Manifest, checkpoint_tensor_names, read_weight
 from speedc.errors import SpeedcError
 from speedc.models.config import ModelConfig
+from speedc.models.layer_map import valid_slot_counts
 from speedc.models.llama import Block, SharedLlama, rope_cos_sin
-from speedc.runtimes.backend import StepResult
+from speedc.runtimes.backend import StepResult, cache_slab
 
 
 def _attend_layer(block: Block, x: torch.Tensor, starts: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
@@ -72,11 +73,8 @@ class TorchBackend:
     @classmethod
     def from_model(cls, model: SharedLlama, slots: int, device: str = "cpu", threads: int | None = None) -> "TorchBackend":
         """A backend over an in-memory model (no artifact): what the GPU check uses where only torch is
-        installed. SLOTS must give stages with identical block sequences (the schedule pass's rule)."""
-        n = model.cfg.num_hidden_layers
-        stage = n // slots if slots and n % slots == 0 else 0
-        if not stage or any(model.cfg.layer_map[i] != model.cfg.layer_map[i % stage] for i in range(n)) \
-                or (slots > 1 and model.cfg.exit_layer > stage):
+        installed. SLOTS must be a valid pipeline depth for the layer map (valid_slot_counts)."""
+        if slots not in valid_slot_counts(model.cfg.layer_map, model.cfg.exit_layer):
             raise SpeedcError(f"{slots} slots do not fit the layer map {model.cfg.layer_map} (exit after {model.cfg.exit_layer})")
         backend = cls.__new__(cls)
         backend._setup(model, slots, device, threads)
@@ -109,7 +107,7 @@ class TorchBackend:
         starts = torch.tensor([start], device=self.device)
         length = len(ids)
         for layer, block_index in enumerate(cfg.layer_map):
-            slot, j = divmod(layer, self.stage_layers)
+            j, slot = cache_slab(layer, self.stage_layers)
             x, k, v = _attend_layer(model.model.blocks[block_index], x, starts, self.key[j, slot][None],
                                     self.value[j, slot][None], cfg)
             self.key[j, slot, :, start:start + length] = k[0]

@@ -93,7 +93,7 @@ def run_bench(engine: Engine, *, prompts: list[str] | None = None, new_tokens: i
     times: dict[str, list[float]] = {"speed": [], "autoregressive": []}
     e2e: dict[str, list[float]] = {name: [] for name in ("speed", "autoregressive", *peers)}
     prefill: list[float] = []
-    accepted = mispredicted = steps = emitted = 0
+    accepted = failed = steps = emitted = 0
     flushes = {"last_layer": 0, "early": 0, "tokens_discarded": 0}
     identical = True
     engine.generate(prompts[0], max_new_tokens=8, stop_at_eos=False)  # warm-up
@@ -117,14 +117,13 @@ def run_bench(engine: Engine, *, prompts: list[str] | None = None, new_tokens: i
                 if peer_ids != results["speed"].ids:
                     raise SpeedcError(f"{name} produced different ids than SPEED: refusing to report speeds")
             s = results["speed"].stats
-            # A speculation fails at the last layer (mispredicted) or earlier (early flush): both count.
-            accepted, mispredicted = accepted + s.accepted, mispredicted + s.mispredicted + s.early_flushes
+            accepted, failed = accepted + s.accepted, failed + s.failed_speculations
             steps, emitted = steps + s.steps, emitted + s.new_tokens - 1
             for key, count in (("last_layer", s.mispredicted), ("early", s.early_flushes), ("tokens_discarded", s.flushed_tokens)):
                 flushes[key] += count
     if not identical:
         raise SpeedcError("speed and autoregressive outputs differ: refusing to report speeds (this is a bug)")
-    alpha = accepted / max(accepted + mispredicted, 1)
+    alpha = accepted / max(accepted + failed, 1)
     slots = engine.manifest.slots
     longest = max(len(engine.encode(p)) for p in prompts)
     cost = measure_step_cost(engine, context=longest + new_tokens)

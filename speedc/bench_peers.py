@@ -7,7 +7,6 @@ its ids against SPEED's before reporting any speed. Needs torch and transformers
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -84,7 +83,9 @@ def prepare_peers(directory: Path, manifest, threads: int | None, workdir: Path)
 def _set_threads(threads: int | None) -> None:
     import torch
 
-    torch.set_num_threads(threads or int(os.environ.get("SPEEDC_THREADS", 0)) or (os.cpu_count() or 1))
+    from speedc.runtimes.backend import resolve_threads
+
+    torch.set_num_threads(resolve_threads(threads))
 
 
 def load_peer(name: str, directory: Path, manifest, threads: int | None, workdir: Path) -> Peer:

@@ -24,29 +24,41 @@ def synthetic_config(hidden: int, blocks: int, passes: int):
     })
 
 
-def synthetic_step_costs(*, hidden: int = 1024, blocks: int = 4, passes: int = 4, context: int = 512,
-                         threads: int | None = None, repeats: int = 100, backend: str = "onnx") -> dict:
+def random_model(hidden: int, blocks: int, passes: int, residual_scale: float = 1.0, seed: int = 0):
+    """Random-weight shared model of the zoo shape (cycle map, exit after the first pass): weights
+    N(0, 0.02), norms 1. RESIDUAL_SCALE < 1 shrinks what each block adds (o_proj, down_proj), so the
+    early exit agrees with the final head often (the GPU check's end-to-end timing needs that)."""
     import torch
 
+    from speedc.models.llama import SharedLlama
+
+    torch.manual_seed(seed)
+    model = SharedLlama(synthetic_config(hidden, blocks, passes))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 1:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02)
+                if residual_scale != 1.0 and name.endswith(("o_proj.weight", "down_proj.weight")):
+                    param.mul_(residual_scale)
+    return model.eval()
+
+
+def synthetic_step_costs(*, hidden: int = 1024, blocks: int = 4, passes: int = 4, context: int = 512,
+                         threads: int | None = None, repeats: int = 100, backend: str = "onnx") -> dict:
     from speedc.build import build
     from speedc.models.checkpoint import save_checkpoint
-    from speedc.models.llama import SharedLlama
+    from speedc.models.layer_map import valid_slot_counts
     from speedc.passes.base import BuildOptions
     from speedc.runtimes.engine import Engine
 
-    cfg = synthetic_config(hidden, blocks, passes)
-    torch.manual_seed(0)
-    model = SharedLlama(cfg)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0.0, 0.02) if param.dim() > 1 else param.fill_(1.0)
+    model = random_model(hidden, blocks, passes)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = save_checkpoint(model, Path(tmp) / "ckpt")
         unique_bytes = sum(p.numel() * 4 for p in model.parameters())
-        for slots in [p for p in (2, 4, 8) if passes % p == 0 or p == passes]:
-            if (blocks * passes) % slots:
-                continue
+        for slots in [p for p in valid_slot_counts(model.cfg.layer_map, model.cfg.exit_layer) if p in (2, 4, 8)]:
             art = build(checkpoint, Path(tmp) / f"p{slots}", BuildOptions(slots=slots), force=True).out
             engine = Engine.load(art, backend=backend, threads=threads, verify=False)
             rows.append({"slots": slots, "step_cost": round(measure_step_cost(engine, context, repeats), 3)})

@@ -28,26 +28,6 @@ from pathlib import Path
 DEFAULT_PROMPTS = [[1, 17, 42, 7], [300, 5, 5, 9, 81, 2], [4000, 12], [77, 1200, 3, 3, 950, 14, 600]]
 
 
-def memory_bound_model(hidden: int, blocks: int, passes: int, residual_scale: float, seed: int = 0):
-    """Random-weight shared model (cycle map, exit after the first pass) for timing and lossless checks."""
-    import torch
-
-    from speedc.bench_synthetic import synthetic_config
-    from speedc.models.llama import SharedLlama
-
-    torch.manual_seed(seed)
-    model = SharedLlama(synthetic_config(hidden, blocks, passes))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() == 1:
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, 0.02)
-                if name.endswith(("o_proj.weight", "down_proj.weight")):
-                    param.mul_(residual_scale)  # small updates: the exit head mostly agrees with the final one
-    return model.eval()
-
-
 def _generate(backend, prompt: list[int], new_tokens: int, mode: str):
     from speedc.runtimes.decode import Request, decode_autoregressive, decode_speed, run_to_end
     from speedc.runtimes.sampling import SamplingParams, TokenPicker
@@ -76,7 +56,7 @@ def check_backend(backend, reference_ids: list[list[int]], prompts: list[list[in
                 _, stats, seconds = _generate(backend, prompt, new_tokens, mode)
                 times[mode].append(1000 * seconds / new_tokens)
                 if mode == "speed":
-                    accepted, checked = accepted + stats.accepted, checked + stats.accepted + stats.mispredicted
+                    accepted, checked = accepted + stats.accepted, checked + stats.accepted + stats.failed_speculations
     ms = {mode: round(statistics.median(values), 4) for mode, values in times.items()}
     context = max(len(p) for p in prompts) + new_tokens
     return {"lossless": lossless, "prompts": len(prompts), "new_tokens": new_tokens, "ms_per_token_p50": ms,
@@ -108,6 +88,7 @@ def run_check(*, device: str, hidden: int, blocks: int, passes: int, residual_sc
               repeats: int, workdir: Path, progress=print) -> dict:
     import torch
 
+    from speedc.bench_synthetic import random_model
     from speedc.models.generate import generate
     from speedc.runtimes.torch_backend import TorchBackend
 
@@ -119,7 +100,7 @@ def run_check(*, device: str, hidden: int, blocks: int, passes: int, residual_sc
         report["gpu"] = torch.cuda.get_device_name(device)
         report["compute_capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 everywhere: the lossless check compares argmaxes
-    model = memory_bound_model(hidden, blocks, passes, residual_scale)
+    model = random_model(hidden, blocks, passes, residual_scale)
     unique_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     report["model"] = {"hidden": hidden, "blocks": blocks, "passes": passes, "unique_weight_gb": round(unique_bytes / 1e9, 3),
                        "residual_scale": residual_scale, "weights": "random (see module doc)"}

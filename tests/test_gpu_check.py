@@ -14,7 +14,7 @@ import torch
 
 from speedc import Engine
 from speedc.errors import SpeedcError
-from speedc.gpu_check import memory_bound_model
+from speedc.bench_synthetic import random_model
 from speedc.runtimes.torch_backend import TorchBackend
 
 CUDA = torch.cuda.is_available()
@@ -37,7 +37,7 @@ def test_gpu_check_cpu_smoke(tmp_path):
 
 
 def test_from_model_needs_stages_with_one_block_sequence():
-    model = memory_bound_model(64, 2, 4, 0.1)  # 8 layers over 2 blocks
+    model = random_model(64, 2, 4, 0.1)  # 8 layers over 2 blocks
     assert TorchBackend.from_model(model, 4).stage_layers == 2
     with pytest.raises(SpeedcError, match="3 slots do not fit"):
         TorchBackend.from_model(model, 3)
