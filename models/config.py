@@ -53,10 +53,6 @@ class ModelConfig:
     def num_blocks(self) -> int:
         return max(self.layer_map) + 1
 
-    @property
-    def num_kv_groups(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
     def validate(self) -> None:
         def need(cond: bool, message: str) -> None:
             if not cond:

@@ -139,7 +139,6 @@ class Decoder(nn.Module):
 class ForwardOutput:
     logits: torch.Tensor  # [B, L, V] final head
     exit_logits: torch.Tensor | None  # [B, L, V] early-exit head, when asked for
-    hidden_states: list[torch.Tensor] | None = None  # input embedding + output of each layer, when asked for
 
 
 class SharedLlama(nn.Module):
@@ -161,22 +160,16 @@ class SharedLlama(nn.Module):
         return norm(hidden) @ self.lm_head_weight().T
 
     def forward(self, input_ids: torch.Tensor, *, cache: list[LayerCache] | None = None, start_pos: int = 0,
-                with_exit: bool = False, with_hidden: bool = False) -> ForwardOutput:
+                with_exit: bool = False) -> ForwardOutput:
         """input_ids [B, L] at positions start_pos.. ; writes K/V into `cache` when given."""
         cfg = self.cfg
         b, length = input_ids.shape
         positions = torch.arange(start_pos, start_pos + length, device=input_ids.device).expand(b, length)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
         x = self.model.embed_tokens(input_ids)  # [B, L, H]
-        hidden = [x] if with_hidden else None
         exit_logits = None
         for layer, block_index in enumerate(cfg.layer_map):
             x = self.model.blocks[block_index](x, cos, sin, None if cache is None else cache[layer], start_pos)
-            if hidden is not None:
-                hidden.append(x)
             if with_exit and layer + 1 == cfg.exit_layer:
                 exit_logits = self.exit_head(x)
-        return ForwardOutput(self.final_head(x), exit_logits, hidden)
-
-    def num_unique_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        return ForwardOutput(self.final_head(x), exit_logits)

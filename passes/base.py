@@ -1,8 +1,13 @@
 """Pass infrastructure: the state passes hand on, a registry of named passes, and the runner.
 
-A pass is a function `state -> state` registered under a name and a phase. The build driver lists
-the pipeline explicitly (see PIPELINE in speedc/build.py); this module only knows how to run a list,
-time each pass, and optionally dump the graphs after chosen passes.
+A pass is a function `state -> state` registered under a name and a phase, with the facts about the
+state it REQUIRES, PROVIDES and CONSUMES (FACTS below). The runner checks them before each pass, so a
+removed or reordered pass is a one-line BuildError naming what is missing and who should have
+provided it, never a KeyError deep inside a pass. The build driver lists the pipeline explicitly
+(PIPELINE in speedc/build.py); this module only knows how to run a list, time each pass, and
+optionally dump the graphs after chosen passes.
+
+This module imports no torch: the checkpoint tensors are whatever the import pass reads.
 """
 
 from __future__ import annotations
@@ -10,14 +15,34 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import onnx_graphsurgeon as gs
-import torch
 
+from speedc.errors import BuildError
 from speedc.models.config import ModelConfig
+from speedc.schedule import Schedule
+
+if TYPE_CHECKING:  # only for annotations: importing this module never imports torch
+    import torch
 
 PassFn = Callable[["CompileState"], "CompileState"]
+
+# What a pass can rely on about the state. Passes declare these; the runner keeps the set current.
+FACTS: dict[str, str] = {
+    "decode_program": "the traced N-layer decode program (graph 'decode')",
+    "separate_projections": "one Gemm per q/k/v/gate/up projection",
+    "layer_map": "the layer map and the early-exit point derived from the weights",
+    "schedule": "the pipeline schedule (P, slot -> layers)",
+    "programs": "the step and prefill graphs",
+    "layer_presents": "per-layer present.key/value outputs of the step and prefill graphs",
+    "heads": "the final and early-exit heads with in-graph argmax",
+    "cache_io": "cache inputs in the runtime's layout and stacked new_key/new_value outputs",
+    "cache_writers": "the in-place cache-write graphs",
+    "fused_attention": "the ONNX Runtime graph variants with fused GroupQueryAttention",
+    "fused_projections": "sibling projections stacked into one Gemm",
+    "clean": "folded, dead-code-free, toposorted graphs in their storage precision",
+}
 
 
 @dataclass
@@ -32,7 +57,7 @@ class BuildOptions:
 @dataclass
 class CompileState:
     cfg: ModelConfig
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, "torch.Tensor"]
     options: BuildOptions = field(default_factory=BuildOptions)
     has_speedc_section: bool = True  # False: plain HF checkpoint, sharing and exit come from analysis
     acceptance_hint: float | None = None  # exit/final top-1 agreement measured in training, if known
@@ -40,9 +65,11 @@ class CompileState:
     layer_map: list[int] | None = None  # derived from the weights by the share pass
     exit_layer: int | None = None  # logical layers before the early-exit head (share pass decides)
     exit_norm: str | None = None  # initializer name of the exit head's RMSNorm weight
-    schedule: "object | None" = None  # passes.schedule.Schedule
+    schedule: Schedule | None = None  # the schedule pass decides
     weight_parts: dict[str, list] = field(default_factory=dict)  # stacked weight -> [(part, first row, rows)]
     notes: list[str] = field(default_factory=list)
+    facts: set[str] = field(default_factory=set)  # FACTS that hold now (kept by run_passes)
+    consumed_by: dict[str, str] = field(default_factory=dict)  # fact -> the pass that consumed it
 
 
 @dataclass
@@ -51,17 +78,43 @@ class RegisteredPass:
     phase: str
     fn: PassFn
     doc: str
+    requires: tuple[str, ...]
+    provides: tuple[str, ...]
+    consumes: tuple[str, ...]
 
 
 PASSES: dict[str, RegisteredPass] = {}
 
 
-def register_pass(name: str, *, phase: str) -> Callable[[PassFn], PassFn]:
+def register_pass(name: str, *, phase: str, requires: tuple[str, ...] = (), provides: tuple[str, ...] = (),
+                  consumes: tuple[str, ...] = ()) -> Callable[[PassFn], PassFn]:
+    unknown = sorted(set(requires + provides + consumes) - set(FACTS))
+    if unknown:
+        raise ValueError(f"pass {name}: unknown facts {unknown} (declare them in passes/base.py FACTS)")
+
     def wrap(fn: PassFn) -> PassFn:
-        PASSES[name] = RegisteredPass(name, phase, fn, (fn.__doc__ or "").strip().splitlines()[0])
+        PASSES[name] = RegisteredPass(name, phase, fn, (fn.__doc__ or "").strip().splitlines()[0],
+                                      tuple(requires), tuple(provides), tuple(consumes))
         return fn
 
     return wrap
+
+
+def providers_of(fact: str) -> list[str]:
+    return [p.name for p in PASSES.values() if fact in p.provides]
+
+
+def require_facts(state: CompileState, needed: tuple[str, ...] | set[str], who: str) -> None:
+    """BuildError naming the first fact in NEEDED that does not hold, and why."""
+    for fact in needed:
+        if fact in state.facts:
+            continue
+        if fact in state.consumed_by:
+            why = f"pass {state.consumed_by[fact]} ran before it and consumed them (a pass is out of order)"
+        else:
+            makers = " or ".join(providers_of(fact)) or "no registered pass"
+            why = f"no earlier pass provided them (pass {makers} is missing or runs after it)"
+        raise BuildError(f"{who} needs {FACTS[fact]}, but {why}")
 
 
 @dataclass
@@ -88,10 +141,17 @@ def run_passes(state: CompileState, names: list[str], *, dump_after: set[str] | 
                ) -> tuple[CompileState, list[PassReport]]:
     reports = []
     for name in names:
-        registered = PASSES[name]
+        registered = PASSES.get(name)
+        if registered is None:
+            raise BuildError(f"no such pass {name!r} (registered: {', '.join(PASSES)})")
+        require_facts(state, registered.requires, f"pass {name}")
         start = time.perf_counter()
         state = registered.fn(state)
         elapsed = time.perf_counter() - start
+        state.facts |= set(registered.provides)
+        for fact in registered.consumes:
+            state.facts.discard(fact)
+            state.consumed_by[fact] = name
         stats = {g: graph_stats(graph) for g, graph in state.graphs.items()}
         report = PassReport(name, registered.phase, elapsed, {g: s[0] for g, s in stats.items()},
                             {g: s[1] for g, s in stats.items()})
@@ -114,3 +174,8 @@ def dump_graphs(state: CompileState, after: str, dump_dir: Path) -> list[Path]:
         onnx.save(gs.export_onnx(graph.copy()), str(path))
         written.append(path)
     return written
+
+
+def describe_state(state: CompileState) -> dict[str, Any]:
+    """What holds after a run (for dumps and tests)."""
+    return {"facts": sorted(state.facts), "graphs": sorted(state.graphs)}

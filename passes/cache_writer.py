@@ -73,7 +73,7 @@ def build_cache_writer(stage_layers: int, slots: int, kv_heads: int, head_dim: i
     return graph.cleanup().toposort()
 
 
-@register_pass("cache_writer", phase="lowering")
+@register_pass("cache_writer", phase="lowering", requires=("schedule",), provides=("cache_writers",))
 def cache_writer(state: CompileState) -> CompileState:
     """Add the in-place cache-write graphs for device-resident caches (IO binding)."""
     cfg, sched = state.cfg, state.schedule

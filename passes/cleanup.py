@@ -52,7 +52,7 @@ def store_weights_fp16(graphs: dict[str, gs.Graph]) -> int:
     return len(converted)
 
 
-@register_pass("cleanup", phase="finalize")
+@register_pass("cleanup", phase="finalize", requires=("programs",), provides=("clean",))
 def cleanup(state: CompileState) -> CompileState:
     """Fold constants, drop dead nodes, toposort; with --dtype fp16 store weights as float16."""
     for name in list(state.graphs):

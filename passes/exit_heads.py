@@ -123,7 +123,7 @@ def add_prefill_head(graph: gs.Graph, state: CompileState) -> None:
     graph.outputs = [token, logits, *presents]
 
 
-@register_pass("exit_heads", phase="lowering")
+@register_pass("exit_heads", phase="lowering", requires=("programs", "layer_presents"), provides=("heads",))
 def exit_heads(state: CompileState) -> CompileState:
     """Attach the early-exit and final heads (norm, LM head, argmax) to the step and prefill graphs."""
     if "step" in state.graphs:

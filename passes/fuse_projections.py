@@ -80,7 +80,8 @@ def fuse_sibling_gemms(graph: gs.Graph, stacked: dict[str, np.ndarray], parts: d
     return fused
 
 
-@register_pass("fuse_projections", phase="lowering")
+@register_pass("fuse_projections", phase="lowering", requires=("programs",), provides=("fused_projections",),
+               consumes=("separate_projections",))
 def fuse_projections(state: CompileState) -> CompileState:
     """Stack sibling projection weights (q/k/v, gate/up) into one Gemm + Split; no weight stored twice."""
     stacked: dict[str, np.ndarray] = {}

@@ -116,7 +116,8 @@ def lower_to_gqa(graph: gs.Graph, *, heads: int, kv_heads: int, head_dim: int, t
     return graph.cleanup(remove_unused_graph_inputs=True).toposort()
 
 
-@register_pass("gqa_attention", phase="lowering")
+@register_pass("gqa_attention", phase="lowering", requires=("heads", "cache_io", "separate_projections"),
+               provides=("fused_attention",))
 def gqa_attention(state: CompileState) -> CompileState:
     """Add ONNX Runtime graph variants with one fused GroupQueryAttention per layer (--target onnx)."""
     if state.options.target != "onnx":

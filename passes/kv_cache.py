@@ -45,13 +45,15 @@ def rename_cache_inputs(graph: gs.Graph) -> None:
             t.name = "cache." + t.name[len("past."):]
 
 
-@register_pass("kv_cache", phase="lowering")
+@register_pass("kv_cache", phase="lowering", requires=("programs", "layer_presents"), provides=("cache_io",),
+               consumes=("layer_presents",))
 def kv_cache(state: CompileState) -> CompileState:
     """Name cache inputs per (stage) layer and stack the new K/V rows into one output each."""
     cfg, sched = state.cfg, state.schedule
     step_shape = (sched.stage_layers, sched.slots, 1)
     shapes = {"step": step_shape, "step_flush": step_shape, "prefill": (cfg.num_hidden_layers, 1, "chunk")}
-    for name, graph in state.graphs.items():
+    for name in [n for n in shapes if n in state.graphs]:  # the programs only (not the cache writers)
+        graph = state.graphs[name]
         rename_cache_inputs(graph)
         stack_presents(graph, *shapes[name], cfg.num_key_value_heads, cfg.head_dim)
         graph.cleanup().toposort()

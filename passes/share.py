@@ -71,7 +71,7 @@ def rename_blocks(block_weights: list[list[gs.Constant]]) -> None:
                 w.name = f"model.blocks.{block}.{match.group(2)}"
 
 
-@register_pass("share", phase="analysis")
+@register_pass("share", phase="analysis", requires=("decode_program",), provides=("layer_map",))
 def share(state: CompileState) -> CompileState:
     """Merge identical initializers, derive the layer map from the weights, fix the exit point."""
     graph = state.graphs["decode"]

@@ -150,7 +150,7 @@ def trace_decode_program(llama: SharedLlama) -> onnx.ModelProto:
     return onnx.load_from_string(buffer.getvalue())
 
 
-@register_pass("trace", phase="import")
+@register_pass("trace", phase="import", provides=("decode_program", "separate_projections"))
 def trace(state: CompileState) -> CompileState:
     """Trace the checkpoint's decode program (all N layers, chunked, cache read-only) into ONNX."""
     llama = model_from_state(state.cfg, state.tensors)

@@ -43,7 +43,7 @@ def lint_graph(graph: gs.Graph) -> list[str]:
     return problems
 
 
-@register_pass("trt_lint", phase="finalize")
+@register_pass("trt_lint", phase="finalize", requires=("programs",))
 def trt_lint(state: CompileState) -> CompileState:
     """Check every graph against TensorRT's ONNX operator matrix; fatal only for --target trt."""
     problems = [f"{name}: {p}" for name, graph in state.graphs.items() if not name.endswith(FUSED_SUFFIX)  # ORT-only

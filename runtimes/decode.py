@@ -25,7 +25,7 @@ from typing import Callable, Generator
 import numpy as np
 
 from speedc.runtimes.backend import Backend
-from speedc.runtimes.sampling import TokenPicker
+from speedc.models.sampling import TokenPicker
 
 
 @dataclass

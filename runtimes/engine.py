@@ -2,25 +2,29 @@
 
     engine = Engine.load("out/small")                       # ONNX Runtime, CPU
     result = engine.generate("ROMEO:", max_new_tokens=64)   # -> .text, .ids, .stats
-    for piece in engine.stream("ROMEO:", max_new_tokens=64):  # confirmed text only, never speculation
+    stream = engine.stream("ROMEO:", max_new_tokens=64)     # confirmed text only, never speculation
+    for piece in stream:
         print(piece, end="")
+    stream.stats                                            # DecodeStats, once the stream is done
 
+An engine is safe to share between threads: it owns one cache, so calls run one at a time (a call
+waits for the one before it to finish; a stream holds the engine from its first piece to its last).
 With the ONNX Runtime backend this imports numpy, onnxruntime and tokenizers only.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from speedc.artifact import TOKENIZER, Manifest, read_manifest
 from speedc.errors import GenerationError, SpeedcError
+from speedc.models.sampling import SamplingParams, TokenPicker
 from speedc.runtimes.decode import DecodeStats, Decoding, Request, decode_autoregressive, decode_speed, run_to_end
-from speedc.runtimes.sampling import SamplingParams, TokenPicker
 
 MODES = ("speed", "autoregressive")
-BACKENDS = ("onnx", "onnx-numpy", "torch")
 
 
 @dataclass
@@ -33,36 +37,80 @@ class GenerationResult:
         return {"ids": self.ids, "text": self.text, "stats": self.stats.to_json()}
 
 
-def _make_backend(directory: Path, manifest: Manifest, backend: str, device: str, threads: int | None):
-    if backend == "onnx":
-        # IO binding (cache in device buffers, fused attention on the CPU): measured fastest on the CPU
-        # too (small zoo model, speedc bench: SPEED 1.10 vs 1.28 ms/token, plain 1.45 vs 1.98).
-        from speedc.runtimes.onnx_bound import OnnxBoundBackend, io_binding_graphs
+def _onnx_bound(directory: Path, manifest: Manifest, device: str, threads: int | None):
+    from speedc.runtimes.onnx_bound import OnnxBoundBackend, io_binding_graphs
 
-        if io_binding_graphs(manifest) or device != "cpu":
-            return OnnxBoundBackend(directory, manifest, device=device, threads=threads)
-        backend = "onnx-numpy"  # an artifact from before the IO-binding graphs
-    if backend == "onnx-numpy":
-        from speedc.runtimes.onnx_backend import OnnxBackend
+    if io_binding_graphs(manifest) or device != "cpu":
+        return OnnxBoundBackend(directory, manifest, device=device, threads=threads)
+    return _onnx_numpy(directory, manifest, device, threads)  # an artifact from before the IO-binding graphs
 
-        return OnnxBackend(directory, manifest, device=device, threads=threads)
-    if backend == "torch":
-        try:
-            from speedc.runtimes.torch_backend import TorchBackend
-        except ImportError as missing:
-            raise SpeedcError(f"the PyTorch backend needs torch and the compiler extra: pip install 'speedc[compiler]' "
-                              f"({missing.name} is missing)") from None
-        return TorchBackend(directory, manifest, device=device, threads=threads)
-    raise SpeedcError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
+
+def _onnx_numpy(directory: Path, manifest: Manifest, device: str, threads: int | None):
+    from speedc.runtimes.onnx_numpy import OnnxNumpyBackend
+
+    return OnnxNumpyBackend(directory, manifest, device=device, threads=threads)
+
+
+def _torch(directory: Path, manifest: Manifest, device: str, threads: int | None):
+    try:
+        from speedc.runtimes.torch_backend import TorchBackend
+    except ImportError as missing:
+        raise SpeedcError(f"the PyTorch backend needs the compiler extra: pip install 'speedc[compiler]' "
+                          f"({missing.name} is missing)") from None
+    return TorchBackend(directory, manifest, device=device, threads=threads)
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    make: Callable
+    help: str
+
+
+# --backend NAME -> how to make it; the CLI's choices and help come from here.
+BACKENDS: dict[str, BackendEntry] = {
+    "onnx": BackendEntry(_onnx_bound, "ONNX Runtime with IO binding, cache in device buffers (fused attention on CPU)"),
+    "onnx-numpy": BackendEntry(_onnx_numpy, "ONNX Runtime fed numpy views (CPU; the simplest path)"),
+    "torch": BackendEntry(_torch, "PyTorch (needs the compiler extra)"),
+}
+DEFAULT_BACKEND = "onnx"
+
+
+def make_backend(directory: Path, manifest: Manifest, backend: str, device: str, threads: int | None):
+    entry = BACKENDS.get(backend)
+    if entry is None:
+        raise SpeedcError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
+    return entry.make(directory, manifest, device, threads)
+
+
+class TextStream:
+    """Iterator of confirmed text pieces; `ids` and `stats` are complete once it is exhausted."""
+
+    def __init__(self) -> None:
+        self._pieces: Iterator[str] = iter(())
+        self.ids: list[int] = []
+        self.stats: DecodeStats | None = None
+
+    def attach(self, pieces: Iterator[str]) -> None:
+        self._pieces = pieces
+
+    def __iter__(self) -> "TextStream":
+        return self
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def close(self) -> None:
+        """Stop early: the engine is free for the next call at once."""
+        self._pieces.close()
 
 
 class Engine:
     def __init__(self, directory: Path, manifest: Manifest, backend, tokenizer) -> None:
         self.directory, self.manifest, self.backend, self.tokenizer = directory, manifest, backend, tokenizer
         self.eos_token_id = manifest.model.get("eos_token_id")
-        # Early flush measured faster on the small zoo model (speedc bench, ONNX Runtime CPU: 1.77x vs
-        # 1.36x over autoregressive), so it is the default; --no-early-flush turns it off.
+        # Early flush is on by default: `speedc bench --early-flush/--no-early-flush` measures both.
         self.early_flush_default = True
+        self._lock = threading.Lock()  # one cache: one call at a time
 
     @classmethod
     def load(cls, path: str | Path, *, backend: str = "onnx", device: str = "cpu", threads: int | None = None,
@@ -76,7 +124,7 @@ class Engine:
             except ImportError:
                 raise SpeedcError("text prompts need the tokenizers package: pip install tokenizers") from None
             tokenizer = Tokenizer.from_file(str(directory / TOKENIZER))
-        return cls(directory, manifest, _make_backend(directory, manifest, backend, device, threads), tokenizer)
+        return cls(directory, manifest, make_backend(directory, manifest, backend, device, threads), tokenizer)
 
     # ---- helpers ---------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -98,7 +146,7 @@ class Engine:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else None
 
     def _decoding(self, prompt, max_new_tokens: int, mode: str, sampling: SamplingParams, stop: list[str] | None,
-                  stop_at_eos: bool, early_flush: bool | None) -> tuple[Decoding, list[int]]:
+                  stop_at_eos: bool, early_flush: bool | None) -> Decoding:
         if mode not in MODES:
             raise GenerationError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
         if max_new_tokens < 1:
@@ -123,9 +171,9 @@ class Engine:
 
         request = Request(ids, max_new_tokens, TokenPicker(sampling), stop_reason)
         if mode == "autoregressive":
-            return decode_autoregressive(self.backend, request), ids
+            return decode_autoregressive(self.backend, request)
         flush = self.early_flush_default if early_flush is None else early_flush
-        return decode_speed(self.backend, request, early_flush=flush), ids
+        return decode_speed(self.backend, request, early_flush=flush)
 
     def _trim(self, text: str | None, stop: list[str] | None) -> str | None:
         if text is None or not stop:
@@ -139,34 +187,42 @@ class Engine:
                  repetition_penalty: float = 1.0, stop: list[str] | None = None, stop_at_eos: bool = True,
                  early_flush: bool | None = None) -> GenerationResult:
         sampling = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed)
-        decoding, _ = self._decoding(prompt, max_new_tokens, mode, sampling, stop, stop_at_eos, early_flush)
-        ids, stats = run_to_end(decoding)
+        with self._lock:
+            decoding = self._decoding(prompt, max_new_tokens, mode, sampling, stop, stop_at_eos, early_flush)
+            ids, stats = run_to_end(decoding)
         return GenerationResult(ids, self._trim(self.decode_text(ids), stop), stats)
 
     def stream(self, prompt: str | list[int], *, max_new_tokens: int = 64, mode: str = "speed",
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                repetition_penalty: float = 1.0, stop: list[str] | None = None, stop_at_eos: bool = True,
-               early_flush: bool | None = None, stats_out: list | None = None) -> Iterator[str]:
-        """Yield text pieces as tokens are confirmed by the full model (never a speculated token)."""
+               early_flush: bool | None = None) -> TextStream:
+        """Text pieces as tokens are confirmed by the full model (never a speculated token). Bad
+        requests fail here, before anything is yielded; the returned stream carries ids and stats."""
         if self.tokenizer is None:
             raise GenerationError("streaming text needs a tokenizer; this artifact has none")
         sampling = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed)
-        decoding, _ = self._decoding(prompt, max_new_tokens, mode, sampling, stop, stop_at_eos, early_flush)
-        ids: list[int] = []
-        shown = ""
-        while True:
-            try:
-                ids.append(next(decoding))
-            except StopIteration as done:
-                if stats_out is not None:
-                    stats_out.append(done.value[1])
-                break
-            text = self._trim(self.tokenizer.decode(ids), stop)
-            if text.endswith("\ufffd"):
-                continue  # an incomplete UTF-8 sequence: wait for the rest of it
-            if len(text) > len(shown):
-                yield text[len(shown):]
-                shown = text
-        final = self._trim(self.tokenizer.decode(ids), stop)
+        self._decoding(prompt, max_new_tokens, mode, sampling, stop, stop_at_eos, early_flush).close()  # checks only
+        stream = TextStream()
+        stream.attach(self._stream_pieces(stream, prompt, max_new_tokens, mode, sampling, stop, stop_at_eos, early_flush))
+        return stream
+
+    def _stream_pieces(self, stream: TextStream, prompt, max_new_tokens, mode, sampling, stop, stop_at_eos,
+                       early_flush) -> Iterator[str]:
+        with self._lock:  # held from the first piece until the stream ends or is closed
+            decoding = self._decoding(prompt, max_new_tokens, mode, sampling, stop, stop_at_eos, early_flush)
+            shown = ""
+            while True:
+                try:
+                    stream.ids.append(next(decoding))
+                except StopIteration as done:
+                    stream.stats = done.value[1]
+                    break
+                text = self._trim(self.tokenizer.decode(stream.ids), stop)
+                if text.endswith("\ufffd"):
+                    continue  # an incomplete UTF-8 sequence: wait for the rest of it
+                if len(text) > len(shown):
+                    yield text[len(shown):]
+                    shown = text
+        final = self._trim(self.tokenizer.decode(stream.ids), stop)
         if len(final) > len(shown):
             yield final[len(shown):]

@@ -22,24 +22,9 @@ import numpy as np
 from speedc.artifact import FUSED_SUFFIX, Manifest
 from speedc.errors import ArtifactError, SpeedcError
 from speedc.runtimes.backend import StepResult, cache_slab
-from speedc.runtimes.onnx_backend import _ort, open_sessions, take_dimensions
+from speedc.runtimes.onnx_session import onnxruntime_module, open_sessions, providers_for, take_dimensions
 
 F32 = np.dtype(np.float32).itemsize
-
-
-def _providers(device: str) -> tuple[list, str, int]:
-    """(ORT providers, ORT device name, device id) for "cpu", "cuda" or "cuda:N"."""
-    ort = _ort()
-    if device == "cpu":
-        return ["CPUExecutionProvider"], "cpu", 0
-    kind, _, index = device.partition(":")
-    if kind != "cuda" or (index and not index.isdigit()):
-        raise SpeedcError(f"device {device!r}: use cpu, cuda or cuda:N")
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        raise SpeedcError(f"device {device!r}: this onnxruntime has no CUDA provider "
-                          "(pip install 'speedc[gpu]', i.e. onnxruntime-gpu, on a machine with an NVIDIA GPU)")
-    device_id = int(index or 0)
-    return [("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"], "cuda", device_id
 
 
 def io_binding_graphs(manifest: Manifest) -> bool:
@@ -53,7 +38,7 @@ class OnnxBoundBackend:
     def __init__(self, directory, manifest: Manifest, device: str = "cpu", threads: int | None = None,
                  fused: bool | None = None) -> None:
         """FUSED: use the *.gqa graphs (None: on the CPU when the artifact has them)."""
-        providers, self.ort_device, self.device_id = _providers(device)
+        providers, self.ort_device, self.device_id = providers_for(device)
         available = manifest.graphs
         # Fused attention on the CPU only: the graphs compute in fp32, and ONNX Runtime's CUDA
         # GroupQueryAttention kernels are registered for fp16/bf16 (to our knowledge; not run here),
@@ -79,7 +64,7 @@ class OnnxBoundBackend:
 
     # ---- buffers and bindings (made once per capacity) -------------------------------------------
     def _device_zeros(self, shape: tuple[int, ...]):
-        return _ort().OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32), self.ort_device, self.device_id)
+        return onnxruntime_module().OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32), self.ort_device, self.device_id)
 
     def _bind(self, binding, name: str, address: int, shape, *, output: bool = False) -> None:
         bind = binding.bind_output if output else binding.bind_input
@@ -160,7 +145,7 @@ class OnnxBoundBackend:
         new_rows = {}
         if not self.fused:  # [N, 1, kvh, L, hd]: L varies, so a buffer per call
             for kind in ("key", "value"):
-                new_rows[kind] = _ort().OrtValue.ortvalue_from_shape_and_type(
+                new_rows[kind] = onnxruntime_module().OrtValue.ortvalue_from_shape_and_type(
                     [self.num_layers, 1, self.kv_heads, len(ids), self.head_dim], np.float32, self.ort_device, self.device_id)
                 self._bind(binding, f"new_{kind}", new_rows[kind].data_ptr(), new_rows[kind].shape(), output=True)
         self.sessions[self.graph["prefill"]].run_with_iobinding(binding)

@@ -28,17 +28,19 @@ from speedc.artifact import (CONFIG, FORMAT_VERSION, GRAPH_FILES, MANIFEST, TOKE
 from speedc.errors import BuildError, SpeedcError
 from speedc.models.checkpoint import checkpoint_hash, load_checkpoint, read_tokenizer_json
 from speedc.passes import (cache_writer, cleanup, exit_heads, fuse_projections, gqa_attention, kv_cache,  # noqa: F401
-                           pipeline, schedule, share, trace, trt_lint)  # (importing registers the passes)
-from speedc.passes.base import PASSES, BuildOptions, CompileState, PassReport, run_passes
+                           schedule, share, step_graph, trace, trt_lint)  # (importing registers the passes)
+from speedc.passes.base import BuildOptions, CompileState, PassReport, require_facts, run_passes
 from speedc.passes.trace import OPSET
 
 PIPELINE: list[tuple[str, list[str]]] = [
     ("import", ["trace"]),
     ("analysis", ["share", "schedule"]),
-    ("lowering", ["pipeline", "exit_heads", "kv_cache", "cache_writer", "gqa_attention", "fuse_projections"]),
+    ("lowering", ["step_graph", "exit_heads", "kv_cache", "cache_writer", "gqa_attention", "fuse_projections"]),
     ("finalize", ["cleanup", "trt_lint"]),
 ]
 PASS_ORDER = [name for _, names in PIPELINE for name in names]
+# What the artifact writer needs the pipeline to have produced (passes/base.py FACTS).
+ARTIFACT_REQUIRES = ("programs", "heads", "cache_io", "cache_writers", "clean")
 EXTERNAL_MIN_BYTES = 1024
 
 
@@ -175,6 +177,7 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
     try:
         state, reports = run_passes(state, PASS_ORDER, dump_after=set(dump_after or []), dump_dir=out.parent / f"{out.name}.dumps",
                                     on_pass=on_pass)
+        require_facts(state, ARTIFACT_REQUIRES, "the artifact writer")
         if options.target == "trt":
             raise BuildError("--target trt: TensorRT engine building is not available in this speedc build "
                              "(the TensorRT lint passed; build --target onnx to deploy with ONNX Runtime)")
@@ -218,7 +221,3 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return BuildResult(out, manifest, reports, state.notes, time.perf_counter() - started)
-
-
-def describe_passes() -> list[tuple[str, str, str]]:
-    return [(phase, name, PASSES[name].doc) for phase, names in PIPELINE for name in names]

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import click
 
+from speedc.cli_options import backend_options
+
 from speedc.errors import GenerationError
 
 
@@ -21,10 +23,7 @@ from speedc.errors import GenerationError
 @click.option("--repeats", type=click.IntRange(1), default=3, show_default=True, help="Passes over the prompt set.")
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable; default: a built-in set).")
 @click.option("--early-flush/--no-early-flush", default=None, help="SPEED with or without early flush (default: the engine's, on).")
-@click.option("--backend", type=click.Choice(["onnx", "onnx-numpy", "torch"]), default="onnx", show_default=True,
-              help="onnx: ONNX Runtime with IO binding, cache in device buffers (fused attention on CPU); onnx-numpy: ONNX Runtime fed numpy views (CPU; the simplest path); torch: PyTorch.")
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N (torch, or onnx with onnxruntime-gpu).")
-@click.option("--threads", type=int, default=None, help="Intra-op threads (default: all cores).")
+@backend_options
 @click.option("--peers/--no-peers", default=None,
               help="Also time the PyTorch reference and transformers generate (default: when installed).")
 @click.option("--sweep", "sweeps", multiple=True, type=click.Choice(["slots", "length"]),

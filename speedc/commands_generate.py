@@ -8,6 +8,8 @@ from pathlib import Path
 
 import click
 
+from speedc.cli_options import backend_options
+
 from speedc.errors import GenerationError
 
 
@@ -33,10 +35,7 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-text token.")
 @click.option("--early-flush/--no-early-flush", default=None,
               help="Flush as soon as a deeper exit head contradicts the in-flight successor (default: on).")
-@click.option("--backend", type=click.Choice(["onnx", "onnx-numpy", "torch"]), default="onnx", show_default=True,
-              help="onnx: ONNX Runtime with IO binding, cache in device buffers (fused attention on CPU); onnx-numpy: ONNX Runtime fed numpy views (CPU; the simplest path); torch: PyTorch.")
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N (torch, or onnx with onnxruntime-gpu).")
-@click.option("--threads", type=int, default=None, help="Intra-op threads (default: all cores).")
+@backend_options
 @click.option("--stream", is_flag=True, help="Print text as tokens are confirmed.")
 @click.option("--stats", is_flag=True, help="Print decode statistics to stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with ids, text and stats.")
@@ -53,13 +52,12 @@ def generate(artifact, prompt, prompt_ids, max_new_tokens, mode, temperature, to
                    seed=seed, repetition_penalty=repetition_penalty, stop=list(stop) or None,
                    stop_at_eos=not ignore_eos, early_flush=early_flush)
     if stream and not as_json:
-        collected: list = []
-        for piece in engine.stream(source, stats_out=collected, **options):
+        pieces = engine.stream(source, **options)
+        for piece in pieces:
             click.echo(piece, nl=False)
             sys.stdout.flush()
         click.echo()
-        result_stats = collected[0]
-        result = None
+        result_stats = pieces.stats
     else:
         result = engine.generate(source, **options)
         result_stats = result.stats

@@ -30,7 +30,7 @@ DEFAULT_PROMPTS = [[1, 17, 42, 7], [300, 5, 5, 9, 81, 2], [4000, 12], [77, 1200,
 
 def _generate(backend, prompt: list[int], new_tokens: int, mode: str):
     from speedc.runtimes.decode import Request, decode_autoregressive, decode_speed, run_to_end
-    from speedc.runtimes.sampling import SamplingParams, TokenPicker
+    from speedc.models.sampling import SamplingParams, TokenPicker
 
     request = Request(prompt, new_tokens, TokenPicker(SamplingParams()), stop=lambda ids: None)
     decoding = decode_speed(backend, request, early_flush=True) if mode == "speed" else decode_autoregressive(backend, request)

@@ -43,7 +43,7 @@ def test_artifact_layout_and_weight_bytes(tiny_artifact):
         assert all(index[part]["within"] == name for part in index[name]["parts"])
         np.testing.assert_array_equal(np.concatenate(rows), read_weight(tiny_artifact, m, name))
     assert m.source_checkpoint_sha256 and m.onnx_opset == 17 and m.format_version == 1
-    assert [p["name"] for p in m.build["passes"]] == ["trace", "share", "schedule", "pipeline", "exit_heads",
+    assert [p["name"] for p in m.build["passes"]] == ["trace", "share", "schedule", "step_graph", "exit_heads",
                                                       "kv_cache", "cache_writer", "gqa_attention", "fuse_projections", "cleanup",
                                                       "trt_lint"]
 
@@ -75,11 +75,11 @@ def test_fp16_storage_halves_the_weights(tmp_path, tiny_artifact):
 
 def test_cli_build_verbose_dump_and_inspect(tmp_path):
     out = tmp_path / "art"
-    result = run_cli("build", ZOO / "tiny", "-o", out, "-v", "--dump-after", "pipeline", "--slots", "2")
+    result = run_cli("build", ZOO / "tiny", "-o", out, "-v", "--dump-after", "step_graph", "--slots", "2")
     assert result.returncode == 0, result.stderr
-    for name in ("trace", "share", "schedule", "pipeline", "exit_heads", "kv_cache", "cleanup", "trt_lint"):
+    for name in ("trace", "share", "schedule", "step_graph", "exit_heads", "kv_cache", "cleanup", "trt_lint"):
         assert name in result.stderr
-    assert (tmp_path / "art.dumps" / "after-pipeline-step.onnx").exists()
+    assert (tmp_path / "art.dumps" / "after-step_graph-step.onnx").exists()
     assert read_manifest(out).slots == 2
     info = json.loads(run_cli("inspect", out, "--json").stdout)
     assert info["schedule"]["slots"] == 2 and info["layer_map"] == [0, 1] * 4

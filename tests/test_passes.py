@@ -14,7 +14,8 @@ from speedc.errors import BuildError
 from speedc.models.checkpoint import load_checkpoint, save_unrolled_hf
 from speedc.models.llama import SharedLlama
 from speedc.passes.base import BuildOptions, CompileState, run_passes
-from speedc.passes.schedule import make_schedule, valid_slot_counts
+from speedc.models.layer_map import valid_slot_counts
+from speedc.schedule import make_schedule
 from speedc.passes.share import merge_identical_constants
 from speedc.passes.trt_lint import lint_graph
 
@@ -89,10 +90,10 @@ def test_schedule_valid_slots_and_choice():
         make_schedule(cycle, 4, alpha=0.8, requested=3)
 
 
-def test_pipeline_before_after(model):
+def test_step_graph_before_after(model):
     before = _through(_state(model), "schedule")
     decode_gemms = _ops(before.graphs["decode"], "Gemm")
-    after = run_passes(before, ["pipeline"])[0]
+    after = run_passes(before, ["step_graph"])[0]
     step = after.graphs["step"]
     # After: one stage (S=2 layers) with P=3 rows; layers 2..5 are gone, each weight read once per step.
     assert _ops(step, "Gemm") == 2 * 7 and decode_gemms == 6 * 7 + 2  # heads come back in exit_heads

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from conftest import ZOO, build_artifact, random_config, randomize
 from speedc import Engine
-from speedc.runtimes.sampling import TokenPicker
+from speedc.models.sampling import TokenPicker
 from speedc.runtimes.onnx_bound import OnnxBoundBackend
 from speedc.models.checkpoint import load_model
 from speedc.models.generate import generate as reference_generate

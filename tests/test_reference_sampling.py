@@ -6,7 +6,8 @@ import pytest
 
 from conftest import random_config, randomize
 from speedc.errors import GenerationError
-from speedc.models.generate import Sampling, generate
+from speedc.models.generate import generate
+from speedc.models.sampling import SamplingParams as Sampling
 from speedc.models.llama import SharedLlama
 
 

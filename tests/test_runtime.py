@@ -87,10 +87,11 @@ def test_stream_yields_confirmed_text(zoo):
     _, _, engine = zoo
     prompt = "KING HENRY:\n"
     result = engine.generate(prompt, max_new_tokens=40, stop_at_eos=False)
-    stats = []
-    pieces = list(engine.stream(prompt, max_new_tokens=40, stop_at_eos=False, stats_out=stats))
+    stream = engine.stream(prompt, max_new_tokens=40, stop_at_eos=False)
+    assert stream.stats is None  # nothing has run yet
+    pieces = list(stream)
     assert "".join(pieces) == result.text and len(pieces) > 5
-    assert stats[0].new_tokens == 40
+    assert stream.stats.new_tokens == 40 and stream.ids == result.ids
 
 
 def test_stop_strings_and_eos(zoo):

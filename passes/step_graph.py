@@ -1,4 +1,4 @@
-r"""Pass `pipeline` (phase lowering): the decode program -> SPEED's P-slot step graph.
+r"""Pass `step_graph` (phase lowering): the decode program -> SPEED's P-slot step graph.
 
     decode program (B rows, N layers)            step graph (P slots, one stage of S = N/P layers)
 
@@ -49,8 +49,9 @@ def build_step_graph(decode: gs.Graph, slots: int, stage_layers: int, exit_layer
     return graph.cleanup(remove_unused_graph_inputs=True).toposort()
 
 
-@register_pass("pipeline", phase="lowering")
-def pipeline(state: CompileState) -> CompileState:
+@register_pass("step_graph", phase="lowering", requires=("decode_program", "schedule"),
+               provides=("programs", "layer_presents"), consumes=("decode_program",))
+def step_graph(state: CompileState) -> CompileState:
     """Rewrite the decode program into the P-slot step graph with one weight load per block per step."""
     decode = state.graphs.pop("decode")
     sched = state.schedule

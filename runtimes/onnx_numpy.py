@@ -12,48 +12,12 @@ from pathlib import Path
 import numpy as np
 
 from speedc.artifact import Manifest
-from speedc.errors import ArtifactError, SpeedcError
-from speedc.runtimes.backend import StepResult, cache_slab, resolve_threads
+from speedc.errors import SpeedcError
+from speedc.runtimes.backend import StepResult, cache_slab
+from speedc.runtimes.onnx_session import open_sessions, take_dimensions
 
 
-def _ort():
-    try:
-        import onnxruntime
-    except ImportError:
-        raise SpeedcError("the ONNX Runtime backend needs onnxruntime: pip install onnxruntime") from None
-    return onnxruntime
-
-
-def take_dimensions(backend, manifest: Manifest) -> None:
-    """The sizes every ONNX Runtime backend reads from the manifest, as attributes of BACKEND."""
-    model = manifest.model
-    backend.slots, backend.stage_layers = manifest.slots, manifest.stage_layers
-    backend.num_layers = model["num_layers"]
-    backend.vocab_size, backend.max_context = model["vocab_size"], model["max_context"]
-    backend.kv_heads, backend.head_dim, backend.hidden_size = model["num_kv_heads"], model["head_dim"], model["hidden_size"]
-
-
-def open_sessions(directory: Path, manifest: Manifest, names: tuple[str, ...], providers: list, threads: int | None) -> dict:
-    """ONNX Runtime sessions for the artifact graphs in NAMES that it has (a plain engine has no step)."""
-    ort = _ort()
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = resolve_threads(threads)
-    options.inter_op_num_threads = 1
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.log_severity_level = 3
-    sessions = {}
-    for name in names:
-        spec = manifest.graphs.get(name)
-        if spec is None:
-            continue
-        try:
-            sessions[name] = ort.InferenceSession(str(directory / spec["file"]), options, providers=providers)
-        except Exception as bad:  # ORT raises its own exception types
-            raise ArtifactError(f"{directory / spec['file']}: ONNX Runtime cannot load it ({str(bad).splitlines()[0]})") from None
-    return sessions
-
-
-class OnnxBackend:
+class OnnxNumpyBackend:
     name = "onnx-numpy"
 
     def __init__(self, directory: Path, manifest: Manifest, device: str = "cpu", threads: int | None = None) -> None:

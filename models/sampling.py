@@ -1,4 +1,4 @@
-"""Token selection for the runtimes (numpy only).
+"""Token selection: the one sampling rule of the runtimes and the reference decoder (numpy only).
 
 Order: repetition penalty, then greedy argmax (temperature 0) or temperature -> top-k -> top-p ->
 one uniform draw from a seeded PCG64 stream, inverted through the CDF. Every emitted position

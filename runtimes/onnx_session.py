@@ -1,0 +1,62 @@
+"""ONNX Runtime plumbing both ONNX Runtime backends share: the import, providers, sessions, and
+the model dimensions they read from the manifest. Imports numpy and onnxruntime only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from speedc.artifact import Manifest
+from speedc.errors import ArtifactError, SpeedcError
+from speedc.runtimes.backend import resolve_threads
+
+
+def onnxruntime_module():
+    try:
+        import onnxruntime
+    except ImportError:
+        raise SpeedcError("the ONNX Runtime backend needs onnxruntime: pip install onnxruntime") from None
+    return onnxruntime
+
+
+def take_dimensions(backend, manifest: Manifest) -> None:
+    """The sizes every ONNX Runtime backend reads from the manifest, as attributes of BACKEND."""
+    model = manifest.model
+    backend.slots, backend.stage_layers = manifest.slots, manifest.stage_layers
+    backend.num_layers = model["num_layers"]
+    backend.vocab_size, backend.max_context = model["vocab_size"], model["max_context"]
+    backend.kv_heads, backend.head_dim, backend.hidden_size = model["num_kv_heads"], model["head_dim"], model["hidden_size"]
+
+
+def open_sessions(directory: Path, manifest: Manifest, names: tuple[str, ...], providers: list, threads: int | None) -> dict:
+    """ONNX Runtime sessions for the artifact graphs in NAMES that it has (a plain engine has no step)."""
+    ort = onnxruntime_module()
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = resolve_threads(threads)
+    options.inter_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3
+    sessions = {}
+    for name in names:
+        spec = manifest.graphs.get(name)
+        if spec is None:
+            continue
+        try:
+            sessions[name] = ort.InferenceSession(str(directory / spec["file"]), options, providers=providers)
+        except Exception as bad:  # ORT raises its own exception types
+            raise ArtifactError(f"{directory / spec['file']}: ONNX Runtime cannot load it ({str(bad).splitlines()[0]})") from None
+    return sessions
+
+
+def providers_for(device: str) -> tuple[list, str, int]:
+    """(ORT providers, ORT device name, device id) for "cpu", "cuda" or "cuda:N"."""
+    ort = onnxruntime_module()
+    if device == "cpu":
+        return ["CPUExecutionProvider"], "cpu", 0
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise SpeedcError(f"device {device!r}: use cpu, cuda or cuda:N")
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise SpeedcError(f"device {device!r}: this onnxruntime has no CUDA provider "
+                          "(pip install 'speedc[gpu]', i.e. onnxruntime-gpu, on a machine with an NVIDIA GPU)")
+    device_id = int(index or 0)
+    return [("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"], "cuda", device_id

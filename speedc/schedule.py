@@ -1,0 +1,98 @@
+"""The pipeline schedule and SPEED's cost model: shared by the schedule pass, bench and inspect.
+
+Standard library only (no torch, no numpy), so the runtime path, bench and inspect can use it.
+
+A stage is S = N/P consecutive logical layers; slot s runs stage s (layers s*S .. s*S+S-1) each step.
+One weight load serves all P slots only if every stage runs the same block sequence
+(models/layer_map.valid_slot_counts).
+
+Cost model: a step with P filled slots costs c(P) single-slot stage passes; plain decoding costs P
+stage passes per token, and a failed speculation costs P-1 extra steps, so at acceptance alpha
+
+    speedup(P, alpha) <= P / (c(P) * (1 + (1 - alpha) * (P - 1)))          (the analytic bound)
+
+c(P) is hardware-dependent. Where nothing was measured, ASSUMED_STEP_COST_SLOPE gives
+c(P) = 1 + beta (P - 1): the memory-bound ideal (each step streams the weights once; extra rows
+cost little). It is an assumption, labelled so wherever it is shown; `speedc bench` measures the
+real c(P) of an artifact on the machine at hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from speedc.errors import BuildError
+from speedc.models.layer_map import valid_slot_counts
+
+ASSUMED_STEP_COST_SLOPE = 0.05  # beta of the assumed c(P) = 1 + beta (P - 1); not a measurement
+DEFAULT_ALPHA = 0.7  # expected acceptance when the checkpoint carries no measured agreement
+ALPHA_GRID = [0.0, 0.25, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+
+
+def assumed_step_cost(slots: int) -> float:
+    return 1.0 + ASSUMED_STEP_COST_SLOPE * (slots - 1)
+
+
+def describe_assumed_step_cost() -> str:
+    return f"assumed c(P) = 1 + {ASSUMED_STEP_COST_SLOPE} (P - 1)"
+
+
+def analytic_bound(slots: int, alpha: float, cost: float) -> float:
+    """Upper bound of SPEED's speedup over plain decoding at step cost c(P) = COST."""
+    return slots / (cost * (1.0 + (1.0 - alpha) * (slots - 1)))
+
+
+def predicted_speedup(slots: int, alpha: float, cost: float | None = None) -> float:
+    return analytic_bound(slots, alpha, assumed_step_cost(slots) if cost is None else cost)
+
+
+@dataclass
+class Schedule:
+    slots: int  # P
+    stage_layers: int  # S = N / P
+    slot_layers: list[list[int]]  # slot s -> logical layers it runs
+    stage_blocks: list[int]  # the block sequence every stage runs
+    alpha: float  # acceptance the choice assumed
+    valid_slots: list[int]
+    curve: dict[int, dict[str, float]]  # P -> {alpha: predicted speedup at the assumed c(P)}
+    reason: str
+
+    @property
+    def speculative(self) -> bool:
+        return self.slots > 1
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def speedup_curve(valid_slots: list[int]) -> dict[int, dict[str, float]]:
+    return {p: {f"{a:.2f}": round(predicted_speedup(p, a), 3) for a in ALPHA_GRID} for p in valid_slots}
+
+
+def make_schedule(layer_map: list[int], exit_layer: int, alpha: float, requested: int | None) -> Schedule:
+    """Choose P among the valid depths: the requested one, else the best predicted speedup at ALPHA."""
+    n = len(layer_map)
+    valid = valid_slot_counts(layer_map, exit_layer)
+    if requested is not None:
+        if requested not in valid:
+            raise BuildError(f"--slots {requested} does not divide the schedule: valid slot counts for this layer map "
+                             f"and exit layer {exit_layer} are {valid}")
+        slots = requested
+        reason = f"--slots {requested} requested"
+    else:
+        slots = max(valid, key=lambda p: (round(predicted_speedup(p, alpha), 6), -p))
+        if len(valid) == 1:
+            blocks = max(layer_map) + 1
+            why = ("no block repeats (unshared model): SPEED cannot amortise any weight load"
+                   if blocks == n else "no stage partition lets the slots share one weight load")
+            reason = f"{why}; building the plain engine (P=1)"
+        elif slots == 1:
+            reason = f"at expected acceptance {alpha:.2f} no pipeline depth beats plain decoding; plain engine"
+        else:
+            reason = (f"P={slots} has the best predicted speedup {predicted_speedup(slots, alpha):.2f}x at expected "
+                      f"acceptance {alpha:.2f} ({describe_assumed_step_cost()}) among valid P {valid}")
+    stage = n // slots
+    return Schedule(
+        slots=slots, stage_layers=stage,
+        slot_layers=[list(range(s * stage, (s + 1) * stage)) for s in range(slots)],
+        stage_blocks=layer_map[:stage], alpha=alpha, valid_slots=valid, curve=speedup_curve(valid), reason=reason)
