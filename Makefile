@@ -2,7 +2,8 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 SPEEDC := $(VENV)/bin/speedc
-DEMO_MODEL ?= models/zoo/small
+# A bundled model (zoo:tiny, zoo:small) or a checkpoint directory.
+DEMO_MODEL ?= zoo:small
 DEMO_PROMPT ?= ROMEO:
 
 .PHONY: setup demo test clean

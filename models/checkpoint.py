@@ -34,6 +34,7 @@ from speedc.models.llama import SharedLlama
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
+TRAINING_FILE = "training.json"  # written by speedc train: metrics history
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -145,18 +146,39 @@ def _atomic_directory(out: Path, write) -> Path:
     return out
 
 
-def save_checkpoint(model: SharedLlama, out: str | Path, *, tokenizer_json: str | None = None,
-                    dtype: torch.dtype = torch.float32, extra_files: dict[str, str] | None = None) -> Path:
-    """Write a speedc-layout checkpoint (each unique block once)."""
-    state = {name: t.detach().to(dtype).contiguous().cpu() for name, t in model.state_dict().items()}
+def write_atomic(path: Path, write) -> None:
+    """WRITE(temp path) then rename over PATH: a reader never sees a half-written file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def checkpoint_tensors(model: SharedLlama, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The state dict a speedc checkpoint stores: each unique block once, a tied LM head not at all."""
+    state = {name: t.detach().to(dtype or t.dtype).contiguous().cpu() for name, t in model.state_dict().items()}
     if model.cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    return state
+
+
+def write_checkpoint_files(directory: Path, model: SharedLlama, *, tokenizer_json: str | None = None,
+                           dtype: torch.dtype | None = None) -> None:
+    """config.json, model.safetensors and tokenizer.json into DIRECTORY, each file atomically."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = checkpoint_tensors(model, dtype)
+    if tokenizer_json is not None:
+        write_atomic(directory / TOKENIZER_FILE, lambda p: p.write_text(tokenizer_json))
+    write_atomic(directory / CONFIG_FILE, lambda p: model.cfg.save(p))
+    write_atomic(directory / WEIGHTS_FILE, lambda p: save_file(state, str(p), metadata={"format": "pt", "speedc": "1"}))
+
+
+def save_checkpoint(model: SharedLlama, out: str | Path, *, tokenizer_json: str | None = None,
+                    dtype: torch.dtype = torch.float32, extra_files: dict[str, str] | None = None) -> Path:
+    """Write a speedc-layout checkpoint directory (each unique block once), atomically as a whole."""
 
     def write(tmp: Path) -> None:
-        model.cfg.save(tmp / CONFIG_FILE)
-        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "speedc": "1"})
-        if tokenizer_json is not None:
-            (tmp / TOKENIZER_FILE).write_text(tokenizer_json)
+        write_checkpoint_files(tmp, model, tokenizer_json=tokenizer_json, dtype=dtype)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
 
@@ -210,3 +232,21 @@ def checkpoint_hash(path: str | Path) -> str:
 def read_tokenizer_json(path: str | Path) -> str | None:
     file = Path(path) / TOKENIZER_FILE
     return file.read_text() if file.exists() else None
+
+
+def acceptance_hint_from_training(checkpoint: Path) -> float | None:
+    """Exit/final top-1 agreement the last evaluation of `speedc train` measured, if any."""
+    training = Path(checkpoint) / TRAINING_FILE
+    try:
+        history = json.loads(training.read_text())["history"]
+        return float(history[-1]["agree_top1"])
+    except (OSError, KeyError, IndexError, ValueError, TypeError):
+        return None
+
+
+def has_speedc_section(checkpoint: Path) -> bool:
+    """Whether config.json declares a speedc layer map and exit (else sharing is derived from the weights)."""
+    try:
+        return "speedc" in json.loads((Path(checkpoint) / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return False

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 import threading
 import time
@@ -29,14 +28,15 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from speedc.errors import SpeedcError
-from speedc.models.checkpoint import CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, load_checkpoint, model_from_state
+from speedc.models.checkpoint import (TOKENIZER_FILE, TRAINING_FILE, load_checkpoint, model_from_state,
+                                     write_atomic, write_checkpoint_files)
 from speedc.models.config import ModelConfig
 from speedc.models.corpus import corpus_hash, load_documents
 from speedc.models.llama import SharedLlama
 from speedc.models.presets import PRESETS
 from speedc.models.tokenizer import EOS_TOKEN, train_tokenizer
 
-STATE_FILE = "training.json"
+STATE_FILE = TRAINING_FILE
 OPTIMIZER_FILE = "optimizer.state"
 
 
@@ -69,12 +69,6 @@ def _init_weights(model: SharedLlama, cfg: ModelConfig) -> None:
         std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
         with torch.no_grad():
             param.copy_(torch.randn(param.shape, generator=gen) * std)
-
-
-def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
 
 
 class TokenStream:
@@ -142,15 +136,9 @@ def _save(out: Path, model: SharedLlama, optimizer: torch.optim.Optimizer, state
             moments[f"{name}::exp_avg"] = st["exp_avg"].contiguous()
             moments[f"{name}::exp_avg_sq"] = st["exp_avg_sq"].contiguous()
             state["adam_step"] = float(st["step"])
-    weights = {n: t.detach().contiguous() for n, t in model.state_dict().items()}
-    if model.cfg.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
-    out.mkdir(parents=True, exist_ok=True)
-    _write_atomic(out / TOKENIZER_FILE, lambda p: p.write_text(tokenizer_json))
-    _write_atomic(out / CONFIG_FILE, lambda p: model.cfg.save(p))
-    _write_atomic(out / OPTIMIZER_FILE, lambda p: save_file(moments, str(p)))
-    _write_atomic(out / WEIGHTS_FILE, lambda p: save_file(weights, str(p), metadata={"format": "pt"}))
-    _write_atomic(out / STATE_FILE, lambda p: p.write_text(json.dumps(state, indent=2) + "\n"))
+    write_checkpoint_files(out, model, tokenizer_json=tokenizer_json)
+    write_atomic(out / OPTIMIZER_FILE, lambda p: save_file(moments, str(p)))
+    write_atomic(out / STATE_FILE, lambda p: p.write_text(json.dumps(state, indent=2) + "\n"))
 
 
 def train(out: str | Path, opts: TrainOptions, *, resume: bool = False,

@@ -22,8 +22,10 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from speedc import contract
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.graph_utils import tensor
+from speedc.passes.trace import TRACED_HEADS
 
 
 def weight(graph: gs.Graph, state: CompileState, name: str) -> gs.Constant:
@@ -96,14 +98,14 @@ def add_step_heads(graph: gs.Graph, state: CompileState, all_exit_rows: bool) ->
     both = graph.layer(op="Concat", inputs=[final_normed, exit_normed], outputs=["head_rows"], attrs={"axis": 0},
                        name="heads/Concat_rows")[0]  # [1 + R, H]
     logits, tokens = _logits_and_tokens(graph, state, both, "heads", "head_logits", "head_tokens")
-    final_logits = _take(graph, logits, 0, 1, "final_logits")
-    final_token = _take(graph, tokens, 0, 1, "final_token")
-    exit_tokens = _take(graph, tokens, 1, slots + 1, "exit_tokens")
-    final_logits.name, final_token.name, exit_tokens.name = "final_logits", "final_token", "exit_tokens"
+    final_logits = _take(graph, logits, 0, 1, contract.FINAL_LOGITS)
+    final_token = _take(graph, tokens, 0, 1, contract.FINAL_TOKEN)
+    exit_tokens = _take(graph, tokens, 1, slots + 1, contract.EXIT_TOKENS)
+    final_logits.name, final_token.name, exit_tokens.name = contract.FINAL_LOGITS, contract.FINAL_TOKEN, contract.EXIT_TOKENS
     final_logits.dtype, final_token.dtype, exit_tokens.dtype = np.float32, np.int64, np.int64
     final_token.shape, final_logits.shape = [1], [1, cfg.vocab_size]
     exit_tokens.shape = [slots if all_exit_rows else 1]
-    stage_out.name = "hidden_out"
+    stage_out.name = contract.HIDDEN_OUT
     stage_out.shape = [slots, 1, cfg.hidden_size]
     presents = [t for t in graph.outputs if t.name.startswith("present.")]
     graph.outputs = [final_token, final_logits, exit_tokens, stage_out, *presents]
@@ -117,7 +119,7 @@ def add_prefill_head(graph: gs.Graph, state: CompileState) -> None:
     last = graph.layer(op="Slice", inputs=[last_hidden, starts, ends, axes], outputs=["last_hidden"],
                        name="final_head/Slice_last")[0]
     logits, token = emit_head(graph, state, _rows(graph, last, cfg.hidden_size, "last_rows"), "model.norm.weight",
-                              "final_head", "logits", "next_token")
+                              "final_head", contract.LOGITS, contract.NEXT_TOKEN)
     token.shape, logits.shape = [1], [1, cfg.vocab_size]
     presents = [t for t in graph.outputs if t.name.startswith("present.")]
     graph.outputs = [token, logits, *presents]
@@ -126,18 +128,18 @@ def add_prefill_head(graph: gs.Graph, state: CompileState) -> None:
 @register_pass("exit_heads", phase="lowering", requires=("programs", "layer_presents"), provides=("heads",))
 def exit_heads(state: CompileState) -> CompileState:
     """Attach the early-exit and final heads (norm, LM head, argmax) to the step and prefill graphs."""
-    if "step" in state.graphs:
-        state.graphs["step_flush"] = state.graphs["step"].copy()
-    builders = {"step": lambda g, st: add_step_heads(g, st, all_exit_rows=False),
-                "step_flush": lambda g, st: add_step_heads(g, st, all_exit_rows=True),
-                "prefill": add_prefill_head}
+    if contract.STEP in state.graphs:
+        state.graphs[contract.STEP_FLUSH] = state.graphs[contract.STEP].copy()
+    builders = {contract.STEP: lambda g, st: add_step_heads(g, st, all_exit_rows=False),
+                contract.STEP_FLUSH: lambda g, st: add_step_heads(g, st, all_exit_rows=True),
+                contract.PREFILL: add_prefill_head}
     for name, add in builders.items():
         if name in state.graphs:
             graph = state.graphs[name]
             # The traced heads (logits / exit_logits at the traced exit point) are replaced.
-            graph.outputs = [t for t in graph.outputs if t.name not in ("logits", "exit_logits")]
+            graph.outputs = [t for t in graph.outputs if t.name not in TRACED_HEADS]
             for t in graph.tensors().values():
-                if t.name in ("logits", "exit_logits") and not isinstance(t, gs.Constant):
+                if t.name in TRACED_HEADS and not isinstance(t, gs.Constant):
                     t.name = f"traced_{t.name}"
             add(graph, state)
             state.graphs[name] = graph.cleanup(remove_unused_graph_inputs=True).toposort()

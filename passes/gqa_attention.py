@@ -25,7 +25,8 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from speedc.artifact import FUSED_SUFFIX
+from speedc import contract
+from speedc.errors import BuildError
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.graph_utils import tensor
 
@@ -48,7 +49,7 @@ def _layers(graph: gs.Graph) -> list[tuple[gs.Tensor, gs.Tensor, gs.Tensor, gs.N
     o_projs = [node for node in graph.nodes if _projection(node, "o")]
     groups = list(qkv.values())
     if len(groups) != len(o_projs) or any(len(g) != 3 for g in groups):
-        raise ValueError(f"gqa_attention: found {len(groups)} q/k/v groups and {len(o_projs)} o_proj Gemms")
+        raise BuildError(f"internal: gqa_attention found {len(groups)} q/k/v groups and {len(o_projs)} o_proj Gemms")
     return [(g["q"], g["k"], g["v"], o) for g, o in zip(groups, o_projs)]
 
 
@@ -72,8 +73,8 @@ def rotary_tables(graph: gs.Graph, head_dim: int, theta: float, rows: int) -> tu
 
 def lower_to_gqa(graph: gs.Graph, *, heads: int, kv_heads: int, head_dim: int, theta: float, max_context: int) -> gs.Graph:
     graph = graph.copy()
-    graph.name = f"{graph.name}{FUSED_SUFFIX}"
-    positions, input_ids = tensor(graph, "positions"), tensor(graph, "input_ids")
+    graph.name = contract.fused(graph.name)
+    positions, input_ids = tensor(graph, contract.POSITIONS), tensor(graph, contract.INPUT_IDS)
     # L (chunk length) as [1] and as a scalar; the per-row sequence lengths GQA expects.
     ids_shape = graph.layer(op="Shape", inputs=[input_ids], outputs=["gqa.ids_shape"])[0]
     chunk = graph.layer(op="Slice", inputs=[ids_shape, gs.Constant("gqa.one", np.array([1], np.int64)),
@@ -95,10 +96,10 @@ def lower_to_gqa(graph: gs.Graph, *, heads: int, kv_heads: int, head_dim: int, t
     cache_outputs = []
     for layer, (q2d, k2d, v2d, o_proj) in enumerate(_layers(graph)):
         prefix = f"gqa.{layer}"
-        past_key, past_value = tensor(graph, f"cache.key.{layer}"), tensor(graph, f"cache.value.{layer}")
+        past_key, past_value = (tensor(graph, contract.cache_input(kind, layer)) for kind in contract.KV_KINDS)
         out = gs.Variable(f"{prefix}.out", np.float32)
-        present_key = gs.Variable(f"cache.key.{layer}.out", np.float32, past_key.shape)
-        present_value = gs.Variable(f"cache.value.{layer}.out", np.float32, past_value.shape)
+        present_key = gs.Variable(contract.cache_output("key", layer), np.float32, past_key.shape)
+        present_value = gs.Variable(contract.cache_output("value", layer), np.float32, past_value.shape)
         graph.nodes.append(gs.Node(
             "GroupQueryAttention", f"{prefix}/GroupQueryAttention", domain="com.microsoft",
             attrs={"num_heads": heads, "kv_num_heads": kv_heads, "do_rotary": 1, "rotary_interleaved": 0},
@@ -111,7 +112,8 @@ def lower_to_gqa(graph: gs.Graph, *, heads: int, kv_heads: int, head_dim: int, t
         o_proj.inputs[0] = flat
         cache_outputs += [present_key, present_value]
     # The new rows now land in the cache inside the graph: the stacked new_key/new_value outputs go.
-    graph.outputs = [t for t in graph.outputs if t.name not in ("new_key", "new_value")] + cache_outputs
+    stacked = {contract.new_rows(kind) for kind in contract.KV_KINDS}
+    graph.outputs = [t for t in graph.outputs if t.name not in stacked] + cache_outputs
     graph.import_domains = [onnx.helper.make_opsetid("", graph.opset), onnx.helper.make_opsetid("com.microsoft", 1)]
     return graph.cleanup(remove_unused_graph_inputs=True).toposort()
 
@@ -127,8 +129,8 @@ def gqa_attention(state: CompileState) -> CompileState:
         state.notes.append(f"gqa_attention: skipped (ONNX Runtime's GroupQueryAttention needs head_dim % "
                            f"{GQA_HEAD_DIM_MULTIPLE} == 0, this model has {cfg.head_dim})")
         return state
-    for name in [n for n in ("step", "step_flush", "prefill") if n in state.graphs]:
-        state.graphs[name + FUSED_SUFFIX] = lower_to_gqa(
+    for name in [n for n in contract.PROGRAMS if n in state.graphs]:
+        state.graphs[contract.fused(name)] = lower_to_gqa(
             state.graphs[name], heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim, theta=cfg.rope_theta, max_context=cfg.max_position_embeddings)
     state.notes.append("gqa_attention: added ONNX Runtime variants with fused GroupQueryAttention")

@@ -18,23 +18,24 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from speedc import contract
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.graph_utils import tensor
 
 
 def stack_presents(graph: gs.Graph, layers: int, rows: int | str, chunk: int | str, kv_heads: int, head_dim: int) -> None:
     stacked = []
-    for kind in ("key", "value"):
+    for kind in contract.KV_KINDS:
         parts = []
         for layer in range(layers):
             present = tensor(graph, f"present.{kind}.{layer}")
-            axis0 = gs.Constant(f"new_{kind}.axis0.{layer}", np.array([0], dtype=np.int64))
-            parts.append(graph.layer(op="Unsqueeze", inputs=[present, axis0], outputs=[f"new_{kind}.{layer}"],
+            axis0 = gs.Constant(f"{contract.new_rows(kind)}.axis0.{layer}", np.array([0], dtype=np.int64))
+            parts.append(graph.layer(op="Unsqueeze", inputs=[present, axis0], outputs=[f"{contract.new_rows(kind)}.{layer}"],
                                      name=f"kv_cache/Unsqueeze_{kind}_{layer}")[0])
-        out = graph.layer(op="Concat", inputs=parts, outputs=[f"new_{kind}"], attrs={"axis": 0},
+        out = graph.layer(op="Concat", inputs=parts, outputs=[contract.new_rows(kind)], attrs={"axis": 0},
                           name=f"kv_cache/Concat_{kind}")[0]
         out.dtype, out.shape = np.float32, [layers, rows, kv_heads, chunk, head_dim]
-        out.name = f"new_{kind}"
+        out.name = contract.new_rows(kind)
         stacked.append(out)
     graph.outputs = [t for t in graph.outputs if not t.name.startswith("present.")] + stacked
 
@@ -42,7 +43,8 @@ def stack_presents(graph: gs.Graph, layers: int, rows: int | str, chunk: int | s
 def rename_cache_inputs(graph: gs.Graph) -> None:
     for t in graph.inputs:
         if t.name.startswith("past."):
-            t.name = "cache." + t.name[len("past."):]
+            kind, index = t.name[len("past."):].split(".")
+            t.name = contract.cache_input(kind, int(index))
 
 
 @register_pass("kv_cache", phase="lowering", requires=("programs", "layer_presents"), provides=("cache_io",),
@@ -51,7 +53,7 @@ def kv_cache(state: CompileState) -> CompileState:
     """Name cache inputs per (stage) layer and stack the new K/V rows into one output each."""
     cfg, sched = state.cfg, state.schedule
     step_shape = (sched.stage_layers, sched.slots, 1)
-    shapes = {"step": step_shape, "step_flush": step_shape, "prefill": (cfg.num_hidden_layers, 1, "chunk")}
+    shapes = {contract.STEP: step_shape, contract.STEP_FLUSH: step_shape, contract.PREFILL: (cfg.num_hidden_layers, 1, "chunk")}
     for name in [n for n in shapes if n in state.graphs]:  # the programs only (not the cache writers)
         graph = state.graphs[name]
         rename_cache_inputs(graph)

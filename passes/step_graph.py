@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from speedc import contract
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.graph_utils import replace_uses, tensor
 
@@ -29,12 +30,12 @@ def build_step_graph(decode: gs.Graph, slots: int, stage_layers: int, exit_layer
     graph = decode.copy()
     graph.name = "speedc_step"
     embeddings = tensor(graph, "embeddings")
-    hidden_in = gs.Variable("hidden_in", dtype=np.float32, shape=[slots - 1, 1, hidden_size])
+    hidden_in = gs.Variable(contract.HIDDEN_IN, dtype=np.float32, shape=[slots - 1, 1, hidden_size])
     slot_inputs = gs.Variable("slot_inputs", dtype=np.float32, shape=[slots, 1, hidden_size])
     replace_uses(embeddings, slot_inputs)
     graph.nodes.append(gs.Node("Concat", "slot_inputs_concat", attrs={"axis": 0},
                                inputs=[embeddings, hidden_in], outputs=[slot_inputs]))
-    input_ids, positions = tensor(graph, "input_ids"), tensor(graph, "positions")
+    input_ids, positions = tensor(graph, contract.INPUT_IDS), tensor(graph, contract.POSITIONS)
     input_ids.shape, positions.shape = [1, 1], [slots]
     past = []
     for layer in range(stage_layers):
@@ -56,8 +57,8 @@ def step_graph(state: CompileState) -> CompileState:
     decode = state.graphs.pop("decode")
     sched = state.schedule
     if sched.speculative:
-        state.graphs["step"] = build_step_graph(decode, sched.slots, sched.stage_layers, state.exit_layer,
+        state.graphs[contract.STEP] = build_step_graph(decode, sched.slots, sched.stage_layers, state.exit_layer,
                                                 state.cfg.hidden_size)
         state.notes.append(f"pipeline: step graph with {sched.slots} slots x {sched.stage_layers} layers")
-    state.graphs["prefill"] = decode
+    state.graphs[contract.PREFILL] = decode
     return state

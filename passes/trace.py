@@ -9,12 +9,11 @@ position, against a KV cache it only reads:
                                  \__ after exit_layer layers: exit_norm -> lm_head -> exit_logits
     each layer also returns present.key.{l} / present.value.{l} [B, kvh, L, hd] (the chunk's new rows)
 
-Attention scores the past (masked to key index < the row's start) and the chunk (causal) separately
-and softmaxes over their concatenation, so the cache is never copied or concatenated in-graph: the
-runtime writes the new rows into its own cache buffer. Grouped-query heads are handled by reshaping
-queries to [B, kvh, g*L, hd], so K/V are never repeated.
+Each layer is models/row_layer.py's layer_over_rows (the PyTorch backend runs the same code): the
+past and the chunk are scored separately, so the cache is never copied or concatenated in-graph, and
+the runtime writes the new rows into its own cache buffer.
 
-With B=1 this is the prefill / plain decode graph; the pipeline pass turns it into the P-slot step
+With B=1 this is the prefill / plain decode graph; the step_graph pass turns it into the P-slot step
 graph. Every projection is F.linear on 2-D input (ONNX Gemm, transB=1) so initializers are exactly
 the checkpoint tensors: nothing is transposed or duplicated, and shared blocks stay one initializer.
 """
@@ -22,7 +21,6 @@ the checkpoint tensors: nothing is transposed or duplicated, and shared blocks s
 from __future__ import annotations
 
 import io
-import math
 import warnings
 
 import onnx
@@ -31,18 +29,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from speedc import contract
 from speedc.models.checkpoint import model_from_state
 from speedc.models.llama import SharedLlama
+from speedc.models.row_layer import layer_over_rows, rms_norm, row_context, rotary_inv_freq
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.graph_utils import bypass_constant_identities, linear_to_gemm
 
 OPSET = 17
-NEG_INF = float("-inf")
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # x / sqrt(mean(x^2) + eps) * w: the form ONNX Runtime fuses into SimplifiedLayerNormalization.
-    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+TRACED_HEADS = ("logits", "exit_logits")  # the traced program's own heads (exit_heads replaces them)
 
 
 class DecodeProgram(nn.Module):
@@ -54,76 +49,37 @@ class DecodeProgram(nn.Module):
         self.model = llama.model  # parameter names stay the checkpoint's: model.blocks.{m}...
         if not llama.cfg.tie_word_embeddings:
             self.lm_head = llama.lm_head
-        head_dim = self.cfg.head_dim
-        inv_freq = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", rotary_inv_freq(self.cfg), persistent=False)
 
     def _head(self, x2d: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
-        return F.linear(_rms_norm(x2d, norm_weight, self.cfg.rms_norm_eps), weight)  # [B*L, V]
+        return F.linear(rms_norm(x2d, norm_weight, self.cfg.rms_norm_eps), weight)  # [B*L, V]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *past: torch.Tensor):
         cfg = self.cfg
         b, length = positions.shape[0], input_ids.shape[1]
-        h, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        g = h // kvh
-        hidden_size = cfg.hidden_size
-
         x = self.model.embed_tokens(input_ids)  # [B, L, H]
         embeddings = x
-        # Rotary tables for each row's chunk positions.
-        pos = positions[:, None] + torch.arange(length, device=x.device)[None, :]  # [B, L]
-        freqs = pos.to(torch.float32)[..., None] * self.inv_freq  # [B, L, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, L, hd]
-        cos, sin = emb.cos(), emb.sin()
-        # Masks: past keys valid below the row's start; chunk keys causal (repeated per query group).
-        t = past[0].shape[2]
-        past_valid = torch.arange(t, device=x.device)[None, :] < positions[:, None]  # [B, T]
-        past_mask = torch.where(past_valid, 0.0, NEG_INF)[:, None, None, :]  # [B, 1, 1, T]
-        idx = torch.arange(length, device=x.device)
-        chunk_mask = torch.where(idx[None, :] <= idx[:, None], 0.0, NEG_INF).repeat(g, 1)  # [g*L, L]
-        scale = 1.0 / math.sqrt(hd)
-
-        def rope(v: torch.Tensor) -> torch.Tensor:  # [B, heads, L, hd]
-            half = hd // 2
-            return v * cos + torch.cat((-v[..., half:], v[..., :half]), dim=-1) * sin
-
+        ctx = row_context(positions, length, past[0].shape[2], self.inv_freq,
+                          cfg.num_attention_heads // cfg.num_key_value_heads)
         hidden_out, present = [], []
         exit_logits = None
         for layer, block_index in enumerate(cfg.layer_map):
-            blk = self.model.blocks[block_index]
-            attn = blk.self_attn
-            past_k, past_v = past[2 * layer], past[2 * layer + 1]  # [B, kvh, T, hd]
-            xn = _rms_norm(x, blk.input_layernorm.weight, cfg.rms_norm_eps).reshape(b * length, hidden_size)
-            q = F.linear(xn, attn.q_proj.weight).reshape(b, length, h, hd).transpose(1, 2)  # [B, h, L, hd]
-            k = F.linear(xn, attn.k_proj.weight).reshape(b, length, kvh, hd).transpose(1, 2)  # [B, kvh, L, hd]
-            v = F.linear(xn, attn.v_proj.weight).reshape(b, length, kvh, hd).transpose(1, 2)
-            q, k = rope(q), rope(k)
-            qg = (q * scale).reshape(b, kvh, g * length, hd)  # [B, kvh, g*L, hd]
-            s_past = qg @ past_k.transpose(2, 3) + past_mask  # [B, kvh, g*L, T]
-            s_new = qg @ k.transpose(2, 3) + chunk_mask  # [B, kvh, g*L, L]
-            w = torch.softmax(torch.cat((s_past, s_new), dim=-1), dim=-1)
-            ctx = w[..., :t] @ past_v + w[..., t:] @ v  # [B, kvh, g*L, hd]
-            ctx = ctx.reshape(b, h, length, hd).transpose(1, 2).reshape(b * length, h * hd)
-            x = x + F.linear(ctx, attn.o_proj.weight).reshape(b, length, hidden_size)
-            xn = _rms_norm(x, blk.post_attention_layernorm.weight, cfg.rms_norm_eps).reshape(b * length, hidden_size)
-            mlp = blk.mlp
-            act = F.silu(F.linear(xn, mlp.gate_proj.weight)) * F.linear(xn, mlp.up_proj.weight)
-            x = x + F.linear(act, mlp.down_proj.weight).reshape(b, length, hidden_size)
+            x, k, v = layer_over_rows(self.model.blocks[block_index], x, ctx, past[2 * layer], past[2 * layer + 1], cfg)
             hidden_out.append(x)
             present += [k, v]
             if layer + 1 == cfg.exit_layer:
                 norm = self.model.exit_norm.weight if cfg.exit_norm == "own" else self.model.norm.weight
-                exit_logits = self._head(x.reshape(b * length, hidden_size), norm).reshape(b, length, -1)
-        logits = self._head(x.reshape(b * length, hidden_size), self.model.norm.weight).reshape(b, length, -1)
+                exit_logits = self._head(x.reshape(b * length, cfg.hidden_size), norm).reshape(b, length, -1)
+        logits = self._head(x.reshape(b * length, cfg.hidden_size), self.model.norm.weight).reshape(b, length, -1)
         return (logits, exit_logits, embeddings, *hidden_out, *present)
 
 
 def io_names(num_layers: int) -> tuple[list[str], list[str]]:
-    inputs = ["input_ids", "positions"]
+    inputs = [contract.INPUT_IDS, contract.POSITIONS]
     for layer in range(num_layers):
         inputs += [f"past.key.{layer}", f"past.value.{layer}"]
-    outputs = ["logits", "exit_logits", "embeddings"] + [f"hidden.{layer}" for layer in range(num_layers)]
+    outputs = [*TRACED_HEADS, "embeddings"] + [f"hidden.{layer}" for layer in range(num_layers)]
     for layer in range(num_layers):
         outputs += [f"present.key.{layer}", f"present.value.{layer}"]
     return inputs, outputs
@@ -137,7 +93,7 @@ def trace_decode_program(llama: SharedLlama) -> onnx.ModelProto:
     args = (torch.zeros(batch, length, dtype=torch.long), torch.tensor([5, 2]),
             *[torch.zeros(kv_shape) for _ in range(2 * cfg.num_hidden_layers)])
     inputs, outputs = io_names(cfg.num_hidden_layers)
-    dynamic = {"input_ids": {0: "batch", 1: "chunk"}, "positions": {0: "batch"}}
+    dynamic = {contract.INPUT_IDS: {0: "batch", 1: "chunk"}, contract.POSITIONS: {0: "batch"}}
     for name in inputs[2:]:
         dynamic[name] = {0: "batch", 2: "context"}
     for name in outputs:

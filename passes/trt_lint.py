@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import onnx_graphsurgeon as gs
 
+from speedc import contract
 from speedc.errors import BuildError
-from speedc.artifact import FUSED_SUFFIX
 from speedc.passes.base import CompileState, register_pass
 
 TRT_SUPPORTED_OPS = frozenset("""
@@ -46,7 +46,7 @@ def lint_graph(graph: gs.Graph) -> list[str]:
 @register_pass("trt_lint", phase="finalize", requires=("programs",))
 def trt_lint(state: CompileState) -> CompileState:
     """Check every graph against TensorRT's ONNX operator matrix; fatal only for --target trt."""
-    problems = [f"{name}: {p}" for name, graph in state.graphs.items() if not name.endswith(FUSED_SUFFIX)  # ORT-only
+    problems = [f"{name}: {p}" for name, graph in state.graphs.items() if not name.endswith(contract.FUSED_SUFFIX)  # ORT-only
                 for p in lint_graph(graph)]
     if problems and state.options.target == "trt":
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from speedc.artifact import FUSED_SUFFIX, Manifest
+from speedc import contract
+from speedc.artifact import Manifest
 from speedc.errors import ArtifactError, SpeedcError
 from speedc.runtimes.backend import StepResult, cache_slab
 from speedc.runtimes.onnx_session import onnxruntime_module, open_sessions, providers_for, take_dimensions
@@ -29,7 +30,7 @@ F32 = np.dtype(np.float32).itemsize
 
 def io_binding_graphs(manifest: Manifest) -> bool:
     """Whether the artifact has what this backend needs (artifacts built before it lack the graphs)."""
-    return "cache_write_prefill" in manifest.graphs or f"prefill{FUSED_SUFFIX}" in manifest.graphs
+    return contract.CACHE_WRITE_PREFILL in manifest.graphs or contract.fused(contract.PREFILL) in manifest.graphs
 
 
 class OnnxBoundBackend:
@@ -44,22 +45,23 @@ class OnnxBoundBackend:
         # GroupQueryAttention kernels are registered for fp16/bf16 (to our knowledge; not run here),
         # so on CUDA the standard graphs and the cache writers are used.
         if fused is None:
-            fused = self.ort_device == "cpu" and f"prefill{FUSED_SUFFIX}" in available
+            fused = self.ort_device == "cpu" and contract.fused(contract.PREFILL) in available
         self.fused = fused
-        if self.fused and f"prefill{FUSED_SUFFIX}" not in available:
+        if self.fused and contract.fused(contract.PREFILL) not in available:
             raise ArtifactError(f"{directory}: has no fused-attention graphs (built for another target?)")
-        if not self.fused and "cache_write_prefill" not in available:
+        if not self.fused and contract.CACHE_WRITE_PREFILL not in available:
             raise ArtifactError(f"{directory}: built without the cache-write graphs IO binding needs; rebuild it "
                                 "with this speedc (speedc build ... --force)")
         take_dimensions(self, manifest)
-        suffix = FUSED_SUFFIX if self.fused else ""
-        self.graph = {name: name + suffix for name in ("prefill", "step", "step_flush")}
-        names = tuple(self.graph.values()) + (() if self.fused else ("cache_write_step", "cache_write_prefill"))
+        # role (the contract's program name) -> the graph that plays it here
+        self.graph = {name: contract.fused(name) if self.fused else name for name in contract.PROGRAMS}
+        writers = () if self.fused else (contract.CACHE_WRITE_STEP, contract.CACHE_WRITE_PREFILL)
+        names = tuple(self.graph.values()) + writers
         self.sessions = open_sessions(directory, manifest, names, providers, threads)
         self.capacity = None
         # Host buffers the token outputs are bound to: reading them is the only per-step transfer.
         self.next_token, self.final_token = np.zeros(1, np.int64), np.zeros(1, np.int64)
-        self.exit_tokens = {"step": np.zeros(1, np.int64), "step_flush": np.zeros(self.slots, np.int64)}
+        self.exit_tokens = {contract.STEP: np.zeros(1, np.int64), contract.STEP_FLUSH: np.zeros(self.slots, np.int64)}
         self.logits = np.zeros((1, self.vocab_size), np.float32)  # bound only when sampling needs them
 
     # ---- buffers and bindings (made once per capacity) -------------------------------------------
@@ -89,7 +91,7 @@ class OnnxBoundBackend:
         """(input index, address, shape) of each cache view a graph reads: a step reads one
         [P, kvh, T, hd] slab per stage layer; prefill one [1, kvh, T, hd] slab per logical layer."""
         slab = self.kv_heads * rows * self.head_dim * F32  # bytes of one (stage layer, slot) slab
-        if role != "prefill":
+        if role != contract.PREFILL:
             return [(j, base + j * self.slots * slab, (self.slots, self.kv_heads, rows, self.head_dim))
                     for j in range(self.stage_layers)]
         views = []
@@ -108,73 +110,73 @@ class OnnxBoundBackend:
                 binding = self.sessions[graph].io_binding()
                 for kind, buffer in (("key", self.key), ("value", self.value)):
                     for index, address, view in self._cache_views(role, buffer.data_ptr(), rows):
-                        self._bind(binding, f"cache.{kind}.{index}", address, view)
+                        self._bind(binding, contract.cache_input(kind, index), address, view)
                         if self.fused:  # present = past: GroupQueryAttention writes the new rows in place
-                            self._bind(binding, f"cache.{kind}.{index}.out", address, view, output=True)
-                if role == "prefill":
-                    binding.bind_output("next_token", "cpu", 0, np.int64, [1], self.next_token.ctypes.data)
+                            self._bind(binding, contract.cache_output(kind, index), address, view, output=True)
+                if role == contract.PREFILL:
+                    binding.bind_output(contract.NEXT_TOKEN, "cpu", 0, np.int64, [1], self.next_token.ctypes.data)
                 else:
-                    binding.bind_output("final_token", "cpu", 0, np.int64, [1], self.final_token.ctypes.data)
+                    binding.bind_output(contract.FINAL_TOKEN, "cpu", 0, np.int64, [1], self.final_token.ctypes.data)
                     exits = self.exit_tokens[role]
-                    binding.bind_output("exit_tokens", "cpu", 0, np.int64, list(exits.shape), exits.ctypes.data)
+                    binding.bind_output(contract.EXIT_TOKENS, "cpu", 0, np.int64, list(exits.shape), exits.ctypes.data)
                     if not self.fused:
                         for kind in ("key", "value"):
-                            self._bind(binding, f"new_{kind}", self.new_rows[kind].data_ptr(), self.new_rows[kind].shape(),
+                            self._bind(binding, contract.new_rows(kind), self.new_rows[kind].data_ptr(), self.new_rows[kind].shape(),
                                        output=True)
                 if with_logits:
-                    binding.bind_output("logits" if role == "prefill" else "final_logits", "cpu", 0, np.float32,
+                    binding.bind_output(contract.LOGITS if role == contract.PREFILL else contract.FINAL_LOGITS, "cpu", 0, np.float32,
                                         list(self.logits.shape), self.logits.ctypes.data)
                 self.bindings[role, with_logits] = binding
         if not self.fused:
             full = (self.stage_layers, self.slots, self.kv_heads, rows, self.head_dim)
-            for name in ("cache_write_step", "cache_write_prefill"):
+            for name in (contract.CACHE_WRITE_STEP, contract.CACHE_WRITE_PREFILL):
                 if name not in self.sessions:
                     continue
                 binding = self.bindings[name] = self.sessions[name].io_binding()
                 for kind, buffer in (("key", self.key), ("value", self.value)):  # in and out: ScatterND in place
-                    self._bind(binding, f"cache.{kind}", buffer.data_ptr(), full)
-                    self._bind(binding, f"cache.{kind}.out", buffer.data_ptr(), full, output=True)
-                    if name == "cache_write_step":
-                        self._bind(binding, f"new_{kind}", self.new_rows[kind].data_ptr(), self.new_rows[kind].shape())
+                    self._bind(binding, contract.cache_buffer(kind), buffer.data_ptr(), full)
+                    self._bind(binding, contract.cache_buffer_out(kind), buffer.data_ptr(), full, output=True)
+                    if name == contract.CACHE_WRITE_STEP:
+                        self._bind(binding, contract.new_rows(kind), self.new_rows[kind].data_ptr(), self.new_rows[kind].shape())
 
     # ---- graphs ----------------------------------------------------------------------------------
     def prefill(self, ids: list[int], start: int, want_logits: bool) -> tuple[int, np.ndarray | None]:
-        binding = self.bindings["prefill", want_logits]
-        binding.bind_cpu_input("input_ids", np.asarray([ids], dtype=np.int64))
-        binding.bind_cpu_input("positions", np.asarray([start], dtype=np.int64))
+        binding = self.bindings[contract.PREFILL, want_logits]
+        binding.bind_cpu_input(contract.INPUT_IDS, np.asarray([ids], dtype=np.int64))
+        binding.bind_cpu_input(contract.POSITIONS, np.asarray([start], dtype=np.int64))
         new_rows = {}
         if not self.fused:  # [N, 1, kvh, L, hd]: L varies, so a buffer per call
             for kind in ("key", "value"):
                 new_rows[kind] = onnxruntime_module().OrtValue.ortvalue_from_shape_and_type(
                     [self.num_layers, 1, self.kv_heads, len(ids), self.head_dim], np.float32, self.ort_device, self.device_id)
-                self._bind(binding, f"new_{kind}", new_rows[kind].data_ptr(), new_rows[kind].shape(), output=True)
-        self.sessions[self.graph["prefill"]].run_with_iobinding(binding)
+                self._bind(binding, contract.new_rows(kind), new_rows[kind].data_ptr(), new_rows[kind].shape(), output=True)
+        self.sessions[self.graph[contract.PREFILL]].run_with_iobinding(binding)
         if not self.fused:
-            writer = self.bindings["cache_write_prefill"]
+            writer = self.bindings[contract.CACHE_WRITE_PREFILL]
             shape = (self.slots, self.stage_layers, self.kv_heads, len(ids), self.head_dim)  # same bytes as [N, 1, ...]
             for kind in ("key", "value"):
-                self._bind(writer, f"new_{kind}", new_rows[kind].data_ptr(), shape)
-            writer.bind_cpu_input("write_start", np.full(self.slots, start, dtype=np.int64))
-            self.sessions["cache_write_prefill"].run_with_iobinding(writer)
+                self._bind(writer, contract.new_rows(kind), new_rows[kind].data_ptr(), shape)
+            writer.bind_cpu_input(contract.WRITE_START, np.full(self.slots, start, dtype=np.int64))
+            self.sessions[contract.CACHE_WRITE_PREFILL].run_with_iobinding(writer)
         return int(self.next_token[0]), (self.logits[0].copy() if want_logits else None)
 
     def step(self, token: int, positions: np.ndarray, valid: np.ndarray, want_logits: bool,
              all_exits: bool = False) -> StepResult:
-        role = "step_flush" if all_exits else "step"
+        role = contract.STEP_FLUSH if all_exits else contract.STEP
         binding = self.bindings[role, want_logits]
         previous, nxt = self.hidden[self.current], self.hidden[1 - self.current]
         # Bubbles run at the scratch row: with fused attention that is where their K/V land.
         write_at = np.where(valid, positions, self.capacity).astype(np.int64)
-        binding.bind_cpu_input("input_ids", np.asarray([[token]], dtype=np.int64))
-        binding.bind_cpu_input("positions", write_at if self.fused else np.asarray(positions, dtype=np.int64))
+        binding.bind_cpu_input(contract.INPUT_IDS, np.asarray([[token]], dtype=np.int64))
+        binding.bind_cpu_input(contract.POSITIONS, write_at if self.fused else np.asarray(positions, dtype=np.int64))
         # slot s's output is slot s+1's input: the first P-1 rows of the last hidden_out, in place
-        self._bind(binding, "hidden_in", previous.data_ptr(), (self.slots - 1, 1, self.hidden_size))
-        self._bind(binding, "hidden_out", nxt.data_ptr(), (self.slots, 1, self.hidden_size), output=True)
+        self._bind(binding, contract.HIDDEN_IN, previous.data_ptr(), (self.slots - 1, 1, self.hidden_size))
+        self._bind(binding, contract.HIDDEN_OUT, nxt.data_ptr(), (self.slots, 1, self.hidden_size), output=True)
         self.sessions[self.graph[role]].run_with_iobinding(binding)
         self.current = 1 - self.current
         if not self.fused:
-            writer = self.bindings["cache_write_step"]
-            writer.bind_cpu_input("write_start", write_at)
-            self.sessions["cache_write_step"].run_with_iobinding(writer)
+            writer = self.bindings[contract.CACHE_WRITE_STEP]
+            writer.bind_cpu_input(contract.WRITE_START, write_at)
+            self.sessions[contract.CACHE_WRITE_STEP].run_with_iobinding(writer)
         return StepResult(int(self.final_token[0]), self.logits[0].copy() if want_logits else None,
                           self.exit_tokens[role].copy())

@@ -11,10 +11,14 @@ from pathlib import Path
 
 import numpy as np
 
+from speedc import contract
 from speedc.artifact import Manifest
 from speedc.errors import SpeedcError
 from speedc.runtimes.backend import StepResult, cache_slab
 from speedc.runtimes.onnx_session import open_sessions, take_dimensions
+
+
+NEW_ROWS = tuple(contract.new_rows(kind) for kind in contract.KV_KINDS)
 
 
 class OnnxNumpyBackend:
@@ -25,7 +29,7 @@ class OnnxNumpyBackend:
             raise SpeedcError(f"device {device!r}: this backend feeds numpy arrays on the CPU; "
                               "use --backend onnx for a device-resident cache")
         take_dimensions(self, manifest)
-        self.sessions = open_sessions(directory, manifest, ("prefill", "step", "step_flush"),
+        self.sessions = open_sessions(directory, manifest, contract.PROGRAMS,
                                       ["CPUExecutionProvider"], threads)
         self.key = self.value = None
         self.hidden_in = np.zeros((max(self.slots - 1, 0), 1, self.hidden_size), np.float32)
@@ -37,20 +41,20 @@ class OnnxNumpyBackend:
             # The graphs read the cache through views fixed for the life of these buffers (no copies).
             self.step_cache_feeds = {}
             for j in range(self.stage_layers):
-                self.step_cache_feeds[f"cache.key.{j}"] = self.key[j]
-                self.step_cache_feeds[f"cache.value.{j}"] = self.value[j]
+                self.step_cache_feeds[contract.cache_input("key", j)] = self.key[j]
+                self.step_cache_feeds[contract.cache_input("value", j)] = self.value[j]
             self.prefill_cache_feeds = {}
             for layer in range(self.num_layers):
                 j, slot = cache_slab(layer, self.stage_layers)
-                self.prefill_cache_feeds[f"cache.key.{layer}"] = self.key[j, slot][None]
-                self.prefill_cache_feeds[f"cache.value.{layer}"] = self.value[j, slot][None]
+                self.prefill_cache_feeds[contract.cache_input("key", layer)] = self.key[j, slot][None]
+                self.prefill_cache_feeds[contract.cache_input("value", layer)] = self.value[j, slot][None]
         self.hidden_in[:] = 0.0
 
     def prefill(self, ids: list[int], start: int, want_logits: bool) -> tuple[int, np.ndarray | None]:
-        feeds = {"input_ids": np.asarray([ids], dtype=np.int64), "positions": np.asarray([start], dtype=np.int64),
+        feeds = {contract.INPUT_IDS: np.asarray([ids], dtype=np.int64), contract.POSITIONS: np.asarray([start], dtype=np.int64),
                  **self.prefill_cache_feeds}
-        names = ["next_token", "new_key", "new_value"] + (["logits"] if want_logits else [])
-        outputs = self.sessions["prefill"].run(names, feeds)
+        names = [contract.NEXT_TOKEN, *NEW_ROWS] + ([contract.LOGITS] if want_logits else [])
+        outputs = self.sessions[contract.PREFILL].run(names, feeds)
         token, new_key, new_value = outputs[:3]
         length = len(ids)
         # new rows [N, 1, kvh, L, hd] -> buffer[j, slot, :, start:start+L] for layer = slot*S + j
@@ -61,10 +65,12 @@ class OnnxNumpyBackend:
 
     def step(self, token: int, positions: np.ndarray, valid: np.ndarray, want_logits: bool,
              all_exits: bool = False) -> StepResult:
-        feeds = {"input_ids": np.asarray([[token]], dtype=np.int64), "positions": np.asarray(positions, dtype=np.int64),
-                 "hidden_in": self.hidden_in, **self.step_cache_feeds}
-        names = ["final_token", "exit_tokens", "hidden_out", "new_key", "new_value"] + (["final_logits"] if want_logits else [])
-        outputs = self.sessions["step_flush" if all_exits else "step"].run(names, feeds)
+        feeds = {contract.INPUT_IDS: np.asarray([[token]], dtype=np.int64),
+                 contract.POSITIONS: np.asarray(positions, dtype=np.int64),
+                 contract.HIDDEN_IN: self.hidden_in, **self.step_cache_feeds}
+        names = [contract.FINAL_TOKEN, contract.EXIT_TOKENS, contract.HIDDEN_OUT, *NEW_ROWS]
+        names += [contract.FINAL_LOGITS] if want_logits else []
+        outputs = self.sessions[contract.STEP_FLUSH if all_exits else contract.STEP].run(names, feeds)
         final_token, exit_tokens, hidden_out, new_key, new_value = outputs[:5]
         # New rows [S, P, kvh, 1, hd] -> buffer[:, s, :, positions[s]] for valid slots only (bubbles never
         # write). The indexed target is [n, S, kvh, hd] (advanced indices first), hence the transpose.

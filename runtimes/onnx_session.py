@@ -41,10 +41,26 @@ def open_sessions(directory: Path, manifest: Manifest, names: tuple[str, ...], p
         if spec is None:
             continue
         try:
-            sessions[name] = ort.InferenceSession(str(directory / spec["file"]), options, providers=providers)
+            session = ort.InferenceSession(str(directory / spec["file"]), options, providers=providers)
         except Exception as bad:  # ORT raises its own exception types
             raise ArtifactError(f"{directory / spec['file']}: ONNX Runtime cannot load it ({str(bad).splitlines()[0]})") from None
+        check_session_io(directory, name, spec, session)
+        sessions[name] = session
     return sessions
+
+
+def check_session_io(directory: Path, name: str, spec: dict, session) -> None:
+    """The graph file must take and return what the manifest records (which read_manifest checked
+    against the contract): a file swapped or edited behind the manifest is refused by name."""
+    for side, actual in (("input", session.get_inputs()), ("output", session.get_outputs())):
+        recorded = {t["name"] for t in spec[f"{side}s"]}
+        present = {t.name for t in actual}
+        for missing in sorted(recorded - present):
+            raise ArtifactError(f"{directory / spec['file']}: graph {name} has no {side} {missing} (the manifest records "
+                                "one); rebuild the artifact")
+        for extra in sorted(present - recorded):
+            raise ArtifactError(f"{directory / spec['file']}: graph {name} has an {side} {extra} the manifest does not "
+                                "record; rebuild the artifact")
 
 
 def providers_for(device: str) -> tuple[list, str, int]:

@@ -10,7 +10,6 @@ token ids (and logits when sampling) cross to the host. Needs torch and the comp
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 
 import numpy as np
@@ -20,34 +19,9 @@ from speedc.artifact import CONFIG, Manifest, checkpoint_tensor_names, read_weig
 from speedc.errors import SpeedcError
 from speedc.models.config import ModelConfig
 from speedc.models.layer_map import valid_slot_counts
-from speedc.models.llama import Block, SharedLlama, rope_cos_sin
+from speedc.models.llama import SharedLlama
+from speedc.models.row_layer import layer_over_rows, rotary_inv_freq, row_context
 from speedc.runtimes.backend import StepResult, cache_slab
-
-
-def _attend_layer(block: Block, x: torch.Tensor, starts: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
-                  cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One decoder layer for R rows of L tokens at positions starts[r]..; reads the cache, never writes it.
-
-    x [R, L, H]; past_k/v [R, kvh, T, hd] -> (x [R, L, H], new k/v [R, kvh, L, hd]).
-    """
-    rows, length, _ = x.shape
-    h, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    g = h // kvh
-    positions = starts[:, None] + torch.arange(length, device=x.device)[None, :]  # [R, L]
-    cos, sin = rope_cos_sin(positions, hd, cfg.rope_theta)
-    attn = block.self_attn
-    q, k, v = attn.project(block.input_layernorm(x), cos, sin)  # q [R,h,L,hd], k/v [R,kvh,L,hd]
-    qg = (q / math.sqrt(hd)).reshape(rows, kvh, g * length, hd)
-    t = past_k.shape[2]
-    past_mask = torch.where(torch.arange(t, device=x.device)[None, :] < starts[:, None], 0.0, float("-inf"))
-    idx = torch.arange(length, device=x.device)
-    chunk_mask = torch.where(idx[None, :] <= idx[:, None], 0.0, float("-inf")).repeat(g, 1)  # [g*L, L]
-    scores = torch.cat((qg @ past_k.transpose(2, 3) + past_mask[:, None, None, :], qg @ k.transpose(2, 3) + chunk_mask), -1)
-    weights = torch.softmax(scores, dim=-1)
-    ctx = weights[..., :t] @ past_v + weights[..., t:] @ v  # [R, kvh, g*L, hd]
-    ctx = ctx.reshape(rows, h, length, hd).transpose(1, 2).reshape(rows, length, h * hd)
-    x = x + attn.o_proj(ctx)
-    return x + block.mlp(block.post_attention_layernorm(x)), k, v
 
 
 def load_model_from_artifact(directory: Path, manifest: Manifest) -> SharedLlama:
@@ -91,6 +65,8 @@ class TorchBackend:
         self.slots, self.stage_layers = slots, cfg.num_hidden_layers // slots
         self.vocab_size, self.max_context = cfg.vocab_size, cfg.max_position_embeddings
         self.key = self.value = None
+        self.inv_freq = rotary_inv_freq(cfg, self.device)
+        self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
         self.hidden_in = torch.zeros(max(self.slots - 1, 0), 1, cfg.hidden_size, device=self.device)
 
     def reset(self, capacity: int) -> None:
@@ -104,12 +80,12 @@ class TorchBackend:
     def prefill(self, ids: list[int], start: int, want_logits: bool) -> tuple[int, np.ndarray | None]:
         cfg, model = self.cfg, self.model
         x = model.model.embed_tokens(torch.tensor([ids], device=self.device))  # [1, L, H]
-        starts = torch.tensor([start], device=self.device)
         length = len(ids)
+        ctx = row_context(torch.tensor([start], device=self.device), length, self.key.shape[3], self.inv_freq, self.groups)
         for layer, block_index in enumerate(cfg.layer_map):
             j, slot = cache_slab(layer, self.stage_layers)
-            x, k, v = _attend_layer(model.model.blocks[block_index], x, starts, self.key[j, slot][None],
-                                    self.value[j, slot][None], cfg)
+            x, k, v = layer_over_rows(model.model.blocks[block_index], x, ctx, self.key[j, slot][None],
+                                      self.value[j, slot][None], cfg)
             self.key[j, slot, :, start:start + length] = k[0]
             self.value[j, slot, :, start:start + length] = v[0]
         logits = model.final_head(x[:, -1])[0]  # [V]
@@ -122,8 +98,9 @@ class TorchBackend:
         x = torch.cat((model.model.embed_tokens(torch.tensor([[token]], device=self.device)), self.hidden_in))  # [P,1,H]
         starts = torch.from_numpy(positions.astype(np.int64)).to(self.device)
         new_rows, exit_hidden = [], None
+        ctx = row_context(starts, 1, self.key.shape[3], self.inv_freq, self.groups)
         for j in range(self.stage_layers):
-            x, k, v = _attend_layer(model.model.blocks[cfg.layer_map[j]], x, starts, self.key[j], self.value[j], cfg)
+            x, k, v = layer_over_rows(model.model.blocks[cfg.layer_map[j]], x, ctx, self.key[j], self.value[j], cfg)
             new_rows.append((k, v))
             if j + 1 == cfg.exit_layer:
                 exit_hidden = x

@@ -14,7 +14,13 @@
       config.json       the model config (for the PyTorch backend and inspection)
       tokenizer.json    (when the checkpoint has one)
 
-This module imports only the standard library and numpy: the runtime path stays light.
+The weight index (manifest.weights.index) names every stored tensor: {offset, length, dtype, shape};
+a stacked weight (fuse_projections) also lists its "parts", and each checkpoint tensor inside it has
+its own entry "within" it: a byte range of the stack, never a copy.
+
+This module owns reading and writing the format. Reading imports only the standard library and
+numpy (the runtime path stays light); writing graphs imports onnx and onnx-graphsurgeon inside
+write_graphs, which only the build driver calls.
 """
 
 from __future__ import annotations
@@ -27,24 +33,18 @@ from typing import Any
 
 import numpy as np
 
-from speedc.errors import ArtifactError
+from speedc import contract
+from speedc.errors import ArtifactError, BuildError
 
 FORMAT_VERSION = 1
 WEIGHT_PREFIXES = ("model.", "lm_head.")  # checkpoint tensor names (native or Hugging Face layout)
 MANIFEST = "manifest.json"
-STEP_GRAPH = "step.onnx"
-STEP_FLUSH_GRAPH = "step_flush.onnx"
-PREFILL_GRAPH = "prefill.onnx"
-CACHE_WRITE_STEP_GRAPH = "cache_write_step.onnx"
-CACHE_WRITE_PREFILL_GRAPH = "cache_write_prefill.onnx"
-FUSED_SUFFIX = ".gqa"  # graph names (and files) of the ONNX Runtime variants with fused attention
-GRAPH_FILES = {"step": STEP_GRAPH, "step_flush": STEP_FLUSH_GRAPH, "prefill": PREFILL_GRAPH,
-               "cache_write_step": CACHE_WRITE_STEP_GRAPH, "cache_write_prefill": CACHE_WRITE_PREFILL_GRAPH,
-               **{f"{name}{FUSED_SUFFIX}": f"{name}{FUSED_SUFFIX}.onnx" for name in ("step", "step_flush", "prefill")}}
+GRAPH_FILES = {name: f"{name}.onnx" for name in contract.GRAPHS}  # graph name -> file
 WEIGHTS = "weights.bin"
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
 WEIGHT_ALIGN = 64
+EXTERNAL_MIN_BYTES = 1024  # initializers this large (and every weight) go to weights.bin
 
 
 def sha256_file(path: Path) -> str:
@@ -104,6 +104,15 @@ def read_manifest(directory: str | Path, *, verify_hashes: bool = True) -> Manif
         manifest = Manifest(**data)
     except TypeError as bad:
         raise ArtifactError(f"{path}: malformed manifest ({bad})") from None
+    try:
+        dims = contract.Dims.from_manifest(manifest)
+        for name, spec in manifest.graphs.items():
+            contract.check_graph_io(name, spec, dims)
+    except ArtifactError as mismatch:
+        raise ArtifactError(f"{directory}: {mismatch} (built by speedc {manifest.speedc_version}); rebuild it with "
+                            "this speedc: speedc build CHECKPOINT -o OUT --force") from None
+    except (KeyError, TypeError, ValueError) as bad:
+        raise ArtifactError(f"{path}: malformed manifest ({bad!r}); rebuild the artifact") from None
     if verify_hashes:
         for name, expected in manifest.files.items():
             file = directory / name
@@ -119,6 +128,24 @@ def is_weight_name(name: str) -> bool:
     return name.startswith(WEIGHT_PREFIXES)
 
 
+def stored_entries(index: dict[str, dict]) -> dict[str, dict]:
+    """The index entries that own bytes in weights.bin (not the views "within" a stacked weight)."""
+    return {name: entry for name, entry in index.items() if "within" not in entry}
+
+
+def weight_bytes(index: dict[str, dict], layer_map: list[int]) -> tuple[int, int]:
+    """(fp32 bytes of the unique weights, fp32 bytes an unrolled export storing every layer would need).
+    Other stored constants (tables a pass computed) are not weights."""
+    sizes = {name: int(np.prod(entry["shape"])) * 4 for name, entry in stored_entries(index).items()
+             if is_weight_name(name)}
+    block_sizes = [0] * (max(layer_map) + 1)
+    for name, size in sizes.items():
+        if name.startswith("model.blocks."):
+            block_sizes[int(name.split(".")[2])] += size
+    unique = sum(sizes.values())
+    return unique, unique - sum(block_sizes) + sum(block_sizes[b] for b in layer_map)
+
+
 def checkpoint_tensor_names(manifest: "Manifest") -> list[str]:
     """The checkpoint tensors the artifact stores (each once; a stacked weight's parts, not the stack)."""
     return [name for name, entry in manifest.weights["index"].items() if is_weight_name(name) and "parts" not in entry]
@@ -130,3 +157,89 @@ def read_weight(directory: str | Path, manifest: Manifest, name: str) -> np.ndar
     data = np.memmap(Path(directory) / manifest.weights["file"], dtype=np.uint8, mode="r",
                      offset=entry["offset"], shape=(entry["length"],))
     return np.frombuffer(data, dtype=np.dtype(entry["dtype"])).reshape(entry["shape"])
+
+
+# ---- writing (the build driver) ------------------------------------------------------------------
+def _io_spec(values) -> list[dict]:
+    import onnx
+
+    spec = []
+    for v in values:
+        t = v.type.tensor_type
+        shape = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in t.shape.dim]
+        spec.append({"name": v.name, "shape": shape, "dtype": onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name})
+    return spec
+
+
+def _index_parts(index: dict[str, dict], entry: dict, name: str, parts: list, array: np.ndarray) -> list[str]:
+    """Index entries for the checkpoint tensors stacked (row blocks) in weight NAME."""
+    row_bytes = array.itemsize * int(np.prod(array.shape[1:]))
+    for part, first_row, rows in parts:
+        index[part] = {"offset": entry["offset"] + first_row * row_bytes, "length": rows * row_bytes,
+                       "dtype": array.dtype.name, "shape": [rows, *array.shape[1:]], "within": name}
+    return [part for part, _, _ in parts]
+
+
+def write_graphs(graphs: dict, directory: Path, weight_names: set[str],
+                 weight_parts: dict[str, list] | None = None) -> tuple[dict, dict]:
+    """Export each graph (onnx-graphsurgeon) to ONNX with its weights in ONE shared external-data file.
+
+    Graphs are written in the contract's order (whatever order the passes made them in), so the same
+    pipeline result always gives the same bytes. Every checkpoint weight (and any other initializer of
+    EXTERNAL_MIN_BYTES or more) goes to weights.bin; a weight used by several graphs (same name, same
+    bytes) is written once and they all point at it. A stacked weight (fuse_projections) is one entry
+    with "parts"; each checkpoint tensor in it gets its own entry "within" it.
+    Returns (graph I/O specs, weight index).
+    """
+    import onnx
+    import onnx_graphsurgeon as gs
+    from onnx import numpy_helper
+
+    unknown = sorted(set(graphs) - set(contract.GRAPHS))
+    if unknown:
+        raise BuildError(f"internal: graph {unknown[0]!r} is not part of the artifact contract")
+    weight_parts = weight_parts or {}
+    index: dict[str, dict] = {}
+    digests: dict[str, str] = {}
+    specs: dict[str, dict] = {}
+    ordered = [name for name in contract.GRAPHS if name in graphs]
+    with open(directory / WEIGHTS, "wb") as blob:
+        for name in ordered:
+            model = gs.export_onnx(graphs[name], do_type_check=True)
+            model.ir_version = min(model.ir_version, 10)
+            for init in model.graph.initializer:
+                array = numpy_helper.to_array(init)
+                if array.nbytes < EXTERNAL_MIN_BYTES and init.name not in weight_names:
+                    continue
+                data = np.ascontiguousarray(array).tobytes()
+                digest = hashlib.sha256(data).hexdigest()
+                entry = index.get(init.name)
+                if entry is None:
+                    offset = -(-blob.tell() // WEIGHT_ALIGN) * WEIGHT_ALIGN
+                    blob.write(b"\0" * (offset - blob.tell()))
+                    blob.write(data)
+                    entry = index[init.name] = {"offset": offset, "length": len(data), "dtype": array.dtype.name,
+                                                "shape": list(array.shape)}
+                    digests[init.name] = digest
+                    if init.name in weight_parts:
+                        entry["parts"] = _index_parts(index, entry, init.name, weight_parts[init.name], array)
+                elif digests[init.name] != digest:
+                    raise BuildError(f"internal: weight {init.name} differs between graphs")
+                init.ClearField("raw_data")
+                del init.float_data[:]
+                init.data_location = onnx.TensorProto.EXTERNAL
+                del init.external_data[:]
+                for key, value in (("location", WEIGHTS), ("offset", entry["offset"]), ("length", entry["length"])):
+                    init.external_data.add(key=key, value=str(value))
+            onnx.save(model, str(directory / GRAPH_FILES[name]))
+            specs[name] = {"file": GRAPH_FILES[name], "inputs": _io_spec(model.graph.input),
+                           "outputs": _io_spec(model.graph.output)}
+    for name in ordered:
+        onnx.checker.check_model(str(directory / GRAPH_FILES[name]), full_check=False)
+    return specs, index
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    """Hash every file, then write the manifest LAST: a directory without one is never loadable."""
+    manifest.files = {p.name: sha256_file(p) for p in sorted(Path(directory).iterdir()) if p.name != MANIFEST}
+    (Path(directory) / MANIFEST).write_text(manifest.to_json())

@@ -7,8 +7,6 @@ after that pass.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import shutil
 import tempfile
@@ -17,16 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-import onnx
-import onnx_graphsurgeon as gs
-from onnx import numpy_helper
-
 from speedc import __version__
-from speedc.artifact import (CONFIG, FORMAT_VERSION, GRAPH_FILES, MANIFEST, TOKENIZER, WEIGHT_ALIGN, WEIGHTS, Manifest,
-                             is_weight_name, sha256_file)
+from speedc.artifact import (CONFIG, FORMAT_VERSION, TOKENIZER, WEIGHTS, Manifest, stored_entries, weight_bytes,
+                             write_graphs, write_manifest)
 from speedc.errors import BuildError, SpeedcError
-from speedc.models.checkpoint import checkpoint_hash, load_checkpoint, read_tokenizer_json
+from speedc.models.checkpoint import (acceptance_hint_from_training, checkpoint_hash, has_speedc_section,
+                                     load_checkpoint, read_tokenizer_json)
 from speedc.passes import (cache_writer, cleanup, exit_heads, fuse_projections, gqa_attention, kv_cache,  # noqa: F401
                            schedule, share, step_graph, trace, trt_lint)  # (importing registers the passes)
 from speedc.passes.base import BuildOptions, CompileState, PassReport, require_facts, run_passes
@@ -41,7 +35,6 @@ PIPELINE: list[tuple[str, list[str]]] = [
 PASS_ORDER = [name for _, names in PIPELINE for name in names]
 # What the artifact writer needs the pipeline to have produced (passes/base.py FACTS).
 ARTIFACT_REQUIRES = ("programs", "heads", "cache_io", "cache_writers", "clean")
-EXTERNAL_MIN_BYTES = 1024
 
 
 @dataclass
@@ -53,118 +46,23 @@ class BuildResult:
     seconds: float
 
 
-def _io_spec(values) -> list[dict]:
-    spec = []
-    for v in values:
-        t = v.type.tensor_type
-        shape = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in t.shape.dim]
-        spec.append({"name": v.name, "shape": shape, "dtype": onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name})
-    return spec
-
-
-def write_graphs(graphs: dict[str, gs.Graph], directory: Path, weight_names: set[str],
-                 weight_parts: dict[str, list] | None = None) -> tuple[dict, dict]:
-    """Export each graph to ONNX with its weights in ONE shared external-data file.
-
-    Every checkpoint weight (and any other initializer of 1 KiB or more) goes to weights.bin; a
-    weight used by several graphs (same name, same bytes) is written once and they all point at it.
-    A stacked weight (fuse_projections) is one entry with "parts"; each checkpoint tensor in it gets
-    its own entry "within" it: a byte range of the stacked data, never a copy.
-    Returns (graph I/O specs, weight index).
-    """
-    weight_parts = weight_parts or {}
-    index: dict[str, dict] = {}
-    digests: dict[str, str] = {}
-    specs: dict[str, dict] = {}
-    with open(directory / WEIGHTS, "wb") as blob:
-        for name, graph in graphs.items():
-            model = gs.export_onnx(graph, do_type_check=True)
-            model.ir_version = min(model.ir_version, 10)
-            for init in model.graph.initializer:
-                array = numpy_helper.to_array(init)
-                if array.nbytes < EXTERNAL_MIN_BYTES and init.name not in weight_names:
-                    continue
-                data = np.ascontiguousarray(array).tobytes()
-                digest = hashlib.sha256(data).hexdigest()
-                entry = index.get(init.name)
-                if entry is None:
-                    offset = -(-blob.tell() // WEIGHT_ALIGN) * WEIGHT_ALIGN
-                    blob.write(b"\0" * (offset - blob.tell()))
-                    blob.write(data)
-                    entry = index[init.name] = {"offset": offset, "length": len(data), "dtype": array.dtype.name,
-                                                "shape": list(array.shape)}
-                    digests[init.name] = digest
-                    if init.name in weight_parts:
-                        entry["parts"] = _index_parts(index, entry, init.name, weight_parts[init.name], array)
-                elif digests[init.name] != digest:
-                    raise BuildError(f"internal: weight {init.name} differs between graphs")
-                init.ClearField("raw_data")
-                del init.float_data[:]
-                init.data_location = onnx.TensorProto.EXTERNAL
-                del init.external_data[:]
-                for key, value in (("location", WEIGHTS), ("offset", entry["offset"]), ("length", entry["length"])):
-                    init.external_data.add(key=key, value=str(value))
-            path = directory / GRAPH_FILES[name]
-            onnx.save(model, str(path))
-            specs[name] = {"file": GRAPH_FILES[name], "inputs": _io_spec(model.graph.input),
-                           "outputs": _io_spec(model.graph.output)}
-    for name in graphs:
-        onnx.checker.check_model(str(directory / GRAPH_FILES[name]), full_check=False)
-    return specs, index
-
-
-def _index_parts(index: dict[str, dict], entry: dict, name: str, parts: list, array: np.ndarray) -> list[str]:
-    """Index entries for the checkpoint tensors stacked (row blocks) in weight NAME."""
-    row_bytes = array.itemsize * int(np.prod(array.shape[1:]))
-    for part, first_row, rows in parts:
-        index[part] = {"offset": entry["offset"] + first_row * row_bytes, "length": rows * row_bytes,
-                       "dtype": array.dtype.name, "shape": [rows, *array.shape[1:]], "within": name}
-    return [part for part, _, _ in parts]
-
-
-def stored_entries(index: dict[str, dict]) -> dict[str, dict]:
-    """The index entries that own bytes in weights.bin (not the views "within" a stacked weight)."""
-    return {name: entry for name, entry in index.items() if "within" not in entry}
-
-
-def weight_bytes(index: dict[str, dict], layer_map: list[int]) -> tuple[int, int]:
-    """(fp32 bytes of the unique weights, fp32 bytes an unrolled export storing every layer would need).
-    Other stored constants (tables a pass computed) are not weights."""
-    sizes = {name: int(np.prod(entry["shape"])) * 4 for name, entry in stored_entries(index).items()
-             if is_weight_name(name)}
-    block_sizes = [0] * (max(layer_map) + 1)
-    for name, size in sizes.items():
-        if name.startswith("model.blocks."):
-            block_sizes[int(name.split(".")[2])] += size
-    unique = sum(sizes.values())
-    return unique, unique - sum(block_sizes) + sum(block_sizes[b] for b in layer_map)
-
-
-def acceptance_hint_from_training(checkpoint: Path) -> float | None:
-    training = checkpoint / "training.json"
-    try:
-        history = json.loads(training.read_text())["history"]
-        return float(history[-1]["agree_top1"])
-    except (OSError, KeyError, IndexError, ValueError, TypeError):
-        return None
-
-
-def has_speedc_section(checkpoint: Path) -> bool:
-    try:
-        return "speedc" in json.loads((checkpoint / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-
-
 def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None = None, *, force: bool = False,
           allow_pickle: bool = False, dump_after: list[str] | None = None,
-          on_pass: Callable[[PassReport], None] | None = None) -> BuildResult:
+          on_pass: Callable[[PassReport], None] | None = None, measure_step_cost: bool = False,
+          passes: list[str] | None = None,
+          progress: Callable[[str], None] = lambda message: None) -> BuildResult:
+    """Compile CHECKPOINT into the artifact directory OUT (atomically: OUT appears complete or not at all).
+
+    MEASURE_STEP_COST: time the step graph against plain decoding on this machine (a few seconds) and
+    store c(P) in the manifest, so `speedc inspect` predicts from a measurement. PASSES: run this list
+    instead of PASS_ORDER (experiments; the runner refuses an order whose passes' needs are unmet)."""
     options = options or BuildOptions()
     checkpoint, out = Path(checkpoint), Path(out)
     started = time.perf_counter()
-    unknown = sorted(set(dump_after or []) - set(PASS_ORDER))
+    passes = list(PASS_ORDER if passes is None else passes)
+    unknown = sorted(set(dump_after or []) - set(passes))
     if unknown:
-        raise BuildError(f"--dump-after {unknown[0]}: no such pass (passes: {', '.join(PASS_ORDER)})")
+        raise BuildError(f"--dump-after {unknown[0]}: no such pass (passes: {', '.join(passes)})")
     if out.exists() and not force:
         raise BuildError(f"{out} exists; pass --force to replace it")
     if out.resolve() == checkpoint.resolve():
@@ -175,7 +73,7 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
-        state, reports = run_passes(state, PASS_ORDER, dump_after=set(dump_after or []), dump_dir=out.parent / f"{out.name}.dumps",
+        state, reports = run_passes(state, passes, dump_after=set(dump_after or []), dump_dir=out.parent / f"{out.name}.dumps",
                                     on_pass=on_pass)
         require_facts(state, ARTIFACT_REQUIRES, "the artifact writer")
         if options.target == "trt":
@@ -204,9 +102,13 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
                                "initializer_bytes": r.initializer_bytes} for r in reports],
                    "notes": state.notes},
         )
-        manifest.files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}
-        # The manifest goes last: a directory without one is never loadable.
-        (tmp / MANIFEST).write_text(manifest.to_json())
+        write_manifest(tmp, manifest)
+        if measure_step_cost and options.target == "onnx" and manifest.slots > 1:
+            from speedc.step_cost import measure_artifact
+
+            progress("measuring the step cost c(P) on this machine")
+            manifest.build["step_cost_measured"] = measure_artifact(tmp)
+            write_manifest(tmp, manifest)
         tmp.chmod(0o755)
         if out.exists():
             shutil.rmtree(out)

@@ -1,5 +1,6 @@
 """The speedc command line. Each command is a thin shell over a function that does the work;
-user errors (SpeedcError) print one line and exit 1, never a traceback."""
+user errors (SpeedcError) and missing optional dependencies print one line and exit 1, never a
+traceback."""
 
 from __future__ import annotations
 
@@ -12,8 +13,32 @@ from speedc import __version__
 from speedc.errors import SpeedcError
 
 
+# Import name -> the pyproject.toml extra that installs it. A runtime-only install (`pip install
+# speedc`) lacks these, so a command that imports one fails with a ModuleNotFoundError; this table
+# turns that into "install this extra". tests/test_runtime_only_install.py checks it against the
+# extras in pyproject.toml, so the two cannot drift apart.
+EXTRA_FOR_MODULE = {
+    "torch": "compiler", "onnx": "compiler", "onnx_graphsurgeon": "compiler", "safetensors": "compiler",
+    "onnxruntime_genai": "bench", "onnx_ir": "bench", "matplotlib": "bench",
+    "tensorrt": "trt",
+    "transformers": "dev", "pytest": "dev", "hypothesis": "dev",
+}
+
+
+def missing_module_message(command: str, err: ModuleNotFoundError) -> str:
+    """One line for a module that is not installed: which extra brings it, when we know."""
+    if not err.name:  # raised by hand, without a module name: its message is all we have
+        return f"{command}: {err}"
+    top = err.name.split(".")[0]
+    extra = EXTRA_FOR_MODULE.get(top)
+    if extra is None:
+        return f"{command} needs the Python module {err.name}, which is not installed"
+    return f"{command} needs the {extra} extra ({top} is not installed): pip install 'speedc[{extra}]'"
+
+
 def user_errors(fn):
-    """Turn SpeedcError into `error: ...` + exit 1; Ctrl-C into exit 130."""
+    """Turn SpeedcError into `error: ...` + exit 1, a missing optional dependency into the extra
+    to install + exit 1; Ctrl-C into exit 130."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -21,6 +46,10 @@ def user_errors(fn):
             return fn(*args, **kwargs)
         except SpeedcError as err:
             click.echo(f"error: {err}", err=True)
+            sys.exit(1)
+        except ModuleNotFoundError as err:
+            # Commands import their heavy dependencies lazily, so this is where an absent extra shows.
+            click.echo(f"error: {missing_module_message(click.get_current_context().command_path, err)}", err=True)
             sys.exit(1)
         except KeyboardInterrupt:
             click.echo("interrupted (work done so far is saved where the command saves it)", err=True)

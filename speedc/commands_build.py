@@ -8,9 +8,13 @@ from pathlib import Path
 
 import click
 
+from speedc.models import zoo
 
-@click.command()
-@click.argument("checkpoint", type=click.Path(path_type=Path))
+
+# CHECKPOINT / PATH are plain strings: `zoo:NAME` names a bundled model (models/zoo.py), resolved in
+# the command so a bad name is a one-line user error; the library functions keep taking paths.
+@click.command(epilog=zoo.help_text())
+@click.argument("checkpoint")
 @click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Artifact directory to write.")
 @click.option("--slots", type=click.IntRange(1), default=None, help="Pipeline depth P (default: the schedule's choice).")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
@@ -22,10 +26,15 @@ import click
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--allow-pickle", is_flag=True, help="Accept .bin/.pt weights (read with torch.load(weights_only=True)).")
 @click.option("--dump-after", multiple=True, metavar="PASS", help="Write the ONNX graphs after PASS to OUT.dumps/ (repeatable).")
+@click.option("--measure/--no-measure", default=True, show_default=True,
+              help="Time the step graph against plain decoding on this machine (a few seconds) and store c(P) in the "
+                   "artifact, so `speedc inspect` predicts from a measurement.")
 @click.option("-v", "--verbose", is_flag=True, help="Print the pass pipeline with per-pass time, nodes and weight bytes.")
-def build(checkpoint, out, slots, dtype, target, exit_layer, alpha, force, allow_pickle, dump_after, verbose):
-    """Compile CHECKPOINT into a SPEED artifact: a P-slot speculative step graph with weight reuse,
-    the plain prefill graph, one shared weights file, the tokenizer and a manifest."""
+def build(checkpoint, out, slots, dtype, target, exit_layer, alpha, force, allow_pickle, dump_after, measure, verbose):
+    """Compile CHECKPOINT (a directory, or zoo:NAME) into a SPEED artifact: a P-slot speculative
+    step graph with weight reuse, the plain prefill graph, one shared weights file, the tokenizer
+    and a manifest."""
+    checkpoint = zoo.resolve(checkpoint)  # first: a bad name fails before the compiler loads
     from rich.console import Console
 
     from speedc.build import build as run_build
@@ -42,10 +51,17 @@ def build(checkpoint, out, slots, dtype, target, exit_layer, alpha, force, allow
 
     if verbose:
         click.echo(f"building {checkpoint} -> {out}\n     phase | pass            time | graph nodes | initializer bytes", err=True)
-    with console.status("compiling", spinner="dots") if not verbose else contextlib.nullcontext():
+    with console.status("compiling", spinner="dots") if not verbose else contextlib.nullcontext() as status:
+        def progress(message: str) -> None:
+            if verbose:
+                click.echo(f"  {message}", err=True)
+            else:
+                status.update(message)
+
         result = run_build(checkpoint, out, BuildOptions(slots=slots, dtype=dtype, target=target, exit_layer=exit_layer,
                                                          alpha=alpha),
-                           force=force, allow_pickle=allow_pickle, dump_after=list(dump_after), on_pass=on_pass)
+                           force=force, allow_pickle=allow_pickle, dump_after=list(dump_after), on_pass=on_pass,
+                           measure_step_cost=measure, progress=progress)
     if verbose:
         for note in result.notes:
             click.echo(f"  {note}", err=True)
@@ -54,17 +70,23 @@ def build(checkpoint, out, slots, dtype, target, exit_layer, alpha, force, allow
     click.echo(f"built {out} in {result.seconds:.1f} s: P={m.slots} slots x {m.stage_layers} layers, "
                f"weights {w['stored_bytes'] / 1e6:.2f} MB = {w['stored_bytes'] / w['unique_bytes_fp32']:.3f} x unique fp32 "
                f"bytes (an unrolled export stores {w['unrolled_bytes_fp32'] / 1e6:.2f} MB)")
+    measured = m.build.get("step_cost_measured")
+    if measured:
+        click.echo(f"step cost c(P={measured['slots']}) = {measured['step_cost']:.2f} measured on this machine "
+                   f"({measured['backend']}, {measured['threads']} threads); `speedc inspect {out}` predicts from it")
 
 
-@click.command()
-@click.argument("path", type=click.Path(path_type=Path))
+@click.command(epilog=zoo.help_text())
+@click.argument("path")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--alpha", type=click.FloatRange(0, 1), default=None, help="Acceptance to predict the speedup at.")
-def inspect(path, as_json, alpha):
-    """Show the layer map, the pipeline schedule (slots x steps) and sizes of a checkpoint or artifact."""
+@click.option("--measure", is_flag=True, help="Measure the artifact's step cost c(P) on this machine now and predict from it.")
+def inspect(path, as_json, alpha, measure):
+    """Show the layer map, the pipeline schedule (slots x steps) and sizes of PATH: a checkpoint
+    (a directory, or zoo:NAME) or an artifact."""
     from speedc.inspect import describe, render
 
-    info = describe(path, alpha)
+    info = describe(zoo.resolve(path), alpha, measure=measure)
     if as_json:
         click.echo(json.dumps(info, indent=2))
     else:

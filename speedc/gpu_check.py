@@ -41,7 +41,7 @@ def _generate(backend, prompt: list[int], new_tokens: int, mode: str):
 
 def check_backend(backend, reference_ids: list[list[int]], prompts: list[list[int]], new_tokens: int, repeats: int) -> dict:
     """Lossless on every prompt, then interleaved timing of both modes; c(P) at the timed context."""
-    from speedc.bench import measure_step_cost
+    from speedc.bench.run import measure_step_cost
 
     lossless = True
     for prompt, expected in zip(prompts, reference_ids):
@@ -88,7 +88,7 @@ def run_check(*, device: str, hidden: int, blocks: int, passes: int, residual_sc
               repeats: int, workdir: Path, progress=print) -> dict:
     import torch
 
-    from speedc.bench_synthetic import random_model
+    from speedc.bench.synthetic import random_model
     from speedc.models.generate import generate
     from speedc.runtimes.torch_backend import TorchBackend
 

@@ -1,17 +1,24 @@
-"""`speedc inspect`: what a checkpoint or artifact is, and what SPEED will do with it."""
+"""`speedc inspect`: what a checkpoint or artifact is, and what SPEED will do with it.
+
+The predicted speedup is the analytic bound P / (c(P) (1 + (1 - alpha)(P - 1))) (speedc/schedule.py).
+Each input is labelled with where it comes from: c(P) measured on a machine (stored at build, or
+measured now with --measure) or the cost model's assumption; alpha from training metrics, the
+--alpha option, or the default assumption.
+"""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from speedc.artifact import MANIFEST, read_manifest
 from speedc.errors import SpeedcError
+from speedc.models.checkpoint import CONFIG_FILE, TRAINING_FILE
+from speedc.schedule import ALPHA_GRID, DEFAULT_ALPHA, analytic_bound, assumed_step_cost, describe_assumed_step_cost
 
 
 def _from_checkpoint(path: Path, alpha: float | None) -> dict:
-    from speedc.build import acceptance_hint_from_training, has_speedc_section
-    from speedc.models.checkpoint import load_checkpoint
+    from speedc.models.checkpoint import acceptance_hint_from_training, has_speedc_section, load_checkpoint
+    from speedc.passes import schedule, share, trace  # noqa: F401  (importing registers the passes)
     from speedc.passes.base import BuildOptions, CompileState, graph_stats, run_passes
 
     cfg, tensors = load_checkpoint(path)
@@ -21,34 +28,71 @@ def _from_checkpoint(path: Path, alpha: float | None) -> dict:
     stored = sum(t.numel() * 4 for t in tensors.values())
     return {"kind": "checkpoint", "path": str(path), "model": cfg.describe(), "layer_map": state.layer_map,
             "exit_layer": state.exit_layer, "schedule": state.schedule.to_json(),
-            "sizes": {"checkpoint_weight_bytes_fp32": stored,
-                      "distinct_weight_bytes_fp32": graph_stats(state.graphs["decode"])[1]},
+            "alpha_source": "--alpha" if alpha is not None else (
+                f"measured in training ({TRAINING_FILE})" if state.acceptance_hint is not None else "default assumption"),
+            "sizes": {"checkpoint weights (fp32)": stored,
+                      "distinct weights (fp32)": graph_stats(state.graphs["decode"])[1]},
             "notes": state.notes}
 
 
-def _from_artifact(path: Path) -> dict:
+def _from_artifact(path: Path, alpha: float | None) -> dict:
     m = read_manifest(path, verify_hashes=False)
     files = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file()}
+    sizes = {"unique weights (fp32)": m.weights["unique_bytes_fp32"], "weights stored": m.weights["stored_bytes"],
+             "an unrolled export would store (fp32)": m.weights["unrolled_bytes_fp32"],
+             **{f"file {name}": size for name, size in files.items()}}
     return {"kind": "artifact", "path": str(path), "format_version": m.format_version, "speedc_version": m.speedc_version,
             "model": m.model, "layer_map": m.layer_map, "exit_layer": m.exit_layer, "schedule": m.schedule,
-            "dtype": m.dtype, "target": m.target,
-            "sizes": {"unique_weight_bytes_fp32": m.weights["unique_bytes_fp32"], "stored_weight_bytes": m.weights["stored_bytes"],
-                      "unrolled_export_weight_bytes_fp32": m.weights["unrolled_bytes_fp32"], "files": files},
+            "alpha_source": "--alpha" if alpha is not None else "the schedule's expected acceptance",
+            "dtype": m.dtype, "target": m.target, "sizes": sizes,
+            "step_cost_measured": m.build.get("step_cost_measured"),
             "graphs": {name: {"inputs": len(g["inputs"]), "outputs": len(g["outputs"])} for name, g in m.graphs.items()},
             "notes": m.build.get("notes", [])}
 
 
-def describe(path: Path, alpha: float | None = None) -> dict:
+def prediction(info: dict, alpha: float | None, measured: dict | None) -> dict:
+    """The predicted speedup of the chosen P and where each input of the bound comes from."""
+    sched = info["schedule"]
+    slots = sched["slots"]
+    alpha = sched["alpha"] if alpha is None else alpha
+    is_measured = True
+    if slots == 1:
+        cost, source = 1.0, "plain engine (P = 1): nothing to amortise"
+    elif measured and measured.get("slots") == slots:
+        cost = measured["step_cost"]
+        source = (f"measured {measured.get('when', 'at build')} on {measured['machine']} ({measured['backend']}, "
+                  f"{measured['threads']} threads, context {measured['context']}, {measured['measured_at']})")
+    else:
+        cost, source = assumed_step_cost(slots), f"{describe_assumed_step_cost()}: an assumption, not measured"
+        is_measured = False
+    return {"slots": slots, "step_cost": cost, "step_cost_source": source, "alpha": alpha,
+            "alpha_source": info.get("alpha_source", ""), "speedup_bound": round(analytic_bound(slots, alpha, cost), 3),
+            "by_alpha": {f"{a:.2f}": round(analytic_bound(slots, a, cost), 3) for a in ALPHA_GRID},
+            "measured": is_measured}
+
+
+def describe(path: Path, alpha: float | None = None, *, measure: bool = False) -> dict:
     path = Path(path)
     if (path / MANIFEST).exists():
-        info = _from_artifact(path)
-    elif (path / "config.json").exists():
-        info = _from_checkpoint(path, alpha)
+        info = _from_artifact(path, alpha)
+        measured = info["step_cost_measured"]
+        if measure:
+            from speedc.step_cost import measure_artifact
+
+            measured = measure_artifact(path)
+            if measured is not None:
+                measured["when"] = "now (inspect --measure)"
+            info["step_cost_measured_now"] = measured
+    elif (path / CONFIG_FILE).exists():
+        if measure:
+            raise SpeedcError(f"{path}: --measure times a compiled step graph; build the checkpoint first "
+                              "(speedc build CHECKPOINT -o OUT)")
+        info, measured = _from_checkpoint(path, alpha), None
     else:
-        raise SpeedcError(f"{path}: neither a speedc artifact (manifest.json) nor a checkpoint (config.json)")
-    if alpha is not None:
-        from_curve = info["schedule"]["curve"].get(str(info["schedule"]["slots"]), {})
-        info["predicted_speedup_at_alpha"] = {"alpha": alpha, "table": from_curve}
+        raise SpeedcError(f"{path}: neither a speedc artifact ({MANIFEST}) nor a checkpoint ({CONFIG_FILE})")
+    info["prediction"] = prediction(info, alpha, measured)
+    if info["prediction"]["alpha_source"] == "default assumption":
+        info["prediction"]["alpha_source"] = f"default assumption ({DEFAULT_ALPHA})"
     return info
 
 
@@ -66,6 +110,10 @@ def schedule_diagram(slots: int, steps: int) -> list[str]:
     return lines
 
 
+def _megabytes(n: int) -> str:
+    return f"{n / 1e6:,.2f} MB"
+
+
 def render(info: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -73,7 +121,12 @@ def render(info: dict) -> None:
     console = Console()
     sched = info["schedule"]
     console.print(f"[bold]{info['kind']}[/bold] {info['path']}")
-    console.print(f"model: {info['model']}")
+    model = info["model"]
+    if isinstance(model, dict):  # an artifact's manifest dims
+        model = (f"N={model['num_layers']} layers over {model.get('num_unique_blocks', '?')} unique blocks, hidden "
+                 f"{model['hidden_size']}, {model['num_kv_heads']} kv heads x {model['head_dim']}, vocab "
+                 f"{model['vocab_size']}, context {model['max_context']}, eos {model['eos_token_id']}")
+    console.print(f"model: {model}")
     console.print(f"layer map: {info['layer_map']}  (exit after layer {info['exit_layer']})")
     console.print(f"schedule: P={sched['slots']} slots x S={sched['stage_layers']} layers; {sched['reason']}")
     for s, layers in enumerate(sched["slot_layers"]):
@@ -82,13 +135,30 @@ def render(info: dict) -> None:
         console.print("pipeline (steps ->):")
         for line in schedule_diagram(sched["slots"], sched["slots"] + 3):
             console.print("  " + line)
-    table = Table(title=f"predicted speedup vs plain decoding (c(P) = 1 + 0.05 (P-1)); assumed alpha {sched['alpha']:.2f}")
-    alphas = list(next(iter(sched["curve"].values())).keys())
-    table.add_column("P")
-    for a in alphas:
-        table.add_column(f"a={a}")
-    for p, row in sched["curve"].items():
-        table.add_row(str(p), *[f"{row[a]:.2f}" for a in alphas])
-    console.print(table)
-    sizes = info["sizes"]
-    console.print("sizes: " + json.dumps({k: v for k, v in sizes.items()}))
+    pred = info["prediction"]
+    console.print(f"step cost c(P={pred['slots']}) = {pred['step_cost']:.2f}: {pred['step_cost_source']}")
+    console.print(f"predicted speedup over plain decoding (analytic bound) at alpha {pred['alpha']:.2f} "
+                  f"({pred['alpha_source']}): [bold]{pred['speedup_bound']:.2f}x[/bold]"
+                  + ("" if pred["measured"] else "  [yellow](assumed c(P): run `speedc inspect ART --measure` or "
+                                                 "`speedc bench ART` for this machine's)[/yellow]"))
+    by_alpha = Table(title=f"predicted speedup at P={pred['slots']}, c(P) = {pred['step_cost']:.2f} "
+                           f"({'measured' if pred['measured'] else 'assumed'}), by acceptance alpha")
+    for a in pred["by_alpha"]:
+        by_alpha.add_column(f"a={a}")
+    by_alpha.add_row(*[f"{v:.2f}x" for v in pred["by_alpha"].values()])
+    console.print(by_alpha)
+    if len(sched["curve"]) > 1:
+        curve = Table(title=f"schedule choice: predicted speedup per valid P ({describe_assumed_step_cost()}: an assumption)")
+        alphas = list(next(iter(sched["curve"].values())).keys())
+        curve.add_column("P")
+        for a in alphas:
+            curve.add_column(f"a={a}")
+        for p, row in sched["curve"].items():
+            curve.add_row(str(p), *[f"{row[a]:.2f}" for a in alphas])
+        console.print(curve)
+    sizes = Table(title="sizes")
+    sizes.add_column("what")
+    sizes.add_column("bytes", justify="right")
+    for name, value in info["sizes"].items():
+        sizes.add_row(name, _megabytes(value))
+    console.print(sizes)

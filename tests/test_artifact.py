@@ -80,11 +80,25 @@ def test_cli_build_verbose_dump_and_inspect(tmp_path):
     for name in ("trace", "share", "schedule", "step_graph", "exit_heads", "kv_cache", "cleanup", "trt_lint"):
         assert name in result.stderr
     assert (tmp_path / "art.dumps" / "after-step_graph-step.onnx").exists()
-    assert read_manifest(out).slots == 2
+    manifest = read_manifest(out)
+    assert manifest.slots == 2
+    # The CLI measured c(P) on this machine and stored it; inspect predicts from it and says so.
+    measured = manifest.build["step_cost_measured"]
+    assert measured["slots"] == 2 and measured["step_cost"] > 0 and "step cost c(P=2)" in result.stdout
     info = json.loads(run_cli("inspect", out, "--json").stdout)
     assert info["schedule"]["slots"] == 2 and info["layer_map"] == [0, 1] * 4
+    assert info["prediction"]["step_cost"] == measured["step_cost"] and info["prediction"]["measured"]
+    assert "measured at build" in info["prediction"]["step_cost_source"]
+    slots, alpha, cost = 2, info["prediction"]["alpha"], measured["step_cost"]
+    assert info["prediction"]["speedup_bound"] == round(slots / (cost * (1 + (1 - alpha) * (slots - 1))), 3)
+    text = run_cli("inspect", out).stdout
+    assert "measured at build" in text and "sizes" in text and "{" not in text  # a table, not a JSON dump
+    # A checkpoint has nothing measured: the figure is labelled an assumption.
     text = run_cli("inspect", ZOO / "tiny").stdout
-    assert "slot 3" in text and "predicted speedup" in text
+    assert "slot 3" in text and "predicted speedup" in text and "an assumption" in text
+    assert_one_line_error(run_cli("inspect", ZOO / "tiny", "--measure"), "build the checkpoint first")
+    now = json.loads(run_cli("inspect", out, "--json", "--measure").stdout)
+    assert now["prediction"]["measured"] and "now (inspect --measure)" in now["prediction"]["step_cost_source"]
 
 
 def test_existing_output_refused_without_force(tmp_path, tiny_artifact):

@@ -17,6 +17,9 @@ def test_bench_json_fields(tiny_artifact):
                 "bound", "achieved_over_bound", "prefill_ms_p50", "flushes"):
         assert key in report
     assert set(report["ms_per_token"]) == {"speed", "autoregressive"} and report["repeats"] == 2
+    # Each speedup also under a name that says what it measures; the old keys stay.
+    assert report["speedup_decode_p50"] == report["speedup_p50"]
+    assert report["speedup_e2e_p50"] == report["speed_speedup_e2e"]["autoregressive"]
     # Peers ran on the same weights (their ids were checked against SPEED's inside the bench).
     peers = {"pytorch-reference", "transformers", "onnxruntime-genai"}  # the dev extra installs all three
     assert set(report["e2e_ms_per_token"]) == {"speed", "autoregressive", *peers}
@@ -48,6 +51,32 @@ def test_bench_sweeps_and_plot(tiny_artifact, tmp_path):
     assert report["peak_rss_mb"] == {}  # --no-memory
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(tmp_path.glob(".*partial*"))
+
+
+def test_bench_human_output_names_each_speedup(tiny_artifact):
+    """Two speedups are printed: decode only (prefill excluded) and end to end (prefill + decode).
+    Every table and line showing one says which (labels only, never speeds)."""
+    result = run_cli("bench", tiny_artifact, "--new-tokens", "8", "--repeats", "1", "--prompt", "ROMEO:", "--no-peers",
+                     "--no-memory", "--sweep", "length", env={"COLUMNS": "200"})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    text = " ".join(result.stdout.split())  # titles wrap to their table's width
+
+    def line_with(fragment: str) -> str:  # headers and the summary line: one line each at 200 columns
+        found = [line for line in lines if fragment in line]
+        assert len(found) == 1, (fragment, result.stdout)
+        return found[0]
+
+    assert "per mode, decode only (prefill excluded)" in text  # the per-mode table's title
+    assert "decode ms/token p50" in line_with("decode tokens/s")  # its header
+    assert "per system, end to end (prefill + decode), same ids checked" in text
+    assert "ms/new token p50" in line_with("SPEED speedup, end to end")  # its header
+    summary = line_with("identical ids: True")
+    assert "SPEED speedup, decode only (p50): " in summary and "end to end (p50): " in summary
+    assert "speedup (p50)" not in text  # no unlabelled speedup left
+    assert "decode-only speedup / bound" in line_with("analytic bound")
+    assert "sweep length: decode only (prefill excluded)" in text
+    assert "speedup, decode only" in line_with("speed decode ms/token")
 
 
 def test_bench_plot_needs_png(tiny_artifact, tmp_path):

@@ -14,7 +14,7 @@ import torch
 
 from speedc import Engine
 from speedc.errors import SpeedcError
-from speedc.bench_synthetic import random_model
+from speedc.bench.synthetic import random_model
 from speedc.runtimes.torch_backend import TorchBackend
 
 CUDA = torch.cuda.is_available()

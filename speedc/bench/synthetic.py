@@ -1,5 +1,5 @@
 """Step cost on a memory-bound configuration: a random-weight model of the zoo shape but large
-(hidden 1024, about 200 MB of unique fp32 weights, far beyond a CPU's last-level cache), compiled at
+(hidden 1024 by default: unique fp32 weights far beyond a CPU's last-level cache), compiled at
 each pipeline depth, then c(P) = (P-slot step time) / (plain token time / P), interleaved.
 
 Random weights make acceptance meaningless, so these rows are step cost only, never end-to-end
@@ -10,7 +10,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from speedc.bench import measure_step_cost
+from speedc.bench.run import measure_step_cost
 
 
 def synthetic_config(hidden: int, blocks: int, passes: int):

@@ -14,7 +14,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from speedc.bench import DEFAULT_PROMPTS, run_bench
+from speedc.artifact import TOKENIZER
+from speedc.bench.run import DEFAULT_PROMPTS, run_bench
 from speedc.errors import SpeedcError
 from speedc.runtimes.engine import Engine
 
@@ -23,6 +24,7 @@ SWEEP_CONTEXTS = (128, 256, 512, 1024, 2048)
 
 
 def _row(report, **extra) -> dict:
+    """ms/token and speedup here are decode only (prefill excluded), as BenchReport.speedup_p50."""
     return {**extra, "ms_per_token_speed": report.ms_per_token["speed"]["p50"],
             "ms_per_token_autoregressive": report.ms_per_token["autoregressive"]["p50"],
             "speedup": report.speedup_p50, "acceptance": report.acceptance_rate,
@@ -45,7 +47,7 @@ def sweep_slots(engine: Engine, *, prompts: list[str] | None, new_tokens: int, r
     rows, skipped = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         model = load_model_from_artifact(engine.directory, manifest)
-        tokenizer = engine.directory / "tokenizer.json"
+        tokenizer = engine.directory / TOKENIZER
         checkpoint = save_checkpoint(model, Path(tmp) / "checkpoint",
                                      tokenizer_json=tokenizer.read_text() if tokenizer.exists() else None)
         for slots in SWEEP_SLOTS:

@@ -1,7 +1,7 @@
 """Peak resident memory of each benchmarked system, each measured in a fresh process.
 
 A high-water mark is per process, so systems sharing one process would hide each other's peaks.
-Each system therefore runs once in its own interpreter (`python -m speedc.bench_memory`): import
+Each system therefore runs once in its own interpreter (`python -m speedc.bench.memory`): import
 what it needs, load, generate, report VmHWM from /proc/self/status (the peak of this process's own
 address space; ru_maxrss is not used because Linux carries the forking parent's peak across exec). The figure includes the interpreter and the
 libraries the system imports (a deployment pays for those too): speedc's ONNX Runtime path imports
@@ -24,7 +24,7 @@ PROBE_PROMPT = "ROMEO:\n"
 def peak_rss_mb(system: str, artifact: Path, workdir: Path | None, new_tokens: int, threads: int | None,
                 backend: str = "onnx", device: str = "cpu") -> float:
     """Peak RSS in MB of a fresh process that loads SYSTEM and generates NEW_TOKENS tokens."""
-    command = [sys.executable, "-m", "speedc.bench_memory", system, str(artifact), str(workdir or ""), str(new_tokens),
+    command = [sys.executable, "-m", "speedc.bench.memory", system, str(artifact), str(workdir or ""), str(new_tokens),
                str(threads or 0), backend, device]
     probe = subprocess.run(command, capture_output=True, text=True)
     if probe.returncode != 0:
@@ -41,13 +41,13 @@ def _probe(system: str, artifact: Path, workdir: Path, new_tokens: int, threads:
         engine = Engine.load(artifact, backend=backend, device=device, threads=threads)
         engine.generate(PROBE_PROMPT, max_new_tokens=new_tokens, stop_at_eos=False, mode=system)
     else:
-        from speedc.artifact import read_manifest
-        from speedc.bench_peers import load_peer
+        from speedc.artifact import TOKENIZER, read_manifest
+        from speedc.bench.peers import load_peer
 
         peer = load_peer(system, artifact, read_manifest(artifact), threads, workdir)
         from tokenizers import Tokenizer
 
-        ids = Tokenizer.from_file(str(artifact / "tokenizer.json")).encode(PROBE_PROMPT).ids
+        ids = Tokenizer.from_file(str(artifact / TOKENIZER)).encode(PROBE_PROMPT).ids
         peer(ids, new_tokens)
     return _peak_rss_kib() / 1024
 

@@ -67,11 +67,12 @@ def prepare_peers(directory: Path, manifest, threads: int | None, workdir: Path)
     is installed, its builder's export. Returns the bytes of weights each peer's export stores."""
     if not peers_available():
         raise SpeedcError("peer systems need torch and transformers: pip install 'speedc[dev]'")
+    from speedc.artifact import TOKENIZER
     from speedc.models.checkpoint import save_unrolled_hf
     from speedc.runtimes.torch_backend import load_model_from_artifact
 
     _set_threads(threads)
-    tokenizer = directory / "tokenizer.json"
+    tokenizer = directory / TOKENIZER
     hf_dir = save_unrolled_hf(load_model_from_artifact(directory, manifest), workdir / "hf",
                               tokenizer_json=tokenizer.read_text() if tokenizer.exists() else None)
     weight_bytes = {"transformers": sum(p.stat().st_size for p in hf_dir.glob("*.safetensors"))}

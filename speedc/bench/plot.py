@@ -1,6 +1,7 @@
 """`speedc bench --plot FILE.png`: the bench report as a figure (matplotlib, the `bench` extra).
 
     [ tokens/s per system ]  [ speedup vs slots P, bound drawn ]  [ ms/token vs context ]*
+      end to end               decode only (prefill excluded)       decode only
     * only when the report holds a --sweep length
 """
 
@@ -41,12 +42,12 @@ def write_plot(report: dict, path: Path) -> Path:
     axes[0].set_title("same ids, same weights")
 
     slots, speedups, bounds = _speedup_points(report)
-    axes[1].plot(slots, speedups, "o-", color="tab:green", label="measured speed / autoregressive")
+    axes[1].plot(slots, speedups, "o-", color="tab:green", label="measured speed / autoregressive (decode only)")
     axes[1].plot(slots, bounds, "s--", color="tab:blue", label="bound P / (c(P)(1+(1-a)(P-1)))")
     axes[1].axhline(1.0, color="gray", lw=0.8)
     axes[1].set_xticks(slots)
     axes[1].set_xlabel("slots P")
-    axes[1].set_ylabel("speedup")
+    axes[1].set_ylabel("speedup, decode only (prefill excluded)")
     axes[1].set_title(f"acceptance a = {report['acceptance_rate']:.2f}")
     axes[1].legend(fontsize=8)
 
@@ -57,7 +58,7 @@ def write_plot(report: dict, path: Path) -> Path:
         axes[2].plot(contexts, [r["ms_per_token_speed"] for r in length_rows], "o-", color="tab:green", label="speed")
         axes[2].set_xscale("log", base=2)
         axes[2].set_xlabel("context (tokens)")
-        axes[2].set_ylabel("ms / token (p50)")
+        axes[2].set_ylabel("decode ms / token (p50)")
         axes[2].legend(fontsize=8)
     fig.suptitle(f"{Path(report['artifact']).name}: {report['backend']}, P={report['slots']}")
     fig.tight_layout()

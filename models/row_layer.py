@@ -1,0 +1,93 @@
+r"""One decoder layer over R rows, each a chunk of L tokens at its own start position, against a KV
+cache it only reads: the semantics of a SPEED step (row s = slot s) and of a prefill chunk (R = 1).
+
+    x [R, L, H] ── rms_norm ── q/k/v projections ── rotary ──┐
+    past_k/v [R, kvh, T, hd] (keys below the row's start) ───┼─ softmax over [past | chunk (causal)] ── o_proj ── + x
+                                                             └─ new k/v [R, kvh, L, hd] (returned; the caller writes them)
+    then x + mlp(rms_norm(x))
+
+The past and the chunk are scored separately and softmaxed over their concatenation, so the cache is
+never copied or concatenated; grouped-query heads reshape queries to [R, kvh, g*L, hd] so K/V are
+never repeated. Written with ops that torch.onnx.export (dynamo=False) exports as plain ONNX: the
+trace pass exports exactly this code, and the PyTorch backend runs it, so both share one definition.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from speedc.models.config import ModelConfig
+from speedc.models.llama import Block
+
+NEG_INF = float("-inf")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # x / sqrt(mean(x^2) + eps) * w: the form ONNX Runtime fuses into SimplifiedLayerNormalization.
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+@dataclass
+class RowContext:
+    """What every layer of one call shares: rotary tables and the two masks."""
+    cos: torch.Tensor  # [R, 1, L, hd]
+    sin: torch.Tensor
+    past_mask: torch.Tensor  # [R, 1, 1, T]: 0 where key index < the row's start, -inf elsewhere
+    chunk_mask: torch.Tensor  # [g*L, L]: causal within the chunk, repeated per query group
+    past_len: int  # T
+    rows: int  # R   (sizes taken once per call: traced, each would be a Shape node per layer)
+    length: int  # L
+
+
+def row_context(starts: torch.Tensor, length: int, past_len: int, inv_freq: torch.Tensor, groups: int) -> RowContext:
+    """STARTS [R] int: each row's first position; LENGTH: chunk length L; PAST_LEN: cache rows T."""
+    device = starts.device
+    pos = starts[:, None] + torch.arange(length, device=device)[None, :]  # [R, L]
+    freqs = pos.to(torch.float32)[..., None] * inv_freq  # [R, L, hd/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [R, 1, L, hd]
+    past_valid = torch.arange(past_len, device=device)[None, :] < starts[:, None]  # [R, T]
+    past_mask = torch.where(past_valid, 0.0, NEG_INF)[:, None, None, :]  # [R, 1, 1, T]
+    idx = torch.arange(length, device=device)
+    chunk_mask = torch.where(idx[None, :] <= idx[:, None], 0.0, NEG_INF).repeat(groups, 1)  # [g*L, L]
+    return RowContext(emb.cos(), emb.sin(), past_mask, chunk_mask, past_len, starts.shape[0], length)
+
+
+def rotary_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
+    hd = cfg.head_dim
+    return 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd))
+
+
+def layer_over_rows(block: Block, x: torch.Tensor, ctx: RowContext, past_k: torch.Tensor, past_v: torch.Tensor,
+                    cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [R, L, H]; past_k/v [R, kvh, T, hd] -> (x [R, L, H], new k, new v [R, kvh, L, hd]).
+    Every projection is F.linear on 2-D input (ONNX Gemm with transB=1): weights are read as stored."""
+    rows, length, hidden_size = ctx.rows, ctx.length, cfg.hidden_size
+    h, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    g = h // kvh
+    attn, mlp, eps = block.self_attn, block.mlp, cfg.rms_norm_eps
+
+    def rope(v: torch.Tensor) -> torch.Tensor:  # [R, heads, L, hd]
+        half = hd // 2
+        return v * ctx.cos + torch.cat((-v[..., half:], v[..., :half]), dim=-1) * ctx.sin
+
+    xn = rms_norm(x, block.input_layernorm.weight, eps).reshape(rows * length, hidden_size)
+    q = F.linear(xn, attn.q_proj.weight).reshape(rows, length, h, hd).transpose(1, 2)  # [R, h, L, hd]
+    k = F.linear(xn, attn.k_proj.weight).reshape(rows, length, kvh, hd).transpose(1, 2)  # [R, kvh, L, hd]
+    v = F.linear(xn, attn.v_proj.weight).reshape(rows, length, kvh, hd).transpose(1, 2)
+    q, k = rope(q), rope(k)
+    qg = (q * (1.0 / math.sqrt(hd))).reshape(rows, kvh, g * length, hd)  # [R, kvh, g*L, hd]
+    s_past = qg @ past_k.transpose(2, 3) + ctx.past_mask  # [R, kvh, g*L, T]
+    s_new = qg @ k.transpose(2, 3) + ctx.chunk_mask  # [R, kvh, g*L, L]
+    w = torch.softmax(torch.cat((s_past, s_new), dim=-1), dim=-1)
+    t = ctx.past_len
+    attended = w[..., :t] @ past_v + w[..., t:] @ v  # [R, kvh, g*L, hd]
+    attended = attended.reshape(rows, h, length, hd).transpose(1, 2).reshape(rows * length, h * hd)
+    x = x + F.linear(attended, attn.o_proj.weight).reshape(rows, length, hidden_size)
+    xn = rms_norm(x, block.post_attention_layernorm.weight, eps).reshape(rows * length, hidden_size)
+    act = F.silu(F.linear(xn, mlp.gate_proj.weight)) * F.linear(xn, mlp.up_proj.weight)
+    x = x + F.linear(act, mlp.down_proj.weight).reshape(rows, length, hidden_size)
+    return x, k, v

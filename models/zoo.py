@@ -1,0 +1,58 @@
+"""The bundled models: models/zoo/NAME, which users name as `zoo:NAME` wherever the CLI takes a
+checkpoint.
+
+They ship inside the package (pyproject package-data), so their directory is found from this file,
+not from the working directory: `zoo:tiny` works wherever speedc is installed. Reads only JSON, so
+listing them (e.g. in --help) imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from speedc.errors import CheckpointError
+
+PREFIX = "zoo:"
+ZOO_DIR = Path(__file__).resolve().parent / "zoo"
+
+
+def names() -> list[str]:
+    """Bundled model names, smallest first."""
+    found = [d for d in ZOO_DIR.iterdir() if (d / "config.json").is_file()] if ZOO_DIR.is_dir() else []
+    return [d.name for d in sorted(found, key=_weight_bytes)]
+
+
+def _weight_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+
+
+def description(name: str) -> str:
+    """One line from the model's config.json: depth over shared blocks, width, vocabulary, size."""
+    directory = ZOO_DIR / name
+    cfg = json.loads((directory / "config.json").read_text())
+    blocks = len(set(cfg["speedc"]["layer_map"]))  # bundled configs store the resolved list
+    return (f"{cfg['num_hidden_layers']} layers over {blocks} shared blocks, hidden {cfg['hidden_size']}, "
+            f"vocab {cfg['vocab_size']}, {_weight_bytes(directory) / 1e6:.1f} MB")
+
+
+def help_text() -> str:
+    """The bundled models as a click help epilog (\\b keeps click from re-wrapping the table)."""
+    rows = [f"  {PREFIX}{name:<8} {description(name)}" for name in names()]
+    return (f"Bundled models (give one as the checkpoint; each has a MODEL_CARD.md in {ZOO_DIR}):\n\n\b\n"
+            + "\n".join(rows))
+
+
+def resolve(spec: str | Path) -> Path:
+    """`zoo:NAME` -> that bundled model's directory; anything else is a path and stays one."""
+    text = str(spec)
+    if text.startswith(PREFIX):
+        name = text[len(PREFIX):]
+        if name not in names():
+            available = ", ".join(PREFIX + n for n in names())
+            raise CheckpointError(f"{text}: no bundled model of that name (available: {available})")
+        return ZOO_DIR / name
+    path = Path(spec)
+    if not path.exists() and text in names():  # the old way of naming them, from inside the repo
+        raise CheckpointError(f"{text}: no such directory; the bundled model is {PREFIX}{text}")
+    return path

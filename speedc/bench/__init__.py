@@ -1,0 +1,12 @@
+"""`speedc bench`'s measurements (the CLI command itself is speedc/commands_bench.py).
+
+    run        SPEED against plain decoding (and peers), interleaved, ids checked first: run_bench,
+               BenchReport, measure_step_cost (c(P)); the bound is speedc.schedule.analytic_bound
+    peers      peer systems on the same weights (PyTorch reference, transformers, ORT GenAI)
+    memory     peak RSS of each system, each in a fresh process (`python -m speedc.bench.memory`)
+    sweep      --sweep slots|length
+    synthetic  --memory-bound: c(P) on a large random-weight model (also the GPU check's model)
+    plot       --plot FILE.png
+
+Nothing is imported here: `import speedc.bench` stays free of numpy, onnxruntime and torch.
+"""

@@ -1,0 +1,156 @@
+"""The compiler/runtime contract: the graphs an artifact holds and the tensors each takes and returns.
+
+The passes emit exactly these names, the backends bind exactly these names, and at load the runtime
+checks each graph's I/O recorded in the manifest against `expected_io` (and ONNX Runtime's view of
+each file against the manifest), so a change on one side is a one-line ArtifactError naming the graph
+and tensor, not a failure deep inside a run.
+
+    prefill        input_ids [1, L]  positions [1]  cache.{key,value}.{l} [1, kvh, T, hd]  (l < N)
+                   -> next_token [1]  logits [1, V]  new_{key,value} [N, 1, kvh, L, hd]
+    step           input_ids [1, 1]  positions [P]  hidden_in [P-1, 1, H]  cache.{key,value}.{j} [P, kvh, T, hd]  (j < S)
+                   -> final_token [1]  final_logits [1, V]  exit_tokens [1]  hidden_out [P, 1, H]
+                      new_{key,value} [S, P, kvh, 1, hd]
+    step_flush     as step, exit_tokens [P] (every slot's exit: the early-flush check)
+    *.gqa          as the graph it varies, new_{key,value} replaced by cache.{key,value}.{i}.out (the
+                   cache written in place: each output is bound to the buffer of its input)
+    cache_write_step     cache.{key,value} [S, P, kvh, T, hd]  new_{key,value} [S, P, kvh, L, hd]  write_start [P]
+                         -> cache.{key,value}.out (bound to the same buffers: ScatterND in place)
+    cache_write_prefill  the same with new_{key,value} slot-major [P, S, kvh, L, hd]
+
+Standard library only: every layer (passes, runtimes, bench) imports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from speedc.errors import ArtifactError
+
+# ---- graphs --------------------------------------------------------------------------------------
+PREFILL, STEP, STEP_FLUSH = "prefill", "step", "step_flush"
+CACHE_WRITE_STEP, CACHE_WRITE_PREFILL = "cache_write_step", "cache_write_prefill"
+PROGRAMS = (PREFILL, STEP, STEP_FLUSH)  # the model programs (a plain engine has only prefill)
+FUSED_SUFFIX = ".gqa"  # graph names (and files) of the ONNX Runtime variants with fused attention
+GRAPHS = (*PROGRAMS, CACHE_WRITE_STEP, CACHE_WRITE_PREFILL, *(name + FUSED_SUFFIX for name in PROGRAMS))
+
+
+def fused(graph: str) -> str:
+    return graph + FUSED_SUFFIX
+
+
+# ---- tensors -------------------------------------------------------------------------------------
+INPUT_IDS, POSITIONS = "input_ids", "positions"
+HIDDEN_IN, HIDDEN_OUT = "hidden_in", "hidden_out"
+FINAL_TOKEN, FINAL_LOGITS, EXIT_TOKENS = "final_token", "final_logits", "exit_tokens"
+NEXT_TOKEN, LOGITS = "next_token", "logits"
+WRITE_START = "write_start"
+KV_KINDS = ("key", "value")
+
+
+def cache_input(kind: str, index: int) -> str:
+    """The cache slab a program reads: stage layer `index` (step) or logical layer `index` (prefill)."""
+    return f"cache.{kind}.{index}"
+
+
+def cache_output(kind: str, index: int) -> str:
+    """A fused graph's in-place cache output (bound to the buffer of cache_input(kind, index))."""
+    return f"cache.{kind}.{index}.out"
+
+
+def new_rows(kind: str) -> str:
+    """The stacked new K or V rows a standard program returns."""
+    return f"new_{kind}"
+
+
+def cache_buffer(kind: str) -> str:
+    """The whole cache buffer a cache writer takes (and returns as cache_buffer_out)."""
+    return f"cache.{kind}"
+
+
+def cache_buffer_out(kind: str) -> str:
+    return f"cache.{kind}.out"
+
+
+# ---- expected I/O --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Dims:
+    """The sizes the contract's shapes are made of (from the manifest)."""
+    slots: int  # P
+    stage_layers: int  # S
+    num_layers: int  # N
+    kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+
+    @classmethod
+    def from_manifest(cls, manifest) -> "Dims":
+        model = manifest.model
+        return cls(manifest.slots, manifest.stage_layers, model["num_layers"], model["num_kv_heads"], model["head_dim"],
+                   model["hidden_size"], model["vocab_size"])
+
+
+Shape = tuple  # ints for fixed sizes, None where the size is dynamic
+TensorSpec = tuple[str, str, Shape]  # (name, numpy dtype name, shape)
+
+
+def _program_io(graph: str, d: Dims) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    i64, f32 = "int64", "float32"
+    if graph == PREFILL:
+        caches = range(d.num_layers)
+        inputs = [(INPUT_IDS, i64, (None, None)), (POSITIONS, i64, (None,))]
+        cache_shape = (None, d.kv_heads, None, d.head_dim)
+        outputs = [(NEXT_TOKEN, i64, (1,)), (LOGITS, f32, (1, d.vocab_size))]
+        rows = (d.num_layers, 1, d.kv_heads, None, d.head_dim)
+    else:
+        caches = range(d.stage_layers)
+        inputs = [(INPUT_IDS, i64, (1, 1)), (POSITIONS, i64, (d.slots,)), (HIDDEN_IN, f32, (d.slots - 1, 1, d.hidden_size))]
+        cache_shape = (d.slots, d.kv_heads, None, d.head_dim)
+        exits = d.slots if graph == STEP_FLUSH else 1
+        outputs = [(FINAL_TOKEN, i64, (1,)), (FINAL_LOGITS, f32, (1, d.vocab_size)), (EXIT_TOKENS, i64, (exits,)),
+                   (HIDDEN_OUT, f32, (d.slots, 1, d.hidden_size))]
+        rows = (d.stage_layers, d.slots, d.kv_heads, 1, d.head_dim)
+    inputs += [(cache_input(kind, i), f32, cache_shape) for i in caches for kind in KV_KINDS]
+    return inputs, outputs + [(new_rows(kind), f32, rows) for kind in KV_KINDS]
+
+
+def expected_io(graph: str, d: Dims) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """(inputs, outputs) the runtime expects of GRAPH."""
+    if graph.endswith(FUSED_SUFFIX):
+        inputs, outputs = _program_io(graph[:-len(FUSED_SUFFIX)], d)
+        caches = [spec for spec in inputs if spec[0].startswith("cache.")]
+        outputs = [spec for spec in outputs if not spec[0].startswith("new_")]
+        return inputs, outputs + [(name + ".out", dtype, shape) for name, dtype, shape in caches]
+    if graph in (CACHE_WRITE_STEP, CACHE_WRITE_PREFILL):
+        full = (d.stage_layers, d.slots, d.kv_heads, None, d.head_dim)
+        rows = full if graph == CACHE_WRITE_STEP else (d.slots, d.stage_layers, d.kv_heads, None, d.head_dim)
+        inputs = [(cache_buffer(kind), "float32", full) for kind in KV_KINDS]
+        inputs += [(new_rows(kind), "float32", rows) for kind in KV_KINDS] + [(WRITE_START, "int64", (d.slots,))]
+        return inputs, [(cache_buffer_out(kind), "float32", full) for kind in KV_KINDS]
+    if graph in PROGRAMS:
+        return _program_io(graph, d)
+    raise ArtifactError(f"graph {graph!r} is not part of the artifact contract (known: {', '.join(GRAPHS)})")
+
+
+def _check_side(graph: str, side: str, expected: list[TensorSpec], recorded: list[dict]) -> None:
+    found = {t["name"]: t for t in recorded}
+    for name, dtype, shape in expected:
+        tensor = found.pop(name, None)
+        if tensor is None:
+            raise ArtifactError(f"graph {graph}: {side} {name} is missing")
+        if tensor["dtype"] != dtype:
+            raise ArtifactError(f"graph {graph}: {side} {name} is {tensor['dtype']}, expected {dtype}")
+        dims = tensor["shape"]
+        fixed = [want for want in shape]
+        if len(dims) != len(fixed) or any(w is not None and isinstance(g, int) and g != w for g, w in zip(dims, fixed)):
+            wanted = ["*" if w is None else w for w in fixed]
+            raise ArtifactError(f"graph {graph}: {side} {name} has shape {dims}, expected {wanted}")
+    if found:
+        raise ArtifactError(f"graph {graph}: unexpected {side} {next(iter(found))}")
+
+
+def check_graph_io(graph: str, spec: dict, dims: Dims) -> None:
+    """One-line ArtifactError unless SPEC (a manifest's `graphs` entry) matches the contract."""
+    inputs, outputs = expected_io(graph, dims)
+    _check_side(graph, "input", inputs, spec.get("inputs", []))
+    _check_side(graph, "output", outputs, spec.get("outputs", []))

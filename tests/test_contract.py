@@ -1,0 +1,93 @@
+"""The compiler/runtime contract (speedc/contract.py): built graphs match it, and a runtime refuses an
+artifact that does not, in one line naming the graph and the tensor."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import onnx
+import pytest
+
+from conftest import assert_one_line_error, run_cli
+from speedc import contract
+from speedc.artifact import read_manifest, sha256_file
+from speedc.errors import ArtifactError
+from speedc.runtimes.engine import Engine
+
+
+def _copy(artifact: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(artifact, tmp_path / "art"))
+
+
+def _edit_manifest(directory: Path, change) -> None:
+    path = directory / "manifest.json"
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def test_every_built_graph_matches_the_contract(tiny_artifact):
+    manifest = read_manifest(tiny_artifact)
+    dims = contract.Dims.from_manifest(manifest)
+    assert set(manifest.graphs) == set(contract.GRAPHS)  # tiny: P=4, head_dim 32: every graph
+    for name, spec in manifest.graphs.items():
+        contract.check_graph_io(name, spec, dims)
+        inputs, outputs = contract.expected_io(name, dims)
+        assert {t["name"] for t in spec["inputs"]} == {n for n, _, _ in inputs}
+        assert {t["name"] for t in spec["outputs"]} == {n for n, _, _ in outputs}
+
+
+@pytest.mark.parametrize("graph, side, index, fragment", [
+    ("step", "outputs", 2, "graph step: output exit_tokens is missing"),
+    ("prefill.gqa", "inputs", 3, "graph prefill.gqa: input cache.value.0 is missing"),
+    ("cache_write_step", "inputs", 4, "graph cache_write_step: input write_start is missing"),
+])
+def test_manifest_that_breaks_the_contract_is_refused(tiny_artifact, tmp_path, graph, side, index, fragment):
+    art = _copy(tiny_artifact, tmp_path)
+    _edit_manifest(art, lambda m: m["graphs"][graph][side][index].update(name="renamed"))
+    with pytest.raises(ArtifactError, match=fragment) as refused:
+        read_manifest(art)
+    assert "rebuild" in str(refused.value) and "\n" not in str(refused.value)
+    result = run_cli("generate", art, "--prompt-ids", "1,2", "--max-new-tokens", "2")
+    assert_one_line_error(result, fragment)
+
+
+def test_wrong_shape_and_dtype_are_named(tiny_artifact, tmp_path):
+    art = _copy(tiny_artifact, tmp_path)
+    _edit_manifest(art, lambda m: m["graphs"]["step"]["inputs"][1].update(shape=[3]))
+    with pytest.raises(ArtifactError, match=r"graph step: input positions has shape \[3\], expected \[4\]"):
+        read_manifest(art)
+    art2 = Path(shutil.copytree(tiny_artifact, tmp_path / "art2"))
+    _edit_manifest(art2, lambda m: m["graphs"]["prefill"]["outputs"][0].update(dtype="int32"))
+    with pytest.raises(ArtifactError, match="graph prefill: output next_token is int32, expected int64"):
+        read_manifest(art2)
+
+
+def test_graph_file_that_differs_from_its_manifest_is_refused(tiny_artifact, tmp_path):
+    """A file edited behind the manifest (hash updated to pass the integrity check) still cannot be
+    run: ONNX Runtime's view of its I/O is checked against the manifest at load."""
+    art = _copy(tiny_artifact, tmp_path)
+    path = art / "step.onnx"
+    model = onnx.load(str(path), load_external_data=False)
+    old = model.graph.output[2].name  # exit_tokens
+    model.graph.output[2].name = "exit_guess"
+    for node in model.graph.node:
+        node.output[:] = ["exit_guess" if o == old else o for o in node.output]
+    onnx.save(model, str(path))
+    _edit_manifest(art, lambda m: m["files"].update({"step.onnx": sha256_file(path)}))
+    with pytest.raises(ArtifactError, match="graph step has no output exit_tokens"):
+        Engine.load(art, backend="onnx-numpy")
+
+
+def test_previous_format_versions(tiny_artifact, tmp_path):
+    """An artifact from an older format is refused with a message that says to rebuild; one of this
+    format written before optional fields existed (no measured step cost) loads and runs."""
+    art = _copy(tiny_artifact, tmp_path)
+    _edit_manifest(art, lambda m: m.update(format_version=0))
+    result = run_cli("generate", art, "--prompt-ids", "1,2", "--max-new-tokens", "2")
+    assert_one_line_error(result, "format version 0", "rebuild")
+    art2 = Path(shutil.copytree(tiny_artifact, tmp_path / "art2"))
+    _edit_manifest(art2, lambda m: m["build"].pop("step_cost_measured", None))
+    assert Engine.load(art2).generate([1, 2, 3], max_new_tokens=4).stats.new_tokens == 4
