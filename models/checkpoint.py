@@ -15,6 +15,7 @@ it explicitly, and even then it is read with `torch.load(weights_only=True)`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -28,18 +29,41 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from speedc.errors import CheckpointError
+from speedc.models.checkpoint_files import CONFIG_FILE, INDEX_FILE, TOKENIZER_FILE, WEIGHTS_FILE, token_ids
 from speedc.models.config import ModelConfig
+from speedc.models.families import FAMILIES
 from speedc.models.llama import SharedLlama
 
-WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
-TOKENIZER_FILE = "tokenizer.json"
-TRAINING_FILE = "training.json"  # written by speedc train: metrics history
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
+def _read_sharded(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """Shards named by model.safetensors.index.json, each checked against the index."""
+    index_path = directory / INDEX_FILE
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as bad:
+        raise CheckpointError(f"{index_path}: not a valid safetensors index ({bad!r})") from None
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        path = directory / shard
+        if not path.is_file():
+            raise CheckpointError(f"{index_path}: shard {shard} is missing")
+        try:
+            tensors.update(load_file(str(path)))
+        except (SafetensorError, OSError, ValueError) as bad:
+            raise CheckpointError(f"{path}: unreadable safetensors file ({str(bad).splitlines()[0]})") from None
+    for name, shard in weight_map.items():
+        if name not in tensors:
+            raise CheckpointError(f"{index_path}: names tensor {name} in {shard}, which does not hold it")
+    return tensors, index_path
+
+
 def _read_weights(directory: Path, allow_pickle: bool) -> tuple[dict[str, torch.Tensor], Path]:
+    if (directory / INDEX_FILE).exists():
+        return _read_sharded(directory)
     safetensors_files = sorted(directory.glob("*.safetensors"))
     if safetensors_files:
         tensors: dict[str, torch.Tensor] = {}
@@ -86,8 +110,10 @@ def load_checkpoint(path: str | Path, *, allow_pickle: bool = False) -> tuple[Mo
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a checkpoint directory")
     raw_config_path = directory / CONFIG_FILE
-    cfg = ModelConfig.load(raw_config_path)
+    cfg = with_generation_token_ids(ModelConfig.load(raw_config_path), directory)
     tensors, weights_path = _read_weights(directory, allow_pickle)
+    ignored = FAMILIES[cfg.architecture].ignored_tensors
+    tensors = {name: t for name, t in tensors.items() if not name.startswith(ignored)} if ignored else tensors
     if any(_HF_LAYER.match(name) for name in tensors):
         tensors = _unrolled_to_blocks(tensors, cfg.num_hidden_layers)
         if "speedc" in json.loads(raw_config_path.read_text()):
@@ -98,6 +124,11 @@ def load_checkpoint(path: str | Path, *, allow_pickle: bool = False) -> tuple[Mo
         del tensors["lm_head.weight"]
     _check_against_config(cfg, tensors, weights_path)
     return cfg, tensors
+
+
+def with_generation_token_ids(cfg: ModelConfig, directory: Path) -> ModelConfig:
+    """The checkpoint's generation token ids (checkpoint_files.token_ids) over config.json's."""
+    return dataclasses.replace(cfg, **{key: value for key, (value, _) in token_ids(directory).items()})
 
 
 def _check_against_config(cfg: ModelConfig, tensors: dict[str, torch.Tensor], weights_path: Path) -> None:
@@ -234,19 +265,3 @@ def read_tokenizer_json(path: str | Path) -> str | None:
     return file.read_text() if file.exists() else None
 
 
-def acceptance_hint_from_training(checkpoint: Path) -> float | None:
-    """Exit/final top-1 agreement the last evaluation of `speedc train` measured, if any."""
-    training = Path(checkpoint) / TRAINING_FILE
-    try:
-        history = json.loads(training.read_text())["history"]
-        return float(history[-1]["agree_top1"])
-    except (OSError, KeyError, IndexError, ValueError, TypeError):
-        return None
-
-
-def has_speedc_section(checkpoint: Path) -> bool:
-    """Whether config.json declares a speedc layer map and exit (else sharing is derived from the weights)."""
-    try:
-        return "speedc" in json.loads((Path(checkpoint) / CONFIG_FILE).read_text())
-    except (OSError, ValueError):
-        return False

@@ -1,4 +1,8 @@
-"""Model configuration: Hugging Face LlamaConfig fields plus a `speedc` section.
+"""Model configuration: Hugging Face LlamaConfig fields plus a `speedc` section, and the block and
+loop description every consumer (reference model, trace pass, PyTorch backend) reads.
+
+Which checkpoint families can be read, and how their config.json maps onto this, is the family
+registry's business (models/families.py): ModelConfig.from_json_dict dispatches there.
 
 config.json example (the speedc section is what a plain Llama config lacks):
 
@@ -8,7 +12,11 @@ config.json example (the speedc section is what a plain Llama config lacks):
                 "exit": {"layer": 4, "norm": "own"}}}
 
 `exit.layer` is the number of logical layers the early-exit head reads after (4 = after layers
-0..3); `exit.norm` is "own" (a separate RMSNorm weight) or "final" (reuse the final norm).
+0..3); `exit.norm` is "own" (a separate RMSNorm weight), "final" (reuse the final norm) or "none"
+(the state is already normed: a looped model's loop-boundary norm). A `speedc.block` section carries
+what a family's block and loop do: `sandwich_norms` (each sublayer's output is RMS-normed before the
+residual add: input_layernorm_2 / post_attention_layernorm_2), `loop_norm` (model.norm replaces the
+state after every pass through the unique blocks), `final_norm` (the final head applies model.norm).
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ class ModelConfig:
     num_key_value_heads: int
     layer_map: list[int]
     exit_layer: int
-    exit_norm: str = "own"  # "own" | "final"
+    exit_norm: str = "own"  # "own" | "final" | "none"
     head_dim: int | None = None
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
@@ -42,6 +50,10 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     bos_token_id: int = 0
     eos_token_id: int = 0
+    architecture: str = "llama"  # the family (models/families.py) the checkpoint was read as
+    sandwich_norms: bool = False  # Ouro: h = x + norm2(attn(norm1(x))); out = h + norm4(mlp(norm3(h)))
+    loop_norm: bool = False  # looped models: state = model.norm(state) after every pass over the blocks
+    final_norm: bool = True  # the final head normalizes (False: the last loop-boundary norm already did)
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -52,6 +64,10 @@ class ModelConfig:
     @property
     def num_blocks(self) -> int:
         return max(self.layer_map) + 1
+
+    def ends_loop(self, layer: int) -> bool:
+        """Whether logical layer LAYER is followed by the loop-boundary norm."""
+        return self.loop_norm and (layer + 1) % self.num_blocks == 0
 
     def validate(self) -> None:
         def need(cond: bool, message: str) -> None:
@@ -65,7 +81,8 @@ class ModelConfig:
         need(self.num_attention_heads % self.num_key_value_heads == 0,
              "num_attention_heads must be a multiple of num_key_value_heads")
         need(self.head_dim % 2 == 0, "head_dim must be even (rotary embedding)")
-        need(self.exit_norm in ("own", "final"), f"speedc.exit.norm must be 'own' or 'final', got {self.exit_norm!r}")
+        need(self.exit_norm in ("own", "final", "none"),
+             f"speedc.exit.norm must be 'own', 'final' or 'none', got {self.exit_norm!r}")
         need(1 <= self.exit_layer <= self.num_hidden_layers,
              f"speedc.exit.layer must be in 1..{self.num_hidden_layers}, got {self.exit_layer}")
         resolve_layer_map(self.layer_map, self.num_hidden_layers)
@@ -102,70 +119,23 @@ class ModelConfig:
                 "format_version": CONFIG_FORMAT_VERSION,
                 "layer_map": self.layer_map,
                 "exit": {"layer": self.exit_layer, "norm": self.exit_norm},
+                "block": {"architecture": self.architecture, "sandwich_norms": self.sandwich_norms,
+                          "loop_norm": self.loop_norm, "final_norm": self.final_norm},
             },
         }
 
     @classmethod
-    def from_json_dict(cls, data: dict[str, Any], *, default_layer_map: list[int] | None = None) -> "ModelConfig":
-        """Read a speedc or plain Hugging Face Llama config.
+    def from_json_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        """Read a config.json of any registered family (models/families.py)."""
+        from speedc.models.families import read_config
 
-        A plain config has no speedc section: every layer is its own block (identity map) unless the
-        caller passes the map it recognised from the weights, and the exit defaults to the end of
-        the first pass through the unique blocks, read through the final norm.
-        """
-        if not isinstance(data, dict):
-            raise CheckpointError("config.json: top level must be an object")
-        model_type = data.get("model_type", "llama")
-        if model_type != "llama":
-            raise CheckpointError(f"config.json: unsupported architecture model_type={model_type!r} (speedc supports 'llama')")
-        if data.get("hidden_act", "silu") != "silu":
-            raise CheckpointError(f"config.json: unsupported hidden_act={data.get('hidden_act')!r} (only 'silu')")
-        if data.get("attention_bias") or data.get("mlp_bias"):
-            raise CheckpointError("config.json: attention/MLP biases are not supported")
-        rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
-        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise CheckpointError(f"config.json: unsupported rope type {rope.get('rope_type', rope.get('type'))!r}")
-        # transformers 5.x: rope_parameters.rope_theta; 4.x: top-level rope_theta.
-        rope_theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or data.get("rope_theta", 10000.0)
-        try:
-            num_layers = int(data["num_hidden_layers"])
-            section = data.get("speedc") or {}
-            if "layer_map" in section:
-                layer_map = resolve_layer_map(section["layer_map"], num_layers)
-            else:
-                layer_map = default_layer_map or list(range(num_layers))
-            exit_section = section.get("exit") or {}
-            first_pass = _first_pass_length(layer_map)
-            eos = data.get("eos_token_id", 0)
-            eos = eos[0] if isinstance(eos, list) else eos
-            return cls(
-                vocab_size=int(data["vocab_size"]),
-                hidden_size=int(data["hidden_size"]),
-                intermediate_size=int(data["intermediate_size"]),
-                num_hidden_layers=num_layers,
-                num_attention_heads=int(data["num_attention_heads"]),
-                num_key_value_heads=int(data.get("num_key_value_heads") or data["num_attention_heads"]),
-                head_dim=data.get("head_dim"),
-                layer_map=layer_map,
-                exit_layer=int(exit_section.get("layer", first_pass)),
-                exit_norm=exit_section.get("norm", "final"),
-                rms_norm_eps=float(data.get("rms_norm_eps", 1e-5)),
-                rope_theta=float(rope_theta),
-                max_position_embeddings=int(data.get("max_position_embeddings", 1024)),
-                tie_word_embeddings=bool(data.get("tie_word_embeddings", True)),
-                bos_token_id=int(data.get("bos_token_id") or 0),
-                eos_token_id=int(eos or 0),
-            )
-        except KeyError as missing:
-            raise CheckpointError(f"config.json: missing field {missing.args[0]!r}") from None
-        except (TypeError, ValueError) as bad:
-            raise CheckpointError(f"config.json: {bad}") from None
+        return read_config(data)
 
     def save(self, path: Path) -> None:
         Path(path).write_text(json.dumps(self.to_json_dict(), indent=2) + "\n")
 
     @classmethod
-    def load(cls, path: Path, **kwargs: Any) -> "ModelConfig":
+    def load(cls, path: Path) -> "ModelConfig":
         path = Path(path)
         try:
             data = json.loads(path.read_text())
@@ -173,14 +143,4 @@ class ModelConfig:
             raise CheckpointError(f"{path}: not found") from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as bad:
             raise CheckpointError(f"{path}: not valid JSON ({bad})") from None
-        return cls.from_json_dict(data, **kwargs)
-
-
-def _first_pass_length(layer_map: list[int]) -> int:
-    """Layers until a block repeats: the default exit point (end of the first pass)."""
-    seen: set[int] = set()
-    for layer, block in enumerate(layer_map):
-        if block in seen:
-            return layer
-        seen.add(block)
-    return len(layer_map)
+        return cls.from_json_dict(data)

@@ -121,3 +121,13 @@ def valid_slot_counts(layer_map: list[int], exit_layer: int) -> list[int]:
         if same and (slots == 1 or exit_layer <= stage):
             valid.append(slots)
     return valid
+
+
+def first_pass_length(layer_map: list[int]) -> int:
+    """Layers until a block repeats: the default exit point (the end of the first pass)."""
+    seen: set[int] = set()
+    for layer, block in enumerate(layer_map):
+        if block in seen:
+            return layer
+        seen.add(block)
+    return len(layer_map)

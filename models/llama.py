@@ -1,8 +1,12 @@
 """The PyTorch reference model: a Llama-compatible decoder whose N layers share M weight blocks.
 
-    ids -> embed -> [block[map[0]] -> block[map[1]] -> ... -> block[map[N-1]]] -> norm -> lm_head
+    ids -> embed -> [block[map[0]] -> block[map[1]] -> ... -> block[map[N-1]]] -> [norm] -> lm_head
                                       |
-                            after exit_layer layers: exit_norm -> lm_head  (early-exit head)
+                            after exit_layer layers: [exit_norm] -> lm_head  (early-exit head)
+
+What the config says a family's block and loop do (models/config.py): sandwich norms normalize each
+sublayer's output before its residual add (Ouro); a loop norm replaces the state by model.norm(state)
+after every pass over the M blocks (looped models), in which case the heads may read it unnormed.
 
 Every compiled path is checked against this module, so it favours plain, obviously-correct code
 (explicit RoPE, explicit GQA repeat, fp32 RMSNorm) over speed. It is written with ops that export to
@@ -104,10 +108,16 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        if cfg.sandwich_norms:  # names as Ouro's checkpoints have them
+            self.input_layernorm_2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_attention_layernorm_2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.sandwich = cfg.sandwich_norms
 
     def forward(self, x, cos, sin, cache=None, start_pos: int = 0) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start_pos)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, cache, start_pos)
+        x = x + (self.input_layernorm_2(attended) if self.sandwich else attended)
+        mixed = self.mlp(self.post_attention_layernorm(x))
+        return x + (self.post_attention_layernorm_2(mixed) if self.sandwich else mixed)
 
 
 @dataclass
@@ -153,11 +163,12 @@ class SharedLlama(nn.Module):
         return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
 
     def final_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.norm(hidden) @ self.lm_head_weight().T
+        normed = self.model.norm(hidden) if self.cfg.final_norm else hidden
+        return normed @ self.lm_head_weight().T
 
     def exit_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        norm = self.model.exit_norm if self.cfg.exit_norm == "own" else self.model.norm
-        return norm(hidden) @ self.lm_head_weight().T
+        norm = {"own": getattr(self.model, "exit_norm", None), "final": self.model.norm, "none": None}[self.cfg.exit_norm]
+        return (norm(hidden) if norm is not None else hidden) @ self.lm_head_weight().T
 
     def forward(self, input_ids: torch.Tensor, *, cache: list[LayerCache] | None = None, start_pos: int = 0,
                 with_exit: bool = False) -> ForwardOutput:
@@ -170,6 +181,8 @@ class SharedLlama(nn.Module):
         exit_logits = None
         for layer, block_index in enumerate(cfg.layer_map):
             x = self.model.blocks[block_index](x, cos, sin, None if cache is None else cache[layer], start_pos)
+            if cfg.ends_loop(layer):
+                x = self.model.norm(x)
             if with_exit and layer + 1 == cfg.exit_layer:
                 exit_logits = self.exit_head(x)
         return ForwardOutput(self.final_head(x), exit_logits)

@@ -4,7 +4,7 @@ cache it only reads: the semantics of a SPEED step (row s = slot s) and of a pre
     x [R, L, H] ── rms_norm ── q/k/v projections ── rotary ──┐
     past_k/v [R, kvh, T, hd] (keys below the row's start) ───┼─ softmax over [past | chunk (causal)] ── o_proj ── + x
                                                              └─ new k/v [R, kvh, L, hd] (returned; the caller writes them)
-    then x + mlp(rms_norm(x))
+    then x + mlp(rms_norm(x))        (with sandwich norms each sublayer's output is normed before its add)
 
 The past and the chunk are scored separately and softmaxed over their concatenation, so the cache is
 never copied or concatenated; grouped-query heads reshape queries to [R, kvh, g*L, hd] so K/V are
@@ -86,8 +86,18 @@ def layer_over_rows(block: Block, x: torch.Tensor, ctx: RowContext, past_k: torc
     t = ctx.past_len
     attended = w[..., :t] @ past_v + w[..., t:] @ v  # [R, kvh, g*L, hd]
     attended = attended.reshape(rows, h, length, hd).transpose(1, 2).reshape(rows * length, h * hd)
-    x = x + F.linear(attended, attn.o_proj.weight).reshape(rows, length, hidden_size)
+    attn_out = F.linear(attended, attn.o_proj.weight).reshape(rows, length, hidden_size)
+    if cfg.sandwich_norms:
+        attn_out = rms_norm(attn_out, block.input_layernorm_2.weight, eps)
+    x = x + attn_out
     xn = rms_norm(x, block.post_attention_layernorm.weight, eps).reshape(rows * length, hidden_size)
     act = F.silu(F.linear(xn, mlp.gate_proj.weight)) * F.linear(xn, mlp.up_proj.weight)
-    x = x + F.linear(act, mlp.down_proj.weight).reshape(rows, length, hidden_size)
-    return x, k, v
+    mlp_out = F.linear(act, mlp.down_proj.weight).reshape(rows, length, hidden_size)
+    if cfg.sandwich_norms:
+        mlp_out = rms_norm(mlp_out, block.post_attention_layernorm_2.weight, eps)
+    return x + mlp_out, k, v
+
+
+def loop_boundary(x: torch.Tensor, norm_weight: torch.Tensor, cfg: ModelConfig, layer: int) -> torch.Tensor:
+    """The state after logical layer LAYER: replaced by model.norm(state) where a loop ends."""
+    return rms_norm(x, norm_weight, cfg.rms_norm_eps) if cfg.ends_loop(layer) else x

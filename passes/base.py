@@ -52,6 +52,7 @@ class BuildOptions:
     target: str = "onnx"  # onnx | trt
     exit_layer: int | None = None  # override the checkpoint's exit point
     alpha: float | None = None  # expected acceptance for the schedule's cost model; None: from training metrics
+    eos_token_id: int | None = None  # override the checkpoint's end-of-text id
 
 
 @dataclass

@@ -13,6 +13,8 @@ r"""Pass `exit_heads` (phase lowering): early-exit and final heads, with argmax 
     prefill graph:
       hidden.{N-1} [1,L,H] --last position--> final RMSNorm -> Gemm -> logits [1,V] -> next_token [1]
 
+A looped model's loop-boundary norm has already normalized the state a head reads (Ouro's exit after
+loop 1, its final after the last loop): there the RMSNorm is left out (config final_norm, exit norm None).
 The heads are emitted here from the stored weights (not the traced ones) so that the exit point the
 share pass chose is honoured. Full logits are an output the runtime fetches only when sampling.
 """
@@ -54,10 +56,21 @@ def _lm_head(graph: gs.Graph, state: CompileState) -> gs.Constant:
     return weight(graph, state, name)
 
 
-def emit_head(graph: gs.Graph, state: CompileState, rows: gs.Tensor, norm_weight: str, prefix: str,
+def maybe_norm(graph: gs.Graph, state: CompileState, rows: gs.Tensor, norm_weight: str | None, prefix: str) -> gs.Tensor:
+    """rows [R, H] through the RMSNorm NORM_WEIGHT, or as they are (None: a loop-normed state)."""
+    if norm_weight is None:
+        return rows
+    return emit_rms_norm(graph, rows, weight(graph, state, norm_weight), state.cfg.rms_norm_eps, prefix)
+
+
+def final_norm_weight(state: CompileState) -> str | None:
+    return "model.norm.weight" if state.cfg.final_norm else None
+
+
+def emit_head(graph: gs.Graph, state: CompileState, rows: gs.Tensor, norm_weight: str | None, prefix: str,
               logits_name: str, token_name: str) -> tuple[gs.Tensor, gs.Tensor]:
     """rows [R, H] -> logits [R, V], argmax tokens [R] (int64)."""
-    normed = emit_rms_norm(graph, rows, weight(graph, state, norm_weight), state.cfg.rms_norm_eps, prefix)
+    normed = maybe_norm(graph, state, rows, norm_weight, prefix)
     return _logits_and_tokens(graph, state, normed, prefix, logits_name, token_name)
 
 
@@ -89,12 +102,11 @@ def add_step_heads(graph: gs.Graph, state: CompileState, all_exit_rows: bool) ->
     slots = sched.slots
     stage_out = tensor(graph, f"hidden.{sched.stage_layers - 1}")
     exit_tap = tensor(graph, f"hidden.{state.exit_layer - 1}")
-    eps = cfg.rms_norm_eps
     oldest = _rows(graph, _take(graph, stage_out, slots - 1, slots, "oldest_hidden"), cfg.hidden_size, "oldest_rows")
-    final_normed = emit_rms_norm(graph, oldest, weight(graph, state, "model.norm.weight"), eps, "final_head")  # [1, H]
+    final_normed = maybe_norm(graph, state, oldest, final_norm_weight(state), "final_head")  # [1, H]
     exit_source = exit_tap if all_exit_rows else _take(graph, exit_tap, 0, 1, "youngest_hidden")
     exit_rows = _rows(graph, exit_source, cfg.hidden_size, "exit_rows")  # [R, H]
-    exit_normed = emit_rms_norm(graph, exit_rows, weight(graph, state, state.exit_norm), eps, "exit_head")
+    exit_normed = maybe_norm(graph, state, exit_rows, state.exit_norm, "exit_head")
     both = graph.layer(op="Concat", inputs=[final_normed, exit_normed], outputs=["head_rows"], attrs={"axis": 0},
                        name="heads/Concat_rows")[0]  # [1 + R, H]
     logits, tokens = _logits_and_tokens(graph, state, both, "heads", "head_logits", "head_tokens")
@@ -118,7 +130,7 @@ def add_prefill_head(graph: gs.Graph, state: CompileState) -> None:
                           for n, v in (("starts", -1), ("ends", np.iinfo(np.int64).max), ("axes", 1)))
     last = graph.layer(op="Slice", inputs=[last_hidden, starts, ends, axes], outputs=["last_hidden"],
                        name="final_head/Slice_last")[0]
-    logits, token = emit_head(graph, state, _rows(graph, last, cfg.hidden_size, "last_rows"), "model.norm.weight",
+    logits, token = emit_head(graph, state, _rows(graph, last, cfg.hidden_size, "last_rows"), final_norm_weight(state),
                               "final_head", contract.LOGITS, contract.NEXT_TOKEN)
     token.shape, logits.shape = [1], [1, cfg.vocab_size]
     presents = [t for t in graph.outputs if t.name.startswith("present.")]

@@ -19,7 +19,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from speedc.errors import BuildError
-from speedc.models.layer_map import describe_layer_map
+from speedc.models.layer_map import describe_layer_map, first_pass_length
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.graph_utils import ancestors, replace_uses, tensor, weight_constants
 
@@ -83,18 +83,22 @@ def share(state: CompileState) -> CompileState:
     if state.has_speedc_section and layer_map != state.cfg.layer_map:
         state.notes.append(f"share: config.json declares {state.cfg.layer_map}, the weights say {layer_map}; using the weights")
 
-    # The exit point: explicit option > the checkpoint's speedc section > end of the first pass.
+    # The exit point: explicit option > the checkpoint's speedc section or family > end of the first pass.
     if state.options.exit_layer is not None:
         exit_layer = state.options.exit_layer
-    elif state.has_speedc_section:
+    elif state.has_speedc_section or state.cfg.loop_norm:
         exit_layer = state.cfg.exit_layer
     else:
-        seen: set[int] = set()
-        exit_layer = next((i for i, b in enumerate(layer_map) if b in seen or seen.add(b)), len(layer_map))
+        exit_layer = first_pass_length(layer_map)
     if not 1 <= exit_layer <= len(layer_map):
         raise BuildError(f"--exit-layer must be in 1..{len(layer_map)}, got {exit_layer}")
-    own = state.has_speedc_section and state.cfg.exit_norm == "own" and state.options.exit_layer is None
+    declared = state.cfg.exit_norm if state.options.exit_layer is None else None
     state.exit_layer = exit_layer
-    state.exit_norm = "model.exit_norm.weight" if own else "model.norm.weight"
-    state.notes.append(f"share: early exit after layer {exit_layer} through {state.exit_norm}")
+    if declared == "own" and state.has_speedc_section:
+        state.exit_norm = "model.exit_norm.weight"
+    elif declared == "none" or state.cfg.ends_loop(exit_layer - 1):
+        state.exit_norm = None  # the loop-boundary norm already normalized the state the exit reads
+    else:
+        state.exit_norm = "model.norm.weight"
+    state.notes.append(f"share: early exit after layer {exit_layer} through {state.exit_norm or 'no norm (loop-normed state)'}")
     return state

@@ -32,7 +32,7 @@ from torch import nn
 from speedc import contract
 from speedc.models.checkpoint import model_from_state
 from speedc.models.llama import SharedLlama
-from speedc.models.row_layer import layer_over_rows, rms_norm, row_context, rotary_inv_freq
+from speedc.models.row_layer import layer_over_rows, loop_boundary, rms_norm, row_context, rotary_inv_freq
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.graph_utils import bypass_constant_identities, linear_to_gemm
 
@@ -51,9 +51,10 @@ class DecodeProgram(nn.Module):
             self.lm_head = llama.lm_head
         self.register_buffer("inv_freq", rotary_inv_freq(self.cfg), persistent=False)
 
-    def _head(self, x2d: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+    def _head(self, x2d: torch.Tensor, norm_weight: torch.Tensor | None) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
-        return F.linear(rms_norm(x2d, norm_weight, self.cfg.rms_norm_eps), weight)  # [B*L, V]
+        normed = x2d if norm_weight is None else rms_norm(x2d, norm_weight, self.cfg.rms_norm_eps)
+        return F.linear(normed, weight)  # [B*L, V]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *past: torch.Tensor):
         cfg = self.cfg
@@ -66,12 +67,15 @@ class DecodeProgram(nn.Module):
         exit_logits = None
         for layer, block_index in enumerate(cfg.layer_map):
             x, k, v = layer_over_rows(self.model.blocks[block_index], x, ctx, past[2 * layer], past[2 * layer + 1], cfg)
+            x = loop_boundary(x, self.model.norm.weight, cfg, layer)
             hidden_out.append(x)
             present += [k, v]
             if layer + 1 == cfg.exit_layer:
-                norm = self.model.exit_norm.weight if cfg.exit_norm == "own" else self.model.norm.weight
-                exit_logits = self._head(x.reshape(b * length, cfg.hidden_size), norm).reshape(b, length, -1)
-        logits = self._head(x.reshape(b * length, cfg.hidden_size), self.model.norm.weight).reshape(b, length, -1)
+                norm = {"own": getattr(self.model, "exit_norm", None), "final": self.model.norm, "none": None}[cfg.exit_norm]
+                exit_logits = self._head(x.reshape(b * length, cfg.hidden_size),
+                                         None if norm is None else norm.weight).reshape(b, length, -1)
+        final_norm = self.model.norm.weight if cfg.final_norm else None
+        logits = self._head(x.reshape(b * length, cfg.hidden_size), final_norm).reshape(b, length, -1)
         return (logits, exit_logits, embeddings, *hidden_out, *present)
 
 

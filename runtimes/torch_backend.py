@@ -15,12 +15,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from speedc.artifact import CONFIG, Manifest, checkpoint_tensor_names, read_weight
+from speedc.artifact import CONFIG, Manifest, checkpoint_tensor_names, exit_norm_kind, read_weight
 from speedc.errors import SpeedcError
 from speedc.models.config import ModelConfig
 from speedc.models.layer_map import valid_slot_counts
 from speedc.models.llama import SharedLlama
-from speedc.models.row_layer import layer_over_rows, rotary_inv_freq, row_context
+from speedc.models.row_layer import layer_over_rows, loop_boundary, rotary_inv_freq, row_context
 from speedc.runtimes.backend import StepResult, cache_slab
 
 
@@ -32,7 +32,7 @@ def load_model_from_artifact(directory: Path, manifest: Manifest) -> SharedLlama
     index = manifest.weights["index"]
     # The artifact's layer map is the one the share pass derived from the weights.
     cfg = dataclasses.replace(base, layer_map=list(manifest.layer_map), exit_layer=manifest.exit_layer,
-                              exit_norm="own" if "model.exit_norm.weight" in index else "final")
+                              exit_norm=exit_norm_kind(manifest))
     tensors = {name: torch.from_numpy(np.array(read_weight(directory, manifest, name), dtype=np.float32))
                for name in checkpoint_tensor_names(manifest)}
     return model_from_state(cfg, tensors)
@@ -86,6 +86,7 @@ class TorchBackend:
             j, slot = cache_slab(layer, self.stage_layers)
             x, k, v = layer_over_rows(model.model.blocks[block_index], x, ctx, self.key[j, slot][None],
                                       self.value[j, slot][None], cfg)
+            x = loop_boundary(x, model.model.norm.weight, cfg, layer)
             self.key[j, slot, :, start:start + length] = k[0]
             self.value[j, slot, :, start:start + length] = v[0]
         logits = model.final_head(x[:, -1])[0]  # [V]
@@ -101,6 +102,7 @@ class TorchBackend:
         ctx = row_context(starts, 1, self.key.shape[3], self.inv_freq, self.groups)
         for j in range(self.stage_layers):
             x, k, v = layer_over_rows(model.model.blocks[cfg.layer_map[j]], x, ctx, self.key[j], self.value[j], cfg)
+            x = loop_boundary(x, model.model.norm.weight, cfg, j)  # stage j of every slot: the same loop position
             new_rows.append((k, v))
             if j + 1 == cfg.exit_layer:
                 exit_hidden = x

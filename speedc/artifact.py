@@ -128,6 +128,17 @@ def is_weight_name(name: str) -> bool:
     return name.startswith(WEIGHT_PREFIXES)
 
 
+EXIT_NORM_WEIGHTS = {"model.exit_norm.weight": "own", "model.norm.weight": "final", None: "none"}
+
+
+def exit_norm_kind(manifest: "Manifest") -> str:
+    """How the artifact's exit head normalizes: "own", "final" or "none" (manifest.model["exit_norm"],
+    the weight's name; artifacts written before that key existed: own if stored, else final)."""
+    if "exit_norm" in manifest.model:
+        return EXIT_NORM_WEIGHTS[manifest.model["exit_norm"]]
+    return "own" if "model.exit_norm.weight" in manifest.weights["index"] else "final"
+
+
 def stored_entries(index: dict[str, dict]) -> dict[str, dict]:
     """The index entries that own bytes in weights.bin (not the views "within" a stacked weight)."""
     return {name: entry for name, entry in index.items() if "within" not in entry}

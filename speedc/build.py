@@ -7,6 +7,7 @@ after that pass.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -19,8 +20,8 @@ from speedc import __version__
 from speedc.artifact import (CONFIG, FORMAT_VERSION, TOKENIZER, WEIGHTS, Manifest, stored_entries, weight_bytes,
                              write_graphs, write_manifest)
 from speedc.errors import BuildError, SpeedcError
-from speedc.models.checkpoint import (acceptance_hint_from_training, checkpoint_hash, has_speedc_section,
-                                     load_checkpoint, read_tokenizer_json)
+from speedc.models.checkpoint import checkpoint_hash, load_checkpoint, read_tokenizer_json
+from speedc.models.checkpoint_files import acceptance_hint_from_training, declared_tensor_bytes, has_speedc_section
 from speedc.passes import (cache_writer, cleanup, exit_heads, fuse_projections, gqa_attention, kv_cache,  # noqa: F401
                            schedule, share, step_graph, trace, trt_lint)  # (importing registers the passes)
 from speedc.passes.base import BuildOptions, CompileState, PassReport, require_facts, run_passes
@@ -46,6 +47,23 @@ class BuildResult:
     seconds: float
 
 
+STORAGE_BYTES = {"fp32": 4, "fp16": 2}  # bytes per weight element stored in the artifact
+
+
+def check_disk_space(checkpoint: Path, out: Path, options: BuildOptions) -> None:
+    """Refuse, before reading any weight, a build whose artifact cannot fit on OUT's disk (sizes from
+    the safetensors headers; pickled checkpoints are not sized here)."""
+    declared = declared_tensor_bytes(checkpoint) if Path(checkpoint).is_dir() else {}
+    itemsize = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
+    elements = sum(size // itemsize.get(dtype, 4) for size, dtype in declared.values())
+    needed = elements * STORAGE_BYTES.get(options.dtype, 4) + (16 << 20)  # + graphs, tokenizer, manifest
+    folder = next((p for p in (Path(out).absolute().parent, *Path(out).absolute().parents) if p.exists()), Path("/"))
+    free = shutil.disk_usage(folder).free
+    if needed > free:
+        raise BuildError(f"the artifact needs about {needed / 1e9:.1f} GB ({options.dtype} weights) but only "
+                         f"{free / 1e9:.1f} GB are free on {folder}")
+
+
 def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None = None, *, force: bool = False,
           allow_pickle: bool = False, dump_after: list[str] | None = None,
           on_pass: Callable[[PassReport], None] | None = None, measure_step_cost: bool = False,
@@ -67,7 +85,12 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
         raise BuildError(f"{out} exists; pass --force to replace it")
     if out.resolve() == checkpoint.resolve():
         raise BuildError("the output directory must differ from the checkpoint directory")
+    check_disk_space(checkpoint, out, options)
     cfg, tensors = load_checkpoint(checkpoint, allow_pickle=allow_pickle)
+    if options.eos_token_id is not None:
+        if not 0 <= options.eos_token_id < cfg.vocab_size:
+            raise BuildError(f"--eos-token-id {options.eos_token_id} is outside the vocabulary (0..{cfg.vocab_size - 1})")
+        cfg = dataclasses.replace(cfg, eos_token_id=options.eos_token_id)
     state = CompileState(cfg, tensors, options, has_speedc_section=has_speedc_section(checkpoint),
                          acceptance_hint=acceptance_hint_from_training(checkpoint))
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -93,7 +116,8 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
             model={"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_layers": cfg.num_hidden_layers,
                    "num_kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
                    "max_context": cfg.max_position_embeddings, "eos_token_id": cfg.eos_token_id,
-                   "num_unique_blocks": max(state.layer_map) + 1},
+                   "num_unique_blocks": max(state.layer_map) + 1, "exit_norm": state.exit_norm,
+                   "bos_token_id": cfg.bos_token_id, "architecture": cfg.architecture},
             layer_map=state.layer_map, exit_layer=state.exit_layer, schedule=schedule, dtype=options.dtype,
             target=options.target, graphs=specs,
             weights={"file": WEIGHTS, "unique_bytes_fp32": unique_bytes, "unrolled_bytes_fp32": unrolled_bytes,

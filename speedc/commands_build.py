@@ -23,6 +23,8 @@ from speedc.models import zoo
 @click.option("--exit-layer", type=click.IntRange(1), default=None, help="Override the early-exit point (logical layers).")
 @click.option("--alpha", type=click.FloatRange(0, 1), default=None,
               help="Expected speculation acceptance for the schedule's cost model (default: measured in training, else 0.7).")
+@click.option("--eos-token-id", type=click.IntRange(0), default=None,
+              help="End-of-text id to stop at (default: generation_config.json's, else config.json's; inspect shows which).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--allow-pickle", is_flag=True, help="Accept .bin/.pt weights (read with torch.load(weights_only=True)).")
 @click.option("--dump-after", multiple=True, metavar="PASS", help="Write the ONNX graphs after PASS to OUT.dumps/ (repeatable).")
@@ -30,7 +32,8 @@ from speedc.models import zoo
               help="Time the step graph against plain decoding on this machine (a few seconds) and store c(P) in the "
                    "artifact, so `speedc inspect` predicts from a measurement.")
 @click.option("-v", "--verbose", is_flag=True, help="Print the pass pipeline with per-pass time, nodes and weight bytes.")
-def build(checkpoint, out, slots, dtype, target, exit_layer, alpha, force, allow_pickle, dump_after, measure, verbose):
+def build(checkpoint, out, slots, dtype, target, exit_layer, alpha, eos_token_id, force, allow_pickle, dump_after, measure,
+          verbose):
     """Compile CHECKPOINT (a directory, or zoo:NAME) into a SPEED artifact: a P-slot speculative
     step graph with weight reuse, the plain prefill graph, one shared weights file, the tokenizer
     and a manifest."""
@@ -59,7 +62,7 @@ def build(checkpoint, out, slots, dtype, target, exit_layer, alpha, force, allow
                 status.update(message)
 
         result = run_build(checkpoint, out, BuildOptions(slots=slots, dtype=dtype, target=target, exit_layer=exit_layer,
-                                                         alpha=alpha),
+                                                         alpha=alpha, eos_token_id=eos_token_id),
                            force=force, allow_pickle=allow_pickle, dump_after=list(dump_after), on_pass=on_pass,
                            measure_step_cost=measure, progress=progress)
     if verbose:

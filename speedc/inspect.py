@@ -8,20 +8,24 @@ measured now with --measure) or the cost model's assumption; alpha from training
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from speedc.artifact import MANIFEST, read_manifest
 from speedc.errors import SpeedcError
-from speedc.models.checkpoint import CONFIG_FILE, TRAINING_FILE
+from speedc.models.checkpoint_files import CONFIG_FILE, TRAINING_FILE
 from speedc.schedule import ALPHA_GRID, DEFAULT_ALPHA, analytic_bound, assumed_step_cost, describe_assumed_step_cost
 
 
 def _from_checkpoint(path: Path, alpha: float | None) -> dict:
-    from speedc.models.checkpoint import acceptance_hint_from_training, has_speedc_section, load_checkpoint
+    from speedc.models.checkpoint import load_checkpoint
+    from speedc.models.checkpoint_files import acceptance_hint_from_training, has_speedc_section, token_id_sources
     from speedc.passes import schedule, share, trace  # noqa: F401  (importing registers the passes)
+    from speedc.models.families import family_of
     from speedc.passes.base import BuildOptions, CompileState, graph_stats, run_passes
 
     cfg, tensors = load_checkpoint(path)
+    raw = json.loads((path / CONFIG_FILE).read_text())
     state = CompileState(cfg, tensors, BuildOptions(alpha=alpha), has_speedc_section=has_speedc_section(path),
                          acceptance_hint=acceptance_hint_from_training(path))
     state, _ = run_passes(state, ["trace", "share", "schedule"])
@@ -30,9 +34,11 @@ def _from_checkpoint(path: Path, alpha: float | None) -> dict:
             "exit_layer": state.exit_layer, "schedule": state.schedule.to_json(),
             "alpha_source": "--alpha" if alpha is not None else (
                 f"measured in training ({TRAINING_FILE})" if state.acceptance_hint is not None else "default assumption"),
+            "architecture": cfg.architecture,
+            "token_ids": {"bos": cfg.bos_token_id, "eos": cfg.eos_token_id, "from": token_id_sources(path)},
             "sizes": {"checkpoint weights (fp32)": stored,
                       "distinct weights (fp32)": graph_stats(state.graphs["decode"])[1]},
-            "notes": state.notes}
+            "config_notes": family_of(raw).notes(raw), "notes": state.notes}
 
 
 def _from_artifact(path: Path, alpha: float | None) -> dict:
@@ -123,10 +129,17 @@ def render(info: dict) -> None:
     console.print(f"[bold]{info['kind']}[/bold] {info['path']}")
     model = info["model"]
     if isinstance(model, dict):  # an artifact's manifest dims
-        model = (f"N={model['num_layers']} layers over {model.get('num_unique_blocks', '?')} unique blocks, hidden "
+        model = (f"{model.get('architecture', 'llama')}: N={model['num_layers']} layers over "
+                 f"{model.get('num_unique_blocks', '?')} unique blocks, hidden "
                  f"{model['hidden_size']}, {model['num_kv_heads']} kv heads x {model['head_dim']}, vocab "
                  f"{model['vocab_size']}, context {model['max_context']}, eos {model['eos_token_id']}")
     console.print(f"model: {model}")
+    if "token_ids" in info:
+        ids = info["token_ids"]
+        console.print(f"architecture {info['architecture']}; token ids: bos {ids['bos']} (from {ids['from']['bos_token_id']}), "
+                      f"eos {ids['eos']} (from {ids['from']['eos_token_id']}); `speedc build --eos-token-id` overrides")
+    for note in info.get("config_notes", []):
+        console.print(f"config: {note}")
     console.print(f"layer map: {info['layer_map']}  (exit after layer {info['exit_layer']})")
     console.print(f"schedule: P={sched['slots']} slots x S={sched['stage_layers']} layers; {sched['reason']}")
     for s, layers in enumerate(sched["slot_layers"]):

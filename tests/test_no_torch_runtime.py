@@ -60,3 +60,13 @@ def test_artifact_runs_without_torch(tmp_path, tiny_artifact):
     missing = subprocess.run([speedc, "generate", str(tiny_artifact), "--prompt", "hi", "--backend", "torch"],
                              capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert_one_line_error(missing, "PyTorch backend needs the compiler extra", "speedc[compiler]")
+
+
+def test_pass_infrastructure_and_cost_model_import_no_torch():
+    """The pass runner, the schedule / cost model and inspect's artifact view load without torch
+    (only the passes that trace a checkpoint need it), so bench and inspect can share the cost model."""
+    code = ("import sys, speedc.passes.base, speedc.schedule, speedc.contract, speedc.artifact, speedc.inspect; "
+            "print(sorted(m for m in ('torch', 'safetensors') if m in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"

@@ -1,0 +1,125 @@
+"""Checkpoint families: which config.json / weight layouts speedc reads, as a registry.
+
+A family module (models/family_*.py) says how its config maps onto ModelConfig (what its block is,
+what happens at a loop boundary, which options it validates and refuses) and how its tensor names map
+onto speedc's (`model.layers.{i}.*` -> `model.blocks.{i}.*`, tensors read and ignored). Everything
+downstream (the reference model, the trace pass, the PyTorch backend) reads only ModelConfig, so no
+consumer branches on a family's name.
+
+    architectures[0] and model_type        -> the registered family matching both, else a one-line error
+    (speedc's own configs, with a `speedc` section, say LlamaForCausalLM / llama: family "llama")
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from speedc.errors import CheckpointError
+
+ConfigReader = Callable[[dict], "ModelConfig"]  # noqa: F821 (models.config imports this module lazily)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    architectures: tuple[str, ...]  # Hugging Face `architectures` values
+    model_types: tuple[str, ...]
+    read_config: ConfigReader
+    ignored_tensors: tuple[str, ...] = ()  # tensor-name prefixes read and dropped (e.g. exit gates)
+    description: str = ""
+    notes: Callable[[dict], list[str]] = lambda data: []  # what inspect says about a config (e.g. ignored options)
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+    FAMILIES[family.name] = family
+    return family
+
+
+def _load_families() -> None:
+    from speedc.models import family_llama, family_nanbeige, family_ouro  # noqa: F401  (registers)
+
+
+def supported() -> str:
+    _load_families()
+    return ", ".join(a for f in FAMILIES.values() for a in f.architectures)
+
+
+def family_of(data: dict[str, Any]) -> Family:
+    """The family whose `architectures` and `model_type` both match (either may be absent; a config
+    with neither is read as Llama). speedc's own configs say LlamaForCausalLM / llama."""
+    _load_families()
+    architectures = data.get("architectures") or []
+    model_type = data.get("model_type")
+    if not architectures and model_type is None:
+        return FAMILIES["llama"]
+    for family in FAMILIES.values():
+        if ((not architectures or architectures[0] in family.architectures)
+                and (model_type is None or model_type in family.model_types)):
+            return family
+    named = architectures[0] if architectures else f"model_type={model_type!r}"
+    if architectures and model_type is not None:
+        named = f"{architectures[0]} (model_type={model_type!r})"
+    raise CheckpointError(f"config.json: unsupported architecture {named} (supported: {supported()})")
+
+
+def read_config(data: dict[str, Any]):
+    if not isinstance(data, dict):
+        raise CheckpointError("config.json: top level must be an object")
+    return family_of(data).read_config(data)
+
+
+# ---- fields every family shares (Hugging Face decoder configs) -------------------------------------
+def common_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig keyword arguments from the standard Hugging Face decoder keys (checked)."""
+    if data.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"config.json: unsupported hidden_act={data.get('hidden_act')!r} (only 'silu')")
+    if data.get("attention_bias") or data.get("mlp_bias"):
+        raise CheckpointError("config.json: attention/MLP biases are not supported")
+    rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        raise CheckpointError(f"config.json: unsupported rope type {rope.get('rope_type', rope.get('type'))!r}")
+    # transformers 5.x: rope_parameters.rope_theta; 4.x: top-level rope_theta.
+    rope_theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or data.get("rope_theta", 10000.0)
+    try:
+        eos = data.get("eos_token_id", 0)
+        eos = eos[0] if isinstance(eos, list) else eos
+        bos = data.get("bos_token_id")
+        bos = bos[0] if isinstance(bos, list) else bos
+        return dict(
+            vocab_size=int(data["vocab_size"]),
+            hidden_size=int(data["hidden_size"]),
+            intermediate_size=int(data["intermediate_size"]),
+            num_attention_heads=int(data["num_attention_heads"]),
+            num_key_value_heads=int(data.get("num_key_value_heads") or data["num_attention_heads"]),
+            head_dim=int(data["head_dim"]) if data.get("head_dim") else None,
+            rms_norm_eps=float(data.get("rms_norm_eps", 1e-5)),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=int(data.get("max_position_embeddings", 1024)),
+            tie_word_embeddings=bool(data.get("tie_word_embeddings", True)),
+            bos_token_id=int(bos or 0),
+            eos_token_id=int(eos or 0),
+        )
+    except KeyError as missing:
+        raise CheckpointError(f"config.json: missing field {missing.args[0]!r}") from None
+    except (TypeError, ValueError) as bad:
+        raise CheckpointError(f"config.json: {bad}") from None
+
+
+def positive_int(data: dict[str, Any], key: str) -> int:
+    value = data.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise CheckpointError(f"config.json: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def refuse_options(data: dict[str, Any], family: str, options: dict[str, Callable[[Any], bool]]) -> None:
+    """One-line error for the first option whose value this build does not implement.
+    OPTIONS: config key -> predicate that is True for the values that are fine."""
+    for key, fine in options.items():
+        if key in data and not fine(data[key]):
+            raise CheckpointError(f"config.json: {family} option {key}={data[key]!r} is not supported by this speedc "
+                                  "build (it would change the model's computation)")

@@ -1,0 +1,54 @@
+"""Family `ouro`: ByteDance Ouro (OuroForCausalLM), a looped transformer.
+
+    h = embed(ids)
+    for loop in range(total_ut_steps):              # the whole stack is the cycle: P = loops
+        for layer in layers:                         # each (loop, layer) has its own KV
+            h = h + input_layernorm_2(attn(input_layernorm(h)))            # sandwich norms
+            h = h + post_attention_layernorm_2(mlp(post_attention_layernorm(h)))
+        h = model.norm(h)                            # every loop, the last included
+    logits = lm_head(h)                              # no further norm
+
+SPEED's draft is lm_head of the loop-1 normed state (exit after L layers, no norm: the loop norm did
+it). `model.early_exit_gate.*` is read and ignored: speedc always computes the full depth, so a
+threshold exit in config.json is shown by `inspect`, never applied.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from speedc.models.config import ModelConfig
+from speedc.models.families import Family, common_fields, positive_int, refuse_options, register_family
+from speedc.models.layer_map import cycle_map
+
+# Options that would change the computation; None / False / full attention is what the checkpoints ship.
+REFUSED = {
+    "use_sliding_window": lambda v: not v,
+    "layer_types": lambda v: all(t == "full_attention" for t in (v or [])),
+    "rope_scaling": lambda v: v is None,
+    "exit_at_step": lambda v: v is None,
+    "use_weighted_exit": lambda v: not v,
+}
+
+
+def read_config(data: dict[str, Any]) -> ModelConfig:
+    refuse_options(data, "Ouro", REFUSED)
+    layers = positive_int(data, "num_hidden_layers")
+    loops = positive_int({"total_ut_steps": data.get("total_ut_steps", 4)}, "total_ut_steps")
+    return ModelConfig(num_hidden_layers=layers * loops, layer_map=cycle_map(layers * loops, layers), exit_layer=layers,
+                       exit_norm="none", architecture="ouro", sandwich_norms=True, loop_norm=True, final_norm=False,
+                       **common_fields(data))
+
+
+def config_notes(data: dict[str, Any]) -> list[str]:
+    notes = [f"{data.get('num_hidden_layers')} layers looped total_ut_steps={data.get('total_ut_steps', 4)} times"]
+    threshold = data.get("early_exit_threshold")
+    if threshold is not None:
+        notes.append(f"early_exit_threshold={threshold} in config.json is not applied: speedc always computes the full "
+                     "depth (the per-token exit gate model.early_exit_gate.* is read and ignored)")
+    return notes
+
+
+register_family(Family("ouro", ("OuroForCausalLM",), ("ouro",), read_config, ignored_tensors=("model.early_exit_gate.",),
+                       description="ByteDance Ouro looped transformers (Ouro-1.4B, Ouro-2.6B, -Thinking)",
+                       notes=config_notes))
