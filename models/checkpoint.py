@@ -52,12 +52,13 @@ def _read_sharded(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:
         if not path.is_file():
             raise CheckpointError(f"{index_path}: shard {shard} is missing")
         try:
-            tensors.update(load_file(str(path)))
+            part = load_file(str(path))
         except (SafetensorError, OSError, ValueError) as bad:
             raise CheckpointError(f"{path}: unreadable safetensors file ({str(bad).splitlines()[0]})") from None
-    for name, shard in weight_map.items():
-        if name not in tensors:
-            raise CheckpointError(f"{index_path}: names tensor {name} in {shard}, which does not hold it")
+        for name in (name for name, where in weight_map.items() if where == shard):  # exactly what the index says
+            if name not in part:
+                raise CheckpointError(f"{index_path}: names tensor {name} in {shard}, which does not hold it")
+            tensors[name] = part[name]
     return tensors, index_path
 
 

@@ -99,7 +99,7 @@ def common_fields(data: dict[str, Any]) -> dict[str, Any]:
             rms_norm_eps=float(data.get("rms_norm_eps", 1e-5)),
             rope_theta=float(rope_theta),
             max_position_embeddings=int(data.get("max_position_embeddings", 1024)),
-            tie_word_embeddings=bool(data.get("tie_word_embeddings", True)),
+            tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),  # transformers' default
             bos_token_id=int(bos or 0),
             eos_token_id=int(eos or 0),
         )

@@ -17,7 +17,7 @@ def synthetic_config(hidden: int, blocks: int, passes: int):
     from speedc.models.config import ModelConfig
 
     return ModelConfig.from_json_dict({
-        "model_type": "llama", "vocab_size": 4096, "hidden_size": hidden, "intermediate_size": 3 * hidden,
+        "model_type": "llama", "tie_word_embeddings": True, "vocab_size": 4096, "hidden_size": hidden, "intermediate_size": 3 * hidden,
         "num_hidden_layers": blocks * passes, "num_attention_heads": max(hidden // 64, 1),
         "num_key_value_heads": max(hidden // 256, 1), "max_position_embeddings": 1024,
         "speedc": {"layer_map": {"pattern": "cycle", "num_blocks": blocks}, "exit": {"layer": blocks, "norm": "own"}},
