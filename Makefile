@@ -28,8 +28,10 @@ demo: setup
 	$(SPEEDC) generate out/demo --prompt "$(DEMO_PROMPT)" --max-new-tokens 128 --temperature 0.8 --top-k 40 --seed 1 --stream
 	$(SPEEDC) bench out/demo --repeats 1
 
+# Tests run single-threaded (tests/conftest.py), so two workers use both cores; a file's tests share
+# one worker (its module fixtures are built once).
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 clean:
 	rm -rf out $(VENV)

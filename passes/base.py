@@ -48,7 +48,7 @@ FACTS: dict[str, str] = {
 @dataclass
 class BuildOptions:
     slots: int | None = None  # None: the schedule pass chooses
-    dtype: str = "fp32"  # fp32 | fp16 (weight storage)
+    dtype: str | None = None  # weight storage: fp32 | fp16 | bf16; None: the checkpoint's own 16-bit precision, else fp32
     target: str = "onnx"  # onnx | trt
     exit_layer: int | None = None  # override the checkpoint's exit point
     alpha: float | None = None  # expected acceptance for the schedule's cost model; None: from training metrics

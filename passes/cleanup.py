@@ -1,15 +1,17 @@
-"""Pass `cleanup` (phase finalize): constant folding, dead-node removal, toposort, fp16 storage.
+"""Pass `cleanup` (phase finalize): constant folding, dead-node removal, toposort, 16-bit storage.
 
-fp16 stores every floating-point weight as float16 with a Cast back to float32 in front of its
-users: the artifact's weights halve, and ONNX Runtime folds the Casts at session load, so CPU
-steps still compute in fp32. (A TensorRT build computes in fp16 natively.)
+--weights fp16 / bf16 stores every floating-point weight as float16 / bfloat16 with a Cast back to
+float32 in front of its users: the artifact's weights halve, and ONNX Runtime folds the Casts at
+session load, so CPU steps still compute in fp32. A checkpoint stored in 16 bits keeps its precision
+by default, so its artifact is as small as the checkpoint and computes exactly what it holds.
 
-    before:  W (fp32) ----------------> Gemm
-    after:   W (fp16) -> Cast(float) -> Gemm
+    before:  W (fp32) ---------------------> Gemm
+    after:   W (fp16/bf16) -> Cast(float) -> Gemm
 """
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import onnx_graphsurgeon as gs
 
@@ -29,9 +31,12 @@ def fold_and_clean(graph: gs.Graph) -> gs.Graph:
     return graph.cleanup(remove_unused_graph_inputs=True).toposort()
 
 
-def store_weights_fp16(graphs: dict[str, gs.Graph]) -> int:
-    """Convert large float32 weights (checkpoint and stacked weights) to float16 + Cast;
-    the same weight gets the same fp16 copy in every graph, so the artifact still stores it once.
+STORAGE_DTYPES = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16}
+
+
+def store_weights_16bit(graphs: dict[str, gs.Graph], storage: str) -> int:
+    """Convert large float32 weights (checkpoint and stacked weights) to STORAGE (fp16 | bf16) + Cast;
+    the same weight gets the same 16-bit copy in every graph, so the artifact still stores it once.
     Tables computed at build time (rotary cos/sin) stay float32: rounding them would change outputs."""
     converted: dict[str, np.ndarray] = {}
     for graph in graphs.values():
@@ -40,7 +45,7 @@ def store_weights_fp16(graphs: dict[str, gs.Graph]) -> int:
                     or not is_weight_name(const.name)):
                 continue
             if const.name not in converted:
-                converted[const.name] = const.values.astype(np.float16)
+                converted[const.name] = const.values.astype(STORAGE_DTYPES[storage])
             users = list(const.outputs)
             stored = gs.Constant(const.name, converted[const.name])
             cast_out = gs.Variable(f"{const.name}.fp32", dtype=np.float32, shape=list(const.values.shape))
@@ -54,10 +59,10 @@ def store_weights_fp16(graphs: dict[str, gs.Graph]) -> int:
 
 @register_pass("cleanup", phase="finalize", requires=("programs",), provides=("clean",))
 def cleanup(state: CompileState) -> CompileState:
-    """Fold constants, drop dead nodes, toposort; with --dtype fp16 store weights as float16."""
+    """Fold constants, drop dead nodes, toposort; with --weights fp16/bf16 store weights in 16 bits."""
     for name in list(state.graphs):
         state.graphs[name] = fold_and_clean(state.graphs[name])
-    if state.options.dtype == "fp16":
-        count = store_weights_fp16(state.graphs)
-        state.notes.append(f"cleanup: {count} weights stored as fp16 (computed in fp32 on CPU)")
+    if state.options.dtype in STORAGE_DTYPES:
+        count = store_weights_16bit(state.graphs, state.options.dtype)
+        state.notes.append(f"cleanup: {count} weights stored as {state.options.dtype} (computed in fp32 on CPU)")
     return state

@@ -163,8 +163,11 @@ def checkpoint_tensor_names(manifest: "Manifest") -> list[str]:
 
 
 def read_weight(directory: str | Path, manifest: Manifest, name: str) -> np.ndarray:
-    """One stored weight as a numpy array (memory-mapped from weights.bin)."""
+    """One stored weight as a numpy array (memory-mapped from weights.bin; bfloat16 needs ml_dtypes,
+    which the compiler extra brings)."""
     entry = manifest.weights["index"][name]
+    if entry["dtype"] == "bfloat16":
+        import ml_dtypes  # noqa: F401  (registers the numpy dtype)
     data = np.memmap(Path(directory) / manifest.weights["file"], dtype=np.uint8, mode="r",
                      offset=entry["offset"], shape=(entry["length"],))
     return np.frombuffer(data, dtype=np.dtype(entry["dtype"])).reshape(entry["shape"])

@@ -47,15 +47,21 @@ class BuildResult:
     seconds: float
 
 
-STORAGE_BYTES = {"fp32": 4, "fp16": 2}  # bytes per weight element stored in the artifact
+STORAGE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}  # bytes per weight element stored in the artifact
+SAFETENSORS_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
 
 
-def check_disk_space(checkpoint: Path, out: Path, options: BuildOptions) -> None:
+def default_storage(declared: dict[str, tuple[int, str]]) -> str:
+    """A checkpoint stored in 16 bits keeps that precision (an exact copy, half the bytes of fp32);
+    anything else is stored as fp32."""
+    floating = {dtype for _, dtype in declared.values() if dtype in ("F32", "F16", "BF16", "F64")}
+    return {frozenset({"BF16"}): "bf16", frozenset({"F16"}): "fp16"}.get(frozenset(floating), "fp32")
+
+
+def check_disk_space(declared: dict[str, tuple[int, str]], out: Path, options: BuildOptions) -> None:
     """Refuse, before reading any weight, a build whose artifact cannot fit on OUT's disk (sizes from
     the safetensors headers; pickled checkpoints are not sized here)."""
-    declared = declared_tensor_bytes(checkpoint) if Path(checkpoint).is_dir() else {}
-    itemsize = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
-    elements = sum(size // itemsize.get(dtype, 4) for size, dtype in declared.values())
+    elements = sum(size // SAFETENSORS_ITEMSIZE.get(dtype, 4) for size, dtype in declared.values())
     needed = elements * STORAGE_BYTES.get(options.dtype, 4) + (16 << 20)  # + graphs, tokenizer, manifest
     folder = next((p for p in (Path(out).absolute().parent, *Path(out).absolute().parents) if p.exists()), Path("/"))
     free = shutil.disk_usage(folder).free
@@ -85,7 +91,10 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
         raise BuildError(f"{out} exists; pass --force to replace it")
     if out.resolve() == checkpoint.resolve():
         raise BuildError("the output directory must differ from the checkpoint directory")
-    check_disk_space(checkpoint, out, options)
+    declared = declared_tensor_bytes(checkpoint) if checkpoint.is_dir() else {}
+    if options.dtype is None:
+        options = dataclasses.replace(options, dtype=default_storage(declared))
+    check_disk_space(declared, out, options)
     cfg, tensors = load_checkpoint(checkpoint, allow_pickle=allow_pickle)
     if options.eos_token_id is not None:
         if not 0 <= options.eos_token_id < cfg.vocab_size:

@@ -21,7 +21,7 @@ EXTRA_FOR_MODULE = {
     "torch": "compiler", "onnx": "compiler", "onnx_graphsurgeon": "compiler", "safetensors": "compiler",
     "onnxruntime_genai": "bench", "onnx_ir": "bench", "matplotlib": "bench",
     "tensorrt": "trt",
-    "transformers": "dev", "pytest": "dev", "hypothesis": "dev",
+    "transformers": "dev", "pytest": "dev", "xdist": "dev", "hypothesis": "dev",
 }
 
 

@@ -17,8 +17,9 @@ from speedc.models import zoo
 @click.argument("checkpoint")
 @click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Artifact directory to write.")
 @click.option("--slots", type=click.IntRange(1), default=None, help="Pipeline depth P (default: the schedule's choice).")
-@click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
-              help="Weight storage (fp16 halves the artifact; ONNX Runtime CPU computes in fp32).")
+@click.option("--weights", "--dtype", "weights", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
+              help="Weight storage (default: the checkpoint's own precision when it is 16-bit, else fp32; 16-bit "
+                   "halves the artifact, ONNX Runtime CPU computes in fp32). --dtype is an alias.")
 @click.option("--target", type=click.Choice(["onnx", "trt"]), default="onnx", show_default=True)
 @click.option("--exit-layer", type=click.IntRange(1), default=None, help="Override the early-exit point (logical layers).")
 @click.option("--alpha", type=click.FloatRange(0, 1), default=None,
@@ -32,7 +33,7 @@ from speedc.models import zoo
               help="Time the step graph against plain decoding on this machine (a few seconds) and store c(P) in the "
                    "artifact, so `speedc inspect` predicts from a measurement.")
 @click.option("-v", "--verbose", is_flag=True, help="Print the pass pipeline with per-pass time, nodes and weight bytes.")
-def build(checkpoint, out, slots, dtype, target, exit_layer, alpha, eos_token_id, force, allow_pickle, dump_after, measure,
+def build(checkpoint, out, slots, weights, target, exit_layer, alpha, eos_token_id, force, allow_pickle, dump_after, measure,
           verbose):
     """Compile CHECKPOINT (a directory, or zoo:NAME) into a SPEED artifact: a P-slot speculative
     step graph with weight reuse, the plain prefill graph, one shared weights file, the tokenizer
@@ -61,7 +62,7 @@ def build(checkpoint, out, slots, dtype, target, exit_layer, alpha, eos_token_id
             else:
                 status.update(message)
 
-        result = run_build(checkpoint, out, BuildOptions(slots=slots, dtype=dtype, target=target, exit_layer=exit_layer,
+        result = run_build(checkpoint, out, BuildOptions(slots=slots, dtype=weights, target=target, exit_layer=exit_layer,
                                                          alpha=alpha, eos_token_id=eos_token_id),
                            force=force, allow_pickle=allow_pickle, dump_after=list(dump_after), on_pass=on_pass,
                            measure_step_cost=measure, progress=progress)

@@ -13,10 +13,11 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import ZOO, assert_one_line_error, build_artifact, run_cli
+from conftest import ZOO, assert_one_line_error, build_artifact, random_config, randomize, run_cli
 from speedc.artifact import read_manifest, read_weight
 from speedc.errors import ArtifactError
 from speedc.models.checkpoint import load_model, save_unrolled_hf
+from speedc.models.llama import SharedLlama
 
 
 def test_artifact_layout_and_weight_bytes(tiny_artifact):
@@ -151,3 +152,29 @@ def test_killed_build_never_leaves_a_loadable_half(tmp_path):
         else:
             with pytest.raises(ArtifactError):
                 read_manifest(out)
+
+
+def test_16_bit_checkpoints_keep_their_precision(tmp_path):
+    """A bf16 checkpoint is stored as bf16 by default (half the fp32 bytes) and computes exactly what
+    --weights fp32 computes: the fp32 copy of a bf16 value is exact."""
+    import torch
+
+    from speedc.build import build
+    from speedc.models.checkpoint import save_checkpoint
+    from speedc.passes.base import BuildOptions
+    from speedc.runtimes.engine import Engine
+
+    model = randomize(SharedLlama(random_config(hidden=64, heads=4, kv_heads=2, blocks=2, layers=4)), seed=3)
+    checkpoint = save_checkpoint(model, tmp_path / "ckpt", dtype=torch.bfloat16)
+    auto = build(checkpoint, tmp_path / "auto").out
+    wide = build(checkpoint, tmp_path / "fp32", BuildOptions(dtype="fp32")).out
+    assert read_manifest(auto).dtype == "bf16" and read_manifest(wide).dtype == "fp32"
+    ratio = read_manifest(auto).weights["stored_bytes"] / read_manifest(wide).weights["stored_bytes"]
+    assert 0.5 <= ratio < 0.56  # norms and other small tables stay fp32
+    for backend in ("onnx", "onnx-numpy", "torch"):
+        ids = Engine.load(auto, backend=backend).generate([5, 9, 2, 7], max_new_tokens=24, stop_at_eos=False).ids
+        assert ids == Engine.load(wide, backend=backend).generate([5, 9, 2, 7], max_new_tokens=24, stop_at_eos=False).ids
+    # --dtype stays an alias of --weights
+    result = run_cli("build", checkpoint, "-o", tmp_path / "alias", "--dtype", "fp16", "--no-measure")
+    assert result.returncode == 0, result.stderr
+    assert read_manifest(tmp_path / "alias").dtype == "fp16"

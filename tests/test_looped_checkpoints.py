@@ -22,7 +22,6 @@ a guard that both outcomes really occur. Then token ids (generation_config.json 
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -418,8 +417,7 @@ def test_checkpoint_larger_than_the_disk_is_refused_before_reading(tmp_path):
     huge = write_sparse_safetensors(directory / "model.safetensors", "lm_head.weight", [2 ** 19, 2 ** 24 - 1])
     try:
         assert huge.stat().st_size > 2 ** 43 and huge.stat().st_blocks * 512 < 2 ** 20
-        started = time.perf_counter()
-        _build_fails(directory, tmp_path, "needs about", "GB (fp32 weights) but only", "GB are free")
-        assert time.perf_counter() - started < 60  # reading the declared bytes would take hours
+        # The disk check reads only the header: loading the declared bytes would fail differently (or take hours).
+        _build_fails(directory, tmp_path, "needs about", "GB (bf16 weights) but only", "GB are free")
     finally:
         huge.unlink()

@@ -14,6 +14,7 @@ from speedc.models.corpus import load_documents
 from speedc.models.generate import generate as reference_generate
 
 NEW_TOKENS = 128
+ORACLE_EVERY = 4  # prompts 0, 4, 8, 12, 16 are also checked against both references
 
 
 def held_out_prompts(engine: Engine, count: int = 20) -> list[list[int]]:
@@ -39,15 +40,16 @@ def test_greedy_lossless_against_two_references(zoo, tmp_path):
     oracle = LlamaForCausalLM.from_pretrained(save_unrolled_hf(model, tmp_path / "hf"), torch_dtype=torch.float32,
                                               attn_implementation="eager").eval()
     acceptance = []
-    for prompt in held_out_prompts(engine):
+    for index, prompt in enumerate(held_out_prompts(engine)):
         speed = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
         plain = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False, mode="autoregressive")
         assert speed.ids == plain.ids
-        assert speed.ids == reference_generate(model, prompt, NEW_TOKENS)
-        with torch.no_grad():
-            hf = oracle.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                 do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
-        assert speed.ids == hf
+        if index % ORACLE_EVERY == 0:  # the two PyTorch references cost ~30x speedc's time: every 4th prompt
+            assert speed.ids == reference_generate(model, prompt, NEW_TOKENS)
+            with torch.no_grad():
+                hf = oracle.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                     do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
+            assert speed.ids == hf
         assert speed.stats.new_tokens == NEW_TOKENS and speed.stats.accepted + speed.stats.mispredicted > 0
         acceptance.append(speed.stats.acceptance_rate)
     # Trained exit heads really speculate: most speculations are confirmed.
