@@ -59,6 +59,6 @@ def step_graph(state: CompileState) -> CompileState:
     if sched.speculative:
         state.graphs[contract.STEP] = build_step_graph(decode, sched.slots, sched.stage_layers, state.exit_layer,
                                                 state.cfg.hidden_size)
-        state.notes.append(f"pipeline: step graph with {sched.slots} slots x {sched.stage_layers} layers")
+        state.notes.append(f"step_graph: step graph with {sched.slots} slots x {sched.stage_layers} layers")
     state.graphs[contract.PREFILL] = decode
     return state

@@ -10,7 +10,6 @@ from pathlib import Path
 import click
 
 from speedc.cli_options import backend_options
-
 from speedc.errors import GenerationError
 
 

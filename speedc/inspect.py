@@ -150,7 +150,8 @@ def render(info: dict) -> None:
             console.print("  " + line)
     pred = info["prediction"]
     console.print(f"step cost c(P={pred['slots']}) = {pred['step_cost']:.2f}: {pred['step_cost_source']}")
-    console.print(f"predicted speedup over plain decoding (analytic bound) at alpha {pred['alpha']:.2f} "
+    console.print(f"predicted speedup over plain decoding (analytic bound; a miss costs P-1 steps, early flush can do "
+                  f"better) at alpha {pred['alpha']:.2f} "
                   f"({pred['alpha_source']}): [bold]{pred['speedup_bound']:.2f}x[/bold]"
                   + ("" if pred["measured"] else "  [yellow](assumed c(P): run `speedc inspect ART --measure` or "
                                                  "`speedc bench ART` for this machine's)[/yellow]"))
