@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from speedc.bench.synthetic import SHAPES
 from speedc.cli_options import backend_options
 from speedc.errors import GenerationError
 
@@ -18,6 +19,10 @@ from speedc.errors import GenerationError
 @click.option("--memory-bound", is_flag=True,
               help="Instead: build a large random-weight model of the zoo shape and report c(P) only (no speedups).")
 @click.option("--memory-bound-hidden", type=click.IntRange(64), default=1024, show_default=True, hidden=True)
+@click.option("--shape", type=click.Choice(["zoo", *SHAPES]), default="zoo", show_default=True,
+              help="With --memory-bound: the zoo family at hidden 1024, or a looped checkpoint's real layer shapes "
+                   "(as many layers as this build can trace; the report says how many).")
+@click.option("--layers", type=click.IntRange(1), default=None, help="With --memory-bound --shape: use at most this many layers.")
 @click.option("--new-tokens", type=click.IntRange(2), default=128, show_default=True)
 @click.option("--repeats", type=click.IntRange(1), default=3, show_default=True, help="Passes over the prompt set.")
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable; default: a built-in set).")
@@ -32,7 +37,7 @@ from speedc.errors import GenerationError
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
               help="Write a PNG: tokens/s per system (end to end), decode-only speedup vs slots with the bound.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def bench(artifact, memory_bound, memory_bound_hidden, new_tokens, repeats, prompts, early_flush, backend, device,
+def bench(artifact, memory_bound, memory_bound_hidden, shape, layers, new_tokens, repeats, prompts, early_flush, backend, device,
           threads, peers, sweeps, memory, plot, as_json):
     """Measure SPEED against plain decoding (and peers) on ARTIFACT: interleaved runs, identical ids checked first.
 
@@ -41,14 +46,21 @@ def bench(artifact, memory_bound, memory_bound_hidden, new_tokens, repeats, prom
     weight bytes per system. With --memory-bound, measure the step cost c(P) on a large
     random-weight model instead."""
     if memory_bound:
+        from rich.console import Console
+
         from speedc.bench.synthetic import synthetic_step_costs
 
-        report = synthetic_step_costs(hidden=memory_bound_hidden, threads=threads, backend=backend)
+        with Console(stderr=True).status("memory-bound step cost") as spinner:
+            report = synthetic_step_costs(hidden=memory_bound_hidden, threads=threads, backend=backend,
+                                          shape=SHAPES.get(shape), layers=layers, progress=spinner.update)
         if as_json:
             click.echo(json.dumps(report))
         else:
-            click.echo(f"{report['label']}, {report['backend']}: hidden {report['hidden']}, {report['blocks']} blocks x {report['passes']} passes, "
-                       f"{report['unique_weight_mb']} MB unique weights, context {report['context']}")
+            click.echo(f"{report['label']}, {report['backend']}, shape {report['shape']}: hidden {report['hidden']}, "
+                       f"{report['blocks']} blocks x {report['passes']} passes, {report['unique_weight_mb']} MB unique "
+                       f"fp32 weights, context {report['context']}")
+            if report["note"]:
+                click.echo(f"  note: {report['note']}")
             for row in report["rows"]:
                 click.echo(f"  c(P={row['slots']}) = {row['step_cost']:.2f}")
         return
