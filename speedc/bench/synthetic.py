@@ -20,7 +20,6 @@ from pathlib import Path
 from speedc.bench.run import measure_step_cost
 from speedc.errors import SpeedcError
 
-TRACE_LIMIT_BYTES = 1_900_000_000  # fp32 weights the in-memory trace can hold (protobuf: 2 GiB)
 
 
 @dataclass(frozen=True)
@@ -62,6 +61,8 @@ def zoo_shape(hidden: int, blocks: int = 4, passes: int = 4) -> Shape:
 
 def layers_that_fit(shape: Shape, requested: int | None = None) -> int:
     """The requested layer count (default: the real one), cut to what the in-memory trace holds."""
+    from speedc.build import TRACE_LIMIT_BYTES  # the compiler's limit (importing it loads the compiler)
+
     want = min(requested or shape.layers, shape.layers)
     room = TRACE_LIMIT_BYTES // 4 - shape.fixed_params()
     fit = room // shape.block_params() if room > 0 else 0
