@@ -147,45 +147,31 @@ def inner_exit_analysed(inner_exit_model) -> CompileState:
     return run_passes(_state(inner_exit_model, slots=P), PASS_ORDER[:PASS_ORDER.index("share") + 1])[0]
 
 
+def _run_one(state: CompileState, name: str) -> CompileState:
+    return run_passes(_fork(state), [name])[0]
+
+
+def _module_state(name: str, make) -> object:
+    """A module-scoped fixture NAME computed by MAKE (its parameters are the fixtures it needs)."""
+    return pytest.fixture(scope="module", name=name)(make)
+
+
 # Module-wide before/after states (tests never mutate them: they _fork before running any pass).
-@pytest.fixture(scope="module")
-def before_exit_heads(analysed) -> CompileState:
-    return _before(analysed, "exit_heads")
-
-
-@pytest.fixture(scope="module")
-def after_exit_heads(before_exit_heads) -> CompileState:
-    return run_passes(_fork(before_exit_heads), ["exit_heads"])[0]
-
-
-@pytest.fixture(scope="module")
-def inner_before_exit_heads(inner_exit_analysed) -> CompileState:
-    return _before(inner_exit_analysed, "exit_heads")
-
-
-@pytest.fixture(scope="module")
-def inner_after_exit_heads(inner_before_exit_heads) -> CompileState:
-    return run_passes(_fork(inner_before_exit_heads), ["exit_heads"])[0]
-
-
-@pytest.fixture(scope="module")
-def before_kv_cache(after_exit_heads) -> CompileState:
-    return _next_state("exit_heads", after_exit_heads, "kv_cache")
-
-
-@pytest.fixture(scope="module")
-def after_kv_cache(before_kv_cache) -> CompileState:
-    return run_passes(_fork(before_kv_cache), ["kv_cache"])[0]
-
-
-@pytest.fixture(scope="module")
-def before_cache_writer(after_kv_cache) -> CompileState:
-    return _next_state("kv_cache", after_kv_cache, "cache_writer")
-
-
-@pytest.fixture(scope="module")
-def after_cache_writer(before_cache_writer) -> CompileState:
-    return run_passes(_fork(before_cache_writer), ["cache_writer"])[0]
+# kv_cache directly follows exit_heads and cache_writer follows kv_cache (_next_state checks it), so
+# each one's state before is the state after the one before it.
+before_exit_heads = _module_state("before_exit_heads", lambda analysed: _before(analysed, "exit_heads"))
+after_exit_heads = _module_state("after_exit_heads", lambda before_exit_heads: _run_one(before_exit_heads, "exit_heads"))
+inner_before_exit_heads = _module_state("inner_before_exit_heads",
+                                        lambda inner_exit_analysed: _before(inner_exit_analysed, "exit_heads"))
+inner_after_exit_heads = _module_state("inner_after_exit_heads",
+                                       lambda inner_before_exit_heads: _run_one(inner_before_exit_heads, "exit_heads"))
+before_kv_cache = _module_state("before_kv_cache",
+                                lambda after_exit_heads: _next_state("exit_heads", after_exit_heads, "kv_cache"))
+after_kv_cache = _module_state("after_kv_cache", lambda before_kv_cache: _run_one(before_kv_cache, "kv_cache"))
+before_cache_writer = _module_state("before_cache_writer",
+                                    lambda after_kv_cache: _next_state("kv_cache", after_kv_cache, "cache_writer"))
+after_cache_writer = _module_state("after_cache_writer",
+                                   lambda before_cache_writer: _run_one(before_cache_writer, "cache_writer"))
 
 
 # ---- exit_heads --------------------------------------------------------------------------------------
