@@ -109,8 +109,8 @@ def common_fields(data: dict[str, Any]) -> dict[str, Any]:
         raise CheckpointError(f"config.json: {bad}") from None
 
 
-def positive_int(data: dict[str, Any], key: str) -> int:
-    value = data.get(key)
+def positive_int(data: dict[str, Any], key: str, default: int | None = None) -> int:
+    value = data.get(key, default)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise CheckpointError(f"config.json: {key} must be a positive integer, got {value!r}")
     return value

@@ -34,7 +34,7 @@ REFUSED = {
 def read_config(data: dict[str, Any]) -> ModelConfig:
     refuse_options(data, "Ouro", REFUSED)
     layers = positive_int(data, "num_hidden_layers")
-    loops = positive_int({"total_ut_steps": data.get("total_ut_steps", 4)}, "total_ut_steps")
+    loops = positive_int(data, "total_ut_steps", default=4)
     return ModelConfig(num_hidden_layers=layers * loops, layer_map=cycle_map(layers * loops, layers), exit_layer=layers,
                        exit_norm="none", architecture="ouro", sandwich_norms=True, loop_norm=True, final_norm=False,
                        **common_fields(data))

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from speedc.errors import CheckpointError
+from speedc.models.checkpoint_files import CONFIG_FILE
 
 PREFIX = "zoo:"
 ZOO_DIR = Path(__file__).resolve().parent / "zoo"
@@ -19,7 +20,7 @@ ZOO_DIR = Path(__file__).resolve().parent / "zoo"
 
 def names() -> list[str]:
     """Bundled model names, smallest first."""
-    found = [d for d in ZOO_DIR.iterdir() if (d / "config.json").is_file()] if ZOO_DIR.is_dir() else []
+    found = [d for d in ZOO_DIR.iterdir() if (d / CONFIG_FILE).is_file()] if ZOO_DIR.is_dir() else []
     return [d.name for d in sorted(found, key=_weight_bytes)]
 
 
@@ -30,7 +31,7 @@ def _weight_bytes(directory: Path) -> int:
 def description(name: str) -> str:
     """One line from the model's config.json: depth over shared blocks, width, vocabulary, size."""
     directory = ZOO_DIR / name
-    cfg = json.loads((directory / "config.json").read_text())
+    cfg = json.loads((directory / CONFIG_FILE).read_text())
     blocks = len(set(cfg["speedc"]["layer_map"]))  # bundled configs store the resolved list
     return (f"{cfg['num_hidden_layers']} layers over {blocks} shared blocks, hidden {cfg['hidden_size']}, "
             f"vocab {cfg['vocab_size']}, {_weight_bytes(directory) / 1e6:.1f} MB")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import onnx_graphsurgeon as gs
 
@@ -175,8 +175,3 @@ def dump_graphs(state: CompileState, after: str, dump_dir: Path) -> list[Path]:
         onnx.save(gs.export_onnx(graph.copy()), str(path))
         written.append(path)
     return written
-
-
-def describe_state(state: CompileState) -> dict[str, Any]:
-    """What holds after a run (for dumps and tests)."""
-    return {"facts": sorted(state.facts), "graphs": sorted(state.graphs)}

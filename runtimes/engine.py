@@ -83,15 +83,34 @@ def make_backend(directory: Path, manifest: Manifest, backend: str, device: str,
 
 
 class TextStream:
-    """Iterator of confirmed text pieces; `ids` and `stats` are complete once it is exhausted."""
+    """Iterator of confirmed text pieces; `ids` and `stats` are complete once it is exhausted.
 
-    def __init__(self) -> None:
-        self._pieces: Iterator[str] = iter(())
+    It runs DECODING holding LOCK from its first piece until it ends or is closed (the engine's cache
+    serves one call at a time); RENDER turns the confirmed ids into the text shown so far."""
+
+    def __init__(self, decoding: Decoding, lock: threading.Lock, render: Callable[[list[int]], str]) -> None:
         self.ids: list[int] = []
         self.stats: DecodeStats | None = None
+        self._pieces = self._run(decoding, lock, render)
 
-    def attach(self, pieces: Iterator[str]) -> None:
-        self._pieces = pieces
+    def _run(self, decoding: Decoding, lock: threading.Lock, render: Callable[[list[int]], str]) -> Iterator[str]:
+        shown = ""
+        with lock:
+            while True:
+                try:
+                    self.ids.append(next(decoding))
+                except StopIteration as done:
+                    self.stats = done.value[1]
+                    break
+                text = render(self.ids)
+                if text.endswith("\ufffd"):
+                    continue  # an incomplete UTF-8 sequence: wait for the rest of it
+                if len(text) > len(shown):
+                    yield text[len(shown):]
+                    shown = text
+        final = render(self.ids)
+        if len(final) > len(shown):
+            yield final[len(shown):]
 
     def __iter__(self) -> "TextStream":
         return self
@@ -187,8 +206,8 @@ class Engine:
                  repetition_penalty: float = 1.0, stop: list[str] | None = None, stop_at_eos: bool = True,
                  early_flush: bool | None = None) -> GenerationResult:
         sampling = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed)
-        with self._lock:
-            decoding = self._decoding(prompt, max_new_tokens, mode, sampling, stop, stop_at_eos, early_flush)
+        decoding = self._decoding(prompt, max_new_tokens, mode, sampling, stop, stop_at_eos, early_flush)
+        with self._lock:  # a decoding touches the backend (the one cache) only while it runs
             ids, stats = run_to_end(decoding)
         return GenerationResult(ids, self._trim(self.decode_text(ids), stop), stats)
 
@@ -201,28 +220,6 @@ class Engine:
         if self.tokenizer is None:
             raise GenerationError("streaming text needs a tokenizer; this artifact has none")
         sampling = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed)
-        self._decoding(prompt, max_new_tokens, mode, sampling, stop, stop_at_eos, early_flush).close()  # checks only
-        stream = TextStream()
-        stream.attach(self._stream_pieces(stream, prompt, max_new_tokens, mode, sampling, stop, stop_at_eos, early_flush))
-        return stream
-
-    def _stream_pieces(self, stream: TextStream, prompt, max_new_tokens, mode, sampling, stop, stop_at_eos,
-                       early_flush) -> Iterator[str]:
-        with self._lock:  # held from the first piece until the stream ends or is closed
-            decoding = self._decoding(prompt, max_new_tokens, mode, sampling, stop, stop_at_eos, early_flush)
-            shown = ""
-            while True:
-                try:
-                    stream.ids.append(next(decoding))
-                except StopIteration as done:
-                    stream.stats = done.value[1]
-                    break
-                text = self._trim(self.tokenizer.decode(stream.ids), stop)
-                if text.endswith("\ufffd"):
-                    continue  # an incomplete UTF-8 sequence: wait for the rest of it
-                if len(text) > len(shown):
-                    yield text[len(shown):]
-                    shown = text
-        final = self._trim(self.tokenizer.decode(stream.ids), stop)
-        if len(final) > len(shown):
-            yield final[len(shown):]
+        # Checks run now; the decoding itself starts (and takes the lock) at the stream's first piece.
+        decoding = self._decoding(prompt, max_new_tokens, mode, sampling, stop, stop_at_eos, early_flush)
+        return TextStream(decoding, self._lock, lambda ids: self._trim(self.tokenizer.decode(ids), stop))

@@ -61,10 +61,13 @@ def default_storage(declared: dict[str, tuple[int, str]]) -> str:
     return {frozenset({"BF16"}): "bf16", frozenset({"F16"}): "fp16"}.get(frozenset(floating), "fp32")
 
 
-def check_disk_space(declared: dict[str, tuple[int, str]], out: Path, options: BuildOptions) -> None:
-    """Refuse, before reading any weight, a build whose artifact cannot fit on OUT's disk (sizes from
-    the safetensors headers; pickled checkpoints are not sized here)."""
-    elements = sum(size // SAFETENSORS_ITEMSIZE.get(dtype, 4) for size, dtype in declared.values())
+def declared_elements(declared: dict[str, tuple[int, str]]) -> int:
+    """Weight elements the safetensors headers declare (pickled checkpoints are not sized: 0)."""
+    return sum(size // SAFETENSORS_ITEMSIZE.get(dtype, 4) for size, dtype in declared.values())
+
+
+def check_disk_space(elements: int, out: Path, options: BuildOptions) -> None:
+    """Refuse, before reading any weight, a build whose artifact cannot fit on OUT's disk."""
     needed = elements * STORAGE_BYTES.get(options.dtype, 4) + (16 << 20)  # + graphs, tokenizer, manifest
     folder = next((p for p in (Path(out).absolute().parent, *Path(out).absolute().parents) if p.exists()), Path("/"))
     free = shutil.disk_usage(folder).free
@@ -73,8 +76,8 @@ def check_disk_space(declared: dict[str, tuple[int, str]], out: Path, options: B
                          f"{free / 1e9:.1f} GB are free on {folder}")
 
 
-def check_traceable(declared: dict[str, tuple[int, str]]) -> None:
-    fp32_bytes = 4 * sum(size // SAFETENSORS_ITEMSIZE.get(dtype, 4) for size, dtype in declared.values())
+def check_traceable(elements: int) -> None:
+    fp32_bytes = 4 * elements
     if fp32_bytes > TRACE_LIMIT_BYTES:
         raise BuildError(f"this checkpoint holds {fp32_bytes / 1e9:.1f} GB of weights in fp32; this speedc version "
                          f"builds up to {TRACE_LIMIT_BYTES / 1e9:.1f} GB (its trace holds the model in memory and ONNX "
@@ -105,8 +108,9 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
     declared = declared_tensor_bytes(checkpoint) if checkpoint.is_dir() else {}
     if options.dtype is None:
         options = dataclasses.replace(options, dtype=default_storage(declared))
-    check_disk_space(declared, out, options)
-    check_traceable(declared)
+    elements = declared_elements(declared)
+    check_disk_space(elements, out, options)
+    check_traceable(elements)
     cfg, tensors = load_checkpoint(checkpoint, allow_pickle=allow_pickle)
     if options.eos_token_id is not None:
         if not 0 <= options.eos_token_id < cfg.vocab_size:

@@ -141,9 +141,8 @@ def _check_side(graph: str, side: str, expected: list[TensorSpec], recorded: lis
         if tensor["dtype"] != dtype:
             raise ArtifactError(f"graph {graph}: {side} {name} is {tensor['dtype']}, expected {dtype}")
         dims = tensor["shape"]
-        fixed = [want for want in shape]
-        if len(dims) != len(fixed) or any(w is not None and isinstance(g, int) and g != w for g, w in zip(dims, fixed)):
-            wanted = ["*" if w is None else w for w in fixed]
+        if len(dims) != len(shape) or any(w is not None and isinstance(g, int) and g != w for g, w in zip(dims, shape)):
+            wanted = ["*" if w is None else w for w in shape]
             raise ArtifactError(f"graph {graph}: {side} {name} has shape {dims}, expected {wanted}")
     if found:
         raise ArtifactError(f"graph {graph}: unexpected {side} {next(iter(found))}")

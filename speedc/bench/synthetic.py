@@ -130,13 +130,14 @@ def synthetic_step_costs(*, hidden: int = 1024, blocks: int = 4, passes: int = 4
     shape = shape or zoo_shape(hidden, blocks, passes)
     used = layers_that_fit(shape, layers) if shape.looped else shape.layers
     progress(f"{shape.name}: random weights, {used} of {shape.layers} layers x {shape.loops} loops")
-    model = random_model_of(shape_config(shape, used))
+    cfg = shape_config(shape, used)
+    model = random_model_of(cfg)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = save_checkpoint(model, Path(tmp) / "ckpt")
         unique_bytes = sum(p.numel() * 4 for p in model.parameters())
         del model  # the build reads the checkpoint; keep one copy of the weights in memory, not two
-        for slots in [p for p in valid_slot_counts(shape_config(shape, used).layer_map, used) if p in (2, 4, 8)]:
+        for slots in [p for p in valid_slot_counts(cfg.layer_map, cfg.exit_layer) if p in (2, 4, 8)]:
             progress(f"{shape.name}: compiling P={slots} and measuring")
             art = build(checkpoint, Path(tmp) / f"p{slots}", BuildOptions(slots=slots, dtype="fp32"), force=True).out
             engine = Engine.load(art, backend=backend, threads=threads, verify=False)
