@@ -25,106 +25,129 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+import numpy as np
+from safetensors.torch import save_file
 
 from speedc.errors import CheckpointError
 from speedc.models.checkpoint_files import CONFIG_FILE, INDEX_FILE, TOKENIZER_FILE, WEIGHTS_FILE, token_ids
 from speedc.models.config import ModelConfig
 from speedc.models.families import FAMILIES
 from speedc.models.llama import SharedLlama
+from speedc.models.tensor_source import TensorSource, safetensors_sources, same_values
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
-def _read_sharded(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:
-    """Shards named by model.safetensors.index.json, each checked against the index."""
+def _read_sharded(directory: Path) -> tuple[dict[str, TensorSource], Path]:
+    """Shards named by model.safetensors.index.json, each checked against the index (headers only)."""
     index_path = directory / INDEX_FILE
     try:
         weight_map = json.loads(index_path.read_text())["weight_map"]
         shards = sorted(set(weight_map.values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as bad:
         raise CheckpointError(f"{index_path}: not a valid safetensors index ({bad!r})") from None
-    tensors: dict[str, torch.Tensor] = {}
+    sources: dict[str, TensorSource] = {}
     for shard in shards:
         path = directory / shard
         if not path.is_file():
             raise CheckpointError(f"{index_path}: shard {shard} is missing")
-        try:
-            part = load_file(str(path))
-        except (SafetensorError, OSError, ValueError) as bad:
-            raise CheckpointError(f"{path}: unreadable safetensors file ({str(bad).splitlines()[0]})") from None
+        part = safetensors_sources(path)
         for name in (name for name, where in weight_map.items() if where == shard):  # exactly what the index says
             if name not in part:
                 raise CheckpointError(f"{index_path}: names tensor {name} in {shard}, which does not hold it")
-            tensors[name] = part[name]
-    return tensors, index_path
+            sources[name] = part[name]
+    return sources, index_path
 
 
-def _read_weights(directory: Path, allow_pickle: bool) -> tuple[dict[str, torch.Tensor], Path]:
+def _read_pickled(pickled: list[Path]) -> dict[str, TensorSource]:
+    sources = {}
+    for path in pickled:
+        try:
+            loaded = torch.load(str(path), map_location="cpu", weights_only=True)
+        except Exception as bad:  # torch raises many types here; all mean "unreadable"
+            raise CheckpointError(f"{path}: cannot load with weights_only=True ({str(bad).splitlines()[0]})") from None
+        if not isinstance(loaded, dict):
+            raise CheckpointError(f"{path}: expected a state dict, got {type(loaded).__name__}")
+        sources.update({name: TensorSource.from_array(t.float().numpy()) for name, t in loaded.items()
+                        if isinstance(t, torch.Tensor)})
+    return sources
+
+
+def _read_weights(directory: Path, allow_pickle: bool) -> tuple[dict[str, TensorSource], Path]:
     if (directory / INDEX_FILE).exists():
         return _read_sharded(directory)
     safetensors_files = sorted(directory.glob("*.safetensors"))
     if safetensors_files:
-        tensors: dict[str, torch.Tensor] = {}
+        sources: dict[str, TensorSource] = {}
         for path in safetensors_files:
-            try:
-                tensors.update(load_file(str(path)))
-            except (SafetensorError, OSError, ValueError) as bad:
-                raise CheckpointError(f"{path}: unreadable safetensors file ({str(bad).splitlines()[0]})") from None
-        return tensors, safetensors_files[0]
+            sources.update(safetensors_sources(path))
+        return sources, safetensors_files[0]
     pickled = sorted(p for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickled:
         if not allow_pickle:
             raise CheckpointError(
                 f"{pickled[0]}: pickled weights are refused (they can run code); convert to safetensors "
                 "or pass --allow-pickle to load them with torch.load(weights_only=True)")
-        tensors = {}
-        for path in pickled:
-            try:
-                loaded = torch.load(str(path), map_location="cpu", weights_only=True)
-            except Exception as bad:  # torch raises many types here; all mean "unreadable"
-                raise CheckpointError(f"{path}: cannot load with weights_only=True ({str(bad).splitlines()[0]})") from None
-            if not isinstance(loaded, dict):
-                raise CheckpointError(f"{path}: expected a state dict, got {type(loaded).__name__}")
-            tensors.update(loaded)
-        return tensors, pickled[0]
+        return _read_pickled(pickled), pickled[0]
     raise CheckpointError(f"{directory}: no {WEIGHTS_FILE} (or other weights file) found")
 
 
-def _unrolled_to_blocks(tensors: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+def _unrolled_to_blocks(sources: dict[str, TensorSource]) -> dict[str, TensorSource]:
     """Rename Hugging Face model.layers.{l}.* to model.blocks.{l}.* (one block per layer)."""
     out = {}
-    for name, tensor in tensors.items():
+    for name, source in sources.items():
         match = _HF_LAYER.match(name)
         if match:
-            out[f"model.blocks.{match.group(1)}.{match.group(2)}"] = tensor
+            out[f"model.blocks.{match.group(1)}.{match.group(2)}"] = source
         elif "rotary_emb" not in name:
-            out[name] = tensor
+            out[name] = source
     return out
 
 
-def load_checkpoint(path: str | Path, *, allow_pickle: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a checkpoint directory into (config, state dict in speedc block naming)."""
+def open_checkpoint(path: str | Path, *, allow_pickle: bool = False) -> tuple[ModelConfig, dict[str, TensorSource]]:
+    """Read a checkpoint directory's structure: (config, {speedc tensor name: where its bytes are}).
+
+    Only headers are read (a safetensors checkpoint of any size costs no memory here); every tensor
+    the config implies is checked to exist with the right shape, and nothing else may be there."""
     directory = Path(path)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a checkpoint directory")
     raw_config_path = directory / CONFIG_FILE
     cfg = with_generation_token_ids(ModelConfig.load(raw_config_path), directory)
-    tensors, weights_path = _read_weights(directory, allow_pickle)
+    sources, weights_path = _read_weights(directory, allow_pickle)
     ignored = FAMILIES[cfg.architecture].ignored_tensors
-    tensors = {name: t for name, t in tensors.items() if not name.startswith(ignored)} if ignored else tensors
-    if any(_HF_LAYER.match(name) for name in tensors):
-        tensors = _unrolled_to_blocks(tensors, cfg.num_hidden_layers)
+    sources = {name: s for name, s in sources.items() if not name.startswith(ignored)} if ignored else sources
+    if any(_HF_LAYER.match(name) for name in sources):
+        sources = _unrolled_to_blocks(sources)
         if "speedc" in json.loads(raw_config_path.read_text()):
             raise CheckpointError(f"{weights_path}: unrolled model.layers.* weights but config.json has a speedc layer map")
-    if cfg.tie_word_embeddings and "lm_head.weight" in tensors:
-        if not torch.equal(tensors["lm_head.weight"], tensors.get("model.embed_tokens.weight", torch.empty(0))):
+    if cfg.tie_word_embeddings and "lm_head.weight" in sources:
+        embedding = sources.get("model.embed_tokens.weight")
+        if embedding is None or not same_values(sources["lm_head.weight"], embedding):
             raise CheckpointError(f"{weights_path}: lm_head.weight differs from the embedding but tie_word_embeddings is true")
-        del tensors["lm_head.weight"]
-    _check_against_config(cfg, tensors, weights_path)
-    return cfg, tensors
+        del sources["lm_head.weight"]
+    _check_against_config(cfg, sources, weights_path)
+    return cfg, sources
+
+
+def as_torch(source: TensorSource) -> torch.Tensor:
+    array = source.read()
+    if source.dtype == "bfloat16":  # torch cannot wrap ml_dtypes' bfloat16: reinterpret the bits
+        return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def sources_from_state(state: dict[str, torch.Tensor]) -> dict[str, TensorSource]:
+    """An in-memory state dict as the compiler's tensor sources (models built in tests and benches)."""
+    return {name: TensorSource.from_array(t.detach().float().contiguous().numpy()) for name, t in state.items()}
+
+
+def load_checkpoint(path: str | Path, *, allow_pickle: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a checkpoint directory into (config, state dict in speedc block naming), all in memory
+    (training, tests and the reference decoder; the build reads `open_checkpoint`'s sources instead)."""
+    cfg, sources = open_checkpoint(path, allow_pickle=allow_pickle)
+    return cfg, {name: as_torch(source) for name, source in sources.items()}
 
 
 def with_generation_token_ids(cfg: ModelConfig, directory: Path) -> ModelConfig:
@@ -132,8 +155,15 @@ def with_generation_token_ids(cfg: ModelConfig, directory: Path) -> ModelConfig:
     return dataclasses.replace(cfg, **{key: value for key, (value, _) in token_ids(directory).items()})
 
 
-def _check_against_config(cfg: ModelConfig, tensors: dict[str, torch.Tensor], weights_path: Path) -> None:
-    expected = {name: tuple(p.shape) for name, p in SharedLlama(cfg).to("meta").state_dict().items()}
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of CFG holds, with its shape (the model is built on the meta device:
+    no memory, whatever its size)."""
+    with torch.device("meta"):
+        return {name: tuple(p.shape) for name, p in SharedLlama(cfg).state_dict().items()}
+
+
+def _check_against_config(cfg: ModelConfig, tensors: dict[str, TensorSource], weights_path: Path) -> None:
+    expected = expected_shapes(cfg)
     missing = sorted(set(expected) - set(tensors))
     if missing:
         more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""

@@ -7,7 +7,7 @@ provided it, never a KeyError deep inside a pass. The build driver lists the pip
 (PIPELINE in speedc/build.py); this module only knows how to run a list, time each pass, and
 optionally dump the graphs after chosen passes.
 
-This module imports no torch: the checkpoint tensors are whatever the import pass reads.
+This module imports no torch: the checkpoint's tensors are TensorSources (byte ranges of its files).
 """
 
 from __future__ import annotations
@@ -15,16 +15,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import onnx_graphsurgeon as gs
 
 from speedc.errors import BuildError
 from speedc.models.config import ModelConfig
+from speedc.models.tensor_source import TensorSource
+from speedc.passes.source_weights import constant_nbytes
 from speedc.schedule import Schedule
-
-if TYPE_CHECKING:  # only for annotations: importing this module never imports torch
-    import torch
 
 PassFn = Callable[["CompileState"], "CompileState"]
 
@@ -58,7 +57,7 @@ class BuildOptions:
 @dataclass
 class CompileState:
     cfg: ModelConfig
-    tensors: dict[str, "torch.Tensor"]
+    weights: dict[str, TensorSource]  # checkpoint tensor name -> where its bytes are (nothing loaded)
     options: BuildOptions = field(default_factory=BuildOptions)
     has_speedc_section: bool = True  # False: plain HF checkpoint, sharing and exit come from analysis
     acceptance_hint: float | None = None  # exit/final top-1 agreement measured in training, if known
@@ -133,7 +132,7 @@ def graph_stats(graph: gs.Graph) -> tuple[int, int]:
     for tensor in graph.tensors().values():
         if isinstance(tensor, gs.Constant) and tensor.name not in seen:
             seen.add(tensor.name)
-            total += tensor.values.nbytes
+            total += constant_nbytes(tensor)
     return len(graph.nodes), total
 
 

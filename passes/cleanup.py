@@ -11,12 +11,15 @@ by default, so its artifact is as small as the checkpoint and computes exactly w
 
 from __future__ import annotations
 
+import math
+
 import ml_dtypes
 import numpy as np
 import onnx_graphsurgeon as gs
 
 from speedc.artifact import is_weight_name
 from speedc.passes.base import CompileState, register_pass
+from speedc.passes.source_weights import SourceWeight, source_weight
 
 FP16_MIN_ELEMENTS = 1024  # norms, rope tables and masks stay fp32
 
@@ -38,17 +41,19 @@ def store_weights_16bit(graphs: dict[str, gs.Graph], storage: str) -> int:
     """Convert large float32 weights (checkpoint and stacked weights) to STORAGE (fp16 | bf16) + Cast;
     the same weight gets the same 16-bit copy in every graph, so the artifact still stores it once.
     Tables computed at build time (rotary cos/sin) stay float32: rounding them would change outputs."""
-    converted: dict[str, np.ndarray] = {}
+    converted: dict[str, SourceWeight | np.ndarray] = {}
     for graph in graphs.values():
         for const in [t for t in graph.tensors().values() if isinstance(t, gs.Constant)]:
-            if (const.values.dtype != np.float32 or const.values.size < FP16_MIN_ELEMENTS
+            if (const.dtype != np.float32 or math.prod(const.shape) < FP16_MIN_ELEMENTS
                     or not is_weight_name(const.name)):
                 continue
             if const.name not in converted:
-                converted[const.name] = const.values.astype(STORAGE_DTYPES[storage])
+                weight = source_weight(const)  # a checkpoint weight: converted as the writer streams it
+                converted[const.name] = (weight.with_dtype(STORAGE_DTYPES[storage]) if weight is not None
+                                         else const.values.astype(STORAGE_DTYPES[storage]))
             users = list(const.outputs)
             stored = gs.Constant(const.name, converted[const.name])
-            cast_out = gs.Variable(f"{const.name}.fp32", dtype=np.float32, shape=list(const.values.shape))
+            cast_out = gs.Variable(f"{const.name}.fp32", dtype=np.float32, shape=list(const.shape))
             graph.nodes.append(gs.Node("Cast", f"{const.name}/Cast_fp32", attrs={"to": 1}, inputs=[stored], outputs=[cast_out]))
             for node in users:
                 node.inputs = [cast_out if inp is const else inp for inp in node.inputs]

@@ -27,6 +27,7 @@ import onnx_graphsurgeon as gs
 from speedc import contract
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.graph_utils import tensor
+from speedc.passes.source_weights import weight_constant
 from speedc.passes.trace import TRACED_HEADS
 
 
@@ -36,7 +37,7 @@ def weight(graph: gs.Graph, state: CompileState, name: str) -> gs.Constant:
     found = graph.tensors().get(name)
     if isinstance(found, gs.Constant):
         return found
-    return gs.Constant(name, state.tensors[name].float().numpy())
+    return weight_constant(name, state.weights[name])
 
 
 def emit_rms_norm(graph: gs.Graph, x: gs.Tensor, weight: gs.Constant, eps: float, prefix: str) -> gs.Tensor:

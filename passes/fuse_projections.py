@@ -22,6 +22,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from speedc.passes.base import CompileState, register_pass
+from speedc.passes.source_weights import SourceWeight, source_weight
 
 FUSED_NAME_SEPARATOR = "+"
 
@@ -31,15 +32,24 @@ def _plain_weight_gemm(node: gs.Node) -> bool:
     return (node.op == "Gemm" and len(node.inputs) == 2 and isinstance(node.inputs[1], gs.Constant)
             and node.attrs.get("transB", 0) == 1 and node.attrs.get("transA", 0) == 0
             and node.attrs.get("alpha", 1.0) == 1.0 and node.attrs.get("beta", 1.0) == 1.0
-            and node.inputs[1].values.ndim == 2)
+            and len(node.inputs[1].shape) == 2)
 
 
-def fuse_sibling_gemms(graph: gs.Graph, stacked: dict[str, np.ndarray], parts: dict[str, list]) -> int:
+def stack(weights: list[gs.Constant]) -> SourceWeight | np.ndarray:
+    """The rows of WEIGHTS back to back: a SourceWeight over their checkpoint tensors (nothing read),
+    or an array when a weight is a computed table."""
+    sources = [source_weight(w) for w in weights]
+    if all(s is not None for s in sources):
+        return SourceWeight(tuple(p for s in sources for p in s.parts), sources[0].dtype)
+    return np.concatenate([w.values for w in weights], axis=0)  # [sum N, K]
+
+
+def fuse_sibling_gemms(graph: gs.Graph, stacked: dict[str, SourceWeight | np.ndarray], parts: dict[str, list]) -> int:
     """Fuse every group of >= 2 plain weight Gemms that read the same tensor; returns groups fused.
 
-    STACKED (name -> array) is shared across graphs so each stacked weight is built once (every graph
-    gets its own Constant over the same array: graphsurgeon tensors track their consumers, so one
-    tensor object must not span graphs); PARTS receives name -> [(part name, first row, row count)].
+    STACKED (name -> stacked values) is shared across graphs so each stacked weight is made once (every
+    graph gets its own Constant over the same values: graphsurgeon tensors track their consumers, so
+    one tensor object must not span graphs); PARTS receives name -> [(part name, first row, row count)].
     """
     constants: dict[str, gs.Constant] = {}
     siblings: dict[str, list[gs.Node]] = defaultdict(list)
@@ -49,22 +59,22 @@ def fuse_sibling_gemms(graph: gs.Graph, stacked: dict[str, np.ndarray], parts: d
     fused = 0
     for group in siblings.values():
         weights = [node.inputs[1] for node in group]
-        if len(group) < 2 or len({(w.values.dtype, w.values.shape[1]) for w in weights}) != 1:
+        if len(group) < 2 or len({(w.dtype, w.shape[1]) for w in weights}) != 1:
             continue
         if len({w.name for w in weights}) != len(weights):
             continue  # the same weight twice on one input: nothing to stack
         name = FUSED_NAME_SEPARATOR.join(w.name for w in weights)
         if name not in stacked:
-            stacked[name] = np.concatenate([w.values for w in weights], axis=0)  # [sum N, K]
+            stacked[name] = stack(weights)  # [sum N, K]
             rows, layout = 0, []
             for w in weights:
-                layout.append((w.name, rows, int(w.values.shape[0])))
-                rows += int(w.values.shape[0])
+                layout.append((w.name, rows, int(w.shape[0])))
+                rows += int(w.shape[0])
             parts[name] = layout
         constant = constants.setdefault(name, gs.Constant(name, stacked[name]))
         first, x = group[0], group[0].inputs[0]
         wide = gs.Variable(f"{first.name}.stacked_out", dtype=first.outputs[0].dtype)  # [rows, sum N]
-        sizes = gs.Constant(f"{first.name}.split_sizes", np.array([w.values.shape[0] for w in weights], np.int64))
+        sizes = gs.Constant(f"{first.name}.split_sizes", np.array([w.shape[0] for w in weights], np.int64))
         outputs = [node.outputs[0] for node in group]
         for node in group:  # detached; cleanup() drops them
             node.outputs.clear()
@@ -82,7 +92,7 @@ def fuse_sibling_gemms(graph: gs.Graph, stacked: dict[str, np.ndarray], parts: d
                consumes=("separate_projections",))
 def fuse_projections(state: CompileState) -> CompileState:
     """Stack sibling projection weights (q/k/v, gate/up) into one Gemm + Split; no weight stored twice."""
-    stacked: dict[str, np.ndarray] = {}
+    stacked: dict[str, SourceWeight | np.ndarray] = {}
     total = 0
     for graph in state.graphs.values():
         total += fuse_sibling_gemms(graph, stacked, state.weight_parts)

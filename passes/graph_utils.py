@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import onnx_graphsurgeon as gs
 
@@ -39,23 +41,11 @@ def weight_constants(nodes) -> list[gs.Constant]:
     out, seen = [], set()
     for node in nodes:
         for inp in node.inputs:
-            if isinstance(inp, gs.Constant) and inp.values.ndim >= 1 and inp.values.size > 1 and inp.name not in seen:
-                if np.issubdtype(inp.values.dtype, np.floating):
+            if isinstance(inp, gs.Constant) and len(inp.shape) >= 1 and math.prod(inp.shape) > 1 and inp.name not in seen:
+                if np.issubdtype(inp.dtype, np.floating):
                     seen.add(inp.name)
                     out.append(inp)
     return out
-
-
-def bypass_constant_identities(graph: gs.Graph) -> int:
-    """Identity(constant) -> the constant. The PyTorch exporter emits these when it deduplicates
-    parameters with equal values (an unrolled checkpoint's repeated layers)."""
-    count = 0
-    for node in list(graph.nodes):
-        if node.op == "Identity" and isinstance(node.inputs[0], gs.Constant) and node.outputs[0] not in graph.outputs:
-            replace_uses(node.outputs[0], node.inputs[0])
-            count += 1
-    graph.cleanup()
-    return count
 
 
 def linear_to_gemm(graph: gs.Graph) -> int:

@@ -4,7 +4,8 @@
     after:  layer 0 -> W_a   layer 1 -> W_b   layer 2 -> W_a            layer 3 -> W_b
             layer map [0, 1, 0, 1], blocks renamed model.blocks.{m}.*
 
-Identical initializers are found by (dtype, shape, sha256) and confirmed by an exact compare. A
+Identical initializers are found by (dtype, shape, sha256) and confirmed by an exact compare, both
+streamed from the checkpoint files a row block at a time. A
 logical layer is the set of nodes between hidden.{l-1} and hidden.{l}; two layers are the same block
 when they read the same weights. A checkpoint saved by Hugging Face with every layer stored thus comes
 out with its sharing recognised and its weights named exactly as a speedc-native checkpoint's.
@@ -13,6 +14,7 @@ out with its sharing recognised and its weights named exactly as a speedc-native
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 
 import numpy as np
@@ -21,21 +23,37 @@ import onnx_graphsurgeon as gs
 from speedc.errors import BuildError
 from speedc.models.layer_map import describe_layer_map, first_pass_length
 from speedc.passes.base import CompileState, register_pass
+from speedc.models.tensor_source import same_values
 from speedc.passes.graph_utils import ancestors, replace_uses, tensor, weight_constants
+from speedc.passes.source_weights import source_weight
 
 _BLOCK_NAME = re.compile(r"^model\.blocks\.(\d+)\.(.+)$")
+
+
+def _content_key(const: gs.Constant) -> tuple:
+    """(dtype, shape, sha256 of the values): streamed from the checkpoint for a weight."""
+    weight = source_weight(const)
+    if weight is not None and len(weight.parts) == 1:
+        return weight.parts[0].dtype, tuple(const.shape), weight.parts[0].digest()
+    values = np.ascontiguousarray(const.values)
+    return values.dtype.str, values.shape, hashlib.sha256(values.tobytes()).hexdigest()
+
+
+def _same(a: gs.Constant, b: gs.Constant) -> bool:
+    wa, wb = source_weight(a), source_weight(b)
+    if wa is not None and wb is not None and len(wa.parts) == len(wb.parts) == 1:
+        return same_values(wa.parts[0], wb.parts[0])
+    return np.array_equal(a.values, b.values)
 
 
 def merge_identical_constants(graph: gs.Graph) -> int:
     """Point every use of a duplicated weight at one copy; returns how many copies were dropped."""
     canonical: dict[tuple, list[gs.Constant]] = {}
     merged = 0
-    constants = [t for t in graph.tensors().values() if isinstance(t, gs.Constant) and t.values.size > 1]
+    constants = [t for t in graph.tensors().values() if isinstance(t, gs.Constant) and math.prod(t.shape) > 1]
     for const in sorted(constants, key=lambda c: c.name):
-        values = np.ascontiguousarray(const.values)
-        key = (values.dtype.str, values.shape, hashlib.sha256(values.tobytes()).hexdigest())
-        bucket = canonical.setdefault(key, [])
-        twin = next((c for c in bucket if np.array_equal(c.values, values)), None)
+        bucket = canonical.setdefault(_content_key(const), [])
+        twin = next((c for c in bucket if _same(c, const)), None)
         if twin is None:
             bucket.append(const)
         else:
@@ -50,9 +68,10 @@ def derive_layer_map(graph: gs.Graph, num_layers: int) -> tuple[list[int], list[
     previous = ancestors([tensor(graph, "embeddings")])
     block_of: dict[tuple[str, ...], int] = {}
     layer_map, block_weights = [], []
+    nodes = graph.toposort().nodes  # once: sorting a 96-layer graph per layer costs minutes
     for layer in range(num_layers):
         reached = ancestors([tensor(graph, f"hidden.{layer}")])
-        weights = weight_constants(n for n in graph.toposort().nodes if id(n) in reached and id(n) not in previous)
+        weights = weight_constants(n for n in nodes if id(n) in reached and id(n) not in previous)
         key = tuple(sorted(w.name for w in weights if not w.name.startswith("inv_freq")))
         if key not in block_of:
             block_of[key] = len(block_of)

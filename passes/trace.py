@@ -16,6 +16,12 @@ the runtime writes the new rows into its own cache buffer.
 With B=1 this is the prefill / plain decode graph; the step_graph pass turns it into the P-slot step
 graph. Every projection is F.linear on 2-D input (ONNX Gemm, transB=1) so initializers are exactly
 the checkpoint tensors: nothing is transposed or duplicated, and shared blocks stay one initializer.
+
+No weight is read here. The program is traced with its parameters as extra inputs (uninitialised
+placeholders of the right shapes: untouched memory, whatever the model's size), and each such input
+then becomes a constant holding a SourceWeight: where the checkpoint keeps that tensor's bytes.
+
+    torch.onnx.export(weights as inputs) -> input "model.blocks.0.mlp.up.weight" -> Constant(SourceWeight)
 """
 
 from __future__ import annotations
@@ -30,11 +36,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from speedc import contract
-from speedc.models.checkpoint import model_from_state
+from speedc.errors import BuildError
+from speedc.models.config import ModelConfig
 from speedc.models.llama import SharedLlama
 from speedc.models.row_layer import layer_over_rows, loop_boundary, rms_norm, row_context, rotary_inv_freq
 from speedc.passes.base import CompileState, register_pass
-from speedc.passes.graph_utils import bypass_constant_identities, linear_to_gemm
+from speedc.passes.graph_utils import linear_to_gemm, replace_uses
+from speedc.passes.source_weights import weight_constant
 
 OPSET = 17
 TRACED_HEADS = ("logits", "exit_logits")  # the traced program's own heads (exit_heads replaces them)
@@ -89,13 +97,45 @@ def io_names(num_layers: int) -> tuple[list[str], list[str]]:
     return inputs, outputs
 
 
-def trace_decode_program(llama: SharedLlama) -> onnx.ModelProto:
-    cfg = llama.cfg
-    program = DecodeProgram(llama).eval()
+class WeightsAsInputs(nn.Module):
+    """DecodeProgram with every parameter passed in as an input after the cache. Traced this way the
+    exporter knows no weight's values: it neither folds nor serialises them (with parameters it
+    spends minutes and gigabytes on shape inference over a multi-GB model)."""
+
+    def __init__(self, program: DecodeProgram) -> None:
+        super().__init__()
+        self.program = program
+        self.weight_names = [name for name, _ in program.named_parameters()]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *rest: torch.Tensor):
+        past, weights = rest[:-len(self.weight_names)], rest[-len(self.weight_names):]
+        for name, value in zip(self.weight_names, weights):
+            owner, _, leaf = name.rpartition(".")
+            self.program.get_submodule(owner)._parameters[leaf] = value  # the input, used where the parameter was
+        return self.program(input_ids, positions, *past)
+
+
+def io_names(num_layers: int) -> tuple[list[str], list[str]]:
+    inputs = [contract.INPUT_IDS, contract.POSITIONS]
+    for layer in range(num_layers):
+        inputs += [f"past.key.{layer}", f"past.value.{layer}"]
+    outputs = [*TRACED_HEADS, "embeddings"] + [f"hidden.{layer}" for layer in range(num_layers)]
+    for layer in range(num_layers):
+        outputs += [f"present.key.{layer}", f"present.value.{layer}"]
+    return inputs, outputs
+
+
+def trace_decode_program(cfg: ModelConfig) -> onnx.ModelProto:
+    """The decode program with every parameter a graph input named as in the checkpoint (weights are
+    uninitialised placeholders: the trace needs shapes only, and untouched memory costs nothing)."""
+    with torch.device("meta"):
+        llama = SharedLlama(cfg)  # shapes only
+    program = WeightsAsInputs(DecodeProgram(llama).eval())
+    weights = [torch.empty(p.shape) for _, p in program.program.named_parameters()]
     batch, length, past_len = 2, 3, 5  # non-1 sizes so nothing specialises on them
     kv_shape = (batch, cfg.num_key_value_heads, past_len, cfg.head_dim)
     args = (torch.zeros(batch, length, dtype=torch.long), torch.tensor([5, 2]),
-            *[torch.zeros(kv_shape) for _ in range(2 * cfg.num_hidden_layers)])
+            *[torch.zeros(kv_shape) for _ in range(2 * cfg.num_hidden_layers)], *weights)
     inputs, outputs = io_names(cfg.num_hidden_layers)
     dynamic = {contract.INPUT_IDS: {0: "batch", 1: "chunk"}, contract.POSITIONS: {0: "batch"}}
     for name in inputs[2:]:
@@ -105,17 +145,31 @@ def trace_decode_program(llama: SharedLlama) -> onnx.ModelProto:
     buffer = io.BytesIO()
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        torch.onnx.export(program, args, buffer, input_names=inputs, output_names=outputs, dynamic_axes=dynamic,
-                          opset_version=OPSET, do_constant_folding=False, dynamo=False)
+        torch.onnx.export(program, args, buffer, input_names=inputs + program.weight_names, output_names=outputs,
+                          dynamic_axes=dynamic, opset_version=OPSET, do_constant_folding=False, dynamo=False)
     return onnx.load_from_string(buffer.getvalue())
+
+
+def bind_weights(graph: gs.Graph, state: CompileState) -> int:
+    """Each parameter input -> a constant over the checkpoint tensor of that name (nothing is read)."""
+    program_inputs = set(io_names(state.cfg.num_hidden_layers)[0])
+    bound = 0
+    for inp in [i for i in graph.inputs if i.name not in program_inputs]:
+        source = state.weights.get(inp.name)
+        if source is None:
+            raise BuildError(f"internal: the traced program reads parameter {inp.name}, which the checkpoint lacks")
+        replace_uses(inp, weight_constant(inp.name, source))
+        graph.inputs.remove(inp)
+        bound += 1
+    graph.cleanup()
+    return bound
 
 
 @register_pass("trace", phase="import", provides=("decode_program", "separate_projections"))
 def trace(state: CompileState) -> CompileState:
     """Trace the checkpoint's decode program (all N layers, chunked, cache read-only) into ONNX."""
-    llama = model_from_state(state.cfg, state.tensors)
-    graph = gs.import_onnx(trace_decode_program(llama))
-    bypass_constant_identities(graph)
+    graph = gs.import_onnx(trace_decode_program(state.cfg))
+    bind_weights(graph, state)
     linear_to_gemm(graph)
     state.graphs["decode"] = graph.toposort()
     state.notes.append(f"traced {state.cfg.num_hidden_layers} layers over {state.cfg.num_blocks} stored blocks")

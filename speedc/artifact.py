@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -185,69 +186,105 @@ def _io_spec(values) -> list[dict]:
     return spec
 
 
-def _index_parts(index: dict[str, dict], entry: dict, name: str, parts: list, array: np.ndarray) -> list[str]:
+def _index_parts(index: dict[str, dict], entry: dict, name: str, parts: list) -> list[str]:
     """Index entries for the checkpoint tensors stacked (row blocks) in weight NAME."""
-    row_bytes = array.itemsize * int(np.prod(array.shape[1:]))
+    row_bytes = entry["length"] // entry["shape"][0]
     for part, first_row, rows in parts:
         index[part] = {"offset": entry["offset"] + first_row * row_bytes, "length": rows * row_bytes,
-                       "dtype": array.dtype.name, "shape": [rows, *array.shape[1:]], "within": name}
+                       "dtype": entry["dtype"], "shape": [rows, *entry["shape"][1:]], "within": name}
     return [part for part, _, _ in parts]
 
 
-def write_graphs(graphs: dict, directory: Path, weight_names: set[str],
-                 weight_parts: dict[str, list] | None = None) -> tuple[dict, dict]:
-    """Export each graph (onnx-graphsurgeon) to ONNX with its weights in ONE shared external-data file.
+def _stored_constants(graphs: dict, ordered: list[str], weight_names: set[str]) -> dict[str, list]:
+    """name -> every graph Constant of that name that goes to weights.bin (first use first)."""
+    import math
 
-    Graphs are written in the contract's order (whatever order the passes made them in), so the same
-    pipeline result always gives the same bytes. Every checkpoint weight (and any other initializer of
-    EXTERNAL_MIN_BYTES or more) goes to weights.bin; a weight used by several graphs (same name, same
-    bytes) is written once and they all point at it. A stacked weight (fuse_projections) is one entry
-    with "parts"; each checkpoint tensor in it gets its own entry "within" it.
+    import onnx_graphsurgeon as gs
+
+    stored: dict[str, list] = {}
+    for graph_name in ordered:
+        for tensor in graphs[graph_name].tensors().values():
+            if not isinstance(tensor, gs.Constant):
+                continue
+            nbytes = math.prod(tensor.shape) * np.dtype(tensor.dtype).itemsize
+            if nbytes >= EXTERNAL_MIN_BYTES or tensor.name in weight_names or is_weight_name(tensor.name):
+                stored.setdefault(tensor.name, []).append(tensor)
+    return stored
+
+
+def _chunks(constant):
+    """A constant's values as byte-ready arrays: streamed row blocks for a weight still in the checkpoint
+    (any object with `chunks()`, see passes/source_weights.py), the array itself otherwise."""
+    values = constant._values  # graphsurgeon's storage: .values would load a lazy weight whole
+    if hasattr(values, "chunks"):
+        return values.chunks()
+    return iter([np.ascontiguousarray(constant.values)])
+
+
+def _identity(constant) -> tuple:
+    values = constant._values
+    if hasattr(values, "identity"):
+        return values.identity()
+    return "array", hashlib.sha256(np.ascontiguousarray(constant.values).tobytes()).hexdigest()
+
+
+def write_graphs(graphs: dict, directory: Path, weight_names: set[str], weight_parts: dict[str, list] | None = None,
+                 on_bytes: Callable[[int, int], None] | None = None) -> tuple[dict, dict]:
+    """Write every graph as ONNX with its weights in ONE shared external-data file, weights.bin.
+
+    Weights are streamed: each is copied from where it is (checkpoint bytes, converted to its storage
+    dtype a row block at a time) into weights.bin once, whatever number of graphs use it, and each
+    graph's initializer becomes an external-data reference (location, offset, length); no graph proto
+    ever holds weight bytes. Graphs are written in the contract's order, so the same pipeline result
+    always gives the same bytes. A stacked weight (fuse_projections) is one entry with "parts"; each
+    checkpoint tensor in it gets its own entry "within" it. ON_BYTES(done, total) reports progress.
     Returns (graph I/O specs, weight index).
     """
     import onnx
     import onnx_graphsurgeon as gs
-    from onnx import numpy_helper
+
+    from speedc.passes.source_weights import WrittenWeight
 
     unknown = sorted(set(graphs) - set(contract.GRAPHS))
     if unknown:
         raise BuildError(f"internal: graph {unknown[0]!r} is not part of the artifact contract")
     weight_parts = weight_parts or {}
-    index: dict[str, dict] = {}
-    digests: dict[str, str] = {}
-    specs: dict[str, dict] = {}
     ordered = [name for name in contract.GRAPHS if name in graphs]
+    stored = _stored_constants(graphs, ordered, weight_names)
+    for name, uses in stored.items():
+        if len({_identity(c) for c in uses}) > 1:
+            raise BuildError(f"internal: weight {name} differs between graphs")
+    total = sum(math.prod(uses[0].shape) * np.dtype(uses[0].dtype).itemsize for uses in stored.values())
+    index: dict[str, dict] = {}
+    done = 0
     with open(directory / WEIGHTS, "wb") as blob:
-        for name in ordered:
-            model = gs.export_onnx(graphs[name], do_type_check=True)
-            model.ir_version = min(model.ir_version, 10)
-            for init in model.graph.initializer:
-                array = numpy_helper.to_array(init)
-                if array.nbytes < EXTERNAL_MIN_BYTES and init.name not in weight_names:
-                    continue
-                data = np.ascontiguousarray(array).tobytes()
-                digest = hashlib.sha256(data).hexdigest()
-                entry = index.get(init.name)
-                if entry is None:
-                    offset = -(-blob.tell() // WEIGHT_ALIGN) * WEIGHT_ALIGN
-                    blob.write(b"\0" * (offset - blob.tell()))
-                    blob.write(data)
-                    entry = index[init.name] = {"offset": offset, "length": len(data), "dtype": array.dtype.name,
-                                                "shape": list(array.shape)}
-                    digests[init.name] = digest
-                    if init.name in weight_parts:
-                        entry["parts"] = _index_parts(index, entry, init.name, weight_parts[init.name], array)
-                elif digests[init.name] != digest:
-                    raise BuildError(f"internal: weight {init.name} differs between graphs")
-                init.ClearField("raw_data")
-                del init.float_data[:]
-                init.data_location = onnx.TensorProto.EXTERNAL
-                del init.external_data[:]
-                for key, value in (("location", WEIGHTS), ("offset", entry["offset"]), ("length", entry["length"])):
-                    init.external_data.add(key=key, value=str(value))
-            onnx.save(model, str(directory / GRAPH_FILES[name]))
-            specs[name] = {"file": GRAPH_FILES[name], "inputs": _io_spec(model.graph.input),
-                           "outputs": _io_spec(model.graph.output)}
+        for name, uses in stored.items():
+            offset = -(-blob.tell() // WEIGHT_ALIGN) * WEIGHT_ALIGN
+            blob.write(b"\0" * (offset - blob.tell()))
+            for chunk in _chunks(uses[0]):
+                blob.write(chunk.reshape(-1).view(np.uint8).data)  # no copy
+                done += chunk.nbytes
+                if on_bytes:
+                    on_bytes(done, total)
+            dtype = np.dtype(uses[0].dtype)
+            entry = index[name] = {"offset": offset, "length": blob.tell() - offset, "dtype": dtype.name,
+                                   "shape": list(uses[0].shape)}
+            if name in weight_parts:
+                entry["parts"] = _index_parts(index, entry, name, weight_parts[name])
+            proto = onnx.TensorProto(name=name, dims=entry["shape"],
+                                     data_type=onnx.helper.np_dtype_to_tensor_dtype(dtype),
+                                     data_location=onnx.TensorProto.EXTERNAL)
+            for key, value in (("location", WEIGHTS), ("offset", offset), ("length", entry["length"])):
+                proto.external_data.add(key=key, value=str(value))
+            for constant in uses:
+                constant.values = WrittenWeight(proto, entry["shape"], dtype)
+    specs: dict[str, dict] = {}
+    for name in ordered:
+        model = gs.export_onnx(graphs[name], do_type_check=True)
+        model.ir_version = min(model.ir_version, 10)
+        onnx.save(model, str(directory / GRAPH_FILES[name]))
+        specs[name] = {"file": GRAPH_FILES[name], "inputs": _io_spec(model.graph.input),
+                       "outputs": _io_spec(model.graph.output)}
     for name in ordered:
         onnx.checker.check_model(str(directory / GRAPH_FILES[name]), full_check=False)
     return specs, index

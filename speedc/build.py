@@ -20,7 +20,7 @@ from speedc import __version__
 from speedc.artifact import (CONFIG, FORMAT_VERSION, TOKENIZER, WEIGHTS, Manifest, stored_entries, weight_bytes,
                              write_graphs, write_manifest)
 from speedc.errors import BuildError, SpeedcError
-from speedc.models.checkpoint import checkpoint_hash, load_checkpoint, read_tokenizer_json
+from speedc.models.checkpoint import checkpoint_hash, open_checkpoint, read_tokenizer_json
 from speedc.models.checkpoint_files import acceptance_hint_from_training, declared_tensor_bytes, has_speedc_section
 from speedc.passes import (cache_writer, cleanup, exit_heads, fuse_projections, gqa_attention, kv_cache,  # noqa: F401
                            schedule, share, step_graph, trace, trt_lint)  # (importing registers the passes)
@@ -48,9 +48,6 @@ class BuildResult:
 
 
 STORAGE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}  # bytes per weight element stored in the artifact
-# The trace pass holds the model in fp32 and exports it through torch.onnx.export, whose protobuf stops
-# at 2 GiB: a larger checkpoint is refused before any work (a streaming build is not in this version).
-TRACE_LIMIT_BYTES = 1_900_000_000
 SAFETENSORS_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
 
 
@@ -76,24 +73,21 @@ def check_disk_space(elements: int, out: Path, options: BuildOptions) -> None:
                          f"{free / 1e9:.1f} GB are free on {folder}")
 
 
-def check_traceable(elements: int) -> None:
-    fp32_bytes = 4 * elements
-    if fp32_bytes > TRACE_LIMIT_BYTES:
-        raise BuildError(f"this checkpoint holds {fp32_bytes / 1e9:.1f} GB of weights in fp32; this speedc version "
-                         f"builds up to {TRACE_LIMIT_BYTES / 1e9:.1f} GB (its trace holds the model in memory and ONNX "
-                         "protobufs stop at 2 GiB); real-size builds are not implemented yet")
-
-
 def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None = None, *, force: bool = False,
           allow_pickle: bool = False, dump_after: list[str] | None = None,
           on_pass: Callable[[PassReport], None] | None = None, measure_step_cost: bool = False,
           passes: list[str] | None = None,
-          progress: Callable[[str], None] = lambda message: None) -> BuildResult:
+          progress: Callable[[str], None] = lambda message: None,
+          on_weight_bytes: Callable[[int, int], None] | None = None) -> BuildResult:
     """Compile CHECKPOINT into the artifact directory OUT (atomically: OUT appears complete or not at all).
 
     MEASURE_STEP_COST: time the step graph against plain decoding on this machine (a few seconds) and
     store c(P) in the manifest, so `speedc inspect` predicts from a measurement. PASSES: run this list
-    instead of PASS_ORDER (experiments; the runner refuses an order whose passes' needs are unmet)."""
+    instead of PASS_ORDER (experiments; the runner refuses an order whose passes' needs are unmet).
+    ON_WEIGHT_BYTES(done, total): progress while weights stream into weights.bin.
+
+    Memory: weights are never loaded whole. The passes see where each checkpoint tensor's bytes are
+    (passes/source_weights.py) and the writer copies them, a row block at a time."""
     options = options or BuildOptions()
     checkpoint, out = Path(checkpoint), Path(out)
     started = time.perf_counter()
@@ -110,13 +104,12 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
         options = dataclasses.replace(options, dtype=default_storage(declared))
     elements = declared_elements(declared)
     check_disk_space(elements, out, options)
-    check_traceable(elements)
-    cfg, tensors = load_checkpoint(checkpoint, allow_pickle=allow_pickle)
+    cfg, weights = open_checkpoint(checkpoint, allow_pickle=allow_pickle)
     if options.eos_token_id is not None:
         if not 0 <= options.eos_token_id < cfg.vocab_size:
             raise BuildError(f"--eos-token-id {options.eos_token_id} is outside the vocabulary (0..{cfg.vocab_size - 1})")
         cfg = dataclasses.replace(cfg, eos_token_id=options.eos_token_id)
-    state = CompileState(cfg, tensors, options, has_speedc_section=has_speedc_section(checkpoint),
+    state = CompileState(cfg, weights, options, has_speedc_section=has_speedc_section(checkpoint),
                          acceptance_hint=acceptance_hint_from_training(checkpoint))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
@@ -127,7 +120,8 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
         if options.target == "trt":
             raise BuildError("--target trt: TensorRT engine building is not available in this speedc build "
                              "(the TensorRT lint passed; build --target onnx to deploy with ONNX Runtime)")
-        specs, index = write_graphs(state.graphs, tmp, set(tensors), state.weight_parts)
+        progress("writing the graphs and streaming the weights into the artifact")
+        specs, index = write_graphs(state.graphs, tmp, set(weights), state.weight_parts, on_bytes=on_weight_bytes)
         cfg.save(tmp / CONFIG)
         tokenizer = read_tokenizer_json(checkpoint)
         if tokenizer is not None:

@@ -17,12 +17,17 @@ from speedc.errors import GenerationError
 @click.command()
 @click.argument("artifact", type=click.Path(path_type=Path), required=False)
 @click.option("--memory-bound", is_flag=True,
-              help="Instead: build a large random-weight model of the zoo shape and report c(P) only (no speedups).")
+              help="Instead: build a large random-weight model (--shape) at each pipeline depth and report c(P).")
 @click.option("--memory-bound-hidden", type=click.IntRange(64), default=1024, show_default=True, hidden=True)
 @click.option("--shape", type=click.Choice(["zoo", *SHAPES]), default="zoo", show_default=True,
-              help="With --memory-bound: the zoo family at hidden 1024, or a looped checkpoint's real layer shapes "
-                   "(as many layers as this build can trace; the report says how many).")
+              help="With --memory-bound: the zoo family at hidden 1024, or a looped checkpoint's real shapes (bf16, "
+                   "its published layout, every layer unless --layers).")
 @click.option("--layers", type=click.IntRange(1), default=None, help="With --memory-bound --shape: use at most this many layers.")
+@click.option("--end-to-end", is_flag=True,
+              help="With --memory-bound: also SPEED vs plain decoding per depth, on weights whose residual updates are "
+                   "scaled so the early exit agrees often (acceptance measured and reported; ids checked identical).")
+@click.option("--residual-scale", type=click.FloatRange(0, 1, min_open=True), default=None,
+              help="With --end-to-end: scale of each block's residual update (default 0.1; smaller: higher acceptance).")
 @click.option("--new-tokens", type=click.IntRange(2), default=128, show_default=True)
 @click.option("--repeats", type=click.IntRange(1), default=3, show_default=True, help="Passes over the prompt set.")
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable; default: a built-in set).")
@@ -37,8 +42,8 @@ from speedc.errors import GenerationError
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
               help="Write a PNG: tokens/s per system (end to end), decode-only speedup vs slots with the bound.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def bench(artifact, memory_bound, memory_bound_hidden, shape, layers, new_tokens, repeats, prompts, early_flush, backend, device,
-          threads, peers, sweeps, memory, plot, as_json):
+def bench(artifact, memory_bound, memory_bound_hidden, shape, layers, end_to_end, residual_scale, new_tokens, repeats, prompts,
+          early_flush, backend, device, threads, peers, sweeps, memory, plot, as_json):
     """Measure SPEED against plain decoding (and peers) on ARTIFACT: interleaved runs, identical ids checked first.
 
     Reports ms/token p50/p90 and SPEED's speedup both decode only (prefill excluded) and end to end
@@ -52,18 +57,16 @@ def bench(artifact, memory_bound, memory_bound_hidden, shape, layers, new_tokens
 
         with Console(stderr=True).status("memory-bound step cost") as spinner:
             report = synthetic_step_costs(hidden=memory_bound_hidden, threads=threads, backend=backend,
-                                          shape=SHAPES.get(shape), layers=layers, progress=spinner.update)
+                                          shape=SHAPES.get(shape), layers=layers, end_to_end=end_to_end,
+                                          residual_scale=residual_scale, new_tokens=new_tokens,
+                                          progress=spinner.update)
         if as_json:
             click.echo(json.dumps(report))
         else:
-            click.echo(f"{report['label']}, {report['backend']}, shape {report['shape']}: hidden {report['hidden']}, "
-                       f"{report['blocks']} blocks x {report['passes']} passes, {report['unique_weight_mb']} MB unique "
-                       f"fp32 weights, context {report['context']}")
-            if report["note"]:
-                click.echo(f"  note: {report['note']}")
-            for row in report["rows"]:
-                click.echo(f"  c(P={row['slots']}) = {row['step_cost']:.2f}")
+            print_memory_bound(report)
         return
+    if end_to_end or residual_scale is not None:
+        raise GenerationError("--end-to-end and --residual-scale go with --memory-bound")
     if artifact is None:
         raise GenerationError("give an ARTIFACT to benchmark (or --memory-bound)")
     if plot is not None:
@@ -112,6 +115,21 @@ def bench(artifact, memory_bound, memory_bound_hidden, shape, layers, new_tokens
 
         write_plot(report.to_json(), plot)
         status.print(f"wrote {plot}")
+
+
+def print_memory_bound(report: dict) -> None:
+    click.echo(f"{report['label']}, {report['backend']}, shape {report['shape']}: hidden {report['hidden']}, "
+               f"{report['blocks']} blocks x {report['passes']} passes, {report['unique_weight_mb']} MB unique "
+               f"fp32 weights ({report['stored_weight_mb']} MB stored), context {report['context']}")
+    if report["note"]:
+        click.echo(f"  note: {report['note']}")
+    for row in report["rows"]:
+        line = f"  c(P={row['slots']}) = {row['step_cost']:.2f}"
+        if "speedup_decode" in row:
+            line += (f"   acceptance {row['acceptance']:.2f}: SPEED {row['speed_ms_per_token']:.1f} ms/token, plain "
+                     f"{row['autoregressive_ms_per_token']:.1f} ms/token, speedup {row['speedup_decode']:.2f}x "
+                     "(decode only, ids identical)")
+        click.echo(line)
 
 
 def check_plot_path(plot: Path) -> None:

@@ -13,6 +13,13 @@ from speedc.models import zoo
 
 # CHECKPOINT / PATH are plain strings: `zoo:NAME` names a bundled model (models/zoo.py), resolved in
 # the command so a bad name is a one-line user error; the library functions keep taking paths.
+def weights_bar(done: int, total: int, width: int = 30) -> str:
+    """'weights [#########.....]  62%  1.74 / 2.80 GB'"""
+    filled = width * done // max(total, 1)
+    return (f"weights [{'#' * filled}{'.' * (width - filled)}] {100 * done // max(total, 1):3d}%  "
+            f"{done / 1e9:.2f} / {total / 1e9:.2f} GB")
+
+
 @click.command(epilog=zoo.help_text())
 @click.argument("checkpoint")
 @click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Artifact directory to write.")
@@ -62,10 +69,19 @@ def build(checkpoint, out, slots, weights, target, exit_layer, alpha, eos_token_
             else:
                 status.update(message)
 
+        shown = [-1]
+
+        def on_weight_bytes(done: int, total: int) -> None:
+            percent = 100 * done // max(total, 1)
+            step = 10 if verbose else 1  # verbose output is a log: a line per 10%
+            if percent // step != shown[0] // step:
+                shown[0] = percent
+                progress(weights_bar(done, total))
+
         result = run_build(checkpoint, out, BuildOptions(slots=slots, dtype=weights, target=target, exit_layer=exit_layer,
                                                          alpha=alpha, eos_token_id=eos_token_id),
                            force=force, allow_pickle=allow_pickle, dump_after=list(dump_after), on_pass=on_pass,
-                           measure_step_cost=measure, progress=progress)
+                           measure_step_cost=measure, progress=progress, on_weight_bytes=on_weight_bytes)
     if verbose:
         for note in result.notes:
             click.echo(f"  {note}", err=True)

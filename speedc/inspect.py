@@ -18,18 +18,18 @@ from speedc.schedule import ALPHA_GRID, DEFAULT_ALPHA, analytic_bound, assumed_s
 
 
 def _from_checkpoint(path: Path, alpha: float | None) -> dict:
-    from speedc.models.checkpoint import load_checkpoint
+    from speedc.models.checkpoint import open_checkpoint
     from speedc.models.checkpoint_files import acceptance_hint_from_training, has_speedc_section, token_id_sources
     from speedc.passes import schedule, share, trace  # noqa: F401  (importing registers the passes)
     from speedc.models.families import family_of
     from speedc.passes.base import BuildOptions, CompileState, graph_stats, run_passes
 
-    cfg, tensors = load_checkpoint(path)
+    cfg, weights = open_checkpoint(path)
     raw = json.loads((path / CONFIG_FILE).read_text())
-    state = CompileState(cfg, tensors, BuildOptions(alpha=alpha), has_speedc_section=has_speedc_section(path),
+    state = CompileState(cfg, weights, BuildOptions(alpha=alpha), has_speedc_section=has_speedc_section(path),
                          acceptance_hint=acceptance_hint_from_training(path))
     state, _ = run_passes(state, ["trace", "share", "schedule"])
-    stored = sum(t.numel() * 4 for t in tensors.values())
+    stored = sum(w.numel * 4 for w in weights.values())
     return {"kind": "checkpoint", "path": str(path), "model": cfg.describe(), "layer_map": state.layer_map,
             "exit_layer": state.exit_layer, "schedule": state.schedule.to_json(),
             "alpha_source": "--alpha" if alpha is not None else (

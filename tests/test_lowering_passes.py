@@ -22,6 +22,7 @@ from conftest import random_config, randomize
 from speedc.build import PASS_ORDER
 from speedc.errors import BuildError
 from speedc.models.llama import SharedLlama
+from speedc.models.checkpoint import sources_from_state
 from speedc.passes.base import BuildOptions, CompileState, run_passes
 
 P, S, N = 3, 2, 6  # slots, stage layers, logical layers
@@ -34,7 +35,7 @@ HIDDEN_ATOL = 1e-6  # the same subgraph before and after a pass that did not tou
 # ---- helpers ---------------------------------------------------------------------------------------
 
 def _state(model: SharedLlama, **options) -> CompileState:
-    return CompileState(model.cfg, dict(model.state_dict()), BuildOptions(**options))
+    return CompileState(model.cfg, sources_from_state(model.state_dict()), BuildOptions(**options))
 
 
 def _before(analysed: CompileState, name: str) -> CompileState:

@@ -11,7 +11,7 @@ import torch
 from conftest import random_config, randomize
 from speedc.build import PASS_ORDER
 from speedc.errors import BuildError
-from speedc.models.checkpoint import load_checkpoint, save_unrolled_hf
+from speedc.models.checkpoint import open_checkpoint, save_unrolled_hf, sources_from_state
 from speedc.models.llama import SharedLlama
 from speedc.passes.base import BuildOptions, CompileState, run_passes
 from speedc.models.layer_map import valid_slot_counts
@@ -21,7 +21,7 @@ from speedc.passes.trt_lint import lint_graph
 
 
 def _state(model, **options) -> CompileState:
-    return CompileState(model.cfg, dict(model.state_dict()), BuildOptions(**options))
+    return CompileState(model.cfg, sources_from_state(model.state_dict()), BuildOptions(**options))
 
 
 def _through(state, last: str) -> CompileState:
@@ -55,9 +55,9 @@ def test_trace_decode_graph_matches_reference(model):
 
 def test_share_merges_duplicates_and_derives_the_map(tmp_path, model):
     # Before: a Hugging Face checkpoint stores all 6 layers.
-    cfg, tensors = load_checkpoint(save_unrolled_hf(model, tmp_path / "hf"))
-    assert cfg.layer_map == list(range(6)) and sum(".blocks." in n for n in tensors) == 6 * 9
-    state = _through(CompileState(cfg, tensors, has_speedc_section=False), "share")
+    cfg, weights = open_checkpoint(save_unrolled_hf(model, tmp_path / "hf"))
+    assert cfg.layer_map == list(range(6)) and sum(".blocks." in n for n in weights) == 6 * 9
+    state = _through(CompileState(cfg, weights, has_speedc_section=False), "share")
     # After: the cycle is recognised and the blocks carry native names.
     assert state.layer_map == [0, 1, 0, 1, 0, 1]
     assert state.exit_layer == 2 and state.exit_norm == "model.norm.weight"

@@ -2,24 +2,28 @@
 depth, then c(P) = (P-slot step time) / (plain token time / P), interleaved.
 
 Shapes (`--shape`): the zoo family made large (hidden 1024 by default: unique fp32 weights far beyond
-a CPU's last-level cache), or the real layer shapes of the looped checkpoints (Ouro-1.4B / 2.6B,
-Nanbeige4.2-3B: their widths, heads, MLP, vocabulary, loop count, block and loop norms). This
-version's build holds the model in fp32 and traces it through torch.onnx.export, whose protobuf
-stops at 2 GiB, so a real shape runs with as many of its layers as fit (said in the report); a shape
-whose embedding and LM head alone do not fit is refused.
+a CPU's last-level cache), or the real shapes of the looped checkpoints (Ouro-1.4B / 2.6B,
+Nanbeige4.2-3B: their widths, heads, MLP, vocabulary, layer and loop counts, block and loop norms),
+written in bf16 in their published layout and built like a real checkpoint (`--layers K` for fewer).
 
-Random weights make acceptance meaningless, so these rows are step cost only, never end-to-end
-speedups."""
+Plain random weights make acceptance meaningless, so by default the rows are step cost only. With
+--end-to-end the blocks' residual updates are scaled down (--residual-scale) so the early exit agrees
+with the final head often, as in a trained looped model, and each row adds SPEED vs plain decoding at
+the acceptance measured in the same run (ids checked identical)."""
 
 from __future__ import annotations
 
+import shutil
+import statistics
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from speedc.bench.run import measure_step_cost
-from speedc.errors import SpeedcError
 
+# Residual scale for --end-to-end on random weights: each block then adds little to the residual
+# stream, so the state after the first pass predicts the last (as in a trained looped model).
+DEFAULT_RESIDUAL_SCALE = 0.1
 
 
 @dataclass(frozen=True)
@@ -60,17 +64,8 @@ def zoo_shape(hidden: int, blocks: int = 4, passes: int = 4) -> Shape:
 
 
 def layers_that_fit(shape: Shape, requested: int | None = None) -> int:
-    """The requested layer count (default: the real one), cut to what the in-memory trace holds."""
-    from speedc.build import TRACE_LIMIT_BYTES  # the compiler's limit (importing it loads the compiler)
-
-    want = min(requested or shape.layers, shape.layers)
-    room = TRACE_LIMIT_BYTES // 4 - shape.fixed_params()
-    fit = room // shape.block_params() if room > 0 else 0
-    if fit < 1:
-        raise SpeedcError(f"--shape {shape.name}: its embedding and LM head alone are "
-                          f"{4 * shape.fixed_params() / 1e9:.1f} GB of fp32 weights, past what this build can trace "
-                          "(2 GiB): real-size builds need the streaming build, not in this version")
-    return int(min(want, fit))
+    """The requested layer count (default: the real one), at most the real one."""
+    return int(min(requested or shape.layers, shape.layers))
 
 
 def shape_config(shape: Shape, layers: int):
@@ -117,34 +112,82 @@ def random_model_of(cfg, residual_scale: float = 1.0, seed: int = 0):
     return model.eval()
 
 
+def synthetic_checkpoint(shape: Shape, layers: int, directory: Path, residual_scale: float = 1.0) -> Path:
+    """A random-weight checkpoint of SHAPE: a looped shape in its family's published layout, streamed
+    to disk (bf16, any size); the zoo shape as a speedc checkpoint (fp32, built in memory: it is small)."""
+    if shape.looped:
+        from speedc.bench.random_checkpoint import write_random_checkpoint
+
+        return write_random_checkpoint(shape, layers, directory, residual_scale=residual_scale)
+    from speedc.models.checkpoint import save_checkpoint
+
+    return save_checkpoint(random_model_of(shape_config(shape, layers), residual_scale), directory)
+
+
+def end_to_end_row(engine, *, prompts: int, new_tokens: int, seed: int = 0) -> dict:
+    """SPEED vs plain decoding on random prompt ids, interleaved, greedy; ids must be identical."""
+    import numpy as np
+
+    from speedc.errors import GenerationError
+
+    vocab = engine.manifest.model["vocab_size"]
+    rng = np.random.default_rng(seed)
+    ms = {"speed": [], "autoregressive": []}
+    accepted = checked = 0
+    for _ in range(prompts):
+        prompt = [int(i) for i in rng.integers(0, vocab, size=8)]
+        results = {mode: engine.generate(prompt, max_new_tokens=new_tokens, mode=mode, stop_at_eos=False)
+                   for mode in ("speed", "autoregressive")}
+        if results["speed"].ids != results["autoregressive"].ids:
+            raise GenerationError("SPEED and plain decoding produced different ids on a random prompt: not lossless")
+        for mode, result in results.items():
+            ms[mode].append(1000 * result.stats.decode_seconds / max(1, result.stats.new_tokens - 1))
+        accepted += results["speed"].stats.accepted
+        checked += results["speed"].stats.accepted + results["speed"].stats.mispredicted
+    speed, plain = statistics.median(ms["speed"]), statistics.median(ms["autoregressive"])
+    return {"acceptance": round(accepted / max(1, checked), 3), "speed_ms_per_token": round(speed, 2),
+            "autoregressive_ms_per_token": round(plain, 2), "speedup_decode": round(plain / speed, 3),
+            "ids_identical": True}
+
+
 def synthetic_step_costs(*, hidden: int = 1024, blocks: int = 4, passes: int = 4, context: int = 512,
                          threads: int | None = None, repeats: int = 100, backend: str = "onnx",
-                         shape: Shape | None = None, layers: int | None = None, progress=lambda message: None) -> dict:
-    """c(P) rows for SHAPE (default: the zoo shape at HIDDEN) at every valid depth in (2, 4, 8)."""
+                         shape: Shape | None = None, layers: int | None = None, end_to_end: bool = False,
+                         residual_scale: float | None = None, new_tokens: int = 64, prompts: int = 4,
+                         progress=lambda message: None) -> dict:
+    """c(P) rows for SHAPE (default: the zoo shape at HIDDEN) at every valid depth in (2, 4, 8); with
+    END_TO_END also SPEED vs plain decoding per depth, on weights whose blocks' residual updates are
+    scaled by RESIDUAL_SCALE so the early exit agrees often (the measured acceptance is reported)."""
     from speedc.build import build
-    from speedc.models.checkpoint import save_checkpoint
     from speedc.models.layer_map import valid_slot_counts
     from speedc.passes.base import BuildOptions
     from speedc.runtimes.engine import Engine
 
     shape = shape or zoo_shape(hidden, blocks, passes)
-    used = layers_that_fit(shape, layers) if shape.looped else shape.layers
-    progress(f"{shape.name}: random weights, {used} of {shape.layers} layers x {shape.loops} loops")
+    used = layers_that_fit(shape, layers)
+    scale = residual_scale if residual_scale is not None else (DEFAULT_RESIDUAL_SCALE if end_to_end else 1.0)
     cfg = shape_config(shape, used)
-    model = random_model_of(cfg)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = save_checkpoint(model, Path(tmp) / "ckpt")
-        unique_bytes = sum(p.numel() * 4 for p in model.parameters())
-        del model  # the build reads the checkpoint; keep one copy of the weights in memory, not two
+        progress(f"{shape.name}: writing random weights, {used} of {shape.layers} layers x {shape.loops} loops")
+        checkpoint = synthetic_checkpoint(shape, used, Path(tmp) / "ckpt", scale)
         for slots in [p for p in valid_slot_counts(cfg.layer_map, cfg.exit_layer) if p in (2, 4, 8)]:
-            progress(f"{shape.name}: compiling P={slots} and measuring")
-            art = build(checkpoint, Path(tmp) / f"p{slots}", BuildOptions(slots=slots, dtype="fp32"), force=True).out
+            progress(f"{shape.name}: compiling P={slots}")
+            art = build(checkpoint, Path(tmp) / f"p{slots}", BuildOptions(slots=slots), force=True).out
             engine = Engine.load(art, backend=backend, threads=threads, verify=False)
-            rows.append({"slots": slots, "step_cost": round(measure_step_cost(engine, context, repeats), 3)})
+            progress(f"{shape.name}: measuring P={slots}")
+            row = {"slots": slots, "step_cost": round(measure_step_cost(engine, context, repeats), 3)}
+            if end_to_end:
+                row.update(end_to_end_row(engine, prompts=prompts, new_tokens=new_tokens))
+            rows.append(row)
+            stored = engine.manifest.weights["stored_bytes"]
+            unique_fp32 = engine.manifest.weights["unique_bytes_fp32"]
             del engine
-    note = "" if used == shape.layers else (f"{used} of the real {shape.layers} layers (this build traces at most 2 GiB "
-                                            "of fp32 weights); the embedding and LM head are full size")
-    return {"label": "step cost only (random weights)", "backend": backend, "shape": shape.name, "hidden": shape.hidden,
+            shutil.rmtree(art)  # one artifact on disk at a time
+    note = "" if used == shape.layers else f"{used} of the real {shape.layers} layers (--layers)"
+    label = ("SPEED vs plain decoding on random weights, residual updates scaled by "
+             f"{scale} (acceptance measured)" if end_to_end else "step cost only (random weights)")
+    return {"label": label, "backend": backend, "shape": shape.name, "hidden": shape.hidden,
             "blocks": used, "passes": shape.loops, "real_layers": shape.layers, "note": note,
-            "unique_weight_mb": round(unique_bytes / 1e6, 1), "context": context, "rows": rows}
+            "residual_scale": scale, "unique_weight_mb": round(unique_fp32 / 1e6, 1),
+            "stored_weight_mb": round(stored / 1e6, 1), "context": context, "rows": rows}

@@ -1,0 +1,131 @@
+"""Where a checkpoint tensor's bytes are, without reading them.
+
+A multi-GB checkpoint is never loaded whole: the build reads each safetensors header (a JSON table of
+name -> dtype, shape, byte range) and hands the compiler a TensorSource per tensor, a byte range of a
+file. Bytes are read on demand, a row block at a time, when the artifact writer copies them (or when a
+small model is materialised for tests and training).
+
+    model.safetensors:  [8-byte header length][JSON header][tensor bytes ...]
+                                                           ^ offset of a tensor = 8 + header length + data_offsets[0]
+
+A TensorSource can also hold an array in memory (pickled checkpoints, models built in tests); every
+consumer treats the two alike. numpy only (bfloat16 through ml_dtypes, imported when needed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from speedc.errors import CheckpointError
+
+# safetensors dtype code -> numpy dtype name (bfloat16 is registered by ml_dtypes)
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                      "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+MAX_HEADER_BYTES = 100_000_000
+READ_CHUNK_BYTES = 16 << 20  # row blocks of about this size are read, converted and written at a time
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+@dataclass(frozen=True, eq=False)
+class TensorSource:
+    """One tensor: a byte range of FILE (row-major, little-endian), or an in-memory ARRAY."""
+    dtype: str  # numpy dtype name: float32, float16, bfloat16, ...
+    shape: tuple[int, ...]
+    file: Path | None = None
+    offset: int = 0
+    length: int = 0
+    array: np.ndarray | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_array(cls, array: np.ndarray) -> "TensorSource":
+        array = np.ascontiguousarray(array)
+        return cls(array.dtype.name, tuple(array.shape), array=array, length=array.nbytes)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def row_bytes(self) -> int:
+        return numpy_dtype(self.dtype).itemsize * math.prod(self.shape[1:])
+
+    def read(self, first_row: int = 0, rows: int | None = None) -> np.ndarray:
+        """Rows [first_row, first_row + rows) as an array in the stored dtype (a fresh copy for files)."""
+        rows = (self.shape[0] if self.shape else 1) - first_row if rows is None else rows
+        if self.array is not None:
+            return self.array[first_row:first_row + rows] if self.shape else self.array
+        dtype = numpy_dtype(self.dtype)
+        shape = (rows, *self.shape[1:]) if self.shape else ()
+        data = bytearray(math.prod(shape) * dtype.itemsize)
+        with open(self.file, "rb") as handle:
+            handle.seek(self.offset + first_row * self.row_bytes)
+            if handle.readinto(data) != len(data):
+                raise CheckpointError(f"{self.file}: truncated (a tensor's bytes end past the file)")
+        return np.frombuffer(data, dtype=dtype).reshape(shape)
+
+    def row_blocks(self, chunk_bytes: int = READ_CHUNK_BYTES):
+        """(first row, rows) blocks of about CHUNK_BYTES covering the tensor (one block for a scalar)."""
+        if not self.shape:
+            yield 0, None
+            return
+        step = max(1, chunk_bytes // max(1, self.row_bytes))
+        for first in range(0, self.shape[0], step):
+            yield first, min(step, self.shape[0] - first)
+
+    def digest(self) -> str:
+        """sha256 of dtype, shape and bytes (streamed): equal digests mean equal tensors."""
+        sha = hashlib.sha256(f"{self.dtype}{list(self.shape)}".encode())
+        for first, rows in self.row_blocks():
+            sha.update(np.ascontiguousarray(self.read(first, rows)).tobytes())
+        return sha.hexdigest()
+
+
+def safetensors_sources(path: Path) -> dict[str, TensorSource]:
+    """Every tensor of one safetensors file, from its header alone (checked against the file's size)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            header_length = int.from_bytes(handle.read(8), "little")
+            if not 0 < header_length < min(MAX_HEADER_BYTES, size):
+                raise ValueError(f"header length {header_length}")
+            header = json.loads(handle.read(header_length))
+        if not isinstance(header, dict):
+            raise ValueError("header is not a table")
+        sources = {}
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+            if dtype is None:
+                raise ValueError(f"{name}: unsupported dtype {entry['dtype']}")
+            shape = tuple(int(d) for d in entry["shape"])
+            start, end = (int(x) for x in entry["data_offsets"])
+            length = math.prod(shape) * np.dtype("uint16" if dtype == "bfloat16" else dtype).itemsize
+            offset = 8 + header_length + start
+            if end - start != length or start < 0 or offset + length > size:
+                raise ValueError(f"{name}: byte range {start}..{end} does not hold {entry['dtype']} {list(shape)}")
+            sources[name] = TensorSource(dtype, shape, file=path, offset=offset, length=length)
+        return sources
+    except (OSError, ValueError, KeyError, TypeError) as bad:
+        raise CheckpointError(f"{path}: unreadable safetensors file ({bad})") from None
+
+
+def same_values(a: TensorSource, b: TensorSource) -> bool:
+    """Exact comparison, a row block at a time."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return all(np.ascontiguousarray(a.read(first, rows)).tobytes() == np.ascontiguousarray(b.read(first, rows)).tobytes()
+               for first, rows in a.row_blocks())

@@ -1,0 +1,101 @@
+r"""Weights that stay where they are while the passes rewrite the graphs.
+
+Every weight constant in the compiler's graphs holds a SourceWeight, not an array: the checkpoint
+tensors it stands for (one, or several stacked along rows by fuse_projections) and the dtype the
+graph sees. Passes read its shape and dtype, merge it, stack it, change its storage dtype; none of
+that reads a byte. The artifact writer alone streams the bytes into weights.bin, a row block at a
+time, converting to the storage dtype on the way. So a build of a multi-GB checkpoint never holds the
+model in memory, and no pass can copy a weight by accident.
+
+    checkpoint files                 graphs (decode, step, prefill, ...)            artifact
+    model-00001.safetensors  <----   Constant "model.blocks.3.mlp.up.weight"   ---> weights.bin
+      [bytes of the tensor]          SourceWeight(parts=(src,), dtype=float32)      (written once,
+                                     Constant "q+k+v"                                 as bf16/fp16/fp32)
+                                     SourceWeight(parts=(q, k, v), dtype=bf16)
+
+A SourceWeight is an onnx-graphsurgeon LazyValues, so graphsurgeon carries it through copy, cleanup
+and export without loading it. Exporting a graph that still holds one (a --dump-after dump, a test
+running an intermediate graph) inlines its values: `.tensor` reads them then.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx_graphsurgeon as gs
+from onnx import numpy_helper
+from onnx_graphsurgeon.ir.tensor import LazyValues
+
+from speedc.models.tensor_source import TensorSource
+
+
+class SourceWeight(LazyValues):
+    """PARTS (checkpoint tensors, stacked along axis 0) seen by the graph as DTYPE."""
+
+    def __init__(self, parts: tuple[TensorSource, ...], dtype) -> None:  # no super().__init__: no proto to parse
+        first = parts[0]
+        if any(p.shape[1:] != first.shape[1:] for p in parts):
+            raise ValueError("stacked parts must agree in every dimension but the first")
+        self.parts = tuple(parts)
+        self.dtype = np.dtype(dtype)
+        self.shape = (sum(p.shape[0] for p in parts), *first.shape[1:]) if len(parts) > 1 else tuple(first.shape)
+        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
+
+    @classmethod
+    def of(cls, source: TensorSource, dtype=np.float32) -> "SourceWeight":
+        return cls((source,), dtype)
+
+    def with_dtype(self, dtype) -> "SourceWeight":
+        return SourceWeight(self.parts, dtype)
+
+    def identity(self) -> tuple:
+        """Equal identities mean equal values (same bytes read the same way)."""
+        return tuple(id(p) for p in self.parts), self.dtype.str
+
+    def load(self) -> np.ndarray:
+        return np.concatenate([np.asarray(p.read()).astype(self.dtype) for p in self.parts], axis=0) \
+            if len(self.parts) > 1 else np.asarray(self.parts[0].read()).astype(self.dtype)
+
+    def chunks(self):
+        """The values in row blocks, converted to DTYPE: what the writer streams into weights.bin."""
+        for part in self.parts:
+            for first, rows in part.row_blocks():
+                yield np.ascontiguousarray(part.read(first, rows), dtype=self.dtype)
+
+    @property
+    def tensor(self):
+        """graphsurgeon's exporter reads this: the values inline (dumps and tests of small graphs)."""
+        return numpy_helper.from_array(self.load())
+
+    def __str__(self) -> str:
+        return f"SourceWeight(shape={self.shape}, dtype={self.dtype}, parts={len(self.parts)})"
+
+
+class WrittenWeight(LazyValues):
+    """A weight the artifact writer has streamed into weights.bin: PROTO is its external-data reference
+    (location, offset, length), which graphsurgeon's exporter puts in the graph as it is."""
+
+    def __init__(self, proto, shape, dtype) -> None:  # no super().__init__: it cannot name bfloat16
+        self.tensor = proto
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
+
+    def load(self) -> np.ndarray:
+        raise RuntimeError("internal: a written weight's values are in weights.bin, not in the graph")
+
+
+def source_weight(constant: gs.Constant) -> SourceWeight | None:
+    values = constant._values  # graphsurgeon's own storage; .values would load it
+    return values if isinstance(values, SourceWeight) else None
+
+
+def constant_nbytes(constant: gs.Constant) -> int:
+    """Bytes of a constant's values, without loading them."""
+    return math.prod(constant.shape) * np.dtype(constant.dtype).itemsize
+
+
+def weight_constant(name: str, source: TensorSource) -> gs.Constant:
+    """A graph constant NAME standing for a checkpoint tensor, computed in float32."""
+    return gs.Constant(name, SourceWeight.of(source))

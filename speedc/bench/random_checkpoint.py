@@ -1,0 +1,137 @@
+"""Random-weight checkpoints at the looped models' real shapes, in their published layouts, written
+a row block at a time (a 2.8 GB Ouro-1.4B-shaped checkpoint needs about 100 MB of memory to write).
+
+    write_random_checkpoint(SHAPES["ouro-1.4b"], 24, DIR)
+      DIR/config.json                       OuroForCausalLM / NanbeigeForCausalLM keys
+      DIR/generation_config.json
+      DIR/model-0000k-of-0000n.safetensors  bf16 shards of at most SHARD_BYTES
+      DIR/model.safetensors.index.json      (when there is more than one shard)
+
+A safetensors file is an 8-byte little-endian header length, a JSON header (name -> dtype, shape,
+byte range; padded to 8 bytes) and the tensors' bytes in header order, which is what lets the header
+be written first and the bytes streamed after it.
+
+Values: matrices N(0, 0.02), norms 1. RESIDUAL_SCALE < 1 shrinks what each block adds to the residual
+stream so the state after loop 1 predicts what the last loop does (speculation gets accepted, as in a
+trained looped model): o_proj and down_proj in a Llama block; in Ouro's sandwich block the sublayer
+output is RMS-normed before the add, so the post-sublayer norms carry the scale there.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+SHARD_BYTES = 2_000_000_000
+MATRIX_STD = 0.02
+BLOCK_BYTES = 32 << 20
+SCALED_LLAMA = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+SCALED_SANDWICH = ("input_layernorm_2.weight", "post_attention_layernorm_2.weight")
+
+
+def tensor_layout(shape, layers: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every tensor of SHAPE's family layout with LAYERS layers, in file order."""
+    h, hd, i = shape.hidden, shape.head_dim, shape.intermediate
+    out = [("model.embed_tokens.weight", (shape.vocab, h))]
+    for layer in range(layers):
+        p = f"model.layers.{layer}"
+        out += [(f"{p}.self_attn.q_proj.weight", (shape.heads * hd, h)),
+                (f"{p}.self_attn.k_proj.weight", (shape.kv_heads * hd, h)),
+                (f"{p}.self_attn.v_proj.weight", (shape.kv_heads * hd, h)),
+                (f"{p}.self_attn.o_proj.weight", (h, shape.heads * hd)),
+                (f"{p}.mlp.gate_proj.weight", (i, h)), (f"{p}.mlp.up_proj.weight", (i, h)),
+                (f"{p}.mlp.down_proj.weight", (h, i)),
+                (f"{p}.input_layernorm.weight", (h,)), (f"{p}.post_attention_layernorm.weight", (h,))]
+        if shape.sandwich_norms:
+            out += [(f"{p}.input_layernorm_2.weight", (h,)), (f"{p}.post_attention_layernorm_2.weight", (h,))]
+    out.append(("model.norm.weight", (h,)))
+    if shape.sandwich_norms:  # Ouro's per-token exit gate: read and ignored by the build
+        out += [("model.early_exit_gate.weight", (1, h)), ("model.early_exit_gate.bias", (1,))]
+    if not shape.tied:
+        out.append(("lm_head.weight", (shape.vocab, h)))
+    return out
+
+
+def family_config(shape, layers: int, max_positions: int) -> dict:
+    """config.json of SHAPE's family (the keys speedc's family readers and the published code use)."""
+    common = {"hidden_size": shape.hidden, "intermediate_size": shape.intermediate, "num_hidden_layers": layers,
+              "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim,
+              "hidden_act": "silu", "vocab_size": shape.vocab, "max_position_embeddings": max_positions,
+              "tie_word_embeddings": shape.tied, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
+    if shape.sandwich_norms:
+        return {"architectures": ["OuroForCausalLM"], "model_type": "ouro", "rope_theta": 1000000.0,
+                "rms_norm_eps": 1e-6, "total_ut_steps": shape.loops, **common}
+    return {"architectures": ["NanbeigeForCausalLM"], "model_type": "nanbeige", "rope_theta": 70000000,
+            "rms_norm_eps": 1e-5, "num_loops": shape.loops, "loop_loss_weights": [], "skip_loop_final_norm": False,
+            **common}
+
+
+def _shards(layout: list[tuple[str, tuple[int, ...]]], limit: int) -> list[list[tuple[str, tuple[int, ...]]]]:
+    shards, current, size = [], [], 0
+    for name, dims in layout:
+        nbytes = 2 * math.prod(dims)
+        if current and size + nbytes > limit:
+            shards.append(current)
+            current, size = [], 0
+        current.append((name, dims))
+        size += nbytes
+    return shards + [current]
+
+
+def _values(rng: np.random.Generator, name: str, dims: tuple[int, ...], scaled: tuple[str, ...], scale: float):
+    """Row blocks of tensor NAME as bfloat16."""
+    import ml_dtypes
+
+    if len(dims) == 1 or name.endswith("early_exit_gate.bias"):
+        norm = scale if name.endswith(scaled) else 1.0
+        yield np.full(dims, norm, dtype=ml_dtypes.bfloat16)
+        return
+    std = MATRIX_STD * (scale if name.endswith(scaled) else 1.0)
+    rows = max(1, BLOCK_BYTES // (4 * dims[1]))
+    for first in range(0, dims[0], rows):
+        block = rng.standard_normal((min(rows, dims[0] - first), dims[1]), dtype=np.float32)
+        block *= std
+        yield block.astype(ml_dtypes.bfloat16)
+
+
+def write_random_checkpoint(shape, layers: int, directory: Path, *, residual_scale: float = 1.0, seed: int = 0,
+                            max_positions: int = 4096, shard_bytes: int = SHARD_BYTES,
+                            progress: Callable[[int, int], None] | None = None) -> Path:
+    """Write a bf16 checkpoint of SHAPE (speedc.bench.synthetic.Shape, a looped family) with LAYERS layers."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    layout = tensor_layout(shape, layers)
+    shards = _shards(layout, shard_bytes)
+    total = sum(2 * math.prod(dims) for _, dims in layout)
+    rng = np.random.default_rng(seed)
+    scaled = SCALED_SANDWICH if shape.sandwich_norms else SCALED_LLAMA
+    names = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    done = 0
+    for file_name, tensors in zip(names, shards):
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for name, dims in tensors:
+            header[name] = {"dtype": "BF16", "shape": list(dims), "data_offsets": [offset, offset + 2 * math.prod(dims)]}
+            offset += 2 * math.prod(dims)
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)
+        with open(directory / file_name, "wb") as out:
+            out.write(len(encoded).to_bytes(8, "little"))
+            out.write(encoded)
+            for name, dims in tensors:
+                for block in _values(rng, name, dims, scaled, residual_scale):
+                    out.write(block.tobytes())
+                    done += block.nbytes
+                    if progress:
+                        progress(done, total)
+    if len(shards) > 1:
+        weight_map = {name: file_name for file_name, tensors in zip(names, shards) for name, _ in tensors}
+        (directory / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n")
+    (directory / "config.json").write_text(json.dumps(family_config(shape, layers, max_positions), indent=2) + "\n")
+    (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}) + "\n")
+    return directory
