@@ -85,7 +85,7 @@ class RowPolicy:
     each weight read across enough rows and discarded speculative rows cost real compute, so the step
     decodes plainly. Hysteresis: back to speculation only at or below RESUME_FRACTION of the budget
     (a switch flushes the in-flight work). See README "Continuous batching" for the measurement."""
-    row_budget: int | None = 32  # None: always speculate
+    row_budget: int | None = 8  # None: always speculate (measured on zoo:small, README "Continuous batching")
     resume_fraction: float = 0.75
 
     def speculate(self, slots: int, sequences: int, speculating: bool) -> bool:
