@@ -34,6 +34,7 @@ FACTS: dict[str, str] = {
     "layer_map": "the layer map and the early-exit point derived from the weights",
     "schedule": "the pipeline schedule (P, slot -> layers)",
     "programs": "the step and prefill graphs",
+    "batch_program": "the batch step graph (many sequences' pipelines per step)",
     "layer_presents": "per-layer present.key/value outputs of the step and prefill graphs",
     "heads": "the final and early-exit heads with in-graph argmax",
     "cache_io": "cache inputs in the runtime's layout and stacked new_key/new_value outputs",

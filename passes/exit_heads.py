@@ -133,7 +133,7 @@ def add_prefill_head(graph: gs.Graph, state: CompileState) -> None:
                        name="final_head/Slice_last")[0]
     logits, token = emit_head(graph, state, _rows(graph, last, cfg.hidden_size, "last_rows"), final_norm_weight(state),
                               "final_head", contract.LOGITS, contract.NEXT_TOKEN)
-    token.shape, logits.shape = [1], [1, cfg.vocab_size]
+    token.shape, logits.shape = ["batch"], ["batch", cfg.vocab_size]  # one row per sequence (batched plain decoding)
     presents = [t for t in graph.outputs if t.name.startswith("present.")]
     graph.outputs = [token, logits, *presents]
 

@@ -15,8 +15,11 @@ the same math in one kernel, per row at its own position (row r reads cache rows
 exactly the slot semantics of a SPEED step, and writes the new K/V rows into the cache when the
 runtime binds past and present to one buffer (IO binding; the `onnx` backend, runtimes/onnx_bound.py).
 
+The batch step reads one cache slab per (stage layer, slot); there each slot's group of rows gets its own
+GroupQueryAttention over its slab (P nodes per layer, each in place), and their outputs are concatenated.
+
 The standard graphs stay in the artifact (TensorRT, the numpy-fed backend); these are added as
-`step.gqa`, `step_flush.gqa`, `prefill.gqa`. Only for --target onnx: TensorRT has no such op.
+`step.gqa`, `step_flush.gqa`, `prefill.gqa`, `batch_step.gqa`. Only for --target onnx: TensorRT has no such op.
 """
 
 from __future__ import annotations
@@ -93,24 +96,46 @@ def lower_to_gqa(graph: gs.Graph, *, heads: int, kv_heads: int, head_dim: int, t
                             outputs=[f"{name}.shape"], attrs={"axis": 0})[0]
         return graph.layer(op="Reshape", inputs=[x, shape], outputs=[f"{name}.3d"])[0]
 
-    cache_outputs = []
-    for layer, (q2d, k2d, v2d, o_proj) in enumerate(_layers(graph)):
-        prefix = f"gqa.{layer}"
-        past_key, past_value = (tensor(graph, contract.cache_input(kind, layer)) for kind in contract.KV_KINDS)
+    def attention(prefix: str, q: gs.Tensor, k: gs.Tensor, v: gs.Tensor, seqlens_k: gs.Tensor, cache_names: list[str]) -> gs.Tensor:
+        """One GroupQueryAttention over rows q/k/v [r, L, width] and their cache slabs, written in place."""
+        past_key, past_value = (tensor(graph, name) for name in cache_names)
         out = gs.Variable(f"{prefix}.out", np.float32)
-        present_key = gs.Variable(contract.cache_output("key", layer), np.float32, past_key.shape)
-        present_value = gs.Variable(contract.cache_output("value", layer), np.float32, past_value.shape)
+        presents = [gs.Variable(name + ".out", np.float32, past.shape) for name, past in zip(cache_names, (past_key, past_value))]
         graph.nodes.append(gs.Node(
             "GroupQueryAttention", f"{prefix}/GroupQueryAttention", domain="com.microsoft",
             attrs={"num_heads": heads, "kv_num_heads": kv_heads, "do_rotary": 1, "rotary_interleaved": 0},
-            inputs=[rows_by_chunk(q2d, heads * head_dim, f"{prefix}.q"), rows_by_chunk(k2d, kv_heads * head_dim, f"{prefix}.k"),
-                    rows_by_chunk(v2d, kv_heads * head_dim, f"{prefix}.v"), past_key, past_value, seqlens, total,
-                    cos_cache, sin_cache],
-            outputs=[out, present_key, present_value]))
+            inputs=[q, k, v, past_key, past_value, seqlens_k, total, cos_cache, sin_cache], outputs=[out, *presents]))
+        cache_outputs.extend(presents)
+        return out
+
+    # The batch step (passes/batch_step_graph.py) reads one slab per (stage layer, slot): rows are
+    # slot-major groups of n (= input_ids rows), each group gets its own GroupQueryAttention.
+    slots = sum(1 for t in graph.inputs if t.name.startswith("cache.key.0."))
+    sequences = graph.layer(op="Slice", inputs=[ids_shape, gs.Constant("gqa.zero", np.array([0], np.int64)),
+                                                gs.Constant("gqa.one_end", np.array([1], np.int64))], outputs=["gqa.sequences"])[0]
+
+    def group(x: gs.Tensor, slot: int, name: str) -> gs.Tensor:  # rows [slot*n, (slot+1)*n) along axis 0
+        bounds = [graph.layer(op="Mul", inputs=[sequences, gs.Constant(f"{name}.{end}", np.array([slot + end], np.int64))],
+                              outputs=[f"{name}.bound{end}"])[0] for end in (0, 1)]
+        return graph.layer(op="Slice", inputs=[x, *bounds, gs.Constant(f"{name}.axes", np.array([0], np.int64))],
+                           outputs=[f"{name}.rows"])[0]
+
+    cache_outputs = []
+    for layer, (q2d, k2d, v2d, o_proj) in enumerate(_layers(graph)):
+        prefix = f"gqa.{layer}"
+        q, k, v = (rows_by_chunk(x, width, f"{prefix}.{n}") for x, width, n in
+                   ((q2d, heads * head_dim, "q"), (k2d, kv_heads * head_dim, "k"), (v2d, kv_heads * head_dim, "v")))
+        if not slots:
+            out = attention(prefix, q, k, v, seqlens, [contract.cache_input(kind, layer) for kind in contract.KV_KINDS])
+        else:
+            parts = [attention(f"{prefix}.{s}", *(group(x, s, f"{prefix}.{s}.{n}") for x, n in ((q, "q"), (k, "k"), (v, "v"))),
+                               group(seqlens, s, f"{prefix}.{s}.seqlens"),
+                               [contract.batch_cache_input(kind, layer, s) for kind in contract.KV_KINDS])
+                     for s in range(slots)]
+            out = graph.layer(op="Concat", inputs=parts, outputs=[f"{prefix}.slots"], attrs={"axis": 0})[0]  # [R, L, h*hd]
         flat = graph.layer(op="Reshape", inputs=[out, gs.Constant(f"{prefix}.flat", np.array([-1, heads * head_dim], np.int64))],
                            outputs=[f"{prefix}.ctx"])[0]  # [R*L, h*hd]
         o_proj.inputs[0] = flat
-        cache_outputs += [present_key, present_value]
     # The new rows now land in the cache inside the graph: the stacked new_key/new_value outputs go.
     stacked = {contract.new_rows(kind) for kind in contract.KV_KINDS}
     graph.outputs = [t for t in graph.outputs if t.name not in stacked] + cache_outputs
@@ -129,7 +154,7 @@ def gqa_attention(state: CompileState) -> CompileState:
         state.notes.append(f"gqa_attention: skipped (ONNX Runtime's GroupQueryAttention needs head_dim % "
                            f"{GQA_HEAD_DIM_MULTIPLE} == 0, this model has {cfg.head_dim})")
         return state
-    for name in [n for n in contract.PROGRAMS if n in state.graphs]:
+    for name in [n for n in (*contract.PROGRAMS, contract.BATCH_STEP) if n in state.graphs]:
         state.graphs[contract.fused(name)] = lower_to_gqa(
             state.graphs[name], heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim, theta=cfg.rope_theta, max_context=cfg.max_position_embeddings)

@@ -8,6 +8,7 @@ s's rows for stage layer j, logical layer s*S + j, are one contiguous [kvh, T, h
                                                        of valid slots only (bubbles never write)
     prefill graph  cache.key.{l}  = buffer[j, s][None] for l = s*S + j   [1, kvh, T, hd]
                    new_key        [N, 1, kvh, L, hd]   rows start .. start+L-1
+    batch step     cache inputs named by passes/batch_step_graph.py; new_key [S, R, kvh, 1, hd]
 
 The graphs only read the cache; new rows leave as one small tensor each for K and V, so a step
 never copies or concatenates the cache (the copy that cost the prototype 25% of its speed).
@@ -53,7 +54,8 @@ def kv_cache(state: CompileState) -> CompileState:
     """Name cache inputs per (stage) layer and stack the new K/V rows into one output each."""
     cfg, sched = state.cfg, state.schedule
     step_shape = (sched.stage_layers, sched.slots, 1)
-    shapes = {contract.STEP: step_shape, contract.STEP_FLUSH: step_shape, contract.PREFILL: (cfg.num_hidden_layers, 1, "chunk")}
+    shapes = {contract.STEP: step_shape, contract.STEP_FLUSH: step_shape, contract.PREFILL: (cfg.num_hidden_layers, "batch", "chunk"),
+              contract.BATCH_STEP: (sched.stage_layers, "rows", 1)}
     for name in [n for n in shapes if n in state.graphs]:  # the programs only (not the cache writers)
         graph = state.graphs[name]
         rename_cache_inputs(graph)

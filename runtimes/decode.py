@@ -91,7 +91,7 @@ def run_to_end(decoding: Decoding) -> tuple[list[int], DecodeStats]:
             return done.value
 
 
-def _emit(request: Request, out: list[int], token: int, stats: DecodeStats) -> bool:
+def emit_token(request: Request, out: list[int], token: int, stats: DecodeStats) -> bool:
     """Record a confirmed token; True when generation is over."""
     out.append(token)
     request.history.append(token)
@@ -125,7 +125,7 @@ def decode_autoregressive(backend: Backend, request: Request) -> Decoding:
     start = time.perf_counter()
     want = request.picker.params.needs_logits
     while True:
-        done = _emit(request, out, token, stats)
+        done = emit_token(request, out, token, stats)
         yield token
         if done:
             break
@@ -148,7 +148,7 @@ def decode_speed(backend: Backend, request: Request, *, early_flush: bool = Fals
     out: list[int] = []
     first = _prefill(backend, request, stats)
     start = time.perf_counter()
-    done = _emit(request, out, first, stats)
+    done = emit_token(request, out, first, stats)
     yield first
     if done:
         stats.decode_seconds = time.perf_counter() - start
@@ -185,7 +185,7 @@ def decode_speed(backend: Backend, request: Request, *, early_flush: bool = Fals
         if oldest is not None:
             q = oldest.pos + 1
             y = request.picker.pick(result.final_logits, result.final_token, request.history)
-            done = _emit(request, out, y, stats)
+            done = emit_token(request, out, y, stats)
             yield y
             if done:
                 break

@@ -168,6 +168,15 @@ class Engine:
                   stop_at_eos: bool, early_flush: bool | None) -> Decoding:
         if mode not in MODES:
             raise GenerationError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
+        request = self.make_request(prompt, max_new_tokens, sampling, stop, stop_at_eos)
+        if mode == "autoregressive":
+            return decode_autoregressive(self.backend, request)
+        flush = self.early_flush_default if early_flush is None else early_flush
+        return decode_speed(self.backend, request, early_flush=flush)
+
+    def make_request(self, prompt, max_new_tokens: int, sampling: SamplingParams, stop: list[str] | None,
+                     stop_at_eos: bool) -> Request:
+        """A checked request (GenerationError on bad input): ids, limits, its own TokenPicker, stop rule."""
         if max_new_tokens < 1:
             raise GenerationError("max new tokens must be at least 1")
         ids = self.encode(prompt)
@@ -188,17 +197,73 @@ class Engine:
                     return "stop_string"
             return None
 
-        request = Request(ids, max_new_tokens, TokenPicker(sampling), stop_reason)
-        if mode == "autoregressive":
-            return decode_autoregressive(self.backend, request)
-        flush = self.early_flush_default if early_flush is None else early_flush
-        return decode_speed(self.backend, request, early_flush=flush)
+        return Request(ids, max_new_tokens, TokenPicker(sampling), stop_reason)
 
-    def _trim(self, text: str | None, stop: list[str] | None) -> str | None:
+    def trim(self, text: str | None, stop: list[str] | None) -> str | None:
+        """TEXT cut before the first stop string in it."""
         if text is None or not stop:
             return text
         cut = min((text.index(s) for s in stop if s in text), default=len(text))
         return text[:cut]
+
+    # ---- continuous batching (runtimes/batch.py) -------------------------------------------------
+    def batch_scheduler(self, *, max_batch: int = 8, kv_cache_mb: float | None = None, row_budget: int | None = -1,
+                        prefill_chunk: int = 128, fused: bool | None = None, threads: int | None = None):
+        """A scheduler over a new KV-cache pool of MAX_BATCH sequence slots (each of kv_cache_mb / max_batch,
+        at most the model's context; None: the full context). ROW_BUDGET: the speed/plain policy (-1:
+        the default, None: always speculate, 0: always plain). The pool is its own: single-sequence
+        calls on this engine are unaffected."""
+        from speedc.runtimes.batch import BatchScheduler, RowPolicy
+        from speedc.runtimes.batch_backend import make_batch_backend, pool_bytes_per_position
+
+        if max_batch < 1:
+            raise GenerationError("max batch must be at least 1")
+        context = self.manifest.model["max_context"]
+        capacity = context
+        if kv_cache_mb is not None:
+            per_slot = kv_cache_mb * (1 << 20) / max_batch
+            capacity = min(context, int(per_slot // pool_bytes_per_position(self.manifest)) - 1)
+            if capacity < 2:
+                raise GenerationError(f"--kv-cache-mb {kv_cache_mb:g} leaves no room for {max_batch} sequences "
+                                      f"({pool_bytes_per_position(self.manifest)} bytes per position each)")
+        backend = make_batch_backend(self.directory, self.manifest, max_batch, capacity,
+                                     device=getattr(self.backend, "ort_device", "cpu"), threads=threads, fused=fused)
+        policy = RowPolicy() if row_budget == -1 else RowPolicy(row_budget=row_budget)
+        return BatchScheduler(backend, policy=policy, prefill_chunk=prefill_chunk)
+
+    def generate_batch(self, prompts: list[str | list[int]], *, max_new_tokens: int = 64, temperature: float = 0.0,
+                       top_k: int = 0, top_p: float = 1.0, seed: int | None = None, repetition_penalty: float = 1.0,
+                       stop: list[str] | None = None, stop_at_eos: bool = True, early_flush: bool | None = None,
+                       settings: list[dict] | None = None, scheduler=None, **batch_options) -> list[GenerationResult]:
+        """One result per prompt, in order, all decoded together (continuous batching). SETTINGS: per-prompt
+        overrides of the keyword arguments (e.g. each its own seed). Each result equals what its prompt
+        produces alone with plain decoding. BATCH_OPTIONS go to batch_scheduler (max_batch, kv_cache_mb, ...)."""
+        common = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                      repetition_penalty=repetition_penalty, stop=stop, stop_at_eos=stop_at_eos, early_flush=early_flush)
+        if settings is not None and len(settings) != len(prompts):
+            raise GenerationError(f"{len(settings)} settings for {len(prompts)} prompts")
+        scheduler = scheduler or self.batch_scheduler(**batch_options)
+        sequences = []
+        for i, prompt in enumerate(prompts):
+            params = {**common, **(settings[i] if settings else {})}
+            sequences.append((scheduler.submit(self.request_from(prompt, params),
+                                               early_flush=self._flush(params["early_flush"])), params["stop"]))
+        scheduler.run()
+        return [GenerationResult(seq.out, self.trim(self.decode_text(seq.out), stop), seq.stats) for seq, stop in sequences]
+
+    def request_from(self, prompt, params: dict) -> Request:
+        """make_request from generate()'s keyword arguments."""
+        unknown = set(params) - {"max_new_tokens", "temperature", "top_k", "top_p", "seed", "repetition_penalty", "stop",
+                                 "stop_at_eos", "early_flush"}
+        if unknown:
+            raise GenerationError(f"unknown generation setting {sorted(unknown)[0]!r}")
+        sampling = SamplingParams(params.get("temperature", 0.0), params.get("top_k", 0), params.get("top_p", 1.0),
+                                  params.get("repetition_penalty", 1.0), params.get("seed"))
+        return self.make_request(prompt, params.get("max_new_tokens", 64), sampling, params.get("stop"),
+                                 params.get("stop_at_eos", True))
+
+    def _flush(self, early_flush: bool | None) -> bool:
+        return self.early_flush_default if early_flush is None else early_flush
 
     # ---- public API ------------------------------------------------------------------------------
     def generate(self, prompt: str | list[int], *, max_new_tokens: int = 64, mode: str = "speed",
@@ -209,7 +274,7 @@ class Engine:
         decoding = self._decoding(prompt, max_new_tokens, mode, sampling, stop, stop_at_eos, early_flush)
         with self._lock:  # a decoding touches the backend (the one cache) only while it runs
             ids, stats = run_to_end(decoding)
-        return GenerationResult(ids, self._trim(self.decode_text(ids), stop), stats)
+        return GenerationResult(ids, self.trim(self.decode_text(ids), stop), stats)
 
     def stream(self, prompt: str | list[int], *, max_new_tokens: int = 64, mode: str = "speed",
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
@@ -222,4 +287,4 @@ class Engine:
         sampling = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed)
         # Checks run now; the decoding itself starts (and takes the lock) at the stream's first piece.
         decoding = self._decoding(prompt, max_new_tokens, mode, sampling, stop, stop_at_eos, early_flush)
-        return TextStream(decoding, self._lock, lambda ids: self._trim(self.tokenizer.decode(ids), stop))
+        return TextStream(decoding, self._lock, lambda ids: self.trim(self.tokenizer.decode(ids), stop))

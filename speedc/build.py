@@ -22,7 +22,7 @@ from speedc.artifact import (CONFIG, FORMAT_VERSION, TOKENIZER, WEIGHTS, Manifes
 from speedc.errors import BuildError, SpeedcError
 from speedc.models.checkpoint import checkpoint_hash, open_checkpoint, read_tokenizer_json
 from speedc.models.checkpoint_files import acceptance_hint_from_training, declared_tensor_bytes, has_speedc_section
-from speedc.passes import (cache_writer, cleanup, exit_heads, fuse_projections, gqa_attention, kv_cache,  # noqa: F401
+from speedc.passes import (batch_step_graph, cache_writer, cleanup, exit_heads, fuse_projections, gqa_attention, kv_cache,  # noqa: F401
                            schedule, share, step_graph, trace, trt_lint)  # (importing registers the passes)
 from speedc.passes.base import BuildOptions, CompileState, PassReport, require_facts, run_passes
 from speedc.passes.trace import OPSET
@@ -30,7 +30,7 @@ from speedc.passes.trace import OPSET
 PIPELINE: list[tuple[str, list[str]]] = [
     ("import", ["trace"]),
     ("analysis", ["share", "schedule"]),
-    ("lowering", ["step_graph", "exit_heads", "kv_cache", "cache_writer", "gqa_attention", "fuse_projections"]),
+    ("lowering", ["batch_step_graph", "step_graph", "exit_heads", "kv_cache", "cache_writer", "gqa_attention", "fuse_projections"]),
     ("finalize", ["cleanup", "trt_lint"]),
 ]
 PASS_ORDER = [name for _, names in PIPELINE for name in names]

@@ -41,9 +41,12 @@ from speedc.errors import GenerationError
               help="Peak RSS of each system, each measured in a fresh process.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
               help="Write a PNG: tokens/s per system (end to end), decode-only speedup vs slots with the bound.")
+@click.option("--concurrency", default=None,
+              help="Instead: continuous batching at these client counts, e.g. 1,2,4,8,16 (SPEED adaptive / always / "
+                   "batched plain decoding: aggregate tokens/s, per-sequence ms/token p50/p99, TTFT).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def bench(artifact, memory_bound, memory_bound_hidden, shape, layers, end_to_end, residual_scale, new_tokens, repeats, prompts,
-          early_flush, backend, device, threads, peers, sweeps, memory, plot, as_json):
+          early_flush, backend, device, threads, peers, sweeps, memory, plot, concurrency, as_json):
     """Measure SPEED against plain decoding (and peers) on ARTIFACT: interleaved runs, identical ids checked first.
 
     Reports ms/token p50/p90 and SPEED's speedup both decode only (prefill excluded) and end to end
@@ -69,6 +72,8 @@ def bench(artifact, memory_bound, memory_bound_hidden, shape, layers, end_to_end
         raise GenerationError("--end-to-end and --residual-scale go with --memory-bound")
     if artifact is None:
         raise GenerationError("give an ARTIFACT to benchmark (or --memory-bound)")
+    if concurrency is not None:
+        return concurrency_command(artifact, concurrency, prompts, new_tokens, repeats, threads, plot, as_json)
     if plot is not None:
         check_plot_path(plot)  # before minutes of measuring, not after
     import tempfile
@@ -130,6 +135,28 @@ def print_memory_bound(report: dict) -> None:
                      f"{row['autoregressive_ms_per_token']:.1f} ms/token, speedup {row['speedup_decode']:.2f}x "
                      "(decode only, ids identical)")
         click.echo(line)
+
+
+def concurrency_command(artifact: Path, levels: str, prompts, new_tokens: int, repeats: int, threads, plot, as_json: bool) -> None:
+    from rich.console import Console
+
+    from speedc.bench.concurrency import concurrency_bench, format_concurrency
+    from speedc.bench.run import DEFAULT_PROMPTS
+    from speedc.runtimes.engine import Engine
+
+    try:
+        clients = [int(x) for x in levels.split(",") if x.strip()]
+    except ValueError:
+        raise GenerationError(f"--concurrency must be comma-separated integers, got {levels!r}") from None
+    if not clients or min(clients) < 1:
+        raise GenerationError("--concurrency needs client counts of at least 1")
+    if plot is not None:
+        raise GenerationError("--plot is not drawn for --concurrency in this version (use --json)")
+    engine = Engine.load(artifact, threads=threads)
+    with Console(stderr=True).status("concurrency") as spinner:
+        report = concurrency_bench(engine, list(prompts) or DEFAULT_PROMPTS, clients, new_tokens, repeats, threads=threads,
+                                   progress=spinner.update)
+    click.echo(json.dumps(report) if as_json else format_concurrency(report))
 
 
 def check_plot_path(plot: Path) -> None:

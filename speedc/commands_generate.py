@@ -23,6 +23,13 @@ def _parse_ids(text: str) -> list[int]:
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--prompt", default=None, help="Prompt text.")
 @click.option("--prompt-ids", default=None, help="Prompt as comma-separated token ids, e.g. 1,2,3.")
+@click.option("--prompts-file", type=click.Path(path_type=Path), default=None,
+              help="One prompt per line, decoded together (continuous batching); output in input order.")
+@click.option("--max-batch", type=int, default=8, show_default=True, help="With --prompts-file: sequences in flight.")
+@click.option("--kv-cache-mb", type=float, default=None,
+              help="With --prompts-file: KV-cache pool size (default: every sequence slot holds the full context).")
+@click.option("--row-budget", type=int, default=None,
+              help="With --prompts-file: speculate while a step has at most this many rows (default: the measured rule).")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--mode", type=click.Choice(["speed", "autoregressive"]), default="speed", show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
@@ -38,18 +45,35 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--stream", is_flag=True, help="Print text as tokens are confirmed.")
 @click.option("--stats", is_flag=True, help="Print decode statistics to stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with ids, text and stats.")
-def generate(artifact, prompt, prompt_ids, max_new_tokens, mode, temperature, top_k, top_p, repetition_penalty, seed,
+def generate(artifact, prompt, prompt_ids, prompts_file, max_batch, kv_cache_mb, row_budget, max_new_tokens, mode, temperature, top_k, top_p, repetition_penalty, seed,
              stop, ignore_eos, early_flush, backend, device, threads, stream, stats, as_json):
     """Generate from a compiled ARTIFACT with SPEED (or plain autoregressive decoding)."""
     from speedc.runtimes.engine import Engine
 
-    if (prompt is None) == (prompt_ids is None):
-        raise GenerationError("give exactly one of --prompt or --prompt-ids")
-    source = prompt if prompt is not None else _parse_ids(prompt_ids)
-    engine = Engine.load(artifact, backend=backend, device=device, threads=threads)
+    if sum(x is not None for x in (prompt, prompt_ids, prompts_file)) != 1:
+        raise GenerationError("give exactly one of --prompt, --prompt-ids or --prompts-file")
     options = dict(max_new_tokens=max_new_tokens, mode=mode, temperature=temperature, top_k=top_k, top_p=top_p,
                    seed=seed, repetition_penalty=repetition_penalty, stop=list(stop) or None,
                    stop_at_eos=not ignore_eos, early_flush=early_flush)
+    if prompts_file is not None:
+        if stream:
+            raise GenerationError("--stream prints one sequence; with --prompts-file use --json or plain output")
+        prompts = _read_prompts(prompts_file)
+        engine = Engine.load(artifact, backend=backend, device=device, threads=threads)
+        budget = 0 if options.pop("mode") == "autoregressive" else (-1 if row_budget is None else row_budget)
+        results = engine.generate_batch(prompts, max_batch=max_batch, kv_cache_mb=kv_cache_mb, row_budget=budget,
+                                        threads=threads, **options)
+        for result in results:
+            if as_json:
+                click.echo(json.dumps(result.to_json()))
+            else:
+                click.echo(result.text if result.text is not None else ",".join(map(str, result.ids)))
+        if stats and not as_json:
+            for result in results:
+                _print_stats(result.stats)
+        return
+    source = prompt if prompt is not None else _parse_ids(prompt_ids)
+    engine = Engine.load(artifact, backend=backend, device=device, threads=threads)
     if stream and not as_json:
         pieces = engine.stream(source, **options)
         for piece in pieces:
@@ -66,6 +90,19 @@ def generate(artifact, prompt, prompt_ids, max_new_tokens, mode, temperature, to
             click.echo(result.text if result.text is not None else ",".join(map(str, result.ids)))
     if stats and not as_json:
         _print_stats(result_stats)
+
+
+def _read_prompts(path: Path) -> list[str]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as bad:
+        raise GenerationError(f"--prompts-file {path}: cannot read it ({bad.__class__.__name__})") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            raise GenerationError(f"--prompts-file {path}: line {number} is empty (one prompt per line)")
+    if not lines:
+        raise GenerationError(f"--prompts-file {path}: no prompts")
+    return lines
 
 
 def _print_stats(stats) -> None:

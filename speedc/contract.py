@@ -5,14 +5,21 @@ checks each graph's I/O recorded in the manifest against `expected_io` (and ONNX
 each file against the manifest), so a change on one side is a one-line ArtifactError naming the graph
 and tensor, not a failure deep inside a run.
 
-    prefill        input_ids [1, L]  positions [1]  cache.{key,value}.{l} [1, kvh, T, hd]  (l < N)
-                   -> next_token [1]  logits [1, V]  new_{key,value} [N, 1, kvh, L, hd]
+    prefill        input_ids [B, L]  positions [B]  cache.{key,value}.{l} [B, kvh, T, hd]  (l < N)
+                   -> next_token [B]  logits [B, V]  new_{key,value} [N, B, kvh, L, hd]
+                   (B = 1 for a prompt chunk; B sequences at once for batched plain decoding)
     step           input_ids [1, 1]  positions [P]  hidden_in [P-1, 1, H]  cache.{key,value}.{j} [P, kvh, T, hd]  (j < S)
                    -> final_token [1]  final_logits [1, V]  exit_tokens [1]  hidden_out [P, 1, H]
                       new_{key,value} [S, P, kvh, 1, hd]
     step_flush     as step, exit_tokens [P] (every slot's exit: the early-flush check)
     *.gqa          as the graph it varies, new_{key,value} replaced by cache.{key,value}.{i}.out (the
                    cache written in place: each output is bound to the buffer of its input)
+    batch_step     n sequences x P slots = R rows, row r = s*n + b (slot-major: the slots' rows are contiguous)
+                   input_ids [n, 1] (slot 0 of each sequence)  positions [R]  hidden_in [(P-1)n, 1, H]
+                   final_rows [F]  exit_rows [E] (rows whose final / exit head is wanted)
+                   cache.{key,value}.{j}.{s} [n, kvh, T, hd]  (j < S, s < P: one slab per stage layer and slot)
+                   -> final_token [F]  final_logits [F, V]  exit_tokens [E]  hidden_out [R, 1, H]
+                      new_{key,value} [S, R, kvh, 1, hd]
     cache_write_step     cache.{key,value} [S, P, kvh, T, hd]  new_{key,value} [S, P, kvh, L, hd]  write_start [P]
                          -> cache.{key,value}.out (bound to the same buffers: ScatterND in place)
     cache_write_prefill  the same with new_{key,value} slot-major [P, S, kvh, L, hd]
@@ -30,8 +37,10 @@ from speedc.errors import ArtifactError
 PREFILL, STEP, STEP_FLUSH = "prefill", "step", "step_flush"
 CACHE_WRITE_STEP, CACHE_WRITE_PREFILL = "cache_write_step", "cache_write_prefill"
 PROGRAMS = (PREFILL, STEP, STEP_FLUSH)  # the model programs (a plain engine has only prefill)
+BATCH_STEP = "batch_step"  # many sequences' pipelines in one step (runtimes/batch_backend.py)
 FUSED_SUFFIX = ".gqa"  # graph names (and files) of the ONNX Runtime variants with fused attention
-GRAPHS = (*PROGRAMS, CACHE_WRITE_STEP, CACHE_WRITE_PREFILL, *(name + FUSED_SUFFIX for name in PROGRAMS))
+GRAPHS = (*PROGRAMS, BATCH_STEP, CACHE_WRITE_STEP, CACHE_WRITE_PREFILL,
+          *(name + FUSED_SUFFIX for name in (*PROGRAMS, BATCH_STEP)))
 
 
 def fused(graph: str) -> str:
@@ -44,12 +53,18 @@ HIDDEN_IN, HIDDEN_OUT = "hidden_in", "hidden_out"
 FINAL_TOKEN, FINAL_LOGITS, EXIT_TOKENS = "final_token", "final_logits", "exit_tokens"
 NEXT_TOKEN, LOGITS = "next_token", "logits"
 WRITE_START = "write_start"
+FINAL_ROWS, EXIT_ROWS = "final_rows", "exit_rows"
 KV_KINDS = ("key", "value")
 
 
 def cache_input(kind: str, index: int) -> str:
     """The cache slab a program reads: stage layer `index` (step) or logical layer `index` (prefill)."""
     return f"cache.{kind}.{index}"
+
+
+def batch_cache_input(kind: str, stage_layer: int, slot: int) -> str:
+    """The batch step's cache slab of stage layer j and pipeline slot s over the n sequences."""
+    return f"cache.{kind}.{stage_layer}.{slot}"
 
 
 def cache_output(kind: str, index: int) -> str:
@@ -100,8 +115,17 @@ def _program_io(graph: str, d: Dims) -> tuple[list[TensorSpec], list[TensorSpec]
         caches = range(d.num_layers)
         inputs = [(INPUT_IDS, i64, (None, None)), (POSITIONS, i64, (None,))]
         cache_shape = (None, d.kv_heads, None, d.head_dim)
-        outputs = [(NEXT_TOKEN, i64, (1,)), (LOGITS, f32, (1, d.vocab_size))]
-        rows = (d.num_layers, 1, d.kv_heads, None, d.head_dim)
+        outputs = [(NEXT_TOKEN, i64, (None,)), (LOGITS, f32, (None, d.vocab_size))]
+        rows = (d.num_layers, None, d.kv_heads, None, d.head_dim)
+    elif graph == BATCH_STEP:
+        inputs = [(INPUT_IDS, i64, (None, 1)), (POSITIONS, i64, (None,)), (HIDDEN_IN, f32, (None, 1, d.hidden_size)),
+                  (FINAL_ROWS, i64, (None,)), (EXIT_ROWS, i64, (None,))]
+        inputs += [(batch_cache_input(kind, j, s), f32, (None, d.kv_heads, None, d.head_dim))
+                   for j in range(d.stage_layers) for s in range(d.slots) for kind in KV_KINDS]
+        outputs = [(FINAL_TOKEN, i64, (None,)), (FINAL_LOGITS, f32, (None, d.vocab_size)), (EXIT_TOKENS, i64, (None,)),
+                   (HIDDEN_OUT, f32, (None, 1, d.hidden_size))]
+        rows = (d.stage_layers, None, d.kv_heads, 1, d.head_dim)
+        return inputs, outputs + [(new_rows(kind), f32, rows) for kind in KV_KINDS]
     else:
         caches = range(d.stage_layers)
         inputs = [(INPUT_IDS, i64, (1, 1)), (POSITIONS, i64, (d.slots,)), (HIDDEN_IN, f32, (d.slots - 1, 1, d.hidden_size))]
@@ -127,7 +151,7 @@ def expected_io(graph: str, d: Dims) -> tuple[list[TensorSpec], list[TensorSpec]
         inputs = [(cache_buffer(kind), "float32", full) for kind in KV_KINDS]
         inputs += [(new_rows(kind), "float32", rows) for kind in KV_KINDS] + [(WRITE_START, "int64", (d.slots,))]
         return inputs, [(cache_buffer_out(kind), "float32", full) for kind in KV_KINDS]
-    if graph in PROGRAMS:
+    if graph in PROGRAMS or graph == BATCH_STEP:
         return _program_io(graph, d)
     raise ArtifactError(f"graph {graph!r} is not part of the artifact contract (known: {', '.join(GRAPHS)})")
 

@@ -44,7 +44,7 @@ def test_artifact_layout_and_weight_bytes(tiny_artifact):
         assert all(index[part]["within"] == name for part in index[name]["parts"])
         np.testing.assert_array_equal(np.concatenate(rows), read_weight(tiny_artifact, m, name))
     assert m.source_checkpoint_sha256 and m.onnx_opset == 17 and m.format_version == 1
-    assert [p["name"] for p in m.build["passes"]] == ["trace", "share", "schedule", "step_graph", "exit_heads",
+    assert [p["name"] for p in m.build["passes"]] == ["trace", "share", "schedule", "batch_step_graph", "step_graph", "exit_heads",
                                                       "kv_cache", "cache_writer", "gqa_attention", "fuse_projections", "cleanup",
                                                       "trt_lint"]
 

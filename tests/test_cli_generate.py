@@ -31,7 +31,7 @@ def test_generate_json_and_stats(tiny_artifact):
     (["--prompt-ids", "1,99999"], ["99999", "outside the vocabulary"]),
     (["--prompt-ids", "1,x"], ["comma-separated integers"]),
     (["--prompt", "hi", "--max-new-tokens", "600"], ["exceeds the model's context of 512"]),
-    (["--prompt", "hi", "--prompt-ids", "1"], ["exactly one of --prompt or --prompt-ids"]),
+    (["--prompt", "hi", "--prompt-ids", "1"], ["exactly one of --prompt, --prompt-ids or --prompts-file"]),
     (["--prompt", "hi", "--temperature", "-1"], ["temperature"]),
     (["--prompt", "hi", "--top-p", "0"], ["top-p"]),
     (["--prompt", "hi", "--device", "cuda"], ["device 'cuda'"]),

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import ZOO, build_artifact, random_config, randomize
-from speedc import Engine
+from speedc import Engine, contract
 from speedc.models.sampling import TokenPicker
 from speedc.runtimes.onnx_bound import OnnxBoundBackend
 from speedc.models.checkpoint import load_model
@@ -129,3 +129,60 @@ def test_speed_logits_are_bitwise_plain_logits(pool, path, monkeypatch):
         for position, row in seen["speed"].items():
             assert np.array_equal(row, seen["autoregressive"][position]), position
         seen.clear()
+
+
+BATCH_EXAMPLES = int(os.environ.get("SPEEDC_BATCH_PROPERTY_EXAMPLES", "25"))
+
+
+@st.composite
+def arrivals(draw, vocab: int):
+    """Requests with arrival steps, lengths, sampling settings, early flush and cancellation steps."""
+    requests = []
+    for _ in range(draw(st.integers(1, 5))):
+        requests.append(dict(prompt=draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=10)),
+                             max_new_tokens=draw(st.integers(1, 16)), params=draw(sampling),
+                             early_flush=draw(st.booleans()), arrive=draw(st.integers(0, 12)),
+                             cancel=draw(st.one_of(st.none(), st.integers(0, 30)))))
+    return requests
+
+
+@settings(max_examples=BATCH_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), which=st.integers(0, len(SHAPES) + 1), fused=st.booleans(), max_batch=st.integers(1, 3),
+       chunk=st.integers(1, 12), budget=st.sampled_from([None, 0, 4, 8]))
+def test_batched_sequences_equal_plain_decoding_alone(pool, data, which, fused, max_batch, chunk, budget):
+    """Continuous batching over the pool (forced mispredictions, a zoo model): sequences arrive at random
+    steps, prefill in chunks, run beside others under the speed/plain row policy, leave on max tokens or
+    cancellation; each finished sequence's ids equal plain decoding of it alone on the same graphs
+    (greedy or seeded sampling), a cancelled one's are a prefix of them."""
+    from speedc.runtimes.batch import BatchScheduler, RowPolicy
+    from speedc.runtimes.batch_backend import BatchBackend
+
+    model, engines = pool[which]
+    engine = engines["onnx"]
+    fused = fused and contract.fused(contract.PREFILL) in engine.manifest.graphs
+    alone = engines["onnx" if fused else "onnx-numpy"]  # plain decoding through the same attention graphs
+    backend = BatchBackend(engine.directory, engine.manifest, max_batch=max_batch, capacity=40, fused=fused)
+    scheduler = BatchScheduler(backend, policy=RowPolicy(row_budget=budget), prefill_chunk=chunk)
+    requests = data.draw(arrivals(model.cfg.vocab_size), label="requests")
+    sequences = {}
+    step = 0
+    while step <= 12 or scheduler.busy:
+        for i, spec in enumerate(requests):
+            if spec["arrive"] == step:
+                sequences[i] = scheduler.submit(engine.request_from(spec["prompt"], dict(
+                    max_new_tokens=spec["max_new_tokens"], stop_at_eos=False, **spec["params"])),
+                    early_flush=spec["early_flush"])
+            if spec["cancel"] == step and i in sequences:
+                scheduler.cancel(sequences[i])
+        scheduler.step()
+        step += 1
+    for i, spec in enumerate(requests):
+        sequence = sequences[i]
+        plain = alone.generate(spec["prompt"], max_new_tokens=spec["max_new_tokens"], stop_at_eos=False,
+                               mode="autoregressive", **spec["params"])
+        if sequence.stats.stop_reason == "cancelled":
+            assert sequence.out == plain.ids[:len(sequence.out)]
+        else:
+            assert sequence.stats.stop_reason == "max_new_tokens"
+            assert sequence.out == plain.ids
+    assert not scheduler.occupied and not scheduler.waiting

@@ -1,0 +1,117 @@
+r"""Pass `batch_step_graph` (phase lowering): the decode program -> the batch step graph, where n
+sequences, each with its own P-slot SPEED pipeline, run one step together (R = P*n rows).
+
+    rows are slot-major: row r = s*n + b is slot s of sequence b, so the rows of one slot are contiguous
+    and "slot s's output feeds slot s+1" is "the first (P-1)n rows of hidden_out are the next hidden_in"
+
+    input_ids [n,1] -> embed [n,1,H] --------\
+                                              Concat -> [R,1,H] -> stage layers 0..S-1 (one Gemm per
+    hidden_in [(P-1)n,1,H] (slots 1..P-1) ---/                      weight over all R rows)
+                                                                              |
+    cache.key.{j}.{s} [n,kvh,T,hd] (s < P) -- Concat (slot-major) --> past of stage layer j
+                                                                              |
+    hidden.{S-1} [R,1,H] -- Gather(final_rows) -> final norm --\
+                                                                Concat -> Gemm(lm_head) -> ArgMax
+    hidden.{exit-1} [R,1,H] -- Gather(exit_rows) -> exit norm --/    final_logits [F,V], final_token [F],
+                                                                     exit_tokens [E]
+
+The cache is a pool [S, P, B, kvh, T, hd] (stage layer, slot, sequence, ...): slot s of stage layer j
+over the first n sequences is one contiguous slab pool[j, s, :n], bound without a copy. The same pool
+serves plain decoding (the prefill graph with n rows reads pool[j, s, :n] as logical layer s*S + j),
+so a batch can switch between SPEED and plain decoding step by step. Row counts (n, F, E) are dynamic:
+a sequence joins or leaves between steps. The standard graph concatenates the P slabs of a stage layer
+(a copy of the rows it reads); the fused variant (gqa_attention) gives each slot group its own
+GroupQueryAttention over its slab, written in place.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from speedc import contract
+from speedc.passes.base import CompileState, register_pass
+from speedc.passes.exit_heads import final_norm_weight, maybe_norm, weight
+from speedc.passes.graph_utils import replace_uses, tensor
+
+
+def _gather_rows(graph: gs.Graph, hidden: gs.Tensor, rows: gs.Tensor, hidden_size: int, name: str) -> gs.Tensor:
+    """hidden [R,1,H] -> [len(rows), H]."""
+    flat = graph.layer(op="Reshape", inputs=[hidden, gs.Constant(f"{name}.shape", np.array([-1, hidden_size], np.int64))],
+                       outputs=[f"{name}.flat"], name=f"{name}/Reshape")[0]
+    return graph.layer(op="Gather", inputs=[flat, rows], outputs=[name], attrs={"axis": 0}, name=f"{name}/Gather")[0]
+
+
+def _slice0(graph: gs.Graph, x: gs.Tensor, start: gs.Tensor, end: gs.Tensor, name: str, dtype, shape) -> gs.Tensor:
+    """x[start:end] along axis 0 (start, end: [1] int64), as a graph output named NAME."""
+    out = graph.layer(op="Slice", inputs=[x, start, end, gs.Constant(f"{name}.axes", np.array([0], np.int64))],
+                      outputs=[name], name=f"{name}/Slice")[0]
+    out.name, out.dtype, out.shape = name, dtype, shape  # graph.layer uniquifies names; outputs need exact ones
+    return out
+
+
+def add_batch_heads(graph: gs.Graph, state: CompileState, final_rows: gs.Tensor, exit_rows: gs.Tensor) -> list[gs.Tensor]:
+    """Final head on FINAL_ROWS of the stage output, exit head on EXIT_ROWS of the exit tap: one LM-head Gemm."""
+    cfg, sched = state.cfg, state.schedule
+    stage_out = tensor(graph, f"hidden.{sched.stage_layers - 1}")
+    exit_tap = tensor(graph, f"hidden.{state.exit_layer - 1}")
+    final_in = maybe_norm(graph, state, _gather_rows(graph, stage_out, final_rows, cfg.hidden_size, "batch_final_rows"),
+                          final_norm_weight(state), "batch_final_head")  # [F, H]
+    exit_in = maybe_norm(graph, state, _gather_rows(graph, exit_tap, exit_rows, cfg.hidden_size, "batch_exit_rows"),
+                         state.exit_norm, "batch_exit_head")  # [E, H]
+    both = graph.layer(op="Concat", inputs=[final_in, exit_in], outputs=["batch_head_rows"], attrs={"axis": 0},
+                       name="batch_heads/Concat_rows")[0]  # [F+E, H]
+    lm_head = weight(graph, state, "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
+    logits = graph.layer(op="Gemm", inputs=[both, lm_head], outputs=["batch_head_logits"], attrs={"transB": 1},
+                         name="batch_heads/Gemm_lm_head")[0]  # [F+E, V]
+    tokens = graph.layer(op="ArgMax", inputs=[logits], outputs=["batch_head_tokens"], attrs={"axis": -1, "keepdims": 0},
+                         name="batch_heads/ArgMax")[0]  # [F+E]
+    f = graph.layer(op="Shape", inputs=[final_rows], outputs=["batch_final_count"], name="batch_heads/Shape_F")[0]  # [1]
+    fe = graph.layer(op="Shape", inputs=[tokens], outputs=["batch_head_count"], name="batch_heads/Shape_FE")[0]  # [1]
+    zero = gs.Constant("batch_heads.zero", np.array([0], np.int64))
+    stage_out.name, stage_out.shape = contract.HIDDEN_OUT, ["rows", 1, cfg.hidden_size]
+    return [_slice0(graph, tokens, zero, f, contract.FINAL_TOKEN, np.int64, ["final_rows"]),
+            _slice0(graph, logits, zero, f, contract.FINAL_LOGITS, np.float32, ["final_rows", cfg.vocab_size]),
+            _slice0(graph, tokens, f, fe, contract.EXIT_TOKENS, np.int64, ["exit_rows"]), stage_out]
+
+
+def build_batch_step_graph(decode: gs.Graph, state: CompileState) -> gs.Graph:
+    cfg, sched = state.cfg, state.schedule
+    slots, stage_layers, hidden_size = sched.slots, sched.stage_layers, cfg.hidden_size
+    graph = decode.copy()
+    graph.name = "speedc_batch_step"
+    embeddings = tensor(graph, "embeddings")  # [n, 1, H]
+    hidden_in = gs.Variable(contract.HIDDEN_IN, dtype=np.float32, shape=["rows_behind", 1, hidden_size])
+    slot_inputs = gs.Variable("slot_inputs", dtype=np.float32, shape=["rows", 1, hidden_size])
+    replace_uses(embeddings, slot_inputs)
+    graph.nodes.append(gs.Node("Concat", "slot_inputs_concat", attrs={"axis": 0},
+                               inputs=[embeddings, hidden_in], outputs=[slot_inputs]))
+    input_ids, positions = tensor(graph, contract.INPUT_IDS), tensor(graph, contract.POSITIONS)
+    input_ids.shape, positions.shape = ["sequences", 1], ["rows"]
+    slabs = []
+    for layer in range(stage_layers):
+        for kind in contract.KV_KINDS:
+            past = tensor(graph, f"past.{kind}.{layer}")  # becomes the slot-major concatenation of P slabs
+            parts = [gs.Variable(contract.batch_cache_input(kind, layer, s), np.float32,
+                                 ["sequences", cfg.num_key_value_heads, "context", cfg.head_dim]) for s in range(slots)]
+            graph.nodes.append(gs.Node("Concat", f"batch_cache/Concat_{kind}_{layer}", attrs={"axis": 0},
+                                       inputs=parts, outputs=[past]))
+            slabs += parts
+    final_rows = gs.Variable(contract.FINAL_ROWS, np.int64, ["final_rows"])
+    exit_rows = gs.Variable(contract.EXIT_ROWS, np.int64, ["exit_rows"])
+    graph.inputs = [input_ids, positions, hidden_in, final_rows, exit_rows, *slabs]
+    heads = add_batch_heads(graph, state, final_rows, exit_rows)
+    presents = [tensor(graph, f"present.{kind}.{layer}") for layer in range(stage_layers) for kind in contract.KV_KINDS]
+    graph.outputs = heads + presents
+    return graph.cleanup(remove_unused_graph_inputs=False).toposort()
+
+
+@register_pass("batch_step_graph", phase="lowering", requires=("decode_program", "schedule"), provides=("batch_program",))
+def batch_step_graph(state: CompileState) -> CompileState:
+    """Add the batch step graph (many sequences' pipelines per step) beside the single-sequence programs."""
+    sched = state.schedule
+    if sched.speculative:  # a plain engine batches through the prefill graph alone
+        state.graphs[contract.BATCH_STEP] = build_batch_step_graph(state.graphs["decode"], state)
+        state.notes.append(f"batch_step_graph: {sched.slots} slots x {sched.stage_layers} layers per sequence, "
+                           "dynamic sequence count")
+    return state

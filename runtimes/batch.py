@@ -1,0 +1,316 @@
+"""Continuous batching: many sequences, each with its own P-slot SPEED pipeline and sampling stream,
+advanced together one step at a time (the backend is runtimes/batch_backend.py).
+
+One scheduler iteration (`BatchScheduler.step`):
+
+    1. cancelled sequences leave; waiting requests take free sequence slots (FIFO; a request waits
+       while none is free, and one longer than a slot's capacity is refused at submit, never cut)
+    2. prefill: one chunk (<= prefill_chunk tokens) of the oldest sequence still prefilling; its last
+       chunk yields its first token
+    3. decode: ONE graph run for every decoding sequence, chosen per step by the row policy:
+         speed: P*n rows; each sequence's pipeline exactly as runtimes/decode.py decode_speed runs it
+                (enter, verify at the last slot, flush on a miss, optional early flush)
+         plain: n rows; each sequence's last confirmed token through all N layers
+    4. finished sequences (EOS, stop string, max tokens, cancelled) free their slot at once; the last
+       occupied slot moves into the hole so the occupied slots stay a prefix (contiguous cache views)
+
+Lossless: every emitted token of a sequence is picked by its own TokenPicker from the final logits of
+its verified predecessor, whatever else shares the step; a switch between speed and plain steps only
+flushes in-flight (unverified) work. So each sequence's output equals plain decoding of it alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from speedc.errors import GenerationError
+from speedc.runtimes.batch_backend import BatchBackend
+from speedc.runtimes.decode import DecodeStats, Request, emit_token
+
+WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
+
+
+@dataclass
+class _Slot:
+    token: int
+    pos: int
+
+
+@dataclass
+class Sequence:
+    """One request in the batch: its sequence slot, pipeline, output and stats."""
+    id: int
+    request: Request
+    early_flush: bool
+    stats: DecodeStats
+    state: str = WAITING
+    slot: int = -1  # sequence slot in the cache pool (-1: none yet)
+    prefilled: int = 0
+    out: list[int] = field(default_factory=list)
+    pipeline: list[_Slot | None] = field(default_factory=list)  # slot 0 youngest
+    pending: _Slot | None = None  # what enters slot 0 at the next speed step
+    cancelled: bool = False
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token_seconds: float | None = None  # submit -> first confirmed token
+
+    @property
+    def last_useful(self) -> int:
+        """A token at position q is worth computing only if position q+1 may still be emitted."""
+        return len(self.request.prompt) + self.request.max_new_tokens - 2
+
+    def frontier(self) -> _Slot:
+        """The last confirmed token at its position: what plain decoding runs next."""
+        return _Slot(self.out[-1], len(self.request.prompt) + len(self.out) - 1)
+
+    def flush_from(self, q: int) -> None:
+        for i, slot in enumerate(self.pipeline):
+            if slot is not None and slot.pos >= q:
+                self.pipeline[i] = None
+                self.stats.flushed_tokens += 1
+
+    def holder(self, q: int) -> _Slot | None:
+        return next((s for s in self.pipeline if s is not None and s.pos == q), None)
+
+
+@dataclass
+class RowPolicy:
+    """When to speculate, per step: SPEED runs P rows per sequence, plain decoding one. Speculate while
+    the step has at most ROW_BUDGET rows (P * decoding sequences); above it the batch already shares
+    each weight read across enough rows and discarded speculative rows cost real compute, so the step
+    decodes plainly. Hysteresis: back to speculation only at or below RESUME_FRACTION of the budget
+    (a switch flushes the in-flight work). See README "Continuous batching" for the measurement."""
+    row_budget: int | None = 8  # None: always speculate (measured on zoo:small, README "Continuous batching")
+    resume_fraction: float = 0.75
+
+    def speculate(self, slots: int, sequences: int, speculating: bool) -> bool:
+        if slots == 1:
+            return False
+        if self.row_budget is None:
+            return True
+        limit = self.row_budget if speculating else self.row_budget * self.resume_fraction
+        return slots * sequences <= limit
+
+
+Event = tuple[Sequence, int | None]  # (sequence, confirmed token) or (sequence, None) when it finished
+
+
+class BatchScheduler:
+    """Owns a BatchBackend's pool; `submit` and `cancel` may be called from any thread, `step` from one."""
+
+    def __init__(self, backend: BatchBackend, *, policy: RowPolicy | None = None, prefill_chunk: int = 128) -> None:
+        self.backend = backend
+        self.policy = policy or RowPolicy()
+        self.prefill_chunk = prefill_chunk
+        self.waiting: deque[Sequence] = deque()
+        self.occupied: list[Sequence] = []  # index = sequence slot
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self.speculating = backend.speculative
+        self.mode_switches = 0
+        self.steps = {"speed": 0, "plain": 0, "prefill": 0}
+
+    # ---- requests --------------------------------------------------------------------------------
+    def submit(self, request: Request, *, early_flush: bool = True) -> Sequence:
+        need = len(request.prompt) + request.max_new_tokens
+        if need > self.backend.capacity:
+            raise GenerationError(f"prompt ({len(request.prompt)} tokens) + max new tokens ({request.max_new_tokens}) "
+                                  f"exceeds the KV-cache slot of {self.backend.capacity} positions (raise --kv-cache-mb "
+                                  "or lower --max-batch)")
+        mode = "batch speed" if self.backend.speculative else "batch autoregressive"
+        sequence = Sequence(next(self._ids), request, early_flush and self.backend.speculative, DecodeStats(mode))
+        with self._lock:
+            self.waiting.append(sequence)
+        return sequence
+
+    def cancel(self, sequence: Sequence) -> None:
+        """Stop SEQUENCE at the next step boundary (its slot is freed then)."""
+        sequence.cancelled = True
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.occupied)
+
+    # ---- one iteration ---------------------------------------------------------------------------
+    def step(self) -> list[Event]:
+        events: list[Event] = []
+        for sequence in [s for s in self.occupied if s.cancelled]:
+            self._finish(sequence, "cancelled", events)
+        with self._lock:
+            for sequence in [s for s in self.waiting if s.cancelled]:
+                self.waiting.remove(sequence)
+                sequence.stats.stop_reason, sequence.state = "cancelled", DONE
+                events.append((sequence, None))
+            while self.waiting and len(self.occupied) < self.backend.max_batch:
+                sequence = self.waiting.popleft()
+                sequence.slot, sequence.state = len(self.occupied), PREFILL
+                sequence.pipeline = [None] * self.backend.slots
+                self.occupied.append(sequence)
+        self._prefill_chunk(events)
+        decoding = [s for s in self.occupied if s.state == DECODE]
+        if decoding:
+            speculate = self.policy.speculate(self.backend.slots, len(decoding), self.speculating)
+            if speculate != self.speculating:
+                self.mode_switches += 1
+                self.speculating = speculate
+            (self._speed_step if speculate else self._plain_step)(decoding, events)
+        for sequence in [s for s in self.occupied if s.state == DONE]:
+            self._release(sequence)
+        return events
+
+    def run(self) -> None:
+        while self.busy:
+            self.step()
+
+    # ---- parts -----------------------------------------------------------------------------------
+    def _emit(self, sequence: Sequence, token: int, events: list[Event]) -> bool:
+        done = emit_token(sequence.request, sequence.out, token, sequence.stats)
+        if sequence.first_token_seconds is None:
+            sequence.first_token_seconds = time.perf_counter() - sequence.submitted
+        events.append((sequence, token))
+        if done:
+            sequence.state = DONE
+            events.append((sequence, None))
+        return done
+
+    def _finish(self, sequence: Sequence, reason: str, events: list[Event]) -> None:
+        sequence.stats.stop_reason, sequence.state = reason, DONE
+        events.append((sequence, None))
+        self._release(sequence)
+
+    def _release(self, sequence: Sequence) -> None:
+        """Free SEQUENCE's slot now; the last occupied slot moves into the hole."""
+        if sequence not in self.occupied:
+            return
+        hole, last = sequence.slot, len(self.occupied) - 1
+        if hole != last:
+            mover = self.occupied[last]
+            self.backend.move(last, hole)
+            mover.slot = hole
+            self.occupied[hole] = mover
+        self.occupied.pop()
+        sequence.slot = -1
+
+    def _prefill_chunk(self, events: list[Event]) -> None:
+        sequence = next((s for s in self.occupied if s.state == PREFILL), None)
+        if sequence is None:
+            return
+        start = time.perf_counter()
+        request = sequence.request
+        chunk = request.prompt[sequence.prefilled:sequence.prefilled + self.prefill_chunk]
+        last = sequence.prefilled + len(chunk) == len(request.prompt)
+        want = last and request.picker.params.needs_logits
+        argmax, logits = self.backend.prefill(sequence.slot, chunk, sequence.prefilled, want)
+        sequence.prefilled += len(chunk)
+        self.steps["prefill"] += 1
+        sequence.stats.prefill_seconds += time.perf_counter() - start
+        if last:
+            request.history = list(request.prompt)
+            sequence.stats.prompt_tokens = len(request.prompt)
+            sequence.state = DECODE
+            self._emit(sequence, request.picker.pick(logits, argmax, request.history), events)
+
+    def _plain_step(self, decoding: list[Sequence], events: list[Event]) -> None:
+        n = len(self.occupied)
+        tokens, positions, valid = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, bool)
+        for sequence in decoding:
+            if any(slot is not None for slot in sequence.pipeline):  # leaving speed mode: in-flight work is unverified
+                sequence.flush_from(0)
+            sequence.pending = None
+            frontier = sequence.frontier()
+            tokens[sequence.slot], positions[sequence.slot], valid[sequence.slot] = frontier.token, frontier.pos, True
+        want = any(s.request.picker.params.needs_logits for s in decoding)
+        start = time.perf_counter()
+        argmax, logits = self.backend.plain_step(tokens, positions, valid, want)
+        self.steps["plain"] += 1
+        for sequence in decoding:
+            sequence.stats.steps += 1
+            b = sequence.slot
+            token = sequence.request.picker.pick(logits[b] if want else None, int(argmax[b]), sequence.request.history)
+            self._emit(sequence, token, events)
+            sequence.stats.decode_seconds += time.perf_counter() - start
+
+    def _speed_step(self, decoding: list[Sequence], events: list[Event]) -> None:
+        slots, n = self.backend.slots, len(self.occupied)
+        entering = np.zeros(n, np.int64)
+        positions, valid = np.zeros((slots, n), np.int64), np.zeros((slots, n), bool)
+        final_rows, final_of, exit_rows, exit_of = [], [], [], []
+        stepping = []
+        for sequence in decoding:
+            if sequence.pending is None and all(slot is None for slot in sequence.pipeline):
+                sequence.pending = sequence.frontier()  # (re)entering speculation after prefill or plain steps
+            pending = sequence.pending
+            enter = pending if pending is not None and pending.pos <= sequence.last_useful else None
+            sequence.pipeline = [enter] + sequence.pipeline[:-1]
+            if all(slot is None for slot in sequence.pipeline):  # nothing left that could lead to another emission
+                sequence.stats.stop_reason = sequence.stats.stop_reason or "max_new_tokens"
+                sequence.state = DONE  # released after the step, with the others that finished
+                events.append((sequence, None))
+                continue
+            stepping.append(sequence)
+            b = sequence.slot
+            entering[b] = enter.token if enter is not None else 0
+            for s, slot in enumerate(sequence.pipeline):
+                if slot is not None:
+                    positions[s, b], valid[s, b] = slot.pos, True
+            if sequence.pipeline[-1] is not None:
+                final_rows.append((slots - 1) * n + b)
+                final_of.append(sequence)
+            depths = range(slots - 1) if sequence.early_flush else range(1)
+            for depth in depths:
+                if sequence.pipeline[depth] is not None:
+                    exit_rows.append(depth * n + b)
+                    exit_of.append((sequence, depth))
+        if not stepping:
+            return
+        want = any(s.request.picker.params.needs_logits for s in final_of)
+        start = time.perf_counter()
+        finals, logits, exits = self.backend.speed_step(entering, positions, valid, np.asarray(final_rows, np.int64),
+                                                        np.asarray(exit_rows, np.int64), want)
+        self.steps["speed"] += 1
+        final = {id(s): (int(finals[i]), logits[i] if want else None) for i, s in enumerate(final_of)}
+        guesses: dict[int, dict[int, int]] = {}
+        for i, (sequence, depth) in enumerate(exit_of):
+            guesses.setdefault(id(sequence), {})[depth] = int(exits[i])
+        for sequence in stepping:
+            sequence.stats.steps += 1
+            self._absorb(sequence, final.get(id(sequence)), guesses.get(id(sequence), {}), events)
+            sequence.stats.decode_seconds += time.perf_counter() - start
+
+    def _absorb(self, sequence: Sequence, final: tuple[int, np.ndarray | None] | None, guesses: dict[int, int],
+                events: list[Event]) -> None:
+        """decode_speed's bookkeeping after one step, for one sequence."""
+        stats, pipeline = sequence.stats, sequence.pipeline
+        sequence.pending = None
+        oldest = pipeline[-1]
+        if oldest is not None:
+            q = oldest.pos + 1
+            request = sequence.request
+            y = request.picker.pick(final[1], final[0], request.history)
+            if self._emit(sequence, y, events):
+                return
+            successor = sequence.holder(q)
+            if successor is not None and successor.token == y:
+                stats.accepted += 1
+            else:
+                stats.mispredicted += successor is not None
+                sequence.flush_from(q)
+                sequence.pending = _Slot(y, q)
+        if sequence.pending is None and sequence.early_flush:
+            for depth in range(len(pipeline) - 2, 0, -1):  # deepest (best informed) first
+                slot = pipeline[depth]
+                if slot is None:
+                    continue
+                successor = sequence.holder(slot.pos + 1)
+                if successor is not None and successor.token != guesses[depth]:
+                    sequence.flush_from(slot.pos + 1)
+                    sequence.pending = _Slot(guesses[depth], slot.pos + 1)
+                    stats.early_flushes += 1
+                    break
+        if sequence.pending is None and pipeline[0] is not None:
+            sequence.pending = _Slot(guesses[0], pipeline[0].pos + 1)

@@ -1,0 +1,184 @@
+"""ONNX Runtime (CPU) backend for continuous batching: a KV-cache pool of sequence slots and the three
+graph runs the batch scheduler (runtimes/batch.py) needs. Imports numpy and onnxruntime only.
+
+    pool K, V [S, P, B, kvh, T+1, hd]  (stage layer j, pipeline slot s, sequence slot b, ...)
+
+    prefill(b, chunk)   prefill graph, 1 row:  logical layer l = s*S + j reads pool[j, s, b][None]
+    plain_step(n)       prefill graph, n rows (one token per sequence): pool[j, s, :n]
+    speed_step(n)       batch_step graph, P*n rows, slot-major (row s*n + b): slab (j, s) = pool[j, s, :n]
+
+Every slab a graph reads is a contiguous view of the pool (sequences 0..n-1: the scheduler keeps the
+occupied sequence slots a prefix by moving the last one into a hole). Row T of each slab is scratch:
+bubbles (empty pipeline slots, sequences still prefilling) run at position T; with the fused graphs
+(GroupQueryAttention writes the cache in place, bound through IO binding) that is where their K/V
+land, and no valid row ever reads it. With the standard graphs new rows come back as tensors and
+only valid rows are written here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from speedc import contract
+from speedc.artifact import Manifest
+from speedc.errors import ArtifactError, SpeedcError
+from speedc.runtimes.onnx_session import onnxruntime_module, open_sessions, take_dimensions
+
+F32 = np.float32
+
+
+def batch_ready(manifest: Manifest) -> bool:
+    """Whether the artifact can batch: its prefill graph takes many rows, and (P > 1) it has the batch step."""
+    spec = manifest.graphs.get(contract.PREFILL, {})
+    token = next((t for t in spec.get("outputs", []) if t["name"] == contract.NEXT_TOKEN), None)
+    rows_dynamic = token is not None and not isinstance(token["shape"][0], int)
+    return rows_dynamic and (manifest.slots == 1 or contract.BATCH_STEP in manifest.graphs)
+
+
+def pool_bytes_per_position(manifest: Manifest) -> int:
+    """K and V bytes one sequence slot needs per position (every logical layer)."""
+    model = manifest.model
+    return 2 * model["num_layers"] * model["num_kv_heads"] * model["head_dim"] * np.dtype(F32).itemsize
+
+
+class BatchBackend:
+    name = "onnx-batch"
+
+    def __init__(self, directory: Path, manifest: Manifest, max_batch: int, capacity: int, threads: int | None = None,
+                 fused: bool | None = None) -> None:
+        if not batch_ready(manifest):
+            raise ArtifactError(f"{directory}: built before continuous batching (no batch_step graph); rebuild it with "
+                                "this speedc (speedc build ... --force)")
+        take_dimensions(self, manifest)
+        programs = (contract.PREFILL, contract.BATCH_STEP) if self.slots > 1 else (contract.PREFILL,)
+        if fused is None:
+            fused = all(contract.fused(name) in manifest.graphs for name in programs)
+        self.fused = fused
+        self.graph = {name: contract.fused(name) if fused else name for name in programs}
+        self.sessions = open_sessions(directory, manifest, tuple(self.graph.values()), ["CPUExecutionProvider"], threads)
+        missing = [g for g in self.graph.values() if g not in self.sessions]
+        if missing:
+            raise ArtifactError(f"{directory}: has no {missing[0]} graph")
+        self.max_batch, self.capacity = max_batch, capacity
+        shape = (self.stage_layers, self.slots, max_batch, self.kv_heads, capacity + 1, self.head_dim)
+        self.key, self.value = np.zeros(shape, F32), np.zeros(shape, F32)
+        self.hidden = np.zeros((self.slots, max_batch, self.hidden_size), F32)  # last hidden_out, [slot, sequence]
+
+    @property
+    def speculative(self) -> bool:
+        return self.slots > 1
+
+    def move(self, source: int, target: int) -> None:
+        """Sequence slot SOURCE's cache and pipeline state now live in slot TARGET."""
+        for pool in (self.key, self.value):
+            pool[:, :, target] = pool[:, :, source]
+        self.hidden[:, target] = self.hidden[:, source]
+
+    # ---- running a graph -------------------------------------------------------------------------
+    def _run(self, role: str, feeds: dict, slabs: dict[str, np.ndarray], outputs: dict[str, tuple]) -> dict[str, np.ndarray]:
+        """Run ROLE's graph. SLABS: cache input name -> pool view (read, and written in place when fused).
+        OUTPUTS: name -> (shape, dtype) of what to return. Standard graphs also return new_key/new_value."""
+        session = self.sessions[self.graph[role]]
+        if not self.fused:
+            names = list(outputs) + [contract.new_rows(kind) for kind in contract.KV_KINDS]
+            return dict(zip(names, session.run(names, {**feeds, **slabs})))
+        binding = session.io_binding()
+        for name, value in feeds.items():
+            binding.bind_cpu_input(name, value)
+        for name, view in slabs.items():  # past and present: the same pool memory (written in place)
+            binding.bind_input(name, "cpu", 0, F32, list(view.shape), view.ctypes.data)
+            binding.bind_output(name + ".out", "cpu", 0, F32, list(view.shape), view.ctypes.data)
+        results = {}
+        for name, (shape, dtype) in outputs.items():
+            results[name] = np.empty(shape, dtype)
+            binding.bind_output(name, "cpu", 0, dtype, list(shape), results[name].ctypes.data)
+        session.run_with_iobinding(binding)
+        return results
+
+    def _scratch(self, positions: np.ndarray, valid: np.ndarray) -> np.ndarray:
+        """Bubbles run at the scratch row T (fused: they write there) or at 0 (standard: never written)."""
+        return np.where(valid, positions, self.capacity if self.fused else 0).astype(np.int64)
+
+    def _logical_slabs(self, rows: slice) -> dict[str, np.ndarray]:
+        """Prefill-graph cache inputs: logical layer l = s*S + j reads pool[j, s, rows]."""
+        slabs = {}
+        for layer in range(self.num_layers):
+            slot, j = divmod(layer, self.stage_layers)
+            slabs[contract.cache_input("key", layer)] = self.key[j, slot, rows]
+            slabs[contract.cache_input("value", layer)] = self.value[j, slot, rows]
+        return slabs
+
+    def prefill(self, sequence: int, ids: list[int], start: int, want_logits: bool) -> tuple[int, np.ndarray | None]:
+        """Run a prompt chunk of sequence slot SEQUENCE through all N layers at positions start.."""
+        feeds = {contract.INPUT_IDS: np.asarray([ids], np.int64), contract.POSITIONS: np.asarray([start], np.int64)}
+        outputs = {contract.NEXT_TOKEN: ((1,), np.int64)}
+        if want_logits:
+            outputs[contract.LOGITS] = ((1, self.vocab_size), F32)
+        result = self._run(contract.PREFILL, feeds, self._logical_slabs(slice(sequence, sequence + 1)), outputs)
+        if not self.fused:  # new rows [N, 1, kvh, L, hd] -> pool[j, s, sequence, :, start:start+L]
+            for kind, pool in (("key", self.key), ("value", self.value)):
+                new = result[contract.new_rows(kind)][:, 0]
+                pool[:, :, sequence, :, start:start + len(ids)] = new.reshape(
+                    self.slots, self.stage_layers, *new.shape[1:]).transpose(1, 0, 2, 3, 4)
+        return int(result[contract.NEXT_TOKEN][0]), (result[contract.LOGITS][0] if want_logits else None)
+
+    def plain_step(self, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray,
+                   want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """Plain decoding of sequences 0..n-1 at once: row b's token at positions[b] through all N layers.
+        -> (argmax next tokens [n], logits [n, V] or None); invalid rows are bubbles."""
+        n = len(tokens)
+        feeds = {contract.INPUT_IDS: np.asarray(tokens, np.int64).reshape(n, 1),
+                 contract.POSITIONS: self._scratch(positions, valid)}
+        outputs = {contract.NEXT_TOKEN: ((n,), np.int64)}
+        if want_logits:
+            outputs[contract.LOGITS] = ((n, self.vocab_size), F32)
+        result = self._run(contract.PREFILL, feeds, self._logical_slabs(slice(0, n)), outputs)
+        if not self.fused:  # new rows [N, n, kvh, 1, hd]; row b of layer s*S + j -> pool[j, s, b, :, positions[b]]
+            rows = np.flatnonzero(valid)
+            for kind, pool in (("key", self.key), ("value", self.value)):
+                new = result[contract.new_rows(kind)][:, :, :, 0]  # [N, n, kvh, hd]
+                new = new.reshape(self.slots, self.stage_layers, *new.shape[1:]).transpose(1, 0, 2, 3, 4)  # [S, P, n, kvh, hd]
+                # advanced indices (rows, positions) split by a slice: the target is [k, S, P, kvh, hd]
+                pool[:, :, rows, :, positions[rows]] = new[:, :, rows].transpose(2, 0, 1, 3, 4)
+        return result[contract.NEXT_TOKEN], (result[contract.LOGITS] if want_logits else None)
+
+    def speed_step(self, entering: np.ndarray, positions: np.ndarray, valid: np.ndarray, final_rows: np.ndarray,
+                   exit_rows: np.ndarray, want_logits: bool) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+        """One pipelined step of sequences 0..n-1: entering [n] tokens enter slot 0; positions/valid [P, n]
+        (slot, sequence). -> (final tokens [F], final logits [F, V] or None, exit tokens [E]) for the rows
+        final_rows / exit_rows (row = s*n + b)."""
+        slots, n = positions.shape
+        rows = slots * n
+        feeds = {contract.INPUT_IDS: np.asarray(entering, np.int64).reshape(n, 1),
+                 contract.POSITIONS: self._scratch(positions, valid).reshape(rows),
+                 contract.HIDDEN_IN: np.ascontiguousarray(self.hidden[:slots - 1, :n]).reshape((slots - 1) * n, 1, -1),
+                 contract.FINAL_ROWS: np.asarray(final_rows, np.int64), contract.EXIT_ROWS: np.asarray(exit_rows, np.int64)}
+        slabs = {}
+        for j in range(self.stage_layers):
+            for s in range(slots):
+                slabs[contract.batch_cache_input("key", j, s)] = self.key[j, s, :n]
+                slabs[contract.batch_cache_input("value", j, s)] = self.value[j, s, :n]
+        outputs = {contract.FINAL_TOKEN: ((len(final_rows),), np.int64), contract.EXIT_TOKENS: ((len(exit_rows),), np.int64),
+                   contract.HIDDEN_OUT: ((rows, 1, self.hidden_size), F32)}
+        if want_logits:
+            outputs[contract.FINAL_LOGITS] = ((len(final_rows), self.vocab_size), F32)
+        result = self._run(contract.BATCH_STEP, feeds, slabs, outputs)
+        self.hidden[:, :n] = result[contract.HIDDEN_OUT].reshape(slots, n, self.hidden_size)
+        if not self.fused:  # new rows [S, R, kvh, 1, hd] -> pool[j, s, b, :, positions[s, b]] for valid (s, b)
+            s_index, b_index = np.nonzero(valid)
+            at = positions[s_index, b_index]
+            for kind, pool in (("key", self.key), ("value", self.value)):
+                new = result[contract.new_rows(kind)][:, :, :, 0].reshape(self.stage_layers, slots, n, self.kv_heads, -1)
+                pool[:, s_index, b_index, :, at] = new[:, s_index, b_index].transpose(1, 0, 2, 3)
+        return (result[contract.FINAL_TOKEN], result[contract.FINAL_LOGITS] if want_logits else None,
+                result[contract.EXIT_TOKENS])
+
+
+def make_batch_backend(directory: Path, manifest: Manifest, max_batch: int, capacity: int, device: str = "cpu",
+                       threads: int | None = None, fused: bool | None = None) -> BatchBackend:
+    if device != "cpu":
+        raise SpeedcError(f"device {device!r}: continuous batching runs on the CPU in this version")
+    onnxruntime_module()
+    return BatchBackend(directory, manifest, max_batch, capacity, threads=threads, fused=fused)

@@ -1,0 +1,147 @@
+"""An asyncio engine loop over continuous batching, for servers:
+
+    loop = EngineLoop(engine, max_batch=8)
+    request = loop.submit("ROMEO:", max_new_tokens=64, temperature=0.8, seed=1)   # checks now
+    async for piece in request:           # Piece(id, text): confirmed tokens only, in order
+        print(piece.text, end="")
+    request.result                        # GenerationResult: ids, text (stop strings cut), stats
+    request.finish_reason                 # "eos" | "stop_string" | "max_new_tokens" | "cancelled"
+    loop.cancel(request)                  # from anywhere; its slot is freed at the next step boundary
+
+One task drives the scheduler: each iteration runs one BatchScheduler.step in a worker thread (the
+event loop stays free), then hands the confirmed tokens to each request's queue. It sleeps while no
+request is waiting or running and wakes on submit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from speedc.runtimes.batch import BatchScheduler, Sequence
+from speedc.runtimes.engine import Engine, GenerationResult
+
+
+@dataclass(frozen=True)
+class Piece:
+    id: int  # the confirmed token id
+    text: str  # text it completes ("" while a UTF-8 sequence is incomplete, or without a tokenizer)
+
+
+class Submitted:
+    """Async iterator of one request's Pieces; `result` and `finish_reason` once it has ended."""
+
+    def __init__(self, engine: Engine, sequence: Sequence, stop: list[str] | None) -> None:
+        self.engine, self.sequence, self.stop = engine, sequence, stop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.result: GenerationResult | None = None
+        self._shown = ""
+        self._delivered = 0  # tokens handed to the queue so far
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.result.stats.stop_reason if self.result else None
+
+    @property
+    def ids(self) -> list[int]:
+        return list(self.sequence.out)
+
+    def _render(self, upto: int) -> str:
+        if self.engine.tokenizer is None:
+            return ""
+        return self.engine.trim(self.engine.tokenizer.decode(self.sequence.out[:upto]), self.stop)
+
+    def _deliver(self, token: int | None) -> None:
+        """Called on the event loop, in order: the next confirmed token, or None: finished."""
+        if token is None:
+            final = self._render(len(self.sequence.out))
+            if len(final) > len(self._shown):
+                self.queue.put_nowait(Piece(-1, final[len(self._shown):]))  # held-back text (never a new id)
+            text = self.engine.trim(self.engine.decode_text(self.sequence.out), self.stop)
+            self.result = GenerationResult(list(self.sequence.out), text, self.sequence.stats)
+            self.queue.put_nowait(None)
+            return
+        self._delivered += 1
+        text = self._render(self._delivered)
+        piece = ""
+        if not text.endswith("\ufffd") and len(text) > len(self._shown):
+            piece, self._shown = text[len(self._shown):], text
+        self.queue.put_nowait(Piece(token, piece))
+
+    def __aiter__(self) -> "Submitted":
+        return self
+
+    async def __anext__(self) -> Piece:
+        item = await self.queue.get()
+        if item is None:
+            self.queue.put_nowait(None)  # iterating again ends at once
+            raise StopAsyncIteration
+        return item
+
+    async def wait(self) -> GenerationResult:
+        async for _ in self:
+            pass
+        return self.result
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, *, scheduler: BatchScheduler | None = None, **batch_options) -> None:
+        """BATCH_OPTIONS: Engine.batch_scheduler's (max_batch, kv_cache_mb, row_budget, prefill_chunk, ...)."""
+        self.engine = engine
+        self.scheduler = scheduler or engine.batch_scheduler(**batch_options)
+        self._requests: dict[int, Submitted] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speedc-batch")
+        self._task: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+
+    def submit(self, prompt, **params) -> Submitted:
+        """Queue a request (Engine.generate's keyword arguments); bad input raises GenerationError here."""
+        request = self.engine.request_from(prompt, params)
+        sequence = self.scheduler.submit(request, early_flush=self.engine._flush(params.get("early_flush")))
+        submitted = Submitted(self.engine, sequence, params.get("stop"))
+        self._requests[sequence.id] = submitted
+        self._ensure_running()
+        self._wake.set()
+        return submitted
+
+    def cancel(self, submitted: Submitted) -> None:
+        self.scheduler.cancel(submitted.sequence)
+        if self._wake is not None:
+            self._wake.set()
+
+    def _ensure_running(self) -> None:
+        if self._wake is None:
+            self._wake = asyncio.Event()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._drive())
+
+    async def _drive(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.scheduler.busy:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            events = await loop.run_in_executor(self._executor, self.scheduler.step)
+            for sequence, token in events:
+                submitted = self._requests.get(sequence.id)
+                if submitted is None:
+                    continue
+                submitted._deliver(token)
+                if token is None:
+                    del self._requests[sequence.id]
+
+    async def aclose(self) -> None:
+        """Stop the loop task (requests in flight are cancelled) and the worker thread."""
+        for submitted in list(self._requests.values()):
+            self.cancel(submitted)
+        if self._task is not None:
+            while self.scheduler.busy:
+                await asyncio.sleep(0.001)
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=True)

@@ -1,0 +1,101 @@
+"""Continuous batching on the zoo model: generate_batch, the asyncio engine loop (streaming, cancel),
+the KV-cache pool limits, old artifacts, and `speedc generate --prompts-file`. Losslessness over random
+models with forced mispredictions is the property test in tests/test_properties.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from conftest import assert_one_line_error, run_cli
+from speedc import Engine, contract
+from speedc.artifact import read_manifest
+from speedc.errors import ArtifactError, GenerationError
+from speedc.runtimes.batch_backend import BatchBackend
+from speedc.runtimes.engine_loop import EngineLoop
+
+PROMPTS = ["ROMEO:", "JULIET: O", "KING HENRY:", "First Citizen:\nBefore"]
+SETTINGS = [{}, {"temperature": 0.8, "seed": 3}, {"stop": ["\n"]}, {"temperature": 1.1, "top_k": 20, "seed": 9, "stop": ["the"]}]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_artifact) -> Engine:
+    return Engine.load(tiny_artifact)
+
+
+def _alone(engine: Engine, prompt: str, settings: dict, max_new_tokens: int = 24):
+    return engine.generate(prompt, max_new_tokens=max_new_tokens, mode="autoregressive", **settings)
+
+
+def test_generate_batch_equals_each_prompt_alone(engine):
+    """Two slots for four prompts (two wait), stop strings, EOS, seeded sampling: ids, text and the stop
+    reason of each equal plain decoding of that prompt alone."""
+    results = engine.generate_batch(PROMPTS, max_new_tokens=24, settings=SETTINGS, max_batch=2)
+    reasons = set()
+    for prompt, settings, result in zip(PROMPTS, SETTINGS, results):
+        plain = _alone(engine, prompt, settings)
+        assert (result.ids, result.text, result.stats.stop_reason) == (plain.ids, plain.text, plain.stats.stop_reason)
+        reasons.add(result.stats.stop_reason)
+    assert reasons >= {"stop_string", "max_new_tokens"}
+    assert sum(r.stats.accepted for r in results) > 0  # the batch really speculated
+
+
+def test_engine_loop_streams_confirmed_pieces_and_cancels(engine):
+    async def scenario():
+        loop = EngineLoop(engine, max_batch=2)
+        first = loop.submit(PROMPTS[0], max_new_tokens=24)
+        second = loop.submit(PROMPTS[1], max_new_tokens=24, temperature=0.8, seed=3)
+        doomed = loop.submit(PROMPTS[2], max_new_tokens=24)
+        pieces = []
+        async for piece in first:
+            pieces.append(piece)
+            if len(pieces) == 3:
+                loop.cancel(second)
+        third = await doomed.wait()
+        await second.wait()
+        late = loop.submit(PROMPTS[3], max_new_tokens=8, **SETTINGS[3])  # after the loop went idle
+        await late.wait()
+        await loop.aclose()
+        return first, pieces, second, third, late
+
+    first, pieces, second, third, late = asyncio.run(scenario())
+    assert [p.id for p in pieces if p.id >= 0] == first.result.ids == _alone(engine, PROMPTS[0], {}).ids
+    assert "".join(p.text for p in pieces) == first.result.text and first.finish_reason == "max_new_tokens"
+    assert second.finish_reason == "cancelled"
+    assert second.result.ids == _alone(engine, PROMPTS[1], SETTINGS[1]).ids[:len(second.result.ids)]
+    assert third.ids == _alone(engine, PROMPTS[2], {}).ids
+    assert late.result.ids == _alone(engine, PROMPTS[3], SETTINGS[3], max_new_tokens=8).ids
+
+
+def test_pool_limits_are_refused_in_one_line_not_truncated(engine):
+    scheduler = engine.batch_scheduler(max_batch=2, kv_cache_mb=0.1)
+    capacity = scheduler.backend.capacity
+    assert capacity < engine.manifest.model["max_context"]
+    with pytest.raises(GenerationError, match="exceeds the KV-cache slot"):
+        scheduler.submit(engine.request_from([1, 2, 3], dict(max_new_tokens=capacity)))
+    with pytest.raises(GenerationError, match="leaves no room"):
+        engine.batch_scheduler(max_batch=8, kv_cache_mb=0.001)
+    with pytest.raises(GenerationError, match="unknown generation setting"):
+        engine.generate_batch(["a"], settings=[{"temprature": 1.0}])
+
+
+def test_artifact_without_batch_graph_asks_for_a_rebuild(tiny_artifact):
+    manifest = read_manifest(tiny_artifact)
+    del manifest.graphs[contract.BATCH_STEP]
+    with pytest.raises(ArtifactError, match="rebuild"):
+        BatchBackend(tiny_artifact, manifest, max_batch=1, capacity=8)
+
+
+def test_cli_prompts_file_json_in_input_order(engine, tiny_artifact, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS[:3]) + "\n")
+    result = run_cli("generate", tiny_artifact, "--prompts-file", prompts, "--json", "--max-new-tokens", "12",
+                     "--max-batch", "2", "--seed", "4", "--temperature", "0.7")
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["ids"] for r in rows] == [_alone(engine, p, {"temperature": 0.7, "seed": 4}, 12).ids for p in PROMPTS[:3]]
+    assert all(r["stats"]["mode"] == "batch speed" and r["text"] for r in rows)
+    prompts.write_text("a\n\nb\n")
+    assert_one_line_error(run_cli("generate", tiny_artifact, "--prompts-file", prompts), "line 2 is empty")
