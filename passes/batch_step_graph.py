@@ -32,20 +32,20 @@ import onnx_graphsurgeon as gs
 from speedc import contract
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.exit_heads import final_norm_weight, maybe_norm, weight
-from speedc.passes.graph_utils import replace_uses, tensor
+from speedc.passes.graph_utils import add_layer, replace_uses, tensor
 
 
 def _gather_rows(graph: gs.Graph, hidden: gs.Tensor, rows: gs.Tensor, hidden_size: int, name: str) -> gs.Tensor:
     """hidden [R,1,H] -> [len(rows), H]."""
-    flat = graph.layer(op="Reshape", inputs=[hidden, gs.Constant(f"{name}.shape", np.array([-1, hidden_size], np.int64))],
-                       outputs=[f"{name}.flat"], name=f"{name}/Reshape")[0]
-    return graph.layer(op="Gather", inputs=[flat, rows], outputs=[name], attrs={"axis": 0}, name=f"{name}/Gather")[0]
+    flat = add_layer(graph, op="Reshape", inputs=[hidden, gs.Constant(f"{name}.shape", np.array([-1, hidden_size], np.int64))],
+                            outputs=[f"{name}.flat"], name=f"{name}/Reshape")[0]
+    return add_layer(graph, op="Gather", inputs=[flat, rows], outputs=[name], attrs={"axis": 0}, name=f"{name}/Gather")[0]
 
 
 def _slice0(graph: gs.Graph, x: gs.Tensor, start: gs.Tensor, end: gs.Tensor, name: str, dtype, shape) -> gs.Tensor:
     """x[start:end] along axis 0 (start, end: [1] int64), as a graph output named NAME."""
-    out = graph.layer(op="Slice", inputs=[x, start, end, gs.Constant(f"{name}.axes", np.array([0], np.int64))],
-                      outputs=[name], name=f"{name}/Slice")[0]
+    out = add_layer(graph, op="Slice", inputs=[x, start, end, gs.Constant(f"{name}.axes", np.array([0], np.int64))],
+                           outputs=[name], name=f"{name}/Slice")[0]
     out.name, out.dtype, out.shape = name, dtype, shape  # graph.layer uniquifies names; outputs need exact ones
     return out
 
@@ -59,15 +59,15 @@ def add_batch_heads(graph: gs.Graph, state: CompileState, final_rows: gs.Tensor,
                           final_norm_weight(state), "batch_final_head")  # [F, H]
     exit_in = maybe_norm(graph, state, _gather_rows(graph, exit_tap, exit_rows, cfg.hidden_size, "batch_exit_rows"),
                          state.exit_norm, "batch_exit_head")  # [E, H]
-    both = graph.layer(op="Concat", inputs=[final_in, exit_in], outputs=["batch_head_rows"], attrs={"axis": 0},
-                       name="batch_heads/Concat_rows")[0]  # [F+E, H]
+    both = add_layer(graph, op="Concat", inputs=[final_in, exit_in], outputs=["batch_head_rows"], attrs={"axis": 0},
+                            name="batch_heads/Concat_rows")[0]  # [F+E, H]
     lm_head = weight(graph, state, "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
-    logits = graph.layer(op="Gemm", inputs=[both, lm_head], outputs=["batch_head_logits"], attrs={"transB": 1},
-                         name="batch_heads/Gemm_lm_head")[0]  # [F+E, V]
-    tokens = graph.layer(op="ArgMax", inputs=[logits], outputs=["batch_head_tokens"], attrs={"axis": -1, "keepdims": 0},
-                         name="batch_heads/ArgMax")[0]  # [F+E]
-    f = graph.layer(op="Shape", inputs=[final_rows], outputs=["batch_final_count"], name="batch_heads/Shape_F")[0]  # [1]
-    fe = graph.layer(op="Shape", inputs=[tokens], outputs=["batch_head_count"], name="batch_heads/Shape_FE")[0]  # [1]
+    logits = add_layer(graph, op="Gemm", inputs=[both, lm_head], outputs=["batch_head_logits"], attrs={"transB": 1},
+                              name="batch_heads/Gemm_lm_head")[0]  # [F+E, V]
+    tokens = add_layer(graph, op="ArgMax", inputs=[logits], outputs=["batch_head_tokens"], attrs={"axis": -1, "keepdims": 0},
+                              name="batch_heads/ArgMax")[0]  # [F+E]
+    f = add_layer(graph, op="Shape", inputs=[final_rows], outputs=["batch_final_count"], name="batch_heads/Shape_F")[0]  # [1]
+    fe = add_layer(graph, op="Shape", inputs=[tokens], outputs=["batch_head_count"], name="batch_heads/Shape_FE")[0]  # [1]
     zero = gs.Constant("batch_heads.zero", np.array([0], np.int64))
     stage_out.name, stage_out.shape = contract.HIDDEN_OUT, ["rows", 1, cfg.hidden_size]
     return [_slice0(graph, tokens, zero, f, contract.FINAL_TOKEN, np.int64, ["final_rows"]),
@@ -89,9 +89,10 @@ def build_batch_step_graph(decode: gs.Graph, state: CompileState) -> gs.Graph:
     input_ids, positions = tensor(graph, contract.INPUT_IDS), tensor(graph, contract.POSITIONS)
     input_ids.shape, positions.shape = ["sequences", 1], ["rows"]
     slabs = []
+    known = graph.tensors()  # looked up once: graph.tensors() scans the whole graph
     for layer in range(stage_layers):
         for kind in contract.KV_KINDS:
-            past = tensor(graph, f"past.{kind}.{layer}")  # becomes the slot-major concatenation of P slabs
+            past = known[f"past.{kind}.{layer}"]  # becomes the slot-major concatenation of P slabs
             parts = [gs.Variable(contract.batch_cache_input(kind, layer, s), np.float32,
                                  ["sequences", cfg.num_key_value_heads, "context", cfg.head_dim]) for s in range(slots)]
             graph.nodes.append(gs.Node("Concat", f"batch_cache/Concat_{kind}_{layer}", attrs={"axis": 0},
@@ -101,7 +102,7 @@ def build_batch_step_graph(decode: gs.Graph, state: CompileState) -> gs.Graph:
     exit_rows = gs.Variable(contract.EXIT_ROWS, np.int64, ["exit_rows"])
     graph.inputs = [input_ids, positions, hidden_in, final_rows, exit_rows, *slabs]
     heads = add_batch_heads(graph, state, final_rows, exit_rows)
-    presents = [tensor(graph, f"present.{kind}.{layer}") for layer in range(stage_layers) for kind in contract.KV_KINDS]
+    presents = [known[f"present.{kind}.{layer}"] for layer in range(stage_layers) for kind in contract.KV_KINDS]
     graph.outputs = heads + presents
     return graph.cleanup(remove_unused_graph_inputs=False).toposort()
 

@@ -26,7 +26,7 @@ import onnx_graphsurgeon as gs
 
 from speedc import contract
 from speedc.passes.base import CompileState, register_pass
-from speedc.passes.graph_utils import tensor
+from speedc.passes.graph_utils import add_layer, tensor
 from speedc.passes.source_weights import weight_constant
 from speedc.passes.trace import TRACED_HEADS
 
@@ -42,14 +42,14 @@ def weight(graph: gs.Graph, state: CompileState, name: str) -> gs.Constant:
 
 def emit_rms_norm(graph: gs.Graph, x: gs.Tensor, weight: gs.Constant, eps: float, prefix: str) -> gs.Tensor:
     """x [R, H] -> weight * x / sqrt(mean(x^2) + eps)."""
-    squared = graph.layer(op="Mul", inputs=[x, x], outputs=[f"{prefix}.sq"], name=f"{prefix}/Mul_sq")[0]
-    mean = graph.layer(op="ReduceMean", inputs=[squared], outputs=[f"{prefix}.mean"], attrs={"axes": [-1], "keepdims": 1},
-                       name=f"{prefix}/ReduceMean")[0]
+    squared = add_layer(graph, op="Mul", inputs=[x, x], outputs=[f"{prefix}.sq"], name=f"{prefix}/Mul_sq")[0]
+    mean = add_layer(graph, op="ReduceMean", inputs=[squared], outputs=[f"{prefix}.mean"], attrs={"axes": [-1], "keepdims": 1},
+                            name=f"{prefix}/ReduceMean")[0]
     eps_c = gs.Constant(f"{prefix}.eps", np.array([eps], dtype=np.float32))
-    shifted = graph.layer(op="Add", inputs=[mean, eps_c], outputs=[f"{prefix}.shifted"], name=f"{prefix}/Add_eps")[0]
-    root = graph.layer(op="Sqrt", inputs=[shifted], outputs=[f"{prefix}.root"], name=f"{prefix}/Sqrt")[0]
-    normed = graph.layer(op="Div", inputs=[x, root], outputs=[f"{prefix}.normed"], name=f"{prefix}/Div")[0]
-    return graph.layer(op="Mul", inputs=[normed, weight], outputs=[f"{prefix}.out"], name=f"{prefix}/Mul_w")[0]
+    shifted = add_layer(graph, op="Add", inputs=[mean, eps_c], outputs=[f"{prefix}.shifted"], name=f"{prefix}/Add_eps")[0]
+    root = add_layer(graph, op="Sqrt", inputs=[shifted], outputs=[f"{prefix}.root"], name=f"{prefix}/Sqrt")[0]
+    normed = add_layer(graph, op="Div", inputs=[x, root], outputs=[f"{prefix}.normed"], name=f"{prefix}/Div")[0]
+    return add_layer(graph, op="Mul", inputs=[normed, weight], outputs=[f"{prefix}.out"], name=f"{prefix}/Mul_w")[0]
 
 
 def _lm_head(graph: gs.Graph, state: CompileState) -> gs.Constant:
@@ -78,10 +78,10 @@ def emit_head(graph: gs.Graph, state: CompileState, rows: gs.Tensor, norm_weight
 def _logits_and_tokens(graph: gs.Graph, state: CompileState, normed: gs.Tensor, prefix: str, logits_name: str,
                        token_name: str) -> tuple[gs.Tensor, gs.Tensor]:
     """normed rows [R, H] -> logits [R, V] (one LM-head Gemm), argmax tokens [R] (int64)."""
-    logits = graph.layer(op="Gemm", inputs=[normed, _lm_head(graph, state)], outputs=[logits_name],
-                         attrs={"transB": 1}, name=f"{prefix}/Gemm_lm_head")[0]
-    token = graph.layer(op="ArgMax", inputs=[logits], outputs=[token_name], attrs={"axis": -1, "keepdims": 0},
-                        name=f"{prefix}/ArgMax")[0]
+    logits = add_layer(graph, op="Gemm", inputs=[normed, _lm_head(graph, state)], outputs=[logits_name],
+                              attrs={"transB": 1}, name=f"{prefix}/Gemm_lm_head")[0]
+    token = add_layer(graph, op="ArgMax", inputs=[logits], outputs=[token_name], attrs={"axis": -1, "keepdims": 0},
+                             name=f"{prefix}/ArgMax")[0]
     logits.dtype, token.dtype = np.float32, np.int64
     logits.name, token.name = logits_name, token_name  # graph.layer uniquifies names; outputs need exact ones
     return logits, token
@@ -89,13 +89,13 @@ def _logits_and_tokens(graph: gs.Graph, state: CompileState, normed: gs.Tensor, 
 
 def _rows(graph: gs.Graph, hidden: gs.Tensor, hidden_size: int, name: str) -> gs.Tensor:
     shape = gs.Constant(f"{name}.shape", np.array([-1, hidden_size], dtype=np.int64))
-    return graph.layer(op="Reshape", inputs=[hidden, shape], outputs=[name], name=f"{name}/Reshape")[0]
+    return add_layer(graph, op="Reshape", inputs=[hidden, shape], outputs=[name], name=f"{name}/Reshape")[0]
 
 
 def _take(graph: gs.Graph, x: gs.Tensor, start: int, end: int, name: str) -> gs.Tensor:
     """x[start:end] along axis 0."""
     consts = [gs.Constant(f"{name}.{k}", np.array([v], dtype=np.int64)) for k, v in (("starts", start), ("ends", end), ("axes", 0))]
-    return graph.layer(op="Slice", inputs=[x, *consts], outputs=[name], name=f"{name}/Slice")[0]
+    return add_layer(graph, op="Slice", inputs=[x, *consts], outputs=[name], name=f"{name}/Slice")[0]
 
 
 def add_step_heads(graph: gs.Graph, state: CompileState, all_exit_rows: bool) -> None:
@@ -108,8 +108,8 @@ def add_step_heads(graph: gs.Graph, state: CompileState, all_exit_rows: bool) ->
     exit_source = exit_tap if all_exit_rows else _take(graph, exit_tap, 0, 1, "youngest_hidden")
     exit_rows = _rows(graph, exit_source, cfg.hidden_size, "exit_rows")  # [R, H]
     exit_normed = maybe_norm(graph, state, exit_rows, state.exit_norm, "exit_head")
-    both = graph.layer(op="Concat", inputs=[final_normed, exit_normed], outputs=["head_rows"], attrs={"axis": 0},
-                       name="heads/Concat_rows")[0]  # [1 + R, H]
+    both = add_layer(graph, op="Concat", inputs=[final_normed, exit_normed], outputs=["head_rows"], attrs={"axis": 0},
+                            name="heads/Concat_rows")[0]  # [1 + R, H]
     logits, tokens = _logits_and_tokens(graph, state, both, "heads", "head_logits", "head_tokens")
     final_logits = _take(graph, logits, 0, 1, contract.FINAL_LOGITS)
     final_token = _take(graph, tokens, 0, 1, contract.FINAL_TOKEN)
@@ -129,8 +129,8 @@ def add_prefill_head(graph: gs.Graph, state: CompileState) -> None:
     last_hidden = tensor(graph, f"hidden.{cfg.num_hidden_layers - 1}")
     starts, ends, axes = (gs.Constant(f"last_position.{n}", np.array([v], dtype=np.int64))
                           for n, v in (("starts", -1), ("ends", np.iinfo(np.int64).max), ("axes", 1)))
-    last = graph.layer(op="Slice", inputs=[last_hidden, starts, ends, axes], outputs=["last_hidden"],
-                       name="final_head/Slice_last")[0]
+    last = add_layer(graph, op="Slice", inputs=[last_hidden, starts, ends, axes], outputs=["last_hidden"],
+                            name="final_head/Slice_last")[0]
     logits, token = emit_head(graph, state, _rows(graph, last, cfg.hidden_size, "last_rows"), final_norm_weight(state),
                               "final_head", contract.LOGITS, contract.NEXT_TOKEN)
     token.shape, logits.shape = ["batch"], ["batch", cfg.vocab_size]  # one row per sequence (batched plain decoding)

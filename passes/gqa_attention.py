@@ -31,7 +31,7 @@ import onnx_graphsurgeon as gs
 from speedc import contract
 from speedc.errors import BuildError
 from speedc.passes.base import CompileState, register_pass
-from speedc.passes.graph_utils import tensor
+from speedc.passes.graph_utils import add_layer
 
 GQA_HEAD_DIM_MULTIPLE = 16  # ONNX Runtime's CPU kernel: "head_size shall be a multiple of 16"
 
@@ -63,42 +63,43 @@ def rotary_tables(graph: gs.Graph, head_dim: int, theta: float, rows: int) -> tu
         Range(rows) [rows] -> Cast float -> Unsqueeze [rows, 1] -> Mul inv_freq [hd/2] -> Cos / Sin
     """
     inv_freq = (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))).astype(np.float32)
-    index = graph.layer(op="Range", inputs=[gs.Constant("gqa.rows.start", np.array(0, np.int64)),
-                                            gs.Constant("gqa.rows.stop", np.array(rows, np.int64)),
-                                            gs.Constant("gqa.rows.step", np.array(1, np.int64))], outputs=["gqa.rows"])[0]
-    index = graph.layer(op="Cast", inputs=[index], outputs=["gqa.rows.f"], attrs={"to": 1})[0]
-    index = graph.layer(op="Unsqueeze", inputs=[index, gs.Constant("gqa.axis1", np.array([1], np.int64))],
-                        outputs=["gqa.rows.col"])[0]
-    freqs = graph.layer(op="Mul", inputs=[index, gs.Constant("gqa.inv_freq", inv_freq)], outputs=["gqa.freqs"])[0]
-    return (graph.layer(op="Cos", inputs=[freqs], outputs=["gqa.cos_cache"])[0],
-            graph.layer(op="Sin", inputs=[freqs], outputs=["gqa.sin_cache"])[0])
+    index = add_layer(graph, op="Range", inputs=[gs.Constant("gqa.rows.start", np.array(0, np.int64)),
+                                                 gs.Constant("gqa.rows.stop", np.array(rows, np.int64)),
+                                                 gs.Constant("gqa.rows.step", np.array(1, np.int64))], outputs=["gqa.rows"])[0]
+    index = add_layer(graph, op="Cast", inputs=[index], outputs=["gqa.rows.f"], attrs={"to": 1})[0]
+    index = add_layer(graph, op="Unsqueeze", inputs=[index, gs.Constant("gqa.axis1", np.array([1], np.int64))],
+                             outputs=["gqa.rows.col"])[0]
+    freqs = add_layer(graph, op="Mul", inputs=[index, gs.Constant("gqa.inv_freq", inv_freq)], outputs=["gqa.freqs"])[0]
+    return (add_layer(graph, op="Cos", inputs=[freqs], outputs=["gqa.cos_cache"])[0],
+            add_layer(graph, op="Sin", inputs=[freqs], outputs=["gqa.sin_cache"])[0])
 
 
 def lower_to_gqa(graph: gs.Graph, *, heads: int, kv_heads: int, head_dim: int, theta: float, max_context: int) -> gs.Graph:
     graph = graph.copy()
     graph.name = contract.fused(graph.name)
-    positions, input_ids = tensor(graph, contract.POSITIONS), tensor(graph, contract.INPUT_IDS)
+    known = graph.tensors()  # looked up once: graph.tensors() scans the whole graph (per layer: minutes)
+    positions, input_ids = known[contract.POSITIONS], known[contract.INPUT_IDS]
     # L (chunk length) as [1] and as a scalar; the per-row sequence lengths GQA expects.
-    ids_shape = graph.layer(op="Shape", inputs=[input_ids], outputs=["gqa.ids_shape"])[0]
-    chunk = graph.layer(op="Slice", inputs=[ids_shape, gs.Constant("gqa.one", np.array([1], np.int64)),
-                                            gs.Constant("gqa.two", np.array([2], np.int64))], outputs=["gqa.chunk"])[0]  # [1]
-    last = graph.layer(op="Add", inputs=[positions, chunk], outputs=["gqa.end"])[0]  # [R] = positions + L
-    last = graph.layer(op="Sub", inputs=[last, gs.Constant("gqa.one_i", np.array([1], np.int64))], outputs=["gqa.last"])[0]
-    seqlens = graph.layer(op="Cast", inputs=[last], outputs=["gqa.seqlens_k"], attrs={"to": 6})[0]  # int32 [R]
-    longest = graph.layer(op="ReduceMax", inputs=[last], outputs=["gqa.longest"], attrs={"keepdims": 0})[0]  # scalar
-    total = graph.layer(op="Add", inputs=[longest, gs.Constant("gqa.one_s", np.array(1, np.int64))], outputs=["gqa.total64"])[0]
-    total = graph.layer(op="Cast", inputs=[total], outputs=["gqa.total"], attrs={"to": 6})[0]  # int32 scalar
+    ids_shape = add_layer(graph, op="Shape", inputs=[input_ids], outputs=["gqa.ids_shape"])[0]
+    chunk = add_layer(graph, op="Slice", inputs=[ids_shape, gs.Constant("gqa.one", np.array([1], np.int64)),
+                                                 gs.Constant("gqa.two", np.array([2], np.int64))], outputs=["gqa.chunk"])[0]  # [1]
+    last = add_layer(graph, op="Add", inputs=[positions, chunk], outputs=["gqa.end"])[0]  # [R] = positions + L
+    last = add_layer(graph, op="Sub", inputs=[last, gs.Constant("gqa.one_i", np.array([1], np.int64))], outputs=["gqa.last"])[0]
+    seqlens = add_layer(graph, op="Cast", inputs=[last], outputs=["gqa.seqlens_k"], attrs={"to": 6})[0]  # int32 [R]
+    longest = add_layer(graph, op="ReduceMax", inputs=[last], outputs=["gqa.longest"], attrs={"keepdims": 0})[0]  # scalar
+    total = add_layer(graph, op="Add", inputs=[longest, gs.Constant("gqa.one_s", np.array(1, np.int64))], outputs=["gqa.total64"])[0]
+    total = add_layer(graph, op="Cast", inputs=[total], outputs=["gqa.total"], attrs={"to": 6})[0]  # int32 scalar
     cos_cache, sin_cache = rotary_tables(graph, head_dim, theta, max_context + 1)  # + the runtime's scratch row
 
     def rows_by_chunk(x: gs.Tensor, width: int, name: str) -> gs.Tensor:  # [R*L, width] -> [R, L, width]
-        shape = graph.layer(op="Concat", inputs=[gs.Constant(f"{name}.minus1", np.array([-1], np.int64)), chunk,
-                                                 gs.Constant(f"{name}.width", np.array([width], np.int64))],
-                            outputs=[f"{name}.shape"], attrs={"axis": 0})[0]
-        return graph.layer(op="Reshape", inputs=[x, shape], outputs=[f"{name}.3d"])[0]
+        shape = add_layer(graph, op="Concat", inputs=[gs.Constant(f"{name}.minus1", np.array([-1], np.int64)), chunk,
+                                                      gs.Constant(f"{name}.width", np.array([width], np.int64))],
+                                 outputs=[f"{name}.shape"], attrs={"axis": 0})[0]
+        return add_layer(graph, op="Reshape", inputs=[x, shape], outputs=[f"{name}.3d"])[0]
 
     def attention(prefix: str, q: gs.Tensor, k: gs.Tensor, v: gs.Tensor, seqlens_k: gs.Tensor, cache_names: list[str]) -> gs.Tensor:
         """One GroupQueryAttention over rows q/k/v [r, L, width] and their cache slabs, written in place."""
-        past_key, past_value = (tensor(graph, name) for name in cache_names)
+        past_key, past_value = (known[name] for name in cache_names)
         out = gs.Variable(f"{prefix}.out", np.float32)
         presents = [gs.Variable(name + ".out", np.float32, past.shape) for name, past in zip(cache_names, (past_key, past_value))]
         graph.nodes.append(gs.Node(
@@ -111,14 +112,14 @@ def lower_to_gqa(graph: gs.Graph, *, heads: int, kv_heads: int, head_dim: int, t
     # The batch step (passes/batch_step_graph.py) reads one slab per (stage layer, slot): rows are
     # slot-major groups of n (= input_ids rows), each group gets its own GroupQueryAttention.
     slots = sum(1 for t in graph.inputs if t.name.startswith("cache.key.0."))
-    sequences = graph.layer(op="Slice", inputs=[ids_shape, gs.Constant("gqa.zero", np.array([0], np.int64)),
-                                                gs.Constant("gqa.one_end", np.array([1], np.int64))], outputs=["gqa.sequences"])[0]
+    sequences = add_layer(graph, op="Slice", inputs=[ids_shape, gs.Constant("gqa.zero", np.array([0], np.int64)),
+                                                     gs.Constant("gqa.one_end", np.array([1], np.int64))], outputs=["gqa.sequences"])[0]
 
     def group(x: gs.Tensor, slot: int, name: str) -> gs.Tensor:  # rows [slot*n, (slot+1)*n) along axis 0
-        bounds = [graph.layer(op="Mul", inputs=[sequences, gs.Constant(f"{name}.{end}", np.array([slot + end], np.int64))],
-                              outputs=[f"{name}.bound{end}"])[0] for end in (0, 1)]
-        return graph.layer(op="Slice", inputs=[x, *bounds, gs.Constant(f"{name}.axes", np.array([0], np.int64))],
-                           outputs=[f"{name}.rows"])[0]
+        bounds = [add_layer(graph, op="Mul", inputs=[sequences, gs.Constant(f"{name}.{end}", np.array([slot + end], np.int64))],
+                                   outputs=[f"{name}.bound{end}"])[0] for end in (0, 1)]
+        return add_layer(graph, op="Slice", inputs=[x, *bounds, gs.Constant(f"{name}.axes", np.array([0], np.int64))],
+                                outputs=[f"{name}.rows"])[0]
 
     cache_outputs = []
     for layer, (q2d, k2d, v2d, o_proj) in enumerate(_layers(graph)):
@@ -132,9 +133,9 @@ def lower_to_gqa(graph: gs.Graph, *, heads: int, kv_heads: int, head_dim: int, t
                                group(seqlens, s, f"{prefix}.{s}.seqlens"),
                                [contract.batch_cache_input(kind, layer, s) for kind in contract.KV_KINDS])
                      for s in range(slots)]
-            out = graph.layer(op="Concat", inputs=parts, outputs=[f"{prefix}.slots"], attrs={"axis": 0})[0]  # [R, L, h*hd]
-        flat = graph.layer(op="Reshape", inputs=[out, gs.Constant(f"{prefix}.flat", np.array([-1, heads * head_dim], np.int64))],
-                           outputs=[f"{prefix}.ctx"])[0]  # [R*L, h*hd]
+            out = add_layer(graph, op="Concat", inputs=parts, outputs=[f"{prefix}.slots"], attrs={"axis": 0})[0]  # [R, L, h*hd]
+        flat = add_layer(graph, op="Reshape", inputs=[out, gs.Constant(f"{prefix}.flat", np.array([-1, heads * head_dim], np.int64))],
+                                outputs=[f"{prefix}.ctx"])[0]  # [R*L, h*hd]
         o_proj.inputs[0] = flat
     # The new rows now land in the cache inside the graph: the stacked new_key/new_value outputs go.
     stacked = {contract.new_rows(kind) for kind in contract.KV_KINDS}

@@ -21,20 +21,21 @@ import onnx_graphsurgeon as gs
 
 from speedc import contract
 from speedc.passes.base import CompileState, register_pass
-from speedc.passes.graph_utils import tensor
+from speedc.passes.graph_utils import add_layer
 
 
 def stack_presents(graph: gs.Graph, layers: int, rows: int | str, chunk: int | str, kv_heads: int, head_dim: int) -> None:
     stacked = []
+    tensors = graph.tensors()  # once: a lookup per layer would scan the whole graph each time
     for kind in contract.KV_KINDS:
         parts = []
         for layer in range(layers):
-            present = tensor(graph, f"present.{kind}.{layer}")
+            present = tensors[f"present.{kind}.{layer}"]
             axis0 = gs.Constant(f"{contract.new_rows(kind)}.axis0.{layer}", np.array([0], dtype=np.int64))
-            parts.append(graph.layer(op="Unsqueeze", inputs=[present, axis0], outputs=[f"{contract.new_rows(kind)}.{layer}"],
-                                     name=f"kv_cache/Unsqueeze_{kind}_{layer}")[0])
-        out = graph.layer(op="Concat", inputs=parts, outputs=[contract.new_rows(kind)], attrs={"axis": 0},
-                          name=f"kv_cache/Concat_{kind}")[0]
+            parts.append(add_layer(graph, op="Unsqueeze", inputs=[present, axis0], outputs=[f"{contract.new_rows(kind)}.{layer}"],
+                                          name=f"kv_cache/Unsqueeze_{kind}_{layer}")[0])
+        out = add_layer(graph, op="Concat", inputs=parts, outputs=[contract.new_rows(kind)], attrs={"axis": 0},
+                               name=f"kv_cache/Concat_{kind}")[0]
         out.dtype, out.shape = np.float32, [layers, rows, kv_heads, chunk, head_dim]
         out.name = contract.new_rows(kind)
         stacked.append(out)

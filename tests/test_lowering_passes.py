@@ -182,7 +182,7 @@ def test_exit_heads_outputs_before_after(model, before_exit_heads, after_exit_he
     presents = [f"present.{kind}.{j}" for j in range(S) for kind in ("key", "value")]
     # Before: the step graph outputs the stage's hidden state (the exit tap hidden.1 is the same tensor) and
     # per-layer presents; the prefill graph still has the traced heads and every layer's hidden state.
-    assert set(before.graphs) == {"step", "prefill"}
+    assert set(before.graphs) == {"step", "prefill", "batch_step"}
     assert [t.name for t in before.graphs["step"].outputs] == ["hidden.1", *presents]
     prefill_before = [t.name for t in before.graphs["prefill"].outputs]
     assert {"logits", "exit_logits"} <= set(prefill_before)
@@ -192,7 +192,7 @@ def test_exit_heads_outputs_before_after(model, before_exit_heads, after_exit_he
     step_heads_before = [n for n in before.graphs["step"].nodes if n.op == "Gemm" and n.inputs[1].name == lm_head]
     assert step_heads_before == []  # the traced heads sat after layer N-1: dead in the one-stage step graph
 
-    assert set(after.graphs) == {"step", "step_flush", "prefill"} and "heads" in after.facts
+    assert set(after.graphs) == {"step", "step_flush", "prefill", "batch_step"} and "heads" in after.facts
     step_out = {"final_token": [1], "final_logits": [1, V], "exit_tokens": [1], "hidden_out": [P, 1, H]}
     assert {k: v for k, v in _io(after.graphs["step"].outputs).items() if not k.startswith("present.")} == step_out
     assert [t.name for t in after.graphs["step"].outputs][4:] == presents
@@ -200,7 +200,7 @@ def test_exit_heads_outputs_before_after(model, before_exit_heads, after_exit_he
     assert flush["exit_tokens"] == [P] and [t.name for t in after.graphs["step_flush"].outputs][4:] == presents
     prefill = _io(after.graphs["prefill"].outputs)  # traced heads and per-layer hidden states are gone
     assert list(prefill) == ["next_token", "logits", *(n for n in prefill_before if n.startswith("present."))]
-    assert prefill["next_token"] == [1] and prefill["logits"] == [1, V]
+    assert prefill["next_token"] == ["batch"] and prefill["logits"] == ["batch", V]  # a row per sequence
     # The inputs are untouched.
     assert _io(after.graphs["step"].inputs) == _io(before_exit_heads.graphs["step"].inputs)
     # One LM-head Gemm per program: in a step it serves the final row and the exit row(s) at once.
@@ -321,7 +321,7 @@ def test_kv_cache_io_before_after(before_kv_cache, after_kv_cache):
     for name, shape in prefill_caches.items():  # [1, kvh, T, hd]; the leading dim is left symbolic (contract: *)
         assert shape[0] in (1, "batch") and shape[1:] == [KVH, "context", HD], (name, shape)
     prefill_out = _io(after.graphs["prefill"].outputs)
-    assert prefill_out["new_key"] == prefill_out["new_value"] == [N, 1, KVH, "chunk", HD]
+    assert prefill_out["new_key"] == prefill_out["new_value"] == [N, "batch", KVH, "chunk", HD]
     # The head outputs come first and are unchanged.
     for name, heads in before_heads.items():
         assert [(t.name, t.shape) for t in after.graphs[name].outputs][:len(heads)] == heads, name

@@ -115,9 +115,9 @@ def test_exit_heads_and_kv_cache_outputs(model):
         heads = [n for n in state.graphs[name].nodes if n.op == "Gemm" and n.inputs[1].name == "model.embed_tokens.weight"]
         assert len(heads) == 1
     prefill = {t.name: t.shape for t in state.graphs["prefill"].outputs}
-    assert prefill == {"next_token": [1], "logits": [1, 97], "new_key": [6, 1, 2, "chunk", 8],
-                       "new_value": [6, 1, 2, "chunk", 8]}
-    assert all(t.name.startswith("cache.") or t.name in ("input_ids", "positions", "hidden_in")
+    assert prefill == {"next_token": ["batch"], "logits": ["batch", 97], "new_key": [6, "batch", 2, "chunk", 8],
+                       "new_value": [6, "batch", 2, "chunk", 8]}  # one row per sequence (batched plain decoding)
+    assert all(t.name.startswith("cache.") or t.name in ("input_ids", "positions", "hidden_in", "final_rows", "exit_rows")
                for g in state.graphs.values() for t in g.inputs)
 
 
@@ -163,7 +163,7 @@ def test_fuse_projections_before_after(model):
 def test_gqa_attention_before_after():
     model = randomize(SharedLlama(random_config(blocks=2, layers=6, heads=4, kv_heads=2, hidden=64)), seed=12)  # head_dim 16
     before = _through(_state(model), "cache_writer")
-    assert set(before.graphs) == {"step", "step_flush", "prefill", "cache_write_step", "cache_write_prefill"}
+    assert set(before.graphs) == {"step", "step_flush", "prefill", "batch_step", "cache_write_step", "cache_write_prefill"}
     assert _ops(before.graphs["step"], "Softmax") == 2  # standard attention: one softmax per stage layer
     after = run_passes(before, ["gqa_attention"])[0]
     for name, layers in (("step", 2), ("step_flush", 2), ("prefill", 6)):
