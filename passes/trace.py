@@ -115,16 +115,6 @@ class WeightsAsInputs(nn.Module):
         return self.program(input_ids, positions, *past)
 
 
-def io_names(num_layers: int) -> tuple[list[str], list[str]]:
-    inputs = [contract.INPUT_IDS, contract.POSITIONS]
-    for layer in range(num_layers):
-        inputs += [f"past.key.{layer}", f"past.value.{layer}"]
-    outputs = [*TRACED_HEADS, "embeddings"] + [f"hidden.{layer}" for layer in range(num_layers)]
-    for layer in range(num_layers):
-        outputs += [f"present.key.{layer}", f"present.value.{layer}"]
-    return inputs, outputs
-
-
 def trace_decode_program(cfg: ModelConfig) -> onnx.ModelProto:
     """The decode program with every parameter a graph input named as in the checkpoint (weights are
     uninitialised placeholders: the trace needs shapes only, and untouched memory costs nothing)."""
