@@ -117,13 +117,15 @@ class Tracker:
                 piece = await asyncio.wait_for(self.generation.__anext__(), remaining)
             except StopAsyncIteration:
                 break
+            self.metrics.generation_tokens.inc(piece.tokens)
+            if not piece.text:
+                continue  # tokens a stop string cut: counted, nothing to show
             now = time.perf_counter()
             if self._last is None:
                 self.metrics.ttft.observe(now - self.arrived)
             else:
                 self.metrics.itl.observe(now - self._last)
             self._last = now
-            self.metrics.generation_tokens.inc(piece.tokens)
             yield piece
         self.metrics.record_finished(self.generation.finish_reason, self.generation.stats)
 
@@ -151,12 +153,12 @@ async def until_disconnect(request: Request, work: asyncio.Future):
     """WORK's result, or ClientGone when the client closes the connection first (work is cancelled)."""
     gone = asyncio.ensure_future(_disconnected(request))
     try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
         if not work.done():
             work.cancel()
-    if work.cancelled():
+    if work not in done:
         raise ClientGone
     return work.result()
 

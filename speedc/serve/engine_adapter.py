@@ -95,6 +95,9 @@ class Generation:
                     text, total = item
                     self._queue.put_nowait(Piece(text, total - self.completion_tokens))
                     self.completion_tokens = total
+                if len(self._stream.ids) > self.completion_tokens:  # tokens whose text a stop string cut off
+                    self._queue.put_nowait(Piece("", len(self._stream.ids) - self.completion_tokens))
+                    self.completion_tokens = len(self._stream.ids)
                 self.stats = self._stream.stats
                 self.finish_reason = FINISH_REASONS.get(self.stats.stop_reason, "stop")
                 owner._record_seconds(self.stats)

@@ -131,22 +131,26 @@ def message_content(value: Any, name: str) -> str:
 def messages(value: Any, name: str) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise _bad(name, "a non-empty list of messages")
-    out = []
-    for i, message in enumerate(value):
-        where = f"{name}[{i}]"
-        if not isinstance(message, dict):
-            raise _bad(where, "an object with role and content")
-        unknown = sorted(set(message) - {"role", "content", "name"})
-        if unknown:
-            raise ApiError(400, f"{where}.{unknown[0]} is not supported by this server (no tool calls)", param=name)
-        role = message.get("role")
-        if role not in ROLES:
-            raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}", param=name)
-        checked = {"role": role, "content": message_content(message.get("content"), f"{where}.content")}
-        if message.get("name") is not None:
-            checked["name"] = string(message["name"], f"{where}.name")
-        out.append(checked)
-    return out
+    try:
+        return [_message(message, f"{name}[{i}]") for i, message in enumerate(value)]
+    except ApiError as bad:
+        bad.param = name  # the field the client sent; the message says where inside it
+        raise
+
+
+def _message(message: Any, where: str) -> dict:
+    if not isinstance(message, dict):
+        raise _bad(where, "an object with role and content")
+    unknown = sorted(set(message) - {"role", "content", "name"})
+    if unknown:
+        raise ApiError(400, f"{where}.{unknown[0]} is not supported by this server (no tool calls)")
+    role = message.get("role")
+    if role not in ROLES:
+        raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}")
+    checked = {"role": role, "content": message_content(message.get("content"), f"{where}.content")}
+    if message.get("name") is not None:
+        checked["name"] = string(message["name"], f"{where}.name")
+    return checked
 
 
 # ---- the tables ----------------------------------------------------------------------------------
