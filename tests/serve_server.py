@@ -6,8 +6,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -84,3 +87,27 @@ def start_server(artifact: Path, folder: Path, *args: str, starting: tuple[int, 
         server.stop()
         raise
     return server
+
+
+@contextmanager
+def server_in_this_process(settings) -> Iterator[str]:
+    """create_app(SETTINGS) on uvicorn in a thread of the test process (cheaper than a subprocess when
+    a test needs a server with unusual settings); yields its URL."""
+    import uvicorn
+
+    from speedc.serve.app import create_app
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)  # not the main thread: uvicorn leaves signals alone
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while not (server.started and httpx.get(f"{url}/health", timeout=2).status_code == 200):
+            assert thread.is_alive() and time.monotonic() < deadline, "the in-process server did not start"
+            time.sleep(0.05)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

@@ -1,22 +1,24 @@
 """The one place the server touches the engine: admission (a bounded queue), streaming, cancellation.
 
     handler --submit()--> Generation --(its producer task)--> engine worker thread
-       ^                      |           waits its turn (FIFO), then runs Engine.stream there,
-       +---- async for piece -+           one confirmed piece per executor call
+       ^                      |           waits its turn (FIFO), then runs Engine.stream there at
+       +---- async for piece -+           the engine's pace, handing each confirmed piece to the loop
 
 Today one Engine serves one generation at a time (one cache), so requests wait their turn here; the
 continuous-batching engine loop will replace ThreadedEngine with an adapter of the same shape:
 submit() -> an async iterator of Pieces, cancel(), running / waiting / slots for the metrics and
 the queue bound. Nothing else in the server changes.
 
-Cancelling really stops the decoding: the producer task is cancelled, and the stream is closed on the
-engine's thread right after the step in progress, which frees the engine for the next request.
+Cancelling really stops the decoding: the engine thread sees the stop flag after the step in progress
+and closes the stream there, which frees the engine for the next request (queued behind it on the
+same thread).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -48,21 +50,14 @@ class Piece:
     tokens: int  # confirmed tokens this piece adds (a held-back byte sequence may span several)
 
 
-_END = object()
+@dataclass(frozen=True)
+class _Finished:
+    stats: object  # the engine's DecodeStats
 
 
+@dataclass(frozen=True)
 class _Failure:
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-def _next_piece(stream) -> tuple[str, int] | None:
-    """On the engine thread: the next confirmed piece and the token count so far; None at the end."""
-    try:
-        text = next(stream)
-    except StopIteration:
-        return None
-    return text, len(stream.ids)
+    error: BaseException
 
 
 class Generation:
@@ -75,13 +70,28 @@ class Generation:
         self.finish_reason: str | None = None
         self.stats = None  # the engine's DecodeStats once finished
         self._owner, self._stream = owner, stream
+        self._stop = threading.Event()  # cancel -> the engine thread stops after the step in progress
         self._cancel_requested = False
         self._queue: asyncio.Queue = asyncio.Queue()
         self._task = asyncio.get_running_loop().create_task(self._produce())
 
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+    def _decode(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the engine thread: run the stream at the engine's pace, handing each piece to the loop."""
+        def hand_over(item) -> None:
+            loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+        stream, counted = self._stream, 0
+        try:
+            for text in stream:
+                if self._stop.is_set():
+                    return
+                hand_over(Piece(text, len(stream.ids) - counted))
+                counted = len(stream.ids)
+            if len(stream.ids) > counted:  # tokens whose text a stop string cut off: counted, not shown
+                hand_over(Piece("", len(stream.ids) - counted))
+            hand_over(_Finished(stream.stats))
+        finally:
+            stream.close()  # the engine is free for the next request
 
     async def _produce(self) -> None:
         owner, loop = self._owner, asyncio.get_running_loop()
@@ -91,43 +101,35 @@ class Generation:
                 owner.waiting -= 1
                 owner.running += 1
                 waiting, started = False, True
-                while (item := await loop.run_in_executor(owner._executor, _next_piece, self._stream)) is not None:
-                    text, total = item
-                    self._queue.put_nowait(Piece(text, total - self.completion_tokens))
-                    self.completion_tokens = total
-                if len(self._stream.ids) > self.completion_tokens:  # tokens whose text a stop string cut off
-                    self._queue.put_nowait(Piece("", len(self._stream.ids) - self.completion_tokens))
-                    self.completion_tokens = len(self._stream.ids)
-                self.stats = self._stream.stats
-                self.finish_reason = FINISH_REASONS.get(self.stats.stop_reason, "stop")
-                owner._record_seconds(self.stats)
-                self._queue.put_nowait(_END)
+                await loop.run_in_executor(owner._executor, self._decode, loop)
         except asyncio.CancelledError:
+            self._stop.set()  # the engine thread stops after its current step; the next request queues behind it
             raise
         except BaseException as error:  # a backend failure reaches the handler, which answers 500
             self._queue.put_nowait(_Failure(error))
         finally:
             if waiting:
                 owner.waiting -= 1
+                self._stream.close()  # never started: nothing holds the engine
             if started:
                 owner.running -= 1
-                # Queued behind the step in progress on the engine's one thread: the engine is free
-                # before the next request's first step runs there.
-                owner._executor.submit(self._stream.close)
-            else:
-                self._stream.close()  # never started: nothing holds the engine
 
     def __aiter__(self) -> "Generation":
         return self
 
     async def __anext__(self) -> Piece:
         item = await self._queue.get()
-        if item is _END:
-            self._queue.put_nowait(_END)
-            raise StopAsyncIteration
+        if isinstance(item, Piece):
+            self.completion_tokens += item.tokens
+            return item
+        self._queue.put_nowait(item)  # the end stays the end
         if isinstance(item, _Failure):
             raise item.error
-        return item
+        if self.finish_reason is None:
+            self.stats = item.stats
+            self.finish_reason = FINISH_REASONS.get(item.stats.stop_reason, "stop")
+            self._owner._record_seconds(item.stats)
+        raise StopAsyncIteration
 
     def cancel(self) -> bool:
         """Stop generating now (no-op once finished); True when there was something to stop."""
