@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from conftest import assert_one_line_error, run_cli
 from serve_server import server_in_this_process, start_server
 from speedc.serve.app import ServeSettings
 
@@ -48,6 +49,13 @@ async def admitted(http: httpx.AsyncClient, count: int, seconds: float = 5) -> b
             return True
         await asyncio.sleep(0.002)
     return False
+
+
+def test_bad_command_lines_are_one_line_errors(tiny_artifact, tmp_path):
+    assert_one_line_error(run_cli("serve", tmp_path / "nothing"), "not an artifact directory")
+    (tmp_path / "broken.jinja").write_text("{% for m in messages %}")
+    assert_one_line_error(run_cli("serve", tiny_artifact, "--chat-template", tmp_path / "broken.jinja"),
+                          "chat template does not parse")
 
 
 def test_chat_without_a_template_is_a_400(server):
