@@ -82,18 +82,30 @@ def make_backend(directory: Path, manifest: Manifest, backend: str, device: str,
     return entry.make(directory, manifest, device, threads)
 
 
+def _stop_prefix_length(text: str, stop: list[str]) -> int:
+    """Length of the longest end of TEXT that begins some stop string (0 when none does)."""
+    for length in range(min(len(text), max(map(len, stop), default=1) - 1), 0, -1):
+        if any(s.startswith(text[-length:]) for s in stop):
+            return length
+    return 0
+
+
 class TextStream:
     """Iterator of confirmed text pieces; `ids` and `stats` are complete once it is exhausted.
 
     It runs DECODING holding LOCK from its first piece until it ends or is closed (the engine's cache
-    serves one call at a time); RENDER turns the confirmed ids into the text shown so far."""
+    serves one call at a time); RENDER turns the confirmed ids into the text shown so far. Text that
+    may be the start of a STOP string is held back until it is known not to be one, so the pieces
+    always join to what generate() returns."""
 
-    def __init__(self, decoding: Decoding, lock: threading.Lock, render: Callable[[list[int]], str]) -> None:
+    def __init__(self, decoding: Decoding, lock: threading.Lock, render: Callable[[list[int]], str],
+                 stop: list[str] | None = None) -> None:
         self.ids: list[int] = []
         self.stats: DecodeStats | None = None
-        self._pieces = self._run(decoding, lock, render)
+        self._pieces = self._run(decoding, lock, render, stop or [])
 
-    def _run(self, decoding: Decoding, lock: threading.Lock, render: Callable[[list[int]], str]) -> Iterator[str]:
+    def _run(self, decoding: Decoding, lock: threading.Lock, render: Callable[[list[int]], str],
+             stop: list[str]) -> Iterator[str]:
         shown = ""
         with lock:
             while True:
@@ -105,6 +117,7 @@ class TextStream:
                 text = render(self.ids)
                 if text.endswith("\ufffd"):
                     continue  # an incomplete UTF-8 sequence: wait for the rest of it
+                text = text[:len(text) - _stop_prefix_length(text, stop)]
                 if len(text) > len(shown):
                     yield text[len(shown):]
                     shown = text
@@ -287,4 +300,4 @@ class Engine:
         sampling = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed)
         # Checks run now; the decoding itself starts (and takes the lock) at the stream's first piece.
         decoding = self._decoding(prompt, max_new_tokens, mode, sampling, stop, stop_at_eos, early_flush)
-        return TextStream(decoding, self._lock, lambda ids: self.trim(self.tokenizer.decode(ids), stop))
+        return TextStream(decoding, self._lock, lambda ids: self.trim(self.tokenizer.decode(ids), stop), stop)

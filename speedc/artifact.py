@@ -13,6 +13,8 @@
       weights.bin       every unique weight once, shared by all graphs as ONNX external data
       config.json       the model config (for the PyTorch backend and inspection)
       tokenizer.json    (when the checkpoint has one)
+      tokenizer_config.json, chat_template.jinja
+                        copied from the checkpoint when present: the chat template (`speedc serve`)
 
 The weight index (manifest.weights.index) names every stored tensor: {offset, length, dtype, shape};
 a stacked weight (fuse_projections) also lists its "parts", and each checkpoint tensor inside it has
@@ -44,6 +46,8 @@ GRAPH_FILES = {name: f"{name}.onnx" for name in contract.GRAPHS}  # graph name -
 WEIGHTS = "weights.bin"
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"  # its chat_template (and the special tokens it names)
+CHAT_TEMPLATE = "chat_template.jinja"  # newer checkpoints keep the template in its own file
 WEIGHT_ALIGN = 64
 EXTERNAL_MIN_BYTES = 1024  # initializers this large (and every weight) go to weights.bin
 

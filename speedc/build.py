@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Callable
 
 from speedc import __version__
-from speedc.artifact import (CONFIG, FORMAT_VERSION, TOKENIZER, WEIGHTS, Manifest, stored_entries, weight_bytes,
-                             write_graphs, write_manifest)
+from speedc.artifact import (CHAT_TEMPLATE, CONFIG, FORMAT_VERSION, TOKENIZER, TOKENIZER_CONFIG, WEIGHTS, Manifest,
+                             stored_entries, weight_bytes, write_graphs, write_manifest)
 from speedc.errors import BuildError, SpeedcError
 from speedc.models.checkpoint import checkpoint_hash, open_checkpoint, read_tokenizer_json
 from speedc.models.checkpoint_files import acceptance_hint_from_training, declared_tensor_bytes, has_speedc_section
@@ -126,6 +126,9 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
         tokenizer = read_tokenizer_json(checkpoint)
         if tokenizer is not None:
             (tmp / TOKENIZER).write_text(tokenizer)
+        for name in (TOKENIZER_CONFIG, CHAT_TEMPLATE):  # the chat template travels with the artifact
+            if checkpoint.is_dir() and (checkpoint / name).is_file():
+                shutil.copyfile(checkpoint / name, tmp / name)
         stored = sum(e["length"] for e in stored_entries(index).values())
         unique_bytes, unrolled_bytes = weight_bytes(index, state.layer_map)
         schedule = state.schedule.to_json()

@@ -21,7 +21,9 @@ EXTRA_FOR_MODULE = {
     "torch": "compiler", "onnx": "compiler", "onnx_graphsurgeon": "compiler", "safetensors": "compiler",
     "onnxruntime_genai": "bench", "onnx_ir": "bench", "matplotlib": "bench",
     "tensorrt": "trt",
-    "transformers": "dev", "pytest": "dev", "xdist": "dev", "hypothesis": "dev",
+    "fastapi": "serve", "uvicorn": "serve", "prometheus_client": "serve", "jinja2": "serve",
+    "ray": "ray",
+    "transformers": "dev", "pytest": "dev", "xdist": "dev", "hypothesis": "dev", "openai": "dev", "httpx": "dev",
 }
 
 
@@ -67,10 +69,10 @@ def main() -> None:
 def _register_commands() -> None:
     # Each command lives in its own module under speedc/commands_*; importing them here keeps
     # `speedc --help` fast (heavy imports happen inside the commands).
-    from speedc import commands_bench, commands_build, commands_generate, commands_model
+    from speedc import commands_bench, commands_build, commands_generate, commands_model, commands_serve
 
     for command in (commands_model.train, commands_build.build, commands_build.inspect, commands_generate.generate,
-                    commands_bench.bench):
+                    commands_bench.bench, commands_serve.serve):
         command.callback = user_errors(command.callback)
         main.add_command(command)
 

@@ -18,6 +18,7 @@ from speedc.artifact import read_manifest, read_weight
 from speedc.errors import ArtifactError
 from speedc.models.checkpoint import load_model, save_unrolled_hf
 from speedc.models.llama import SharedLlama
+from speedc.serve.chat_template import load_chat_template
 
 
 def test_artifact_layout_and_weight_bytes(tiny_artifact):
@@ -52,7 +53,12 @@ def test_artifact_layout_and_weight_bytes(tiny_artifact):
 def test_hf_layout_builds_to_the_same_weights(tmp_path, tiny_artifact):
     hf = save_unrolled_hf(load_model(ZOO / "tiny"), tmp_path / "hf", tokenizer_json=(ZOO / "tiny" / "tokenizer.json").read_text())
     assert len(list(json.loads((hf / "config.json").read_text()))) and "speedc" not in json.loads((hf / "config.json").read_text())
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}{{ eos_token }}{% endfor %}"
+    (hf / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "<|endoftext|>"}))
     art = build_artifact(hf, tmp_path / "hf-art")
+    # The chat template travels into the artifact, for `speedc serve`.
+    assert load_chat_template(art).render([{"role": "user", "content": "hi"}], add_generation_prompt=False) == \
+        "[user] hi<|endoftext|>"
     native, unrolled = read_manifest(tiny_artifact), read_manifest(art)
     assert unrolled.layer_map == native.layer_map and unrolled.slots == native.slots
     shared = set(native.weights["index"]) - {"model.exit_norm.weight"}  # HF layout has no exit norm

@@ -100,6 +100,8 @@ def test_stop_strings_and_eos(zoo):
     _, _, engine = zoo
     result = engine.generate("ROMEO:\n", max_new_tokens=100, stop=["\n\n"], stop_at_eos=False)
     assert "\n\n" not in result.text and result.stats.stop_reason in ("stop_string", "max_new_tokens")
+    # A stream holds back text that may begin a stop string: the first "\n" of "\n\n" is never shown.
+    assert "".join(engine.stream("ROMEO:\n", max_new_tokens=100, stop=["\n\n"], stop_at_eos=False)) == result.text
     eos = engine.eos_token_id
     forced = engine.generate([eos, eos], max_new_tokens=100)
     assert forced.stats.stop_reason == "eos" or eos not in forced.ids

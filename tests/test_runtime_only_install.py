@@ -122,6 +122,11 @@ def test_commands_name_the_compiler_extra(base_env, tmp_path, command):
     assert not (tmp_path / "X").exists()
 
 
+def test_serve_names_the_serve_extra(base_env, tmp_path, tiny_artifact):
+    result = run_base(base_env, "serve", tiny_artifact, "--port", "0", cwd=tmp_path)
+    assert_one_line_error(result, "speedc serve needs the serve extra", "pip install 'speedc[serve]'")
+
+
 def test_generate_runs_and_torch_backend_names_the_extra(base_env, tmp_path, tiny_artifact):
     result = run_base(base_env, "generate", tiny_artifact, "--prompt", "ROMEO:", "--max-new-tokens", "8", "--ignore-eos",
                       "--json", cwd=tmp_path)

@@ -1,0 +1,95 @@
+"""`speedc serve`: the OpenAI-compatible server (uvicorn), or the same app on Ray Serve (--ray)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from speedc.cli_options import backend_options
+from speedc.errors import SpeedcError
+
+
+def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_queue: int, timeout: float) -> None:
+    """What can be refused in one line before anything starts (the engine itself loads in the background)."""
+    from speedc.artifact import read_manifest
+    from speedc.serve.chat_template import load_chat_template
+
+    if not 0 <= port <= 65535:
+        raise SpeedcError(f"--port {port} is not a TCP port (0..65535)")
+    if max_queue < 0:
+        raise SpeedcError("--max-queue must be >= 0")
+    if timeout <= 0:
+        raise SpeedcError("--request-timeout must be > 0 seconds")
+    read_manifest(artifact, verify_hashes=False)  # hashes are checked by the load itself
+    load_chat_template(artifact, chat_template)  # a template that does not parse fails here
+
+
+@click.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--model-name", default=None, help="The model id clients send (default: the artifact folder's name).")
+@click.option("--chat-template", type=click.Path(path_type=Path), default=None,
+              help="A Jinja chat template file (default: the one in the artifact, from tokenizer_config.json).")
+@click.option("--mode", type=click.Choice(["speed", "autoregressive"]), default="speed", show_default=True)
+@click.option("--max-queue", type=int, default=64, show_default=True,
+              help="Requests that may wait for the engine; beyond that the server answers 429 with Retry-After.")
+@click.option("--request-timeout", type=float, default=600.0, show_default=True,
+              help="Seconds a request may take from arrival (queueing included) before it is stopped.")
+@backend_options
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
+              show_default=True)
+@click.option("--ray", "use_ray", is_flag=True, help="Serve on Ray Serve (one engine per replica; needs the ray extra).")
+@click.option("--replicas", type=int, default=1, show_default=True, help="--ray: fixed number of replicas.")
+@click.option("--autoscale", type=(int, int), default=None, metavar="MIN MAX",
+              help="--ray: autoscale between MIN and MAX replicas instead of a fixed number.")
+@click.option("--max-ongoing-requests", type=int, default=None,
+              help="--ray: requests a replica holds at once (default: 1 running + --max-queue waiting).")
+@click.option("--replica-cpus", type=float, default=1.0, show_default=True, help="--ray: CPUs reserved per replica.")
+def serve(artifact, host, port, model_name, chat_template, mode, max_queue, request_timeout, backend, device, threads,
+          log_level, use_ray, replicas, autoscale, max_ongoing_requests, replica_cpus):
+    """Serve a compiled ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions,
+    /v1/chat/completions, /v1/models, /health, /metrics)."""
+    from speedc.serve.app import ServeSettings
+
+    _check_up_front(artifact, chat_template, port, max_queue, request_timeout)
+    settings = ServeSettings(artifact=artifact.resolve(), model_name=model_name or artifact.resolve().name,
+                             backend=backend, device=device, threads=threads, mode=mode, max_queue=max_queue,
+                             request_timeout=request_timeout,
+                             chat_template=chat_template.resolve() if chat_template else None)
+    if use_ray:
+        from speedc.serve.ray_deployment import ScaleOut, run_on_ray
+
+        scale = ScaleOut(replicas=replicas, autoscale=autoscale, max_ongoing_requests=max_ongoing_requests,
+                         replica_cpus=replica_cpus)
+        run_on_ray(settings, scale, host=host, port=port, on_ready=lambda: click.echo(
+            f"serving {settings.model_name!r} on Ray Serve at http://{host}:{port}/v1", err=True))
+        return
+    _run_uvicorn(settings, host, port, log_level)
+
+
+def _run_uvicorn(settings, host: str, port: int, log_level: str) -> None:
+    """uvicorn's own signal handling drains: on SIGTERM / SIGINT it stops accepting connections, lets
+    every request in flight (waiting ones included) finish, then exits."""
+    import uvicorn
+
+    from speedc.serve.app import create_app
+
+    failures: list[str] = []
+    server: uvicorn.Server | None = None
+
+    def load_failed(message: str) -> None:
+        failures.append(message)
+        server.should_exit = True
+
+    app = create_app(settings, on_load_error=load_failed)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30,
+                                           lifespan="on"))
+    server.run()
+    if failures:
+        raise SpeedcError(failures[0])
+    if not server.started:
+        raise SpeedcError(f"cannot listen on {host}:{port} (see the lines above)")
+    sys.stdout.flush()

@@ -1,0 +1,192 @@
+"""The one place the server touches the engine: admission (a bounded queue), streaming, cancellation.
+
+    handler --submit()--> Generation --(its producer task)--> engine worker thread
+       ^                      |           waits its turn (FIFO), then runs Engine.stream there at
+       +---- async for piece -+           the engine's pace, handing each confirmed piece to the loop
+
+Today one Engine serves one generation at a time (one cache), so requests wait their turn here; the
+continuous-batching engine loop will replace ThreadedEngine with an adapter of the same shape:
+submit() -> an async iterator of Pieces, cancel(), running / waiting / slots for the metrics and
+the queue bound. Nothing else in the server changes.
+
+Cancelling really stops the decoding: the engine thread sees the stop flag after the step in progress
+and closes the stream there, which frees the engine for the next request (queued behind it on the
+same thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length"}  # engine -> OpenAI
+
+
+class QueueFull(Exception):
+    def __init__(self, retry_after: int) -> None:
+        super().__init__(f"the queue is full; retry in {retry_after} s")
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_at_eos: bool = True
+
+
+@dataclass(frozen=True)
+class Piece:
+    text: str  # confirmed text, whole UTF-8 characters
+    tokens: int  # confirmed tokens this piece adds (a held-back byte sequence may span several)
+
+
+@dataclass(frozen=True)
+class _Finished:
+    stats: object  # the engine's DecodeStats
+
+
+@dataclass(frozen=True)
+class _Failure:
+    error: BaseException
+
+
+class Generation:
+    """One admitted request: an async iterator of Pieces. After it ends: finish_reason, stats,
+    completion_tokens. cancel() stops it (waiting or running) and frees its slot."""
+
+    def __init__(self, owner: "ThreadedEngine", stream, prompt_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.stats = None  # the engine's DecodeStats once finished
+        self._owner, self._stream = owner, stream
+        self._stop = threading.Event()  # cancel -> the engine thread stops after the step in progress
+        self._cancel_requested = False
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._task = asyncio.get_running_loop().create_task(self._produce())
+
+    def _decode(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the engine thread: run the stream at the engine's pace, handing each piece to the loop."""
+        def hand_over(item) -> None:
+            loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+        stream, counted = self._stream, 0
+        try:
+            for text in stream:
+                if self._stop.is_set():
+                    return
+                hand_over(Piece(text, len(stream.ids) - counted))
+                counted = len(stream.ids)
+            if len(stream.ids) > counted:  # tokens whose text a stop string cut off: counted, not shown
+                hand_over(Piece("", len(stream.ids) - counted))
+            hand_over(_Finished(stream.stats))
+        finally:
+            stream.close()  # the engine is free for the next request
+
+    async def _produce(self) -> None:
+        owner, loop = self._owner, asyncio.get_running_loop()
+        waiting, started = True, False
+        try:
+            async with owner._turn:  # asyncio.Lock wakes waiters first come, first served
+                owner.waiting -= 1
+                owner.running += 1
+                waiting, started = False, True
+                await loop.run_in_executor(owner._executor, self._decode, loop)
+        except asyncio.CancelledError:
+            self._stop.set()  # the engine thread stops after its current step; the next request queues behind it
+            raise
+        except BaseException as error:  # a backend failure reaches the handler, which answers 500
+            self._queue.put_nowait(_Failure(error))
+        finally:
+            if waiting:
+                owner.waiting -= 1
+                self._stream.close()  # never started: nothing holds the engine
+            if started:
+                owner.running -= 1
+
+    def __aiter__(self) -> "Generation":
+        return self
+
+    async def __anext__(self) -> Piece:
+        item = await self._queue.get()
+        if isinstance(item, Piece):
+            self.completion_tokens += item.tokens
+            return item
+        self._queue.put_nowait(item)  # the end stays the end
+        if isinstance(item, _Failure):
+            raise item.error
+        if self.finish_reason is None:
+            self.stats = item.stats
+            self.finish_reason = FINISH_REASONS.get(item.stats.stop_reason, "stop")
+            self._owner._record_seconds(item.stats)
+        raise StopAsyncIteration
+
+    def cancel(self) -> bool:
+        """Stop generating now (no-op once finished); True when there was something to stop."""
+        if self._cancel_requested or self._task.done():
+            return False
+        self._cancel_requested = True
+        self._task.cancel()
+        return True
+
+
+class ThreadedEngine:
+    """Engine.stream on one worker thread, one generation at a time, at most MAX_QUEUE waiting."""
+
+    slots = 1  # generations that run at once
+
+    def __init__(self, engine, *, max_queue: int, mode: str = "speed") -> None:
+        self.engine, self.max_queue, self.mode = engine, max_queue, mode
+        self.running = 0
+        self.waiting = 0
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speedc-engine")
+        self._turn = asyncio.Lock()
+        self._mean_seconds = 1.0  # for Retry-After: a running mean of generation times
+
+    # ---- what the server asks of the model ------------------------------------------------------
+    @property
+    def max_context(self) -> int:
+        return int(self.engine.manifest.model["max_context"])
+
+    def encode(self, text: str, *, special_tokens: bool = True) -> list[int]:
+        """Text -> ids; SPECIAL_TOKENS adds what the tokenizer adds to a plain prompt (a chat template
+        writes its own)."""
+        if special_tokens:
+            return self.engine.encode(text)
+        if self.engine.tokenizer is None:
+            return self.engine.encode(text)  # raises the engine's "no tokenizer" error
+        return self.engine.tokenizer.encode(text, add_special_tokens=False).ids
+
+    # ---- generations ----------------------------------------------------------------------------
+    def submit(self, request: GenerationRequest) -> Generation:
+        """Admit REQUEST or raise QueueFull; a bad request raises the engine's GenerationError here,
+        before it takes a place in the queue. Call from the event loop."""
+        if self.running + self.waiting >= self.slots + self.max_queue:
+            raise QueueFull(self.retry_after())
+        stream = self.engine.stream(request.prompt_ids, max_new_tokens=request.max_new_tokens, mode=self.mode,
+                                    temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
+                                    seed=request.seed, repetition_penalty=request.repetition_penalty,
+                                    stop=list(request.stop) or None, stop_at_eos=request.stop_at_eos)
+        self.waiting += 1
+        return Generation(self, stream, len(request.prompt_ids))
+
+    def retry_after(self) -> int:
+        """Seconds until a place in the queue is likely free: one mean generation time."""
+        return max(1, math.ceil(self._mean_seconds))
+
+    def _record_seconds(self, stats) -> None:
+        seconds = stats.prefill_seconds + stats.decode_seconds
+        self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * seconds
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)

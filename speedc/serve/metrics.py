@@ -1,0 +1,61 @@
+"""Prometheus metrics of one server (its own registry, so several apps in one process never clash).
+
+Requests: running / waiting (read from the engine adapter when scraped), rejected (429), cancelled
+(client gone), timed out, finished by finish_reason, refused (4xx). Tokens: prompt and generated.
+Latency: time to first token (from the request's arrival, queueing included) and inter-token latency
+(between streamed pieces; a piece is one confirmed token unless UTF-8 holds bytes back). SPEED:
+speculations accepted and mispredicted, early flushes and flushed tokens.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge("speedc_requests_running", "Generations running on the engine", registry=r)
+        self.waiting = Gauge("speedc_requests_waiting", "Admitted requests waiting for the engine", registry=r)
+        self.rejected = Counter("speedc_requests_rejected", "Requests refused with 429: the queue was full", registry=r)
+        self.cancelled = Counter("speedc_requests_cancelled", "Generations stopped because the client went away",
+                                 registry=r)
+        self.timed_out = Counter("speedc_requests_timed_out", "Generations stopped by the request timeout", registry=r)
+        self.finished = Counter("speedc_requests_finished", "Generations that ran to the end", ["finish_reason"],
+                                registry=r)
+        self.refused = Counter("speedc_requests_invalid", "Requests answered with a 4xx error other than 429",
+                               ["status"], registry=r)
+        self.prompt_tokens = Counter("speedc_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("speedc_generation_tokens", "Generated (confirmed) tokens", registry=r)
+        self.ttft = Histogram("speedc_time_to_first_token_seconds", "Request arrival to first generated text",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("speedc_inter_token_latency_seconds", "Time between streamed pieces of text",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.accepted = Counter("speedc_speculation_accepted", "SPEED speculations confirmed by the full model",
+                                registry=r)
+        self.mispredicted = Counter("speedc_speculation_mispredicted", "SPEED speculations contradicted (flush)",
+                                    registry=r)
+        self.early_flushes = Counter("speedc_early_flushes", "SPEED flushes triggered early by a deeper exit head",
+                                     registry=r)
+        self.flushed_tokens = Counter("speedc_flushed_tokens", "In-flight tokens discarded by flushes", registry=r)
+
+    def watch(self, adapter) -> None:
+        """Read running / waiting from the engine adapter at each scrape."""
+        self.running.set_function(lambda: adapter.running)
+        self.waiting.set_function(lambda: adapter.waiting)
+
+    def record_finished(self, finish_reason: str, stats) -> None:
+        self.finished.labels(finish_reason).inc()
+        if stats is not None:
+            self.accepted.inc(stats.accepted)
+            self.mispredicted.inc(stats.mispredicted)
+            self.early_flushes.inc(stats.early_flushes)
+            self.flushed_tokens.inc(stats.flushed_tokens)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,224 @@
+"""`speedc serve` on loopback, driven by the real openai client (sync and async): its output equals
+`speedc generate` for the same prompt and settings, streamed or whole; usage numbers; stop strings;
+chat through a template; 8 concurrent streams; a client that goes away cancels its generation; bad
+requests get OpenAI-shaped errors and the server keeps serving. One server for the whole module."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+
+import httpx
+import openai
+import pytest
+
+from conftest import run_cli
+from serve_server import start_server
+from speedc import Engine
+
+# trim_blocks drops the newline after each tag, so this renders "<|role|>\ncontent\n" per message.
+CHAT_TEMPLATE = """{% for message in messages %}
+<|{{ message.role }}|>
+{{ message.content }}
+{% endfor %}
+{% if add_generation_prompt %}
+<|assistant|>
+{% endif %}
+"""
+GREEDY = dict(temperature=0.0)
+SEEDED = dict(temperature=0.9, top_p=0.95, seed=1234)  # + top_k through the extra body
+
+
+@pytest.fixture(scope="module")
+def server(tiny_artifact, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("serve")
+    (folder / "chat.jinja").write_text(CHAT_TEMPLATE)
+    running = start_server(tiny_artifact, folder, "--model-name", "tiny", "--chat-template", str(folder / "chat.jinja"),
+                           "--max-queue", "16")
+    yield running
+    assert running.stop() == -signal.SIGTERM, running.log.read_text()  # drained, then uvicorn re-raises the signal
+    assert "Traceback" not in running.log.read_text(), running.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_artifact):
+    return Engine.load(tiny_artifact, threads=1)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_health_and_models(server, client):
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+@pytest.mark.parametrize("settings", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_completion_equals_speedc_generate(server, client, tiny_artifact, settings):
+    cli = ["--temperature", str(settings["temperature"])]
+    if "seed" in settings:
+        cli += ["--top-p", str(settings["top_p"]), "--seed", str(settings["seed"]), "--top-k", "40"]
+    generated = run_cli("generate", tiny_artifact, "--prompt", "ROMEO:", "--max-new-tokens", "40", "--json", *cli)
+    assert generated.returncode == 0, generated.stderr
+    expected = json.loads(generated.stdout)
+    extra = {"top_k": 40} if "seed" in settings else {}
+
+    whole = client.completions.create(model="tiny", prompt="ROMEO:", max_tokens=40, extra_body=extra, **settings)
+    assert whole.choices[0].text == expected["text"]
+    assert whole.usage.prompt_tokens == expected["stats"]["prompt_tokens"]
+    assert whole.usage.completion_tokens == len(expected["ids"]) and whole.usage.total_tokens == 5 + len(expected["ids"])
+    assert whole.choices[0].finish_reason == ("length" if expected["stats"]["stop_reason"] == "max_new_tokens" else "stop")
+
+    chunks = list(client.completions.create(model="tiny", prompt="ROMEO:", max_tokens=40, stream=True,
+                                            stream_options={"include_usage": True}, extra_body=extra, **settings))
+    assert len({c.id for c in chunks}) == 1 and len(chunks) > 3
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected["text"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected["ids"])
+
+
+def test_token_id_prompt_and_stop_strings(server, client, engine):
+    ids = engine.encode("KING HENRY:\n")
+    plain = engine.generate(ids, max_new_tokens=60, stop_at_eos=False)
+    assert "\n\n" in plain.text  # so the stop string below really cuts
+    expected = engine.generate(ids, max_new_tokens=60, stop=["\n\n"], stop_at_eos=False)
+    whole = client.completions.create(model="tiny", prompt=ids, max_tokens=60, temperature=0, stop="\n\n",
+                                      extra_body={"ignore_eos": True})
+    assert whole.choices[0].text == expected.text and whole.choices[0].finish_reason == "stop"
+    assert whole.usage.prompt_tokens == len(ids) and whole.usage.completion_tokens == len(expected.ids)
+    streamed = client.completions.create(model="tiny", prompt=ids, max_tokens=60, temperature=0, stop=["\n\n", "@@"],
+                                         stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed) == expected.text  # no part of "\n\n" leaks
+
+
+def test_chat_through_the_template(server, client, engine):
+    messages = [{"role": "system", "content": "Speak as a king."}, {"role": "user", "content": "Who goes there?"}]
+    prompt = "<|system|>\nSpeak as a king.\n<|user|>\nWho goes there?\n<|assistant|>\n"
+    ids = engine.tokenizer.encode(prompt, add_special_tokens=False).ids
+    expected = engine.generate(ids, max_new_tokens=30, **SEEDED)
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=30, **SEEDED)
+    assert whole.choices[0].message.role == "assistant" and whole.choices[0].message.content == expected.text
+    assert whole.usage.prompt_tokens == len(ids) and whole.usage.completion_tokens == len(expected.ids)
+
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=30, stream=True,
+                                                 stream_options={"include_usage": True}, **SEEDED))
+    assert chunks[0].choices[0].delta.role == "assistant" and len({c.id for c in chunks}) == 1
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    assert chunks[-1].usage.prompt_tokens == len(ids)
+
+
+def test_eight_concurrent_async_streams(server, engine):
+    prompts = ["ROMEO:", "JULIET:\n", "KING:", "First Citizen:", "O ", "What", "HAMLET:\n", "Enter"]
+    settings = [GREEDY if i % 2 else dict(SEEDED, seed=i) for i in range(8)]
+
+    async def one(client, prompt, setting) -> tuple[str, int]:
+        stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=48, stream=True,
+                                                 stream_options={"include_usage": True}, **setting)
+        text, usage = [], None
+        async for chunk in stream:
+            text.extend(c.text for c in chunk.choices)
+            usage = chunk.usage or usage
+        return "".join(text), usage.completion_tokens
+
+    async def all_of_them():
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client:
+            return await asyncio.gather(*(one(client, p, s) for p, s in zip(prompts, settings)))
+
+    results = asyncio.run(all_of_them())
+    for prompt, setting, (text, completion_tokens) in zip(prompts, settings, results):
+        expected = engine.generate(prompt, max_new_tokens=48, **setting)
+        assert (text, completion_tokens) == (expected.text, len(expected.ids)), prompt
+
+
+def _ongoing_request_gauges_are_zero(server) -> bool:
+    server.wait_metric("speedc_requests_running", lambda v: v == 0)
+    metrics = server.metrics()
+    return metrics["speedc_requests_running"] == 0 and metrics["speedc_requests_waiting"] == 0
+
+
+def test_disconnect_mid_stream_cancels_and_frees_the_engine(server, client):
+    before = server.metrics()
+    body = {"model": "tiny", "prompt": "ROMEO:", "max_tokens": 480, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", f"{server.url}/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            next(line for line in response.iter_lines() if line.startswith("data: {"))
+        # leaving the block closes the connection mid-stream
+    cancelled = server.wait_metric("speedc_requests_cancelled_total", lambda v: v > before["speedc_requests_cancelled_total"])
+    assert cancelled == before["speedc_requests_cancelled_total"] + 1
+    assert _ongoing_request_gauges_are_zero(server)
+    generated = server.metrics()["speedc_generation_tokens_total"] - before["speedc_generation_tokens_total"]
+    assert 1 <= generated < 480  # the decoding stopped early
+
+    # Not streaming: the client gives up waiting (read timeout closes the connection).
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=dict(body, stream=False), timeout=httpx.Timeout(10, read=0.02))
+    assert server.wait_metric("speedc_requests_cancelled_total", lambda v: v > cancelled) == cancelled + 1
+    assert _ongoing_request_gauges_are_zero(server)
+    # The engine is free: the next request runs to its end.
+    assert client.completions.create(model="tiny", prompt="ROMEO:", max_tokens=5, temperature=0).usage.completion_tokens == 5
+
+
+BAD_REQUESTS = [
+    ("completions", b'{"model": "tiny", "prompt": ', 400, None),
+    ("completions", b'["tiny"]', 400, None),
+    ("completions", {"model": "tiny"}, 400, "prompt"),
+    ("completions", {"model": "tiny", "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+    ("completions", {"model": "tiny", "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("completions", {"model": "tiny", "prompt": "x", "stream": "yes"}, 400, "stream"),
+    ("completions", {"model": "tiny", "prompt": "x", "stop": 5}, 400, "stop"),
+    ("completions", {"model": "tiny", "prompt": 7}, 400, "prompt"),
+    ("completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
+    ("completions", {"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"model": "tiny", "prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+    ("completions", {"model": "tiny", "prompt": [5] * 600}, 400, "prompt"),
+    ("completions", {"model": "tiny", "prompt": [5] * 500, "max_tokens": 100}, 400, "max_tokens"),
+    ("completions", {"model": "tiny", "prompt": [5, 99999]}, 400, "prompt"),
+    ("completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
+    ("completions", {"model": "tiny", "prompt": ["a", "b"]}, 400, "prompt"),
+    ("completions", {"model": "tiny", "prompt": "x", "n": 2}, 400, "n"),
+    ("completions", {"model": "tiny", "prompt": "x", "logprobs": 3}, 400, "logprobs"),
+    ("completions", {"model": "tiny", "prompt": "x", "echo": True}, 400, "echo"),
+    ("completions", {"model": "tiny", "prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ("completions", {"model": "tiny", "prompt": "x", "colour": "blue"}, 400, "colour"),
+    ("completions", {"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("completions", {"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("completions", {"model": "tiny", "prompt": "x", "seed": -1}, 400, "seed"),
+    ("chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, 400, "messages"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     400, "messages"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                          "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True},
+     400, "logprobs"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                          "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+]
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client):
+    before = server.metrics()
+    with httpx.Client(base_url=f"{server.url}/v1", timeout=30) as http:
+        for route, body, status, param in BAD_REQUESTS:
+            sent = http.post(f"/{route}", content=body) if isinstance(body, bytes) else http.post(f"/{route}", json=body)
+            assert sent.status_code == status, (body, sent.text)
+            error = sent.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["message"], sent.text
+            assert error["param"] == param, (body, error)
+        assert http.get("/completions").status_code == 405 and "error" in http.get("/completions").json()
+        assert http.post("/nothing", json={}).status_code == 404
+    with pytest.raises(openai.BadRequestError, match="n=2 is not supported"):
+        client.completions.create(model="tiny", prompt="x", n=2)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
+    after = server.metrics()
+    refused = sum(1 for _, _, status, _ in BAD_REQUESTS if status == 400) + 1
+    assert after['speedc_requests_invalid_total{status="400"}'] - before.get('speedc_requests_invalid_total{status="400"}', 0) == refused
+    assert after["speedc_requests_running"] == 0 and after["speedc_requests_waiting"] == 0
+    ok = client.completions.create(model="tiny", prompt="ROMEO:", max_tokens=4, temperature=0)
+    assert ok.usage.completion_tokens == 4

@@ -1,0 +1,137 @@
+"""`speedc serve` operations: 429 with Retry-After when the queue is full (and requests that give up
+while waiting free their places), the request timeout stops a generation (streamed or whole), a model
+without a chat template answers chat with a 400, and SIGTERM lets in-flight requests (running and
+waiting) finish before the process exits. One `speedc serve` subprocess for the module (the SIGTERM
+test ends it, so it runs last); the timeout test runs the app in this process with a tiny timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+
+import httpx
+import openai
+import pytest
+
+from conftest import assert_one_line_error, run_cli
+from serve_server import server_in_this_process, start_server
+from speedc.serve.app import ServeSettings
+
+LONG = 480  # tokens: about half a second on zoo:tiny here
+BODY = {"model": "tiny", "prompt": "ROMEO:", "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_artifact, tmp_path_factory):
+    running = start_server(tiny_artifact, tmp_path_factory.mktemp("serve-ops"), "--model-name", "tiny",
+                           "--max-queue", "2")
+    yield running
+    running.stop()
+    assert "Traceback" not in running.log.read_text(), running.log.read_text()
+
+
+async def first_event(lines) -> None:
+    """Read up to the first event. (Leaving `async for` over aiter_lines() would close the response,
+    which the server rightly takes as the client going away.)"""
+    while not (await lines.__anext__()).startswith("data: {"):
+        pass
+
+
+async def admitted(http: httpx.AsyncClient, count: int, seconds: float = 5) -> bool:
+    """Wait (without blocking the event loop) until COUNT requests run or wait on the engine."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    while asyncio.get_running_loop().time() < deadline:
+        text = (await http.get("/metrics")).text
+        gauges = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                  if line.startswith(("speedc_requests_running ", "speedc_requests_waiting "))}
+        if gauges["speedc_requests_running"] + gauges["speedc_requests_waiting"] >= count:
+            return True
+        await asyncio.sleep(0.002)
+    return False
+
+
+def test_bad_command_lines_are_one_line_errors(tiny_artifact, tmp_path):
+    assert_one_line_error(run_cli("serve", tmp_path / "nothing"), "not an artifact directory")
+    (tmp_path / "broken.jinja").write_text("{% for m in messages %}")
+    assert_one_line_error(run_cli("serve", tiny_artifact, "--chat-template", tmp_path / "broken.jinja"),
+                          "chat template does not parse")
+
+
+def test_chat_without_a_template_is_a_400(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="no chat template") as refused:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    assert refused.value.body["code"] == "no_chat_template"
+
+
+def test_full_queue_answers_429_with_retry_after(server):
+    """A runs, B and C wait (the queue holds 2): D is refused. Then all three give up: their places
+    and the engine come free."""
+    long = dict(BODY, max_tokens=LONG)
+    before = server.metrics()
+
+    async def scenario() -> httpx.Response:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            async with http.stream("POST", "/v1/completions", json=dict(long, stream=True)) as a:
+                a_lines = a.aiter_lines()
+                await first_event(a_lines)  # A holds the engine
+                async with http.stream("POST", "/v1/completions", json=dict(long, stream=True)):  # B waits
+                    c = asyncio.create_task(http.post("/v1/completions", json=long))  # C waits
+                    assert await admitted(http, 3), "A, B and C were not all admitted while A ran"
+                    refused = await http.post("/v1/completions", json=long)
+                    c.cancel()  # the clients give up: closing the connections cancels B and C, then A
+            return refused
+
+    refused = asyncio.run(scenario())
+    assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1, refused.text
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    cancelled = server.wait_metric("speedc_requests_cancelled_total",
+                                   lambda v: v >= before["speedc_requests_cancelled_total"] + 3)
+    assert cancelled == before["speedc_requests_cancelled_total"] + 3
+    assert server.metrics()["speedc_requests_rejected_total"] - before["speedc_requests_rejected_total"] == 1
+    server.wait_metric("speedc_requests_running", lambda v: v == 0)
+    assert server.metrics()["speedc_requests_waiting"] == 0
+    ok = httpx.post(f"{server.url}/v1/completions", json=dict(BODY, max_tokens=3), timeout=30)
+    assert ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_request_timeout_stops_streamed_and_whole_generations(tiny_artifact):
+    """With a 50 ms timeout a long generation cannot finish: a stream ends with an error event (the
+    openai client raises it), a whole response is a 408."""
+    settings = ServeSettings(artifact=tiny_artifact, model_name="tiny", threads=1, request_timeout=0.05)
+    with server_in_this_process(settings) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        long = dict(model="tiny", prompt="ROMEO:", temperature=0, max_tokens=LONG, extra_body={"ignore_eos": True})
+        with pytest.raises(openai.APIError, match="request timeout"):
+            for _ in client.completions.create(stream=True, **long):
+                pass
+        with pytest.raises(openai.APIStatusError) as late:
+            client.completions.create(**long)
+        assert late.value.status_code == 408 and late.value.body["type"] == "timeout_error"
+        metrics = httpx.get(f"{url}/metrics").text
+        assert "speedc_requests_timed_out_total 2.0" in metrics and "speedc_requests_running 0.0" in metrics
+
+
+def _events(response: httpx.Response) -> list[dict | str]:
+    return [json.loads(line[6:]) if line != "data: [DONE]" else "[DONE]"
+            for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_sigterm_drains_in_flight_requests(server):
+    """SIGTERM while A streams and B waits: both finish in full, then the process exits."""
+    body = dict(BODY, stream=True, stream_options={"include_usage": True})
+    with httpx.Client(base_url=server.url, timeout=30) as a_conn, httpx.Client(base_url=server.url, timeout=30) as b_conn:
+        with a_conn.stream("POST", "/v1/completions", json=dict(body, max_tokens=40)) as a, \
+                b_conn.stream("POST", "/v1/completions", json=dict(body, max_tokens=20)) as b:
+            lines = a.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
+            server.process.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+            b_events = _events(b)
+    assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["usage"]["completion_tokens"] == 40
+    assert b_events[-1] == "[DONE]" and b_events[-2]["usage"]["completion_tokens"] == 20
+    assert b_events[-3]["choices"][0]["finish_reason"] == "length"
+    assert server.process.wait(timeout=30) == -signal.SIGTERM  # uvicorn re-raises the signal once drained
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{server.url}/health")
