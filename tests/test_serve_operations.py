@@ -18,6 +18,8 @@ import pytest
 from conftest import assert_one_line_error, run_cli
 from serve_server import server_in_this_process, start_server
 from speedc import Engine
+from speedc.commands_serve import _check_up_front
+from speedc.errors import SpeedcError
 from speedc.serve.app import ServeSettings, make_adapter
 
 LONG = 480  # tokens: about half a second on zoo:tiny here
@@ -58,8 +60,13 @@ def test_bad_command_lines_are_one_line_errors(tiny_artifact, tmp_path):
     (tmp_path / "broken.jinja").write_text("{% for m in messages %}")
     assert_one_line_error(run_cli("serve", tiny_artifact, "--chat-template", tmp_path / "broken.jinja"),
                           "chat template does not parse")
-    assert_one_line_error(run_cli("serve", tiny_artifact, "--kv-cache-mb", "0.001"), "leaves no room for 8 sequences")
-    assert_one_line_error(run_cli("serve", tiny_artifact, "--backend", "torch"), "--max-batch 1")
+    # the batching options are refused by the same up-front check (in this process: no CLI start-up each)
+    refusals = [(dict(kv_cache_mb=0.001), "leaves no room for 8 sequences"), (dict(max_batch=0), "at least 1"),
+                (dict(backend="torch"), "--max-batch 1"), (dict(max_batch=1, kv_cache_mb=5.0), "with --max-batch 1")]
+    for changed, message in refusals:
+        options = {"max_batch": 8, "kv_cache_mb": None, "backend": "onnx", "device": "cpu", **changed}
+        with pytest.raises(SpeedcError, match=message):
+            _check_up_front(tiny_artifact, None, 8000, 4, 60.0, **options)
 
 
 def test_chat_without_a_template_is_a_400(server):
