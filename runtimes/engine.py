@@ -185,6 +185,7 @@ class Engine:
             except ImportError:
                 raise SpeedcError("text prompts need the tokenizers package: pip install tokenizers") from None
             tokenizer = Tokenizer.from_file(str(directory / TOKENIZER))
+
         def make() -> object:
             return make_backend(directory, manifest, backend, device, threads)
 
