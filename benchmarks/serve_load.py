@@ -97,7 +97,8 @@ async def run_load(url: str, model: str, clients: int, seconds: float, max_token
             "errors": sum(tally.errors.values()), "errors_by_kind": dict(tally.errors)}
 
 
-def start_server(artifact: Path, clients: int, threads: int | None) -> tuple[subprocess.Popen, str, str]:
+def start_server(artifact: Path, clients: int, threads: int | None,
+                 max_batch: int | None) -> tuple[subprocess.Popen, str, str]:
     import socket
 
     with socket.socket() as probe:
@@ -107,6 +108,8 @@ def start_server(artifact: Path, clients: int, threads: int | None) -> tuple[sub
     args = [str(exe), "serve", str(artifact), "--port", str(port), "--max-queue", str(clients), "--log-level", "warning"]
     if threads:
         args += ["--threads", str(threads)]
+    if max_batch:
+        args += ["--max-batch", str(max_batch)]
     log = tempfile.NamedTemporaryFile("w", prefix="speedc-serve-", suffix=".log", delete=False)
     process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -132,13 +135,15 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None, help="--artifact: the server's engine threads.")
+    parser.add_argument("--max-batch", type=int, default=None,
+                        help="--artifact: the server's --max-batch (default: its own; 1: one request at a time).")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if not 1 <= args.clients <= 256 or not 0 < args.seconds <= 600 or not 1 <= args.max_tokens <= 4096:
         sys.exit("error: --clients must be 1..256, --seconds in (0, 600], --max-tokens 1..4096")
     process = None
     if args.artifact:
-        process, url, model = start_server(args.artifact, args.clients, args.threads)
+        process, url, model = start_server(args.artifact, args.clients, args.threads, args.max_batch)
     else:
         url = args.url.rstrip("/")
         model = args.model or httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -114,6 +114,7 @@ class BatchScheduler:
         self.speculating = backend.speculative
         self.mode_switches = 0
         self.steps = {"speed": 0, "plain": 0, "prefill": 0}
+        self.decode_steps: Counter[int] = Counter()  # sequences decoded together -> decode steps so far
 
     # ---- requests --------------------------------------------------------------------------------
     def submit(self, request: Request, *, early_flush: bool = True) -> Sequence:
@@ -159,6 +160,7 @@ class BatchScheduler:
                 self.mode_switches += 1
                 self.speculating = speculate
             (self._speed_step if speculate else self._plain_step)(decoding, events)
+            self.decode_steps[len(decoding)] += 1
         for sequence in [s for s in self.occupied if s.state == DONE]:
             self._release(sequence)
         return events
@@ -166,6 +168,17 @@ class BatchScheduler:
     def run(self) -> None:
         while self.busy:
             self.step()
+
+    def drop_all(self) -> list[Sequence]:
+        """Forget every sequence, waiting or occupied, and return them: after a step failed part way its
+        sequences' state is unknown. Their slots are free for new requests (a prefill overwrites the cache)."""
+        with self._lock:
+            dropped = list(self.occupied) + list(self.waiting)
+            self.occupied.clear()
+            self.waiting.clear()
+        for sequence in dropped:
+            sequence.state, sequence.slot = DONE, -1
+        return dropped
 
     # ---- parts -----------------------------------------------------------------------------------
     def _emit(self, sequence: Sequence, token: int, events: list[Event]) -> bool:

@@ -23,7 +23,7 @@ import numpy as np
 
 from speedc import contract
 from speedc.artifact import Manifest
-from speedc.errors import ArtifactError, SpeedcError
+from speedc.errors import ArtifactError, GenerationError, SpeedcError
 from speedc.runtimes.onnx_session import onnxruntime_module, open_sessions, take_dimensions
 
 F32 = np.float32
@@ -41,6 +41,22 @@ def pool_bytes_per_position(manifest: Manifest) -> int:
     """K and V bytes one sequence slot needs per position (every logical layer)."""
     model = manifest.model
     return 2 * model["num_layers"] * model["num_kv_heads"] * model["head_dim"] * np.dtype(F32).itemsize
+
+
+def slot_capacity(manifest: Manifest, max_batch: int, kv_cache_mb: float | None) -> int:
+    """Positions each of MAX_BATCH sequence slots holds: KV_CACHE_MB shared among them (None: the model's
+    whole context each), at most the context. GenerationError when that leaves no room."""
+    if max_batch < 1:
+        raise GenerationError("max batch must be at least 1")
+    context = manifest.model["max_context"]
+    if kv_cache_mb is None:
+        return context
+    per_position = pool_bytes_per_position(manifest)
+    capacity = min(context, int(kv_cache_mb * (1 << 20) / max_batch // per_position) - 1)  # - 1: the scratch row
+    if capacity < 2:
+        raise GenerationError(f"--kv-cache-mb {kv_cache_mb:g} leaves no room for {max_batch} sequences "
+                              f"({per_position} bytes per position each)")
+    return capacity
 
 
 class BatchBackend:

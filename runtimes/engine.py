@@ -90,6 +90,15 @@ def _stop_prefix_length(text: str, stop: list[str]) -> int:
     return 0
 
 
+def settled_text(text: str, stop: list[str] | None) -> str:
+    """What of TEXT (the confirmed ids rendered so far, cut at any stop string) a stream may show now:
+    nothing while it ends in an incomplete UTF-8 sequence, and never an end that may still begin a
+    STOP string (the next tokens could complete it). The one rule every text stream follows."""
+    if text.endswith("\ufffd"):
+        return ""
+    return text[:len(text) - _stop_prefix_length(text, stop or [])]
+
+
 class TextStream:
     """Iterator of confirmed text pieces; `ids` and `stats` are complete once it is exhausted.
 
@@ -114,10 +123,7 @@ class TextStream:
                 except StopIteration as done:
                     self.stats = done.value[1]
                     break
-                text = render(self.ids)
-                if text.endswith("\ufffd"):
-                    continue  # an incomplete UTF-8 sequence: wait for the rest of it
-                text = text[:len(text) - _stop_prefix_length(text, stop)]
+                text = settled_text(render(self.ids), stop)
                 if len(text) > len(shown):
                     yield text[len(shown):]
                     shown = text
@@ -137,16 +143,39 @@ class TextStream:
 
 
 class Engine:
-    def __init__(self, directory: Path, manifest: Manifest, backend, tokenizer) -> None:
-        self.directory, self.manifest, self.backend, self.tokenizer = directory, manifest, backend, tokenizer
+    def __init__(self, directory: Path, manifest: Manifest, backend, tokenizer, *, device: str = "cpu",
+                 make_backend: Callable[[], object] | None = None) -> None:
+        """BACKEND: the single-sequence backend, or None to have MAKE_BACKEND make it on first use."""
+        self.directory, self.manifest, self.tokenizer, self.device = directory, manifest, tokenizer, device
+        self._backend, self._make_backend = backend, make_backend
+        self._backend_lock = threading.Lock()
         self.eos_token_id = manifest.model.get("eos_token_id")
         # Early flush is on by default: `speedc bench --early-flush/--no-early-flush` measures both.
         self.early_flush_default = True
         self._lock = threading.Lock()  # one cache: one call at a time
 
+    @property
+    def backend(self):
+        """The single-sequence backend (its sessions and cache); a lazy engine opens it here, once."""
+        if self._backend is None:
+            with self._backend_lock:
+                if self._backend is None:
+                    self._backend = self._make_backend()
+        return self._backend
+
+    @backend.setter
+    def backend(self, backend) -> None:
+        self._backend = backend
+
+    @property
+    def backend_loaded(self) -> bool:
+        return self._backend is not None
+
     @classmethod
     def load(cls, path: str | Path, *, backend: str = "onnx", device: str = "cpu", threads: int | None = None,
-             verify: bool = True) -> "Engine":
+             verify: bool = True, lazy: bool = False) -> "Engine":
+        """LAZY: open the single-sequence backend only when a single-sequence call first needs it, so a
+        caller that only batches (batch_scheduler opens its own sessions) holds one set of sessions."""
         directory = Path(path)
         manifest = read_manifest(directory, verify_hashes=verify)
         tokenizer = None
@@ -156,7 +185,11 @@ class Engine:
             except ImportError:
                 raise SpeedcError("text prompts need the tokenizers package: pip install tokenizers") from None
             tokenizer = Tokenizer.from_file(str(directory / TOKENIZER))
-        return cls(directory, manifest, make_backend(directory, manifest, backend, device, threads), tokenizer)
+
+        def make() -> object:
+            return make_backend(directory, manifest, backend, device, threads)
+
+        return cls(directory, manifest, None if lazy else make(), tokenizer, device=device, make_backend=make)
 
     # ---- helpers ---------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -227,20 +260,11 @@ class Engine:
         the default, None: always speculate, 0: always plain). The pool is its own: single-sequence
         calls on this engine are unaffected."""
         from speedc.runtimes.batch import BatchScheduler, RowPolicy
-        from speedc.runtimes.batch_backend import make_batch_backend, pool_bytes_per_position
+        from speedc.runtimes.batch_backend import make_batch_backend, slot_capacity
 
-        if max_batch < 1:
-            raise GenerationError("max batch must be at least 1")
-        context = self.manifest.model["max_context"]
-        capacity = context
-        if kv_cache_mb is not None:
-            per_slot = kv_cache_mb * (1 << 20) / max_batch
-            capacity = min(context, int(per_slot // pool_bytes_per_position(self.manifest)) - 1)
-            if capacity < 2:
-                raise GenerationError(f"--kv-cache-mb {kv_cache_mb:g} leaves no room for {max_batch} sequences "
-                                      f"({pool_bytes_per_position(self.manifest)} bytes per position each)")
-        backend = make_batch_backend(self.directory, self.manifest, max_batch, capacity,
-                                     device=getattr(self.backend, "ort_device", "cpu"), threads=threads, fused=fused)
+        capacity = slot_capacity(self.manifest, max_batch, kv_cache_mb)
+        backend = make_batch_backend(self.directory, self.manifest, max_batch, capacity, device=self.device,
+                                     threads=threads, fused=fused)
         policy = RowPolicy() if row_budget == -1 else RowPolicy(row_budget=row_budget)
         return BatchScheduler(backend, policy=policy, prefill_chunk=prefill_chunk)
 

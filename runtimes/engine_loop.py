@@ -10,7 +10,9 @@
 
 One task drives the scheduler: each iteration runs one BatchScheduler.step in a worker thread (the
 event loop stays free), then hands the confirmed tokens to each request's queue. It sleeps while no
-request is waiting or running and wakes on submit.
+request is waiting or running and wakes on submit. Text follows the single-sequence stream's rule
+(engine.settled_text): no incomplete UTF-8 character, no text that may begin a stop string. A step
+that fails (a backend error) ends every request in flight with that error; the loop carries on.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from speedc.runtimes.batch import BatchScheduler, Sequence
-from speedc.runtimes.engine import Engine, GenerationResult
+from speedc.runtimes.engine import Engine, GenerationResult, settled_text
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class Submitted:
         self.result: GenerationResult | None = None
         self._shown = ""
         self._delivered = 0  # tokens handed to the queue so far
+        self.error: BaseException | None = None  # the failure that ended it, if one did
 
     @property
     def finish_reason(self) -> str | None:
@@ -63,11 +66,16 @@ class Submitted:
             self.queue.put_nowait(None)
             return
         self._delivered += 1
-        text = self._render(self._delivered)
+        text = settled_text(self._render(self._delivered), self.stop)
         piece = ""
-        if not text.endswith("\ufffd") and len(text) > len(self._shown):
+        if len(text) > len(self._shown):
             piece, self._shown = text[len(self._shown):], text
         self.queue.put_nowait(Piece(token, piece))
+
+    def _fail(self, error: BaseException) -> None:
+        """Called on the event loop: the step that ran this request failed; iterating raises ERROR."""
+        self.error = error
+        self.queue.put_nowait(None)
 
     def __aiter__(self) -> "Submitted":
         return self
@@ -76,6 +84,8 @@ class Submitted:
         item = await self.queue.get()
         if item is None:
             self.queue.put_nowait(None)  # iterating again ends at once
+            if self.error is not None:
+                raise self.error
             raise StopAsyncIteration
         return item
 
@@ -105,6 +115,16 @@ class EngineLoop:
         self._wake.set()
         return submitted
 
+    @property
+    def running(self) -> int:
+        """Requests holding a sequence slot (prefilling or decoding)."""
+        return len(self.scheduler.occupied)
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a free sequence slot."""
+        return len(self.scheduler.waiting)
+
     def cancel(self, submitted: Submitted) -> None:
         self.scheduler.cancel(submitted.sequence)
         if self._wake is not None:
@@ -123,7 +143,14 @@ class EngineLoop:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            events = await loop.run_in_executor(self._executor, self.scheduler.step)
+            try:
+                events = await loop.run_in_executor(self._executor, self.scheduler.step)
+            except Exception as error:  # e.g. ONNX Runtime failed: the requests in flight end with it; later ones run
+                for sequence in self.scheduler.drop_all():
+                    submitted = self._requests.pop(sequence.id, None)
+                    if submitted is not None:
+                        submitted._fail(error)
+                continue
             for sequence, token in events:
                 submitted = self._requests.get(sequence.id)
                 if submitted is None:

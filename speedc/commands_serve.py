@@ -11,7 +11,11 @@ from speedc.cli_options import backend_options
 from speedc.errors import SpeedcError
 
 
-def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_queue: int, timeout: float) -> None:
+BATCHING_BACKENDS = ("onnx", "onnx-numpy")  # continuous batching runs its own ONNX Runtime sessions (CPU)
+
+
+def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_queue: int, timeout: float,
+                    max_batch: int, kv_cache_mb: float | None, backend: str, device: str) -> None:
     """What can be refused in one line before anything starts (the engine itself loads in the background)."""
     from speedc.artifact import read_manifest
     from speedc.serve.chat_template import load_chat_template
@@ -22,8 +26,25 @@ def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_q
         raise SpeedcError("--max-queue must be >= 0")
     if timeout <= 0:
         raise SpeedcError("--request-timeout must be > 0 seconds")
-    read_manifest(artifact, verify_hashes=False)  # hashes are checked by the load itself
+    if max_batch < 1:
+        raise SpeedcError("--max-batch must be at least 1")
+    manifest = read_manifest(artifact, verify_hashes=False)  # hashes are checked by the load itself
     load_chat_template(artifact, chat_template)  # a template that does not parse fails here
+    if max_batch == 1:
+        if kv_cache_mb is not None:
+            raise SpeedcError("--kv-cache-mb sizes the batching pool; with --max-batch 1 there is none")
+        return
+    from speedc.runtimes.batch_backend import batch_ready, slot_capacity
+
+    if backend not in BATCHING_BACKENDS or device != "cpu":
+        raise SpeedcError(f"continuous batching runs on ONNX Runtime on the CPU (not --backend {backend} --device "
+                          f"{device}); serve one request at a time with --max-batch 1")
+    if not batch_ready(manifest):
+        raise SpeedcError(f"{artifact}: built before continuous batching; rebuild it with this speedc (speedc build "
+                          "... --force) or serve one request at a time with --max-batch 1")
+    if kv_cache_mb is not None and kv_cache_mb <= 0:
+        raise SpeedcError("--kv-cache-mb must be > 0")
+    slot_capacity(manifest, max_batch, kv_cache_mb)  # a pool too small for MAX_BATCH requests fails here
 
 
 @click.command()
@@ -33,9 +54,18 @@ def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_q
 @click.option("--model-name", default=None, help="The model id clients send (default: the artifact folder's name).")
 @click.option("--chat-template", type=click.Path(path_type=Path), default=None,
               help="A Jinja chat template file (default: the one in the artifact, from tokenizer_config.json).")
-@click.option("--mode", type=click.Choice(["speed", "autoregressive"]), default="speed", show_default=True)
+@click.option("--mode", type=click.Choice(["speed", "autoregressive"]), default="speed", show_default=True,
+              help="speed: SPEED while the batch is small, plain decoding steps when it is large (the batching "
+                   "row policy); autoregressive: plain decoding only.")
+@click.option("--max-batch", type=int, default=8, show_default=True,
+              help="Requests decoded together (continuous batching: they share each engine step). 1: one request "
+                   "at a time on the single-sequence engine (any --backend / --device).")
+@click.option("--kv-cache-mb", type=float, default=None,
+              help="Memory for the batching KV-cache pool, shared by the --max-batch requests (default: room for "
+                   "the model's whole context each). A request's prompt + max_tokens must fit its share.")
 @click.option("--max-queue", type=int, default=64, show_default=True,
-              help="Requests that may wait for the engine; beyond that the server answers 429 with Retry-After.")
+              help="Requests that may wait for a place (beyond --max-batch running); beyond that the server "
+                   "answers 429 with Retry-After.")
 @click.option("--request-timeout", type=float, default=600.0, show_default=True,
               help="Seconds a request may take from arrival (queueing included) before it is stopped.")
 @backend_options
@@ -46,18 +76,18 @@ def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_q
 @click.option("--autoscale", type=(int, int), default=None, metavar="MIN MAX",
               help="--ray: autoscale between MIN and MAX replicas instead of a fixed number.")
 @click.option("--max-ongoing-requests", type=int, default=None,
-              help="--ray: requests a replica holds at once (default: 1 running + --max-queue waiting).")
+              help="--ray: requests a replica holds at once (default: --max-batch running + --max-queue waiting).")
 @click.option("--replica-cpus", type=float, default=1.0, show_default=True, help="--ray: CPUs reserved per replica.")
-def serve(artifact, host, port, model_name, chat_template, mode, max_queue, request_timeout, backend, device, threads,
-          log_level, use_ray, replicas, autoscale, max_ongoing_requests, replica_cpus):
+def serve(artifact, host, port, model_name, chat_template, mode, max_batch, kv_cache_mb, max_queue, request_timeout,
+          backend, device, threads, log_level, use_ray, replicas, autoscale, max_ongoing_requests, replica_cpus):
     """Serve a compiled ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics)."""
     from speedc.serve.app import ServeSettings
 
-    _check_up_front(artifact, chat_template, port, max_queue, request_timeout)
+    _check_up_front(artifact, chat_template, port, max_queue, request_timeout, max_batch, kv_cache_mb, backend, device)
     settings = ServeSettings(artifact=artifact.resolve(), model_name=model_name or artifact.resolve().name,
-                             backend=backend, device=device, threads=threads, mode=mode, max_queue=max_queue,
-                             request_timeout=request_timeout,
+                             backend=backend, device=device, threads=threads, mode=mode, max_batch=max_batch,
+                             kv_cache_mb=kv_cache_mb, max_queue=max_queue, request_timeout=request_timeout,
                              chat_template=chat_template.resolve() if chat_template else None)
     if use_ray:
         from speedc.serve.ray_deployment import ScaleOut, run_on_ray

@@ -69,6 +69,65 @@ def test_engine_loop_streams_confirmed_pieces_and_cancels(engine):
     assert late.result.ids == _alone(engine, PROMPTS[3], SETTINGS[3], max_new_tokens=8).ids
 
 
+def test_engine_loop_holds_back_text_that_may_begin_a_stop_string(engine):
+    """A stop string made of two tokens' text: the first token's text may begin it, so no stream shows
+    it before the second decides (the old batched stream showed it, then the stop cut it: a leak)."""
+    plain = _alone(engine, PROMPTS[0], {}, 24)
+    stop = None
+    for i in range(1, len(plain.ids) - 1):
+        before, first, both = (engine.decode_text(plain.ids[:n]) for n in (i, i + 1, i + 2))
+        head, stop = first[len(before):], both[len(before):]
+        if head and both.startswith(first) and len(stop) > len(head) and plain.text.find(stop) == len(before):
+            break
+    else:
+        pytest.fail("no two-token stop string in the plain output")
+
+    async def scenario():
+        loop = EngineLoop(engine, max_batch=2)
+        submitted = loop.submit(PROMPTS[0], max_new_tokens=24, stop=[stop])
+        pieces = [piece.text async for piece in submitted]
+        await loop.aclose()
+        return pieces, submitted.result
+
+    pieces, result = asyncio.run(scenario())
+    assert result.text == before == _alone(engine, PROMPTS[0], {"stop": [stop]}).text
+    assert "".join(pieces) == before and result.stats.stop_reason == "stop_string"
+    assert "".join(engine.stream(PROMPTS[0], max_new_tokens=24, stop=[stop])) == before  # the same rule
+
+
+def test_engine_loop_step_failure_ends_requests_in_flight_and_goes_on(engine):
+    """A step that raises (here: the real backend's prefill made to fail once) ends the requests in
+    flight with that error and frees their slots; the next request is served as usual."""
+    async def scenario():
+        loop = EngineLoop(engine, max_batch=2)
+        backend = loop.scheduler.backend
+        real_prefill = backend.prefill
+
+        def fail_once(*args):
+            backend.prefill = real_prefill
+            raise RuntimeError("injected ONNX Runtime failure")
+
+        backend.prefill = fail_once
+        doomed = loop.submit(PROMPTS[0], max_new_tokens=8)
+        with pytest.raises(RuntimeError, match="injected"):
+            await doomed.wait()
+        assert (loop.running, loop.waiting) == (0, 0)
+        after = await loop.submit(PROMPTS[1], max_new_tokens=8).wait()
+        await loop.aclose()
+        return after
+
+    assert asyncio.run(scenario()).ids == _alone(engine, PROMPTS[1], {}, 8).ids
+
+
+def test_lazy_engine_opens_the_single_sequence_backend_on_first_use(tiny_artifact, engine):
+    """Engine.load(lazy=True): batching never opens the single-sequence backend; generate() does."""
+    lazy = Engine.load(tiny_artifact, lazy=True)
+    batched = lazy.generate_batch(PROMPTS[:2], max_new_tokens=8, max_batch=2)
+    assert not lazy.backend_loaded
+    assert lazy.generate(PROMPTS[0], max_new_tokens=8).ids == batched[0].ids == _alone(engine, PROMPTS[0], {}, 8).ids
+    assert lazy.backend_loaded and engine.backend_loaded
+
+
 def test_pool_limits_are_refused_in_one_line_not_truncated(engine):
     scheduler = engine.batch_scheduler(max_batch=2, kv_cache_mb=0.1)
     capacity = scheduler.backend.capacity

@@ -1,7 +1,8 @@
 """`speedc serve` on loopback, driven by the real openai client (sync and async): its output equals
 `speedc generate` for the same prompt and settings, streamed or whole; usage numbers; stop strings;
 chat through a template; 8 concurrent streams; a client that goes away cancels its generation; bad
-requests get OpenAI-shaped errors and the server keeps serving. One server for the whole module."""
+requests get OpenAI-shaped errors and the server keeps serving. One server for the whole module,
+batching (the default --max-batch 8): concurrent requests share engine steps."""
 
 from __future__ import annotations
 
@@ -110,7 +111,15 @@ def test_chat_through_the_template(server, client, engine):
     assert chunks[-1].usage.prompt_tokens == len(ids)
 
 
+def _steps_by_batch(server) -> dict[int, float]:
+    prefix = 'speedc_engine_steps_total{sequences="'
+    return {int(name[len(prefix):-2]): value for name, value in server.metrics().items() if name.startswith(prefix)}
+
+
 def test_eight_concurrent_async_streams(server, engine):
+    """Eight streams at once, each equal to its own `generate`; they ran batched: engine steps decoded
+    several of them together (the step tally, not timing)."""
+    before = _steps_by_batch(server)
     prompts = ["ROMEO:", "JULIET:\n", "KING:", "First Citizen:", "O ", "What", "HAMLET:\n", "Enter"]
     settings = [GREEDY if i % 2 else dict(SEEDED, seed=i) for i in range(8)]
 
@@ -131,6 +140,10 @@ def test_eight_concurrent_async_streams(server, engine):
     for prompt, setting, (text, completion_tokens) in zip(prompts, settings, results):
         expected = engine.generate(prompt, max_new_tokens=48, **setting)
         assert (text, completion_tokens) == (expected.text, len(expected.ids)), prompt
+    after = _steps_by_batch(server)
+    shared = {n: after[n] - before.get(n, 0) for n in after if n > 1 and after[n] > before.get(n, 0)}
+    assert shared and max(shared) <= 8, after  # some steps decoded 2..8 of the streams together
+    assert _ongoing_request_gauges_are_zero(server)
 
 
 def _ongoing_request_gauges_are_zero(server) -> bool:

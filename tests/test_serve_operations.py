@@ -1,8 +1,9 @@
-"""`speedc serve` operations: 429 with Retry-After when the queue is full (and requests that give up
-while waiting free their places), the request timeout stops a generation (streamed or whole), a model
-without a chat template answers chat with a 400, and SIGTERM lets in-flight requests (running and
-waiting) finish before the process exits. One `speedc serve` subprocess for the module (the SIGTERM
-test ends it, so it runs last); the timeout test runs the app in this process with a tiny timeout."""
+"""`speedc serve` operations: 429 with Retry-After when every batch slot and queue place is taken (and
+requests that give up free their places), the request timeout stops a generation (streamed or whole),
+a model without a chat template answers chat with a 400, SIGTERM lets in-flight requests finish before
+the process exits, the single-sequence engine (--max-batch 1) still serves, and a batched server opens
+only the batch scheduler's sessions. One `speedc serve` subprocess for the module (--max-batch 2
+--max-queue 1; the SIGTERM test ends it, so it runs last); other settings run the app in this process."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ import pytest
 
 from conftest import assert_one_line_error, run_cli
 from serve_server import server_in_this_process, start_server
-from speedc.serve.app import ServeSettings
+from speedc import Engine
+from speedc.commands_serve import _check_up_front
+from speedc.errors import SpeedcError
+from speedc.serve.app import ServeSettings, make_adapter
 
 LONG = 480  # tokens: about half a second on zoo:tiny here
 BODY = {"model": "tiny", "prompt": "ROMEO:", "temperature": 0, "ignore_eos": True}
@@ -25,7 +29,7 @@ BODY = {"model": "tiny", "prompt": "ROMEO:", "temperature": 0, "ignore_eos": Tru
 @pytest.fixture(scope="module")
 def server(tiny_artifact, tmp_path_factory):
     running = start_server(tiny_artifact, tmp_path_factory.mktemp("serve-ops"), "--model-name", "tiny",
-                           "--max-queue", "2")
+                           "--max-batch", "2", "--max-queue", "1")
     yield running
     running.stop()
     assert "Traceback" not in running.log.read_text(), running.log.read_text()
@@ -56,6 +60,13 @@ def test_bad_command_lines_are_one_line_errors(tiny_artifact, tmp_path):
     (tmp_path / "broken.jinja").write_text("{% for m in messages %}")
     assert_one_line_error(run_cli("serve", tiny_artifact, "--chat-template", tmp_path / "broken.jinja"),
                           "chat template does not parse")
+    # the batching options are refused by the same up-front check (in this process: no CLI start-up each)
+    refusals = [(dict(kv_cache_mb=0.001), "leaves no room for 8 sequences"), (dict(max_batch=0), "at least 1"),
+                (dict(backend="torch"), "--max-batch 1"), (dict(max_batch=1, kv_cache_mb=5.0), "with --max-batch 1")]
+    for changed, message in refusals:
+        options = {"max_batch": 8, "kv_cache_mb": None, "backend": "onnx", "device": "cpu", **changed}
+        with pytest.raises(SpeedcError, match=message):
+            _check_up_front(tiny_artifact, None, 8000, 4, 60.0, **options)
 
 
 def test_chat_without_a_template_is_a_400(server):
@@ -66,8 +77,8 @@ def test_chat_without_a_template_is_a_400(server):
 
 
 def test_full_queue_answers_429_with_retry_after(server):
-    """A runs, B and C wait (the queue holds 2): D is refused. Then all three give up: their places
-    and the engine come free."""
+    """A and B run (two batch slots), C waits (the queue holds 1): D is refused. Then all three give up:
+    their places and slots come free."""
     long = dict(BODY, max_tokens=LONG)
     before = server.metrics()
 
@@ -75,8 +86,8 @@ def test_full_queue_answers_429_with_retry_after(server):
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
             async with http.stream("POST", "/v1/completions", json=dict(long, stream=True)) as a:
                 a_lines = a.aiter_lines()
-                await first_event(a_lines)  # A holds the engine
-                async with http.stream("POST", "/v1/completions", json=dict(long, stream=True)):  # B waits
+                await first_event(a_lines)  # A holds a slot
+                async with http.stream("POST", "/v1/completions", json=dict(long, stream=True)):  # B the other
                     c = asyncio.create_task(http.post("/v1/completions", json=long))  # C waits
                     assert await admitted(http, 3), "A, B and C were not all admitted while A ran"
                     refused = await http.post("/v1/completions", json=long)
@@ -118,8 +129,34 @@ def _events(response: httpx.Response) -> list[dict | str]:
             for line in response.iter_lines() if line.startswith("data: ")]
 
 
+def test_single_sequence_engine_still_serves(tiny_artifact):
+    """--max-batch 1: the single-sequence engine, one request at a time; same answers."""
+    settings = ServeSettings(artifact=tiny_artifact, model_name="tiny", threads=1, max_batch=1)
+    expected = Engine.load(tiny_artifact, threads=1).generate("ROMEO:", max_new_tokens=12, stop=["\n\n"])
+    with server_in_this_process(settings) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        streamed = client.completions.create(model="tiny", prompt="ROMEO:", max_tokens=12, temperature=0, stop="\n\n",
+                                             stream=True, stream_options={"include_usage": True})
+        chunks = list(streamed)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+        assert chunks[-1].usage.completion_tokens == len(expected.ids)
+        metrics = httpx.get(f"{url}/metrics").text
+        assert "speedc_requests_running 0.0" in metrics and 'speedc_engine_steps_total{sequences="1"}' in metrics
+
+
+def test_batched_server_opens_only_the_batch_sessions(tiny_artifact):
+    """Serving batched, the engine's single-sequence backend (a second set of ONNX Runtime sessions
+    and its cache) is never opened: the batch scheduler's own are the only ones."""
+    adapter = make_adapter(ServeSettings(artifact=tiny_artifact, model_name="tiny", threads=1, max_batch=3))
+    try:
+        assert adapter.slots == 3 and adapter.loop.scheduler.backend.sessions
+        assert not adapter.engine.backend_loaded
+    finally:
+        asyncio.run(adapter.aclose())
+
+
 def test_sigterm_drains_in_flight_requests(server):
-    """SIGTERM while A streams and B waits: both finish in full, then the process exits."""
+    """SIGTERM while A and B stream: both finish in full, then the process exits."""
     body = dict(BODY, stream=True, stream_options={"include_usage": True})
     with httpx.Client(base_url=server.url, timeout=30) as a_conn, httpx.Client(base_url=server.url, timeout=30) as b_conn:
         with a_conn.stream("POST", "/v1/completions", json=dict(body, max_tokens=40)) as a, \

@@ -21,9 +21,9 @@ LONG_TESTS = os.environ.get("SPEEDC_LONG_TESTS") == "1"
 
 
 def test_deployment_options():
-    settings = ServeSettings(artifact="/x", model_name="x", max_queue=7)
+    settings = ServeSettings(artifact="/x", model_name="x", max_batch=4, max_queue=7)
     fixed = deployment_options(settings, ScaleOut(replicas=3, replica_cpus=0.5))
-    assert fixed == {"name": "SpeedcReplica", "num_replicas": 3, "max_ongoing_requests": 8,
+    assert fixed == {"name": "SpeedcReplica", "num_replicas": 3, "max_ongoing_requests": 11,  # 4 run, 7 wait
                      "ray_actor_options": {"num_cpus": 0.5}}
     scaled = deployment_options(settings, ScaleOut(autoscale=(0, 4), max_ongoing_requests=2))
     assert "num_replicas" not in scaled and scaled["max_ongoing_requests"] == 2
@@ -41,13 +41,15 @@ def test_build_app_for_ray_serve_run(tiny_artifact):
     from speedc.serve.ray_deployment import build_app
 
     app = build_app({"artifact": str(tiny_artifact), "num_replicas": "3", "max_ongoing_requests": "4",
-                     "replica_cpus": "0.25", "max_queue": "5", "mode": "autoregressive"})
+                     "replica_cpus": "0.25", "max_queue": "5", "mode": "autoregressive", "max_batch": "2",
+                     "kv_cache_mb": "1.5"})
     deployment = app._bound_deployment  # Ray keeps the bound deployment here (no public accessor)
     assert (deployment.name, deployment.num_replicas, deployment.max_ongoing_requests) == ("SpeedcReplica", 3, 4)
     assert deployment.ray_actor_options["num_cpus"] == 0.25
     settings = ServeSettings(**deployment.init_args[0])
     assert (settings.artifact, settings.model_name, settings.max_queue, settings.mode) == \
         (str(tiny_artifact), tiny_artifact.name, 5, "autoregressive")
+    assert (settings.max_batch, settings.kv_cache_mb) == (2, 1.5)
     autoscaled = build_app({"artifact": str(tiny_artifact), "min_replicas": "1", "max_replicas": "4"})
     config = autoscaled._bound_deployment._deployment_config.autoscaling_config
     assert (config.min_replicas, config.max_replicas) == (1, 4)

@@ -28,6 +28,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from speedc.errors import GenerationError, SpeedcError
+from speedc.serve.batched_engine import BatchedEngine, BatchedGeneration
 from speedc.serve.chat_template import ChatTemplate, TemplateRenderError, load_chat_template
 from speedc.serve.engine_adapter import Generation, GenerationRequest, Piece, QueueFull, ThreadedEngine
 from speedc.serve.metrics import CONTENT_TYPE, Metrics
@@ -47,23 +48,36 @@ class ServeSettings:
     device: str = "cpu"
     threads: int | None = None
     mode: str = "speed"
+    max_batch: int = 8  # requests decoded together (continuous batching); 1: one at a time, single-sequence engine
+    kv_cache_mb: float | None = None  # the batching KV-cache pool (None: the model's context per request)
     max_queue: int = 64
     request_timeout: float = 600.0  # seconds from arrival, queueing included
     chat_template: Path | None = None  # overrides the artifact's
+
+
+def make_adapter(settings: ServeSettings):
+    """The engine behind its adapter: batched (one set of ONNX Runtime sessions, the batch scheduler's;
+    the single-sequence backend is never opened), or one request at a time when max_batch is 1."""
+    from speedc.runtimes.engine import Engine
+
+    batched = settings.max_batch > 1
+    engine = Engine.load(settings.artifact, backend=settings.backend, device=settings.device, threads=settings.threads,
+                         lazy=batched)
+    if engine.tokenizer is None:
+        raise SpeedcError(f"{settings.artifact}: the server needs an artifact with a tokenizer.json")
+    if not batched:
+        return ThreadedEngine(engine, max_queue=settings.max_queue, mode=settings.mode)
+    return BatchedEngine(engine, max_queue=settings.max_queue, max_batch=settings.max_batch,
+                         kv_cache_mb=settings.kv_cache_mb, mode=settings.mode, threads=settings.threads,
+                         fused=False if settings.backend == "onnx-numpy" else None)  # onnx: fused graphs when built
 
 
 class Service:
     """A loaded model: the engine behind its adapter, and the chat template."""
 
     def __init__(self, settings: ServeSettings) -> None:
-        from speedc.runtimes.engine import Engine
-
-        engine = Engine.load(settings.artifact, backend=settings.backend, device=settings.device,
-                             threads=settings.threads)
-        if engine.tokenizer is None:
-            raise SpeedcError(f"{settings.artifact}: the server needs an artifact with a tokenizer.json")
         self.template: ChatTemplate | None = load_chat_template(settings.artifact, settings.chat_template)
-        self.adapter = ThreadedEngine(engine, max_queue=settings.max_queue, mode=settings.mode)
+        self.adapter = make_adapter(settings)
 
     def prompt_ids(self, parsed: ParsedRequest) -> list[int]:
         if parsed.kind == "chat":
@@ -101,7 +115,8 @@ class ClientGone(Exception):
 class Tracker:
     """One admitted request's generation, its deadline, and the metrics of how it went."""
 
-    def __init__(self, metrics: Metrics, generation: Generation, arrived: float, timeout: float) -> None:
+    def __init__(self, metrics: Metrics, generation: Generation | BatchedGeneration, arrived: float,
+                 timeout: float) -> None:
         self.metrics, self.generation = metrics, generation
         self.arrived, self.deadline = arrived, arrived + timeout
         self.timeout = timeout
@@ -222,7 +237,7 @@ def create_app(settings: ServeSettings, *, load_in_background: bool = True,
                 return
             metrics.watch(service.adapter)
             app.state.service = service
-            log.info("serving %s as model %r", settings.artifact, settings.model_name)
+            log.info("serving %s as model %r (%s)", settings.artifact, settings.model_name, service.adapter.describe())
 
         loading = asyncio.create_task(load()) if load_in_background else None
         if loading is None:
@@ -231,7 +246,7 @@ def create_app(settings: ServeSettings, *, load_in_background: bool = True,
         if loading is not None and not loading.done():
             loading.cancel()
         if app.state.service is not None:
-            app.state.service.adapter.close()
+            await app.state.service.adapter.aclose()
 
     app = FastAPI(title="speedc", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.metrics = metrics
@@ -291,7 +306,8 @@ def create_app(settings: ServeSettings, *, load_in_background: bool = True,
             raise ApiError(400, str(bad), param="messages" if kind == "chat" else "prompt") from None
         except QueueFull as full:
             metrics.rejected.inc()
-            raise ApiError(429, f"the server's queue is full ({service.adapter.max_queue} waiting); retry later",
+            raise ApiError(429, f"the server is full ({service.adapter.slots} running, {service.adapter.max_queue} "
+                                f"waiting); retry later",
                            kind="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": str(full.retry_after)}) from None
         metrics.prompt_tokens.inc(len(ids))

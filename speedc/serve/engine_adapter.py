@@ -1,13 +1,17 @@
-"""The one place the server touches the engine: admission (a bounded queue), streaming, cancellation.
+"""Where the server touches the engine: admission (a bounded queue), streaming, cancellation.
+
+Two adapters of one shape (the server uses nothing else): submit(GenerationRequest) -> a Generation,
+an async iterator of Pieces with finish_reason / stats / completion_tokens / cancel() (QueueFull when
+slots + max_queue requests are already admitted); running / waiting / slots / decode_steps for the
+metrics; encode, max_context; aclose().
+
+    BatchedEngine (batched_engine.py, the default): continuous batching, up to --max-batch
+        generations decode together in each engine step (runtimes/engine_loop.py)
+    ThreadedEngine (here, --max-batch 1): one generation at a time on the single-sequence engine
 
     handler --submit()--> Generation --(its producer task)--> engine worker thread
        ^                      |           waits its turn (FIFO), then runs Engine.stream there at
        +---- async for piece -+           the engine's pace, handing each confirmed piece to the loop
-
-Today one Engine serves one generation at a time (one cache), so requests wait their turn here; the
-continuous-batching engine loop will replace ThreadedEngine with an adapter of the same shape:
-submit() -> an async iterator of Pieces, cancel(), running / waiting / slots for the metrics and
-the queue bound. Nothing else in the server changes.
 
 Cancelling really stops the decoding: the engine thread sees the stop flag after the step in progress
 and closes the stream there, which frees the engine for the next request (queued behind it on the
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -29,6 +34,29 @@ class QueueFull(Exception):
     def __init__(self, retry_after: int) -> None:
         super().__init__(f"the queue is full; retry in {retry_after} s")
         self.retry_after = retry_after
+
+
+def encode(engine, text: str, special_tokens: bool) -> list[int]:
+    """Text -> ids; SPECIAL_TOKENS adds what the tokenizer adds to a plain prompt (a chat template
+    writes its own)."""
+    if special_tokens or engine.tokenizer is None:
+        return engine.encode(text)  # without a tokenizer: the engine's "no tokenizer" error
+    return engine.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+class RetryEstimate:
+    """Retry-After for a full queue: a place comes free when one of the SLOTS generations running
+    finishes, on average every mean generation time / SLOTS (a running mean of engine seconds)."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots, self.mean_seconds = slots, 1.0
+
+    def record(self, stats) -> None:
+        seconds = stats.prefill_seconds + stats.decode_seconds
+        self.mean_seconds = 0.8 * self.mean_seconds + 0.2 * seconds
+
+    def seconds(self) -> int:
+        return max(1, math.ceil(self.mean_seconds / self.slots))
 
 
 @dataclass(frozen=True)
@@ -128,7 +156,7 @@ class Generation:
         if self.finish_reason is None:
             self.stats = item.stats
             self.finish_reason = FINISH_REASONS.get(item.stats.stop_reason, "stop")
-            self._owner._record_seconds(item.stats)
+            self._owner._finished(item.stats)
         raise StopAsyncIteration
 
     def cancel(self) -> bool:
@@ -151,7 +179,11 @@ class ThreadedEngine:
         self.waiting = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speedc-engine")
         self._turn = asyncio.Lock()
-        self._mean_seconds = 1.0  # for Retry-After: a running mean of generation times
+        self._retry = RetryEstimate(self.slots)
+        self.decode_steps: Counter[int] = Counter()  # sequences per step -> steps (here always 1)
+
+    def describe(self) -> str:
+        return f"one request at a time, {self.max_queue} may wait"
 
     # ---- what the server asks of the model ------------------------------------------------------
     @property
@@ -159,13 +191,7 @@ class ThreadedEngine:
         return int(self.engine.manifest.model["max_context"])
 
     def encode(self, text: str, *, special_tokens: bool = True) -> list[int]:
-        """Text -> ids; SPECIAL_TOKENS adds what the tokenizer adds to a plain prompt (a chat template
-        writes its own)."""
-        if special_tokens:
-            return self.engine.encode(text)
-        if self.engine.tokenizer is None:
-            return self.engine.encode(text)  # raises the engine's "no tokenizer" error
-        return self.engine.tokenizer.encode(text, add_special_tokens=False).ids
+        return encode(self.engine, text, special_tokens)
 
     # ---- generations ----------------------------------------------------------------------------
     def submit(self, request: GenerationRequest) -> Generation:
@@ -181,12 +207,12 @@ class ThreadedEngine:
         return Generation(self, stream, len(request.prompt_ids))
 
     def retry_after(self) -> int:
-        """Seconds until a place in the queue is likely free: one mean generation time."""
-        return max(1, math.ceil(self._mean_seconds))
+        """Seconds until a place in the queue is likely free."""
+        return self._retry.seconds()
 
-    def _record_seconds(self, stats) -> None:
-        seconds = stats.prefill_seconds + stats.decode_seconds
-        self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * seconds
+    def _finished(self, stats) -> None:
+        self._retry.record(stats)
+        self.decode_steps[1] += stats.steps
 
-    def close(self) -> None:
+    async def aclose(self) -> None:
         self._executor.shutdown(wait=True)

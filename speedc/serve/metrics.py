@@ -1,7 +1,8 @@
 """Prometheus metrics of one server (its own registry, so several apps in one process never clash).
 
 Requests: running / waiting (read from the engine adapter when scraped), rejected (429), cancelled
-(client gone), timed out, finished by finish_reason, refused (4xx). Tokens: prompt and generated.
+(client gone), timed out, finished by finish_reason, refused (4xx). Engine steps by the number of
+sequences decoded together (continuous batching at work: steps with sequences > 1). Tokens: prompt and generated.
 Latency: time to first token (from the request's arrival, queueing included) and inter-token latency
 (between streamed pieces; a piece is one confirmed token unless UTF-8 holds bytes back). SPEED:
 speculations accepted and mispredicted, early flushes and flushed tokens.
@@ -10,6 +11,7 @@ speculations accepted and mispredicted, early flushes and flushed tokens.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -45,9 +47,10 @@ class Metrics:
         self.flushed_tokens = Counter("speedc_flushed_tokens", "In-flight tokens discarded by flushes", registry=r)
 
     def watch(self, adapter) -> None:
-        """Read running / waiting from the engine adapter at each scrape."""
+        """Read running / waiting and the engine steps from the engine adapter at each scrape."""
         self.running.set_function(lambda: adapter.running)
         self.waiting.set_function(lambda: adapter.waiting)
+        self.registry.register(_EngineSteps(adapter))
 
     def record_finished(self, finish_reason: str, stats) -> None:
         self.finished.labels(finish_reason).inc()
@@ -59,3 +62,17 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineSteps:
+    """speedc_engine_steps_total{sequences="n"}: decode steps that ran n sequences together."""
+
+    def __init__(self, adapter) -> None:
+        self.adapter = adapter
+
+    def collect(self):
+        family = CounterMetricFamily("speedc_engine_steps", "Engine decode steps by the number of sequences decoded "
+                                     "together", labels=["sequences"])
+        for sequences, steps in sorted(dict(self.adapter.decode_steps).items()):
+            family.add_metric([str(sequences)], steps)
+        yield family

@@ -30,7 +30,7 @@ APP_NAME = "speedc"
 class ScaleOut:
     replicas: int = 1
     autoscale: tuple[int, int] | None = None  # (min, max) replicas: Ray's autoscaler picks within
-    max_ongoing_requests: int | None = None  # per replica; default: its engine's slot + queue
+    max_ongoing_requests: int | None = None  # per replica; default: its engine's slots (max_batch) + queue
     replica_cpus: float = 1.0
 
     def check(self) -> None:
@@ -59,7 +59,7 @@ class SpeedcReplica:
 def deployment_options(settings: ServeSettings, scale: ScaleOut) -> dict:
     """serve.deployment(...) keyword arguments for SCALE."""
     scale.check()
-    ongoing = scale.max_ongoing_requests or settings.max_queue + 1  # one running, the rest wait in the replica
+    ongoing = scale.max_ongoing_requests or settings.max_batch + settings.max_queue  # max_batch run, the rest wait
     options = {"name": "SpeedcReplica", "max_ongoing_requests": ongoing,
                "ray_actor_options": {"num_cpus": scale.replica_cpus}}
     if scale.autoscale is not None:
@@ -82,19 +82,20 @@ def build_application(settings: ServeSettings, scale: ScaleOut):
 
 def build_app(args: dict):
     """For `serve run speedc.serve.ray_deployment:build_app artifact=PATH [key=value ...]`: keys are
-    ServeSettings fields (model_name, backend, threads, mode, max_queue, request_timeout,
-    chat_template) and ScaleOut's (num_replicas, min_replicas + max_replicas, max_ongoing_requests,
+    ServeSettings fields (model_name, backend, threads, mode, max_batch, kv_cache_mb, max_queue,
+    request_timeout, chat_template) and ScaleOut's (num_replicas, min_replicas + max_replicas, max_ongoing_requests,
     replica_cpus)."""
     args = dict(args)
     if "artifact" not in args:
         raise SpeedcError("build_app needs artifact=PATH")
     artifact = Path(args.pop("artifact")).resolve()
-    numbers = {"threads": int, "max_queue": int, "request_timeout": float}
+    numbers = {"threads": int, "max_batch": int, "kv_cache_mb": float, "max_queue": int, "request_timeout": float}
     chat = args.pop("chat_template", None)
     settings = ServeSettings(artifact=artifact, model_name=args.pop("model_name", artifact.name),
                              chat_template=Path(chat).resolve() if chat else None,
                              **{k: numbers.get(k, str)(args.pop(k)) for k in ("backend", "device", "threads", "mode",
-                                                                             "max_queue", "request_timeout") if k in args})
+                                                                             "max_batch", "kv_cache_mb", "max_queue",
+                                                                             "request_timeout") if k in args})
     low, high = args.pop("min_replicas", None), args.pop("max_replicas", None)
     ongoing = args.pop("max_ongoing_requests", None)
     scale = ScaleOut(replicas=int(args.pop("num_replicas", 1)),

@@ -1,0 +1,112 @@
+"""The server's default engine adapter: continuous batching over runtimes/engine_loop.py.
+
+    handler --submit()--> BatchedGeneration --wraps--> EngineLoop.Submitted
+       ^                        |                          |  one scheduler step at a time on the loop's
+       +------ async for piece -+   <-- confirmed tokens --+  worker thread: every admitted request
+                                                              (up to max_batch) decodes in that step
+
+Same shape as ThreadedEngine (engine_adapter.py), so nothing else in the server knows which runs. A
+request holds one of MAX_BATCH sequence slots of the KV-cache pool from its prefill to its end; up
+to MAX_QUEUE more wait for a slot (FIFO) and beyond that submit() raises QueueFull. Cancelling marks
+the sequence; the scheduler frees its slot at the next step boundary. Each sequence's output equals
+what it produces alone (the scheduler's lossless promise), so the server's answers equal
+`speedc generate` whatever else runs beside them.
+"""
+
+from __future__ import annotations
+
+from speedc.runtimes.engine_loop import EngineLoop, Submitted
+from speedc.serve.engine_adapter import FINISH_REASONS, GenerationRequest, Piece, QueueFull, RetryEstimate, encode
+
+ROW_BUDGET = {"speed": -1, "autoregressive": 0}  # --mode -> the scheduler's row policy (-1: its default rule)
+
+
+class BatchedGeneration:
+    """One admitted request: an async iterator of Pieces (one per confirmed token, its settled text).
+    After it ends: finish_reason, stats, completion_tokens. cancel() stops it, waiting or running."""
+
+    def __init__(self, owner: "BatchedEngine", submitted: Submitted, prompt_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.stats = None  # the sequence's DecodeStats once finished
+        self._owner, self._submitted = owner, submitted
+        self._cancel_requested = False
+
+    def __aiter__(self) -> "BatchedGeneration":
+        return self
+
+    async def __anext__(self) -> Piece:
+        try:
+            piece = await self._submitted.__anext__()
+        except StopAsyncIteration:
+            if self.finish_reason is None:
+                self.stats = self._submitted.result.stats
+                self.finish_reason = FINISH_REASONS.get(self.stats.stop_reason, "stop")
+                self._owner._retry.record(self.stats)
+            raise
+        tokens = 1 if piece.id >= 0 else 0  # id -1: text held back until the end (a cut stop string), no new token
+        self.completion_tokens += tokens
+        return Piece(piece.text, tokens)
+
+    def cancel(self) -> bool:
+        """Stop generating now (no-op once finished); True when there was something to stop."""
+        if self._cancel_requested or self._submitted.result is not None or self._submitted.error is not None:
+            return False
+        self._cancel_requested = True
+        self._owner.loop.cancel(self._submitted)
+        return True
+
+
+class BatchedEngine:
+    """An EngineLoop over ENGINE's batch scheduler: MAX_BATCH sequences decode together, MAX_QUEUE wait."""
+
+    def __init__(self, engine, *, max_queue: int, max_batch: int = 8, kv_cache_mb: float | None = None,
+                 mode: str = "speed", threads: int | None = None, fused: bool | None = None) -> None:
+        self.engine, self.max_queue, self.slots = engine, max_queue, max_batch
+        self.loop = EngineLoop(engine, max_batch=max_batch, kv_cache_mb=kv_cache_mb, row_budget=ROW_BUDGET[mode],
+                               threads=threads, fused=fused)
+        self._retry = RetryEstimate(max_batch)
+
+    def describe(self) -> str:
+        backend = self.loop.scheduler.backend
+        mib = (backend.key.nbytes + backend.value.nbytes) / (1 << 20)
+        return (f"continuous batching: up to {self.slots} requests at once, {self.max_queue} may wait; KV-cache pool "
+                f"{mib:.0f} MiB, {backend.capacity} positions per request")
+
+    # ---- what the server asks of the model and the metrics ---------------------------------------
+    @property
+    def max_context(self) -> int:
+        """Prompt + completion tokens one request may hold: its KV-cache slot (at most the model's context)."""
+        return self.loop.scheduler.backend.capacity
+
+    def encode(self, text: str, *, special_tokens: bool = True) -> list[int]:
+        return encode(self.engine, text, special_tokens)
+
+    @property
+    def running(self) -> int:
+        return self.loop.running
+
+    @property
+    def waiting(self) -> int:
+        return self.loop.waiting
+
+    @property
+    def decode_steps(self):
+        """Sequences decoded together -> engine steps so far."""
+        return self.loop.scheduler.decode_steps
+
+    # ---- generations ------------------------------------------------------------------------------
+    def submit(self, request: GenerationRequest) -> BatchedGeneration:
+        """Admit REQUEST or raise QueueFull; a bad request raises GenerationError before it is admitted.
+        Call from the event loop."""
+        if self.running + self.waiting >= self.slots + self.max_queue:
+            raise QueueFull(self._retry.seconds())
+        submitted = self.loop.submit(request.prompt_ids, max_new_tokens=request.max_new_tokens,
+                                     temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
+                                     seed=request.seed, repetition_penalty=request.repetition_penalty,
+                                     stop=list(request.stop) or None, stop_at_eos=request.stop_at_eos)
+        return BatchedGeneration(self, submitted, len(request.prompt_ids))
+
+    async def aclose(self) -> None:
+        await self.loop.aclose()
