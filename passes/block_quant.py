@@ -53,16 +53,6 @@ def quantize_rows(rows: np.ndarray, bits: int, block_size: int) -> tuple[np.ndar
     return np.ascontiguousarray(codes), scales
 
 
-def dequantize(packed: np.ndarray, scales: np.ndarray, bits: int, k: int) -> np.ndarray:
-    """The values MatMulNBits / GatherBlockQuantized compute with: [N, n_blocks, blob] + [N, n_blocks] -> [N, k]."""
-    if bits == 4:
-        codes = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:2], -1)  # [N, nb, bs]
-    else:
-        codes = packed
-    values = (codes.astype(np.float32) - (1 << (bits - 1))) * scales[..., None]  # [N, nb, bs]
-    return values.reshape(packed.shape[0], -1)[:, :k]
-
-
 class _RowQuantizer:
     """One weight's quantization, shared by its codes and scales tensors (and every graph using them)."""
 

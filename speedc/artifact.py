@@ -180,6 +180,35 @@ def is_quantized(manifest: "Manifest") -> bool:
     return manifest.dtype in QUANTIZED_DTYPES
 
 
+def dequantize_blocks(codes: np.ndarray, scales: np.ndarray, bits: int, k: int) -> np.ndarray:
+    """What MatMulNBits / GatherBlockQuantized compute with: codes [N, n_blocks, block_size * bits / 8]
+    (4 bits: the lower K index in the low nibble) and scales [N, n_blocks] -> values [N, K], with the
+    default zero point 2^(bits-1)."""
+    if bits == 4:
+        codes = np.stack([codes & 0x0F, codes >> 4], axis=-1).reshape(*codes.shape[:2], -1)  # [N, nb, bs]
+    values = (codes.astype(np.float32) - (1 << (bits - 1))) * scales.reshape(*codes.shape[:2], 1)  # [N, nb, bs]
+    return values.reshape(codes.shape[0], -1)[:, :k]
+
+
+def dequantized_weights(directory: str | Path, manifest: "Manifest") -> dict[str, np.ndarray]:
+    """Checkpoint tensor name -> the values a block-quantized artifact computes with (float32), from its
+    codes and scales; a stacked weight is split back into its parts."""
+    index = manifest.weights["index"]
+    weights = {}
+    for name, entry in stored_entries(index).items():
+        info = entry.get("quantized")
+        if not info or info["role"] != "codes":
+            continue
+        values = dequantize_blocks(read_weight(directory, manifest, name), read_weight(directory, manifest, name + "_scales"),
+                                   info["bits"], info["shape"][1])  # [N, K]
+        row_bytes = entry["length"] // entry["shape"][0]
+        suffix = name[len(info["of"]):]  # ".q4" / ".q8"
+        for part in entry.get("parts", [name]):
+            first = (index[part]["offset"] - entry["offset"]) // row_bytes
+            weights[part[:-len(suffix)]] = values[first:first + index[part]["shape"][0]]
+    return weights
+
+
 def read_weight(directory: str | Path, manifest: Manifest, name: str) -> np.ndarray:
     """One stored weight as a numpy array (memory-mapped from weights.bin; bfloat16 needs ml_dtypes,
     which the compiler extra brings)."""
