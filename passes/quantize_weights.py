@@ -170,7 +170,7 @@ def float_weights_left(graphs: dict[str, gs.Graph]) -> list[str]:
     return sorted(left)
 
 
-@register_pass("quantize_weights", phase="finalize", requires=("programs", "clean"), provides=("quantized_weights",))
+@register_pass("quantize_weights", phase="finalize", requires=("programs",), provides=("quantized_weights",))
 def quantize_weights(state: CompileState) -> CompileState:
     """--weights int8/int4: weight Gemms -> MatMulNBits, embedding Gathers -> GatherBlockQuantized."""
     if state.options.dtype not in BITS:
