@@ -51,6 +51,7 @@ class BuildOptions:
     slots: int | None = None  # None: the schedule pass chooses
     dtype: str | None = None  # weight storage: fp32 | fp16 | bf16 | int8 | int4; None: the checkpoint's own 16-bit precision, else fp32
     block_size: int = 32  # int8 / int4: weights per quantization block (passes/block_quant.py)
+    head_dtype: str | None = None  # int8 / int4: the embedding / LM head's precision (None: dtype's)
     target: str = "onnx"  # onnx | trt
     exit_layer: int | None = None  # override the checkpoint's exit point
     alpha: float | None = None  # expected acceptance for the schedule's cost model; None: from training metrics

@@ -38,6 +38,7 @@ from speedc.passes.block_quant import ACCURACY_LEVEL, BITS, QuantizedWeight, qua
 from speedc.passes.source_weights import source_weight
 
 ROW_PAD_BITS = (4,)  # bit widths whose MatMulNBits needs M >= 2 to be row-invariant (see above)
+HEAD_WEIGHTS = ("model.embed_tokens.weight", "lm_head.weight")  # --head-weights applies to these
 
 
 def _weight_gemm(node: gs.Node) -> bool:
@@ -61,8 +62,8 @@ class Quantizer:
 
     def __init__(self, state: CompileState) -> None:
         self.bits = BITS[state.options.dtype]
+        self.head_bits = BITS[state.options.head_dtype or state.options.dtype]
         self.block_size = state.options.block_size
-        self.suffix = f".q{self.bits}"
         self.state = state
         self.pairs: dict[str, tuple[QuantizedWeight, QuantizedWeight]] = {}
 
@@ -72,18 +73,25 @@ class Quantizer:
             values = values if values is not None else np.asarray(weight.values, np.float32)
             if np.dtype(weight.dtype) != np.float32:
                 raise BuildError(f"internal: weight {weight.name} is {weight.dtype}, quantization expects float32")
-            self.pairs[weight.name] = quantized_pair(values, weight.name, self.bits, self.block_size)
+            self.pairs[weight.name] = quantized_pair(values, weight.name, self.bits_of(weight.name), self.block_size)
             parts = self.state.weight_parts.get(weight.name)
             if parts:  # a stacked weight: its parts are row ranges of the codes and of the scales alike
-                self.state.weight_parts[self.codes_name(weight.name)] = [(p + self.suffix, f, n) for p, f, n in parts]
-                self.state.weight_parts[self.scales_name(weight.name)] = [(p + self.suffix + "_scales", f, n) for p, f, n in parts]
+                suffix = self.suffix(weight.name)
+                self.state.weight_parts[self.codes_name(weight.name)] = [(p + suffix, f, n) for p, f, n in parts]
+                self.state.weight_parts[self.scales_name(weight.name)] = [(p + suffix + "_scales", f, n) for p, f, n in parts]
         return self.pairs[weight.name]
 
+    def bits_of(self, name: str) -> int:
+        return self.head_bits if name in HEAD_WEIGHTS else self.bits
+
+    def suffix(self, name: str) -> str:
+        return f".q{self.bits_of(name)}"
+
     def codes_name(self, name: str) -> str:
-        return name + self.suffix
+        return name + self.suffix(name)
 
     def scales_name(self, name: str) -> str:
-        return name + self.suffix + "_scales"
+        return name + self.suffix(name) + "_scales"
 
 
 def quantize_gemm(graph: gs.Graph, node: gs.Node, quantizer: Quantizer, constants: dict) -> None:
@@ -95,8 +103,9 @@ def quantize_gemm(graph: gs.Graph, node: gs.Node, quantizer: Quantizer, constant
     y = node.outputs[0]
     node.inputs.clear()
     node.outputs.clear()  # detached; cleanup() drops it
-    attrs = {"K": k, "N": n, "bits": quantizer.bits, "block_size": quantizer.block_size, "accuracy_level": ACCURACY_LEVEL}
-    if quantizer.bits not in ROW_PAD_BITS:
+    bits = quantizer.bits_of(weight.name)
+    attrs = {"K": k, "N": n, "bits": bits, "block_size": quantizer.block_size, "accuracy_level": ACCURACY_LEVEL}
+    if bits not in ROW_PAD_BITS:
         graph.nodes.append(gs.Node("MatMulNBits", f"{node.name}/MatMulNBits", attrs=attrs, inputs=[x, b, s],
                                    outputs=[y], domain="com.microsoft"))
         return
@@ -126,7 +135,7 @@ def quantize_gather(graph: gs.Graph, node: gs.Node, quantizer: Quantizer, consta
     blocks = gs.Variable(f"{node.name}/blocks", dtype=np.float32)  # [*ids, nb, bs]
     graph.nodes.append(gs.Node("GatherBlockQuantized", f"{node.name}/GatherBlockQuantized", domain="com.microsoft",
                                attrs={"gather_axis": 0, "quantize_axis": 2, "block_size": quantizer.block_size,
-                                      "bits": quantizer.bits}, inputs=[b, ids, s], outputs=[blocks]))
+                                      "bits": quantizer.bits_of(weight.name)}, inputs=[b, ids, s], outputs=[blocks]))
     rank = len(ids.shape)
     shape = constants.setdefault(f"quantize_weights.rows_shape.{rank}.{n_blocks * quantizer.block_size}", gs.Constant(
         f"quantize_weights.rows_shape.{rank}.{n_blocks * quantizer.block_size}",
@@ -184,6 +193,7 @@ def quantize_weights(state: CompileState) -> CompileState:
     state.notes.append(
         f"quantize_weights: {len(quantizer.pairs)} weights stored as {state.options.dtype} (block {quantizer.block_size}, "
         f"accuracy level {ACCURACY_LEVEL}): {products} MatMulNBits, {gathers} GatherBlockQuantized across graphs"
-        + (f"; {quantizer.bits}-bit products get one zero row (row-invariant kernel)" if quantizer.bits in ROW_PAD_BITS else "")
+        + (f"; embedding / LM head as {state.options.head_dtype}" if quantizer.head_bits != quantizer.bits else "")
+        + ("; 4-bit products get one zero row (row-invariant kernel)" if {quantizer.bits, quantizer.head_bits} & set(ROW_PAD_BITS) else "")
         + (f"; {len(left)} 2-D weights left in float ({left[0]}...)" if left else ""))
     return state

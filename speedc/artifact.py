@@ -199,7 +199,8 @@ def dequantized_weights(directory: str | Path, manifest: "Manifest") -> dict[str
         info = entry.get("quantized")
         if not info or info["role"] != "codes":
             continue
-        values = dequantize_blocks(read_weight(directory, manifest, name), read_weight(directory, manifest, name + "_scales"),
+        scales = name + "_scales" if name + "_scales" in index else name + "_scales.rows"  # [N, nb] or, embedding only, [N, nb, 1]
+        values = dequantize_blocks(read_weight(directory, manifest, name), read_weight(directory, manifest, scales),
                                    info["bits"], info["shape"][1])  # [N, K]
         row_bytes = entry["length"] // entry["shape"][0]
         suffix = name[len(info["of"]):]  # ".q4" / ".q8"

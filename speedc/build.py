@@ -61,6 +61,8 @@ def check_options(options: BuildOptions) -> None:
     """One-line errors for option combinations no pass can honour, before any work."""
     if options.dtype in BITS and options.block_size not in BLOCK_SIZES:
         raise BuildError(f"--block-size {options.block_size}: MatMulNBits takes {', '.join(map(str, BLOCK_SIZES))}")
+    if options.head_dtype is not None and (options.dtype not in BITS or options.head_dtype not in BITS):
+        raise BuildError("--head-weights int8|int4 goes with --weights int8|int4")
     if options.dtype in BITS and options.target == "trt":
         raise BuildError(f"--weights {options.dtype} --target trt: TensorRT cannot run ONNX Runtime's MatMulNBits / "
                          "GatherBlockQuantized; build --target onnx, or --weights fp16 for TensorRT")
@@ -160,6 +162,7 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
             weights={"file": WEIGHTS, "unique_bytes_fp32": unique_bytes, "unrolled_bytes_fp32": unrolled_bytes,
                      "stored_bytes": stored, "index": index,
                      **({"quantization": {"bits": BITS[options.dtype], "block_size": options.block_size,
+                                          "head_bits": BITS[options.head_dtype or options.dtype],
                                           "accuracy_level": ACCURACY_LEVEL, "symmetric": True,
                                           "ops": ["com.microsoft.MatMulNBits", "com.microsoft.GatherBlockQuantized"]}}
                         if options.dtype in BITS else {})},

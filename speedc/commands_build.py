@@ -31,6 +31,8 @@ def weights_bar(done: int, total: int, width: int = 30) -> str:
                    "for ONNX Runtime's MatMulNBits, int8 dot products on CPU). --dtype is an alias.")
 @click.option("--block-size", type=click.Choice(["16", "32", "64", "128", "256"]), default=None,
               help="With --weights int8/int4: weights per quantization block, each with one scale (default 32).")
+@click.option("--head-weights", type=click.Choice(["int8", "int4"]), default=None,
+              help="With --weights int8/int4: the embedding / LM head's precision (default: --weights').")
 @click.option("--target", type=click.Choice(["onnx", "trt"]), default="onnx", show_default=True)
 @click.option("--exit-layer", type=click.IntRange(1), default=None, help="Override the early-exit point (logical layers).")
 @click.option("--alpha", type=click.FloatRange(0, 1), default=None,
@@ -44,7 +46,7 @@ def weights_bar(done: int, total: int, width: int = 30) -> str:
               help="Time the step graph against plain decoding on this machine (a few seconds) and store c(P) in the "
                    "artifact, so `speedc inspect` predicts from a measurement.")
 @click.option("-v", "--verbose", is_flag=True, help="Print the pass pipeline with per-pass time, nodes and weight bytes.")
-def build(checkpoint, out, slots, weights, block_size, target, exit_layer, alpha, eos_token_id, force, allow_pickle, dump_after,
+def build(checkpoint, out, slots, weights, block_size, head_weights, target, exit_layer, alpha, eos_token_id, force, allow_pickle, dump_after,
           measure, verbose):
     """Compile CHECKPOINT (a directory, or zoo:NAME) into a SPEED artifact: a P-slot speculative
     step graph with weight reuse, the plain prefill graph, one shared weights file, the tokenizer
@@ -87,7 +89,7 @@ def build(checkpoint, out, slots, weights, block_size, target, exit_layer, alpha
 
         result = run_build(checkpoint, out, BuildOptions(slots=slots, dtype=weights, target=target, exit_layer=exit_layer,
                                                          alpha=alpha, eos_token_id=eos_token_id,
-                                                         block_size=int(block_size or DEFAULT_BLOCK_SIZE)),
+                                                         block_size=int(block_size or DEFAULT_BLOCK_SIZE), head_dtype=head_weights),
                            force=force, allow_pickle=allow_pickle, dump_after=list(dump_after), on_pass=on_pass,
                            measure_step_cost=measure, progress=progress, on_weight_bytes=on_weight_bytes)
     if verbose:

@@ -148,7 +148,8 @@ def render(info: dict) -> None:
         q = info.get("quantization")
         stored = next(v for k, v in info["sizes"].items() if k.startswith("weights stored"))
         unique = info["sizes"]["unique weights (fp32)"]
-        how = (f"block-quantized, {q['bits']}-bit codes, block {q['block_size']}, one fp32 scale per block, "
+        head = f" (embedding / LM head {q['head_bits']}-bit)" if q and q.get("head_bits", q["bits"]) != q["bits"] else ""
+        how = (f"block-quantized, {q['bits']}-bit codes{head}, block {q['block_size']}, one fp32 scale per block, "
                f"accuracy level {q['accuracy_level']} (MatMulNBits)" if q else "float")
         console.print(f"weights: {info['dtype']} ({how}): {_megabytes(stored)} stored once, "
                       f"{stored / max(unique, 1):.3f} x the unique fp32 bytes")

@@ -103,14 +103,15 @@ def _tied_graph(v: int, h: int) -> tuple[gs.Graph, np.ndarray]:
     return gs.Graph(nodes=nodes, inputs=[ids], outputs=[logits, rows], opset=17), e
 
 
-@pytest.mark.parametrize("dtype,h", [("int4", 64), ("int4", 48), ("int8", 64)])
-def test_pass_rewrites_gemm_and_gather_over_one_quantized_copy(dtype, h):
+@pytest.mark.parametrize("dtype,head,h", [("int4", None, 64), ("int4", None, 48), ("int8", None, 64), ("int4", "int8", 64)])
+def test_pass_rewrites_gemm_and_gather_over_one_quantized_copy(dtype, head, h):
     graph, e = _tied_graph(v=50, h=h)
     before = sorted(node.op for node in graph.nodes)
-    state = CompileState(cfg=None, weights={}, options=BuildOptions(dtype=dtype))
+    state = CompileState(cfg=None, weights={}, options=BuildOptions(dtype=dtype, head_dtype=head))
     quantize_graph(graph, Quantizer(state))
     after = sorted(node.op for node in graph.nodes)
     assert before == ["Gather", "Gemm", "Reshape"]
+    dtype = head or dtype  # the only weight here is the embedding / LM head
     expected = ["GatherBlockQuantized", "MatMulNBits", "Reshape", "Reshape"] + (["Concat", "Slice"] if dtype == "int4" else [])
     expected += ["Slice"] if h % 32 else []  # rows padded to whole blocks are cut back to H
     assert after == sorted(expected)

@@ -3,7 +3,7 @@ plain decoding of the same quantized artifact, greedy and seeded sampling, every
 batched too), each weight is stored once as codes + scales, and quality is measured, not assumed.
 
 Two builds: a random model with a perturbed exit head (forced mispredictions; hidden 64 and an MLP of
-48, so one projection's K is padded to whole blocks) at int4, and zoo:tiny at int8."""
+48, so one projection's K is padded to whole blocks; an untied LM head) at int4, and zoo:tiny (tied) at int8."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def _engines(art) -> dict[str, Engine]:
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory):
     root = tmp_path_factory.mktemp("quantized")
-    model = _perturb_exit_head(randomize(SharedLlama(random_config(blocks=2, layers=6, heads=4, kv_heads=2, hidden=64)),
+    model = _perturb_exit_head(randomize(SharedLlama(random_config(blocks=2, layers=6, heads=4, kv_heads=2, hidden=64, tie=False)),
                                          seed=100), seed=0, strength=0.5)
     random_int4 = build_artifact(model, root / "random-int4", dtype="int4")
     zoo_int8 = build_artifact(ZOO / "tiny", root / "tiny-int8", dtype="int8")
