@@ -20,7 +20,9 @@ as plain decoding computes it alone. ONNX Runtime's MatMulNBits is row-invariant
 M >= 2, and at int8 also for M = 1, but 4-bit weights with M = 1 take a separate kernel whose sums
 differ in the last bits (measured on onnxruntime 1.32, every accuracy level). Plain decoding runs one
 row (M = 1), the step graph P rows; one zero row appended to every 4-bit product puts both on the
-M >= 2 kernel. It costs a Concat, a Slice and a row of compute per product (measured in the README).
+M >= 2 kernel. It costs plain decoding the faster single-row kernel (zoo:small: 3.0 -> 5.0 ms/token on a
+loaded host; SPEED 4.0 -> 4.4; README, Quantized weights); without it SPEED's ids differed from plain
+decoding's in 3 of 12 runs there.
 
 Weights used any other way (none in the traced programs) stay float; the notes count them.
 """
