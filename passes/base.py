@@ -42,13 +42,16 @@ FACTS: dict[str, str] = {
     "fused_attention": "the ONNX Runtime graph variants with fused GroupQueryAttention",
     "fused_projections": "sibling projections stacked into one Gemm",
     "clean": "folded, dead-code-free, toposorted graphs in their storage precision",
+    "quantized_weights": "weights stored block-quantized for --weights int8/int4 (MatMulNBits, GatherBlockQuantized)",
 }
 
 
 @dataclass
 class BuildOptions:
     slots: int | None = None  # None: the schedule pass chooses
-    dtype: str | None = None  # weight storage: fp32 | fp16 | bf16; None: the checkpoint's own 16-bit precision, else fp32
+    dtype: str | None = None  # weight storage: fp32 | fp16 | bf16 | int8 | int4; None: the checkpoint's own 16-bit precision, else fp32
+    block_size: int = 32  # int8 / int4: weights per quantization block (passes/block_quant.py)
+    head_dtype: str | None = None  # int8 / int4: the embedding / LM head's precision (None: dtype's)
     target: str = "onnx"  # onnx | trt
     exit_layer: int | None = None  # override the checkpoint's exit point
     alpha: float | None = None  # expected acceptance for the schedule's cost model; None: from training metrics

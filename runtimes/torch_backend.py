@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from speedc.artifact import CONFIG, Manifest, checkpoint_tensor_names, exit_norm_kind, read_weight
+from speedc.artifact import (CONFIG, Manifest, checkpoint_tensor_names, dequantized_weights, exit_norm_kind, is_quantized,
+                             read_weight)
 from speedc.errors import SpeedcError
 from speedc.models.config import ModelConfig
 from speedc.models.layer_map import valid_slot_counts
@@ -35,6 +36,8 @@ def load_model_from_artifact(directory: Path, manifest: Manifest) -> SharedLlama
                               exit_norm=exit_norm_kind(manifest))
     tensors = {name: torch.from_numpy(np.array(read_weight(directory, manifest, name), dtype=np.float32))
                for name in checkpoint_tensor_names(manifest)}
+    if is_quantized(manifest):  # the dequantized weights (peers and sweeps rebuild from these; not a backend)
+        tensors.update({name: torch.from_numpy(np.array(values)) for name, values in dequantized_weights(directory, manifest).items()})
     return model_from_state(cfg, tensors)
 
 
@@ -42,6 +45,9 @@ class TorchBackend:
     name = "torch"
 
     def __init__(self, directory: Path, manifest: Manifest, device: str = "cpu", threads: int | None = None) -> None:
+        if is_quantized(manifest):
+            raise SpeedcError(f"{directory}: the PyTorch backend runs float artifacts; this one stores {manifest.dtype} "
+                              "weights for ONNX Runtime's MatMulNBits: use --backend onnx, or build with --weights fp32/fp16/bf16")
         self._setup(load_model_from_artifact(directory, manifest), manifest.slots, device, threads)
 
     @classmethod

@@ -18,7 +18,10 @@
 
 The weight index (manifest.weights.index) names every stored tensor: {offset, length, dtype, shape};
 a stacked weight (fuse_projections) also lists its "parts", and each checkpoint tensor inside it has
-its own entry "within" it: a byte range of the stack, never a copy.
+its own entry "within" it: a byte range of the stack, never a copy. With --weights int8/int4 a weight
+is stored as block-quantized codes and scales (passes/block_quant.py), each entry saying so under
+"quantized" (of, role, bits, block_size, the fp shape); a tensor that re-reads another's bytes in
+another shape is an entry "within" it too.
 
 This module owns reading and writing the format. Reading imports only the standard library and
 numpy (the runtime path stays light); writing graphs imports onnx and onnx-graphsurgeon inside
@@ -151,9 +154,10 @@ def stored_entries(index: dict[str, dict]) -> dict[str, dict]:
 
 def weight_bytes(index: dict[str, dict], layer_map: list[int]) -> tuple[int, int]:
     """(fp32 bytes of the unique weights, fp32 bytes an unrolled export storing every layer would need).
-    Other stored constants (tables a pass computed) are not weights."""
-    sizes = {name: int(np.prod(entry["shape"])) * 4 for name, entry in stored_entries(index).items()
-             if is_weight_name(name)}
+    Other stored constants (tables a pass computed) are not weights; a quantized weight counts as the fp32
+    weight it stands for (its codes' "quantized" shape), its scales not again."""
+    sizes = {name: int(np.prod(entry.get("quantized", entry)["shape"])) * 4 for name, entry in stored_entries(index).items()
+             if is_weight_name(name) and entry.get("quantized", {}).get("role", "codes") == "codes"}
     block_sizes = [0] * (max(layer_map) + 1)
     for name, size in sizes.items():
         if name.startswith("model.blocks."):
@@ -163,8 +167,51 @@ def weight_bytes(index: dict[str, dict], layer_map: list[int]) -> tuple[int, int
 
 
 def checkpoint_tensor_names(manifest: "Manifest") -> list[str]:
-    """The checkpoint tensors the artifact stores (each once; a stacked weight's parts, not the stack)."""
-    return [name for name, entry in manifest.weights["index"].items() if is_weight_name(name) and "parts" not in entry]
+    """The checkpoint tensors the artifact stores (each once; a stacked weight's parts, not the stack) in a
+    float precision (a block-quantized artifact stores codes and scales instead: see is_quantized)."""
+    index = manifest.weights["index"]
+
+    def quantized(entry: dict) -> bool:
+        return "quantized" in entry or "quantized" in index.get(entry.get("within"), {})
+
+    return [name for name, entry in index.items() if is_weight_name(name) and "parts" not in entry and not quantized(entry)]
+
+
+QUANTIZED_DTYPES = ("int8", "int4")  # manifest.dtype of artifacts with block-quantized weights (passes/block_quant.py)
+
+
+def is_quantized(manifest: "Manifest") -> bool:
+    return manifest.dtype in QUANTIZED_DTYPES
+
+
+def dequantize_blocks(codes: np.ndarray, scales: np.ndarray, bits: int, k: int) -> np.ndarray:
+    """What MatMulNBits / GatherBlockQuantized compute with: codes [N, n_blocks, block_size * bits / 8]
+    (4 bits: the lower K index in the low nibble) and scales [N, n_blocks] -> values [N, K], with the
+    default zero point 2^(bits-1)."""
+    if bits == 4:
+        codes = np.stack([codes & 0x0F, codes >> 4], axis=-1).reshape(*codes.shape[:2], -1)  # [N, nb, bs]
+    values = (codes.astype(np.float32) - (1 << (bits - 1))) * scales.reshape(*codes.shape[:2], 1)  # [N, nb, bs]
+    return values.reshape(codes.shape[0], -1)[:, :k]
+
+
+def dequantized_weights(directory: str | Path, manifest: "Manifest") -> dict[str, np.ndarray]:
+    """Checkpoint tensor name -> the values a block-quantized artifact computes with (float32), from its
+    codes and scales; a stacked weight is split back into its parts."""
+    index = manifest.weights["index"]
+    weights = {}
+    for name, entry in stored_entries(index).items():
+        info = entry.get("quantized")
+        if not info or info["role"] != "codes":
+            continue
+        scales = name + "_scales" if name + "_scales" in index else name + "_scales.rows"  # [N, nb] or, embedding only, [N, nb, 1]
+        values = dequantize_blocks(read_weight(directory, manifest, name), read_weight(directory, manifest, scales),
+                                   info["bits"], info["shape"][1])  # [N, K]
+        row_bytes = entry["length"] // entry["shape"][0]
+        suffix = name[len(info["of"]):]  # ".q4" / ".q8"
+        for part in entry.get("parts", [name]):
+            first = (index[part]["offset"] - entry["offset"]) // row_bytes
+            weights[part[:-len(suffix)]] = values[first:first + index[part]["shape"][0]]
+    return weights
 
 
 def read_weight(directory: str | Path, manifest: Manifest, name: str) -> np.ndarray:
@@ -232,6 +279,33 @@ def _identity(constant) -> tuple:
     return "array", hashlib.sha256(np.ascontiguousarray(constant.values).tobytes()).hexdigest()
 
 
+def _view_of(constant) -> str | None:
+    """The stored tensor whose bytes this constant's values are, in another shape (see passes/block_quant.py)."""
+    return getattr(constant._values, "view_of", None)
+
+
+def _reference(index: dict[str, dict], name: str, uses: list, weight_parts: dict[str, list]) -> None:
+    """Complete NAME's index entry (its byte range is set) and point every graph's constant at those bytes."""
+    import onnx
+
+    from speedc.passes.source_weights import WrittenWeight
+
+    dtype = np.dtype(uses[0].dtype)
+    entry = index[name]
+    entry.update(dtype=dtype.name, shape=list(uses[0].shape))
+    info = getattr(uses[0]._values, "index_info", None)
+    if info is not None:
+        entry["quantized"] = info()
+    if name in weight_parts:
+        entry["parts"] = _index_parts(index, entry, name, weight_parts[name])
+    proto = onnx.TensorProto(name=name, dims=entry["shape"], data_type=onnx.helper.np_dtype_to_tensor_dtype(dtype),
+                             data_location=onnx.TensorProto.EXTERNAL)
+    for key, value in (("location", WEIGHTS), ("offset", entry["offset"]), ("length", entry["length"])):
+        proto.external_data.add(key=key, value=str(value))
+    for constant in uses:
+        constant.values = WrittenWeight(proto, entry["shape"], dtype)
+
+
 def write_graphs(graphs: dict, directory: Path, weight_names: set[str], weight_parts: dict[str, list] | None = None,
                  on_bytes: Callable[[int, int], None] | None = None) -> tuple[dict, dict]:
     """Write every graph as ONNX with its weights in ONE shared external-data file, weights.bin.
@@ -247,8 +321,6 @@ def write_graphs(graphs: dict, directory: Path, weight_names: set[str], weight_p
     import onnx
     import onnx_graphsurgeon as gs
 
-    from speedc.passes.source_weights import WrittenWeight
-
     unknown = sorted(set(graphs) - set(contract.GRAPHS))
     if unknown:
         raise BuildError(f"internal: graph {unknown[0]!r} is not part of the artifact contract")
@@ -258,11 +330,13 @@ def write_graphs(graphs: dict, directory: Path, weight_names: set[str], weight_p
     for name, uses in stored.items():
         if len({_identity(c) for c in uses}) > 1:
             raise BuildError(f"internal: weight {name} differs between graphs")
-    total = sum(math.prod(uses[0].shape) * np.dtype(uses[0].dtype).itemsize for uses in stored.values())
+    views = {name: uses for name, uses in stored.items() if _view_of(uses[0]) in stored}
+    owners = {name: uses for name, uses in stored.items() if name not in views}
+    total = sum(math.prod(uses[0].shape) * np.dtype(uses[0].dtype).itemsize for uses in owners.values())
     index: dict[str, dict] = {}
     done = 0
     with open(directory / WEIGHTS, "wb") as blob:
-        for name, uses in stored.items():
+        for name, uses in owners.items():
             offset = -(-blob.tell() // WEIGHT_ALIGN) * WEIGHT_ALIGN
             blob.write(b"\0" * (offset - blob.tell()))
             for chunk in _chunks(uses[0]):
@@ -270,18 +344,12 @@ def write_graphs(graphs: dict, directory: Path, weight_names: set[str], weight_p
                 done += chunk.nbytes
                 if on_bytes:
                     on_bytes(done, total)
-            dtype = np.dtype(uses[0].dtype)
-            entry = index[name] = {"offset": offset, "length": blob.tell() - offset, "dtype": dtype.name,
-                                   "shape": list(uses[0].shape)}
-            if name in weight_parts:
-                entry["parts"] = _index_parts(index, entry, name, weight_parts[name])
-            proto = onnx.TensorProto(name=name, dims=entry["shape"],
-                                     data_type=onnx.helper.np_dtype_to_tensor_dtype(dtype),
-                                     data_location=onnx.TensorProto.EXTERNAL)
-            for key, value in (("location", WEIGHTS), ("offset", offset), ("length", entry["length"])):
-                proto.external_data.add(key=key, value=str(value))
-            for constant in uses:
-                constant.values = WrittenWeight(proto, entry["shape"], dtype)
+            index[name] = {"offset": offset, "length": blob.tell() - offset}
+            _reference(index, name, uses, weight_parts)
+    for name, uses in views.items():  # the same bytes in another shape: referenced, not written again
+        base = index[_view_of(uses[0])]
+        index[name] = {"offset": base["offset"], "length": base["length"], "within": _view_of(uses[0])}
+        _reference(index, name, uses, {})
     specs: dict[str, dict] = {}
     for name in ordered:
         model = gs.export_onnx(graphs[name], do_type_check=True)

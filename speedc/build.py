@@ -23,15 +23,16 @@ from speedc.errors import BuildError, SpeedcError
 from speedc.models.checkpoint import checkpoint_hash, open_checkpoint, read_tokenizer_json
 from speedc.models.checkpoint_files import acceptance_hint_from_training, declared_tensor_bytes, has_speedc_section
 from speedc.passes import (batch_step_graph, cache_writer, cleanup, exit_heads, fuse_projections, gqa_attention, kv_cache,  # noqa: F401
-                           schedule, share, step_graph, trace, trt_lint)  # (importing registers the passes)
+                           quantize_weights, schedule, share, step_graph, trace, trt_lint)  # (importing registers the passes)
 from speedc.passes.base import BuildOptions, CompileState, PassReport, require_facts, run_passes
+from speedc.passes.block_quant import ACCURACY_LEVEL, BITS, BLOCK_SIZES, quantized_bytes_per_element
 from speedc.passes.trace import OPSET
 
 PIPELINE: list[tuple[str, list[str]]] = [
     ("import", ["trace"]),
     ("analysis", ["share", "schedule"]),
     ("lowering", ["batch_step_graph", "step_graph", "exit_heads", "kv_cache", "cache_writer", "gqa_attention", "fuse_projections"]),
-    ("finalize", ["cleanup", "trt_lint"]),
+    ("finalize", ["cleanup", "quantize_weights", "trt_lint"]),
 ]
 PASS_ORDER = [name for _, names in PIPELINE for name in names]
 # What the artifact writer needs the pipeline to have produced (passes/base.py FACTS).
@@ -47,7 +48,24 @@ class BuildResult:
     seconds: float
 
 
-STORAGE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}  # bytes per weight element stored in the artifact
+STORAGE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}  # bytes per weight element stored in the artifact (int8/int4: block_quant)
+
+
+def storage_bytes(options: BuildOptions) -> float:
+    if options.dtype in BITS:
+        return quantized_bytes_per_element(BITS[options.dtype], options.block_size)
+    return STORAGE_BYTES.get(options.dtype, 4)
+
+
+def check_options(options: BuildOptions) -> None:
+    """One-line errors for option combinations no pass can honour, before any work."""
+    if options.dtype in BITS and options.block_size not in BLOCK_SIZES:
+        raise BuildError(f"--block-size {options.block_size}: MatMulNBits takes {', '.join(map(str, BLOCK_SIZES))}")
+    if options.head_dtype is not None and (options.dtype not in BITS or options.head_dtype not in BITS):
+        raise BuildError("--head-weights int8|int4 goes with --weights int8|int4")
+    if options.dtype in BITS and options.target == "trt":
+        raise BuildError(f"--weights {options.dtype} --target trt: TensorRT cannot run ONNX Runtime's MatMulNBits / "
+                         "GatherBlockQuantized; build --target onnx, or --weights fp16 for TensorRT")
 SAFETENSORS_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
 
 
@@ -65,7 +83,7 @@ def declared_elements(declared: dict[str, tuple[int, str]]) -> int:
 
 def check_disk_space(elements: int, out: Path, options: BuildOptions) -> None:
     """Refuse, before reading any weight, a build whose artifact cannot fit on OUT's disk."""
-    needed = elements * STORAGE_BYTES.get(options.dtype, 4) + (16 << 20)  # + graphs, tokenizer, manifest
+    needed = int(elements * storage_bytes(options)) + (16 << 20)  # + graphs, tokenizer, manifest
     folder = next((p for p in (Path(out).absolute().parent, *Path(out).absolute().parents) if p.exists()), Path("/"))
     free = shutil.disk_usage(folder).free
     if needed > free:
@@ -89,6 +107,7 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
     Memory: weights are never loaded whole. The passes see where each checkpoint tensor's bytes are
     (passes/source_weights.py) and the writer copies them, a row block at a time."""
     options = options or BuildOptions()
+    check_options(options)
     checkpoint, out = Path(checkpoint), Path(out)
     started = time.perf_counter()
     passes = list(PASS_ORDER if passes is None else passes)
@@ -116,7 +135,8 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
     try:
         state, reports = run_passes(state, passes, dump_after=set(dump_after or []), dump_dir=out.parent / f"{out.name}.dumps",
                                     on_pass=on_pass)
-        require_facts(state, ARTIFACT_REQUIRES, "the artifact writer")
+        require_facts(state, ARTIFACT_REQUIRES + (("quantized_weights",) if options.dtype in BITS else ()),
+                      "the artifact writer")
         if options.target == "trt":
             raise BuildError("--target trt: TensorRT engine building is not available in this speedc build "
                              "(the TensorRT lint passed; build --target onnx to deploy with ONNX Runtime)")
@@ -143,7 +163,12 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
             layer_map=state.layer_map, exit_layer=state.exit_layer, schedule=schedule, dtype=options.dtype,
             target=options.target, graphs=specs,
             weights={"file": WEIGHTS, "unique_bytes_fp32": unique_bytes, "unrolled_bytes_fp32": unrolled_bytes,
-                     "stored_bytes": stored, "index": index},
+                     "stored_bytes": stored, "index": index,
+                     **({"quantization": {"bits": BITS[options.dtype], "block_size": options.block_size,
+                                          "head_bits": BITS[options.head_dtype or options.dtype],
+                                          "accuracy_level": ACCURACY_LEVEL, "symmetric": True,
+                                          "ops": ["com.microsoft.MatMulNBits", "com.microsoft.GatherBlockQuantized"]}}
+                        if options.dtype in BITS else {})},
             build={"passes": [{"name": r.name, "phase": r.phase, "seconds": round(r.seconds, 3), "nodes": r.nodes,
                                "initializer_bytes": r.initializer_bytes} for r in reports],
                    "notes": state.notes},

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from speedc.errors import SpeedcError
 from speedc.models import zoo
 
 
@@ -24,9 +25,14 @@ def weights_bar(done: int, total: int, width: int = 30) -> str:
 @click.argument("checkpoint")
 @click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Artifact directory to write.")
 @click.option("--slots", type=click.IntRange(1), default=None, help="Pipeline depth P (default: the schedule's choice).")
-@click.option("--weights", "--dtype", "weights", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
+@click.option("--weights", "--dtype", "weights", type=click.Choice(["fp32", "fp16", "bf16", "int8", "int4"]), default=None,
               help="Weight storage (default: the checkpoint's own precision when it is 16-bit, else fp32; 16-bit "
-                   "halves the artifact, ONNX Runtime CPU computes in fp32). --dtype is an alias.")
+                   "halves the artifact, ONNX Runtime CPU computes in fp32; int8/int4 store block-quantized weights "
+                   "for ONNX Runtime's MatMulNBits, int8 dot products on CPU). --dtype is an alias.")
+@click.option("--block-size", type=click.Choice(["16", "32", "64", "128", "256"]), default=None,
+              help="With --weights int8/int4: weights per quantization block, each with one scale (default 32).")
+@click.option("--head-weights", type=click.Choice(["int8", "int4"]), default=None,
+              help="With --weights int8/int4: the embedding / LM head's precision (default: --weights').")
 @click.option("--target", type=click.Choice(["onnx", "trt"]), default="onnx", show_default=True)
 @click.option("--exit-layer", type=click.IntRange(1), default=None, help="Override the early-exit point (logical layers).")
 @click.option("--alpha", type=click.FloatRange(0, 1), default=None,
@@ -40,16 +46,19 @@ def weights_bar(done: int, total: int, width: int = 30) -> str:
               help="Time the step graph against plain decoding on this machine (a few seconds) and store c(P) in the "
                    "artifact, so `speedc inspect` predicts from a measurement.")
 @click.option("-v", "--verbose", is_flag=True, help="Print the pass pipeline with per-pass time, nodes and weight bytes.")
-def build(checkpoint, out, slots, weights, target, exit_layer, alpha, eos_token_id, force, allow_pickle, dump_after, measure,
-          verbose):
+def build(checkpoint, out, slots, weights, block_size, head_weights, target, exit_layer, alpha, eos_token_id, force, allow_pickle, dump_after,
+          measure, verbose):
     """Compile CHECKPOINT (a directory, or zoo:NAME) into a SPEED artifact: a P-slot speculative
     step graph with weight reuse, the plain prefill graph, one shared weights file, the tokenizer
     and a manifest."""
     checkpoint = zoo.resolve(checkpoint)  # first: a bad name fails before the compiler loads
+    if block_size is not None and weights not in ("int8", "int4"):
+        raise SpeedcError("--block-size goes with --weights int8 or int4")
     from rich.console import Console
 
     from speedc.build import build as run_build
     from speedc.passes.base import BuildOptions
+    from speedc.passes.block_quant import DEFAULT_BLOCK_SIZE
 
     console = Console(stderr=True)
 
@@ -79,7 +88,8 @@ def build(checkpoint, out, slots, weights, target, exit_layer, alpha, eos_token_
                 progress(weights_bar(done, total))
 
         result = run_build(checkpoint, out, BuildOptions(slots=slots, dtype=weights, target=target, exit_layer=exit_layer,
-                                                         alpha=alpha, eos_token_id=eos_token_id),
+                                                         alpha=alpha, eos_token_id=eos_token_id,
+                                                         block_size=int(block_size or DEFAULT_BLOCK_SIZE), head_dtype=head_weights),
                            force=force, allow_pickle=allow_pickle, dump_after=list(dump_after), on_pass=on_pass,
                            measure_step_cost=measure, progress=progress, on_weight_bytes=on_weight_bytes)
     if verbose:
@@ -88,8 +98,8 @@ def build(checkpoint, out, slots, weights, target, exit_layer, alpha, eos_token_
     m = result.manifest
     w = m.weights
     click.echo(f"built {out} in {result.seconds:.1f} s: P={m.slots} slots x {m.stage_layers} layers, "
-               f"weights {w['stored_bytes'] / 1e6:.2f} MB = {w['stored_bytes'] / w['unique_bytes_fp32']:.3f} x unique fp32 "
-               f"bytes (an unrolled export stores {w['unrolled_bytes_fp32'] / 1e6:.2f} MB)")
+               f"weights {w['stored_bytes'] / 1e6:.2f} MB {m.dtype} = {w['stored_bytes'] / w['unique_bytes_fp32']:.3f} x unique fp32 "
+               f"bytes (an unrolled fp32 export stores {w['unrolled_bytes_fp32'] / 1e6:.2f} MB)")
     measured = m.build.get("step_cost_measured")
     if measured:
         click.echo(f"step cost c(P={measured['slots']}) = {measured['step_cost']:.2f} measured on this machine "

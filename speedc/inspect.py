@@ -44,13 +44,16 @@ def _from_checkpoint(path: Path, alpha: float | None) -> dict:
 def _from_artifact(path: Path, alpha: float | None) -> dict:
     m = read_manifest(path, verify_hashes=False)
     files = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file()}
-    sizes = {"unique weights (fp32)": m.weights["unique_bytes_fp32"], "weights stored": m.weights["stored_bytes"],
+    quantization = m.weights.get("quantization")
+    stored_label = "weights stored" + (f" ({m.dtype}, block {quantization['block_size']}: codes + scales)" if quantization
+                                       else f" ({m.dtype})")
+    sizes = {"unique weights (fp32)": m.weights["unique_bytes_fp32"], stored_label: m.weights["stored_bytes"],
              "an unrolled export would store (fp32)": m.weights["unrolled_bytes_fp32"],
              **{f"file {name}": size for name, size in files.items()}}
     return {"kind": "artifact", "path": str(path), "format_version": m.format_version, "speedc_version": m.speedc_version,
             "model": m.model, "layer_map": m.layer_map, "exit_layer": m.exit_layer, "schedule": m.schedule,
             "alpha_source": "--alpha" if alpha is not None else "the schedule's expected acceptance",
-            "dtype": m.dtype, "target": m.target, "sizes": sizes,
+            "dtype": m.dtype, "quantization": quantization, "target": m.target, "sizes": sizes,
             "step_cost_measured": m.build.get("step_cost_measured"),
             "graphs": {name: {"inputs": len(g["inputs"]), "outputs": len(g["outputs"])} for name, g in m.graphs.items()},
             "notes": m.build.get("notes", [])}
@@ -141,6 +144,15 @@ def render(info: dict) -> None:
     for note in info.get("config_notes", []):
         console.print(f"config: {note}")
     console.print(f"layer map: {info['layer_map']}  (exit after layer {info['exit_layer']})")
+    if info["kind"] == "artifact":
+        q = info.get("quantization")
+        stored = next(v for k, v in info["sizes"].items() if k.startswith("weights stored"))
+        unique = info["sizes"]["unique weights (fp32)"]
+        head = f" (embedding / LM head {q['head_bits']}-bit)" if q and q.get("head_bits", q["bits"]) != q["bits"] else ""
+        how = (f"block-quantized, {q['bits']}-bit codes{head}, block {q['block_size']}, one fp32 scale per block, "
+               f"accuracy level {q['accuracy_level']} (MatMulNBits)" if q else "float")
+        console.print(f"weights: {info['dtype']} ({how}): {_megabytes(stored)} stored once, "
+                      f"{stored / max(unique, 1):.3f} x the unique fp32 bytes")
     console.print(f"schedule: P={sched['slots']} slots x S={sched['stage_layers']} layers; {sched['reason']}")
     for s, layers in enumerate(sched["slot_layers"]):
         console.print(f"  slot {s}: logical layers {layers[0]}..{layers[-1]} (blocks {sched['stage_blocks']})")

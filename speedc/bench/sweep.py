@@ -56,7 +56,8 @@ def sweep_slots(engine: Engine, *, prompts: list[str] | None, new_tokens: int, r
                                        f"allows P in {sorted(valid)}")
                 continue
             progress(f"P={slots}: compiling and measuring")
-            options = BuildOptions(slots=slots, dtype=manifest.dtype, exit_layer=manifest.exit_layer)
+            options = BuildOptions(slots=slots, dtype=manifest.dtype, exit_layer=manifest.exit_layer,
+                                   block_size=manifest.weights.get("quantization", {}).get("block_size", 32))
             artifact = build(checkpoint, Path(tmp) / f"p{slots}", options, force=True).out
             depth_engine = Engine.load(artifact, backend=backend, device=device, threads=threads, verify=False)
             report = run_bench(depth_engine, prompts=prompts, new_tokens=new_tokens, repeats=repeats)

@@ -1,0 +1,190 @@
+"""Artifacts built with --weights int4 / int8: SPEED stays lossless to the artifact it runs (equal to
+plain decoding of the same quantized artifact, greedy and seeded sampling, every ONNX Runtime path,
+batched too), each weight is stored once as codes + scales, and quality is measured, not assumed.
+
+Two builds: a random model with a perturbed exit head (forced mispredictions; hidden 64 and an MLP of
+48, so one projection's K is padded to whole blocks; an untied LM head) at int4, and zoo:tiny (tied) at int8."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import ZOO, build_artifact, random_config, randomize
+from speedc import Engine
+from speedc.artifact import GRAPH_FILES, dequantized_weights, is_weight_name, stored_entries
+from speedc.models.checkpoint import open_checkpoint
+from speedc.models.llama import SharedLlama
+from speedc.models.sampling import TokenPicker
+from speedc.runtimes.onnx_bound import OnnxBoundBackend
+from test_properties import _perturb_exit_head
+
+PATHS = ("onnx-numpy", "onnx", "onnx writer graphs")
+
+
+def _engines(art) -> dict[str, Engine]:
+    writer = Engine.load(art)
+    writer.backend = OnnxBoundBackend(writer.directory, writer.manifest, fused=False)
+    return {"onnx-numpy": Engine.load(art, backend="onnx-numpy"), "onnx": Engine.load(art), "onnx writer graphs": writer}
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quantized")
+    model = _perturb_exit_head(randomize(SharedLlama(random_config(blocks=2, layers=6, heads=4, kv_heads=2, hidden=64, tie=False)),
+                                         seed=100), seed=0, strength=0.5)
+    random_int4 = build_artifact(model, root / "random-int4", dtype="int4")
+    zoo_int8 = build_artifact(ZOO / "tiny", root / "tiny-int8", dtype="int8")
+    return {"random-int4": (model, _engines(random_int4)), "tiny-int8": (None, _engines(zoo_int8))}
+
+
+sampling = st.one_of(st.just({}), st.fixed_dictionaries(
+    {"temperature": st.floats(0.3, 1.5), "seed": st.integers(0, 2**31 - 1)}, optional={"top_k": st.integers(1, 50)}))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), which=st.sampled_from(["random-int4", "tiny-int8"]), path=st.sampled_from(PATHS),
+       new_tokens=st.integers(1, 20), params=sampling, early_flush=st.booleans())
+def test_speed_equals_plain_decoding_of_the_same_quantized_artifact(quantized, data, which, path, new_tokens, params,
+                                                                   early_flush):
+    _, engines = quantized[which]
+    engine = engines[path]
+    prompt = data.draw(st.lists(st.integers(0, engine.manifest.model["vocab_size"] - 1), min_size=1, max_size=10))
+    speed = engine.generate(prompt, max_new_tokens=new_tokens, stop_at_eos=False, early_flush=early_flush, **params)
+    plain = engine.generate(prompt, max_new_tokens=new_tokens, stop_at_eos=False, mode="autoregressive", **params)
+    assert speed.ids == plain.ids and len(speed.ids) == new_tokens
+
+
+def test_both_outcomes_happen_and_logits_are_bitwise_plain_logits(quantized, monkeypatch):
+    """Speculations are both accepted and refused (the property above is not vacuous), and every logits
+    row SPEED samples from is bitwise plain decoding's row for that position (int4's zero row at work)."""
+    seen: dict[str, dict[int, np.ndarray]] = {}
+    original = TokenPicker.pick
+
+    def recording_pick(self, logits, argmax_token, history):  # spy: records, then the real pick runs
+        if logits is not None:
+            seen.setdefault(self.mode_label, {})[len(history)] = np.array(logits)
+        return original(self, logits, argmax_token, history)
+
+    monkeypatch.setattr(TokenPicker, "pick", recording_pick)
+    accepted = mispredicted = 0
+    for which in quantized:
+        for path in PATHS:
+            engine = quantized[which][1][path]
+            for mode in ("speed", "autoregressive"):
+                monkeypatch.setattr(TokenPicker, "mode_label", mode, raising=False)
+                result = engine.generate([5, 9, 2], max_new_tokens=30, stop_at_eos=False, mode=mode, temperature=0.8, seed=3)
+                if mode == "speed":
+                    accepted, mispredicted = accepted + result.stats.accepted, mispredicted + result.stats.mispredicted
+            assert seen["speed"].keys() == seen["autoregressive"].keys() and len(seen["speed"]) == 30
+            for position, row in seen["speed"].items():
+                assert np.array_equal(row, seen["autoregressive"][position]), (which, path, position)
+            seen.clear()
+    assert accepted > 10 and mispredicted > 10
+
+
+def test_batched_sequences_equal_plain_decoding_alone(quantized):
+    from speedc.runtimes.batch import BatchScheduler, RowPolicy
+    from speedc.runtimes.batch_backend import BatchBackend
+
+    for which, fused in (("random-int4", True), ("tiny-int8", False)):
+        engines = quantized[which][1]
+        engine = engines["onnx"]
+        backend = BatchBackend(engine.directory, engine.manifest, max_batch=3, capacity=40, fused=fused)
+        scheduler = BatchScheduler(backend, policy=RowPolicy(row_budget=None), prefill_chunk=4)
+        prompts = [[1, 2, 3], [7], [4, 4, 9, 11, 2], [30, 1]]
+        sequences = [scheduler.submit(engine.request_from(p, dict(max_new_tokens=12, stop_at_eos=False, temperature=0.7,
+                                                                  seed=i)), early_flush=bool(i % 2))
+                     for i, p in enumerate(prompts)]
+        while scheduler.busy:
+            scheduler.step()
+        alone = engines["onnx" if fused else "onnx-numpy"]
+        for i, (prompt, sequence) in enumerate(zip(prompts, sequences)):
+            plain = alone.generate(prompt, max_new_tokens=12, stop_at_eos=False, mode="autoregressive", temperature=0.7, seed=i)
+            assert sequence.out == plain.ids, (which, i)
+
+
+def test_each_weight_is_stored_once_as_codes_and_scales(quantized):
+    engine = quantized["tiny-int8"][1]["onnx"]
+    directory, m = engine.directory, engine.manifest
+    index = m.weights["index"]
+    assert m.dtype == "int8" and m.weights["quantization"]["bits"] == 8 and m.weights["quantization"]["block_size"] == 32
+    stored = stored_entries(index)
+    assert m.weights["stored_bytes"] == sum(e["length"] for e in stored.values())
+    assert 0 <= (directory / "weights.bin").stat().st_size - m.weights["stored_bytes"] < 64 * len(stored)  # alignment only
+    _, checkpoint = open_checkpoint(ZOO / "tiny")
+    matrices = {name for name, source in checkpoint.items() if len(source.shape) == 2}
+    covered = []  # checkpoint matrices stored as codes: each exactly once
+    for name, entry in stored.items():
+        assert not is_weight_name(name) or len(entry["shape"]) == 1 or "quantized" in entry, name  # no float matrix left
+        info = entry.get("quantized")
+        if info and info["role"] == "codes":
+            covered += [p[:-len(".q8")] for p in entry.get("parts", [name])]
+            assert entry["length"] == math.prod(info["shape"][:1]) * math.ceil(info["shape"][1] / 32) * 32
+            assert stored[name + "_scales"]["length"] == info["shape"][0] * math.ceil(info["shape"][1] / 32) * 4
+    assert sorted(covered) == sorted(matrices)  # the tied embedding / LM head once
+    views = {n: e for n, e in index.items() if n.endswith(".rows")}
+    assert views and all(e["within"] in stored and e["offset"] == index[e["within"]]["offset"] for e in views.values())
+    ops, referenced = set(), set()
+    for graph_name, spec in m.graphs.items():
+        model = onnx.load(str(directory / GRAPH_FILES[graph_name]), load_external_data=False)
+        ops |= {node.op_type for node in model.graph.node}
+        referenced |= {t.name for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
+    assert {"MatMulNBits", "GatherBlockQuantized"} <= ops and "Gemm" not in ops and referenced <= set(index)
+    unique = sum(checkpoint[n].numel for n in matrices)
+    expected = unique * (1 + 4 / 32) + sum(e["length"] for e in stored.values() if "quantized" not in e) + 64 * len(stored)
+    assert m.weights["stored_bytes"] <= expected and m.weights["unique_bytes_fp32"] >= unique * 4
+
+
+def test_dequantized_weights_are_the_checkpoint_within_one_step(quantized):
+    model, engines = quantized["random-int4"]
+    engine = engines["onnx"]
+    weights = dequantized_weights(engine.directory, engine.manifest)
+    params = dict(model.named_parameters())
+    assert set(weights) == {n for n, p in params.items() if p.dim() == 2}
+    for name, values in weights.items():
+        original = params[name].detach().numpy()
+        k = original.shape[1]
+        blocks = np.zeros((original.shape[0], -(-k // 32) * 32)); blocks[:, :k] = np.abs(original)
+        step = np.repeat(blocks.reshape(original.shape[0], -1, 32).max(-1) / 8, 32, axis=1)[:, :k]  # int4: |max| / 8
+        assert np.all(np.abs(values - original) <= step * 1.0001), name
+
+
+def test_inspect_and_quality_report_the_precision(quantized, tiny_artifact):
+    from speedc.inspect import describe
+    from speedc.quality import compare
+
+    int8 = quantized["tiny-int8"][1]["onnx"].directory
+    info = describe(int8)
+    assert info["dtype"] == "int8" and info["quantization"]["block_size"] == 32
+    assert info["sizes"]["weights stored (int8, block 32: codes + scales)"] < info["sizes"]["unique weights (fp32)"] / 3
+    rows = compare(tiny_artifact, [int8], prompts=["ROMEO:", "JULIET:"], new_tokens=16, val_tokens=64, threads=1)
+    reference, q = rows
+    assert (reference.top1_agreement, reference.greedy_agreement, reference.identical_continuations) == (1.0, 1.0, 2)
+    assert 0.5 < q.top1_agreement <= 1 and 0 < q.greedy_agreement <= 1 and abs(q.val_loss - reference.val_loss) < 0.1
+    assert q.stored_bytes < reference.stored_bytes / 3 and q.dtype == "int8"
+
+
+def test_what_quantized_weights_cannot_do_is_refused_in_one_line(quantized, tmp_path):
+    """Library errors (SpeedcError: one line from the CLI) before any work; the CLI's own option check."""
+    from click.testing import CliRunner
+
+    from speedc.build import build
+    from speedc.cli import main
+    from speedc.errors import BuildError, SpeedcError
+    from speedc.passes.base import BuildOptions
+
+    with pytest.raises(BuildError, match="TensorRT cannot run ONNX Runtime's MatMulNBits"):
+        build(ZOO / "tiny", tmp_path / "x", BuildOptions(dtype="int4", target="trt"))
+    with pytest.raises(BuildError, match="--block-size 24: MatMulNBits takes 16, 32"):
+        build(ZOO / "tiny", tmp_path / "x", BuildOptions(dtype="int8", block_size=24))
+    with pytest.raises(SpeedcError, match="the PyTorch backend runs float artifacts; this one stores int4"):
+        Engine.load(quantized["random-int4"][1]["onnx"].directory, backend="torch")
+    result = CliRunner().invoke(main, ["build", "zoo:tiny", "-o", str(tmp_path / "x"), "--block-size", "64"])
+    assert result.exit_code == 1 and result.output.strip() == "error: --block-size goes with --weights int8 or int4"
+    assert not (tmp_path / "x").exists()
