@@ -42,6 +42,26 @@ def randomize(model: torch.nn.Module, seed: int, scale: float = 0.15) -> torch.n
     return model.eval()
 
 
+@pytest.fixture
+def sampled_logits(monkeypatch):
+    """(seen, decoding_as): every logits row the sampler is handed, recorded as seen[mode][position]
+    while decoding_as(mode) is in effect (a spy: the real TokenPicker.pick still runs)."""
+    import numpy as np
+
+    from speedc.models.sampling import TokenPicker
+
+    seen: dict[str, dict[int, "np.ndarray"]] = {}
+    original = TokenPicker.pick
+
+    def recording_pick(self, logits, argmax_token, history):
+        if logits is not None:
+            seen.setdefault(self.mode_label, {})[len(history)] = np.array(logits)
+        return original(self, logits, argmax_token, history)
+
+    monkeypatch.setattr(TokenPicker, "pick", recording_pick)
+    return seen, lambda mode: monkeypatch.setattr(TokenPicker, "mode_label", mode, raising=False)
+
+
 @pytest.fixture(params=ZOO_MODELS)
 def zoo_model_dir(request) -> Path:
     return ZOO / request.param

@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 
 from conftest import ZOO, build_artifact, random_config, randomize
 from speedc import Engine, contract
-from speedc.models.sampling import TokenPicker
 from speedc.runtimes.onnx_bound import OnnxBoundBackend
 from speedc.models.checkpoint import load_model
 from speedc.models.generate import generate as reference_generate
@@ -109,21 +108,13 @@ def test_pool_really_mispredicts_and_accepts(pool):
 
 
 @pytest.mark.parametrize("path", ["onnx-numpy", "onnx", "onnx writer graphs"])
-def test_speed_logits_are_bitwise_plain_logits(pool, path, monkeypatch):
+def test_speed_logits_are_bitwise_plain_logits(pool, path, sampled_logits):
     """The exactness behind losslessness: every logits row SPEED samples from (its oldest slot's final
     head, P rows batched) is bitwise equal to plain decoding's row for that position, on each path."""
-    seen: dict[str, dict[int, np.ndarray]] = {}
-    original = TokenPicker.pick
-
-    def recording_pick(self, logits, argmax_token, history):  # spy: records, then the real pick runs
-        if logits is not None:
-            seen.setdefault(self.mode_label, {})[len(history)] = np.array(logits)
-        return original(self, logits, argmax_token, history)
-
-    monkeypatch.setattr(TokenPicker, "pick", recording_pick)
+    seen, decoding_as = sampled_logits
     for model, engines in (pool[0], pool[-1]):  # a random model (fused where head_dim allows) and perturbed tiny
         for mode in ("speed", "autoregressive"):
-            monkeypatch.setattr(TokenPicker, "mode_label", mode, raising=False)
+            decoding_as(mode)
             engines[path].generate([5, 9, 2], max_new_tokens=40, stop_at_eos=False, mode=mode, temperature=0.8, seed=3)
         assert seen["speed"].keys() == seen["autoregressive"].keys() and len(seen["speed"]) == 40
         for position, row in seen["speed"].items():

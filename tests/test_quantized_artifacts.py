@@ -20,17 +20,9 @@ from speedc import Engine
 from speedc.artifact import GRAPH_FILES, dequantized_weights, is_weight_name, stored_entries
 from speedc.models.checkpoint import open_checkpoint
 from speedc.models.llama import SharedLlama
-from speedc.models.sampling import TokenPicker
-from speedc.runtimes.onnx_bound import OnnxBoundBackend
-from test_properties import _perturb_exit_head
+from test_properties import _engines, _perturb_exit_head
 
 PATHS = ("onnx-numpy", "onnx", "onnx writer graphs")
-
-
-def _engines(art) -> dict[str, Engine]:
-    writer = Engine.load(art)
-    writer.backend = OnnxBoundBackend(writer.directory, writer.manifest, fused=False)
-    return {"onnx-numpy": Engine.load(art, backend="onnx-numpy"), "onnx": Engine.load(art), "onnx writer graphs": writer}
 
 
 @pytest.fixture(scope="module")
@@ -60,24 +52,16 @@ def test_speed_equals_plain_decoding_of_the_same_quantized_artifact(quantized, d
     assert speed.ids == plain.ids and len(speed.ids) == new_tokens
 
 
-def test_both_outcomes_happen_and_logits_are_bitwise_plain_logits(quantized, monkeypatch):
+def test_both_outcomes_happen_and_logits_are_bitwise_plain_logits(quantized, sampled_logits):
     """Speculations are both accepted and refused (the property above is not vacuous), and every logits
     row SPEED samples from is bitwise plain decoding's row for that position (int4's zero row at work)."""
-    seen: dict[str, dict[int, np.ndarray]] = {}
-    original = TokenPicker.pick
-
-    def recording_pick(self, logits, argmax_token, history):  # spy: records, then the real pick runs
-        if logits is not None:
-            seen.setdefault(self.mode_label, {})[len(history)] = np.array(logits)
-        return original(self, logits, argmax_token, history)
-
-    monkeypatch.setattr(TokenPicker, "pick", recording_pick)
+    seen, decoding_as = sampled_logits
     accepted = mispredicted = 0
     for which in quantized:
         for path in PATHS:
             engine = quantized[which][1][path]
             for mode in ("speed", "autoregressive"):
-                monkeypatch.setattr(TokenPicker, "mode_label", mode, raising=False)
+                decoding_as(mode)
                 result = engine.generate([5, 9, 2], max_new_tokens=30, stop_at_eos=False, mode=mode, temperature=0.8, seed=3)
                 if mode == "speed":
                     accepted, mispredicted = accepted + result.stats.accepted, mispredicted + result.stats.mispredicted
