@@ -23,17 +23,29 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 TRAINING_FILE = "training.json"  # written by speedc train: metrics history
 
 
+MAX_HEADER_BYTES = 100_000_000
+
+
+def read_safetensors_header(path: Path) -> tuple[int, dict]:
+    """(offset where the tensor bytes start, the JSON header) of one safetensors file:
+    [8-byte little-endian header length][JSON header][tensor bytes]. Raises ValueError / OSError."""
+    with open(path, "rb") as handle:
+        length = int.from_bytes(handle.read(8), "little")
+        if not 0 < length < MAX_HEADER_BYTES:
+            raise ValueError(f"header length {length}")
+        header = json.loads(handle.read(length))
+    if not isinstance(header, dict):
+        raise ValueError("header is not a table")
+    return 8 + length, header
+
+
 def declared_tensor_bytes(directory: Path) -> dict[str, tuple[int, str]]:
     """{tensor: (bytes, safetensors dtype)} from the safetensors headers alone (nothing else is read),
     so a build can check sizes against the disk before loading anything."""
     sizes: dict[str, tuple[int, str]] = {}
     for path in sorted(Path(directory).glob("*.safetensors")):
         try:
-            with open(path, "rb") as handle:
-                length = int.from_bytes(handle.read(8), "little")
-                if not 0 < length < 100_000_000:
-                    raise ValueError(f"header length {length}")
-                header = json.loads(handle.read(length))
+            _, header = read_safetensors_header(path)
             for name, entry in header.items():
                 if name != "__metadata__":
                     start, end = entry["data_offsets"]

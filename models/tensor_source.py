@@ -15,7 +15,6 @@ consumer treats the two alike. numpy only (bfloat16 through ml_dtypes, imported 
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,11 +22,11 @@ from pathlib import Path
 import numpy as np
 
 from speedc.errors import CheckpointError
+from speedc.models.checkpoint_files import read_safetensors_header
 
 # safetensors dtype code -> numpy dtype name (bfloat16 is registered by ml_dtypes)
 SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
-MAX_HEADER_BYTES = 100_000_000
 READ_CHUNK_BYTES = 16 << 20  # row blocks of about this size are read, converted and written at a time
 
 
@@ -97,13 +96,7 @@ def safetensors_sources(path: Path) -> dict[str, TensorSource]:
     """Every tensor of one safetensors file, from its header alone (checked against the file's size)."""
     try:
         size = path.stat().st_size
-        with open(path, "rb") as handle:
-            header_length = int.from_bytes(handle.read(8), "little")
-            if not 0 < header_length < min(MAX_HEADER_BYTES, size):
-                raise ValueError(f"header length {header_length}")
-            header = json.loads(handle.read(header_length))
-        if not isinstance(header, dict):
-            raise ValueError("header is not a table")
+        data_start, header = read_safetensors_header(path)
         sources = {}
         for name, entry in header.items():
             if name == "__metadata__":
@@ -114,7 +107,7 @@ def safetensors_sources(path: Path) -> dict[str, TensorSource]:
             shape = tuple(int(d) for d in entry["shape"])
             start, end = (int(x) for x in entry["data_offsets"])
             length = math.prod(shape) * np.dtype("uint16" if dtype == "bfloat16" else dtype).itemsize
-            offset = 8 + header_length + start
+            offset = data_start + start
             if end - start != length or start < 0 or offset + length > size:
                 raise ValueError(f"{name}: byte range {start}..{end} does not hold {entry['dtype']} {list(shape)}")
             sources[name] = TensorSource(dtype, shape, file=path, offset=offset, length=length)

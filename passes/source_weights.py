@@ -54,8 +54,7 @@ class SourceWeight(LazyValues):
         return tuple(id(p) for p in self.parts), self.dtype.str
 
     def load(self) -> np.ndarray:
-        return np.concatenate([np.asarray(p.read()).astype(self.dtype) for p in self.parts], axis=0) \
-            if len(self.parts) > 1 else np.asarray(self.parts[0].read()).astype(self.dtype)
+        return np.concatenate(list(self.chunks()), axis=0).reshape(self.shape)
 
     def chunks(self):
         """The values in row blocks, converted to DTYPE: what the writer streams into weights.bin."""

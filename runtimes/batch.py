@@ -31,15 +31,9 @@ import numpy as np
 
 from speedc.errors import GenerationError
 from speedc.runtimes.batch_backend import BatchBackend
-from speedc.runtimes.decode import DecodeStats, Request, emit_token
+from speedc.runtimes.decode import DecodeStats, Pipeline, Request, Slot, emit_token
 
 WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
-
-
-@dataclass
-class _Slot:
-    token: int
-    pos: int
 
 
 @dataclass
@@ -53,8 +47,7 @@ class Sequence:
     slot: int = -1  # sequence slot in the cache pool (-1: none yet)
     prefilled: int = 0
     out: list[int] = field(default_factory=list)
-    pipeline: list[_Slot | None] = field(default_factory=list)  # slot 0 youngest
-    pending: _Slot | None = None  # what enters slot 0 at the next speed step
+    pipeline: Pipeline | None = None  # its in-flight tokens (decode.py's rules), set when it gets a slot
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
     first_token_seconds: float | None = None  # submit -> first confirmed token
@@ -64,18 +57,10 @@ class Sequence:
         """A token at position q is worth computing only if position q+1 may still be emitted."""
         return len(self.request.prompt) + self.request.max_new_tokens - 2
 
-    def frontier(self) -> _Slot:
+    def frontier(self) -> Slot:
         """The last confirmed token at its position: what plain decoding runs next."""
-        return _Slot(self.out[-1], len(self.request.prompt) + len(self.out) - 1)
+        return Slot(self.out[-1], len(self.request.prompt) + len(self.out) - 1)
 
-    def flush_from(self, q: int) -> None:
-        for i, slot in enumerate(self.pipeline):
-            if slot is not None and slot.pos >= q:
-                self.pipeline[i] = None
-                self.stats.flushed_tokens += 1
-
-    def holder(self, q: int) -> _Slot | None:
-        return next((s for s in self.pipeline if s is not None and s.pos == q), None)
 
 
 @dataclass
@@ -150,7 +135,7 @@ class BatchScheduler:
             while self.waiting and len(self.occupied) < self.backend.max_batch:
                 sequence = self.waiting.popleft()
                 sequence.slot, sequence.state = len(self.occupied), PREFILL
-                sequence.pipeline = [None] * self.backend.slots
+                sequence.pipeline = Pipeline(self.backend.slots, sequence.stats)
                 self.occupied.append(sequence)
         self._prefill_chunk(events)
         decoding = [s for s in self.occupied if s.state == DECODE]
@@ -232,9 +217,8 @@ class BatchScheduler:
         n = len(self.occupied)
         tokens, positions, valid = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, bool)
         for sequence in decoding:
-            if any(slot is not None for slot in sequence.pipeline):  # leaving speed mode: in-flight work is unverified
-                sequence.flush_from(0)
-            sequence.pending = None
+            sequence.pipeline.flush_from(0)  # leaving speed mode: in-flight work is unverified
+            sequence.pipeline.pending = None
             frontier = sequence.frontier()
             tokens[sequence.slot], positions[sequence.slot], valid[sequence.slot] = frontier.token, frontier.pos, True
         want = any(s.request.picker.params.needs_logits for s in decoding)
@@ -255,12 +239,11 @@ class BatchScheduler:
         final_rows, final_of, exit_rows, exit_of = [], [], [], []
         stepping = []
         for sequence in decoding:
-            if sequence.pending is None and all(slot is None for slot in sequence.pipeline):
-                sequence.pending = sequence.frontier()  # (re)entering speculation after prefill or plain steps
-            pending = sequence.pending
-            enter = pending if pending is not None and pending.pos <= sequence.last_useful else None
-            sequence.pipeline = [enter] + sequence.pipeline[:-1]
-            if all(slot is None for slot in sequence.pipeline):  # nothing left that could lead to another emission
+            pipeline = sequence.pipeline
+            if pipeline.pending is None and pipeline.empty:
+                pipeline.pending = sequence.frontier()  # (re)entering speculation after prefill or plain steps
+            enter = pipeline.shift(sequence.last_useful)
+            if pipeline.empty:  # nothing left that could lead to another emission
                 sequence.stats.stop_reason = sequence.stats.stop_reason or "max_new_tokens"
                 sequence.state = DONE  # released after the step, with the others that finished
                 events.append((sequence, None))
@@ -268,15 +251,15 @@ class BatchScheduler:
             stepping.append(sequence)
             b = sequence.slot
             entering[b] = enter.token if enter is not None else 0
-            for s, slot in enumerate(sequence.pipeline):
+            for s, slot in enumerate(pipeline.slots):
                 if slot is not None:
                     positions[s, b], valid[s, b] = slot.pos, True
-            if sequence.pipeline[-1] is not None:
+            if pipeline.slots[-1] is not None:
                 final_rows.append((slots - 1) * n + b)
                 final_of.append(sequence)
             depths = range(slots - 1) if sequence.early_flush else range(1)
             for depth in depths:
-                if sequence.pipeline[depth] is not None:
+                if pipeline.slots[depth] is not None:
                     exit_rows.append(depth * n + b)
                     exit_of.append((sequence, depth))
         if not stepping:
@@ -297,33 +280,13 @@ class BatchScheduler:
 
     def _absorb(self, sequence: Sequence, final: tuple[int, np.ndarray | None] | None, guesses: dict[int, int],
                 events: list[Event]) -> None:
-        """decode_speed's bookkeeping after one step, for one sequence."""
-        stats, pipeline = sequence.stats, sequence.pipeline
-        sequence.pending = None
-        oldest = pipeline[-1]
+        """decode_speed's bookkeeping after one step, for one sequence (decode.Pipeline's rules)."""
+        pipeline = sequence.pipeline
+        oldest = pipeline.slots[-1]
         if oldest is not None:
-            q = oldest.pos + 1
             request = sequence.request
             y = request.picker.pick(final[1], final[0], request.history)
             if self._emit(sequence, y, events):
                 return
-            successor = sequence.holder(q)
-            if successor is not None and successor.token == y:
-                stats.accepted += 1
-            else:
-                stats.mispredicted += successor is not None
-                sequence.flush_from(q)
-                sequence.pending = _Slot(y, q)
-        if sequence.pending is None and sequence.early_flush:
-            for depth in range(len(pipeline) - 2, 0, -1):  # deepest (best informed) first
-                slot = pipeline[depth]
-                if slot is None:
-                    continue
-                successor = sequence.holder(slot.pos + 1)
-                if successor is not None and successor.token != guesses[depth]:
-                    sequence.flush_from(slot.pos + 1)
-                    sequence.pending = _Slot(guesses[depth], slot.pos + 1)
-                    stats.early_flushes += 1
-                    break
-        if sequence.pending is None and pipeline[0] is not None:
-            sequence.pending = _Slot(guesses[0], pipeline[0].pos + 1)
+            pipeline.confirm(oldest.pos + 1, y)
+        pipeline.speculate(guesses.__getitem__, sequence.early_flush)

@@ -66,9 +66,74 @@ class DecodeStats:
 
 
 @dataclass
-class _Slot:
+class Slot:
+    """A token in flight: its id and the position it sits at."""
     token: int
     pos: int
+
+
+class Pipeline:
+    """P in-flight tokens (slot 0 youngest) and the rules that keep SPEED lossless, for one sequence:
+    decode_speed and the continuous-batching scheduler (runtimes/batch.py) both run them.
+
+        shift(last_useful)  the pending token enters slot 0, every other slot goes one stage deeper
+        confirm(q, y)       y, confirmed at the last layer for position q, is checked against the
+                            speculation for q: accepted, or the younger tokens are flushed and y re-enters
+        speculate(exit_at)  early flush on a deeper exit head's disagreement; else slot 0's exit guess
+    """
+
+    def __init__(self, slots: int, stats: DecodeStats, pending: Slot | None = None) -> None:
+        self.slots: list[Slot | None] = [None] * slots
+        self.stats = stats
+        self.pending = pending  # what enters slot 0 at the next step
+
+    @property
+    def empty(self) -> bool:
+        return all(slot is None for slot in self.slots)
+
+    def flush_from(self, q: int) -> None:
+        for i, slot in enumerate(self.slots):
+            if slot is not None and slot.pos >= q:
+                self.slots[i] = None
+                self.stats.flushed_tokens += 1
+
+    def holder(self, q: int) -> Slot | None:
+        return next((s for s in self.slots if s is not None and s.pos == q), None)
+
+    def shift(self, last_useful: int) -> Slot | None:
+        """Advance one stage; returns the token entering slot 0 (None: a bubble). A token at position q
+        is worth computing only while q <= LAST_USEFUL (position q + 1 may still be emitted)."""
+        pending = self.pending
+        enter = pending if pending is not None and pending.pos <= last_useful else None
+        self.slots = [enter] + self.slots[:-1]
+        self.pending = None
+        return enter
+
+    def confirm(self, q: int, y: int) -> None:
+        successor = self.holder(q)
+        if successor is not None and successor.token == y:
+            self.stats.accepted += 1
+        else:
+            self.stats.mispredicted += successor is not None
+            self.flush_from(q)
+            self.pending = Slot(y, q)
+
+    def speculate(self, exit_token_at: Callable[[int], int], early_flush: bool) -> None:
+        """EXIT_TOKEN_AT(depth): the exit head's argmax for the token in slot DEPTH this step."""
+        if self.pending is None and early_flush:
+            for depth in range(len(self.slots) - 2, 0, -1):  # deepest (best informed) first
+                slot = self.slots[depth]
+                if slot is None:
+                    continue
+                guess = exit_token_at(depth)
+                successor = self.holder(slot.pos + 1)
+                if successor is not None and successor.token != guess:
+                    self.flush_from(slot.pos + 1)
+                    self.pending = Slot(guess, slot.pos + 1)
+                    self.stats.early_flushes += 1
+                    break
+        if self.pending is None and self.slots[0] is not None:
+            self.pending = Slot(exit_token_at(0), self.slots[0].pos + 1)
 
 
 @dataclass
@@ -154,61 +219,27 @@ def decode_speed(backend: Backend, request: Request, *, early_flush: bool = Fals
         stats.decode_seconds = time.perf_counter() - start
         return out, stats
     want = request.picker.params.needs_logits
-    # A token at position q is worth computing only if position q+1 may still be emitted.
     last_useful = len(request.prompt) + request.max_new_tokens - 2
-    slots: list[_Slot | None] = [None] * slots_n
-    pending: _Slot | None = _Slot(first, len(request.prompt))
+    pipeline = Pipeline(slots_n, stats, Slot(first, len(request.prompt)))
     positions = np.zeros(slots_n, dtype=np.int64)
     valid = np.zeros(slots_n, dtype=bool)
-
-    def flush_from(q: int) -> None:
-        for i, slot in enumerate(slots):
-            if slot is not None and slot.pos >= q:
-                slots[i] = None
-                stats.flushed_tokens += 1
-
-    def holder(q: int) -> _Slot | None:
-        return next((s for s in slots if s is not None and s.pos == q), None)
-
     while True:
-        enter = pending if pending is not None and pending.pos <= last_useful else None
-        slots = [enter] + slots[:-1]
-        if all(s is None for s in slots):
+        enter = pipeline.shift(last_useful)
+        if pipeline.empty:
             break  # nothing left that could lead to another emission
-        for i, slot in enumerate(slots):
+        for i, slot in enumerate(pipeline.slots):
             valid[i] = slot is not None
             positions[i] = slot.pos if slot is not None else 0
         result = backend.step(enter.token if enter else 0, positions, valid, want, all_exits=early_flush)
         stats.steps += 1
-        pending = None
-        oldest = slots[-1]
+        oldest = pipeline.slots[-1]
         if oldest is not None:
-            q = oldest.pos + 1
             y = request.picker.pick(result.final_logits, result.final_token, request.history)
             done = emit_token(request, out, y, stats)
             yield y
             if done:
                 break
-            successor = holder(q)
-            if successor is not None and successor.token == y:
-                stats.accepted += 1
-            else:
-                stats.mispredicted += successor is not None
-                flush_from(q)
-                pending = _Slot(y, q)
-        if pending is None and early_flush:
-            for depth in range(slots_n - 2, 0, -1):  # deepest (best informed) first
-                slot = slots[depth]
-                if slot is None:
-                    continue
-                guess = int(result.exit_tokens[depth])
-                successor = holder(slot.pos + 1)
-                if successor is not None and successor.token != guess:
-                    flush_from(slot.pos + 1)
-                    pending = _Slot(guess, slot.pos + 1)
-                    stats.early_flushes += 1
-                    break
-        if pending is None and slots[0] is not None:
-            pending = _Slot(int(result.exit_tokens[0]), slots[0].pos + 1)
+            pipeline.confirm(oldest.pos + 1, y)
+        pipeline.speculate(lambda depth: int(result.exit_tokens[depth]), early_flush)
     stats.decode_seconds = time.perf_counter() - start
     return out, stats

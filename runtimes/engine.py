@@ -217,8 +217,7 @@ class Engine:
         request = self.make_request(prompt, max_new_tokens, sampling, stop, stop_at_eos)
         if mode == "autoregressive":
             return decode_autoregressive(self.backend, request)
-        flush = self.early_flush_default if early_flush is None else early_flush
-        return decode_speed(self.backend, request, early_flush=flush)
+        return decode_speed(self.backend, request, early_flush=self.flush_setting(early_flush))
 
     def make_request(self, prompt, max_new_tokens: int, sampling: SamplingParams, stop: list[str] | None,
                      stop_at_eos: bool) -> Request:
@@ -284,7 +283,7 @@ class Engine:
         for i, prompt in enumerate(prompts):
             params = {**common, **(settings[i] if settings else {})}
             sequences.append((scheduler.submit(self.request_from(prompt, params),
-                                               early_flush=self._flush(params["early_flush"])), params["stop"]))
+                                               early_flush=self.flush_setting(params["early_flush"])), params["stop"]))
         scheduler.run()
         return [GenerationResult(seq.out, self.trim(self.decode_text(seq.out), stop), seq.stats) for seq, stop in sequences]
 
@@ -299,7 +298,8 @@ class Engine:
         return self.make_request(prompt, params.get("max_new_tokens", 64), sampling, params.get("stop"),
                                  params.get("stop_at_eos", True))
 
-    def _flush(self, early_flush: bool | None) -> bool:
+    def flush_setting(self, early_flush: bool | None) -> bool:
+        """Early flush as asked, else the engine's default."""
         return self.early_flush_default if early_flush is None else early_flush
 
     # ---- public API ------------------------------------------------------------------------------

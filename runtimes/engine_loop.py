@@ -61,7 +61,7 @@ class Submitted:
             final = self._render(len(self.sequence.out))
             if len(final) > len(self._shown):
                 self.queue.put_nowait(Piece(-1, final[len(self._shown):]))  # held-back text (never a new id)
-            text = self.engine.trim(self.engine.decode_text(self.sequence.out), self.stop)
+            text = final if self.engine.tokenizer is not None else None  # the whole text, stop strings cut
             self.result = GenerationResult(list(self.sequence.out), text, self.sequence.stats)
             self.queue.put_nowait(None)
             return
@@ -108,7 +108,7 @@ class EngineLoop:
     def submit(self, prompt, **params) -> Submitted:
         """Queue a request (Engine.generate's keyword arguments); bad input raises GenerationError here."""
         request = self.engine.request_from(prompt, params)
-        sequence = self.scheduler.submit(request, early_flush=self.engine._flush(params.get("early_flush")))
+        sequence = self.scheduler.submit(request, early_flush=self.engine.flush_setting(params.get("early_flush")))
         submitted = Submitted(self.engine, sequence, params.get("stop"))
         self._requests[sequence.id] = submitted
         self._ensure_running()

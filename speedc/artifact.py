@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -248,17 +247,16 @@ def _index_parts(index: dict[str, dict], entry: dict, name: str, parts: list) ->
 
 def _stored_constants(graphs: dict, ordered: list[str], weight_names: set[str]) -> dict[str, list]:
     """name -> every graph Constant of that name that goes to weights.bin (first use first)."""
-    import math
-
     import onnx_graphsurgeon as gs
+
+    from speedc.passes.source_weights import constant_nbytes
 
     stored: dict[str, list] = {}
     for graph_name in ordered:
         for tensor in graphs[graph_name].tensors().values():
             if not isinstance(tensor, gs.Constant):
                 continue
-            nbytes = math.prod(tensor.shape) * np.dtype(tensor.dtype).itemsize
-            if nbytes >= EXTERNAL_MIN_BYTES or tensor.name in weight_names or is_weight_name(tensor.name):
+            if constant_nbytes(tensor) >= EXTERNAL_MIN_BYTES or tensor.name in weight_names or is_weight_name(tensor.name):
                 stored.setdefault(tensor.name, []).append(tensor)
     return stored
 
@@ -321,6 +319,8 @@ def write_graphs(graphs: dict, directory: Path, weight_names: set[str], weight_p
     import onnx
     import onnx_graphsurgeon as gs
 
+    from speedc.passes.source_weights import constant_nbytes
+
     unknown = sorted(set(graphs) - set(contract.GRAPHS))
     if unknown:
         raise BuildError(f"internal: graph {unknown[0]!r} is not part of the artifact contract")
@@ -332,7 +332,7 @@ def write_graphs(graphs: dict, directory: Path, weight_names: set[str], weight_p
             raise BuildError(f"internal: weight {name} differs between graphs")
     views = {name: uses for name, uses in stored.items() if _view_of(uses[0]) in stored}
     owners = {name: uses for name, uses in stored.items() if name not in views}
-    total = sum(math.prod(uses[0].shape) * np.dtype(uses[0].dtype).itemsize for uses in owners.values())
+    total = sum(constant_nbytes(uses[0]) for uses in owners.values())
     index: dict[str, dict] = {}
     done = 0
     with open(directory / WEIGHTS, "wb") as blob:

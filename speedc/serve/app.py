@@ -187,7 +187,6 @@ async def whole_response(request: Request, reply: Reply, tracker: Tracker) -> Re
     except asyncio.TimeoutError:
         raise tracker.timed_out() from None
     except ClientGone:
-        tracker.abandon()
         return Response(status_code=CLIENT_GONE_STATUS)
     finally:
         tracker.abandon()  # no-op when finished; stops the engine if this handler itself was cancelled
