@@ -21,8 +21,12 @@ M >= 2, and at int8 also for M = 1, but 4-bit weights with M = 1 take a separate
 differ in the last bits (measured on onnxruntime 1.32, every accuracy level). Plain decoding runs one
 row (M = 1), the step graph P rows; one zero row appended to every 4-bit product puts both on the
 M >= 2 kernel. It costs plain decoding the faster single-row kernel (zoo:small: 3.0 -> 5.0 ms/token on a
-loaded host; SPEED 4.0 -> 4.4; README, Quantized weights); without it SPEED's ids differed from plain
+loaded host, measured when every graph was padded; README, Quantized weights); without it SPEED's ids differed from plain
 decoding's in 3 of 12 runs there.
+
+The step graphs' products always run several rows (P >= 2 per layer, 1 + R >= 2 per head), so they are
+left unpadded: SPEED's step pays nothing. Prefill (chunks of any length, plain decoding) and the batch
+step (its head rows vary down to one) are padded.
 
 Weights used any other way (none in the traced programs) stay float; the notes count them.
 """
@@ -33,6 +37,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from speedc import contract
 from speedc.artifact import is_weight_name
 from speedc.errors import BuildError
 from speedc.passes.base import CompileState, register_pass
@@ -96,7 +101,7 @@ class Quantizer:
         return name + self.suffix(name) + "_scales"
 
 
-def quantize_gemm(graph: gs.Graph, node: gs.Node, quantizer: Quantizer, constants: dict) -> None:
+def quantize_gemm(graph: gs.Graph, node: gs.Node, quantizer: Quantizer, constants: dict, pad: bool) -> None:
     x, weight = node.inputs
     n, k = (int(d) for d in weight.shape)
     codes, scales = quantizer.pair(weight)
@@ -107,7 +112,7 @@ def quantize_gemm(graph: gs.Graph, node: gs.Node, quantizer: Quantizer, constant
     node.outputs.clear()  # detached; cleanup() drops it
     bits = quantizer.bits_of(weight.name)
     attrs = {"K": k, "N": n, "bits": bits, "block_size": quantizer.block_size, "accuracy_level": ACCURACY_LEVEL}
-    if bits not in ROW_PAD_BITS:
+    if not pad or bits not in ROW_PAD_BITS:
         graph.nodes.append(gs.Node("MatMulNBits", f"{node.name}/MatMulNBits", attrs=attrs, inputs=[x, b, s],
                                    outputs=[y], domain="com.microsoft"))
         return
@@ -152,13 +157,18 @@ def quantize_gather(graph: gs.Graph, node: gs.Node, quantizer: Quantizer, consta
     graph.nodes.append(gs.Node("Slice", f"{node.name}/unpad", inputs=[padded, *bounds], outputs=[y]))  # [*ids, H]
 
 
-def quantize_graph(graph: gs.Graph, quantizer: Quantizer) -> tuple[int, int]:
-    """Rewrite GRAPH's weight Gemms and Gathers; returns (products, gathers) rewritten."""
+# Graphs whose every product runs at least two rows (the kernel for M >= 2 is row-invariant).
+ALWAYS_SEVERAL_ROWS = {contract.STEP, contract.STEP_FLUSH, contract.fused(contract.STEP), contract.fused(contract.STEP_FLUSH)}
+
+
+def quantize_graph(graph: gs.Graph, quantizer: Quantizer, *, pad: bool = True) -> tuple[int, int]:
+    """Rewrite GRAPH's weight Gemms and Gathers; returns (products, gathers) rewritten. PAD: append the
+    zero row to 4-bit products (graphs whose products may run a single row)."""
     constants: dict[str, gs.Constant] = {}
     gemms = [node for node in graph.nodes if _weight_gemm(node)]
     gathers = [node for node in graph.nodes if _weight_gather(node)]
     for node in gemms:
-        quantize_gemm(graph, node, quantizer, constants)
+        quantize_gemm(graph, node, quantizer, constants, pad)
     for node in gathers:
         quantize_gather(graph, node, quantizer, constants)
     if gemms or gathers:
@@ -188,8 +198,8 @@ def quantize_weights(state: CompileState) -> CompileState:
         return state
     quantizer = Quantizer(state)
     products = gathers = 0
-    for graph in state.graphs.values():
-        p, g = quantize_graph(graph, quantizer)
+    for name, graph in state.graphs.items():
+        p, g = quantize_graph(graph, quantizer, pad=name not in ALWAYS_SEVERAL_ROWS)
         products, gathers = products + p, gathers + g
     left = float_weights_left(state.graphs)
     state.notes.append(
