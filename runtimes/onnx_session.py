@@ -35,6 +35,11 @@ def open_sessions(directory: Path, manifest: Manifest, names: tuple[str, ...], p
     options.inter_op_num_threads = 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
+    # An engine runs several sessions (prefill, step, step_flush, ...), each with its own thread pool.
+    # By default a pool's workers keep spinning after a run ends; on a 2-core machine the next
+    # session's run then shares its cores with the last one's spinning workers (measured: a step
+    # 35 ms instead of 16, a plain token 91 ms instead of 45). Spin during a run, stop at its end.
+    options.add_session_config_entry("session.force_spinning_stop", "1")
     sessions = {}
     for name in names:
         spec = manifest.graphs.get(name)
