@@ -37,8 +37,9 @@ class OnnxBoundBackend:
     name = "onnx"
 
     def __init__(self, directory, manifest: Manifest, device: str = "cpu", threads: int | None = None,
-                 fused: bool | None = None) -> None:
-        """FUSED: use the *.gqa graphs (None: on the CPU when the artifact has them)."""
+                 fused: bool | None = None, profile_prefix: str | None = None) -> None:
+        """FUSED: use the *.gqa graphs (None: on the CPU when the artifact has them).
+        PROFILE_PREFIX: profile every run per op (ONNX Runtime profiling; end_profiling() names the files)."""
         providers, self.ort_device, self.device_id = providers_for(device)
         available = manifest.graphs
         # Fused attention on the CPU only: the graphs compute in fp32, and ONNX Runtime's CUDA
@@ -57,12 +58,16 @@ class OnnxBoundBackend:
         self.graph = {name: contract.fused(name) if self.fused else name for name in contract.PROGRAMS}
         writers = () if self.fused else (contract.CACHE_WRITE_STEP, contract.CACHE_WRITE_PREFILL)
         names = tuple(self.graph.values()) + writers
-        self.sessions = open_sessions(directory, manifest, names, providers, threads)
+        self.sessions = open_sessions(directory, manifest, names, providers, threads, profile_prefix)
         self.capacity = None
         # Host buffers the token outputs are bound to: reading them is the only per-step transfer.
         self.next_token, self.final_token = np.zeros(1, np.int64), np.zeros(1, np.int64)
         self.exit_tokens = {contract.STEP: np.zeros(1, np.int64), contract.STEP_FLUSH: np.zeros(self.slots, np.int64)}
         self.logits = np.zeros((1, self.vocab_size), np.float32)  # bound only when sampling needs them
+
+    def end_profiling(self) -> dict[str, str]:
+        """Role (prefill, step, ...) -> the profile file of the graph that plays it (profiled backends)."""
+        return {role: self.sessions[graph].end_profiling() for role, graph in self.graph.items() if graph in self.sessions}
 
     # ---- buffers and bindings (made once per capacity) -------------------------------------------
     def _device_zeros(self, shape: tuple[int, ...]):

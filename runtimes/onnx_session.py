@@ -27,8 +27,8 @@ def take_dimensions(backend, manifest: Manifest) -> None:
     backend.kv_heads, backend.head_dim, backend.hidden_size = model["num_kv_heads"], model["head_dim"], model["hidden_size"]
 
 
-def open_sessions(directory: Path, manifest: Manifest, names: tuple[str, ...], providers: list, threads: int | None) -> dict:
-    """ONNX Runtime sessions for the artifact graphs in NAMES that it has (a plain engine has no step)."""
+def session_options(threads: int | None):
+    """The options every speedc session runs with (the benchmarks' weight floor too)."""
     ort = onnxruntime_module()
     options = ort.SessionOptions()
     options.intra_op_num_threads = resolve_threads(threads)
@@ -40,11 +40,23 @@ def open_sessions(directory: Path, manifest: Manifest, names: tuple[str, ...], p
     # session's run then shares its cores with the last one's spinning workers (measured: a step
     # 35 ms instead of 16, a plain token 91 ms instead of 45). Spin during a run, stop at its end.
     options.add_session_config_entry("session.force_spinning_stop", "1")
+    return options
+
+
+def open_sessions(directory: Path, manifest: Manifest, names: tuple[str, ...], providers: list, threads: int | None,
+                  profile_prefix: str | None = None) -> dict:
+    """ONNX Runtime sessions for the artifact graphs in NAMES that it has (a plain engine has no step).
+    PROFILE_PREFIX: ONNX Runtime profiles each session's runs into PROFILE_PREFIX<graph>_<time>.json."""
+    ort = onnxruntime_module()
+    options = session_options(threads)
     sessions = {}
     for name in names:
         spec = manifest.graphs.get(name)
         if spec is None:
             continue
+        if profile_prefix is not None:
+            options.enable_profiling = True
+            options.profile_file_prefix = f"{profile_prefix}{name}"
         try:
             session = ort.InferenceSession(str(directory / spec["file"]), options, providers=providers)
         except Exception as bad:  # ORT raises its own exception types

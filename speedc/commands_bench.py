@@ -28,6 +28,12 @@ from speedc.errors import GenerationError
                    "scaled so the early exit agrees often (acceptance measured and reported; ids checked identical).")
 @click.option("--residual-scale", type=click.FloatRange(0, 1, min_open=True), default=None,
               help="With --end-to-end: scale of each block's residual update (default 0.1; smaller: higher acceptance).")
+@click.option("--weights", type=click.Choice(["fp32", "fp16", "bf16", "int8", "int4"]), default=None,
+              help="With --memory-bound: the artifact's weight storage (default fp32 for the zoo shape, bf16 for a looped "
+                   "shape's checkpoint); the weight floor beside it stays fp32.")
+@click.option("--profile", is_flag=True,
+              help="With --memory-bound: also the step's kernel time per op type beside the plain token's share "
+                   "(ONNX Runtime profiling).")
 @click.option("--new-tokens", type=click.IntRange(2), default=128, show_default=True)
 @click.option("--repeats", type=click.IntRange(1), default=3, show_default=True, help="Passes over the prompt set.")
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable; default: a built-in set).")
@@ -45,7 +51,8 @@ from speedc.errors import GenerationError
               help="Instead: continuous batching at these client counts, e.g. 1,2,4,8,16 (SPEED adaptive / always / "
                    "batched plain decoding: aggregate tokens/s, per-sequence ms/token p50/p99, TTFT).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def bench(artifact, memory_bound, memory_bound_hidden, shape, layers, end_to_end, residual_scale, new_tokens, repeats, prompts,
+def bench(artifact, memory_bound, memory_bound_hidden, shape, layers, end_to_end, residual_scale, weights, profile, new_tokens,
+          repeats, prompts,
           early_flush, backend, device, threads, peers, sweeps, memory, plot, concurrency, as_json):
     """Measure SPEED against plain decoding (and peers) on ARTIFACT: interleaved runs, identical ids checked first.
 
@@ -61,15 +68,15 @@ def bench(artifact, memory_bound, memory_bound_hidden, shape, layers, end_to_end
         with Console(stderr=True).status("memory-bound step cost") as spinner:
             report = synthetic_step_costs(hidden=memory_bound_hidden, threads=threads, backend=backend,
                                           shape=SHAPES.get(shape), layers=layers, end_to_end=end_to_end,
-                                          residual_scale=residual_scale, new_tokens=new_tokens,
-                                          progress=spinner.update)
+                                          residual_scale=residual_scale, new_tokens=new_tokens, weights=weights,
+                                          profile=profile, progress=spinner.update)
         if as_json:
             click.echo(json.dumps(report))
         else:
             print_memory_bound(report)
         return
-    if end_to_end or residual_scale is not None:
-        raise GenerationError("--end-to-end and --residual-scale go with --memory-bound")
+    if end_to_end or residual_scale is not None or weights or profile:
+        raise GenerationError("--end-to-end, --residual-scale, --weights and --profile go with --memory-bound")
     if artifact is None:
         raise GenerationError("give an ARTIFACT to benchmark (or --memory-bound)")
     if concurrency is not None:
@@ -125,16 +132,24 @@ def bench(artifact, memory_bound, memory_bound_hidden, shape, layers, end_to_end
 def print_memory_bound(report: dict) -> None:
     click.echo(f"{report['label']}, {report['backend']}, shape {report['shape']}: hidden {report['hidden']}, "
                f"{report['blocks']} blocks x {report['passes']} passes, {report['unique_weight_mb']} MB unique "
-               f"fp32 weights ({report['stored_weight_mb']} MB stored), context {report['context']}")
+               f"fp32 weights ({report['stored_weight_mb']} MB stored as {report['weights']}), context {report['context']}")
     if report["note"]:
         click.echo(f"  note: {report['note']}")
+    click.echo("  floor: the same weight products in fp32 with nothing else (speedc/bench/floor.py), same run")
     for row in report["rows"]:
-        line = f"  c(P={row['slots']}) = {row['step_cost']:.2f}"
+        line = (f"  c(P={row['slots']}) = {row['step_cost']:.2f}  (step {row['step_ms']:.1f} ms, plain token "
+                f"{row['token_ms']:.1f} ms)   floor c(P) = {row['floor_step_cost']:.2f}  (step {row['floor_step_ms']:.1f} ms, "
+                f"token {row['floor_token_ms']:.1f} ms)")
         if "speedup_decode" in row:
-            line += (f"   acceptance {row['acceptance']:.2f}: SPEED {row['speed_ms_per_token']:.1f} ms/token, plain "
+            line += (f"\n      acceptance {row['acceptance']:.2f}: SPEED {row['speed_ms_per_token']:.1f} ms/token, plain "
                      f"{row['autoregressive_ms_per_token']:.1f} ms/token, speedup {row['speedup_decode']:.2f}x "
                      "(decode only, ids identical)")
         click.echo(line)
+        if "profile" in row:
+            click.echo(f"      {'op (kernel ms, profiled)':<30} {'step':>8} {'token/P':>8} {'step - token/P':>15}")
+            for op in row["profile"][:12]:
+                click.echo(f"      {op['op']:<30} {op['step_ms']:>8.3f} {op['token_share_ms']:>8.3f} "
+                           f"{op['step_ms'] - op['token_share_ms']:>+15.3f}")
 
 
 def concurrency_command(artifact: Path, levels: str, prompts, new_tokens: int, repeats: int, threads, plot, as_json: bool) -> None:

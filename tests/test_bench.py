@@ -85,13 +85,43 @@ def test_bench_plot_needs_png(tiny_artifact, tmp_path):
     assert not (tmp_path / "bench.jpg").exists()
 
 
-def test_memory_bound_step_cost_rows():
-    """The memory-bound mode (here shrunk to hidden 64 so CI stays fast) reports c(P) rows only."""
-    result = run_cli("bench", "--memory-bound", "--memory-bound-hidden", "64", "--json")
+def test_memory_bound_step_cost_rows(tiny_artifact):
+    """The memory-bound mode (here shrunk to hidden 64 so CI stays fast) reports c(P) rows, each beside
+    the weight floor's c(P) measured in the same run, and with --profile the step's time per op type."""
+    result = run_cli("bench", "--memory-bound", "--memory-bound-hidden", "64", "--profile", "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert report["label"].startswith("step cost only")
-    assert [row["slots"] for row in report["rows"]] == [2, 4] and all(row["step_cost"] > 0 for row in report["rows"])
+    assert report["label"].startswith("step cost only") and report["weights"] == "fp32"
+    assert [row["slots"] for row in report["rows"]] == [2, 4]
+    for row in report["rows"]:
+        assert row["step_cost"] > 0 and row["floor_step_cost"] > 0 and row["floor_token_ms"] > 0
+        ops = {op["op"]: op for op in row["profile"]}
+        assert ops["Gemm"]["step_ms"] > 0 and ops["Gemm"]["token_share_ms"] > 0  # the weight products
+        assert "GroupQueryAttention" in ops  # the CPU step runs the fused-attention graphs
+    bad = run_cli("bench", str(tiny_artifact), "--profile")
+    assert bad.returncode != 0 and "go with --memory-bound" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_weight_floor_graph_computes_the_chain():
+    """The floor graph is the blocks' weight products in order (each reading the columns the next
+    projection would), P passes, then the head on the first rows: checked against numpy."""
+    import numpy as np
+
+    from speedc.bench.floor import block_products, floor_graph, _session
+    from speedc.bench.synthetic import Shape
+
+    shape = Shape("t", 32, 4, 2, 8, 48, 50, 2, 3, looped=False)
+    model, weights = floor_graph(shape, layers=2, passes=3, head_rows=2)
+    x = np.random.default_rng(1).standard_normal((3, 32)).astype(np.float32)
+    expected = x
+    for _ in range(3):
+        for layer in range(2):
+            for index, (_, _, passed_on) in enumerate(block_products(shape)):
+                expected = (expected @ weights[f"w{layer}.{index}"].T)[:, :passed_on]
+    expected = expected[:2] @ weights["head"].T
+    actual = _session((model, weights), threads=1).run(None, {"x": x})[0]
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-6)
+    assert sum(node.op_type == "Gemm" for node in model.graph.node) == 3 * 2 * 4 + 1
 
 
 def test_real_shapes():

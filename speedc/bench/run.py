@@ -73,13 +73,10 @@ def _percentiles(samples: list[float]) -> dict[str, float]:
             "min": round(float(arr.min()), 4)}
 
 
-def measure_step_cost(engine_or_backend, context: int, repeats: int = 200) -> float:
-    """c(P): a full P-slot step against P single-slot stage passes (one plain token / P), both at
-    a cache of `context` rows with the newest position in the middle, interleaved, medians."""
-    backend = getattr(engine_or_backend, "backend", engine_or_backend)
+def measure_step_times(backend, context: int, repeats: int = 200) -> tuple[float, float]:
+    """(seconds of one P-slot step, seconds of one plain token), both at a cache of `context` rows
+    with the newest position in the middle, interleaved, medians."""
     slots = backend.slots
-    if slots == 1:
-        return 1.0
     backend.reset(context)
     positions = np.arange(context // 2, context // 2 - slots, -1)
     valid = np.ones(slots, dtype=bool)
@@ -94,7 +91,16 @@ def measure_step_cost(engine_or_backend, context: int, repeats: int = 200) -> fl
         start = time.perf_counter()
         backend.prefill([1], context // 2, False)
         token_times.append(time.perf_counter() - start)
-    return statistics.median(step_times) / (statistics.median(token_times) / slots)
+    return statistics.median(step_times), statistics.median(token_times)
+
+
+def measure_step_cost(engine_or_backend, context: int, repeats: int = 200) -> float:
+    """c(P): a full P-slot step against P single-slot stage passes (one plain token / P)."""
+    backend = getattr(engine_or_backend, "backend", engine_or_backend)
+    if backend.slots == 1:
+        return 1.0
+    step, token = measure_step_times(backend, context, repeats)
+    return step / (token / backend.slots)
 
 
 def run_bench(engine: Engine, *, prompts: list[str] | None = None, new_tokens: int = 128, repeats: int = 3,

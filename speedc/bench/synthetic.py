@@ -19,7 +19,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from speedc.bench.run import measure_step_cost
+from speedc.bench.floor import measure_floor
+from speedc.bench.run import measure_step_times
 
 # Residual scale for --end-to-end on random weights: each block then adds little to the residual
 # stream, so the state after the first pass predicts the last (as in a trained looped model).
@@ -154,10 +155,13 @@ def synthetic_step_costs(*, hidden: int = 1024, blocks: int = 4, passes: int = 4
                          threads: int | None = None, repeats: int = 100, backend: str = "onnx",
                          shape: Shape | None = None, layers: int | None = None, end_to_end: bool = False,
                          residual_scale: float | None = None, new_tokens: int = 64, prompts: int = 4,
-                         progress=lambda message: None) -> dict:
-    """c(P) rows for SHAPE (default: the zoo shape at HIDDEN) at every valid depth in (2, 4, 8); with
-    END_TO_END also SPEED vs plain decoding per depth, on weights whose blocks' residual updates are
-    scaled by RESIDUAL_SCALE so the early exit agrees often (the measured acceptance is reported)."""
+                         weights: str | None = None, profile: bool = False, progress=lambda message: None) -> dict:
+    """c(P) rows for SHAPE (default: the zoo shape at HIDDEN) at every valid depth in (2, 4, 8), each
+    beside the weight floor's c(P) (speedc/bench/floor.py: the same weight products and nothing else),
+    measured in the same run; WEIGHTS: the artifact's weight storage (the floor stays fp32); PROFILE:
+    also the step's kernel time per op type beside the plain token's share. With END_TO_END also
+    SPEED vs plain decoding per depth, on weights whose blocks' residual updates are scaled by
+    RESIDUAL_SCALE so the early exit agrees often (the measured acceptance is reported)."""
     from speedc.build import build
     from speedc.models.layer_map import valid_slot_counts
     from speedc.passes.base import BuildOptions
@@ -173,21 +177,28 @@ def synthetic_step_costs(*, hidden: int = 1024, blocks: int = 4, passes: int = 4
         checkpoint = synthetic_checkpoint(shape, used, Path(tmp) / "ckpt", scale)
         for slots in [p for p in valid_slot_counts(cfg.layer_map, cfg.exit_layer) if p in (2, 4, 8)]:
             progress(f"{shape.name}: compiling P={slots}")
-            art = build(checkpoint, Path(tmp) / f"p{slots}", BuildOptions(slots=slots), force=True).out
+            art = build(checkpoint, Path(tmp) / f"p{slots}", BuildOptions(slots=slots, dtype=weights), force=True).out
             engine = Engine.load(art, backend=backend, threads=threads, verify=False)
-            progress(f"{shape.name}: measuring P={slots}")
-            row = {"slots": slots, "step_cost": round(measure_step_cost(engine, context, repeats), 3)}
+            progress(f"{shape.name}: measuring P={slots} and its weight floor")
+            step, token = measure_step_times(engine.backend, context, repeats)
+            row = {"slots": slots, "step_cost": round(step / (token / slots), 3), "step_ms": round(1000 * step, 3),
+                   "token_ms": round(1000 * token, 3), **measure_floor(shape, used, slots, threads=threads, repeats=max(20, repeats // 2))}
+            if profile:
+                from speedc.bench.op_profile import step_op_profile
+
+                progress(f"{shape.name}: profiling P={slots} per op")
+                row["profile"] = step_op_profile(art, engine.manifest, threads=threads, context=context)
             if end_to_end:
                 row.update(end_to_end_row(engine, prompts=prompts, new_tokens=new_tokens))
             rows.append(row)
-            stored = engine.manifest.weights["stored_bytes"]
+            stored, storage = engine.manifest.weights["stored_bytes"], engine.manifest.dtype
             unique_fp32 = engine.manifest.weights["unique_bytes_fp32"]
             del engine
             shutil.rmtree(art)  # one artifact on disk at a time
     note = "" if used == shape.layers else f"{used} of the real {shape.layers} layers (--layers)"
     label = ("SPEED vs plain decoding on random weights, residual updates scaled by "
              f"{scale} (acceptance measured)" if end_to_end else "step cost only (random weights)")
-    return {"label": label, "backend": backend, "shape": shape.name, "hidden": shape.hidden,
+    return {"label": label, "backend": backend, "shape": shape.name, "weights": storage, "hidden": shape.hidden,
             "blocks": used, "passes": shape.loops, "real_layers": shape.layers, "note": note,
             "residual_scale": scale, "unique_weight_mb": round(unique_fp32 / 1e6, 1),
             "stored_weight_mb": round(stored / 1e6, 1), "context": context, "rows": rows}

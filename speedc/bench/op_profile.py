@@ -1,0 +1,43 @@
+"""Where a step's time goes, per op type: ONNX Runtime's profiler over the P-slot step and the plain
+token it replaces, run as `measure_step_times` runs them. Each op's step time is shown beside its
+share of a plain token (token time / P), so the difference is what that op adds to c(P) - 1.
+
+Profiled runs are slower than plain ones (the profiler records every kernel); the breakdown is for
+finding what to remove, c(P) itself comes from unprofiled runs."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+from speedc.bench.run import measure_step_times
+
+
+def kernel_ms_per_run(profile_file: str) -> dict[str, float]:
+    """Op type -> kernel milliseconds per run, from one session's ONNX Runtime profile."""
+    events = json.loads(Path(profile_file).read_text())
+    runs = sum(1 for event in events if event.get("cat") == "Session" and event.get("name") == "model_run")
+    totals: dict[str, float] = defaultdict(float)
+    for event in events:
+        if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time"):
+            totals[event["args"]["op_name"]] += event["dur"] / 1000
+    return {op: total / max(runs, 1) for op, total in totals.items()}
+
+
+def step_op_profile(directory: Path, manifest, *, threads: int | None, context: int, repeats: int = 30) -> list[dict]:
+    """[{op, step_ms, token_share_ms}] sorted by step time: the step's kernel time per op type, and
+    the plain token's divided by P."""
+    from speedc.runtimes.onnx_bound import OnnxBoundBackend
+
+    with tempfile.TemporaryDirectory() as tmp:
+        backend = OnnxBoundBackend(directory, manifest, threads=threads, profile_prefix=f"{tmp}/")
+        measure_step_times(backend, context, repeats)
+        files = backend.end_profiling()
+        step = kernel_ms_per_run(files["step"])
+        token = kernel_ms_per_run(files["prefill"])
+    # the warm-up runs are profiled too: per-run averages include them on both sides alike
+    rows = [{"op": op, "step_ms": round(step.get(op, 0.0), 3), "token_share_ms": round(token.get(op, 0.0) / backend.slots, 3)}
+            for op in set(step) | set(token)]
+    return sorted(rows, key=lambda row: -row["step_ms"])
