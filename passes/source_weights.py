@@ -85,6 +85,29 @@ class WrittenWeight(LazyValues):
         raise RuntimeError("internal: a written weight's values are in weights.bin, not in the graph")
 
 
+class SameBytes(LazyValues):
+    """The values of the stored weight VIEW_OF under another name: the writer references its bytes in
+    weights.bin instead of writing them again (see passes/untie_head.py)."""
+
+    def __init__(self, constant: gs.Constant) -> None:  # no super().__init__: nothing to parse
+        self.of, self.view_of = constant._values, constant.name
+        self.shape, self.dtype = tuple(constant.shape), np.dtype(constant.dtype)
+        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
+
+    def identity(self) -> tuple:
+        return "same bytes as", self.view_of
+
+    def load(self) -> np.ndarray:
+        return self.of.load() if hasattr(self.of, "load") else np.asarray(self.of)
+
+    def chunks(self):
+        return self.of.chunks() if hasattr(self.of, "chunks") else iter([np.ascontiguousarray(self.of)])
+
+    @property
+    def tensor(self):
+        return numpy_helper.from_array(self.load())
+
+
 def source_weight(constant: gs.Constant) -> SourceWeight | None:
     values = constant._values  # graphsurgeon's own storage; .values would load it
     return values if isinstance(values, SourceWeight) else None

@@ -256,7 +256,8 @@ def _stored_constants(graphs: dict, ordered: list[str], weight_names: set[str]) 
         for tensor in graphs[graph_name].tensors().values():
             if not isinstance(tensor, gs.Constant):
                 continue
-            if constant_nbytes(tensor) >= EXTERNAL_MIN_BYTES or tensor.name in weight_names or is_weight_name(tensor.name):
+            if (constant_nbytes(tensor) >= EXTERNAL_MIN_BYTES or tensor.name in weight_names or is_weight_name(tensor.name)
+                    or _view_of(tensor) is not None):
                 stored.setdefault(tensor.name, []).append(tensor)
     return stored
 
@@ -278,7 +279,8 @@ def _identity(constant) -> tuple:
 
 
 def _view_of(constant) -> str | None:
-    """The stored tensor whose bytes this constant's values are, in another shape (see passes/block_quant.py)."""
+    """The stored tensor whose bytes this constant's values are, in another shape or under another name
+    (passes/block_quant.py, passes/untie_head.py)."""
     return getattr(constant._values, "view_of", None)
 
 

@@ -479,3 +479,41 @@ def test_cache_write_prefill_maps_layers_slot_major(after_cache_writer):
             np.testing.assert_array_equal(got[~mask], old[~mask], err_msg=f"{kind}: rows outside the window")
             stage_major = prefill_rows[kind].reshape(P, S, KVH, length, HD).transpose(1, 0, 2, 3, 4)
             np.testing.assert_array_equal(got, _scatter_reference(old, stage_major, write_start))
+
+
+def test_untie_head_gives_a_tied_head_its_own_view():
+    """Before: the embedding's Gather and the head's Gemm read one initializer (ONNX Runtime then
+    cannot prepack the head); after: the Gemm reads a view of the same bytes. Weights that only Gemms
+    share (the plain graph's loops) stay as they are."""
+    from speedc.passes.source_weights import SameBytes
+    from speedc.passes.untie_head import untie_graph
+
+    embedding = gs.Constant("model.embed_tokens.weight", np.arange(12, dtype=np.float32).reshape(6, 2))
+    block = gs.Constant("model.blocks.0.mlp.down_proj.weight", np.ones((2, 2), np.float32))
+    ids, rows = gs.Variable("ids", np.int64, [1]), gs.Variable("rows", np.float32, ["r", 2])
+    embedded, looped, again, logits = (gs.Variable(n, np.float32) for n in ("embedded", "looped", "again", "logits"))
+    nodes = [gs.Node("Gather", inputs=[embedding, ids], outputs=[embedded]),
+             gs.Node("Gemm", inputs=[rows, block], outputs=[looped], attrs={"transB": 1}),
+             gs.Node("Gemm", inputs=[looped, block], outputs=[again], attrs={"transB": 1}),
+             gs.Node("Gemm", inputs=[again, embedding], outputs=[logits], attrs={"transB": 1})]
+    graph = gs.Graph(nodes=nodes, inputs=[ids, rows], outputs=[embedded, logits])
+    assert untie_graph(graph) == 1
+    head = nodes[3].inputs[1]
+    assert head.name == "tied_head.model.embed_tokens.weight" and isinstance(head._values, SameBytes)
+    assert head._values.view_of == embedding.name and np.array_equal(head.values, embedding.values)
+    assert nodes[0].inputs[0] is embedding and nodes[1].inputs[1] is nodes[2].inputs[1] is block
+
+
+def test_untie_head_in_an_artifact_stores_no_bytes_twice(tiny_artifact):
+    import onnx
+
+    from speedc.artifact import read_manifest
+
+    index = read_manifest(tiny_artifact).weights["index"]
+    view, embedding = index["tied_head.model.embed_tokens.weight"], index["model.embed_tokens.weight"]
+    assert view["within"] == "model.embed_tokens.weight" and view["offset"] == embedding["offset"]
+    step = onnx.load(str(tiny_artifact / "step.gqa.onnx"), load_external_data=False)
+    readers = {node.op_type: list(node.input) for node in step.graph.node if node.op_type in ("Gather", "Gemm")
+               and "embed_tokens" in " ".join(node.input)}
+    assert readers == {"Gather": ["model.embed_tokens.weight", "input_ids"],
+                       "Gemm": ["head_rows", "tied_head.model.embed_tokens.weight"]}
