@@ -41,8 +41,10 @@ def weight(graph: gs.Graph, state: CompileState, name: str) -> gs.Constant:
 
 
 def emit_rms_norm(graph: gs.Graph, x: gs.Tensor, weight: gs.Constant, eps: float, prefix: str) -> gs.Tensor:
-    """x [R, H] -> weight * x / sqrt(mean(x^2) + eps)."""
-    squared = add_layer(graph, op="Mul", inputs=[x, x], outputs=[f"{prefix}.sq"], name=f"{prefix}/Mul_sq")[0]
+    """x [R, H] -> weight * x / sqrt(mean(x^2) + eps). Written as Pow(x, 2) -> ReduceMean -> Add -> Sqrt
+    -> Div -> Mul, the pattern ONNX Runtime fuses into one SimplifiedLayerNormalization (x * x is not)."""
+    two = gs.Constant(f"{prefix}.two", np.array(2.0, dtype=np.float32))
+    squared = add_layer(graph, op="Pow", inputs=[x, two], outputs=[f"{prefix}.sq"], name=f"{prefix}/Pow_sq")[0]
     mean = add_layer(graph, op="ReduceMean", inputs=[squared], outputs=[f"{prefix}.mean"], attrs={"axes": [-1], "keepdims": 1},
                             name=f"{prefix}/ReduceMean")[0]
     eps_c = gs.Constant(f"{prefix}.eps", np.array([eps], dtype=np.float32))
