@@ -73,12 +73,6 @@ class BenchReport:
         return {**self.__dict__, "speedup_decode_p50": self.speedup_decode_p50, "speedup_e2e_p50": self.speedup_e2e_p50}
 
 
-def _percentiles(samples: list[float]) -> dict[str, float]:
-    arr = np.asarray(samples)
-    return {"p50": round(float(np.percentile(arr, 50)), 4), "p90": round(float(np.percentile(arr, 90)), 4),
-            "min": round(float(arr.min()), 4)}
-
-
 @dataclass
 class Agreement:
     """One peer's ids against SPEED's, pooled over runs (SPEED's length is the count of positions)."""
@@ -101,6 +95,12 @@ class Agreement:
         return {"same_weights": self.same_weights, "identical_ids": self.identical_runs == self.runs,
                 "agreement": round(self.equal_tokens / max(self.tokens, 1), 4),
                 "prefix_agreement": round(self.prefix_tokens / max(self.tokens, 1), 4)}
+
+
+def _percentiles(samples: list[float]) -> dict[str, float]:
+    arr = np.asarray(samples)
+    return {"p50": round(float(np.percentile(arr, 50)), 4), "p90": round(float(np.percentile(arr, 90)), 4),
+            "min": round(float(arr.min()), 4)}
 
 
 def measure_step_cost(engine_or_backend, context: int, repeats: int = 200) -> float:
