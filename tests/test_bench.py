@@ -38,9 +38,11 @@ def test_bench_json_fields(tiny_artifact):
     assert int4["identical_ids"] == (int4["prefix_agreement"] == 1)
     assert 0 <= report["acceptance_rate"] <= 1 and report["step_cost"] > 0
     assert set(report["flushes"]) == {"last_layer", "early", "tokens_discarded"}
-    # Peak RSS, each system in its own process: the ONNX Runtime path never imports torch, the peers do.
+    # Peak RSS, each system in its own process: the ONNX Runtime paths (speedc's, GenAI's) never import
+    # torch, the PyTorch reference and transformers do.
     assert set(report["peak_rss_mb"]) == {"speed", "autoregressive", *peers}
     assert 0 < report["peak_rss_mb"]["speed"] < report["peak_rss_mb"]["pytorch-reference"]
+    assert 0 < report["peak_rss_mb"]["onnxruntime-genai-int4"] < report["peak_rss_mb"]["pytorch-reference"]
 
 
 def test_peer_ids_refused_or_compared(tiny_artifact, capsys, monkeypatch):
