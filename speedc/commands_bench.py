@@ -40,7 +40,8 @@ from speedc.errors import GenerationError
 @click.option("--early-flush/--no-early-flush", default=None, help="SPEED with or without early flush (default: the engine's, on).")
 @backend_options
 @click.option("--peers/--no-peers", default=None,
-              help="Also time the PyTorch reference and transformers generate (default: when installed).")
+              help="Also time the PyTorch reference, transformers generate and ORT GenAI fp32 / int4 "
+                   "(default: when installed).")
 @click.option("--sweep", "sweeps", multiple=True, type=click.Choice(["slots", "length"]),
               help="Also sweep pipeline depth P = 1, 2, 4, 8 (recompiling; needs the compiler) or context 128..2048.")
 @click.option("--memory/--no-memory", default=True, show_default=True,
@@ -54,7 +55,8 @@ from speedc.errors import GenerationError
 def bench(artifact, memory_bound, memory_bound_hidden, shape, layers, end_to_end, residual_scale, weights, profile, new_tokens,
           repeats, prompts,
           early_flush, backend, device, threads, peers, sweeps, memory, plot, concurrency, as_json):
-    """Measure SPEED against plain decoding (and peers) on ARTIFACT: interleaved runs, identical ids checked first.
+    """Measure SPEED against plain decoding (and peers) on ARTIFACT: interleaved runs, identical ids checked first
+    (peers at another precision, e.g. ORT GenAI int4: their agreement with SPEED's ids is reported instead).
 
     Reports ms/token p50/p90 and SPEED's speedup both decode only (prefill excluded) and end to end
     (prefill + decode), acceptance, tokens/step, c(P), the analytic bound, prefill time, peak RSS and
@@ -99,7 +101,7 @@ def bench(artifact, memory_bound, memory_bound_hidden, shape, layers, end_to_end
     with tempfile.TemporaryDirectory() as tmp, status.status("bench") as spinner:
         workdir = Path(tmp)
         if use_peers:
-            spinner.update("exporting and loading peers on the same weights")
+            spinner.update("exporting and loading peers (the artifact's weights; GenAI also at int4)")
         peer_fns, peer_bytes = load_peers(artifact, engine.manifest, threads, workdir) if use_peers else ({}, {})
         spinner.update(f"interleaved runs: speed, autoregressive{''.join(', ' + p for p in peer_fns)}")
         report = run_bench(engine, prompts=list(prompts) or None, new_tokens=new_tokens, repeats=repeats,
@@ -201,13 +203,17 @@ def print_report(report, artifact: Path, new_tokens: int) -> None:
     for mode, row in report.ms_per_token.items():
         table.add_row(mode, f"{row['p50']:.3f}", f"{row['p90']:.3f}", f"{row['min']:.3f}", f"{report.tokens_per_second[mode]:.1f}")
     console.print(table)
-    peers_table = Table(title=f"per system, {END_TO_END}, same ids checked")
-    for column in ("system", "ms/new token p50", "p90", "SPEED speedup, end to end"):
+    peers_table = Table(title=f"per system, {END_TO_END}, ids against SPEED's")
+    for column in ("system", "ms/new token p50", "p90", "SPEED speedup, end to end", "ids vs SPEED"):
         peers_table.add_column(column)
     for name, row in report.e2e_ms_per_token.items():
         ratio = report.speed_speedup_e2e.get(name)
-        peers_table.add_row(name, f"{row['p50']:.3f}", f"{row['p90']:.3f}", "-" if ratio is None else f"{ratio:.2f}x")
+        peers_table.add_row(name, f"{row['p50']:.3f}", f"{row['p90']:.3f}", "-" if ratio is None else f"{ratio:.2f}x",
+                            ids_column(name, report))
     console.print(peers_table)
+    if any(not a["same_weights"] for a in report.peer_agreement.values()):
+        console.print("agreement: share of new tokens equal to SPEED's at the same position; prefix: share before each "
+                      "run's first difference (peers at another precision; same-weight peers must be identical)")
     if report.peak_rss_mb:
         console.print("peak RSS (each system in a fresh process): "
                       + ", ".join(f"{k} {v:.0f} MB" for k, v in report.peak_rss_mb.items()))
@@ -222,6 +228,19 @@ def print_report(report, artifact: Path, new_tokens: int) -> None:
                   f"decode-only speedup / bound {report.achieved_over_bound:.2f}   prefill p50 {report.prefill_ms_p50:.2f} ms")
     for kind, sweep in report.sweep.items():
         print_sweep(console, kind, sweep)
+
+
+def ids_column(system: str, report) -> str:
+    """'-' for SPEED itself, 'identical (required)' where a difference would have refused the report,
+    else the peer's agreement with SPEED's ids."""
+    if system == "speed":
+        return "-"
+    agreement = report.peer_agreement.get(system)
+    if agreement is None or agreement["same_weights"]:  # autoregressive, or a peer on the artifact's weights
+        return "identical (required)"
+    if agreement["identical_ids"]:
+        return "identical (other precision)"
+    return f"agreement {agreement['agreement']:.3f}, prefix {agreement['prefix_agreement']:.3f}"
 
 
 def print_sweep(console, kind: str, sweep: dict) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import assert_one_line_error, run_cli
 
 
@@ -20,16 +21,82 @@ def test_bench_json_fields(tiny_artifact):
     # Each speedup also under a name that says what it measures; the old keys stay.
     assert report["speedup_decode_p50"] == report["speedup_p50"]
     assert report["speedup_e2e_p50"] == report["speed_speedup_e2e"]["autoregressive"]
-    # Peers ran on the same weights (their ids were checked against SPEED's inside the bench).
-    peers = {"pytorch-reference", "transformers", "onnxruntime-genai"}  # the dev extra installs all three
+    # Peers: three on the artifact's weights (their ids were required equal to SPEED's inside the bench)
+    # and ORT GenAI's int4 export (other weights: its agreement with SPEED's ids is reported).
+    same = {"pytorch-reference", "transformers", "onnxruntime-genai"}
+    peers = {*same, "onnxruntime-genai-int4"}  # the dev extra installs all four
     assert set(report["e2e_ms_per_token"]) == {"speed", "autoregressive", *peers}
     assert set(report["speed_speedup_e2e"]) == {"autoregressive", *peers}
     assert report["weight_bytes"]["speedc"] < report["weight_bytes"]["onnxruntime-genai"]
+    assert 0 < report["weight_bytes"]["onnxruntime-genai-int4"] < report["weight_bytes"]["onnxruntime-genai"] / 4
+    agreement = report["peer_agreement"]
+    assert set(agreement) == peers
+    for name in same:
+        assert agreement[name] == {"same_weights": True, "identical_ids": True, "agreement": 1.0, "prefix_agreement": 1.0}
+    int4 = agreement["onnxruntime-genai-int4"]
+    assert int4["same_weights"] is False and 0 <= int4["prefix_agreement"] <= int4["agreement"] <= 1
+    assert int4["identical_ids"] == (int4["prefix_agreement"] == 1)
     assert 0 <= report["acceptance_rate"] <= 1 and report["step_cost"] > 0
     assert set(report["flushes"]) == {"last_layer", "early", "tokens_discarded"}
-    # Peak RSS, each system in its own process: the ONNX Runtime path never imports torch, the peers do.
+    # Peak RSS, each system in its own process: the ONNX Runtime paths (speedc's, GenAI's) never import
+    # torch, the PyTorch reference and transformers do.
     assert set(report["peak_rss_mb"]) == {"speed", "autoregressive", *peers}
     assert 0 < report["peak_rss_mb"]["speed"] < report["peak_rss_mb"]["pytorch-reference"]
+    assert 0 < report["peak_rss_mb"]["onnxruntime-genai-int4"] < report["peak_rss_mb"]["pytorch-reference"]
+
+
+def test_peer_ids_refused_or_compared(tiny_artifact, capsys, monkeypatch):
+    """A scripted stand-in peer returns plain decoding's ids with one token changed: on the artifact's
+    weights (must_match) the bench refuses to report; at another precision it reports the agreement
+    (every position but one equal) and the prefix (the positions before the change)."""
+    from speedc.bench.peers import LoadedPeer
+    from speedc.bench.run import run_bench
+    from speedc.errors import SpeedcError
+    from speedc.runtimes.engine import Engine
+
+    engine = Engine.load(tiny_artifact)
+    prompt, new_tokens, changed = "ROMEO:", 8, 5
+    plain = engine.generate(prompt, max_new_tokens=new_tokens, stop_at_eos=False, mode="autoregressive").ids
+    wrong = [*plain[:changed], (plain[changed] + 1) % engine.manifest.model["vocab_size"], *plain[changed + 1:]]
+
+    def stand_in(ids: list[int], tokens: int) -> list[int]:
+        assert ids == engine.encode(prompt) and tokens == new_tokens
+        return wrong
+
+    with pytest.raises(SpeedcError, match="stand-in runs the artifact's weights but produced different ids"):
+        run_bench(engine, prompts=[prompt], new_tokens=new_tokens, repeats=1, peers={"stand-in": LoadedPeer(stand_in, True)})
+    report = run_bench(engine, prompts=[prompt], new_tokens=new_tokens, repeats=2,
+                       peers={"stand-in": LoadedPeer(stand_in, False), "echo": LoadedPeer(lambda ids, n: plain, True)})
+    assert report.identical_ids and set(report.speed_speedup_e2e) == {"autoregressive", "stand-in", "echo"}
+    assert report.peer_agreement == {
+        "stand-in": {"same_weights": False, "identical_ids": False, "agreement": round(7 / 8, 4), "prefix_agreement": 5 / 8},
+        "echo": {"same_weights": True, "identical_ids": True, "agreement": 1.0, "prefix_agreement": 1.0}}
+    # The table says which ids were required equal and shows the others' agreement.
+    from speedc.commands_bench import print_report
+
+    monkeypatch.setenv("COLUMNS", "200")
+    print_report(report, tiny_artifact, new_tokens)
+    rows = {line.split()[1]: line for line in capsys.readouterr().out.splitlines() if line.startswith("│ ")}
+    assert "agreement 0.875, prefix 0.625" in rows["stand-in"]
+    assert "identical (required)" in rows["echo"] and "identical (required)" in rows["autoregressive"]
+
+
+def test_which_peers_must_match(tiny_artifact):
+    """fp32 peers run the artifact's own values: required equal on a float artifact. On a block-quantized
+    artifact they run the dequantized values in fp32 (the artifact: int8 dot products), and GenAI int4
+    re-quantizes: agreement reported, never required."""
+    import dataclasses
+
+    from speedc.artifact import read_manifest
+    from speedc.bench.peers import PEERS
+
+    manifest = read_manifest(tiny_artifact)
+    assert {name: spec.same_weights(manifest) for name, spec in PEERS.items()} == {
+        "pytorch-reference": True, "transformers": True, "onnxruntime-genai": True, "onnxruntime-genai-int4": False}
+    for dtype in ("fp16", "bf16"):  # stored 16-bit, widened to fp32 exactly: the same values
+        assert PEERS["transformers"].same_weights(dataclasses.replace(manifest, dtype=dtype))
+    for dtype in ("int8", "int4"):
+        assert not any(spec.same_weights(dataclasses.replace(manifest, dtype=dtype)) for spec in PEERS.values())
 
 
 def test_bench_sweeps_and_plot(tiny_artifact, tmp_path):
@@ -69,8 +136,10 @@ def test_bench_human_output_names_each_speedup(tiny_artifact):
 
     assert "per mode, decode only (prefill excluded)" in text  # the per-mode table's title
     assert "decode ms/token p50" in line_with("decode tokens/s")  # its header
-    assert "per system, end to end (prefill + decode), same ids checked" in text
+    assert "per system, end to end (prefill + decode), ids against SPEED's" in text
     assert "ms/new token p50" in line_with("SPEED speedup, end to end")  # its header
+    assert "ids vs SPEED" in line_with("SPEED speedup, end to end")
+    assert "identical (required)" in line_with("identical (required)")  # autoregressive: checked before any speed
     summary = line_with("identical ids: True")
     assert "SPEED speedup, decode only (p50): " in summary and "end to end (p50): " in summary
     assert "speedup (p50)" not in text  # no unlabelled speedup left

@@ -2,7 +2,8 @@
 
     run        SPEED against plain decoding (and peers), interleaved, ids checked first: run_bench,
                BenchReport, measure_step_cost (c(P)); the bound is speedc.schedule.analytic_bound
-    peers      peer systems on the same weights (PyTorch reference, transformers, ORT GenAI)
+    peers      peer systems: PyTorch reference, transformers, ORT GenAI fp32 (the artifact's weights: ids
+               must match) and ORT GenAI int4 (other precision: agreement reported); PEERS registry
     memory     peak RSS of each system, each in a fresh process (`python -m speedc.bench.memory`)
     sweep      --sweep slots|length
     synthetic  --memory-bound: c(P) on a large random-weight model (also the GPU check's model)

@@ -1,20 +1,56 @@
-"""Peer systems for `speedc bench`, run on the same weights: the PyTorch reference decoder,
-Hugging Face transformers' LlamaForCausalLM.generate on the unrolled checkpoint (every layer stored),
-and, when onnxruntime-genai is installed (the `bench` extra), ONNX Runtime GenAI on a model its own
-builder exported offline from that unrolled checkpoint.
-Each peer is a function (prompt ids, new tokens) -> new ids; the bench times it end to end and checks
-its ids against SPEED's before reporting any speed. Needs torch and transformers (the dev extra)."""
+"""Peer systems for `speedc bench`: the PyTorch reference decoder, Hugging Face transformers'
+LlamaForCausalLM.generate on the unrolled checkpoint (every layer stored), and, when onnxruntime-genai
+is installed (the `bench` extra), ONNX Runtime GenAI on exports its own model builder made offline
+from that unrolled checkpoint: one at fp32 and one at int4 (MatMulNBits, block 32, accuracy level 4:
+int8 dot products; the precision the builder recommends for CPU, what a CPU user would run).
+
+Each peer is a function (prompt ids, new tokens) -> new ids, timed end to end. What the bench does
+with its ids depends on what it computes with (PEERS below):
+  same weights     fp32 arithmetic on exactly the values the artifact computes with (a float artifact:
+                   fp16/bf16 storage widens to fp32 exactly). Its ids must equal SPEED's: any difference
+                   refuses the report (a lossless guard, as for speed vs autoregressive).
+  other precision  the GenAI int4 export (the builder re-quantizes), or any fp32 peer on a block-quantized
+                   artifact (it runs the dequantized values in fp32; the artifact's MatMulNBits runs int8
+                   dot products). Its ids are compared, not required equal: agreement is reported.
+Loading and exporting need torch and transformers (the dev extra); running a GenAI export does not."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from speedc.errors import SpeedcError
 
 Peer = Callable[[list[int], int], list[int]]
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    """One peer system: how it is loaded and what arithmetic it runs."""
+    name: str
+    load: Callable[..., Peer]  # (spec, artifact dir, manifest, workdir, threads) -> its generate function
+    precision: str = "fp32"  # what it computes with: "fp32" on the artifact's weight values, or its own re-quantization
+    genai_options: tuple[str, ...] = ()  # for GenAI exports: the builder's --extra_options
+
+    def same_weights(self, manifest) -> bool:
+        """True when the peer computes with the artifact's own numbers, so its ids must equal SPEED's."""
+        from speedc.artifact import is_quantized
+
+        return self.precision == "fp32" and not is_quantized(manifest)
+
+    def export_dir(self, workdir: Path) -> Path:
+        return workdir / self.name
+
+
+@dataclass(frozen=True)
+class LoadedPeer:
+    """What run_bench times: the generate function, and whether its ids must equal SPEED's."""
+    generate: Peer
+    must_match: bool
 
 
 def peers_available() -> bool:
@@ -26,25 +62,45 @@ def peers_available() -> bool:
     return True
 
 
-def genai_export(hf_dir: Path, out_dir: Path) -> bool:
-    """Export with ORT GenAI's model builder (offline, from the local directory); False when
-    onnxruntime-genai is not installed."""
+def genai_installed() -> bool:
     try:
         import onnxruntime_genai  # noqa: F401
     except ImportError:
         return False
-    built = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(out_dir),
-                            "-p", "fp32", "-e", "cpu"], capture_output=True, text=True)
-    if built.returncode != 0:
-        raise SpeedcError(f"ORT GenAI model builder failed: {(built.stderr.strip().splitlines() or ['?'])[-1]}")
     return True
 
 
-def genai_peer(model_dir: Path) -> Peer:
-    """ONNX Runtime GenAI's greedy generator on an export of its model builder."""
+# The builder's command line, run once per export in ONE interpreter: its imports (torch, transformers,
+# onnx: about 7 s of CPU) are paid once for both exports, not once each.
+_BUILDER_DRIVER = """
+import json, runpy, sys
+for argv in json.loads(sys.argv[1]):
+    sys.argv = ["onnxruntime_genai.models.builder", *argv]
+    runpy.run_module("onnxruntime_genai.models.builder", run_name="__main__", alter_sys=True)
+"""
+
+
+def genai_export(hf_dir: Path, specs: list[PeerSpec], workdir: Path) -> None:
+    """Export the unrolled checkpoint with ORT GenAI's model builder (offline, from the local directory),
+    once per spec, at the spec's precision and options, for the CPU execution provider."""
+    runs = [["-i", str(hf_dir), "-o", str(spec.export_dir(workdir)), "-p", spec.precision, "-e", "cpu",
+             "-c", str(workdir / "builder-cache"), *(["--extra_options", *spec.genai_options] if spec.genai_options else [])]
+            for spec in specs]
+    built = subprocess.run([sys.executable, "-c", _BUILDER_DRIVER, json.dumps(runs)], capture_output=True, text=True)
+    if built.returncode != 0:
+        raise SpeedcError(f"ORT GenAI model builder failed: {(built.stderr.strip().splitlines() or ['?'])[-1]}")
+
+
+def genai_peer(model_dir: Path, threads: int | None) -> Peer:
+    """ONNX Runtime GenAI's greedy generator on an export of its model builder, with speedc's intra-op
+    thread count (the builder's config leaves ORT's default, every core). Imports no torch."""
     import onnxruntime_genai as og
 
-    model = og.Model(str(model_dir))
+    from speedc.runtimes.backend import resolve_threads
+
+    config = og.Config(str(model_dir))
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": resolve_threads(threads)}}}}))
+    model = og.Model(config)
 
     def generate(prompt: list[int], new_tokens: int) -> list[int]:
         params = og.GeneratorParams(model)
@@ -59,12 +115,59 @@ def genai_peer(model_dir: Path) -> Peer:
     return generate
 
 
-PEER_NAMES = ("pytorch-reference", "transformers", "onnxruntime-genai")
+def _set_threads(threads: int | None) -> None:
+    import torch
+
+    from speedc.runtimes.backend import resolve_threads
+
+    torch.set_num_threads(resolve_threads(threads))
+
+
+def _load_reference(spec: PeerSpec, directory: Path, manifest, workdir: Path, threads: int | None) -> Peer:
+    from speedc.models.generate import generate
+    from speedc.runtimes.torch_backend import load_model_from_artifact
+
+    _set_threads(threads)
+    model = load_model_from_artifact(directory, manifest)
+    return lambda prompt, new_tokens: generate(model, prompt, new_tokens)
+
+
+def _load_transformers(spec: PeerSpec, directory: Path, manifest, workdir: Path, threads: int | None) -> Peer:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    _set_threads(threads)
+    hf = LlamaForCausalLM.from_pretrained(workdir / "hf", torch_dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def transformers_generate(prompt: list[int], new_tokens: int) -> list[int]:
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                          do_sample=False, pad_token_id=0, eos_token_id=None)
+        return out[0, len(prompt):].tolist()
+
+    return transformers_generate
+
+
+def _load_genai(spec: PeerSpec, directory: Path, manifest, workdir: Path, threads: int | None) -> Peer:
+    return genai_peer(spec.export_dir(workdir), threads)
+
+
+# Accuracy level 4 and block 32 are the builder's CPU defaults; named so the export says what it is.
+GENAI_INT4_OPTIONS = ("accuracy_level=4", "block_size=32")
+
+PEERS: dict[str, PeerSpec] = {spec.name: spec for spec in (
+    PeerSpec("pytorch-reference", _load_reference),
+    PeerSpec("transformers", _load_transformers),
+    PeerSpec("onnxruntime-genai", _load_genai),
+    PeerSpec("onnxruntime-genai-int4", _load_genai, precision="int4", genai_options=GENAI_INT4_OPTIONS),
+)}
+PEER_NAMES = tuple(PEERS)
+GENAI_PEERS = ("onnxruntime-genai", "onnxruntime-genai-int4")
 
 
 def prepare_peers(directory: Path, manifest, threads: int | None, workdir: Path) -> dict[str, int]:
     """Write what the peers load into WORKDIR: the unrolled HF checkpoint and, when onnxruntime-genai
-    is installed, its builder's export. Returns the bytes of weights each peer's export stores."""
+    is installed, its builder's exports. Returns the bytes of weights each peer's export stores."""
     if not peers_available():
         raise SpeedcError("peer systems need torch and transformers: pip install 'speedc[dev]'")
     from speedc.artifact import TOKENIZER
@@ -78,50 +181,25 @@ def prepare_peers(directory: Path, manifest, threads: int | None, workdir: Path)
     hf_dir = save_unrolled_hf(load_model_from_artifact(directory, manifest), workdir / "hf",
                               tokenizer_json=tokenizer.read_text() if tokenizer.exists() else None)
     weight_bytes = {"transformers": sum(p.stat().st_size for p in hf_dir.glob("*.safetensors"))}
-    if tokenizer.exists() and genai_export(hf_dir, workdir / "genai"):
-        weight_bytes["onnxruntime-genai"] = sum(p.stat().st_size for p in (workdir / "genai").glob("*.data"))
+    if tokenizer.exists() and genai_installed():
+        genai = [PEERS[name] for name in GENAI_PEERS]
+        genai_export(hf_dir, genai, workdir)
+        for spec in genai:
+            weight_bytes[spec.name] = sum(p.stat().st_size for p in spec.export_dir(workdir).glob("*.data"))
     return weight_bytes
 
 
-def _set_threads(threads: int | None) -> None:
-    import torch
-
-    from speedc.runtimes.backend import resolve_threads
-
-    torch.set_num_threads(resolve_threads(threads))
-
-
 def load_peer(name: str, directory: Path, manifest, threads: int | None, workdir: Path) -> Peer:
-    """One peer, from the artifact (pytorch-reference) or from what prepare_peers wrote."""
-    import torch
-
-    _set_threads(threads)
-    if name == "pytorch-reference":
-        from speedc.models.generate import generate
-        from speedc.runtimes.torch_backend import load_model_from_artifact
-
-        model = load_model_from_artifact(directory, manifest)
-        return lambda prompt, new_tokens: generate(model, prompt, new_tokens)
-    if name == "transformers":
-        from transformers import LlamaForCausalLM
-
-        hf = LlamaForCausalLM.from_pretrained(workdir / "hf", torch_dtype=torch.float32).eval()
-
-        @torch.no_grad()
-        def transformers_generate(prompt: list[int], new_tokens: int) -> list[int]:
-            out = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                              do_sample=False, pad_token_id=0, eos_token_id=None)
-            return out[0, len(prompt):].tolist()
-
-        return transformers_generate
-    if name == "onnxruntime-genai":
-        return genai_peer(workdir / "genai")
-    raise SpeedcError(f"unknown peer {name!r} (known: {', '.join(PEER_NAMES)})")
+    """One peer's generate function, from the artifact (pytorch-reference) or from what prepare_peers wrote."""
+    if name not in PEERS:
+        raise SpeedcError(f"unknown peer {name!r} (known: {', '.join(PEER_NAMES)})")
+    spec = PEERS[name]
+    return spec.load(spec, directory, manifest, workdir, threads)
 
 
-def load_peers(directory: Path, manifest, threads: int | None, workdir: Path) -> tuple[dict[str, Peer], dict[str, int]]:
-    """(peer functions by name, bytes of weights each peer's export stores)."""
+def load_peers(directory: Path, manifest, threads: int | None, workdir: Path) -> tuple[dict[str, LoadedPeer], dict[str, int]]:
+    """(peers by name, each with whether its ids must equal SPEED's; bytes of weights each peer's export stores)."""
     weight_bytes = prepare_peers(directory, manifest, threads, workdir)
-    peers = {name: load_peer(name, directory, manifest, threads, workdir)
-             for name in PEER_NAMES if name == "pytorch-reference" or name in weight_bytes}
+    peers = {name: LoadedPeer(load_peer(name, directory, manifest, threads, workdir), spec.same_weights(manifest))
+             for name, spec in PEERS.items() if name == "pytorch-reference" or name in weight_bytes}
     return peers, weight_bytes

@@ -2,8 +2,12 @@
 run, interleaved (A B A B ...), so machine noise hits both sides alike. Reports medians and spread,
 and refuses to print a speed before checking that both modes produced identical ids.
 
-With --peers (the default when torch and transformers are installed) the PyTorch reference decoder and
-transformers' generate run on the same weights in the same interleaved loop, timed end to end.
+With --peers (the default when torch and transformers are installed) the peer systems (speedc.bench.peers)
+run in the same interleaved loop, timed end to end. A peer on the same weights must produce SPEED's ids
+(a difference refuses the report); a peer at another precision (ORT GenAI int4, or any fp32 peer on a
+block-quantized artifact) is compared instead: peer_agreement reports, pooled over all runs,
+  agreement         share of new tokens equal to SPEED's at the same position
+  prefix_agreement  share of new tokens before the run's first difference (greedy paths part there)
 
 Also measures the step cost c(P) = (time of one P-slot step) / (time of one plain token / P), i.e.
 a full step against the single-slot stage passes plain decoding does per token, and compares the
@@ -49,6 +53,8 @@ class BenchReport:
     speed_speedup_e2e: dict[str, float]  # end to end (prefill + decode): system -> its p50 e2e ms/token / SPEED's
     weight_bytes: dict[str, int] = field(default_factory=dict)  # what each system stores
     peak_rss_mb: dict[str, float] = field(default_factory=dict)  # system -> peak RSS of a fresh process running it
+    # peer -> {same_weights, identical_ids, agreement, prefix_agreement} (module docstring)
+    peer_agreement: dict[str, dict] = field(default_factory=dict)
     sweep: dict[str, dict] = field(default_factory=dict)  # "slots" / "length" -> {rows, skipped}
     notes: list[str] = field(default_factory=list)
 
@@ -65,6 +71,30 @@ class BenchReport:
     def to_json(self) -> dict:
         """The fields, plus speedup_decode_p50 and speedup_e2e_p50 (each speedup named for what it measures)."""
         return {**self.__dict__, "speedup_decode_p50": self.speedup_decode_p50, "speedup_e2e_p50": self.speedup_e2e_p50}
+
+
+@dataclass
+class Agreement:
+    """One peer's ids against SPEED's, pooled over runs (SPEED's length is the count of positions)."""
+    same_weights: bool
+    runs: int = 0
+    identical_runs: int = 0
+    equal_tokens: int = 0  # positions where the peer's token equals SPEED's
+    prefix_tokens: int = 0  # positions before the run's first difference
+    tokens: int = 0
+
+    def add(self, peer_ids: list[int], speed_ids: list[int]) -> None:
+        equal = [i < len(peer_ids) and peer_ids[i] == token for i, token in enumerate(speed_ids)]
+        self.runs += 1
+        self.identical_runs += peer_ids == speed_ids
+        self.equal_tokens += sum(equal)
+        self.prefix_tokens += equal.index(False) if False in equal else len(equal)
+        self.tokens += len(speed_ids)
+
+    def to_json(self) -> dict:
+        return {"same_weights": self.same_weights, "identical_ids": self.identical_runs == self.runs,
+                "agreement": round(self.equal_tokens / max(self.tokens, 1), 4),
+                "prefix_agreement": round(self.prefix_tokens / max(self.tokens, 1), 4)}
 
 
 def _percentiles(samples: list[float]) -> dict[str, float]:
@@ -105,9 +135,12 @@ def measure_step_cost(engine_or_backend, context: int, repeats: int = 200) -> fl
 
 def run_bench(engine: Engine, *, prompts: list[str] | None = None, new_tokens: int = 128, repeats: int = 3,
               early_flush: bool | None = None, peers: dict | None = None) -> BenchReport:
-    """Interleave, per prompt: speed, autoregressive, then each peer; every system's ids must match."""
+    """Interleave, per prompt: speed, autoregressive, then each peer (name -> LoadedPeer of
+    speedc.bench.peers: generate, must_match). Autoregressive's ids and those of every must_match peer
+    must equal SPEED's (else SpeedcError, no report); the others' agreement is measured."""
     prompts = prompts or DEFAULT_PROMPTS
     peers = peers or {}
+    agreement = {name: Agreement(same_weights=peer.must_match) for name, peer in peers.items()}
     times: dict[str, list[float]] = {"speed": [], "autoregressive": []}
     e2e: dict[str, list[float]] = {name: [] for name in ("speed", "autoregressive", *peers)}
     prefill: list[float] = []
@@ -130,10 +163,12 @@ def run_bench(engine: Engine, *, prompts: list[str] | None = None, new_tokens: i
             ids = engine.encode(prompt)
             for name, peer in peers.items():
                 start = time.perf_counter()
-                peer_ids = peer(ids, new_tokens)
+                peer_ids = peer.generate(ids, new_tokens)
                 e2e[name].append(1000 * (time.perf_counter() - start) / new_tokens)
-                if peer_ids != results["speed"].ids:
-                    raise SpeedcError(f"{name} produced different ids than SPEED: refusing to report speeds")
+                if peer.must_match and peer_ids != results["speed"].ids:
+                    raise SpeedcError(f"{name} runs the artifact's weights but produced different ids than SPEED: "
+                                      "refusing to report speeds")
+                agreement[name].add(peer_ids, results["speed"].ids)
             s = results["speed"].stats
             accepted, failed = accepted + s.accepted, failed + s.failed_speculations
             steps, emitted = steps + s.steps, emitted + s.new_tokens - 1
@@ -157,4 +192,5 @@ def run_bench(engine: Engine, *, prompts: list[str] | None = None, new_tokens: i
         speedup_p50=round(speedup, 3), acceptance_rate=round(alpha, 4), flushes=flushes, tokens_per_step=round(emitted / max(steps, 1), 4),
         step_cost=round(cost, 3), bound=round(bound, 3), achieved_over_bound=round(speedup / bound, 3),
         prefill_ms_p50=round(statistics.median(prefill), 3), e2e_ms_per_token=e2e_ms,
-        speed_speedup_e2e={name: round(v["p50"] / e2e_ms["speed"]["p50"], 3) for name, v in e2e_ms.items() if name != "speed"})
+        speed_speedup_e2e={name: round(v["p50"] / e2e_ms["speed"]["p50"], 3) for name, v in e2e_ms.items() if name != "speed"},
+        peer_agreement={name: a.to_json() for name, a in agreement.items()})
