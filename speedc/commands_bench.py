@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from speedc.bench.peers import PEER_NAMES
 from speedc.bench.synthetic import SHAPES
 from speedc.cli_options import backend_options
 from speedc.errors import GenerationError
@@ -42,6 +43,8 @@ from speedc.errors import GenerationError
 @click.option("--peers/--no-peers", default=None,
               help="Also time the PyTorch reference, transformers generate and ORT GenAI fp32 / int4 "
                    "(default: when installed).")
+@click.option("--peer", "only_peers", multiple=True, type=click.Choice(list(PEER_NAMES)),
+              help="Run only these peers (repeatable; implies --peers).")
 @click.option("--sweep", "sweeps", multiple=True, type=click.Choice(["slots", "length"]),
               help="Also sweep pipeline depth P = 1, 2, 4, 8 (recompiling; needs the compiler) or context 128..2048.")
 @click.option("--memory/--no-memory", default=True, show_default=True,
@@ -54,7 +57,7 @@ from speedc.errors import GenerationError
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def bench(artifact, memory_bound, memory_bound_hidden, shape, layers, end_to_end, residual_scale, weights, profile, new_tokens,
           repeats, prompts,
-          early_flush, backend, device, threads, peers, sweeps, memory, plot, concurrency, as_json):
+          early_flush, backend, device, threads, peers, only_peers, sweeps, memory, plot, concurrency, as_json):
     """Measure SPEED against plain decoding (and peers) on ARTIFACT: interleaved runs, identical ids checked first
     (peers at another precision, e.g. ORT GenAI int4: their agreement with SPEED's ids is reported instead).
 
@@ -97,12 +100,15 @@ def bench(artifact, memory_bound, memory_bound_hidden, shape, layers, end_to_end
 
     status = Console(stderr=True)
     engine = Engine.load(artifact, backend=backend, device=device, threads=threads)
-    use_peers = peers_available() if peers is None else peers
+    if only_peers and peers is False:
+        raise GenerationError("--peer and --no-peers contradict each other")
+    use_peers = bool(only_peers) or (peers_available() if peers is None else peers)
     with tempfile.TemporaryDirectory() as tmp, status.status("bench") as spinner:
         workdir = Path(tmp)
         if use_peers:
             spinner.update("exporting and loading peers (the artifact's weights; GenAI also at int4)")
-        peer_fns, peer_bytes = load_peers(artifact, engine.manifest, threads, workdir) if use_peers else ({}, {})
+        peer_fns, peer_bytes = load_peers(artifact, engine.manifest, threads, workdir,
+                                                  tuple(only_peers) or None) if use_peers else ({}, {})
         spinner.update(f"interleaved runs: speed, autoregressive{''.join(', ' + p for p in peer_fns)}")
         report = run_bench(engine, prompts=list(prompts) or None, new_tokens=new_tokens, repeats=repeats,
                            early_flush=early_flush, peers=peer_fns)

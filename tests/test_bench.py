@@ -169,6 +169,8 @@ def test_memory_bound_step_cost_rows(tiny_artifact):
         assert "GroupQueryAttention" in ops  # the CPU step runs the fused-attention graphs
     bad = run_cli("bench", str(tiny_artifact), "--profile")
     assert bad.returncode != 0 and "go with --memory-bound" in bad.stderr and "Traceback" not in bad.stderr
+    bad = run_cli("bench", str(tiny_artifact), "--peer", "transformers", "--no-peers")
+    assert bad.returncode != 0 and "contradict" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_weight_floor_graph_computes_the_chain():

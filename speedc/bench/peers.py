@@ -165,9 +165,11 @@ PEER_NAMES = tuple(PEERS)
 GENAI_PEERS = ("onnxruntime-genai", "onnxruntime-genai-int4")
 
 
-def prepare_peers(directory: Path, manifest, threads: int | None, workdir: Path) -> dict[str, int]:
+def prepare_peers(directory: Path, manifest, threads: int | None, workdir: Path,
+                  only: tuple[str, ...] | None = None) -> dict[str, int]:
     """Write what the peers load into WORKDIR: the unrolled HF checkpoint and, when onnxruntime-genai
-    is installed, its builder's exports. Returns the bytes of weights each peer's export stores."""
+    is installed, its builder's exports (of the GenAI peers in ONLY, default all). Returns the bytes of
+    weights each peer's export stores."""
     if not peers_available():
         raise SpeedcError("peer systems need torch and transformers: pip install 'speedc[dev]'")
     from speedc.artifact import TOKENIZER
@@ -182,8 +184,9 @@ def prepare_peers(directory: Path, manifest, threads: int | None, workdir: Path)
                               tokenizer_json=tokenizer.read_text() if tokenizer.exists() else None)
     weight_bytes = {"transformers": sum(p.stat().st_size for p in hf_dir.glob("*.safetensors"))}
     if tokenizer.exists() and genai_installed():
-        genai = [PEERS[name] for name in GENAI_PEERS]
-        genai_export(hf_dir, genai, workdir)
+        genai = [PEERS[name] for name in GENAI_PEERS if only is None or name in only]
+        if genai:
+            genai_export(hf_dir, genai, workdir)
         for spec in genai:
             weight_bytes[spec.name] = sum(p.stat().st_size for p in spec.export_dir(workdir).glob("*.data"))
     return weight_bytes
@@ -197,9 +200,12 @@ def load_peer(name: str, directory: Path, manifest, threads: int | None, workdir
     return spec.load(spec, directory, manifest, workdir, threads)
 
 
-def load_peers(directory: Path, manifest, threads: int | None, workdir: Path) -> tuple[dict[str, LoadedPeer], dict[str, int]]:
-    """(peers by name, each with whether its ids must equal SPEED's; bytes of weights each peer's export stores)."""
-    weight_bytes = prepare_peers(directory, manifest, threads, workdir)
+def load_peers(directory: Path, manifest, threads: int | None, workdir: Path,
+               only: tuple[str, ...] | None = None) -> tuple[dict[str, LoadedPeer], dict[str, int]]:
+    """(peers by name, each with whether its ids must equal SPEED's; bytes of weights each peer's export
+    stores). ONLY: these peers (default: every one this installation can run)."""
+    weight_bytes = prepare_peers(directory, manifest, threads, workdir, only)
     peers = {name: LoadedPeer(load_peer(name, directory, manifest, threads, workdir), spec.same_weights(manifest))
-             for name, spec in PEERS.items() if name == "pytorch-reference" or name in weight_bytes}
+             for name, spec in PEERS.items() if (name == "pytorch-reference" or name in weight_bytes)
+             and (only is None or name in only)}
     return peers, weight_bytes
