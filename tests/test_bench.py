@@ -207,6 +207,10 @@ def test_real_shapes():
     assert layers_that_fit(ouro) == ouro.layers and layers_that_fit(ouro, 2) == 2
     # Ouro-1.4B's parameter count from these shapes, gate excluded (the checkpoint holds 1,434,652,673 with it)
     assert ouro.layers * ouro.block_params() + ouro.fixed_params() - 2048 == 1_434_652_673 - 2049
+    # --end-to-end: the zoo family untied (tied, small residual updates predict the token just read)
+    from speedc.bench.synthetic import end_to_end_shape, zoo_shape
+
+    assert end_to_end_shape(ouro) is ouro and zoo_shape(1024).tied and not end_to_end_shape(zoo_shape(1024)).tied
 
 
 def test_memory_bound_on_a_looped_shape():
