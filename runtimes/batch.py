@@ -7,10 +7,13 @@ One scheduler iteration (`BatchScheduler.step`):
        while none is free, and one longer than a slot's capacity is refused at submit, never cut)
     2. prefill: one chunk (<= prefill_chunk tokens) of the oldest sequence still prefilling; its last
        chunk yields its first token
-    3. decode: ONE graph run for every decoding sequence, chosen per step by the row policy:
-         speed: P*n rows; each sequence's pipeline exactly as runtimes/decode.py decode_speed runs it
-                (enter, verify at the last slot, flush on a miss, optional early flush)
-         plain: n rows; each sequence's last confirmed token through all N layers
+    3. decode: each decoding sequence asks its acceptance policy (runtimes/acceptance_policy.py)
+       whether speculation pays for it; the row policy caps the rows those would take, per step.
+       The speculating sequences are kept in the first sequence slots (a swap when one changes side):
+         speed: P*k rows over slots 0..k-1; each sequence's pipeline exactly as runtimes/decode.py
+                decode_speed runs it (enter, verify at the last slot, flush on a miss, early flush)
+         plain: one row per slot k..n-1; each plain sequence's last confirmed token through all N layers
+       (at most two graph runs; one when every sequence is on the same side)
     4. finished sequences (EOS, stop string, max tokens, cancelled) free their slot at once; the last
        occupied slot moves into the hole so the occupied slots stay a prefix (contiguous cache views)
 
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from speedc.errors import GenerationError
+from speedc.runtimes.acceptance_policy import AcceptancePolicy, AlwaysSpeculate
 from speedc.runtimes.batch_backend import BatchBackend
 from speedc.runtimes.decode import DecodeStats, Pipeline, Request, Slot, emit_token
 
@@ -51,6 +55,7 @@ class Sequence:
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
     first_token_seconds: float | None = None  # submit -> first confirmed token
+    acceptance: object = None  # its record in the scheduler's acceptance policy
 
     @property
     def last_useful(self) -> int:
@@ -88,9 +93,11 @@ Event = tuple[Sequence, int | None]  # (sequence, confirmed token) or (sequence,
 class BatchScheduler:
     """Owns a BatchBackend's pool; `submit` and `cancel` may be called from any thread, `step` from one."""
 
-    def __init__(self, backend: BatchBackend, *, policy: RowPolicy | None = None, prefill_chunk: int = 128) -> None:
+    def __init__(self, backend: BatchBackend, *, policy: RowPolicy | None = None,
+                 acceptance: AcceptancePolicy | AlwaysSpeculate | None = None, prefill_chunk: int = 128) -> None:
         self.backend = backend
         self.policy = policy or RowPolicy()
+        self.acceptance = acceptance or AlwaysSpeculate()
         self.prefill_chunk = prefill_chunk
         self.waiting: deque[Sequence] = deque()
         self.occupied: list[Sequence] = []  # index = sequence slot
@@ -98,7 +105,8 @@ class BatchScheduler:
         self._lock = threading.Lock()
         self.speculating = backend.speculative
         self.mode_switches = 0
-        self.steps = {"speed": 0, "plain": 0, "prefill": 0}
+        self.steps = {"speed": 0, "plain": 0, "prefill": 0, "mixed": 0}  # mixed: iterations with both a speed and a plain run
+        self.swaps = 0  # sequence-slot swaps that kept the speculating sequences first
         self.decode_steps: Counter[int] = Counter()  # sequences decoded together -> decode steps so far
 
     # ---- requests --------------------------------------------------------------------------------
@@ -109,7 +117,8 @@ class BatchScheduler:
                                   f"exceeds the KV-cache slot of {self.backend.capacity} positions (raise --kv-cache-mb "
                                   "or lower --max-batch)")
         mode = "batch speed" if self.backend.speculative else "batch autoregressive"
-        sequence = Sequence(next(self._ids), request, early_flush and self.backend.speculative, DecodeStats(mode))
+        sequence = Sequence(next(self._ids), request, early_flush and self.backend.speculative, DecodeStats(mode),
+                            acceptance=self.acceptance.start())
         with self._lock:
             self.waiting.append(sequence)
         return sequence
@@ -140,11 +149,19 @@ class BatchScheduler:
         self._prefill_chunk(events)
         decoding = [s for s in self.occupied if s.state == DECODE]
         if decoding:
-            speculate = self.policy.speculate(self.backend.slots, len(decoding), self.speculating)
+            wanting = [s for s in decoding if self.acceptance.wants_speculation(s.acceptance)] if self.backend.speculative else []
+            speculate = bool(wanting) and self.policy.speculate(self.backend.slots, len(wanting), self.speculating)
             if speculate != self.speculating:
                 self.mode_switches += 1
                 self.speculating = speculate
-            (self._speed_step if speculate else self._plain_step)(decoding, events)
+            speculating = wanting if speculate else []
+            plain = [s for s in decoding if not any(s is t for t in speculating)]
+            if speculating:
+                self._speculators_first(speculating)
+                self._speed_step(speculating, events)
+            if plain:
+                self._plain_step(plain, events, first=len(speculating))
+            self.steps["mixed"] += bool(speculating and plain)
             self.decode_steps[len(decoding)] += 1
         for sequence in [s for s in self.occupied if s.state == DONE]:
             self._release(sequence)
@@ -188,11 +205,30 @@ class BatchScheduler:
         hole, last = sequence.slot, len(self.occupied) - 1
         if hole != last:
             mover = self.occupied[last]
-            self.backend.move(last, hole)
+            self.backend.move(last, hole, self._cached(mover))
             mover.slot = hole
             self.occupied[hole] = mover
         self.occupied.pop()
         sequence.slot = -1
+
+    def _speculators_first(self, speculating: list[Sequence]) -> None:
+        """Swap sequence slots so SPECULATING hold slots 0..k-1 (their cache slabs are then one contiguous
+        view for the speed step, and the plain step's rows start at k). No swap when they already do."""
+        k = len(speculating)
+        outside = [s for s in speculating if s.slot >= k]
+        inside = {s.slot for s in speculating if s.slot < k}
+        holes = [slot for slot in range(k) if slot not in inside]
+        for sequence, hole in zip(outside, holes):
+            other = self.occupied[hole]
+            length = max(self._cached(sequence), self._cached(other))  # positions beyond are never read
+            self.backend.swap(sequence.slot, hole, length)
+            self.occupied[sequence.slot], self.occupied[hole] = other, sequence
+            other.slot, sequence.slot = sequence.slot, hole
+            self.swaps += 1
+
+    def _cached(self, sequence: Sequence) -> int:
+        """Cache positions of SEQUENCE that may hold K/V it will read: prompt, emitted tokens, in-flight ones."""
+        return min(self.backend.capacity, len(sequence.request.prompt) + len(sequence.out) + self.backend.slots)
 
     def _prefill_chunk(self, events: list[Event]) -> None:
         sequence = next((s for s in self.occupied if s.state == PREFILL), None)
@@ -213,27 +249,31 @@ class BatchScheduler:
             sequence.state = DECODE
             self._emit(sequence, request.picker.pick(logits, argmax, request.history), events)
 
-    def _plain_step(self, decoding: list[Sequence], events: list[Event]) -> None:
-        n = len(self.occupied)
+    def _plain_step(self, decoding: list[Sequence], events: list[Event], first: int = 0) -> None:
+        """One plain token for each of DECODING, which hold sequence slots FIRST.. (rows b - FIRST)."""
+        n = len(self.occupied) - first
         tokens, positions, valid = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, bool)
         for sequence in decoding:
             sequence.pipeline.flush_from(0)  # leaving speed mode: in-flight work is unverified
             sequence.pipeline.pending = None
             frontier = sequence.frontier()
-            tokens[sequence.slot], positions[sequence.slot], valid[sequence.slot] = frontier.token, frontier.pos, True
+            b = sequence.slot - first
+            tokens[b], positions[b], valid[b] = frontier.token, frontier.pos, True
         want = any(s.request.picker.params.needs_logits for s in decoding)
         start = time.perf_counter()
-        argmax, logits = self.backend.plain_step(tokens, positions, valid, want)
+        argmax, logits = self.backend.plain_step(tokens, positions, valid, want, first=first)
         self.steps["plain"] += 1
         for sequence in decoding:
             sequence.stats.steps += 1
-            b = sequence.slot
+            b = sequence.slot - first
             token = sequence.request.picker.pick(logits[b] if want else None, int(argmax[b]), sequence.request.history)
+            self.acceptance.decoded_plainly(sequence.acceptance)
             self._emit(sequence, token, events)
             sequence.stats.decode_seconds += time.perf_counter() - start
 
     def _speed_step(self, decoding: list[Sequence], events: list[Event]) -> None:
-        slots, n = self.backend.slots, len(self.occupied)
+        """One pipelined step of DECODING, which hold sequence slots 0..k-1."""
+        slots, n = self.backend.slots, len(decoding)
         entering = np.zeros(n, np.int64)
         positions, valid = np.zeros((slots, n), np.int64), np.zeros((slots, n), bool)
         final_rows, final_of, exit_rows, exit_of = [], [], [], []
@@ -274,9 +314,12 @@ class BatchScheduler:
         for i, (sequence, depth) in enumerate(exit_of):
             guesses.setdefault(id(sequence), {})[depth] = int(exits[i])
         for sequence in stepping:
-            sequence.stats.steps += 1
+            stats = sequence.stats
+            stats.steps += 1
+            accepted, failed = stats.accepted, stats.failed_speculations
             self._absorb(sequence, final.get(id(sequence)), guesses.get(id(sequence), {}), events)
-            sequence.stats.decode_seconds += time.perf_counter() - start
+            self.acceptance.observe(sequence.acceptance, stats.accepted - accepted, stats.failed_speculations - failed)
+            stats.decode_seconds += time.perf_counter() - start
 
     def _absorb(self, sequence: Sequence, final: tuple[int, np.ndarray | None] | None, guesses: dict[int, int],
                 events: list[Event]) -> None:

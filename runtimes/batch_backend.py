@@ -86,11 +86,22 @@ class BatchBackend:
     def speculative(self) -> bool:
         return self.slots > 1
 
-    def move(self, source: int, target: int) -> None:
-        """Sequence slot SOURCE's cache and pipeline state now live in slot TARGET."""
+    def move(self, source: int, target: int, length: int | None = None) -> None:
+        """Sequence slot SOURCE's cache (its first LENGTH positions; None: all) and pipeline state now live
+        in slot TARGET."""
+        cut = slice(None, length)
         for pool in (self.key, self.value):
-            pool[:, :, target] = pool[:, :, source]
+            pool[:, :, target, :, cut] = pool[:, :, source, :, cut]
         self.hidden[:, target] = self.hidden[:, source]
+
+    def swap(self, a: int, b: int, length: int | None = None) -> None:
+        """Sequence slots A and B exchange caches (their first LENGTH positions; None: all) and pipeline state."""
+        cut = slice(None, length)
+        for pool in (self.key, self.value):
+            held = pool[:, :, a, :, cut].copy()
+            pool[:, :, a, :, cut] = pool[:, :, b, :, cut]
+            pool[:, :, b, :, cut] = held
+        self.hidden[:, [a, b]] = self.hidden[:, [b, a]]
 
     # ---- running a graph -------------------------------------------------------------------------
     def _run(self, role: str, feeds: dict, slabs: dict[str, np.ndarray], outputs: dict[str, tuple]) -> dict[str, np.ndarray]:
@@ -141,23 +152,23 @@ class BatchBackend:
         return int(result[contract.NEXT_TOKEN][0]), (result[contract.LOGITS][0] if want_logits else None)
 
     def plain_step(self, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray,
-                   want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
-        """Plain decoding of sequences 0..n-1 at once: row b's token at positions[b] through all N layers.
-        -> (argmax next tokens [n], logits [n, V] or None); invalid rows are bubbles."""
+                   want_logits: bool, first: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
+        """Plain decoding of sequence slots first..first+n-1 at once: row b's token at positions[b] through
+        all N layers. -> (argmax next tokens [n], logits [n, V] or None); invalid rows are bubbles."""
         n = len(tokens)
         feeds = {contract.INPUT_IDS: np.asarray(tokens, np.int64).reshape(n, 1),
                  contract.POSITIONS: self._scratch(positions, valid)}
         outputs = {contract.NEXT_TOKEN: ((n,), np.int64)}
         if want_logits:
             outputs[contract.LOGITS] = ((n, self.vocab_size), F32)
-        result = self._run(contract.PREFILL, feeds, self._logical_slabs(slice(0, n)), outputs)
-        if not self.fused:  # new rows [N, n, kvh, 1, hd]; row b of layer s*S + j -> pool[j, s, b, :, positions[b]]
+        result = self._run(contract.PREFILL, feeds, self._logical_slabs(slice(first, first + n)), outputs)
+        if not self.fused:  # new rows [N, n, kvh, 1, hd]; row b of layer s*S + j -> pool[j, s, first + b, :, positions[b]]
             rows = np.flatnonzero(valid)
             for kind, pool in (("key", self.key), ("value", self.value)):
                 new = result[contract.new_rows(kind)][:, :, :, 0]  # [N, n, kvh, hd]
                 new = new.reshape(self.slots, self.stage_layers, *new.shape[1:]).transpose(1, 0, 2, 3, 4)  # [S, P, n, kvh, hd]
                 # advanced indices (rows, positions) split by a slice: the target is [k, S, P, kvh, hd]
-                pool[:, :, rows, :, positions[rows]] = new[:, :, rows].transpose(2, 0, 1, 3, 4)
+                pool[:, :, first + rows, :, positions[rows]] = new[:, :, rows].transpose(2, 0, 1, 3, 4)
         return result[contract.NEXT_TOKEN], (result[contract.LOGITS] if want_logits else None)
 
     def speed_step(self, entering: np.ndarray, positions: np.ndarray, valid: np.ndarray, final_rows: np.ndarray,
