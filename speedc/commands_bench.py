@@ -40,7 +40,8 @@ from speedc.errors import GenerationError
 @click.option("--memory/--no-memory", default=True, show_default=True,
               help="Peak RSS of each system, each measured in a fresh process.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write a PNG: tokens/s per system (end to end), decode-only speedup vs slots with the bound.")
+              help="Write a PNG: tokens/s per system (end to end), decode-only speedup vs slots with the bound "
+                   "(with --concurrency: aggregate tokens/s and per-sequence ms/token vs clients).")
 @click.option("--concurrency", default=None,
               help="Instead: continuous batching at these client counts, e.g. 1,2,4,8,16 (SPEED adaptive / always / "
                    "batched plain decoding: aggregate tokens/s, per-sequence ms/token p50/p99, TTFT).")
@@ -151,12 +152,17 @@ def concurrency_command(artifact: Path, levels: str, prompts, new_tokens: int, r
     if not clients or min(clients) < 1:
         raise GenerationError("--concurrency needs client counts of at least 1")
     if plot is not None:
-        raise GenerationError("--plot is not drawn for --concurrency in this version (use --json)")
+        check_plot_path(plot)  # before minutes of measuring, not after
     engine = Engine.load(artifact, threads=threads)
     with Console(stderr=True).status("concurrency") as spinner:
         report = concurrency_bench(engine, list(prompts) or DEFAULT_PROMPTS, clients, new_tokens, repeats, threads=threads,
                                    progress=spinner.update)
     click.echo(json.dumps(report) if as_json else format_concurrency(report))
+    if plot is not None:  # after the report is out: a failing plot never loses the measurements
+        from speedc.bench.plot import write_concurrency_plot
+
+        write_concurrency_plot(report, plot)
+        Console(stderr=True).print(f"wrote {plot}")
 
 
 def check_plot_path(plot: Path) -> None:
