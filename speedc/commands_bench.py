@@ -34,7 +34,8 @@ from speedc.errors import GenerationError
 @click.option("--early-flush/--no-early-flush", default=None, help="SPEED with or without early flush (default: the engine's, on).")
 @backend_options
 @click.option("--peers/--no-peers", default=None,
-              help="Also time the PyTorch reference and transformers generate (default: when installed).")
+              help="Also time the PyTorch reference and transformers generate (default: when installed); with "
+                   "--concurrency: ORT GenAI's own batching.")
 @click.option("--sweep", "sweeps", multiple=True, type=click.Choice(["slots", "length"]),
               help="Also sweep pipeline depth P = 1, 2, 4, 8 (recompiling; needs the compiler) or context 128..2048.")
 @click.option("--memory/--no-memory", default=True, show_default=True,
@@ -74,7 +75,7 @@ def bench(artifact, memory_bound, memory_bound_hidden, shape, layers, end_to_end
     if artifact is None:
         raise GenerationError("give an ARTIFACT to benchmark (or --memory-bound)")
     if concurrency is not None:
-        return concurrency_command(artifact, concurrency, prompts, new_tokens, repeats, threads, plot, as_json)
+        return concurrency_command(artifact, concurrency, prompts, new_tokens, repeats, threads, peers, plot, as_json)
     if plot is not None:
         check_plot_path(plot)  # before minutes of measuring, not after
     import tempfile
@@ -138,7 +139,8 @@ def print_memory_bound(report: dict) -> None:
         click.echo(line)
 
 
-def concurrency_command(artifact: Path, levels: str, prompts, new_tokens: int, repeats: int, threads, plot, as_json: bool) -> None:
+def concurrency_command(artifact: Path, levels: str, prompts, new_tokens: int, repeats: int, threads, peers, plot,
+                        as_json: bool) -> None:
     from rich.console import Console
 
     from speedc.bench.concurrency import concurrency_bench, format_concurrency
@@ -156,7 +158,7 @@ def concurrency_command(artifact: Path, levels: str, prompts, new_tokens: int, r
     engine = Engine.load(artifact, threads=threads)
     with Console(stderr=True).status("concurrency") as spinner:
         report = concurrency_bench(engine, list(prompts) or DEFAULT_PROMPTS, clients, new_tokens, repeats, threads=threads,
-                                   progress=spinner.update)
+                                   peers=peers, progress=spinner.update)
     click.echo(json.dumps(report) if as_json else format_concurrency(report))
     if plot is not None:  # after the report is out: a failing plot never loses the measurements
         from speedc.bench.plot import write_concurrency_plot
