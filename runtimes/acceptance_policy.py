@@ -17,7 +17,8 @@ measured at build time (manifest build.step_cost_measured), else FALLBACK_STEP_C
     a probe that falls back again doubles probe_after (up to max_probe_after); one that holds
     (min_outcomes outcomes with the bound >= 1) resets it
 
-Whatever it decides stays lossless: the scheduler only drops unverified work when a sequence switches.
+The batch then speculates or decodes plainly as a whole (`batch_speculates`: the bound summed over its
+sequences; a split into a speed run and a plain run never pays, see there). Whatever it decides stays lossless: the scheduler only drops unverified work when a sequence switches.
 Standard library only (the runtime path imports no torch).
 """
 
@@ -91,10 +92,33 @@ class AcceptancePolicy:
                 state.outcomes += 1
                 state.alpha += max(self.weight, 1.0 / state.outcomes) * (outcome - state.alpha)
 
-    def decoded_plainly(self, state: SequenceAcceptance) -> None:
-        """STATE's sequence decoded one token plainly (counts toward the next probe only if it chose plain)."""
+    def waited(self, state: SequenceAcceptance) -> None:
+        """STATE's sequence ran one decode step while it had chosen plain decoding (a plain token, or a
+        speed step the batch's layout made it take): one step nearer its next probe."""
         if not state.speculating:
             state.plain_tokens += 1
+
+    def tokens_per_step(self, state: SequenceAcceptance) -> float:
+        """Tokens a speed step is expected to emit for STATE's sequence (the bound's 1 / (1 + (1-a)(P-1)))."""
+        return 1.0 / (1.0 + (1.0 - state.alpha) * (self.slots - 1))
+
+    def batch_speculates(self, states: list[SequenceAcceptance]) -> bool:
+        """Whether one iteration's decoding sequences (STATES) speculate together or all decode plainly.
+        The bound's cost units (a plain run costs 1, a speed run c/P) and each sequence's expected
+        tokens per speed step t_i = 1 / (1 + (1 - a_i)(P - 1)):
+
+            speed:  sum_i t_i / (c/P)        plain:  n / 1
+
+        With one sequence this is its own bound > 1. Why not split the batch (speculators in a speed run,
+        losers in a plain run of their own)? A speed step emits at most one token per sequence, so such
+        an iteration emits at most n tokens for more than a plain run's cost, which emits exactly n for
+        every sequence: splitting is never better, for the batch or for any one sequence. So losing
+        sequences ride along in the speed run while the winners carry the batch; when the losers weigh
+        more, everyone decodes plainly until probes (a sequence's average starting afresh) say otherwise."""
+        if self.threshold >= 1.0:
+            return False
+        tokens = sum(self.tokens_per_step(state) for state in states)
+        return tokens * self.slots / self.step_cost > len(states)
 
     def wants_speculation(self, state: SequenceAcceptance) -> bool:
         """Advance STATE's state machine; whether its sequence should speculate this step."""
@@ -121,10 +145,13 @@ class AlwaysSpeculate:
     def observe(self, state, accepted: int, failed: int) -> None:
         pass
 
-    def decoded_plainly(self, state) -> None:
+    def waited(self, state) -> None:
         pass
 
     def wants_speculation(self, state) -> bool:
+        return True
+
+    def batch_speculates(self, states) -> bool:
         return True
 
     def describe(self) -> str:

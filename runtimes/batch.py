@@ -7,13 +7,11 @@ One scheduler iteration (`BatchScheduler.step`):
        while none is free, and one longer than a slot's capacity is refused at submit, never cut)
     2. prefill: one chunk (<= prefill_chunk tokens) of the oldest sequence still prefilling; its last
        chunk yields its first token
-    3. decode: each decoding sequence asks its acceptance policy (runtimes/acceptance_policy.py)
-       whether speculation pays for it; the row policy caps the rows those would take, per step.
-       The speculating sequences are kept in the first sequence slots (a swap when one changes side):
-         speed: P*k rows over slots 0..k-1; each sequence's pipeline exactly as runtimes/decode.py
-                decode_speed runs it (enter, verify at the last slot, flush on a miss, early flush)
-         plain: one row per slot k..n-1; each plain sequence's last confirmed token through all N layers
-       (at most two graph runs; one when every sequence is on the same side)
+    3. decode: ONE graph run for every decoding sequence, speed or plain: the acceptance policy weighs
+       each sequence's own acceptance (runtimes/acceptance_policy.py), the row policy the step's rows:
+         speed: P*n rows; each sequence's pipeline exactly as runtimes/decode.py decode_speed runs it
+                (enter, verify at the last slot, flush on a miss, optional early flush)
+         plain: n rows; each sequence's last confirmed token through all N layers
     4. finished sequences (EOS, stop string, max tokens, cancelled) free their slot at once; the last
        occupied slot moves into the hole so the occupied slots stay a prefix (contiguous cache views)
 
@@ -105,9 +103,9 @@ class BatchScheduler:
         self._lock = threading.Lock()
         self.speculating = backend.speculative
         self.mode_switches = 0
-        self.steps = {"speed": 0, "plain": 0, "prefill": 0, "mixed": 0}  # mixed: iterations with both a speed and a plain run
-        self.swaps = 0  # sequence-slot swaps that kept the speculating sequences first
+        self.steps = {"speed": 0, "plain": 0, "prefill": 0}
         self.decode_steps: Counter[int] = Counter()  # sequences decoded together -> decode steps so far
+        self._wanting: set[int] = set()  # ids of the sequences whose own rule chose speculation this step
 
     # ---- requests --------------------------------------------------------------------------------
     def submit(self, request: Request, *, early_flush: bool = True) -> Sequence:
@@ -149,19 +147,11 @@ class BatchScheduler:
         self._prefill_chunk(events)
         decoding = [s for s in self.occupied if s.state == DECODE]
         if decoding:
-            wanting = [s for s in decoding if self.acceptance.wants_speculation(s.acceptance)] if self.backend.speculative else []
-            speculate = bool(wanting) and self.policy.speculate(self.backend.slots, len(wanting), self.speculating)
+            speculate = self._speculate(decoding)
             if speculate != self.speculating:
                 self.mode_switches += 1
                 self.speculating = speculate
-            speculating = wanting if speculate else []
-            plain = [s for s in decoding if not any(s is t for t in speculating)]
-            if speculating:
-                self._speculators_first(speculating)
-                self._speed_step(speculating, events)
-            if plain:
-                self._plain_step(plain, events, first=len(speculating))
-            self.steps["mixed"] += bool(speculating and plain)
+            (self._speed_step if speculate else self._plain_step)(decoding, events)
             self.decode_steps[len(decoding)] += 1
         for sequence in [s for s in self.occupied if s.state == DONE]:
             self._release(sequence)
@@ -205,26 +195,21 @@ class BatchScheduler:
         hole, last = sequence.slot, len(self.occupied) - 1
         if hole != last:
             mover = self.occupied[last]
-            self.backend.move(last, hole, self._cached(mover))
+            self.backend.move(last, hole, self._cached(mover))  # positions beyond are never read
             mover.slot = hole
             self.occupied[hole] = mover
         self.occupied.pop()
         sequence.slot = -1
 
-    def _speculators_first(self, speculating: list[Sequence]) -> None:
-        """Swap sequence slots so SPECULATING hold slots 0..k-1 (their cache slabs are then one contiguous
-        view for the speed step, and the plain step's rows start at k). No swap when they already do."""
-        k = len(speculating)
-        outside = [s for s in speculating if s.slot >= k]
-        inside = {s.slot for s in speculating if s.slot < k}
-        holes = [slot for slot in range(k) if slot not in inside]
-        for sequence, hole in zip(outside, holes):
-            other = self.occupied[hole]
-            length = max(self._cached(sequence), self._cached(other))  # positions beyond are never read
-            self.backend.swap(sequence.slot, hole, length)
-            self.occupied[sequence.slot], self.occupied[hole] = other, sequence
-            other.slot, sequence.slot = sequence.slot, hole
-            self.swaps += 1
+    def _speculate(self, decoding: list[Sequence]) -> bool:
+        """Speed or plain step: each sequence's own choice (advancing its fall-back / probe state), the
+        batch's sum of them (acceptance policy), then the row budget (row policy)."""
+        if self.backend.slots == 1:
+            return False
+        self._wanting = {id(s) for s in decoding if self.acceptance.wants_speculation(s.acceptance)}
+        if not self.acceptance.batch_speculates([s.acceptance for s in decoding]):
+            return False
+        return self.policy.speculate(self.backend.slots, len(decoding), self.speculating)
 
     def _cached(self, sequence: Sequence) -> int:
         """Cache positions of SEQUENCE that may hold K/V it will read: prompt, emitted tokens, in-flight ones."""
@@ -249,31 +234,28 @@ class BatchScheduler:
             sequence.state = DECODE
             self._emit(sequence, request.picker.pick(logits, argmax, request.history), events)
 
-    def _plain_step(self, decoding: list[Sequence], events: list[Event], first: int = 0) -> None:
-        """One plain token for each of DECODING, which hold sequence slots FIRST.. (rows b - FIRST)."""
-        n = len(self.occupied) - first
+    def _plain_step(self, decoding: list[Sequence], events: list[Event]) -> None:
+        n = len(self.occupied)
         tokens, positions, valid = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, bool)
         for sequence in decoding:
             sequence.pipeline.flush_from(0)  # leaving speed mode: in-flight work is unverified
             sequence.pipeline.pending = None
             frontier = sequence.frontier()
-            b = sequence.slot - first
-            tokens[b], positions[b], valid[b] = frontier.token, frontier.pos, True
+            tokens[sequence.slot], positions[sequence.slot], valid[sequence.slot] = frontier.token, frontier.pos, True
         want = any(s.request.picker.params.needs_logits for s in decoding)
         start = time.perf_counter()
-        argmax, logits = self.backend.plain_step(tokens, positions, valid, want, first=first)
+        argmax, logits = self.backend.plain_step(tokens, positions, valid, want)
         self.steps["plain"] += 1
         for sequence in decoding:
             sequence.stats.steps += 1
-            b = sequence.slot - first
+            b = sequence.slot
             token = sequence.request.picker.pick(logits[b] if want else None, int(argmax[b]), sequence.request.history)
-            self.acceptance.decoded_plainly(sequence.acceptance)
+            self.acceptance.waited(sequence.acceptance)
             self._emit(sequence, token, events)
             sequence.stats.decode_seconds += time.perf_counter() - start
 
     def _speed_step(self, decoding: list[Sequence], events: list[Event]) -> None:
-        """One pipelined step of DECODING, which hold sequence slots 0..k-1."""
-        slots, n = self.backend.slots, len(decoding)
+        slots, n = self.backend.slots, len(self.occupied)
         entering = np.zeros(n, np.int64)
         positions, valid = np.zeros((slots, n), np.int64), np.zeros((slots, n), bool)
         final_rows, final_of, exit_rows, exit_of = [], [], [], []
@@ -318,7 +300,10 @@ class BatchScheduler:
             stats.steps += 1
             accepted, failed = stats.accepted, stats.failed_speculations
             self._absorb(sequence, final.get(id(sequence)), guesses.get(id(sequence), {}), events)
-            self.acceptance.observe(sequence.acceptance, stats.accepted - accepted, stats.failed_speculations - failed)
+            if id(sequence) in self._wanting:  # its own speculation: judged
+                self.acceptance.observe(sequence.acceptance, stats.accepted - accepted, stats.failed_speculations - failed)
+            else:  # riding along in a speed step it did not choose: waiting for its next probe
+                self.acceptance.waited(sequence.acceptance)
             stats.decode_seconds += time.perf_counter() - start
 
     def _absorb(self, sequence: Sequence, final: tuple[int, np.ndarray | None] | None, guesses: dict[int, int],

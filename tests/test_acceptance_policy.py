@@ -21,7 +21,7 @@ def _steps(policy: AcceptancePolicy, state, script: str) -> str:
             policy.observe(state, outcome == "a", outcome == "f")
         else:
             did.append("p")
-            policy.decoded_plainly(state)
+            policy.waited(state)
     return "".join(did)
 
 
@@ -71,3 +71,16 @@ def test_step_cost_from_the_manifest_else_the_stated_fallback():
     for build in ({}, {"step_cost_measured": {"slots": 2, "step_cost": 1.2}}):  # none, or taken at another P
         fallback = AcceptancePolicy.for_manifest(manifest(build))
         assert fallback.step_cost == fallback_step_cost(4) == 1.75 and "not measured" in fallback.describe()
+
+
+def test_the_batch_speculates_while_its_summed_bound_wins():
+    """With c/P = 0.4 a sequence at alpha 1 makes 2.5 tokens per plain-token cost in a speed step, one at
+    alpha 0 makes 0.625: losers ride along while the winners carry the batch, else all decode plainly."""
+    policy = AcceptancePolicy(slots=4, step_cost=1.6)
+    good, bad = SimpleNamespace(alpha=1.0), SimpleNamespace(alpha=0.0)
+    assert policy.batch_speculates([good]) and not policy.batch_speculates([bad])
+    assert policy.batch_speculates([good, bad])  # 3.125 > 2
+    assert policy.batch_speculates([good] * 2 + [bad] * 3)  # 6.875 > 5
+    assert policy.batch_speculates([good] + [bad] * 3)  # 4.375 > 4
+    assert not policy.batch_speculates([good] + [bad] * 5)  # 5.625 < 6
+    assert not AcceptancePolicy(slots=4, step_cost=4.5).batch_speculates([good])  # c(P) > P: never

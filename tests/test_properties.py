@@ -143,8 +143,8 @@ def arrivals(draw, vocab: int):
 def test_batched_sequences_equal_plain_decoding_alone(pool, data, which, fused, max_batch, chunk, budget, step_cost):
     """Continuous batching over the pool (forced mispredictions, a zoo model): sequences arrive at random
     steps, prefill in chunks, run beside others under the speed/plain row policy and (step_cost) the
-    per-sequence acceptance rule with quick knobs (so sequences fall back, probe, and mix speed and plain
-    runs in one iteration), leave on max tokens or cancellation; each finished sequence's ids equal plain
+    per-sequence acceptance rule with quick knobs (so sequences fall back, probe, and turn the batch plain
+    and back), leave on max tokens or cancellation; each finished sequence's ids equal plain
     decoding of it alone on the same graphs (greedy or seeded sampling), a cancelled one's are a prefix."""
     from speedc.runtimes.acceptance_policy import AcceptancePolicy
     from speedc.runtimes.batch import BatchScheduler, RowPolicy
