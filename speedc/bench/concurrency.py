@@ -1,7 +1,8 @@
 """`speedc bench OUT --concurrency 1,2,4,8,16`: continuous batching under load.
 
 For each concurrency c, c clients each submit one request at once (prompts cycled from the bench set),
-and the batch runs until all are done, once per system, interleaved over the repeats:
+and the batch runs until all are done, once per system, interleaved over the repeats (the order rotated
+each repeat, so no system always runs right after the same one):
 
     speed-adaptive     the default policies: per sequence, speculate while its own acceptance keeps the
                        analytic bound above 1 (runtimes/acceptance_policy.py), per step, while the
@@ -118,7 +119,10 @@ def _measure(engine, prompts, prompt_ids, alone, levels, new_tokens, repeats, th
             systems[GENAI] = genai_batched(genai_dir, clients, threads)
         runs: dict[str, list[dict]] = {name: [] for name in systems}
         for repeat in range(repeats):
-            for name, system in systems.items():  # interleaved: machine noise hits every system alike
+            names = list(systems)
+            names = names[repeat % len(names):] + names[:repeat % len(names)]  # rotated: no system always follows the same one
+            for name in names:  # interleaved: machine noise hits every system alike
+                system = systems[name]
                 progress(f"concurrency {clients}: {name}, repeat {repeat + 1}/{repeats}")
                 if name == GENAI:
                     run = _run_genai(system, prompt_ids, clients, new_tokens)
