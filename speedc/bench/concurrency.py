@@ -54,7 +54,7 @@ def _run_once(engine: Engine, prompts: list[str], clients: int, new_tokens: int,
     per_token = [(last[s.id] - first[s.id]) * 1e3 / (len(s.out) - 1) for s in sequences if len(s.out) > 1]
     return {"wall": wall, "tokens": sum(len(s.out) for s in sequences), "ids": [s.out for s in sequences],
             "per_token_ms": per_token, "ttft_ms": [(first[s.id] - start) * 1e3 for s in sequences],
-            "steps": {**scheduler.steps, "swaps": scheduler.swaps}}
+            "steps": {**scheduler.steps, "switches": scheduler.mode_switches}}
 
 
 def _run_genai(batched, prompt_ids: list[list[int]], clients: int, new_tokens: int) -> dict:
