@@ -99,8 +99,10 @@ class AcceptancePolicy:
             state.plain_tokens += 1
 
     def tokens_per_step(self, state: SequenceAcceptance) -> float:
-        """Tokens a speed step is expected to emit for STATE's sequence (the bound's 1 / (1 + (1-a)(P-1)))."""
-        return 1.0 / (1.0 + (1.0 - state.alpha) * (self.slots - 1))
+        """Tokens a speed step is expected to emit for STATE's sequence (the bound's 1 / (1 + (1-a)(P-1))),
+        at the prior until min_outcomes outcomes judge it (as its own rule waits for them)."""
+        alpha = state.alpha if state.outcomes >= self.min_outcomes else self.prior
+        return 1.0 / (1.0 + (1.0 - alpha) * (self.slots - 1))
 
     def batch_speculates(self, states: list[SequenceAcceptance]) -> bool:
         """Whether one iteration's decoding sequences (STATES) speculate together or all decode plainly.

@@ -77,8 +77,9 @@ def test_the_batch_speculates_while_its_summed_bound_wins():
     """With c/P = 0.4 a sequence at alpha 1 makes 2.5 tokens per plain-token cost in a speed step, one at
     alpha 0 makes 0.625: losers ride along while the winners carry the batch, else all decode plainly."""
     policy = AcceptancePolicy(slots=4, step_cost=1.6)
-    good, bad = SimpleNamespace(alpha=1.0), SimpleNamespace(alpha=0.0)
+    good, bad = SimpleNamespace(alpha=1.0, outcomes=8), SimpleNamespace(alpha=0.0, outcomes=8)
     assert policy.batch_speculates([good]) and not policy.batch_speculates([bad])
+    assert policy.batch_speculates([SimpleNamespace(alpha=0.0, outcomes=7)])  # not judged yet: the prior
     assert policy.batch_speculates([good, bad])  # 3.125 > 2
     assert policy.batch_speculates([good] * 2 + [bad] * 3)  # 6.875 > 5
     assert policy.batch_speculates([good] + [bad] * 3)  # 4.375 > 4
