@@ -7,7 +7,8 @@ One scheduler iteration (`BatchScheduler.step`):
        while none is free, and one longer than a slot's capacity is refused at submit, never cut)
     2. prefill: one chunk (<= prefill_chunk tokens) of the oldest sequence still prefilling; its last
        chunk yields its first token
-    3. decode: ONE graph run for every decoding sequence, chosen per step by the row policy:
+    3. decode: ONE graph run for every decoding sequence, speed or plain: the acceptance policy weighs
+       each sequence's own acceptance (runtimes/acceptance_policy.py), the row policy the step's rows:
          speed: P*n rows; each sequence's pipeline exactly as runtimes/decode.py decode_speed runs it
                 (enter, verify at the last slot, flush on a miss, optional early flush)
          plain: n rows; each sequence's last confirmed token through all N layers
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from speedc.errors import GenerationError
+from speedc.runtimes.acceptance_policy import AcceptancePolicy, AlwaysSpeculate
 from speedc.runtimes.batch_backend import BatchBackend
 from speedc.runtimes.decode import DecodeStats, Pipeline, Request, Slot, emit_token
 
@@ -51,6 +53,7 @@ class Sequence:
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
     first_token_seconds: float | None = None  # submit -> first confirmed token
+    acceptance: object = None  # its record in the scheduler's acceptance policy
 
     @property
     def last_useful(self) -> int:
@@ -88,9 +91,11 @@ Event = tuple[Sequence, int | None]  # (sequence, confirmed token) or (sequence,
 class BatchScheduler:
     """Owns a BatchBackend's pool; `submit` and `cancel` may be called from any thread, `step` from one."""
 
-    def __init__(self, backend: BatchBackend, *, policy: RowPolicy | None = None, prefill_chunk: int = 128) -> None:
+    def __init__(self, backend: BatchBackend, *, policy: RowPolicy | None = None,
+                 acceptance: AcceptancePolicy | AlwaysSpeculate | None = None, prefill_chunk: int = 128) -> None:
         self.backend = backend
         self.policy = policy or RowPolicy()
+        self.acceptance = acceptance or AlwaysSpeculate()
         self.prefill_chunk = prefill_chunk
         self.waiting: deque[Sequence] = deque()
         self.occupied: list[Sequence] = []  # index = sequence slot
@@ -100,6 +105,7 @@ class BatchScheduler:
         self.mode_switches = 0
         self.steps = {"speed": 0, "plain": 0, "prefill": 0}
         self.decode_steps: Counter[int] = Counter()  # sequences decoded together -> decode steps so far
+        self._wanting: set[int] = set()  # ids of the sequences whose own rule chose speculation this step
 
     # ---- requests --------------------------------------------------------------------------------
     def submit(self, request: Request, *, early_flush: bool = True) -> Sequence:
@@ -109,7 +115,8 @@ class BatchScheduler:
                                   f"exceeds the KV-cache slot of {self.backend.capacity} positions (raise --kv-cache-mb "
                                   "or lower --max-batch)")
         mode = "batch speed" if self.backend.speculative else "batch autoregressive"
-        sequence = Sequence(next(self._ids), request, early_flush and self.backend.speculative, DecodeStats(mode))
+        sequence = Sequence(next(self._ids), request, early_flush and self.backend.speculative, DecodeStats(mode),
+                            acceptance=self.acceptance.start())
         with self._lock:
             self.waiting.append(sequence)
         return sequence
@@ -140,7 +147,7 @@ class BatchScheduler:
         self._prefill_chunk(events)
         decoding = [s for s in self.occupied if s.state == DECODE]
         if decoding:
-            speculate = self.policy.speculate(self.backend.slots, len(decoding), self.speculating)
+            speculate = self._speculate(decoding)
             if speculate != self.speculating:
                 self.mode_switches += 1
                 self.speculating = speculate
@@ -188,11 +195,25 @@ class BatchScheduler:
         hole, last = sequence.slot, len(self.occupied) - 1
         if hole != last:
             mover = self.occupied[last]
-            self.backend.move(last, hole)
+            self.backend.move(last, hole, self._cached(mover))  # positions beyond are never read
             mover.slot = hole
             self.occupied[hole] = mover
         self.occupied.pop()
         sequence.slot = -1
+
+    def _speculate(self, decoding: list[Sequence]) -> bool:
+        """Speed or plain step: each sequence's own choice (advancing its fall-back / probe state), the
+        batch's sum of them (acceptance policy), then the row budget (row policy)."""
+        if self.backend.slots == 1:
+            return False
+        self._wanting = {id(s) for s in decoding if self.acceptance.wants_speculation(s.acceptance)}
+        if not self.acceptance.batch_speculates([s.acceptance for s in decoding]):
+            return False
+        return self.policy.speculate(self.backend.slots, len(decoding), self.speculating)
+
+    def _cached(self, sequence: Sequence) -> int:
+        """Cache positions of SEQUENCE that may hold K/V it will read: prompt, emitted tokens, in-flight ones."""
+        return min(self.backend.capacity, len(sequence.request.prompt) + len(sequence.out) + self.backend.slots)
 
     def _prefill_chunk(self, events: list[Event]) -> None:
         sequence = next((s for s in self.occupied if s.state == PREFILL), None)
@@ -229,6 +250,7 @@ class BatchScheduler:
             sequence.stats.steps += 1
             b = sequence.slot
             token = sequence.request.picker.pick(logits[b] if want else None, int(argmax[b]), sequence.request.history)
+            self.acceptance.waited(sequence.acceptance)
             self._emit(sequence, token, events)
             sequence.stats.decode_seconds += time.perf_counter() - start
 
@@ -274,9 +296,15 @@ class BatchScheduler:
         for i, (sequence, depth) in enumerate(exit_of):
             guesses.setdefault(id(sequence), {})[depth] = int(exits[i])
         for sequence in stepping:
-            sequence.stats.steps += 1
+            stats = sequence.stats
+            stats.steps += 1
+            accepted, failed = stats.accepted, stats.failed_speculations
             self._absorb(sequence, final.get(id(sequence)), guesses.get(id(sequence), {}), events)
-            sequence.stats.decode_seconds += time.perf_counter() - start
+            if id(sequence) in self._wanting:  # its own speculation: judged
+                self.acceptance.observe(sequence.acceptance, stats.accepted - accepted, stats.failed_speculations - failed)
+            else:  # riding along in a speed step it did not choose: waiting for its next probe
+                self.acceptance.waited(sequence.acceptance)
+            stats.decode_seconds += time.perf_counter() - start
 
     def _absorb(self, sequence: Sequence, final: tuple[int, np.ndarray | None] | None, guesses: dict[int, int],
                 events: list[Event]) -> None:

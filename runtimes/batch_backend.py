@@ -18,6 +18,7 @@ only valid rows are written here.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -81,31 +82,43 @@ class BatchBackend:
         shape = (self.stage_layers, self.slots, max_batch, self.kv_heads, capacity + 1, self.head_dim)
         self.key, self.value = np.zeros(shape, F32), np.zeros(shape, F32)
         self.hidden = np.zeros((self.slots, max_batch, self.hidden_size), F32)  # last hidden_out, [slot, sequence]
+        self._bindings: dict[tuple, object] = {}  # (role, rows, output names) -> IO binding with the slabs bound (fused)
 
     @property
     def speculative(self) -> bool:
         return self.slots > 1
 
-    def move(self, source: int, target: int) -> None:
-        """Sequence slot SOURCE's cache and pipeline state now live in slot TARGET."""
+    def move(self, source: int, target: int, length: int | None = None) -> None:
+        """Sequence slot SOURCE's cache (its first LENGTH positions; None: all) and pipeline state now live
+        in slot TARGET."""
+        cut = slice(None, length)
         for pool in (self.key, self.value):
-            pool[:, :, target] = pool[:, :, source]
+            pool[:, :, target, :, cut] = pool[:, :, source, :, cut]
         self.hidden[:, target] = self.hidden[:, source]
 
     # ---- running a graph -------------------------------------------------------------------------
-    def _run(self, role: str, feeds: dict, slabs: dict[str, np.ndarray], outputs: dict[str, tuple]) -> dict[str, np.ndarray]:
-        """Run ROLE's graph. SLABS: cache input name -> pool view (read, and written in place when fused).
-        OUTPUTS: name -> (shape, dtype) of what to return. Standard graphs also return new_key/new_value."""
+    def _run(self, role: str, feeds: dict, rows: tuple[int, int], slabs_of: Callable[[], dict[str, np.ndarray]],
+             outputs: dict[str, tuple]) -> dict[str, np.ndarray]:
+        """Run ROLE's graph over sequence slots ROWS = (first, end). SLABS_OF(): cache input name -> pool view
+        (read, and written in place when fused). OUTPUTS: name -> (shape, dtype) of what to return.
+        Standard graphs also return new_key/new_value.
+
+        Fused: the pool never moves, so the IO binding of the cache slabs (2 x slabs binds, the bulk of a
+        binding) is made once per (role, rows, output names) and kept; each run rebinds only the feeds and
+        the outputs it returns (the same names every time for one key, so nothing stale stays bound)."""
         session = self.sessions[self.graph[role]]
         if not self.fused:
             names = list(outputs) + [contract.new_rows(kind) for kind in contract.KV_KINDS]
-            return dict(zip(names, session.run(names, {**feeds, **slabs})))
-        binding = session.io_binding()
+            return dict(zip(names, session.run(names, {**feeds, **slabs_of()})))
+        key = (role, rows, tuple(outputs))
+        binding = self._bindings.get(key)
+        if binding is None:
+            binding = self._bindings[key] = session.io_binding()
+            for name, view in slabs_of().items():  # past and present: the same pool memory (written in place)
+                binding.bind_input(name, "cpu", 0, F32, list(view.shape), view.ctypes.data)
+                binding.bind_output(name + ".out", "cpu", 0, F32, list(view.shape), view.ctypes.data)
         for name, value in feeds.items():
             binding.bind_cpu_input(name, value)
-        for name, view in slabs.items():  # past and present: the same pool memory (written in place)
-            binding.bind_input(name, "cpu", 0, F32, list(view.shape), view.ctypes.data)
-            binding.bind_output(name + ".out", "cpu", 0, F32, list(view.shape), view.ctypes.data)
         results = {}
         for name, (shape, dtype) in outputs.items():
             results[name] = np.empty(shape, dtype)
@@ -132,7 +145,8 @@ class BatchBackend:
         outputs = {contract.NEXT_TOKEN: ((1,), np.int64)}
         if want_logits:
             outputs[contract.LOGITS] = ((1, self.vocab_size), F32)
-        result = self._run(contract.PREFILL, feeds, self._logical_slabs(slice(sequence, sequence + 1)), outputs)
+        result = self._run(contract.PREFILL, feeds, (sequence, sequence + 1),
+                           lambda: self._logical_slabs(slice(sequence, sequence + 1)), outputs)
         if not self.fused:  # new rows [N, 1, kvh, L, hd] -> pool[j, s, sequence, :, start:start+L]
             for kind, pool in (("key", self.key), ("value", self.value)):
                 new = result[contract.new_rows(kind)][:, 0]
@@ -150,7 +164,7 @@ class BatchBackend:
         outputs = {contract.NEXT_TOKEN: ((n,), np.int64)}
         if want_logits:
             outputs[contract.LOGITS] = ((n, self.vocab_size), F32)
-        result = self._run(contract.PREFILL, feeds, self._logical_slabs(slice(0, n)), outputs)
+        result = self._run(contract.PREFILL, feeds, (0, n), lambda: self._logical_slabs(slice(0, n)), outputs)
         if not self.fused:  # new rows [N, n, kvh, 1, hd]; row b of layer s*S + j -> pool[j, s, b, :, positions[b]]
             rows = np.flatnonzero(valid)
             for kind, pool in (("key", self.key), ("value", self.value)):
@@ -171,16 +185,19 @@ class BatchBackend:
                  contract.POSITIONS: self._scratch(positions, valid).reshape(rows),
                  contract.HIDDEN_IN: np.ascontiguousarray(self.hidden[:slots - 1, :n]).reshape((slots - 1) * n, 1, -1),
                  contract.FINAL_ROWS: np.asarray(final_rows, np.int64), contract.EXIT_ROWS: np.asarray(exit_rows, np.int64)}
-        slabs = {}
-        for j in range(self.stage_layers):
-            for s in range(slots):
-                slabs[contract.batch_cache_input("key", j, s)] = self.key[j, s, :n]
-                slabs[contract.batch_cache_input("value", j, s)] = self.value[j, s, :n]
+        def slabs():
+            views = {}
+            for j in range(self.stage_layers):
+                for s in range(slots):
+                    views[contract.batch_cache_input("key", j, s)] = self.key[j, s, :n]
+                    views[contract.batch_cache_input("value", j, s)] = self.value[j, s, :n]
+            return views
+
         outputs = {contract.FINAL_TOKEN: ((len(final_rows),), np.int64), contract.EXIT_TOKENS: ((len(exit_rows),), np.int64),
                    contract.HIDDEN_OUT: ((rows, 1, self.hidden_size), F32)}
         if want_logits:
             outputs[contract.FINAL_LOGITS] = ((len(final_rows), self.vocab_size), F32)
-        result = self._run(contract.BATCH_STEP, feeds, slabs, outputs)
+        result = self._run(contract.BATCH_STEP, feeds, (0, n), slabs, outputs)
         self.hidden[:, :n] = result[contract.HIDDEN_OUT].reshape(slots, n, self.hidden_size)
         if not self.fused:  # new rows [S, R, kvh, 1, hd] -> pool[j, s, b, :, positions[s, b]] for valid (s, b)
             s_index, b_index = np.nonzero(valid)

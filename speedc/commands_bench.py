@@ -43,7 +43,7 @@ from speedc.errors import GenerationError
 @backend_options
 @click.option("--peers/--no-peers", default=None,
               help="Also time the PyTorch reference, transformers generate and ORT GenAI fp32 / int4 "
-                   "(default: when installed).")
+                   "(default: when installed); with --concurrency: ORT GenAI's own batching.")
 @click.option("--peer", "only_peers", multiple=True, type=click.Choice(list(PEER_NAMES)),
               help="Run only these peers (repeatable; implies --peers).")
 @click.option("--sweep", "sweeps", multiple=True, type=click.Choice(["slots", "length"]),
@@ -51,7 +51,8 @@ from speedc.errors import GenerationError
 @click.option("--memory/--no-memory", default=True, show_default=True,
               help="Peak RSS of each system, each measured in a fresh process.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write a PNG: tokens/s per system (end to end), decode-only speedup vs slots with the bound.")
+              help="Write a PNG: tokens/s per system (end to end), decode-only speedup vs slots with the bound "
+                   "(with --concurrency: aggregate tokens/s and per-sequence ms/token vs clients).")
 @click.option("--concurrency", default=None,
               help="Instead: continuous batching at these client counts, e.g. 1,2,4,8,16 (SPEED adaptive / always / "
                    "batched plain decoding: aggregate tokens/s, per-sequence ms/token p50/p99, TTFT).")
@@ -86,7 +87,7 @@ def bench(artifact, memory_bound, memory_bound_hidden, shape, layers, end_to_end
     if artifact is None:
         raise GenerationError("give an ARTIFACT to benchmark (or --memory-bound)")
     if concurrency is not None:
-        return concurrency_command(artifact, concurrency, prompts, new_tokens, repeats, threads, plot, as_json)
+        return concurrency_command(artifact, concurrency, prompts, new_tokens, repeats, threads, peers, plot, as_json)
     if plot is not None:
         check_plot_path(plot)  # before minutes of measuring, not after
     import tempfile
@@ -161,7 +162,8 @@ def print_memory_bound(report: dict) -> None:
                            f"{op['step_ms'] - op['token_share_ms']:>+15.3f}")
 
 
-def concurrency_command(artifact: Path, levels: str, prompts, new_tokens: int, repeats: int, threads, plot, as_json: bool) -> None:
+def concurrency_command(artifact: Path, levels: str, prompts, new_tokens: int, repeats: int, threads, peers, plot,
+                        as_json: bool) -> None:
     from rich.console import Console
 
     from speedc.bench.concurrency import concurrency_bench, format_concurrency
@@ -175,12 +177,17 @@ def concurrency_command(artifact: Path, levels: str, prompts, new_tokens: int, r
     if not clients or min(clients) < 1:
         raise GenerationError("--concurrency needs client counts of at least 1")
     if plot is not None:
-        raise GenerationError("--plot is not drawn for --concurrency in this version (use --json)")
+        check_plot_path(plot)  # before minutes of measuring, not after
     engine = Engine.load(artifact, threads=threads)
     with Console(stderr=True).status("concurrency") as spinner:
         report = concurrency_bench(engine, list(prompts) or DEFAULT_PROMPTS, clients, new_tokens, repeats, threads=threads,
-                                   progress=spinner.update)
+                                   peers=peers, progress=spinner.update)
     click.echo(json.dumps(report) if as_json else format_concurrency(report))
+    if plot is not None:  # after the report is out: a failing plot never loses the measurements
+        from speedc.bench.plot import write_concurrency_plot
+
+        write_concurrency_plot(report, plot)
+        Console(stderr=True).print(f"wrote {plot}")
 
 
 def check_plot_path(plot: Path) -> None:

@@ -158,3 +158,24 @@ def test_cli_prompts_file_json_in_input_order(engine, tiny_artifact, tmp_path):
     assert all(r["stats"]["mode"] == "batch speed" and r["text"] for r in rows)
     prompts.write_text("a\n\nb\n")
     assert_one_line_error(run_cli("generate", tiny_artifact, "--prompts-file", prompts), "line 2 is empty")
+
+
+def test_per_sequence_decisions_turn_the_batch_plain_and_back_losslessly(engine):
+    """The real acceptance rule with quick knobs on zoo:tiny: greedy sequences (high acceptance) want to
+    speculate, hot-sampled ones (low acceptance) fall back, probe and fall back again; the batch runs
+    speed and plain steps as their sum decides, and every sequence equals plain decoding of it alone."""
+    from speedc.runtimes.acceptance_policy import AcceptancePolicy
+    from speedc.runtimes.batch import BatchScheduler, RowPolicy
+    from speedc.runtimes.batch_backend import make_batch_backend
+
+    policy = AcceptancePolicy(engine.manifest.slots, step_cost=1.6, min_outcomes=2, probe_after=3)
+    backend = make_batch_backend(engine.directory, engine.manifest, max_batch=3, capacity=80)
+    scheduler = BatchScheduler(backend, policy=RowPolicy(row_budget=None), acceptance=policy, prefill_chunk=8)
+    settings = [{}, {"temperature": 1.2, "seed": 3}, {"temperature": 1.5, "top_k": 50, "seed": 9}, {}]
+    sequences = [scheduler.submit(engine.request_from(p, dict(max_new_tokens=32, stop_at_eos=False, **s)), early_flush=i % 2 == 0)
+                 for i, (p, s) in enumerate(zip(PROMPTS, settings))]
+    scheduler.run()
+    for prompt, setting, sequence in zip(PROMPTS, settings, sequences):
+        assert sequence.out == _alone(engine, prompt, {"stop_at_eos": False, **setting}, 32).ids
+    assert scheduler.steps["speed"] > 0 and scheduler.steps["plain"] > 0 and scheduler.mode_switches >= 2
+    assert sequences[0].acceptance.fallbacks == 0 and sequences[1].acceptance.fallbacks >= 2  # fell back, probed, fell back

@@ -1,12 +1,16 @@
 """`speedc bench OUT --concurrency 1,2,4,8,16`: continuous batching under load.
 
 For each concurrency c, c clients each submit one request at once (prompts cycled from the bench set),
-and the batch runs until all are done, once per system, interleaved over the repeats:
+and the batch runs until all are done, once per system, interleaved over the repeats (the order rotated
+each repeat, so no system always runs right after the same one):
 
-    speed-adaptive   the default row policy (runtimes/batch.py RowPolicy): SPEED steps while the step
-                     has at most row_budget rows, plain steps above
-    speed-always     SPEED steps at every concurrency (no budget)
-    plain-batched    plain decoding of all sequences in one graph run per token (the baseline)
+    speed-adaptive     the default policies: per sequence, speculate while its own acceptance keeps the
+                       analytic bound above 1 (runtimes/acceptance_policy.py), per step, while the
+                       speculating sequences take at most row_budget rows (runtimes/batch.py RowPolicy)
+    speed-always       SPEED steps for every sequence at every concurrency (no budget, no per-sequence rule)
+    plain-batched      plain decoding of all sequences in one graph run per token (the baseline)
+    onnxruntime-genai  (peers, when onnxruntime-genai and torch are installed) ORT GenAI's own batching,
+                       og.Engine, on its builder's fp32 export of the unrolled weights (bench/peers.py)
 
 Reported per (c, system): aggregate tokens/s (all new tokens / wall time, medians over repeats),
 per-sequence decode ms/token p50/p99 (first token to last, over every sequence of every repeat) and
@@ -24,15 +28,17 @@ import numpy as np
 from speedc.errors import SpeedcError
 from speedc.runtimes.engine import Engine
 
-SYSTEMS = {"speed-adaptive": -1, "speed-always": None, "plain-batched": 0}  # system -> Engine.batch_scheduler row_budget
+SYSTEMS = {"speed-adaptive": dict(row_budget=-1), "speed-always": dict(row_budget=None, per_sequence=False),
+           "plain-batched": dict(row_budget=0)}  # system -> Engine.batch_scheduler options
+GENAI = "onnxruntime-genai"
 
 
 def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def _run_once(engine: Engine, prompts: list[str], clients: int, new_tokens: int, row_budget, threads) -> dict:
-    scheduler = engine.batch_scheduler(max_batch=clients, row_budget=row_budget, threads=threads)
+def _run_once(engine: Engine, prompts: list[str], clients: int, new_tokens: int, options: dict, threads) -> dict:
+    scheduler = engine.batch_scheduler(max_batch=clients, threads=threads, **options)
     start = time.perf_counter()
     sequences = [scheduler.submit(engine.request_from(prompts[i % len(prompts)], dict(max_new_tokens=new_tokens,
                                                                                      stop_at_eos=False)))
@@ -48,19 +54,80 @@ def _run_once(engine: Engine, prompts: list[str], clients: int, new_tokens: int,
     per_token = [(last[s.id] - first[s.id]) * 1e3 / (len(s.out) - 1) for s in sequences if len(s.out) > 1]
     return {"wall": wall, "tokens": sum(len(s.out) for s in sequences), "ids": [s.out for s in sequences],
             "per_token_ms": per_token, "ttft_ms": [(first[s.id] - start) * 1e3 for s in sequences],
-            "steps": dict(scheduler.steps)}
+            "steps": {**scheduler.steps, "switches": scheduler.mode_switches}}
+
+
+def _run_genai(batched, prompt_ids: list[list[int]], clients: int, new_tokens: int) -> dict:
+    start = time.perf_counter()
+    ids, times, runs, widest = batched([prompt_ids[i % len(prompt_ids)] for i in range(clients)], new_tokens)
+    wall = time.perf_counter() - start
+    per_token = [(last - first) * 1e3 / (len(out) - 1) for out, (first, last) in zip(ids, times) if len(out) > 1]
+    return {"wall": wall, "tokens": sum(len(out) for out in ids), "ids": ids, "per_token_ms": per_token,
+            "ttft_ms": [(first - start) * 1e3 for first, _ in times],
+            "steps": {"runs": runs, "most_sequences_per_run": widest}}
+
+
+def genai_available(engine: Engine) -> str | None:
+    """Why ORT GenAI cannot join the concurrency bench on ENGINE's artifact, or None when it can."""
+    from speedc.bench.peers import peers_available
+
+    try:
+        import onnxruntime_genai  # noqa: F401
+    except ImportError:
+        return "onnxruntime-genai is not installed (pip install 'speedc[bench]')"
+    if not peers_available():
+        return "its export needs torch and transformers (pip install 'speedc[dev]')"
+    if engine.tokenizer is None:
+        return "the artifact has no tokenizer (ORT GenAI's builder needs one)"
+    return None
 
 
 def concurrency_bench(engine: Engine, prompts: list[str], levels: list[int], new_tokens: int, repeats: int,
-                      threads: int | None = None, progress=lambda text: None) -> dict:
+                      threads: int | None = None, peers: bool | None = None, progress=lambda text: None) -> dict:
+    """PEERS: also ORT GenAI's batching (None: when it can run here; the report says why not otherwise)."""
+    import tempfile
+    from pathlib import Path
+
     alone = {p: engine.generate(p, max_new_tokens=new_tokens, mode="autoregressive", stop_at_eos=False).ids for p in prompts}
+    prompt_ids = [engine.request_from(p, {}).prompt for p in prompts]
+    genai_note = genai_available(engine) if peers is not False else "not asked (--no-peers)"
+    with tempfile.TemporaryDirectory() as tmp:
+        genai_dir = None
+        if genai_note is None:
+            from speedc.bench.peers import PEERS, prepare_peers
+
+            progress("exporting the unrolled weights with ORT GenAI's model builder")
+            if GENAI in prepare_peers(engine.directory, engine.manifest, threads, Path(tmp), only=(GENAI,)):
+                genai_dir = PEERS[GENAI].export_dir(Path(tmp))
+            else:
+                genai_note = "its export covers the Llama architecture only"
+        elif peers:
+            raise SpeedcError(f"--peers: ORT GenAI cannot run: {genai_note}")
+        rows = _measure(engine, prompts, prompt_ids, alone, levels, new_tokens, repeats, threads, genai_dir, progress)
+    return {"artifact": str(engine.directory), "slots": engine.manifest.slots, "new_tokens": new_tokens,
+            "repeats": repeats, "identical_ids": True, "concurrency": rows,
+            "onnxruntime_genai": "og.Engine, static batching scheduler" if genai_dir else f"not run: {genai_note}"}
+
+
+def _measure(engine, prompts, prompt_ids, alone, levels, new_tokens, repeats, threads, genai_dir, progress) -> list[dict]:
+    from speedc.bench.peers import genai_batched
+
     rows = []
     for clients in levels:
-        runs: dict[str, list[dict]] = {name: [] for name in SYSTEMS}
+        systems = dict(SYSTEMS)
+        if genai_dir is not None:
+            systems[GENAI] = genai_batched(genai_dir, clients, threads)
+        runs: dict[str, list[dict]] = {name: [] for name in systems}
         for repeat in range(repeats):
-            for name, budget in SYSTEMS.items():  # interleaved: machine noise hits every system alike
+            names = list(systems)
+            names = names[repeat % len(names):] + names[:repeat % len(names)]  # rotated: no system always follows the same one
+            for name in names:  # interleaved: machine noise hits every system alike
+                system = systems[name]
                 progress(f"concurrency {clients}: {name}, repeat {repeat + 1}/{repeats}")
-                run = _run_once(engine, prompts, clients, new_tokens, budget, threads)
+                if name == GENAI:
+                    run = _run_genai(system, prompt_ids, clients, new_tokens)
+                else:
+                    run = _run_once(engine, prompts, clients, new_tokens, system, threads)
                 expected = [alone[prompts[i % len(prompts)]] for i in range(clients)]
                 if run["ids"] != expected:
                     raise SpeedcError(f"concurrency {clients}, {name}: ids differ from plain decoding alone; no speed reported")
@@ -73,15 +140,15 @@ def concurrency_bench(engine: Engine, prompts: list[str], levels: list[int], new
                          "ms_per_token_p99": round(_percentile(per_token, 99), 3),
                          "ttft_ms_p50": round(_percentile([t for r in done for t in r["ttft_ms"]], 50), 2),
                          "steps": done[-1]["steps"]})
-    return {"artifact": str(engine.directory), "slots": engine.manifest.slots, "new_tokens": new_tokens,
-            "repeats": repeats, "identical_ids": True, "concurrency": rows}
+    return rows
 
 
 def format_concurrency(report: dict) -> str:
     lines = [f"continuous batching, {report['artifact']} (P={report['slots']}), {report['new_tokens']} new tokens per "
              f"request, median of {report['repeats']}; ids equal plain decoding alone: {report['identical_ids']}",
-             f"{'clients':>7} {'system':<15} {'tokens/s':>9} {'ms/tok p50':>10} {'p99':>8} {'TTFT p50 ms':>11}  steps"]
+             f"ORT GenAI: {report.get('onnxruntime_genai', 'not run')}",
+             f"{'clients':>7} {'system':<17} {'tokens/s':>9} {'ms/tok p50':>10} {'p99':>8} {'TTFT p50 ms':>11}  steps"]
     for row in report["concurrency"]:
-        lines.append(f"{row['clients']:>7} {row['system']:<15} {row['tokens_per_second']:>9.1f} {row['ms_per_token_p50']:>10.2f} "
+        lines.append(f"{row['clients']:>7} {row['system']:<17} {row['tokens_per_second']:>9.1f} {row['ms_per_token_p50']:>10.2f} "
                      f"{row['ms_per_token_p99']:>8.2f} {row['ttft_ms_p50']:>11.1f}  {row['steps']}")
     return "\n".join(lines)

@@ -115,6 +115,58 @@ def genai_peer(model_dir: Path, threads: int | None) -> Peer:
     return generate
 
 
+def genai_batched(model_dir: Path, max_batch: int, threads: int | None):
+    """ONNX Runtime GenAI's own batching (its Python og.Engine: requests, turns, one run() per step) on an
+    export of its model builder. Returns run(prompts ids, new tokens) -> (new ids per prompt, [(first,
+    last) token times per prompt], graph runs, most sequences one run advanced). Greedy, no EOS stop.
+
+    Its static batching scheduler is the one this export can use: dynamic batching wants a paged KV
+    cache, which the builder's fp32 CPU export does not have."""
+    import json
+    import time
+
+    import numpy as np
+    import onnxruntime_genai as og
+
+    from speedc.runtimes.backend import resolve_threads
+
+    config = og.Config(str(model_dir))
+    config.overlay(json.dumps({"engine": {"static_batching": {"max_batch_size": max_batch}},
+                               "model": {"decoder": {"session_options": {"intra_op_num_threads": resolve_threads(threads)}}}}))
+    engine = og.Engine(og.Model(config))
+    buffer = engine.create_event_buffer(4 * max_batch)
+    token_flag = int(og.EngineEventFlags.TOKEN.value)
+
+    def run(prompts: list[list[int]], new_tokens: int):
+        requests = []
+        for prompt in prompts:
+            request = engine.create_request()
+            turn = og.TurnOptions(request)
+            turn.set_do_sample(False)
+            turn.set_max_generated_tokens(new_tokens)
+            turn.set_min_generated_tokens(new_tokens)  # no EOS stop, as the other systems
+            request.begin_turn(np.asarray(prompt, np.int32), turn)
+            requests.append(request)
+        index = {id(r): i for i, r in enumerate(requests)}
+        ids: list[list[int]] = [[] for _ in prompts]
+        times: list[list[float]] = [[] for _ in prompts]
+        runs = widest = 0
+        while engine.has_pending_requests():
+            events = [e for e in engine.run(buffer) if int(e.flags.value) & token_flag]
+            now = time.perf_counter()
+            runs += 1
+            widest = max(widest, len(events))
+            for event in events:
+                i = index[id(event.request)]
+                ids[i].append(int(event.token))
+                times[i] = [times[i][0] if times[i] else now, now]
+        for request in requests:
+            request.close()
+        return ids, times, runs, widest
+
+    return run
+
+
 def _set_threads(threads: int | None) -> None:
     import torch
 

@@ -3,6 +3,10 @@
     [ tokens/s per system ]  [ speedup vs slots P, bound drawn ]  [ ms/token vs context ]*
       end to end               decode only (prefill excluded)       decode only
     * only when the report holds a --sweep length
+
+`speedc bench --concurrency ... --plot FILE.png` (write_concurrency_plot):
+
+    [ aggregate tokens/s vs clients, one line per system ]  [ per-sequence ms/token p50 vs clients ]
 """
 
 from __future__ import annotations
@@ -20,8 +24,7 @@ def _speedup_points(report: dict) -> tuple[list[int], list[float], list[float]]:
     return [report["slots"]], [report["speedup_p50"]], [report["bound"]]
 
 
-def write_plot(report: dict, path: Path) -> Path:
-    """Draw REPORT (BenchReport JSON, optionally with "sweep") into PATH; returns PATH."""
+def _pyplot():
     try:
         import matplotlib
 
@@ -29,6 +32,26 @@ def write_plot(report: dict, path: Path) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise SpeedcError("--plot needs matplotlib: pip install 'speedc[bench]'") from None
+    return plt
+
+
+def _save(plt, fig, path: Path) -> Path:
+    partial = path.with_name(f".{path.name}.partial{path.suffix}")  # never leave half a file at PATH
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(partial, dpi=110)
+        os.replace(partial, path)
+    except OSError as bad:
+        raise SpeedcError(f"--plot {path}: cannot write it ({bad.strerror or bad})") from None
+    finally:
+        plt.close(fig)
+        partial.unlink(missing_ok=True)
+    return path
+
+
+def write_plot(report: dict, path: Path) -> Path:
+    """Draw REPORT (BenchReport JSON, optionally with "sweep") into PATH; returns PATH."""
+    plt = _pyplot()
     length_rows = report.get("sweep", {}).get("length", {}).get("rows")
     panels = 3 if length_rows else 2
     fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.2))
@@ -62,14 +85,34 @@ def write_plot(report: dict, path: Path) -> Path:
         axes[2].legend(fontsize=8)
     fig.suptitle(f"{Path(report['artifact']).name}: {report['backend']}, P={report['slots']}")
     fig.tight_layout()
-    partial = path.with_name(f".{path.name}.partial{path.suffix}")  # never leave half a file at PATH
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(partial, dpi=110)
-        os.replace(partial, path)
-    except OSError as bad:
-        raise SpeedcError(f"--plot {path}: cannot write it ({bad.strerror or bad})") from None
-    finally:
-        plt.close(fig)
-        partial.unlink(missing_ok=True)
-    return path
+    return _save(plt, fig, path)
+
+
+SYSTEM_STYLE = {"speed-adaptive": ("tab:green", "o-"), "speed-always": ("tab:olive", "^--"),
+                "plain-batched": ("tab:gray", "s-"), "onnxruntime-genai": ("tab:blue", "d-.")}
+
+
+def write_concurrency_plot(report: dict, path: Path) -> Path:
+    """Draw a `--concurrency` REPORT (speedc/bench/concurrency.py JSON) into PATH; returns PATH."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10.4, 4.2))
+    systems = list(dict.fromkeys(row["system"] for row in report["concurrency"]))
+    for system in systems:
+        rows = sorted((r for r in report["concurrency"] if r["system"] == system), key=lambda r: r["clients"])
+        color, style = SYSTEM_STYLE.get(system, ("tab:purple", "x-"))
+        clients = [r["clients"] for r in rows]
+        axes[0].plot(clients, [r["tokens_per_second"] for r in rows], style, color=color, label=system)
+        axes[1].plot(clients, [r["ms_per_token_p50"] for r in rows], style, color=color, label=system)
+    levels = sorted({r["clients"] for r in report["concurrency"]})
+    for ax, label in ((axes[0], "aggregate tokens/s (all clients)"), (axes[1], "per-sequence decode ms/token (p50)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    axes[0].set_title("throughput (same ids as plain decoding alone)")
+    axes[1].set_title("latency per sequence")
+    fig.suptitle(f"{Path(report['artifact']).name}: continuous batching, P={report['slots']}, "
+                 f"{report['new_tokens']} new tokens per request")
+    fig.tight_layout()
+    return _save(plt, fig, path)

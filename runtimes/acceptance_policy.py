@@ -1,0 +1,160 @@
+"""When one sequence of a batch should speculate: from its own acceptance (runtimes/batch.py asks per step).
+
+RowPolicy (batch.py) decides per step from the row count; this decides per sequence from how well its
+speculation has been doing. SPEED beats plain decoding of the same sequence only while the analytic
+bound (speedc/schedule.py) is above 1:
+
+    P / (c(P) (1 + (1 - alpha)(P - 1))) > 1   <=>   alpha > alpha* = 1 - (P / c(P) - 1) / (P - 1)
+
+alpha is the sequence's average of its speculation outcomes (confirmed = 1, failed at the last layer or
+by an early flush = 0): a plain mean over the first 1/weight outcomes, then an exponential average, so it
+follows a text that changes character. c(P) is the step cost
+measured at build time (manifest build.step_cost_measured), else FALLBACK_STEP_COST (said so in
+`describe`). The state machine of one sequence:
+
+    speculating --(>= min_outcomes outcomes and bound < 1)--> plain
+    plain --(probe_after tokens decoded plainly)--> speculating (a probe: its average starts afresh)
+    a probe that falls back again doubles probe_after (up to max_probe_after); one that holds
+    (min_outcomes outcomes with the bound >= 1) resets it
+
+The batch then speculates or decodes plainly as a whole (`batch_speculates`: the bound summed over its
+sequences; a split into a speed run and a plain run never pays, see there). Whatever it decides stays lossless: the scheduler only drops unverified work when a sequence switches.
+Standard library only (the runtime path imports no torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from speedc.schedule import analytic_bound
+
+# c(P) when the artifact carries no measurement: 1 + 0.25 (P - 1), i.e. c(4) = 1.75, the middle of the
+# c(4) = 1.23-2.25 measured on this project's 2-core CPU (README "Measured here"). Not a measurement.
+FALLBACK_STEP_COST_SLOPE = 0.25
+
+
+def fallback_step_cost(slots: int) -> float:
+    return 1.0 + FALLBACK_STEP_COST_SLOPE * (slots - 1)
+
+
+@dataclass
+class SequenceAcceptance:
+    """One sequence's record: its averaged acceptance and where it is in the state machine."""
+    alpha: float
+    speculating: bool = True
+    outcomes: int = 0  # speculation outcomes since speculation (re)started
+    plain_tokens: int = 0  # tokens decoded plainly since it fell back
+    probe_after: int = 0  # plain tokens before the next probe (grows while probes keep failing)
+    probing: bool = False  # speculating again after a fall-back, not yet shown to hold
+    fallbacks: int = 0
+
+
+@dataclass
+class AcceptancePolicy:
+    slots: int  # P
+    step_cost: float  # c(P)
+    step_cost_source: str = "measured"
+    weight: float = 0.1  # of each new outcome in the exponential average (about the last 10 outcomes count)
+    prior: float = 1.0  # alpha shown before a sequence's first outcome (decisions wait for min_outcomes)
+    min_outcomes: int = 8  # outcomes seen before a sequence may fall back
+    probe_after: int = 32
+    max_probe_after: int = 512
+
+    @classmethod
+    def for_manifest(cls, manifest, **knobs) -> "AcceptancePolicy":
+        """c(P) from the manifest's build-time measurement when it was taken at this P, else the fallback."""
+        measured = (manifest.build or {}).get("step_cost_measured") or {}
+        if measured.get("slots") == manifest.slots and measured.get("step_cost"):
+            return cls(manifest.slots, float(measured["step_cost"]), "measured at build", **knobs)
+        return cls(manifest.slots, fallback_step_cost(manifest.slots),
+                   f"fallback 1 + {FALLBACK_STEP_COST_SLOPE} (P - 1), not measured", **knobs)
+
+    @property
+    def threshold(self) -> float:
+        """alpha* : below it the bound is under 1 (speculation loses). > 1 means never speculate."""
+        if self.slots == 1:
+            return float("inf")
+        return 1.0 - (self.slots / self.step_cost - 1.0) / (self.slots - 1)
+
+    def describe(self) -> str:
+        return (f"per sequence: speculate while the bound P/(c(1+(1-a)(P-1))) > 1, i.e. acceptance > "
+                f"{self.threshold:.2f} at P={self.slots}, c={self.step_cost:.2f} ({self.step_cost_source})")
+
+    def start(self) -> SequenceAcceptance:
+        return SequenceAcceptance(self.prior, probe_after=self.probe_after)
+
+    def observe(self, state: SequenceAcceptance, accepted: int, failed: int) -> None:
+        """Fold one step's speculation outcomes into STATE (failed first: order only matters within a step).
+        The first 1/weight outcomes since a (re)start are a plain mean (a bias-free start), then the
+        exponential average takes over."""
+        for outcome, count in ((0.0, failed), (1.0, accepted)):
+            for _ in range(count):
+                state.outcomes += 1
+                state.alpha += max(self.weight, 1.0 / state.outcomes) * (outcome - state.alpha)
+
+    def waited(self, state: SequenceAcceptance) -> None:
+        """STATE's sequence ran one decode step while it had chosen plain decoding (a plain token, or a
+        speed step the batch's layout made it take): one step nearer its next probe."""
+        if not state.speculating:
+            state.plain_tokens += 1
+
+    def tokens_per_step(self, state: SequenceAcceptance) -> float:
+        """Tokens a speed step is expected to emit for STATE's sequence (the bound's 1 / (1 + (1-a)(P-1))),
+        at the prior until min_outcomes outcomes judge it (as its own rule waits for them)."""
+        alpha = state.alpha if state.outcomes >= self.min_outcomes else self.prior
+        return 1.0 / (1.0 + (1.0 - alpha) * (self.slots - 1))
+
+    def batch_speculates(self, states: list[SequenceAcceptance]) -> bool:
+        """Whether one iteration's decoding sequences (STATES) speculate together or all decode plainly.
+        The bound's cost units (a plain run costs 1, a speed run c/P) and each sequence's expected
+        tokens per speed step t_i = 1 / (1 + (1 - a_i)(P - 1)):
+
+            speed:  sum_i t_i / (c/P)        plain:  n / 1
+
+        With one sequence this is its own bound > 1. Why not split the batch (speculators in a speed run,
+        losers in a plain run of their own)? A speed step emits at most one token per sequence, so such
+        an iteration emits at most n tokens for more than a plain run's cost, which emits exactly n for
+        every sequence: splitting is never better, for the batch or for any one sequence. So losing
+        sequences ride along in the speed run while the winners carry the batch; when the losers weigh
+        more, everyone decodes plainly until probes (a sequence's average starting afresh) say otherwise."""
+        if self.threshold >= 1.0:
+            return False
+        tokens = sum(self.tokens_per_step(state) for state in states)
+        return tokens * self.slots / self.step_cost > len(states)
+
+    def wants_speculation(self, state: SequenceAcceptance) -> bool:
+        """Advance STATE's state machine; whether its sequence should speculate this step."""
+        if state.speculating:
+            if state.outcomes >= self.min_outcomes and analytic_bound(self.slots, state.alpha, self.step_cost) < 1.0:
+                if state.probing:  # the probe failed: wait longer next time
+                    state.probe_after = min(2 * state.probe_after, self.max_probe_after)
+                state.speculating, state.probing, state.plain_tokens = False, False, 0
+                state.fallbacks += 1
+            elif state.probing and state.outcomes >= self.min_outcomes:
+                state.probing, state.probe_after = False, self.probe_after  # the text became predictable
+        elif state.plain_tokens >= state.probe_after:
+            state.speculating, state.probing = True, True
+            state.alpha, state.outcomes = self.prior, 0
+        return state.speculating and self.threshold < 1.0
+
+
+class AlwaysSpeculate:
+    """The per-sequence rule switched off: every sequence speculates whenever the row policy lets it."""
+
+    def start(self) -> None:
+        return None
+
+    def observe(self, state, accepted: int, failed: int) -> None:
+        pass
+
+    def waited(self, state) -> None:
+        pass
+
+    def wants_speculation(self, state) -> bool:
+        return True
+
+    def batch_speculates(self, states) -> bool:
+        return True
+
+    def describe(self) -> str:
+        return "per sequence: off (every sequence speculates when the row budget allows)"
