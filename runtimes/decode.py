@@ -44,7 +44,9 @@ class DecodeStats:
 
     @property
     def acceptance_rate(self) -> float:
-        checked = self.accepted + self.mispredicted
+        """Confirmed speculations / checked ones, a failure at the last layer or by an early flush alike
+        (the alpha of the analytic bound; every report pools it this way)."""
+        checked = self.accepted + self.failed_speculations
         return self.accepted / checked if checked else 0.0
 
     @property

@@ -77,7 +77,7 @@ def greedy(engine, prompts: list[str], new_tokens: int) -> tuple[list[list[int]]
         result = engine.generate(prompt, max_new_tokens=new_tokens, stop_at_eos=False)
         outs.append(result.ids)
         accepted += result.stats.accepted
-        checked += result.stats.accepted + result.stats.mispredicted
+        checked += result.stats.accepted + result.stats.failed_speculations
     return outs, accepted / checked if checked else 0.0
 
 

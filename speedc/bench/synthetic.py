@@ -159,7 +159,7 @@ def end_to_end_row(engine, *, prompts: int, new_tokens: int, seed: int = 0) -> d
         for mode, result in results.items():
             ms[mode].append(1000 * result.stats.decode_seconds / max(1, result.stats.new_tokens - 1))
         accepted += results["speed"].stats.accepted
-        checked += results["speed"].stats.accepted + results["speed"].stats.mispredicted
+        checked += results["speed"].stats.accepted + results["speed"].stats.failed_speculations
     speed, plain = statistics.median(ms["speed"]), statistics.median(ms["autoregressive"])
     return {"acceptance": round(accepted / max(1, checked), 3), "speed_ms_per_token": round(speed, 2),
             "autoregressive_ms_per_token": round(plain, 2), "speedup_decode": round(plain / speed, 3),
