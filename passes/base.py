@@ -71,6 +71,7 @@ class CompileState:
     exit_norm: str | None = None  # initializer name of the exit head's RMSNorm weight
     schedule: Schedule | None = None  # the schedule pass decides
     weight_parts: dict[str, list] = field(default_factory=dict)  # stacked weight -> [(part, first row, rows)]
+    weight_aliases: dict[str, str] = field(default_factory=dict)  # a model tensor share merged away -> the one holding its values
     notes: list[str] = field(default_factory=list)
     facts: set[str] = field(default_factory=set)  # FACTS that hold now (kept by run_passes)
     consumed_by: dict[str, str] = field(default_factory=dict)  # fact -> the pass that consumed it

@@ -46,8 +46,9 @@ def _same(a: gs.Constant, b: gs.Constant) -> bool:
     return np.array_equal(a.values, b.values)
 
 
-def merge_identical_constants(graph: gs.Graph) -> int:
-    """Point every use of a duplicated weight at one copy; returns how many copies were dropped."""
+def merge_identical_constants(graph: gs.Graph, merged_into: dict[str, gs.Constant] | None = None) -> int:
+    """Point every use of a duplicated weight at one copy; returns how many copies were dropped.
+    MERGED_INTO (filled when given): dropped name -> the constant that now stands for it."""
     canonical: dict[tuple, list[gs.Constant]] = {}
     merged = 0
     constants = [t for t in graph.tensors().values() if isinstance(t, gs.Constant) and math.prod(t.shape) > 1]
@@ -59,6 +60,8 @@ def merge_identical_constants(graph: gs.Graph) -> int:
         else:
             replace_uses(const, twin)
             merged += 1
+            if merged_into is not None:
+                merged_into[const.name] = twin
     graph.cleanup()
     return merged
 
@@ -90,14 +93,32 @@ def rename_blocks(block_weights: list[list[gs.Constant]]) -> None:
                 w.name = f"model.blocks.{block}.{match.group(2)}"
 
 
+def model_tensor_aliases(cfg, layer_map: list[int], merged_into: dict[str, gs.Constant]) -> dict[str, str]:
+    """The names merged away or renamed away (MERGED_INTO: old name -> its constant now) that the compiled
+    model still has as tensors (its blocks' norms that happened to be equal, say all ones, one constant
+    renamed after the last block reading it), each -> the name now holding its values: the weight index lists
+    them as views, so the model rebuilds from the artifact (PyTorch backend, peers) with every tensor.
+    An unrolled checkpoint's later layers are not tensors of the compiled model and get none."""
+    import dataclasses
+
+    from speedc.models.checkpoint import expected_shapes
+
+    tensors = expected_shapes(dataclasses.replace(cfg, layer_map=list(layer_map)))
+    return {name: twin.name for name, twin in merged_into.items() if name in tensors and name != twin.name}
+
+
 @register_pass("share", phase="analysis", requires=("decode_program",), provides=("layer_map",))
 def share(state: CompileState) -> CompileState:
     """Merge identical initializers, derive the layer map from the weights, fix the exit point."""
     graph = state.graphs["decode"]
-    merged = merge_identical_constants(graph)
+    merged_into: dict[str, gs.Constant] = {}
+    merged = merge_identical_constants(graph, merged_into)
     layer_map, block_weights = derive_layer_map(graph, state.cfg.num_hidden_layers)
+    for weights in block_weights:  # a kept block weight's own name, in case the renaming moves it
+        merged_into.update({w.name: w for w in weights if w.name not in merged_into})
     rename_blocks(block_weights)
     state.layer_map = layer_map
+    state.weight_aliases = model_tensor_aliases(state.cfg, layer_map, merged_into)
     state.notes.append(f"share: merged {merged} duplicate initializers; layer map {describe_layer_map(layer_map)}: {layer_map}")
     if state.has_speedc_section and layer_map != state.cfg.layer_map:
         state.notes.append(f"share: config.json declares {state.cfg.layer_map}, the weights say {layer_map}; using the weights")

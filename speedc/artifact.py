@@ -307,7 +307,7 @@ def _reference(index: dict[str, dict], name: str, uses: list, weight_parts: dict
 
 
 def write_graphs(graphs: dict, directory: Path, weight_names: set[str], weight_parts: dict[str, list] | None = None,
-                 on_bytes: Callable[[int, int], None] | None = None) -> tuple[dict, dict]:
+                 on_bytes: Callable[[int, int], None] | None = None, aliases: dict[str, str] | None = None) -> tuple[dict, dict]:
     """Write every graph as ONNX with its weights in ONE shared external-data file, weights.bin.
 
     Weights are streamed: each is copied from where it is (checkpoint bytes, converted to its storage
@@ -315,7 +315,9 @@ def write_graphs(graphs: dict, directory: Path, weight_names: set[str], weight_p
     graph's initializer becomes an external-data reference (location, offset, length); no graph proto
     ever holds weight bytes. Graphs are written in the contract's order, so the same pipeline result
     always gives the same bytes. A stacked weight (fuse_projections) is one entry with "parts"; each
-    checkpoint tensor in it gets its own entry "within" it. ON_BYTES(done, total) reports progress.
+    checkpoint tensor in it gets its own entry "within" it. ALIASES (model tensor -> stored tensor with
+    the same values, merged by the share pass) become entries "within" their target. ON_BYTES(done, total)
+    reports progress.
     Returns (graph I/O specs, weight index).
     """
     import onnx
@@ -352,6 +354,10 @@ def write_graphs(graphs: dict, directory: Path, weight_names: set[str], weight_p
         base = index[_view_of(uses[0])]
         index[name] = {"offset": base["offset"], "length": base["length"], "within": _view_of(uses[0])}
         _reference(index, name, uses, {})
+    for alias, target in (aliases or {}).items():
+        entry = index.get(target)
+        if alias not in index and entry is not None and "quantized" not in entry:
+            index[alias] = {**{key: entry[key] for key in ("offset", "length", "dtype", "shape")}, "within": target}
     specs: dict[str, dict] = {}
     for name in ordered:
         model = gs.export_onnx(graphs[name], do_type_check=True)

@@ -141,7 +141,8 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
             raise BuildError("--target trt: TensorRT engine building is not available in this speedc build "
                              "(the TensorRT lint passed; build --target onnx to deploy with ONNX Runtime)")
         progress("writing the graphs and streaming the weights into the artifact")
-        specs, index = write_graphs(state.graphs, tmp, set(weights), state.weight_parts, on_bytes=on_weight_bytes)
+        specs, index = write_graphs(state.graphs, tmp, set(weights), state.weight_parts, on_bytes=on_weight_bytes,
+                                    aliases=state.weight_aliases)
         cfg.save(tmp / CONFIG)
         tokenizer = read_tokenizer_json(checkpoint)
         if tokenizer is not None:

@@ -116,3 +116,26 @@ def test_ouro_layout_written_by_the_streaming_writer_opens_as_ouro(tmp_path):
     assert not any("early_exit_gate" in name for name in sources)  # read and ignored
     reference = write_ouro(tmp_path / "ref", layers=3, hidden=64, heads=4, head_dim=16, intermediate=96, vocab=128)
     assert {n: s.shape for n, s in sources.items()} == {n: s.shape for n, s in open_checkpoint(reference)[1].items()}
+
+
+def test_merged_equal_norms_are_listed_for_the_model(tmp_path):
+    """Blocks whose norms happen to be equal (all ones here) share one stored tensor after the share
+    pass; the weight index lists every model tensor still, so the model rebuilds from the artifact (the
+    PyTorch backend, peers) with the checkpoint's values."""
+    import torch
+
+    from speedc.artifact import read_manifest
+    from speedc.bench.synthetic import random_model_of, shape_config, zoo_shape
+    from speedc.build import build
+    from speedc.models.checkpoint import save_checkpoint
+    from speedc.runtimes.torch_backend import load_model_from_artifact
+
+    model = random_model_of(shape_config(zoo_shape(64, blocks=2, passes=2), 2))
+    out = build(save_checkpoint(model, tmp_path / "ckpt"), tmp_path / "art", measure_step_cost=False).out
+    manifest = read_manifest(out)
+    index = manifest.weights["index"]
+    norms = [name for name in index if name.endswith("layernorm.weight")]
+    assert len(norms) == 4 and sum("within" in index[name] for name in norms) == 3  # one stored, three views
+    rebuilt = load_model_from_artifact(out, manifest).state_dict()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(rebuilt[name], value, rtol=0, atol=0)
