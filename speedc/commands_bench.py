@@ -20,6 +20,7 @@ from speedc.errors import GenerationError
 @click.option("--memory-bound", is_flag=True,
               help="Instead: build a large random-weight model (--shape) at each pipeline depth and report c(P).")
 @click.option("--memory-bound-hidden", type=click.IntRange(64), default=1024, show_default=True, hidden=True)
+@click.option("--memory-bound-repeats", type=click.IntRange(5), default=100, show_default=True, hidden=True)
 @click.option("--shape", type=click.Choice(["zoo", *SHAPES]), default="zoo", show_default=True,
               help="With --memory-bound: the zoo family at hidden 1024, or a looped checkpoint's real shapes (bf16, "
                    "its published layout, every layer unless --layers).")
@@ -57,7 +58,7 @@ from speedc.errors import GenerationError
               help="Instead: continuous batching at these client counts, e.g. 1,2,4,8,16 (SPEED adaptive / always / "
                    "batched plain decoding: aggregate tokens/s, per-sequence ms/token p50/p99, TTFT).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def bench(artifact, memory_bound, memory_bound_hidden, shape, layers, end_to_end, residual_scale, weights, profile, new_tokens,
+def bench(artifact, memory_bound, memory_bound_hidden, memory_bound_repeats, shape, layers, end_to_end, residual_scale, weights, profile, new_tokens,
           repeats, prompts,
           early_flush, backend, device, threads, peers, only_peers, sweeps, memory, plot, concurrency, as_json):
     """Measure SPEED against plain decoding (and peers) on ARTIFACT: interleaved runs, identical ids checked first
@@ -73,7 +74,7 @@ def bench(artifact, memory_bound, memory_bound_hidden, shape, layers, end_to_end
         from speedc.bench.synthetic import synthetic_step_costs
 
         with Console(stderr=True).status("memory-bound step cost") as spinner:
-            report = synthetic_step_costs(hidden=memory_bound_hidden, threads=threads, backend=backend,
+            report = synthetic_step_costs(hidden=memory_bound_hidden, repeats=memory_bound_repeats, threads=threads, backend=backend,
                                           shape=SHAPES.get(shape), layers=layers, end_to_end=end_to_end,
                                           residual_scale=residual_scale, new_tokens=new_tokens, weights=weights,
                                           profile=profile, progress=spinner.update)
