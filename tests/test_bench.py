@@ -235,3 +235,6 @@ def test_memory_bound_on_a_looped_shape():
     assert report["residual_scale"] == 0.1 and report["label"].startswith("SPEED vs plain decoding")
     for row in report["rows"]:
         assert row["ids_identical"] and 0 <= row["acceptance"] <= 1 and row["speedup_decode"] > 0
+    summary = report["end_to_end"]  # the deepest pipeline, as other tools read it
+    assert summary["slots"] == 4 and summary["identical_ids"] and summary["speedup"] == report["rows"][-1]["speedup_decode"]
+    assert summary["acceptance_rate"] == report["rows"][-1]["acceptance"]

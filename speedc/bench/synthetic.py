@@ -215,7 +215,14 @@ def synthetic_step_costs(*, hidden: int = 1024, blocks: int = 4, passes: int = 4
     note = "" if used == shape.layers else f"{used} of the real {shape.layers} layers (--layers)"
     label = ("SPEED vs plain decoding on random weights" + ("" if shape.looped else ", LM head untied") + ", residual updates scaled by "
              f"{scale} (acceptance measured)" if end_to_end else "step cost only (random weights)")
-    return {"label": label, "backend": backend, "shape": shape.name, "weights": storage, "hidden": shape.hidden,
-            "blocks": used, "passes": shape.loops, "real_layers": shape.layers, "note": note,
-            "residual_scale": scale, "unique_weight_mb": round(unique_fp32 / 1e6, 1),
-            "stored_weight_mb": round(stored / 1e6, 1), "context": context, "rows": rows}
+    report = {"label": label, "backend": backend, "shape": shape.name, "weights": storage, "hidden": shape.hidden,
+              "blocks": used, "passes": shape.loops, "real_layers": shape.layers, "note": note,
+              "residual_scale": scale, "unique_weight_mb": round(unique_fp32 / 1e6, 1),
+              "stored_weight_mb": round(stored / 1e6, 1), "context": context, "rows": rows}
+    if end_to_end:  # the deepest pipeline's row, under the names other tools read
+        deepest = rows[-1]
+        report["end_to_end"] = {"slots": deepest["slots"], "speedup": deepest["speedup_decode"],
+                                "acceptance_rate": deepest["acceptance"], "identical_ids": deepest["ids_identical"],
+                                "speed_ms_per_token": deepest["speed_ms_per_token"],
+                                "autoregressive_ms_per_token": deepest["autoregressive_ms_per_token"]}
+    return report
