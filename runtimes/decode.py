@@ -67,6 +67,14 @@ class DecodeStats:
         return data
 
 
+def pooled_acceptance(runs) -> float:
+    """DecodeStats.acceptance_rate over many runs (RUNS: their stats), summed before dividing."""
+    runs = list(runs)
+    accepted = sum(s.accepted for s in runs)
+    checked = accepted + sum(s.failed_speculations for s in runs)
+    return accepted / checked if checked else 0.0
+
+
 @dataclass
 class Slot:
     """A token in flight: its id and the position it sits at."""

@@ -42,6 +42,7 @@ def _generate(backend, prompt: list[int], new_tokens: int, mode: str):
 def check_backend(backend, reference_ids: list[list[int]], prompts: list[list[int]], new_tokens: int, repeats: int) -> dict:
     """Lossless on every prompt, then interleaved timing of both modes; c(P) at the timed context."""
     from speedc.bench.run import measure_step_cost
+    from speedc.runtimes.decode import pooled_acceptance
 
     lossless = True
     for prompt, expected in zip(prompts, reference_ids):
@@ -49,19 +50,19 @@ def check_backend(backend, reference_ids: list[list[int]], prompts: list[list[in
         plain_ids = _generate(backend, prompt, new_tokens, "autoregressive")[0]
         lossless &= speed_ids == plain_ids == expected
     times = {"speed": [], "autoregressive": []}
-    accepted = checked = 0
+    speed_runs = []
     for _ in range(repeats):
         for prompt in prompts:
             for mode in times:
                 _, stats, seconds = _generate(backend, prompt, new_tokens, mode)
                 times[mode].append(1000 * seconds / new_tokens)
                 if mode == "speed":
-                    accepted, checked = accepted + stats.accepted, checked + stats.accepted + stats.failed_speculations
+                    speed_runs.append(stats)
     ms = {mode: round(statistics.median(values), 4) for mode, values in times.items()}
     context = max(len(p) for p in prompts) + new_tokens
     return {"lossless": lossless, "prompts": len(prompts), "new_tokens": new_tokens, "ms_per_token_p50": ms,
             "speed_over_autoregressive": round(ms["autoregressive"] / ms["speed"], 3),
-            "acceptance": round(accepted / max(checked, 1), 4),
+            "acceptance": round(pooled_acceptance(speed_runs), 4),
             "step_cost": round(measure_step_cost(backend, context, repeats=50), 3)}
 
 

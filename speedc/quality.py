@@ -72,13 +72,10 @@ def teacher_forced(engine, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
 
 def greedy(engine, prompts: list[str], new_tokens: int) -> tuple[list[list[int]], float]:
     """(greedy continuation ids per prompt, SPEED acceptance over them); SPEED's ids are plain decoding's."""
-    outs, accepted, checked = [], 0, 0
-    for prompt in prompts:
-        result = engine.generate(prompt, max_new_tokens=new_tokens, stop_at_eos=False)
-        outs.append(result.ids)
-        accepted += result.stats.accepted
-        checked += result.stats.accepted + result.stats.failed_speculations
-    return outs, accepted / checked if checked else 0.0
+    from speedc.runtimes.decode import pooled_acceptance
+
+    results = [engine.generate(prompt, max_new_tokens=new_tokens, stop_at_eos=False) for prompt in prompts]
+    return [r.ids for r in results], pooled_acceptance(r.stats for r in results)
 
 
 def compare(reference: Path, artifacts: list[Path], *, prompts: list[str] | None = None, new_tokens: int = 64,

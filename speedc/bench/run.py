@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from speedc.errors import SpeedcError
+from speedc.runtimes.decode import pooled_acceptance
 from speedc.runtimes.engine import Engine
 from speedc.schedule import analytic_bound
 
@@ -144,7 +145,7 @@ def run_bench(engine: Engine, *, prompts: list[str] | None = None, new_tokens: i
     times: dict[str, list[float]] = {"speed": [], "autoregressive": []}
     e2e: dict[str, list[float]] = {name: [] for name in ("speed", "autoregressive", *peers)}
     prefill: list[float] = []
-    accepted = failed = steps = emitted = 0
+    speed_runs, steps, emitted = [], 0, 0
     flushes = {"last_layer": 0, "early": 0, "tokens_discarded": 0}
     identical = True
     engine.generate(prompts[0], max_new_tokens=8, stop_at_eos=False)  # warm-up
@@ -170,13 +171,13 @@ def run_bench(engine: Engine, *, prompts: list[str] | None = None, new_tokens: i
                                       "refusing to report speeds")
                 agreement[name].add(peer_ids, results["speed"].ids)
             s = results["speed"].stats
-            accepted, failed = accepted + s.accepted, failed + s.failed_speculations
+            speed_runs.append(s)
             steps, emitted = steps + s.steps, emitted + s.new_tokens - 1
             for key, count in (("last_layer", s.mispredicted), ("early", s.early_flushes), ("tokens_discarded", s.flushed_tokens)):
                 flushes[key] += count
     if not identical:
         raise SpeedcError("speed and autoregressive outputs differ: refusing to report speeds (this is a bug)")
-    alpha = accepted / max(accepted + failed, 1)
+    alpha = pooled_acceptance(speed_runs)
     slots = engine.manifest.slots
     longest = max(len(engine.encode(p)) for p in prompts)
     cost = measure_step_cost(engine, context=longest + new_tokens)
