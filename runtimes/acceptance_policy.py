@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from speedc.schedule import analytic_bound
+from speedc.schedule import analytic_bound, assumed_step_cost
 
 # c(P) when the artifact carries no measurement: 1 + 0.25 (P - 1), i.e. c(4) = 1.75, the middle of the
 # c(4) = 1.23-2.25 measured on this project's 2-core CPU (README "Measured here"). Not a measurement.
@@ -34,7 +34,7 @@ FALLBACK_STEP_COST_SLOPE = 0.25
 
 
 def fallback_step_cost(slots: int) -> float:
-    return 1.0 + FALLBACK_STEP_COST_SLOPE * (slots - 1)
+    return assumed_step_cost(slots, FALLBACK_STEP_COST_SLOPE)
 
 
 @dataclass
@@ -92,6 +92,14 @@ class AcceptancePolicy:
                 state.outcomes += 1
                 state.alpha += max(self.weight, 1.0 / state.outcomes) * (outcome - state.alpha)
 
+    def stepped(self, state: SequenceAcceptance, accepted: int, failed: int) -> None:
+        """STATE's sequence ran in a speed step: judged by its outcomes when it chose speculation,
+        else it rode along, one step nearer its next probe."""
+        if state.speculating:
+            self.observe(state, accepted, failed)
+        else:
+            self.waited(state)
+
     def waited(self, state: SequenceAcceptance) -> None:
         """STATE's sequence ran one decode step while it had chosen plain decoding (a plain token, or a
         speed step the batch's layout made it take): one step nearer its next probe."""
@@ -148,6 +156,9 @@ class AlwaysSpeculate:
         pass
 
     def waited(self, state) -> None:
+        pass
+
+    def stepped(self, state, accepted: int, failed: int) -> None:
         pass
 
     def wants_speculation(self, state) -> bool:

@@ -65,7 +65,6 @@ class Sequence:
         return Slot(self.out[-1], len(self.request.prompt) + len(self.out) - 1)
 
 
-
 @dataclass
 class RowPolicy:
     """When to speculate, per step: SPEED runs P rows per sequence, plain decoding one. Speculate while
@@ -105,7 +104,6 @@ class BatchScheduler:
         self.mode_switches = 0
         self.steps = {"speed": 0, "plain": 0, "prefill": 0}
         self.decode_steps: Counter[int] = Counter()  # sequences decoded together -> decode steps so far
-        self._wanting: set[int] = set()  # ids of the sequences whose own rule chose speculation this step
 
     # ---- requests --------------------------------------------------------------------------------
     def submit(self, request: Request, *, early_flush: bool = True) -> Sequence:
@@ -151,6 +149,10 @@ class BatchScheduler:
             if speculate != self.speculating:
                 self.mode_switches += 1
                 self.speculating = speculate
+                if not speculate:  # leaving speed mode: in-flight work is unverified
+                    for sequence in decoding:
+                        sequence.pipeline.flush_from(0)
+                        sequence.pipeline.pending = None
             (self._speed_step if speculate else self._plain_step)(decoding, events)
             self.decode_steps[len(decoding)] += 1
         for sequence in [s for s in self.occupied if s.state == DONE]:
@@ -206,7 +208,8 @@ class BatchScheduler:
         batch's sum of them (acceptance policy), then the row budget (row policy)."""
         if self.backend.slots == 1:
             return False
-        self._wanting = {id(s) for s in decoding if self.acceptance.wants_speculation(s.acceptance)}
+        for sequence in decoding:  # each sequence's own rule first (it advances its fall-back / probe state)
+            self.acceptance.wants_speculation(sequence.acceptance)
         if not self.acceptance.batch_speculates([s.acceptance for s in decoding]):
             return False
         return self.policy.speculate(self.backend.slots, len(decoding), self.speculating)
@@ -238,8 +241,6 @@ class BatchScheduler:
         n = len(self.occupied)
         tokens, positions, valid = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, bool)
         for sequence in decoding:
-            sequence.pipeline.flush_from(0)  # leaving speed mode: in-flight work is unverified
-            sequence.pipeline.pending = None
             frontier = sequence.frontier()
             tokens[sequence.slot], positions[sequence.slot], valid[sequence.slot] = frontier.token, frontier.pos, True
         want = any(s.request.picker.params.needs_logits for s in decoding)
@@ -300,10 +301,7 @@ class BatchScheduler:
             stats.steps += 1
             accepted, failed = stats.accepted, stats.failed_speculations
             self._absorb(sequence, final.get(id(sequence)), guesses.get(id(sequence), {}), events)
-            if id(sequence) in self._wanting:  # its own speculation: judged
-                self.acceptance.observe(sequence.acceptance, stats.accepted - accepted, stats.failed_speculations - failed)
-            else:  # riding along in a speed step it did not choose: waiting for its next probe
-                self.acceptance.waited(sequence.acceptance)
+            self.acceptance.stepped(sequence.acceptance, stats.accepted - accepted, stats.failed_speculations - failed)
             stats.decode_seconds += time.perf_counter() - start
 
     def _absorb(self, sequence: Sequence, final: tuple[int, np.ndarray | None] | None, guesses: dict[int, int],

@@ -29,8 +29,8 @@ DEFAULT_ALPHA = 0.7  # expected acceptance when the checkpoint carries no measur
 ALPHA_GRID = [0.0, 0.25, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
 
 
-def assumed_step_cost(slots: int) -> float:
-    return 1.0 + ASSUMED_STEP_COST_SLOPE * (slots - 1)
+def assumed_step_cost(slots: int, slope: float = ASSUMED_STEP_COST_SLOPE) -> float:
+    return 1.0 + slope * (slots - 1)
 
 
 def describe_assumed_step_cost() -> str:
