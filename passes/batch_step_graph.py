@@ -46,7 +46,7 @@ def _slice0(graph: gs.Graph, x: gs.Tensor, start: gs.Tensor, end: gs.Tensor, nam
     """x[start:end] along axis 0 (start, end: [1] int64), as a graph output named NAME."""
     out = add_layer(graph, op="Slice", inputs=[x, start, end, gs.Constant(f"{name}.axes", np.array([0], np.int64))],
                            outputs=[name], name=f"{name}/Slice")[0]
-    out.name, out.dtype, out.shape = name, dtype, shape  # graph.layer uniquifies names; outputs need exact ones
+    out.dtype, out.shape = dtype, shape
     return out
 
 

@@ -85,7 +85,6 @@ def _logits_and_tokens(graph: gs.Graph, state: CompileState, normed: gs.Tensor, 
     token = add_layer(graph, op="ArgMax", inputs=[logits], outputs=[token_name], attrs={"axis": -1, "keepdims": 0},
                              name=f"{prefix}/ArgMax")[0]
     logits.dtype, token.dtype = np.float32, np.int64
-    logits.name, token.name = logits_name, token_name  # graph.layer uniquifies names; outputs need exact ones
     return logits, token
 
 

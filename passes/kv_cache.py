@@ -37,7 +37,6 @@ def stack_presents(graph: gs.Graph, layers: int, rows: int | str, chunk: int | s
         out = add_layer(graph, op="Concat", inputs=parts, outputs=[contract.new_rows(kind)], attrs={"axis": 0},
                                name=f"kv_cache/Concat_{kind}")[0]
         out.dtype, out.shape = np.float32, [layers, rows, kv_heads, chunk, head_dim]
-        out.name = contract.new_rows(kind)
         stacked.append(out)
     graph.outputs = [t for t in graph.outputs if not t.name.startswith("present.")] + stacked
 

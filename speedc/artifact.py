@@ -284,6 +284,13 @@ def _view_of(constant) -> str | None:
     return getattr(constant._values, "view_of", None)
 
 
+def _within(index: dict[str, dict], name: str, target: str) -> dict:
+    """NAME's index entry over TARGET's bytes (written once), returned for its dtype and shape."""
+    base = index[target]
+    index[name] = {"offset": base["offset"], "length": base["length"], "within": target}
+    return index[name]
+
+
 def _reference(index: dict[str, dict], name: str, uses: list, weight_parts: dict[str, list]) -> None:
     """Complete NAME's index entry (its byte range is set) and point every graph's constant at those bytes."""
     import onnx
@@ -351,13 +358,11 @@ def write_graphs(graphs: dict, directory: Path, weight_names: set[str], weight_p
             index[name] = {"offset": offset, "length": blob.tell() - offset}
             _reference(index, name, uses, weight_parts)
     for name, uses in views.items():  # the same bytes in another shape: referenced, not written again
-        base = index[_view_of(uses[0])]
-        index[name] = {"offset": base["offset"], "length": base["length"], "within": _view_of(uses[0])}
+        _within(index, name, _view_of(uses[0]))
         _reference(index, name, uses, {})
-    for alias, target in (aliases or {}).items():
-        entry = index.get(target)
-        if alias not in index and entry is not None and "quantized" not in entry:
-            index[alias] = {**{key: entry[key] for key in ("offset", "length", "dtype", "shape")}, "within": target}
+    for alias, target in (aliases or {}).items():  # model tensors no graph reads under their own name
+        if alias not in index and target in index:
+            _within(index, alias, target).update(dtype=index[target]["dtype"], shape=index[target]["shape"])
     specs: dict[str, dict] = {}
     for name in ordered:
         model = gs.export_onnx(graphs[name], do_type_check=True)

@@ -69,11 +69,9 @@ def _run_genai(batched, prompt_ids: list[list[int]], clients: int, new_tokens: i
 
 def genai_available(engine: Engine) -> str | None:
     """Why ORT GenAI cannot join the concurrency bench on ENGINE's artifact, or None when it can."""
-    from speedc.bench.peers import peers_available
+    from speedc.bench.peers import genai_installed, peers_available
 
-    try:
-        import onnxruntime_genai  # noqa: F401
-    except ImportError:
+    if not genai_installed():
         return "onnxruntime-genai is not installed (pip install 'speedc[bench]')"
     if not peers_available():
         return "its export needs torch and transformers (pip install 'speedc[dev]')"

@@ -91,16 +91,24 @@ def genai_export(hf_dir: Path, specs: list[PeerSpec], workdir: Path) -> None:
         raise SpeedcError(f"ORT GenAI model builder failed: {(built.stderr.strip().splitlines() or ['?'])[-1]}")
 
 
-def genai_peer(model_dir: Path, threads: int | None) -> Peer:
-    """ONNX Runtime GenAI's greedy generator on an export of its model builder, with speedc's intra-op
-    thread count (the builder's config leaves ORT's default, every core). Imports no torch."""
+def _genai_config(model_dir: Path, threads: int | None, overlay: dict | None = None):
+    """ORT GenAI's config of an export, with speedc's intra-op thread count (the builder's config leaves
+    ORT's default, every core) and OVERLAY merged in."""
     import onnxruntime_genai as og
 
     from speedc.runtimes.backend import resolve_threads
 
     config = og.Config(str(model_dir))
-    config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": resolve_threads(threads)}}}}))
-    model = og.Model(config)
+    config.overlay(json.dumps({**(overlay or {}),
+                               "model": {"decoder": {"session_options": {"intra_op_num_threads": resolve_threads(threads)}}}}))
+    return config
+
+
+def genai_peer(model_dir: Path, threads: int | None) -> Peer:
+    """ONNX Runtime GenAI's greedy generator on an export of its model builder. Imports no torch."""
+    import onnxruntime_genai as og
+
+    model = og.Model(_genai_config(model_dir, threads))
 
     def generate(prompt: list[int], new_tokens: int) -> list[int]:
         params = og.GeneratorParams(model)
@@ -122,17 +130,12 @@ def genai_batched(model_dir: Path, max_batch: int, threads: int | None):
 
     Its static batching scheduler is the one this export can use: dynamic batching wants a paged KV
     cache, which the builder's fp32 CPU export does not have."""
-    import json
     import time
 
     import numpy as np
     import onnxruntime_genai as og
 
-    from speedc.runtimes.backend import resolve_threads
-
-    config = og.Config(str(model_dir))
-    config.overlay(json.dumps({"engine": {"static_batching": {"max_batch_size": max_batch}},
-                               "model": {"decoder": {"session_options": {"intra_op_num_threads": resolve_threads(threads)}}}}))
+    config = _genai_config(model_dir, threads, {"engine": {"static_batching": {"max_batch_size": max_batch}}})
     engine = og.Engine(og.Model(config))
     buffer = engine.create_event_buffer(4 * max_batch)
     token_flag = int(og.EngineEventFlags.TOKEN.value)
