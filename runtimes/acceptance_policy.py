@@ -12,7 +12,7 @@ follows a text that changes character. c(P) is the step cost
 measured at build time (manifest build.step_cost_measured), else FALLBACK_STEP_COST (said so in
 `describe`). The state machine of one sequence:
 
-    speculating --(>= min_outcomes outcomes and bound < 1)--> plain
+    speculating --(>= min_outcomes outcomes and bound < 1 - margin)--> plain
     plain --(probe_after tokens decoded plainly)--> speculating (a probe: its average starts afresh)
     a probe that falls back again doubles probe_after (up to max_probe_after); one that holds
     (min_outcomes outcomes with the bound >= 1) resets it
@@ -59,6 +59,11 @@ class AcceptancePolicy:
     min_outcomes: int = 8  # outcomes seen before a sequence may fall back
     probe_after: int = 32
     max_probe_after: int = 512
+    # Hysteresis: speculation stops only where the bound says it loses by more than this. An average of
+    # ~10 outcomes dips below alpha* by chance on text that speculates well, and each switch flushes the
+    # in-flight work; measured on zoo:small at one client (alpha* 0.64 at c(4) = 1.85): with no margin,
+    # 13-25% of decode steps fell back to plain tokens that cost more than the speed steps they replaced.
+    margin: float = 0.1
 
     @classmethod
     def for_manifest(cls, manifest, **knobs) -> "AcceptancePolicy":
@@ -112,7 +117,7 @@ class AcceptancePolicy:
         alpha = state.alpha if state.outcomes >= self.min_outcomes else self.prior
         return 1.0 / (1.0 + (1.0 - alpha) * (self.slots - 1))
 
-    def batch_speculates(self, states: list[SequenceAcceptance]) -> bool:
+    def batch_speculates(self, states: list[SequenceAcceptance], speculating: bool = True) -> bool:
         """Whether one iteration's decoding sequences (STATES) speculate together or all decode plainly.
         The bound's cost units (a plain run costs 1, a speed run c/P) and each sequence's expected
         tokens per speed step t_i = 1 / (1 + (1 - a_i)(P - 1)):
@@ -124,16 +129,17 @@ class AcceptancePolicy:
         an iteration emits at most n tokens for more than a plain run's cost, which emits exactly n for
         every sequence: splitting is never better, for the batch or for any one sequence. So losing
         sequences ride along in the speed run while the winners carry the batch; when the losers weigh
-        more, everyone decodes plainly until probes (a sequence's average starting afresh) say otherwise."""
+        more, everyone decodes plainly until probes (a sequence's average starting afresh) say otherwise.
+        SPECULATING: the batch's last decision; leaving speculation needs the margin (see `margin`)."""
         if self.threshold >= 1.0:
             return False
         tokens = sum(self.tokens_per_step(state) for state in states)
-        return tokens * self.slots / self.step_cost > len(states)
+        return tokens * self.slots / self.step_cost > len(states) * (1.0 - self.margin if speculating else 1.0)
 
     def wants_speculation(self, state: SequenceAcceptance) -> bool:
         """Advance STATE's state machine; whether its sequence should speculate this step."""
         if state.speculating:
-            if state.outcomes >= self.min_outcomes and analytic_bound(self.slots, state.alpha, self.step_cost) < 1.0:
+            if state.outcomes >= self.min_outcomes and analytic_bound(self.slots, state.alpha, self.step_cost) < 1.0 - self.margin:
                 if state.probing:  # the probe failed: wait longer next time
                     state.probe_after = min(2 * state.probe_after, self.max_probe_after)
                 state.speculating, state.probing, state.plain_tokens = False, False, 0
@@ -164,7 +170,7 @@ class AlwaysSpeculate:
     def wants_speculation(self, state) -> bool:
         return True
 
-    def batch_speculates(self, states) -> bool:
+    def batch_speculates(self, states, speculating: bool = True) -> bool:
         return True
 
     def describe(self) -> str:

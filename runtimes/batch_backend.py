@@ -5,7 +5,8 @@ graph runs the batch scheduler (runtimes/batch.py) needs. Imports numpy and onnx
 
     prefill(b, chunk)   prefill graph, 1 row:  logical layer l = s*S + j reads pool[j, s, b][None]
     plain_step(n)       prefill graph, n rows (one token per sequence): pool[j, s, :n]
-    speed_step(n)       batch_step graph, P*n rows, slot-major (row s*n + b): slab (j, s) = pool[j, s, :n]
+    speed_step(n)       batch_step graph, P*n rows, slot-major (row s*n + b): slab (j, s) = pool[j, s, :n];
+                        fused: stage layer j's whole pool[j] as one [P*B, ...] buffer (one attention a layer)
 
 Every slab a graph reads is a contiguous view of the pool (sequences 0..n-1: the scheduler keeps the
 occupied sequence slots a prefix by moving the last one into a hole). Row T of each slab is scratch:
@@ -126,9 +127,13 @@ class BatchBackend:
         session.run_with_iobinding(binding)
         return results
 
-    def _scratch(self, positions: np.ndarray, valid: np.ndarray) -> np.ndarray:
-        """Bubbles run at the scratch row T (fused: they write there) or at 0 (standard: never written)."""
-        return np.where(valid, positions, self.capacity if self.fused else 0).astype(np.int64)
+    def _scratch(self, positions: np.ndarray, valid: np.ndarray, bubble_at: np.ndarray | None) -> np.ndarray:
+        """Bubbles run at BUBBLE_AT [n] (per sequence slot, a position no row reads before it is rewritten;
+        None: the scratch row T) when fused, as they write there; standard graphs: at 0 (never written)."""
+        if not self.fused:
+            return np.where(valid, positions, 0).astype(np.int64)
+        at = self.capacity if bubble_at is None else np.minimum(bubble_at, self.capacity)
+        return np.where(valid, positions, at).astype(np.int64)
 
     def _logical_slabs(self, rows: slice) -> dict[str, np.ndarray]:
         """Prefill-graph cache inputs: logical layer l = s*S + j reads pool[j, s, rows]."""
@@ -154,13 +159,13 @@ class BatchBackend:
                     self.slots, self.stage_layers, *new.shape[1:]).transpose(1, 0, 2, 3, 4)
         return int(result[contract.NEXT_TOKEN][0]), (result[contract.LOGITS][0] if want_logits else None)
 
-    def plain_step(self, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray,
-                   want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    def plain_step(self, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray, want_logits: bool,
+                   bubble_at: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """Plain decoding of sequences 0..n-1 at once: row b's token at positions[b] through all N layers.
-        -> (argmax next tokens [n], logits [n, V] or None); invalid rows are bubbles."""
+        -> (argmax next tokens [n], logits [n, V] or None); invalid rows are bubbles (at bubble_at[b])."""
         n = len(tokens)
         feeds = {contract.INPUT_IDS: np.asarray(tokens, np.int64).reshape(n, 1),
-                 contract.POSITIONS: self._scratch(positions, valid)}
+                 contract.POSITIONS: self._scratch(positions, valid, bubble_at)}
         outputs = {contract.NEXT_TOKEN: ((n,), np.int64)}
         if want_logits:
             outputs[contract.LOGITS] = ((n, self.vocab_size), F32)
@@ -175,22 +180,26 @@ class BatchBackend:
         return result[contract.NEXT_TOKEN], (result[contract.LOGITS] if want_logits else None)
 
     def speed_step(self, entering: np.ndarray, positions: np.ndarray, valid: np.ndarray, final_rows: np.ndarray,
-                   exit_rows: np.ndarray, want_logits: bool) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+                   exit_rows: np.ndarray, want_logits: bool,
+                   bubble_at: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
         """One pipelined step of sequences 0..n-1: entering [n] tokens enter slot 0; positions/valid [P, n]
-        (slot, sequence). -> (final tokens [F], final logits [F, V] or None, exit tokens [E]) for the rows
-        final_rows / exit_rows (row = s*n + b)."""
+        (slot, sequence); bubbles of sequence b at bubble_at[b]. -> (final tokens [F], final logits [F, V] or
+        None, exit tokens [E]) for the rows final_rows / exit_rows (row = s*n + b)."""
         slots, n = positions.shape
         rows = slots * n
         feeds = {contract.INPUT_IDS: np.asarray(entering, np.int64).reshape(n, 1),
-                 contract.POSITIONS: self._scratch(positions, valid).reshape(rows),
+                 contract.POSITIONS: self._scratch(positions, valid, None if bubble_at is None else bubble_at[None, :]).reshape(rows),
                  contract.HIDDEN_IN: np.ascontiguousarray(self.hidden[:slots - 1, :n]).reshape((slots - 1) * n, 1, -1),
                  contract.FINAL_ROWS: np.asarray(final_rows, np.int64), contract.EXIT_ROWS: np.asarray(exit_rows, np.int64)}
         def slabs():
             views = {}
             for j in range(self.stage_layers):
-                for s in range(slots):
-                    views[contract.batch_cache_input("key", j, s)] = self.key[j, s, :n]
-                    views[contract.batch_cache_input("value", j, s)] = self.value[j, s, :n]
+                for kind, pool in (("key", self.key), ("value", self.value)):
+                    if self.fused:  # the stage layer's whole pool, one buffer [P*B, kvh, T+1, hd]
+                        views[contract.cache_input(kind, j)] = pool[j].reshape(-1, *pool.shape[3:])
+                    else:
+                        for s in range(slots):
+                            views[contract.batch_cache_input(kind, j, s)] = pool[j, s, :n]
             return views
 
         outputs = {contract.FINAL_TOKEN: ((len(final_rows),), np.int64), contract.EXIT_TOKENS: ((len(exit_rows),), np.int64),

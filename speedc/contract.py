@@ -14,6 +14,8 @@ and tensor, not a failure deep inside a run.
     step_flush     as step, exit_tokens [P] (every slot's exit: the early-flush check)
     *.gqa          as the graph it varies, new_{key,value} replaced by cache.{key,value}.{i}.out (the
                    cache written in place: each output is bound to the buffer of its input)
+    batch_step.gqa as batch_step, but its cache is the whole pool of each stage layer, one buffer
+                   cache.{key,value}.{j} [P*B, kvh, T, hd] (row s*B + b; B sequence slots >= n)
     batch_step     n sequences x P slots = R rows, row r = s*n + b (slot-major: the slots' rows are contiguous)
                    input_ids [n, 1] (slot 0 of each sequence)  positions [R]  hidden_in [(P-1)n, 1, H]
                    final_rows [F]  exit_rows [E] (rows whose final / exit head is wanted)
@@ -142,6 +144,10 @@ def expected_io(graph: str, d: Dims) -> tuple[list[TensorSpec], list[TensorSpec]
     """(inputs, outputs) the runtime expects of GRAPH."""
     if graph.endswith(FUSED_SUFFIX):
         inputs, outputs = _program_io(graph[:-len(FUSED_SUFFIX)], d)
+        if graph == fused(BATCH_STEP):  # one pool buffer per stage layer instead of P slabs
+            inputs = [spec for spec in inputs if not spec[0].startswith("cache.")]
+            inputs += [(cache_input(kind, j), "float32", (None, d.kv_heads, None, d.head_dim))
+                       for j in range(d.stage_layers) for kind in KV_KINDS]
         caches = [spec for spec in inputs if spec[0].startswith("cache.")]
         outputs = [spec for spec in outputs if not spec[0].startswith("new_")]
         return inputs, outputs + [(name + ".out", dtype, shape) for name, dtype, shape in caches]

@@ -83,5 +83,19 @@ def test_the_batch_speculates_while_its_summed_bound_wins():
     assert policy.batch_speculates([good, bad])  # 3.125 > 2
     assert policy.batch_speculates([good] * 2 + [bad] * 3)  # 6.875 > 5
     assert policy.batch_speculates([good] + [bad] * 3)  # 4.375 > 4
-    assert not policy.batch_speculates([good] + [bad] * 5)  # 5.625 < 6
+    assert not policy.batch_speculates([good] + [bad] * 5, speculating=False)  # 5.625 < 6: no start
+    assert policy.batch_speculates([good] + [bad] * 5)  # but a speculating batch goes on within the margin: > 0.9 * 6
+    assert not policy.batch_speculates([good] + [bad] * 7)  # 6.875 < 0.9 * 8
     assert not AcceptancePolicy(slots=4, step_cost=4.5).batch_speculates([good])  # c(P) > P: never
+
+
+def test_a_sequence_falls_back_only_where_speculation_loses_by_more_than_the_margin():
+    policy = AcceptancePolicy(slots=4, step_cost=1.6, weight=0.1, min_outcomes=8)
+    near = policy.start()
+    near.alpha, near.outcomes = policy.threshold - 0.02, 8  # the bound just under 1: chance, not evidence
+    assert 1.0 - policy.margin < analytic_bound(4, near.alpha, 1.6) < 1.0
+    assert policy.wants_speculation(near)
+    far = policy.start()
+    far.alpha, far.outcomes = policy.threshold - 0.15, 8
+    assert analytic_bound(4, far.alpha, 1.6) < 1.0 - policy.margin
+    assert not policy.wants_speculation(far) and far.fallbacks == 1

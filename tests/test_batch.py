@@ -168,7 +168,7 @@ def test_per_sequence_decisions_turn_the_batch_plain_and_back_losslessly(engine)
     from speedc.runtimes.batch import BatchScheduler, RowPolicy
     from speedc.runtimes.batch_backend import make_batch_backend
 
-    policy = AcceptancePolicy(engine.manifest.slots, step_cost=1.6, min_outcomes=2, probe_after=3)
+    policy = AcceptancePolicy(engine.manifest.slots, step_cost=1.6, min_outcomes=2, probe_after=3, margin=0.0)
     backend = make_batch_backend(engine.directory, engine.manifest, max_batch=3, capacity=80)
     scheduler = BatchScheduler(backend, policy=RowPolicy(row_budget=None), acceptance=policy, prefill_chunk=8)
     settings = [{}, {"temperature": 1.2, "seed": 3}, {"temperature": 1.5, "top_k": 50, "seed": 9}, {}]

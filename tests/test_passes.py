@@ -173,6 +173,14 @@ def test_gqa_attention_before_after():
         outputs = {t.name for t in fused.outputs}
         assert "new_key" not in outputs and {f"cache.key.{i}.out" for i in range(layers)} <= outputs
         assert {t.name for t in fused.inputs} == {t.name for t in standard.inputs}  # same feeds, same buffers
+    # The batch step: one attention per stage layer over the pool (every slot's and sequence slot's rows,
+    # the free ones padded in), not one per slot group; its P slabs per layer become one pool buffer.
+    fused, standard = after.graphs["batch_step.gqa"], after.graphs["batch_step"]
+    assert _ops(fused, "GroupQueryAttention") == 2 and _ops(fused, "Softmax") == 0
+    slabs = {t.name for t in standard.inputs if t.name.startswith("cache.")}
+    assert len(slabs) == 2 * 2 * 3  # key/value x stage layers x slots
+    assert {t.name for t in fused.inputs} == ({t.name for t in standard.inputs} - slabs) | {
+        f"cache.{kind}.{j}" for kind in ("key", "value") for j in range(2)}
     # The standard graphs are untouched (TensorRT and the numpy-fed backend use them).
     assert _ops(after.graphs["step"], "GroupQueryAttention") == 0
     trt = run_passes(_through(_state(model, target="trt"), "cache_writer"), ["gqa_attention"])[0]

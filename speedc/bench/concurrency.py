@@ -9,6 +9,8 @@ each repeat, so no system always runs right after the same one):
                        speculating sequences take at most row_budget rows (runtimes/batch.py RowPolicy)
     speed-always       SPEED steps for every sequence at every concurrency (no budget, no per-sequence rule)
     plain-batched      plain decoding of all sequences in one graph run per token (the baseline)
+    speed-unbatched    (concurrency 1 only) the single-sequence engine, Engine.generate in speed mode: what
+                       one client got before continuous batching, so a regression there shows
     onnxruntime-genai  (peers, when onnxruntime-genai and torch are installed) ORT GenAI's own batching,
                        og.Engine, on its builder's fp32 export of the unrolled weights (bench/peers.py)
 
@@ -26,11 +28,13 @@ import time
 import numpy as np
 
 from speedc.errors import SpeedcError
+from speedc.models.sampling import SamplingParams
 from speedc.runtimes.engine import Engine
 
 SYSTEMS = {"speed-adaptive": dict(row_budget=-1), "speed-always": dict(row_budget=None, per_sequence=False),
            "plain-batched": dict(row_budget=0)}  # system -> Engine.batch_scheduler options
 GENAI = "onnxruntime-genai"
+UNBATCHED = "speed-unbatched"
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -39,6 +43,12 @@ def _percentile(values: list[float], q: float) -> float:
 
 def _run_once(engine: Engine, prompts: list[str], clients: int, new_tokens: int, options: dict, threads) -> dict:
     scheduler = engine.batch_scheduler(max_batch=clients, threads=threads, **options)
+    # Warm-up, untimed: a fresh scheduler opens fresh sessions, whose first runs at each row count
+    # allocate and prepack (a first prefill measured 180 ms against 11 ms after).
+    for i in range(clients):
+        scheduler.submit(engine.request_from(prompts[i % len(prompts)], dict(max_new_tokens=8, stop_at_eos=False)))
+    scheduler.run()
+    scheduler.steps, scheduler.mode_switches = dict.fromkeys(scheduler.steps, 0), 0  # count the timed run only
     start = time.perf_counter()
     sequences = [scheduler.submit(engine.request_from(prompts[i % len(prompts)], dict(max_new_tokens=new_tokens,
                                                                                      stop_at_eos=False)))
@@ -55,6 +65,20 @@ def _run_once(engine: Engine, prompts: list[str], clients: int, new_tokens: int,
     return {"wall": wall, "tokens": sum(len(s.out) for s in sequences), "ids": [s.out for s in sequences],
             "per_token_ms": per_token, "ttft_ms": [(first[s.id] - start) * 1e3 for s in sequences],
             "steps": {**scheduler.steps, "switches": scheduler.mode_switches}}
+
+
+def _run_unbatched(engine: Engine, prompt: str, new_tokens: int) -> dict:
+    """One request through the single-sequence engine (no scheduler, no pool), timed as _run_once times."""
+    start = time.perf_counter()
+    times = []
+    out = []
+    for token in engine._decoding(prompt, new_tokens, "speed", SamplingParams(), None, False, None):  # greedy
+        times.append(time.perf_counter())
+        out.append(token)
+    wall = time.perf_counter() - start
+    per_token = [(times[-1] - times[0]) * 1e3 / (len(out) - 1)] if len(out) > 1 else []
+    return {"wall": wall, "tokens": len(out), "ids": [out], "per_token_ms": per_token,
+            "ttft_ms": [(times[0] - start) * 1e3] if times else [], "steps": {}}
 
 
 def _run_genai(batched, prompt_ids: list[list[int]], clients: int, new_tokens: int) -> dict:
@@ -113,6 +137,8 @@ def _measure(engine, prompts, prompt_ids, alone, levels, new_tokens, repeats, th
     rows = []
     for clients in levels:
         systems = dict(SYSTEMS)
+        if clients == 1:
+            systems[UNBATCHED] = None
         if genai_dir is not None:
             systems[GENAI] = genai_batched(genai_dir, clients, threads)
         runs: dict[str, list[dict]] = {name: [] for name in systems}
@@ -124,6 +150,8 @@ def _measure(engine, prompts, prompt_ids, alone, levels, new_tokens, repeats, th
                 progress(f"concurrency {clients}: {name}, repeat {repeat + 1}/{repeats}")
                 if name == GENAI:
                     run = _run_genai(system, prompt_ids, clients, new_tokens)
+                elif name == UNBATCHED:
+                    run = _run_unbatched(engine, prompts[0], new_tokens)
                 else:
                     run = _run_once(engine, prompts, clients, new_tokens, system, threads)
                 expected = [alone[prompts[i % len(prompts)]] for i in range(clients)]
