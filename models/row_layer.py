@@ -1,10 +1,16 @@
 r"""One decoder layer over R rows, each a chunk of L tokens at its own start position, against a KV
 cache it only reads: the semantics of a SPEED step (row s = slot s) and of a prefill chunk (R = 1).
 
-    x [R, L, H] ── rms_norm ── q/k/v projections ── rotary ──┐
+    x [R*L, H] ── rms_norm ── q/k/v projections ── rotary ──┐
     past_k/v [R, kvh, T, hd] (keys below the row's start) ───┼─ softmax over [past | chunk (causal)] ── o_proj ── + x
                                                              └─ new k/v [R, kvh, L, hd] (returned; the caller writes them)
     then x + mlp(rms_norm(x))        (with sandwich norms each sublayer's output is normed before its add)
+
+The residual stream stays 2-D, [R*L, H] (token rows), between and inside layers: every projection is
+F.linear on it (ONNX Gemm, transB=1) and every norm and residual add runs on it, so the exported layer
+has no Reshape outside attention, and an Add feeding a norm is the pair ONNX Runtime fuses into one
+SkipSimplifiedLayerNormalization (measured: a 3-D stream cost the graph ~8 Reshapes a layer, 4-8 us each
+on this CPU, and kept the Adds apart from the norms).
 
 The past and the chunk are scored separately and softmaxed over their concatenation, so the cache is
 never copied or concatenated; grouped-query heads reshape queries to [R, kvh, g*L, hd] so K/V are
@@ -63,9 +69,10 @@ def rotary_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
 
 def layer_over_rows(block: Block, x: torch.Tensor, ctx: RowContext, past_k: torch.Tensor, past_v: torch.Tensor,
                     cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [R, L, H]; past_k/v [R, kvh, T, hd] -> (x [R, L, H], new k, new v [R, kvh, L, hd]).
-    Every projection is F.linear on 2-D input (ONNX Gemm with transB=1): weights are read as stored."""
-    rows, length, hidden_size = ctx.rows, ctx.length, cfg.hidden_size
+    """x [R*L, H] (row r's L tokens contiguous); past_k/v [R, kvh, T, hd] -> (x [R*L, H], new k, new v
+    [R, kvh, L, hd]). Every projection is F.linear on 2-D input (ONNX Gemm with transB=1): weights are
+    read as stored."""
+    rows, length = ctx.rows, ctx.length
     h, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     g = h // kvh
     attn, mlp, eps = block.self_attn, block.mlp, cfg.rms_norm_eps
@@ -74,7 +81,7 @@ def layer_over_rows(block: Block, x: torch.Tensor, ctx: RowContext, past_k: torc
         half = hd // 2
         return v * ctx.cos + torch.cat((-v[..., half:], v[..., :half]), dim=-1) * ctx.sin
 
-    xn = rms_norm(x, block.input_layernorm.weight, eps).reshape(rows * length, hidden_size)
+    xn = rms_norm(x, block.input_layernorm.weight, eps)  # [R*L, H]
     q = F.linear(xn, attn.q_proj.weight).reshape(rows, length, h, hd).transpose(1, 2)  # [R, h, L, hd]
     k = F.linear(xn, attn.k_proj.weight).reshape(rows, length, kvh, hd).transpose(1, 2)  # [R, kvh, L, hd]
     v = F.linear(xn, attn.v_proj.weight).reshape(rows, length, kvh, hd).transpose(1, 2)
@@ -86,13 +93,13 @@ def layer_over_rows(block: Block, x: torch.Tensor, ctx: RowContext, past_k: torc
     t = ctx.past_len
     attended = w[..., :t] @ past_v + w[..., t:] @ v  # [R, kvh, g*L, hd]
     attended = attended.reshape(rows, h, length, hd).transpose(1, 2).reshape(rows * length, h * hd)
-    attn_out = F.linear(attended, attn.o_proj.weight).reshape(rows, length, hidden_size)
+    attn_out = F.linear(attended, attn.o_proj.weight)  # [R*L, H]
     if cfg.sandwich_norms:
         attn_out = rms_norm(attn_out, block.input_layernorm_2.weight, eps)
     x = x + attn_out
-    xn = rms_norm(x, block.post_attention_layernorm.weight, eps).reshape(rows * length, hidden_size)
+    xn = rms_norm(x, block.post_attention_layernorm.weight, eps)
     act = F.silu(F.linear(xn, mlp.gate_proj.weight)) * F.linear(xn, mlp.up_proj.weight)
-    mlp_out = F.linear(act, mlp.down_proj.weight).reshape(rows, length, hidden_size)
+    mlp_out = F.linear(act, mlp.down_proj.weight)  # [R*L, H]
     if cfg.sandwich_norms:
         mlp_out = rms_norm(mlp_out, block.post_attention_layernorm_2.weight, eps)
     return x + mlp_out, k, v

@@ -4,15 +4,15 @@ sequences, each with its own P-slot SPEED pipeline, run one step together (R = P
     rows are slot-major: row r = s*n + b is slot s of sequence b, so the rows of one slot are contiguous
     and "slot s's output feeds slot s+1" is "the first (P-1)n rows of hidden_out are the next hidden_in"
 
-    input_ids [n,1] -> embed [n,1,H] --------\
-                                              Concat -> [R,1,H] -> stage layers 0..S-1 (one Gemm per
-    hidden_in [(P-1)n,1,H] (slots 1..P-1) ---/                      weight over all R rows)
+    input_ids [n,1] -> embed [n,H] ------------------\
+                                                      Concat -> [R,H] -> stage layers 0..S-1 (one Gemm per
+    hidden_in [(P-1)n,1,H] (slots 1..P-1) -- Reshape -/                   weight over all R rows)
                                                                               |
     cache.key.{j}.{s} [n,kvh,T,hd] (s < P) -- Concat (slot-major) --> past of stage layer j
                                                                               |
-    hidden.{S-1} [R,1,H] -- Gather(final_rows) -> final norm --\
-                                                                Concat -> Gemm(lm_head) -> ArgMax
-    hidden.{exit-1} [R,1,H] -- Gather(exit_rows) -> exit norm --/    final_logits [F,V], final_token [F],
+    hidden.{S-1} [R,H] -- Gather(final_rows) -> final norm --\
+                                                              Concat -> Gemm(lm_head) -> ArgMax
+    hidden.{exit-1} [R,H] -- Gather(exit_rows) -> exit norm --/    final_logits [F,V], final_token [F],
                                                                      exit_tokens [E]
 
 The cache is a pool [S, P, B, kvh, T, hd] (stage layer, slot, sequence, ...): slot s of stage layer j
@@ -31,15 +31,14 @@ import onnx_graphsurgeon as gs
 
 from speedc import contract
 from speedc.passes.base import CompileState, register_pass
-from speedc.passes.exit_heads import final_norm_weight, maybe_norm, weight
+from speedc.passes.exit_heads import final_norm_weight, hidden_output, maybe_norm, weight
 from speedc.passes.graph_utils import add_layer, replace_uses, tensor
+from speedc.passes.step_graph import relabel_rows, token_rows
 
 
-def _gather_rows(graph: gs.Graph, hidden: gs.Tensor, rows: gs.Tensor, hidden_size: int, name: str) -> gs.Tensor:
-    """hidden [R,1,H] -> [len(rows), H]."""
-    flat = add_layer(graph, op="Reshape", inputs=[hidden, gs.Constant(f"{name}.shape", np.array([-1, hidden_size], np.int64))],
-                            outputs=[f"{name}.flat"], name=f"{name}/Reshape")[0]
-    return add_layer(graph, op="Gather", inputs=[flat, rows], outputs=[name], attrs={"axis": 0}, name=f"{name}/Gather")[0]
+def _gather_rows(graph: gs.Graph, hidden: gs.Tensor, rows: gs.Tensor, name: str) -> gs.Tensor:
+    """hidden [R, H] -> [len(rows), H]."""
+    return add_layer(graph, op="Gather", inputs=[hidden, rows], outputs=[name], attrs={"axis": 0}, name=f"{name}/Gather")[0]
 
 
 def _slice0(graph: gs.Graph, x: gs.Tensor, start: gs.Tensor, end: gs.Tensor, name: str, dtype, shape) -> gs.Tensor:
@@ -55,9 +54,9 @@ def add_batch_heads(graph: gs.Graph, state: CompileState, final_rows: gs.Tensor,
     cfg, sched = state.cfg, state.schedule
     stage_out = tensor(graph, f"hidden.{sched.stage_layers - 1}")
     exit_tap = tensor(graph, f"hidden.{state.exit_layer - 1}")
-    final_in = maybe_norm(graph, state, _gather_rows(graph, stage_out, final_rows, cfg.hidden_size, "batch_final_rows"),
+    final_in = maybe_norm(graph, state, _gather_rows(graph, stage_out, final_rows, "batch_final_rows"),
                           final_norm_weight(state), "batch_final_head")  # [F, H]
-    exit_in = maybe_norm(graph, state, _gather_rows(graph, exit_tap, exit_rows, cfg.hidden_size, "batch_exit_rows"),
+    exit_in = maybe_norm(graph, state, _gather_rows(graph, exit_tap, exit_rows, "batch_exit_rows"),
                          state.exit_norm, "batch_exit_head")  # [E, H]
     both = add_layer(graph, op="Concat", inputs=[final_in, exit_in], outputs=["batch_head_rows"], attrs={"axis": 0},
                             name="batch_heads/Concat_rows")[0]  # [F+E, H]
@@ -69,10 +68,10 @@ def add_batch_heads(graph: gs.Graph, state: CompileState, final_rows: gs.Tensor,
     f = add_layer(graph, op="Shape", inputs=[final_rows], outputs=["batch_final_count"], name="batch_heads/Shape_F")[0]  # [1]
     fe = add_layer(graph, op="Shape", inputs=[tokens], outputs=["batch_head_count"], name="batch_heads/Shape_FE")[0]  # [1]
     zero = gs.Constant("batch_heads.zero", np.array([0], np.int64))
-    stage_out.name, stage_out.shape = contract.HIDDEN_OUT, ["rows", 1, cfg.hidden_size]
+    hidden_out = hidden_output(graph, stage_out, ["rows", 1, cfg.hidden_size])
     return [_slice0(graph, tokens, zero, f, contract.FINAL_TOKEN, np.int64, ["final_rows"]),
             _slice0(graph, logits, zero, f, contract.FINAL_LOGITS, np.float32, ["final_rows", cfg.vocab_size]),
-            _slice0(graph, tokens, f, fe, contract.EXIT_TOKENS, np.int64, ["exit_rows"]), stage_out]
+            _slice0(graph, tokens, f, fe, contract.EXIT_TOKENS, np.int64, ["exit_rows"]), hidden_out]
 
 
 def build_batch_step_graph(decode: gs.Graph, state: CompileState) -> gs.Graph:
@@ -80,12 +79,13 @@ def build_batch_step_graph(decode: gs.Graph, state: CompileState) -> gs.Graph:
     slots, stage_layers, hidden_size = sched.slots, sched.stage_layers, cfg.hidden_size
     graph = decode.copy()
     graph.name = "speedc_batch_step"
-    embeddings = tensor(graph, "embeddings")  # [n, 1, H]
+    embeddings = tensor(graph, "embeddings")  # [n, H]
+    relabel_rows(graph, embeddings, ["sequences", hidden_size], ["rows", hidden_size])
     hidden_in = gs.Variable(contract.HIDDEN_IN, dtype=np.float32, shape=["rows_behind", 1, hidden_size])
-    slot_inputs = gs.Variable("slot_inputs", dtype=np.float32, shape=["rows", 1, hidden_size])
+    slot_inputs = gs.Variable("slot_inputs", dtype=np.float32, shape=["rows", hidden_size])
     replace_uses(embeddings, slot_inputs)
     graph.nodes.append(gs.Node("Concat", "slot_inputs_concat", attrs={"axis": 0},
-                               inputs=[embeddings, hidden_in], outputs=[slot_inputs]))
+                               inputs=[embeddings, token_rows(graph, hidden_in, hidden_size)], outputs=[slot_inputs]))
     input_ids, positions = tensor(graph, contract.INPUT_IDS), tensor(graph, contract.POSITIONS)
     input_ids.shape, positions.shape = ["sequences", 1], ["rows"]
     slabs = []

@@ -2,16 +2,16 @@ r"""Pass `exit_heads` (phase lowering): early-exit and final heads, with argmax 
 
     step graph (one LM-head Gemm serves both heads: its weight is read once per step):
 
-      hidden.{S-1} [P,1,H] --row P-1--> final RMSNorm --\
+      hidden.{S-1} [P,H] --row P-1--> final RMSNorm --\
                                                           Concat [1+R,H] -> Gemm(lm_head) -> [1+R,V] -> ArgMax
-      hidden.{exit-1} [P,1,H] --rows--> exit RMSNorm ----/                       |               |
+      hidden.{exit-1} [P,H] --rows--> exit RMSNorm ----/                       |               |
                                                                      final_logits = row 0    final_token = [0]
                                                                                              exit_tokens = [1:]
       step.onnx:        R = 1 (slot 0's exit: the speculation for the next position)
       step_flush.onnx:  R = P (every slot's exit: the early-flush check reads the deeper ones)
 
     prefill graph:
-      hidden.{N-1} [1,L,H] --last position--> final RMSNorm -> Gemm -> logits [1,V] -> next_token [1]
+      hidden.{N-1} [B*L,H] --each row's last position--> final RMSNorm -> Gemm -> logits [B,V] -> next_token [B]
 
 A looped model's loop-boundary norm has already normalized the state a head reads (Ouro's exit after
 loop 1, its final after the last loop): there the RMSNorm is left out (config final_norm, exit norm None).
@@ -42,8 +42,13 @@ def weight(graph: gs.Graph, state: CompileState, name: str) -> gs.Constant:
 
 def emit_rms_norm(graph: gs.Graph, x: gs.Tensor, weight: gs.Constant, eps: float, prefix: str) -> gs.Tensor:
     """x [R, H] -> weight * x / sqrt(mean(x^2) + eps). Written as Pow(x, 2) -> ReduceMean -> Add -> Sqrt
-    -> Div -> Mul, the pattern ONNX Runtime fuses into one SimplifiedLayerNormalization (x * x is not)."""
-    two = gs.Constant(f"{prefix}.two", np.array(2.0, dtype=np.float32))
+    -> Div -> Mul, the pattern ONNX Runtime fuses into one SimplifiedLayerNormalization (x * x is not).
+    The exponent is a [1] tensor, not the traced layers' scalar: where a head reads the same token rows
+    as the next layer's norm (an exit tap inside a stage), equal constants would let ONNX Runtime's
+    common-subexpression pass merge the two Pow/ReduceMean, then fuse neither norm, so the step and
+    step_flush graphs (one exit row vs all) computed that layer differently (measured: last-bit
+    differences in hidden_out, which SPEED's losslessness forbids)."""
+    two = gs.Constant(f"{prefix}.two", np.array([2.0], dtype=np.float32))  # [1], not a scalar: see below
     squared = add_layer(graph, op="Pow", inputs=[x, two], outputs=[f"{prefix}.sq"], name=f"{prefix}/Pow_sq")[0]
     mean = add_layer(graph, op="ReduceMean", inputs=[squared], outputs=[f"{prefix}.mean"], attrs={"axes": [-1], "keepdims": 1},
                             name=f"{prefix}/ReduceMean")[0]
@@ -104,11 +109,10 @@ def add_step_heads(graph: gs.Graph, state: CompileState, all_exit_rows: bool) ->
     slots = sched.slots
     stage_out = tensor(graph, f"hidden.{sched.stage_layers - 1}")
     exit_tap = tensor(graph, f"hidden.{state.exit_layer - 1}")
-    oldest = _rows(graph, _take(graph, stage_out, slots - 1, slots, "oldest_hidden"), cfg.hidden_size, "oldest_rows")
+    oldest = _take(graph, stage_out, slots - 1, slots, "oldest_hidden")  # [1, H]
     final_normed = maybe_norm(graph, state, oldest, final_norm_weight(state), "final_head")  # [1, H]
     exit_source = exit_tap if all_exit_rows else _take(graph, exit_tap, 0, 1, "youngest_hidden")
-    exit_rows = _rows(graph, exit_source, cfg.hidden_size, "exit_rows")  # [R, H]
-    exit_normed = maybe_norm(graph, state, exit_rows, state.exit_norm, "exit_head")
+    exit_normed = maybe_norm(graph, state, exit_source, state.exit_norm, "exit_head")  # [R, H]
     both = add_layer(graph, op="Concat", inputs=[final_normed, exit_normed], outputs=["head_rows"], attrs={"axis": 0},
                             name="heads/Concat_rows")[0]  # [1 + R, H]
     logits, tokens = _logits_and_tokens(graph, state, both, "heads", "head_logits", "head_tokens")
@@ -119,15 +123,32 @@ def add_step_heads(graph: gs.Graph, state: CompileState, all_exit_rows: bool) ->
     final_logits.dtype, final_token.dtype, exit_tokens.dtype = np.float32, np.int64, np.int64
     final_token.shape, final_logits.shape = [1], [1, cfg.vocab_size]
     exit_tokens.shape = [slots if all_exit_rows else 1]
-    stage_out.name = contract.HIDDEN_OUT
-    stage_out.shape = [slots, 1, cfg.hidden_size]
+    hidden_out = hidden_output(graph, stage_out, [slots, 1, cfg.hidden_size])
     presents = [t for t in graph.outputs if t.name.startswith("present.")]
-    graph.outputs = [final_token, final_logits, exit_tokens, stage_out, *presents]
+    graph.outputs = [final_token, final_logits, exit_tokens, hidden_out, *presents]
+
+
+def hidden_output(graph: gs.Graph, rows: gs.Tensor, shape: list) -> gs.Tensor:
+    """The token rows [R, H] a stage ends with as the contract's hidden_out [R, 1, H]."""
+    out = add_layer(graph, op="Reshape", inputs=[rows, gs.Constant("hidden_out.shape", np.array([-1, 1, shape[-1]], np.int64))],
+                    outputs=[contract.HIDDEN_OUT], name="hidden_out/Reshape")[0]
+    out.dtype, out.shape = np.float32, shape
+    return out
 
 
 def add_prefill_head(graph: gs.Graph, state: CompileState) -> None:
+    """hidden.{N-1}: token rows [B*L, H], row b's L tokens contiguous; the head reads each row's last.
+
+        [B*L, H] -- Reshape [B, L, H] (L from input_ids) -- Slice last position -- Reshape [B, H] -- head
+    """
     cfg = state.cfg
     last_hidden = tensor(graph, f"hidden.{cfg.num_hidden_layers - 1}")
+    ids_shape = add_layer(graph, op="Shape", inputs=[tensor(graph, contract.INPUT_IDS)], outputs=["final_head.ids_shape"],
+                          name="final_head/Shape_ids")[0]
+    by_row = add_layer(graph, op="Concat", inputs=[ids_shape, gs.Constant("final_head.width", np.array([cfg.hidden_size], np.int64))],
+                       outputs=["final_head.by_row_shape"], attrs={"axis": 0}, name="final_head/Concat_shape")[0]  # [B, L, H]
+    last_hidden = add_layer(graph, op="Reshape", inputs=[last_hidden, by_row], outputs=["final_head.by_row"],
+                            name="final_head/Reshape_by_row")[0]
     starts, ends, axes = (gs.Constant(f"last_position.{n}", np.array([v], dtype=np.int64))
                           for n, v in (("starts", -1), ("ends", np.iinfo(np.int64).max), ("axes", 1)))
     last = add_layer(graph, op="Slice", inputs=[last_hidden, starts, ends, axes], outputs=["last_hidden"],

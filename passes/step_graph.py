@@ -2,12 +2,12 @@ r"""Pass `step_graph` (phase lowering): the decode program -> SPEED's P-slot ste
 
     decode program (B rows, N layers)            step graph (P slots, one stage of S = N/P layers)
 
-    input_ids [B,L] -> embed                     input_ids [1,1] -> embed ------------\\
-                         |                                                           Concat -> [P,1,H]
-                      layer 0 .. N-1             hidden_in [P-1,1,H] (slots 1..P-1) --/        |
-                                                                            layers 0 .. S-1 (batched)
-                                                                                     |
-                                                                          hidden.{S-1} [P,1,H]
+    input_ids [B,L] -> embed                     input_ids [1,1] -> embed [1,H] ----------------\\
+                         |                                                                     Concat -> [P,H]
+                      layer 0 .. N-1             hidden_in [P-1,1,H] (slots 1..P-1) -- Reshape --/        |
+                                                                                  layers 0 .. S-1 (batched)
+                                                                                           |
+                                                                                hidden.{S-1} [P,H]
 
 Row s of the batch is slot s: it carries the token at position positions[s] and reads the cache
 inputs of stage layer j, whose row s holds logical layer s*S + j. Because the stage's block sequence
@@ -26,15 +26,36 @@ from speedc.passes.base import CompileState, register_pass
 from speedc.passes.graph_utils import replace_uses, tensor
 
 
+def token_rows(graph: gs.Graph, hidden: gs.Tensor, hidden_size: int) -> gs.Tensor:
+    """A graph input [R, 1, H] (the contract's hidden_in) as the token rows [R, H] the layers take."""
+    rows = gs.Variable(f"{hidden.name}.rows", dtype=np.float32, shape=[hidden.shape[0], hidden_size])
+    graph.nodes.append(gs.Node("Reshape", f"{hidden.name}/Reshape_rows", inputs=[
+        hidden, gs.Constant(f"{hidden.name}.rows_shape", np.array([-1, hidden_size], np.int64))], outputs=[rows]))
+    return rows
+
+
+def relabel_rows(graph: gs.Graph, embeddings: gs.Tensor, embedded: list, layer_rows: list) -> None:
+    """The traced program's token rows (embeddings, every layer's tensors) share one row count, "rows" =
+    B*L; a step graph's do not (its embeddings are the entering tokens, its layers run every slot). The
+    traced shapes of the tensors in between are dropped (ONNX Runtime infers them) and the two row counts
+    labelled apart, or shape inference would equate them and refuse the graph."""
+    inputs = {id(t) for t in graph.inputs}
+    for t in graph.tensors().values():
+        if not isinstance(t, gs.Constant) and id(t) not in inputs and not t.name.startswith("present."):
+            t.shape = layer_rows if t.name.startswith("hidden.") else None
+    embeddings.shape = embedded
+
+
 def build_step_graph(decode: gs.Graph, slots: int, stage_layers: int, exit_layer: int, hidden_size: int) -> gs.Graph:
     graph = decode.copy()
     graph.name = "speedc_step"
     embeddings = tensor(graph, "embeddings")
+    relabel_rows(graph, embeddings, [1, hidden_size], [slots, hidden_size])
     hidden_in = gs.Variable(contract.HIDDEN_IN, dtype=np.float32, shape=[slots - 1, 1, hidden_size])
-    slot_inputs = gs.Variable("slot_inputs", dtype=np.float32, shape=[slots, 1, hidden_size])
+    slot_inputs = gs.Variable("slot_inputs", dtype=np.float32, shape=[slots, hidden_size])
     replace_uses(embeddings, slot_inputs)
     graph.nodes.append(gs.Node("Concat", "slot_inputs_concat", attrs={"axis": 0},
-                               inputs=[embeddings, hidden_in], outputs=[slot_inputs]))
+                               inputs=[embeddings, token_rows(graph, hidden_in, hidden_size)], outputs=[slot_inputs]))
     input_ids, positions = tensor(graph, contract.INPUT_IDS), tensor(graph, contract.POSITIONS)
     input_ids.shape, positions.shape = [1, 1], [slots]
     past = []

@@ -6,6 +6,7 @@ position, against a KV cache it only reads:
     input_ids [B, L]   positions [B] (start of the chunk)   past.key.{l} / past.value.{l} [B, kvh, T, hd]
         |
     embed -> layer 0 -> hidden.0 -> layer 1 -> hidden.1 ... -> hidden.{N-1} -> norm -> lm_head -> logits
+    (embeddings and hidden.{l} are token rows [B*L, H]: the residual stream is 2-D, models/row_layer.py)
                                  \__ after exit_layer layers: exit_norm -> lm_head -> exit_logits
     each layer also returns present.key.{l} / present.value.{l} [B, kvh, L, hd] (the chunk's new rows)
 
@@ -67,7 +68,7 @@ class DecodeProgram(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *past: torch.Tensor):
         cfg = self.cfg
         b, length = positions.shape[0], input_ids.shape[1]
-        x = self.model.embed_tokens(input_ids)  # [B, L, H]
+        x = self.model.embed_tokens(input_ids).reshape(-1, cfg.hidden_size)  # [B*L, H]: token rows (-1: a step embeds fewer rows than it runs)
         embeddings = x
         ctx = row_context(positions, length, past[0].shape[2], self.inv_freq,
                           cfg.num_attention_heads // cfg.num_key_value_heads)
@@ -80,10 +81,9 @@ class DecodeProgram(nn.Module):
             present += [k, v]
             if layer + 1 == cfg.exit_layer:
                 norm = {"own": getattr(self.model, "exit_norm", None), "final": self.model.norm, "none": None}[cfg.exit_norm]
-                exit_logits = self._head(x.reshape(b * length, cfg.hidden_size),
-                                         None if norm is None else norm.weight).reshape(b, length, -1)
+                exit_logits = self._head(x, None if norm is None else norm.weight).reshape(b, length, -1)
         final_norm = self.model.norm.weight if cfg.final_norm else None
-        logits = self._head(x.reshape(b * length, cfg.hidden_size), final_norm).reshape(b, length, -1)
+        logits = self._head(x, final_norm).reshape(b, length, -1)
         return (logits, exit_logits, embeddings, *hidden_out, *present)
 
 
@@ -131,7 +131,12 @@ def trace_decode_program(cfg: ModelConfig) -> onnx.ModelProto:
     for name in inputs[2:]:
         dynamic[name] = {0: "batch", 2: "context"}
     for name in outputs:
-        dynamic[name] = {0: "batch", 2: "chunk"} if name.startswith("present") else {0: "batch", 1: "chunk"}
+        if name.startswith("present"):
+            dynamic[name] = {0: "batch", 2: "chunk"}
+        elif name in TRACED_HEADS:
+            dynamic[name] = {0: "batch", 1: "chunk"}
+        else:  # embeddings, hidden.{l}: token rows [B*L, H]
+            dynamic[name] = {0: "rows"}
     buffer = io.BytesIO()
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")

@@ -90,9 +90,9 @@ class TorchBackend:
         ctx = row_context(torch.tensor([start], device=self.device), length, self.key.shape[3], self.inv_freq, self.groups)
         for layer, block_index in enumerate(cfg.layer_map):
             j, slot = cache_slab(layer, self.stage_layers)
-            x, k, v = layer_over_rows(model.model.blocks[block_index], x, ctx, self.key[j, slot][None],
-                                      self.value[j, slot][None], cfg)
-            x = loop_boundary(x, model.model.norm.weight, cfg, layer)
+            x, k, v = layer_over_rows(model.model.blocks[block_index], x.reshape(length, -1), ctx, self.key[j, slot][None],
+                                      self.value[j, slot][None], cfg)  # token rows [L, H]
+            x = loop_boundary(x, model.model.norm.weight, cfg, layer).reshape(1, length, -1)
             self.key[j, slot, :, start:start + length] = k[0]
             self.value[j, slot, :, start:start + length] = v[0]
         logits = model.final_head(x[:, -1])[0]  # [V]
@@ -107,8 +107,9 @@ class TorchBackend:
         new_rows, exit_hidden = [], None
         ctx = row_context(starts, 1, self.key.shape[3], self.inv_freq, self.groups)
         for j in range(self.stage_layers):
-            x, k, v = layer_over_rows(model.model.blocks[cfg.layer_map[j]], x, ctx, self.key[j], self.value[j], cfg)
-            x = loop_boundary(x, model.model.norm.weight, cfg, j)  # stage j of every slot: the same loop position
+            x, k, v = layer_over_rows(model.model.blocks[cfg.layer_map[j]], x.reshape(self.slots, -1), ctx,
+                                      self.key[j], self.value[j], cfg)  # token rows [P, H]
+            x = loop_boundary(x, model.model.norm.weight, cfg, j).reshape(self.slots, 1, -1)  # stage j of every slot: the same loop position
             new_rows.append((k, v))
             if j + 1 == cfg.exit_layer:
                 exit_hidden = x
