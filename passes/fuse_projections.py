@@ -4,6 +4,9 @@ r"""Pass `fuse_projections` (phase lowering): sibling Gemms reading one input ->
        ├─ Gemm(x, Wk) ─ k     =>   x ─ Gemm(x, [Wq;Wk;Wv]) ─ Split ─┼─ k
        └─ Gemm(x, Wv) ─ v                                      └─ v
 
+    and where q, k, v feed only one Concat in that order (gqa_attention's packed q|k|v), the Concat
+    and the Split go: its consumers read the stacked Gemm's output.
+
 Why: in a decode step each projection is a skinny Gemm (P rows); one Gemm over the stacked weights
 packs the activation once and makes one kernel launch instead of three (q/k/v) or two (gate/up).
 What it measured on the memory-bound configuration and the zoo model is in the README.
@@ -22,6 +25,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from speedc.passes.base import CompileState, register_pass
+from speedc.passes.graph_utils import replace_uses
 from speedc.passes.source_weights import SourceWeight, source_weight
 
 FUSED_NAME_SEPARATOR = "+"
@@ -83,9 +87,22 @@ def fuse_sibling_gemms(graph: gs.Graph, stacked: dict[str, SourceWeight | np.nda
                                    outputs=[wide]))
         graph.nodes.append(gs.Node("Split", f"{first.name}.split", attrs={"axis": 1}, inputs=[wide, sizes],
                                    outputs=outputs))
+        _fold_split_concat(outputs, wide)
         fused += 1
     graph.cleanup().toposort()
     return fused
+
+
+def _fold_split_concat(parts: list[gs.Tensor], whole: gs.Tensor) -> None:
+    """Where the Split's outputs feed only one Concat, all of them in order along the same axis (the
+    packed q|k|v of gqa_attention), that Concat's consumers read the stacked output itself."""
+    consumers = {id(node): node for part in parts for node in part.outputs}
+    if len(consumers) != 1 or any(len(part.outputs) != 1 for part in parts):
+        return
+    concat = next(iter(consumers.values()))
+    if concat.op != "Concat" or concat.attrs.get("axis") not in (1, -1) or list(concat.inputs) != parts:
+        return
+    replace_uses(concat.outputs[0], whole)  # the Concat and the Split are left without consumers: cleanup drops them
 
 
 @register_pass("fuse_projections", phase="lowering", requires=("programs",), provides=("fused_projections",),

@@ -1,9 +1,10 @@
 r"""Pass `gqa_attention` (phase lowering): ONNX Runtime variants of the graphs whose attention is one
 `com.microsoft.GroupQueryAttention` node per layer, writing the cache in place.
 
-    q2d [R*L, h*hd] ── Reshape [R, L, h*hd] ──┐
-    k2d ── Reshape [R, L, kvh*hd] ────────────┤
-    v2d ── Reshape ───────────────────────────┼─ GroupQueryAttention ── [R, L, h*hd] ── Reshape ── o_proj
+    q2d [R*L, h*hd] ─┐
+    k2d ─────────────┼ Concat ── Reshape [R, L, (h+2kvh)*hd] ─┐   (packed q|k|v; after fuse_projections
+    v2d ─────────────┘                                        │    the stacked projection's output itself)
+                                                              ├─ GroupQueryAttention ── [R, L, h*hd] ── Reshape ── o_proj
     cache.key.{l} / cache.value.{l} ──────────┤   (rotary inside)    └─ cache.key.{l}.out (same buffer)
     seqlens_k = positions + L - 1 (int32) ────┤
     total_sequence_length = max(positions) + L┤
@@ -150,15 +151,17 @@ def lower_to_gqa(graph: gs.Graph, *, heads: int, kv_heads: int, head_dim: int, t
                                  outputs=[f"{name}.shape"], attrs={"axis": 0})[0]
         return add_layer(graph, op="Reshape", inputs=[x, shape], outputs=[f"{name}.3d"])[0]
 
-    def attention(prefix: str, q: gs.Tensor, k: gs.Tensor, v: gs.Tensor, seqlens_k: gs.Tensor, cache_names: list[str]) -> gs.Tensor:
-        """One GroupQueryAttention over rows q/k/v [r, L, width] and their cache slabs, written in place."""
+    def attention(prefix: str, qkv: gs.Tensor, seqlens_k: gs.Tensor, cache_names: list[str]) -> gs.Tensor:
+        """One GroupQueryAttention over packed rows q|k|v [r, L, (h + 2 kvh) hd] and their cache slabs,
+        written in place (key and value inputs left empty: GroupQueryAttention's packed form)."""
         past_key, past_value = (known[name] for name in cache_names)
         out = gs.Variable(f"{prefix}.out", np.float32)
         presents = [gs.Variable(name + ".out", np.float32, past.shape) for name, past in zip(cache_names, (past_key, past_value))]
         graph.nodes.append(gs.Node(
             "GroupQueryAttention", f"{prefix}/GroupQueryAttention", domain="com.microsoft",
             attrs={"num_heads": heads, "kv_num_heads": kv_heads, "do_rotary": 1, "rotary_interleaved": 0},
-            inputs=[q, k, v, past_key, past_value, seqlens_k, total, cos_cache, sin_cache], outputs=[out, *presents]))
+            inputs=[qkv, gs.Variable.empty(), gs.Variable.empty(), past_key, past_value, seqlens_k, total, cos_cache, sin_cache],
+            outputs=[out, *presents]))
         cache_outputs.extend(presents)
         return out
 
@@ -176,14 +179,15 @@ def lower_to_gqa(graph: gs.Graph, *, heads: int, kv_heads: int, head_dim: int, t
     for layer, (q2d, k2d, v2d, o_proj) in enumerate(layers):
         prefix = f"gqa.{layer}"
         caches = [contract.cache_input(kind, layer) for kind in contract.KV_KINDS]
+        # Packed q|k|v rows: fuse_projections then stacks the three Gemms into one whose output is exactly
+        # this Concat (and drops the Split + Concat), so each layer reshapes (and pads) one tensor, not three.
+        packed = add_layer(graph, op="Concat", inputs=[q2d, k2d, v2d], outputs=[f"{prefix}.qkv"], attrs={"axis": 1})[0]
+        width = (heads + 2 * kv_heads) * head_dim
         if pool is None:
-            q, k, v = (rows_by_chunk(x, width, f"{prefix}.{n}") for x, width, n in
-                       ((q2d, heads * head_dim, "q"), (k2d, kv_heads * head_dim, "k"), (v2d, kv_heads * head_dim, "v")))
-            out = attention(prefix, q, k, v, seqlens, caches)
+            out = attention(prefix, rows_by_chunk(packed, width, f"{prefix}.qkv"), seqlens, caches)
         else:
-            q, k, v = (pool.spread(x, width, f"{prefix}.{n}") for x, width, n in
-                       ((q2d, heads * head_dim, "q"), (k2d, kv_heads * head_dim, "k"), (v2d, kv_heads * head_dim, "v")))
-            out = pool.gather(attention(prefix, q, k, v, pool.seqlens, caches), f"{prefix}.rows")  # [P, n, h*hd]
+            out = pool.gather(attention(prefix, pool.spread(packed, width, f"{prefix}.qkv"), pool.seqlens, caches),
+                              f"{prefix}.rows")  # [P, n, h*hd]
         flat = add_layer(graph, op="Reshape", inputs=[out, gs.Constant(f"{prefix}.flat", np.array([-1, heads * head_dim], np.int64))],
                                 outputs=[f"{prefix}.ctx"])[0]  # [R*L, h*hd]
         o_proj.inputs[0] = flat

@@ -160,6 +160,28 @@ def test_fuse_projections_before_after(model):
     assert set(weights) <= prefill_weights and len(prefill_weights) == len(set(weights))
 
 
+def test_fuse_projections_feeds_packed_qkv_to_attention():
+    """gqa_attention packs q|k|v with a Concat; fuse_projections stacks the three Gemms and drops the
+    Split + Concat: each layer's GroupQueryAttention reads the stacked projection, reshaped, and its key
+    and value inputs stay empty (the packed form). (Its numbers: the engine tests against the oracle.)"""
+    model = randomize(SharedLlama(random_config(blocks=2, layers=6, heads=4, kv_heads=2, hidden=64)), seed=12)
+    before = _through(_state(model), "gqa_attention")
+    fused_before = before.graphs["step.gqa"]
+    assert _ops(fused_before, "Concat") >= 2  # the packing, before the Gemms are stacked
+    after = run_passes(before, ["fuse_projections"])[0]
+    for name in ("step.gqa", "prefill.gqa", "batch_step.gqa"):
+        graph = after.graphs[name]
+        for node in (n for n in graph.nodes if n.op == "GroupQueryAttention"):
+            assert node.inputs[1].name == "" and node.inputs[2].name == ""  # packed: no key / value input
+            source = node.inputs[0]
+            while source.inputs[0].op in ("Reshape", "Pad"):  # the batch step pads the rows into the pool
+                source = source.inputs[0].inputs[0]
+            producer = source.inputs[0]
+            assert producer.op == "Gemm" and producer.inputs[1].name.count("+") == 2, name  # the stacked q|k|v weight
+    fused = after.graphs["step.gqa"]
+    assert _ops(fused, "Split") == 2  # gate|up only; the q|k|v Split fell away with the Concat
+
+
 def test_gqa_attention_before_after():
     model = randomize(SharedLlama(random_config(blocks=2, layers=6, heads=4, kv_heads=2, hidden=64)), seed=12)  # head_dim 16
     before = _through(_state(model), "cache_writer")
