@@ -22,7 +22,8 @@ from speedc.artifact import (CHAT_TEMPLATE, CONFIG, FORMAT_VERSION, TOKENIZER, T
 from speedc.errors import BuildError, SpeedcError
 from speedc.models.checkpoint import checkpoint_hash, open_checkpoint, read_tokenizer_json
 from speedc.models.checkpoint_files import acceptance_hint_from_training, declared_tensor_bytes, has_speedc_section
-from speedc.passes import (batch_step_graph, cache_writer, cleanup, exit_heads, fuse_projections, gqa_attention, kv_cache,  # noqa: F401
+from speedc.passes import (batch_step_graph, cache_writer, cleanup, exit_heads, fuse_projections, fuse_skip_norm,  # noqa: F401
+                           gqa_attention, kv_cache,
                            quantize_weights, schedule, share, step_graph, trace, trt_lint, untie_head)  # (importing registers the passes)
 from speedc.passes.base import BuildOptions, CompileState, PassReport, require_facts, run_passes
 from speedc.passes.block_quant import ACCURACY_LEVEL, BITS, BLOCK_SIZES, quantized_bytes_per_element
@@ -32,7 +33,7 @@ PIPELINE: list[tuple[str, list[str]]] = [
     ("import", ["trace"]),
     ("analysis", ["share", "schedule"]),
     ("lowering", ["batch_step_graph", "step_graph", "exit_heads", "kv_cache", "cache_writer", "gqa_attention", "fuse_projections"]),
-    ("finalize", ["cleanup", "quantize_weights", "untie_head", "trt_lint"]),
+    ("finalize", ["cleanup", "fuse_skip_norm", "quantize_weights", "untie_head", "trt_lint"]),
 ]
 PASS_ORDER = [name for _, names in PIPELINE for name in names]
 # What the artifact writer needs the pipeline to have produced (passes/base.py FACTS).

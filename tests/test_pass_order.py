@@ -73,7 +73,7 @@ def test_which_swaps_are_refused(checkpoint, tmp_path):
     ("exit_heads", "pass gqa_attention needs the final and early-exit heads"),
     ("kv_cache", "pass gqa_attention needs cache inputs"),
     ("step_graph", "pass exit_heads needs the step and prefill graphs"),
-    ("cleanup", "pass untie_head needs folded"),
+    ("cleanup", "pass fuse_skip_norm needs folded"),
     ("trace", "pass share needs the traced N-layer decode program"),
 ])
 def test_removed_pass_is_named(removed, fragment, checkpoint, tmp_path):

@@ -232,3 +232,47 @@ def test_trt_lint_passes_our_graphs_and_fails_unsupported_ops(model):
     step.outputs.append(bad_out)
     with pytest.raises(BuildError, match="NonZero .* not supported by the TensorRT ONNX parser"):
         run_passes(state, ["trt_lint"])
+
+
+def _run_graph(graph: gs.Graph, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    session = ort.InferenceSession(gs.export_onnx(graph.copy()).SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(names, feeds)))
+
+
+def test_fuse_skip_norm_before_after():
+    """Every layer norm of the ONNX Runtime graphs becomes SkipSimplifiedLayerNormalization (its residual Add
+    inside where one feeds it, else a zero skip); head norms stay; the numbers stay within float rounding,
+    and a row computes the same bits alone (prefill, one row) as among a step's P rows."""
+    model = randomize(SharedLlama(random_config(blocks=2, layers=6, heads=4, kv_heads=2, hidden=64)), seed=12)
+    before = _through(_state(model), "cleanup")
+    plain_graphs = {name: before.graphs[name].copy() for name in ("step.gqa", "prefill.gqa")}  # the pass edits in place
+    after = run_passes(before, ["fuse_skip_norm"])[0]
+    for name, layers in (("step.gqa", 2), ("prefill.gqa", 6)):
+        fused, plain = after.graphs[name], plain_graphs[name]
+        assert _ops(plain, "SkipSimplifiedLayerNormalization") == 0
+        assert _ops(fused, "SkipSimplifiedLayerNormalization") == 2 * layers  # input + post-attention norm a layer
+        assert _ops(fused, "ConstantOfShape") == 1  # the first layer's input norm: no Add before it
+        # gone: every residual Add but the stage's last, and each layer norm's Add(eps)
+        assert _ops(plain, "Add") - _ops(fused, "Add") == (2 * layers - 1) + 2 * layers
+        assert _ops(fused, "Pow") == _ops(plain, "Pow") - 2 * layers  # head norms kept as they were
+        feeds = _random_feeds(plain) if name == "step.gqa" else _decode_rows_feeds(plain, 2)
+        want, got = _run_graph(plain, feeds), _run_graph(fused, feeds)
+        for key in want:
+            np.testing.assert_allclose(got[key], want[key], atol=1e-5, rtol=1e-5, err_msg=f"{name} {key}")
+    assert not any(_ops(g, "SkipSimplifiedLayerNormalization") for n, g in after.graphs.items() if not n.endswith(".gqa"))
+    # Row invariance of the kernel in place: one row's output equals that row's among four.
+    prefill = after.graphs["prefill.gqa"]
+    rows = _decode_rows_feeds(prefill, 4)
+    one = {k: v[:1] for k, v in rows.items()}
+    assert np.array_equal(_run_graph(prefill, one)["logits"], _run_graph(prefill, rows)["logits"][:1])
+
+
+def _decode_rows_feeds(prefill: gs.Graph, rows: int, context: int = 6) -> dict[str, np.ndarray]:
+    """Batched plain decoding feeds for the prefill graph: ROWS sequences, one token each."""
+    rng = np.random.default_rng(1)
+    feeds = {"input_ids": rng.integers(0, 97, size=(rows, 1)), "positions": rng.integers(1, context - 1, size=rows)}
+    for t in prefill.inputs:
+        if t.name.startswith("cache."):
+            feeds[t.name] = rng.standard_normal((rows, t.shape[1], context, t.shape[3])).astype(np.float32)
+    return feeds
