@@ -180,7 +180,13 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
             from speedc.step_cost import measure_artifact
 
             progress("measuring the step cost c(P) on this machine")
-            manifest.build["step_cost_measured"] = measure_artifact(tmp)
+            try:
+                manifest.build["step_cost_measured"] = measure_artifact(tmp)
+            except SpeedcError:
+                raise
+            except Exception as bad:  # ONNX Runtime's own exception types: the graphs do not run here
+                raise BuildError(f"the built graphs failed to run while measuring c(P) ({str(bad).splitlines()[0]}); "
+                                 "nothing was written. Please report it; --no-measure skips the measurement") from None
             write_manifest(tmp, manifest)
         tmp.chmod(0o755)
         if out.exists():
