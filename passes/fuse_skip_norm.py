@@ -35,6 +35,7 @@ import onnx_graphsurgeon as gs
 
 from speedc import contract
 from speedc.passes.base import CompileState, register_pass
+from speedc.passes.graph_utils import import_microsoft_domain
 
 
 LAYER_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight")
@@ -107,10 +108,7 @@ def fuse_graph(graph: gs.Graph) -> tuple[int, int]:
         graph.nodes.append(gs.Node("SkipSimplifiedLayerNormalization", f"{normed.name}/SkipSimplifiedLayerNorm",
                                    domain="com.microsoft", attrs={"epsilon": eps}, inputs=[*inputs, w], outputs=outputs))
     if with_add or zero_skip:
-        domains = {d.domain for d in graph.import_domains or []}
-        if "com.microsoft" not in domains:
-            graph.import_domains = [*(graph.import_domains or [onnx.helper.make_opsetid("", graph.opset)]),
-                                    onnx.helper.make_opsetid("com.microsoft", 1)]
+        import_microsoft_domain(graph)
         graph.cleanup().toposort()
     return with_add, zero_skip
 

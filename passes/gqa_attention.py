@@ -16,8 +16,8 @@ the same math in one kernel, per row at its own position (row r reads cache rows
 exactly the slot semantics of a SPEED step, and writes the new K/V rows into the cache when the
 runtime binds past and present to one buffer (IO binding; the `onnx` backend, runtimes/onnx_bound.py).
 
-The batch step reads one cache slab per (stage layer, slot); there each slot's group of rows gets its own
-GroupQueryAttention over its slab (P nodes per layer, each in place), and their outputs are concatenated.
+The standard batch step reads one cache slab per (stage layer, slot); its fused variant reads each stage
+layer's whole pool as one buffer and runs one GroupQueryAttention a layer over it (BatchPool below).
 
 The standard graphs stay in the artifact (TensorRT, the numpy-fed backend); these are added as
 `step.gqa`, `step_flush.gqa`, `prefill.gqa`, `batch_step.gqa`. Only for --target onnx: TensorRT has no such op.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
 
@@ -84,3 +85,10 @@ def linear_to_gemm(graph: gs.Graph) -> int:
         count += 1
     graph.cleanup()
     return count
+
+
+def import_microsoft_domain(graph: gs.Graph) -> None:
+    """Let GRAPH use ONNX Runtime's com.microsoft contrib ops (MatMulNBits, GroupQueryAttention, ...)."""
+    if "com.microsoft" not in {d.domain for d in graph.import_domains or []}:
+        graph.import_domains = [*(graph.import_domains or [onnx.helper.make_opsetid("", graph.opset)]),
+                                onnx.helper.make_opsetid("com.microsoft", 1)]

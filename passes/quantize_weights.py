@@ -34,13 +34,13 @@ Weights used any other way (none in the traced programs) stay float; the notes c
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
 
 from speedc import contract
 from speedc.artifact import is_weight_name
 from speedc.errors import BuildError
 from speedc.passes.base import CompileState, register_pass
+from speedc.passes.graph_utils import import_microsoft_domain
 from speedc.passes.block_quant import ACCURACY_LEVEL, BITS, QuantizedWeight, quantized_pair, scales_as_rows
 from speedc.passes.source_weights import source_weight
 
@@ -172,10 +172,7 @@ def quantize_graph(graph: gs.Graph, quantizer: Quantizer, *, pad: bool = True) -
     for node in gathers:
         quantize_gather(graph, node, quantizer, constants)
     if gemms or gathers:
-        domains = {d.domain for d in graph.import_domains or []}
-        if "com.microsoft" not in domains:
-            graph.import_domains = [*(graph.import_domains or [onnx.helper.make_opsetid("", graph.opset)]),
-                                    onnx.helper.make_opsetid("com.microsoft", 1)]
+        import_microsoft_domain(graph)
     graph.cleanup().toposort()
     return len(gemms), len(gathers)
 

@@ -9,11 +9,12 @@ graph runs the batch scheduler (runtimes/batch.py) needs. Imports numpy and onnx
                         fused: stage layer j's whole pool[j] as one [P*B, ...] buffer (one attention a layer)
 
 Every slab a graph reads is a contiguous view of the pool (sequences 0..n-1: the scheduler keeps the
-occupied sequence slots a prefix by moving the last one into a hole). Row T of each slab is scratch:
-bubbles (empty pipeline slots, sequences still prefilling) run at position T; with the fused graphs
-(GroupQueryAttention writes the cache in place, bound through IO binding) that is where their K/V
-land, and no valid row ever reads it. With the standard graphs new rows come back as tensors and
-only valid rows are written here.
+occupied sequence slots a prefix by moving the last one into a hole). Bubbles (empty pipeline slots,
+sequences still prefilling) run where the scheduler says: just past what their sequence may read
+(runtimes/batch.py _bubble_positions), or at row T, the scratch row each slab has; with the fused
+graphs (GroupQueryAttention writes the cache in place, bound through IO binding) that is where their
+K/V land, and no valid row reads it before it is rewritten. With the standard graphs new rows come
+back as tensors and only valid rows are written here.
 """
 
 from __future__ import annotations

@@ -68,7 +68,9 @@ def _run_once(engine: Engine, prompts: list[str], clients: int, new_tokens: int,
 
 
 def _run_unbatched(engine: Engine, prompt: str, new_tokens: int) -> dict:
-    """One request through the single-sequence engine (no scheduler, no pool), timed as _run_once times."""
+    """One request through the single-sequence engine (no scheduler, no pool), timed as _run_once times
+    (after the same kind of untimed warm-up)."""
+    engine.generate(prompt, max_new_tokens=8, stop_at_eos=False)
     start = time.perf_counter()
     times = []
     out = []
