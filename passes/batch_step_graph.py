@@ -33,7 +33,7 @@ from speedc import contract
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.exit_heads import final_norm_weight, hidden_output, maybe_norm, weight
 from speedc.passes.graph_utils import add_layer, replace_uses, tensor
-from speedc.passes.step_graph import relabel_rows, token_rows
+from speedc.passes.step_graph import enter_slots
 
 
 def _gather_rows(graph: gs.Graph, hidden: gs.Tensor, rows: gs.Tensor, name: str) -> gs.Tensor:
@@ -79,13 +79,7 @@ def build_batch_step_graph(decode: gs.Graph, state: CompileState) -> gs.Graph:
     slots, stage_layers, hidden_size = sched.slots, sched.stage_layers, cfg.hidden_size
     graph = decode.copy()
     graph.name = "speedc_batch_step"
-    embeddings = tensor(graph, "embeddings")  # [n, H]
-    relabel_rows(graph, embeddings, ["sequences", hidden_size], ["rows", hidden_size])
-    hidden_in = gs.Variable(contract.HIDDEN_IN, dtype=np.float32, shape=["rows_behind", 1, hidden_size])
-    slot_inputs = gs.Variable("slot_inputs", dtype=np.float32, shape=["rows", hidden_size])
-    replace_uses(embeddings, slot_inputs)
-    graph.nodes.append(gs.Node("Concat", "slot_inputs_concat", attrs={"axis": 0},
-                               inputs=[embeddings, token_rows(graph, hidden_in, hidden_size)], outputs=[slot_inputs]))
+    hidden_in = enter_slots(graph, "sequences", "rows_behind", "rows", hidden_size)  # embeddings [n, H]
     input_ids, positions = tensor(graph, contract.INPUT_IDS), tensor(graph, contract.POSITIONS)
     input_ids.shape, positions.shape = ["sequences", 1], ["rows"]
     slabs = []

@@ -26,7 +26,7 @@ import onnx_graphsurgeon as gs
 
 from speedc import contract
 from speedc.passes.base import CompileState, register_pass
-from speedc.passes.graph_utils import add_layer, tensor
+from speedc.passes.graph_utils import add_layer, reshape, tensor
 from speedc.passes.source_weights import weight_constant
 from speedc.passes.trace import TRACED_HEADS
 
@@ -93,11 +93,6 @@ def _logits_and_tokens(graph: gs.Graph, state: CompileState, normed: gs.Tensor, 
     return logits, token
 
 
-def _rows(graph: gs.Graph, hidden: gs.Tensor, hidden_size: int, name: str) -> gs.Tensor:
-    shape = gs.Constant(f"{name}.shape", np.array([-1, hidden_size], dtype=np.int64))
-    return add_layer(graph, op="Reshape", inputs=[hidden, shape], outputs=[name], name=f"{name}/Reshape")[0]
-
-
 def _take(graph: gs.Graph, x: gs.Tensor, start: int, end: int, name: str) -> gs.Tensor:
     """x[start:end] along axis 0."""
     consts = [gs.Constant(f"{name}.{k}", np.array([v], dtype=np.int64)) for k, v in (("starts", start), ("ends", end), ("axes", 0))]
@@ -119,7 +114,6 @@ def add_step_heads(graph: gs.Graph, state: CompileState, all_exit_rows: bool) ->
     final_logits = _take(graph, logits, 0, 1, contract.FINAL_LOGITS)
     final_token = _take(graph, tokens, 0, 1, contract.FINAL_TOKEN)
     exit_tokens = _take(graph, tokens, 1, slots + 1, contract.EXIT_TOKENS)
-    final_logits.name, final_token.name, exit_tokens.name = contract.FINAL_LOGITS, contract.FINAL_TOKEN, contract.EXIT_TOKENS
     final_logits.dtype, final_token.dtype, exit_tokens.dtype = np.float32, np.int64, np.int64
     final_token.shape, final_logits.shape = [1], [1, cfg.vocab_size]
     exit_tokens.shape = [slots if all_exit_rows else 1]
@@ -130,8 +124,7 @@ def add_step_heads(graph: gs.Graph, state: CompileState, all_exit_rows: bool) ->
 
 def hidden_output(graph: gs.Graph, rows: gs.Tensor, shape: list) -> gs.Tensor:
     """The token rows [R, H] a stage ends with as the contract's hidden_out [R, 1, H]."""
-    out = add_layer(graph, op="Reshape", inputs=[rows, gs.Constant("hidden_out.shape", np.array([-1, 1, shape[-1]], np.int64))],
-                    outputs=[contract.HIDDEN_OUT], name="hidden_out/Reshape")[0]
+    out = reshape(graph, rows, [-1, 1, shape[-1]], contract.HIDDEN_OUT)
     out.dtype, out.shape = np.float32, shape
     return out
 
@@ -153,7 +146,7 @@ def add_prefill_head(graph: gs.Graph, state: CompileState) -> None:
                           for n, v in (("starts", -1), ("ends", np.iinfo(np.int64).max), ("axes", 1)))
     last = add_layer(graph, op="Slice", inputs=[last_hidden, starts, ends, axes], outputs=["last_hidden"],
                             name="final_head/Slice_last")[0]
-    logits, token = emit_head(graph, state, _rows(graph, last, cfg.hidden_size, "last_rows"), final_norm_weight(state),
+    logits, token = emit_head(graph, state, reshape(graph, last, [-1, cfg.hidden_size], "last_rows"), final_norm_weight(state),
                               "final_head", contract.LOGITS, contract.NEXT_TOKEN)
     token.shape, logits.shape = ["batch"], ["batch", cfg.vocab_size]  # one row per sequence (batched plain decoding)
     presents = [t for t in graph.outputs if t.name.startswith("present.")]

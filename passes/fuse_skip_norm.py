@@ -1,7 +1,7 @@
 r"""Pass `fuse_skip_norm` (phase finalize): in the ONNX Runtime graphs (`*.gqa`), every decoder layer's
 RMSNorm (input_layernorm, post_attention_layernorm) runs as one com.microsoft
-SkipSimplifiedLayerNormalization; where the residual Add that feeds it is exclusive to it, the Add goes
-inside (the kernel returns the sum too, for every other reader of the residual stream).
+SkipSimplifiedLayerNormalization; where a residual Add feeds it, the Add goes inside (the kernel returns
+the sum too, for every other reader of the residual stream).
 
     before:  a ─┐                                                     ┌─ (every other reader of s)
                 Add ── s ─┬─ Pow(s, 2) ─ ReduceMean ─ Add(eps) ─ Sqrt ─┤
@@ -30,7 +30,6 @@ The standard graphs (TensorRT, the numpy-fed backend) keep plain ONNX ops.
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
 
 from speedc import contract
@@ -45,9 +44,9 @@ def _constant_value(t: gs.Tensor) -> np.ndarray | None:
     return np.asarray(t.values) if isinstance(t, gs.Constant) else None
 
 
-def _producer(t: gs.Tensor, op: str, consumers: int = 1) -> gs.Node | None:
-    """T's producer if it is an OP node and T has exactly CONSUMERS readers."""
-    return t.inputs[0] if len(t.inputs) == 1 and t.inputs[0].op == op and len(t.outputs) == consumers else None
+def _producer(t: gs.Tensor, op: str) -> gs.Node | None:
+    """T's producer if it is an OP node and T has no other reader."""
+    return t.inputs[0] if len(t.inputs) == 1 and t.inputs[0].op == op and len(t.outputs) == 1 else None
 
 
 def _layer_norm(mul: gs.Node) -> tuple[list[gs.Node], gs.Tensor, float, gs.Constant] | None:
@@ -101,8 +100,7 @@ def fuse_graph(graph: gs.Graph) -> tuple[int, int]:
             shape = gs.Variable(f"{normed.name}.shape", np.int64)
             zeros = gs.Variable(f"{normed.name}.zero_skip", np.float32)
             graph.nodes.append(gs.Node("Shape", f"{normed.name}/Shape", inputs=[x], outputs=[shape]))
-            graph.nodes.append(gs.Node("ConstantOfShape", f"{normed.name}/zero_skip", inputs=[shape], outputs=[zeros],
-                                       attrs={"value": onnx.numpy_helper.from_array(np.zeros(1, np.float32))}))
+            graph.nodes.append(gs.Node("ConstantOfShape", f"{normed.name}/zero_skip", inputs=[shape], outputs=[zeros]))  # float 0
             inputs, outputs = [x, zeros], [normed]
             zero_skip += 1
         graph.nodes.append(gs.Node("SkipSimplifiedLayerNormalization", f"{normed.name}/SkipSimplifiedLayerNorm",

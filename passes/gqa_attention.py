@@ -26,13 +26,12 @@ The standard graphs stay in the artifact (TensorRT, the numpy-fed backend); thes
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
 
 from speedc import contract
 from speedc.errors import BuildError
 from speedc.passes.base import CompileState, register_pass
-from speedc.passes.graph_utils import add_layer
+from speedc.passes.graph_utils import add_layer, import_microsoft_domain, reshape
 
 GQA_HEAD_DIM_MULTIPLE = 16  # ONNX Runtime's CPU kernel: "head_size shall be a multiple of 16"
 
@@ -105,24 +104,20 @@ class BatchPool:
                                                                  c(f"pads{rank}.tail", [0] * (rank - 2))],
                                      outputs=[f"gqa.pool.pads{rank}"], attrs={"axis": 0})[0]
                      for rank in (2, 3)}  # ONNX pads: every axis' begin, then every axis' end (axis 1's: B - n)
-        self.seqlens = self._reshape(self._pad(self._reshape(seqlens, [slots, -1], "gqa.pool.seqlens.2d"), 2, "gqa.pool.seqlens"),
-                                     [-1], "gqa.pool.seqlens_k")  # int32 [P*B]
-
-    def _reshape(self, x: gs.Tensor, shape: list[int], name: str) -> gs.Tensor:
-        return add_layer(self.graph, op="Reshape", inputs=[x, gs.Constant(f"{name}.to", np.array(shape, np.int64))],
-                         outputs=[name])[0]
+        self.seqlens = reshape(graph, self._pad(reshape(graph, seqlens, [slots, -1], "gqa.pool.seqlens.2d"), 2, "gqa.pool.seqlens"),
+                               [-1], "gqa.pool.seqlens_k")  # int32 [P*B]
 
     def _pad(self, x: gs.Tensor, rank: int, name: str) -> gs.Tensor:  # sequences axis (1) from n to B, zeros
         return add_layer(self.graph, op="Pad", inputs=[x, self.pads[rank]], outputs=[f"{name}.padded"])[0]
 
     def spread(self, rows: gs.Tensor, width: int, name: str) -> gs.Tensor:
         """rows [P*n, w] -> [P*B, 1, w] (free sequence slots zero)."""
-        return self._reshape(self._pad(self._reshape(rows, [self.slots, -1, width], f"{name}.by_slot"), 3, name),
-                             [-1, 1, 0], f"{name}.pool")
+        by_slot = reshape(self.graph, rows, [self.slots, -1, width], f"{name}.by_slot")  # [P, n, w]
+        return reshape(self.graph, self._pad(by_slot, 3, name), [-1, 1, 0], f"{name}.pool")
 
     def gather(self, out: gs.Tensor, name: str) -> gs.Tensor:
         """GQA output [P*B, 1, w] -> [P, n, w] (the occupied sequence slots)."""
-        by_slot = self._reshape(out, [self.slots, -1, 0], f"{name}.by_slot")  # [P, B, w]
+        by_slot = reshape(self.graph, out, [self.slots, -1, 0], f"{name}.by_slot")  # [P, B, w]
         return add_layer(self.graph, op="Slice", inputs=[by_slot, self.zero, self.n,
                                                          gs.Constant(f"{name}.axis", np.array([1], np.int64))],
                          outputs=[name])[0]
@@ -165,16 +160,16 @@ def lower_to_gqa(graph: gs.Graph, *, heads: int, kv_heads: int, head_dim: int, t
         cache_outputs.extend(presents)
         return out
 
-    batch = any(t.name.startswith("cache.key.0.") for t in graph.inputs)  # the batch step's per-slot slabs
+    slots = batch_slots(graph)  # the batch step's per-slot slabs (0: another graph)
     layers = _layers(graph)
     pool = None
-    if batch:  # the pool inputs replace the per-slot slabs (their Concats fall away with the old attention)
+    if slots:  # the pool inputs replace the per-slot slabs (their Concats fall away with the old attention)
         for layer in range(len(layers)):
             for kind in contract.KV_KINDS:
                 name = contract.cache_input(kind, layer)
                 known[name] = gs.Variable(name, np.float32, ["pool_rows", kv_heads, "context", head_dim])
                 graph.inputs.append(known[name])
-        pool = BatchPool(graph, ids_shape, seqlens, batch_slots(graph), known[contract.cache_input("key", 0)])
+        pool = BatchPool(graph, ids_shape, seqlens, slots, known[contract.cache_input("key", 0)])
     cache_outputs = []
     for layer, (q2d, k2d, v2d, o_proj) in enumerate(layers):
         prefix = f"gqa.{layer}"
@@ -188,13 +183,11 @@ def lower_to_gqa(graph: gs.Graph, *, heads: int, kv_heads: int, head_dim: int, t
         else:
             out = pool.gather(attention(prefix, pool.spread(packed, width, f"{prefix}.qkv"), pool.seqlens, caches),
                               f"{prefix}.rows")  # [P, n, h*hd]
-        flat = add_layer(graph, op="Reshape", inputs=[out, gs.Constant(f"{prefix}.flat", np.array([-1, heads * head_dim], np.int64))],
-                                outputs=[f"{prefix}.ctx"])[0]  # [R*L, h*hd]
-        o_proj.inputs[0] = flat
+        o_proj.inputs[0] = reshape(graph, out, [-1, heads * head_dim], f"{prefix}.ctx")  # [R*L, h*hd]
     # The new rows now land in the cache inside the graph: the stacked new_key/new_value outputs go.
     stacked = {contract.new_rows(kind) for kind in contract.KV_KINDS}
     graph.outputs = [t for t in graph.outputs if t.name not in stacked] + cache_outputs
-    graph.import_domains = [onnx.helper.make_opsetid("", graph.opset), onnx.helper.make_opsetid("com.microsoft", 1)]
+    import_microsoft_domain(graph)
     return graph.cleanup(remove_unused_graph_inputs=True).toposort()
 
 

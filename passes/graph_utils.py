@@ -29,6 +29,12 @@ def add_layer(graph: gs.Graph, *, op: str, inputs: list, outputs: list[str], att
     return node.outputs
 
 
+def reshape(graph: gs.Graph, x: gs.Tensor, shape: list[int], name: str) -> gs.Tensor:
+    """Reshape X to the constant SHAPE (ONNX rules: -1 inferred, 0 copied); the result is named NAME."""
+    return add_layer(graph, op="Reshape", inputs=[x, gs.Constant(f"{name}.to", np.array(shape, np.int64))], outputs=[name],
+                     name=f"{name}/Reshape")[0]
+
+
 def replace_uses(old: gs.Tensor, new: gs.Tensor) -> None:
     """Make every consumer of `old` read `new` instead (graph outputs are left alone)."""
     for node in list(old.outputs):

@@ -23,18 +23,25 @@ import onnx_graphsurgeon as gs
 
 from speedc import contract
 from speedc.passes.base import CompileState, register_pass
-from speedc.passes.graph_utils import replace_uses, tensor
+from speedc.passes.graph_utils import replace_uses, reshape, tensor
 
 
-def token_rows(graph: gs.Graph, hidden: gs.Tensor, hidden_size: int) -> gs.Tensor:
-    """A graph input [R, 1, H] (the contract's hidden_in) as the token rows [R, H] the layers take."""
-    rows = gs.Variable(f"{hidden.name}.rows", dtype=np.float32, shape=[hidden.shape[0], hidden_size])
-    graph.nodes.append(gs.Node("Reshape", f"{hidden.name}/Reshape_rows", inputs=[
-        hidden, gs.Constant(f"{hidden.name}.rows_shape", np.array([-1, hidden_size], np.int64))], outputs=[rows]))
-    return rows
+def enter_slots(graph: gs.Graph, entering: str | int, behind: str | int, rows: str | int, hidden_size: int) -> gs.Tensor:
+    """The entry of a step graph (single-sequence or batch): the embedded tokens entering slot 0 (ENTERING
+    rows) and the contract's hidden_in [BEHIND, 1, H] (slots 1..P-1) concatenated into the ROWS token
+    rows the stage layers run. Returns hidden_in (a graph input)."""
+    embeddings = tensor(graph, "embeddings")
+    _relabel_rows(graph, embeddings, [entering, hidden_size], [rows, hidden_size])
+    hidden_in = gs.Variable(contract.HIDDEN_IN, dtype=np.float32, shape=[behind, 1, hidden_size])
+    slot_inputs = gs.Variable("slot_inputs", dtype=np.float32, shape=[rows, hidden_size])
+    replace_uses(embeddings, slot_inputs)
+    graph.nodes.append(gs.Node("Concat", "slot_inputs_concat", attrs={"axis": 0},
+                               inputs=[embeddings, reshape(graph, hidden_in, [-1, hidden_size], "hidden_in.rows")],
+                               outputs=[slot_inputs]))
+    return hidden_in
 
 
-def relabel_rows(graph: gs.Graph, embeddings: gs.Tensor, embedded: list, layer_rows: list) -> None:
+def _relabel_rows(graph: gs.Graph, embeddings: gs.Tensor, embedded: list, layer_rows: list) -> None:
     """The traced program's token rows (embeddings, every layer's tensors) share one row count, "rows" =
     B*L; a step graph's do not (its embeddings are the entering tokens, its layers run every slot). The
     traced shapes of the tensors in between are dropped (ONNX Runtime infers them) and the two row counts
@@ -49,13 +56,7 @@ def relabel_rows(graph: gs.Graph, embeddings: gs.Tensor, embedded: list, layer_r
 def build_step_graph(decode: gs.Graph, slots: int, stage_layers: int, exit_layer: int, hidden_size: int) -> gs.Graph:
     graph = decode.copy()
     graph.name = "speedc_step"
-    embeddings = tensor(graph, "embeddings")
-    relabel_rows(graph, embeddings, [1, hidden_size], [slots, hidden_size])
-    hidden_in = gs.Variable(contract.HIDDEN_IN, dtype=np.float32, shape=[slots - 1, 1, hidden_size])
-    slot_inputs = gs.Variable("slot_inputs", dtype=np.float32, shape=[slots, hidden_size])
-    replace_uses(embeddings, slot_inputs)
-    graph.nodes.append(gs.Node("Concat", "slot_inputs_concat", attrs={"axis": 0},
-                               inputs=[embeddings, token_rows(graph, hidden_in, hidden_size)], outputs=[slot_inputs]))
+    hidden_in = enter_slots(graph, 1, slots - 1, slots, hidden_size)
     input_ids, positions = tensor(graph, contract.INPUT_IDS), tensor(graph, contract.POSITIONS)
     input_ids.shape, positions.shape = [1, 1], [slots]
     past = []
