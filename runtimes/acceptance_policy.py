@@ -158,9 +158,6 @@ class AlwaysSpeculate:
     def start(self) -> None:
         return None
 
-    def observe(self, state, accepted: int, failed: int) -> None:
-        pass
-
     def waited(self, state) -> None:
         pass
 

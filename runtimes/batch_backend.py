@@ -207,7 +207,8 @@ class BatchBackend:
                    contract.HIDDEN_OUT: ((rows, 1, self.hidden_size), F32)}
         if want_logits:
             outputs[contract.FINAL_LOGITS] = ((len(final_rows), self.vocab_size), F32)
-        result = self._run(contract.BATCH_STEP, feeds, (0, n), slabs, outputs)
+        # fused: the whole pool is bound whatever n is, so one binding serves every n
+        result = self._run(contract.BATCH_STEP, feeds, (0, self.max_batch if self.fused else n), slabs, outputs)
         self.hidden[:, :n] = result[contract.HIDDEN_OUT].reshape(slots, n, self.hidden_size)
         if not self.fused:  # new rows [S, R, kvh, 1, hd] -> pool[j, s, b, :, positions[s, b]] for valid (s, b)
             s_index, b_index = np.nonzero(valid)

@@ -46,8 +46,7 @@ class DecodeStats:
     def acceptance_rate(self) -> float:
         """Confirmed speculations / checked ones, a failure at the last layer or by an early flush alike
         (the alpha of the analytic bound; every report pools it this way)."""
-        checked = self.accepted + self.failed_speculations
-        return self.accepted / checked if checked else 0.0
+        return pooled_acceptance([self])
 
     @property
     def failed_speculations(self) -> int:

@@ -84,6 +84,7 @@ def compare(reference: Path, artifacts: list[Path], *, prompts: list[str] | None
     """Quality of the REFERENCE and each of ARTIFACTS, all measured the same way (the reference's own
     agreements are 1 by definition: a check that the measurement is deterministic)."""
     from speedc import Engine
+    from speedc.bench.run import Agreement
 
     prompts = list(prompts or DEFAULT_PROMPTS)
     rows, ref = [], None
@@ -99,12 +100,14 @@ def compare(reference: Path, artifacts: list[Path], *, prompts: list[str] | None
             ref = (ids, argmax, outs)
         elif ids != ref[0]:
             raise SpeedcError(f"{path} tokenizes the validation text differently from {reference}: not the same model")
-        same = sum(int(a == b) for out, ref_out in zip(outs, ref[2]) for a, b in zip(out, ref_out))
+        agreement = Agreement(same_weights=False)  # each continuation against the reference's
+        for out, ref_out in zip(outs, ref[2]):
+            agreement.add(out, ref_out)
         rows.append(Quality(
             artifact=str(path), dtype=engine.manifest.dtype, stored_bytes=int(engine.manifest.weights["stored_bytes"]),
             val_loss=round(float(-logprob.mean()), 4), top1_agreement=round(float((argmax == ref[1]).mean()), 4),
-            greedy_agreement=round(same / sum(len(o) for o in ref[2]), 4),
-            identical_continuations=sum(int(o == r) for o, r in zip(outs, ref[2])), continuations=len(outs),
+            greedy_agreement=agreement.to_json()["agreement"],
+            identical_continuations=agreement.identical_runs, continuations=len(outs),
             speed_acceptance=round(acceptance, 4), val_tokens=len(ids) - 1))
     return rows
 

@@ -113,7 +113,7 @@ def concurrency_bench(engine: Engine, prompts: list[str], levels: list[int], new
     from pathlib import Path
 
     alone = {p: engine.generate(p, max_new_tokens=new_tokens, mode="autoregressive", stop_at_eos=False).ids for p in prompts}
-    prompt_ids = [engine.request_from(p, {}).prompt for p in prompts]
+    prompt_ids = [engine.encode(p) for p in prompts]
     genai_note = genai_available(engine) if peers is not False else "not asked (--no-peers)"
     with tempfile.TemporaryDirectory() as tmp:
         genai_dir = None

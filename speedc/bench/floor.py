@@ -12,10 +12,9 @@ two is what the rest of the step costs: whatever the graphs do besides streaming
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import numpy as np
+
+from speedc.bench.run import interleaved_medians
 
 WEIGHT_SCALE = 0.02
 
@@ -88,15 +87,7 @@ def measure_floor(shape, layers: int, slots: int, *, threads: int | None = None,
     token_session = _session(floor_graph(shape, layers, slots, head_rows=1), threads)
     step_x = {"x": np.ones((slots, shape.hidden), np.float32)}
     token_x = {"x": np.ones((1, shape.hidden), np.float32)}
-    step_times, token_times = [], []
-    for round_ in range(repeats + 3):
-        start = time.perf_counter()
-        step_session.run(None, step_x)
-        middle = time.perf_counter()
-        token_session.run(None, token_x)
-        if round_ >= 3:  # warm-up rounds
-            step_times.append(middle - start)
-            token_times.append(time.perf_counter() - middle)
-    step, token = statistics.median(step_times), statistics.median(token_times)
+    step, token = interleaved_medians(lambda: step_session.run(None, step_x), lambda: token_session.run(None, token_x),
+                                      repeats, warmup=3)
     return {"floor_step_cost": round(step / (token / slots), 3), "floor_step_ms": round(1000 * step, 3),
             "floor_token_ms": round(1000 * token, 3)}

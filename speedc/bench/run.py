@@ -104,6 +104,21 @@ def _percentiles(samples: list[float]) -> dict[str, float]:
             "min": round(float(arr.min()), 4)}
 
 
+def interleaved_medians(first, second, repeats: int, warmup: int) -> tuple[float, float]:
+    """Median seconds of FIRST() and of SECOND(), run alternately (a slow stretch of a shared machine
+    hits both alike) after WARMUP untimed rounds."""
+    first_times, second_times = [], []
+    for round_ in range(warmup + repeats):
+        start = time.perf_counter()
+        first()
+        middle = time.perf_counter()
+        second()
+        if round_ >= warmup:
+            first_times.append(middle - start)
+            second_times.append(time.perf_counter() - middle)
+    return statistics.median(first_times), statistics.median(second_times)
+
+
 def measure_step_times(backend, context: int, repeats: int = 200) -> tuple[float, float]:
     """(seconds of one P-slot step, seconds of one plain token), both at a cache of `context` rows
     with the newest position in the middle, interleaved, medians."""
@@ -111,18 +126,8 @@ def measure_step_times(backend, context: int, repeats: int = 200) -> tuple[float
     backend.reset(context)
     positions = np.arange(context // 2, context // 2 - slots, -1)
     valid = np.ones(slots, dtype=bool)
-    step_times, token_times = [], []
-    for _ in range(5):
-        backend.step(1, positions, valid, False)
-        backend.prefill([1], context // 2, False)
-    for _ in range(repeats):  # interleaved
-        start = time.perf_counter()
-        backend.step(1, positions, valid, False)
-        step_times.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        backend.prefill([1], context // 2, False)
-        token_times.append(time.perf_counter() - start)
-    return statistics.median(step_times), statistics.median(token_times)
+    return interleaved_medians(lambda: backend.step(1, positions, valid, False),
+                               lambda: backend.prefill([1], context // 2, False), repeats, warmup=5)
 
 
 def measure_step_cost(engine_or_backend, context: int, repeats: int = 200) -> float:
