@@ -4,7 +4,8 @@ advanced together one step at a time (the backend is runtimes/batch_backend.py).
 One scheduler iteration (`BatchScheduler.step`):
 
     1. cancelled sequences leave; waiting requests take free sequence slots (FIFO; a request waits
-       while none is free, and one longer than a slot's capacity is refused at submit, never cut)
+       while none is free, and one longer than a slot's capacity is refused at submit, never cut); the
+       pool's length follows the longest request in it (BatchBackend.reserve)
     2. prefill: one chunk (<= prefill_chunk tokens) of the oldest sequence still prefilling; its last
        chunk yields its first token
     3. decode: ONE graph run for every decoding sequence, speed or plain: the acceptance policy weighs
@@ -54,6 +55,11 @@ class Sequence:
     submitted: float = field(default_factory=time.perf_counter)
     first_token_seconds: float | None = None  # submit -> first confirmed token
     acceptance: object = None  # its record in the scheduler's acceptance policy
+
+    @property
+    def positions(self) -> int:
+        """Cache positions it may ever hold: prompt + max new tokens."""
+        return len(self.request.prompt) + self.request.max_new_tokens
 
     @property
     def last_useful(self) -> int:
@@ -142,6 +148,8 @@ class BatchScheduler:
                 sequence.slot, sequence.state = len(self.occupied), PREFILL
                 sequence.pipeline = Pipeline(self.backend.slots, sequence.stats)
                 self.occupied.append(sequence)
+        if self.occupied:  # the pool's length follows its longest request (BatchBackend.reserve)
+            self.backend.reserve(max(s.positions for s in self.occupied))
         self._prefill_chunk(events)
         decoding = [s for s in self.occupied if s.state == DECODE]
         if decoding:

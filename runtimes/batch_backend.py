@@ -3,6 +3,13 @@ graph runs the batch scheduler (runtimes/batch.py) needs. Imports numpy and onnx
 
     pool K, V [S, P, B, kvh, T+1, hd]  (stage layer j, pipeline slot s, sequence slot b, ...)
 
+T (`length`) follows the sequences in the pool (`reserve`: a power of two >= the longest prompt + max
+new tokens in it, at least MIN_POOL_POSITIONS), up to `capacity` (--kv-cache-mb, else the context)
+rather than holding every slot's whole context from the start: an Ouro-1.4B-shaped model keeps 384 KiB
+per position per sequence (24 layers x 16 KV heads x 128 x K and V, fp32), so 8 slots of a 32K context
+would be 96 GiB before the first request; numpy refuses such an allocation on this machine (32 GiB of
+zeros raised MemoryError). A pool that cannot grow is a one-line GenerationError, the old pool intact.
+
     prefill(b, chunk)   prefill graph, 1 row:  logical layer l = s*S + j reads pool[j, s, b][None]
     plain_step(n)       prefill graph, n rows (one token per sequence): pool[j, s, :n]
     speed_step(n)       batch_step graph, P*n rows, slot-major (row s*n + b): slab (j, s) = pool[j, s, :n];
@@ -11,7 +18,7 @@ graph runs the batch scheduler (runtimes/batch.py) needs. Imports numpy and onnx
 Every slab a graph reads is a contiguous view of the pool (sequences 0..n-1: the scheduler keeps the
 occupied sequence slots a prefix by moving the last one into a hole). Bubbles (empty pipeline slots,
 sequences still prefilling) run where the scheduler says: just past what their sequence may read
-(runtimes/batch.py _bubble_positions), or at row T, the scratch row each slab has; with the fused
+(runtimes/batch.py _bubble_positions), or at row T, the scratch row each slab has (T = `length`); with the fused
 graphs (GroupQueryAttention writes the cache in place, bound through IO binding) that is where their
 K/V land, and no valid row reads it before it is rewritten. With the standard graphs new rows come
 back as tensors and only valid rows are written here.
@@ -30,6 +37,7 @@ from speedc.errors import ArtifactError, GenerationError, SpeedcError
 from speedc.runtimes.onnx_session import onnxruntime_module, open_sessions, take_dimensions
 
 F32 = np.float32
+MIN_POOL_POSITIONS = 256  # the pool's smallest length T (a regrow copies the pool: not for every request)
 
 
 def batch_ready(manifest: Manifest) -> bool:
@@ -66,7 +74,7 @@ class BatchBackend:
     name = "onnx-batch"
 
     def __init__(self, directory: Path, manifest: Manifest, max_batch: int, capacity: int, threads: int | None = None,
-                 fused: bool | None = None) -> None:
+                 fused: bool | None = None, min_length: int = MIN_POOL_POSITIONS) -> None:
         if not batch_ready(manifest):
             raise ArtifactError(f"{directory}: built before continuous batching (no batch_step graph); rebuild it with "
                                 "this speedc (speedc build ... --force)")
@@ -81,14 +89,39 @@ class BatchBackend:
         if missing:
             raise ArtifactError(f"{directory}: has no {missing[0]} graph")
         self.max_batch, self.capacity = max_batch, capacity
-        shape = (self.stage_layers, self.slots, max_batch, self.kv_heads, capacity + 1, self.head_dim)
-        self.key, self.value = np.zeros(shape, F32), np.zeros(shape, F32)
         self.hidden = np.zeros((self.slots, max_batch, self.hidden_size), F32)  # last hidden_out, [slot, sequence]
         self._bindings: dict[tuple, object] = {}  # (role, rows, output names) -> IO binding with the slabs bound (fused)
+        self.min_length = min_length
+        self.length = 0  # positions T the pool holds per sequence slot now (reserve), at most capacity
+        self.key = self.value = np.zeros((self.stage_layers, self.slots, max_batch, self.kv_heads, 1, self.head_dim), F32)
+        self.reserve(0)
 
     @property
     def speculative(self) -> bool:
         return self.slots > 1
+
+    def reserve(self, positions: int) -> None:
+        """Make the pool hold POSITIONS (<= capacity) positions per sequence slot: T becomes the smallest
+        power of two >= POSITIONS (at least min_length, at most capacity) when that is larger than
+        T, or at most T / 4 (a batch swinging around one size does not copy back and forth). Every
+        position below min(old T, new T) keeps its K/V (the scratch row T never matters)."""
+        if positions > self.capacity:
+            raise GenerationError(f"{positions} positions exceed the KV-cache slot of {self.capacity}")
+        want = min(self.capacity, max(self.min_length, 1 << max(positions - 1, 0).bit_length()))
+        if want == self.length or self.length // 4 < want < self.length:
+            return
+        keep = min(self.length, want)
+        shape = (*self.key.shape[:4], want + 1, self.head_dim)
+        try:  # both new buffers first: if they do not fit, the pool stays as it was
+            key, value = np.zeros(shape, F32), np.zeros(shape, F32)
+        except MemoryError:
+            mib = 2 * np.prod(shape, dtype=np.float64) * np.dtype(F32).itemsize / (1 << 20)
+            raise GenerationError(f"the KV-cache pool cannot grow to {want} positions x {self.max_batch} sequences "
+                                  f"({mib:,.0f} MiB): out of memory; set --kv-cache-mb or lower --max-batch") from None
+        key[..., :keep, :], value[..., :keep, :] = self.key[..., :keep, :], self.value[..., :keep, :]
+        self.key, self.value = key, value
+        self.length = want
+        self._bindings.clear()  # they point into the old pool
 
     def move(self, source: int, target: int, length: int | None = None) -> None:
         """Sequence slot SOURCE's cache (its first LENGTH positions; None: all) and pipeline state now live
@@ -133,7 +166,7 @@ class BatchBackend:
         None: the scratch row T) when fused, as they write there; standard graphs: at 0 (never written)."""
         if not self.fused:
             return np.where(valid, positions, 0).astype(np.int64)
-        at = self.capacity if bubble_at is None else np.minimum(bubble_at, self.capacity)
+        at = self.length if bubble_at is None else np.minimum(bubble_at, self.length)
         return np.where(valid, positions, at).astype(np.int64)
 
     def _logical_slabs(self, rows: slice) -> dict[str, np.ndarray]:

@@ -27,7 +27,8 @@ def _parse_ids(text: str) -> list[int]:
               help="One prompt per line, decoded together (continuous batching); output in input order.")
 @click.option("--max-batch", type=int, default=8, show_default=True, help="With --prompts-file: sequences in flight.")
 @click.option("--kv-cache-mb", type=float, default=None,
-              help="With --prompts-file: KV-cache pool size (default: every sequence slot holds the full context).")
+              help="With --prompts-file: most memory for the KV-cache pool (default: every sequence slot may hold the full "
+                   "context; the pool holds only what the longest prompt + --max-new-tokens needs).")
 @click.option("--row-budget", type=int, default=None,
               help="With --prompts-file: speculate while a step has at most this many rows (default: the measured rule).")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)

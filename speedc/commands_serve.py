@@ -61,8 +61,9 @@ def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_q
               help="Requests decoded together (continuous batching: they share each engine step). 1: one request "
                    "at a time on the single-sequence engine (any --backend / --device).")
 @click.option("--kv-cache-mb", type=float, default=None,
-              help="Memory for the batching KV-cache pool, shared by the --max-batch requests (default: room for "
-                   "the model's whole context each). A request's prompt + max_tokens must fit its share.")
+              help="Most memory for the batching KV-cache pool, shared by the --max-batch requests (default: room "
+                   "for the model's whole context each; the pool holds only what the longest running request needs). "
+                   "A request's prompt + max_tokens must fit its share.")
 @click.option("--max-queue", type=int, default=64, show_default=True,
               help="Requests that may wait for a place (beyond --max-batch running); beyond that the server "
                    "answers 429 with Retry-After.")

@@ -140,6 +140,51 @@ def test_pool_limits_are_refused_in_one_line_not_truncated(engine):
         engine.generate_batch(["a"], settings=[{"temprature": 1.0}])
 
 
+def test_pool_length_follows_the_longest_request_losslessly(engine):
+    """The pool's length T follows the longest request in it (BatchBackend.reserve): a long request
+    joining a short one mid-decode grows it (the short one's K/V copied over), and once only a short one
+    is left it shrinks back (keeping that one's K/V); each sequence equals plain decoding of it alone."""
+    from speedc.runtimes.batch import BatchScheduler
+
+    backend = BatchBackend(engine.directory, engine.manifest, max_batch=2, capacity=engine.manifest.model["max_context"],
+                           min_length=16)
+    scheduler = BatchScheduler(backend)
+
+    def submit(prompt: str, max_new_tokens: int):
+        return scheduler.submit(engine.request_from(prompt, dict(max_new_tokens=max_new_tokens, stop_at_eos=False)))
+
+    short, long, late = submit(PROMPTS[0], 20), None, None
+    lengths = []
+    while scheduler.busy or late is None:
+        if long is None and len(short.out) >= 5:
+            long = submit(PROMPTS[1], 200)
+        if late is None and long is not None and len(long.out) >= 185:
+            late = submit(PROMPTS[2], 24)
+        scheduler.step()
+        if not lengths or lengths[-1] != backend.length:
+            lengths.append(backend.length)
+    assert lengths == [32, 256, 32]
+    for sequence, prompt, new in ((short, PROMPTS[0], 20), (long, PROMPTS[1], 200), (late, PROMPTS[2], 24)):
+        assert sequence.out == _alone(engine, prompt, {}, new).ids
+
+
+def test_pool_allocates_what_requests_need_and_refuses_growth_that_does_not_fit(engine):
+    """A slot capacity whose full pool could never be allocated (here 2^36 positions x 2 sequences,
+    terabytes) still serves short requests: the pool holds what they need. Growing past memory is a
+    one-line GenerationError that leaves the pool and its sequences as they were."""
+    backend = BatchBackend(engine.directory, engine.manifest, max_batch=2, capacity=1 << 36)
+    assert backend.length == 256 and backend.key.nbytes < (64 << 20)
+    with pytest.raises(GenerationError, match=r"cannot grow to \d+ positions x 2 sequences .*out of memory"):
+        backend.reserve(1 << 36)
+    assert backend.length == 256
+    from speedc.runtimes.batch import BatchScheduler
+
+    scheduler = BatchScheduler(backend)
+    sequence = scheduler.submit(engine.request_from(PROMPTS[0], dict(max_new_tokens=16, stop_at_eos=False)))
+    scheduler.run()
+    assert sequence.out == _alone(engine, PROMPTS[0], {}, 16).ids
+
+
 def test_artifact_without_batch_graph_asks_for_a_rebuild(tiny_artifact):
     manifest = read_manifest(tiny_artifact)
     del manifest.graphs[contract.BATCH_STEP]

@@ -15,6 +15,7 @@ what it produces alone (the scheduler's lossless promise), so the server's answe
 
 from __future__ import annotations
 
+from speedc.runtimes.batch_backend import pool_bytes_per_position
 from speedc.runtimes.engine_loop import EngineLoop, Submitted
 from speedc.serve.engine_adapter import FINISH_REASONS, GenerationRequest, Piece, QueueFull, RetryEstimate, encode
 
@@ -70,9 +71,9 @@ class BatchedEngine:
 
     def describe(self) -> str:
         backend = self.loop.scheduler.backend
-        mib = (backend.key.nbytes + backend.value.nbytes) / (1 << 20)
+        mib = pool_bytes_per_position(self.engine.manifest) * self.slots * (backend.capacity + 1) / (1 << 20)
         return (f"continuous batching: up to {self.slots} requests at once, {self.max_queue} may wait; KV-cache pool "
-                f"{mib:.0f} MiB, {backend.capacity} positions per request")
+                f"up to {mib:.0f} MiB (it grows with the longest request), {backend.capacity} positions per request")
 
     # ---- what the server asks of the model and the metrics ---------------------------------------
     @property
