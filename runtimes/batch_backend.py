@@ -5,10 +5,10 @@ graph runs the batch scheduler (runtimes/batch.py) needs. Imports numpy and onnx
 
 T (`length`) follows the sequences in the pool (`reserve`: a power of two >= the longest prompt + max
 new tokens in it, at least MIN_POOL_POSITIONS), up to `capacity` (--kv-cache-mb, else the context)
-rather than holding every slot's whole context from the start: an Ouro-1.4B-shaped model keeps 384 KiB
-per position per sequence (24 layers x 16 KV heads x 128 x K and V, fp32), so 8 slots of a 32K context
-would be 96 GiB before the first request; numpy refuses such an allocation on this machine (32 GiB of
-zeros raised MemoryError). A pool that cannot grow is a one-line GenerationError, the old pool intact.
+rather than holding every slot's whole context from the start: an Ouro-1.4B-shaped model keeps 1.5 MiB
+per position per sequence (96 logical layers = 24 blocks x 4 loops, 16 KV heads x 128, K and V, fp32),
+so 8 slots of a 32K context would be 384 GiB before the first request; numpy refuses such an allocation
+on this machine (32 GiB of zeros raised MemoryError). A pool that cannot grow is a one-line GenerationError, the old pool intact.
 
     prefill(b, chunk)   prefill graph, 1 row:  logical layer l = s*S + j reads pool[j, s, b][None]
     plain_step(n)       prefill graph, n rows (one token per sequence): pool[j, s, :n]
