@@ -8,7 +8,8 @@ new tokens in it, at least MIN_POOL_POSITIONS), up to `capacity` (--kv-cache-mb,
 rather than holding every slot's whole context from the start: an Ouro-1.4B-shaped model keeps 1.5 MiB
 per position per sequence (96 logical layers = 24 blocks x 4 loops, 16 KV heads x 128, K and V, fp32),
 so 8 slots of a 32K context would be 384 GiB before the first request; numpy refuses such an allocation
-on this machine (32 GiB of zeros raised MemoryError). A pool that cannot grow is a one-line GenerationError, the old pool intact.
+on this machine (32 GiB of zeros raised MemoryError). A pool that cannot grow is a one-line
+GenerationError, the old pool intact.
 
     prefill(b, chunk)   prefill graph, 1 row:  logical layer l = s*S + j reads pool[j, s, b][None]
     plain_step(n)       prefill graph, n rows (one token per sequence): pool[j, s, :n]
@@ -18,9 +19,9 @@ on this machine (32 GiB of zeros raised MemoryError). A pool that cannot grow is
 Every slab a graph reads is a contiguous view of the pool (sequences 0..n-1: the scheduler keeps the
 occupied sequence slots a prefix by moving the last one into a hole). Bubbles (empty pipeline slots,
 sequences still prefilling) run where the scheduler says: just past what their sequence may read
-(runtimes/batch.py _bubble_positions), or at row T, the scratch row each slab has (T = `length`); with the fused
-graphs (GroupQueryAttention writes the cache in place, bound through IO binding) that is where their
-K/V land, and no valid row reads it before it is rewritten. With the standard graphs new rows come
+(runtimes/batch.py _bubble_positions), or at row T (`length`), the scratch row each slab has; with the
+fused graphs (GroupQueryAttention writes the cache in place, bound through IO binding) that is where
+their K/V land, and no valid row reads it before it is rewritten. With the standard graphs new rows come
 back as tensors and only valid rows are written here.
 """
 
@@ -93,7 +94,7 @@ class BatchBackend:
         self._bindings: dict[tuple, object] = {}  # (role, rows, output names) -> IO binding with the slabs bound (fused)
         self.min_length = min_length
         self.length = 0  # positions T the pool holds per sequence slot now (reserve), at most capacity
-        self.key = self.value = np.zeros((self.stage_layers, self.slots, max_batch, self.kv_heads, 1, self.head_dim), F32)
+        self.key = self.value = None
         self.reserve(0)
 
     @property
@@ -111,14 +112,15 @@ class BatchBackend:
         if want == self.length or self.length // 4 < want < self.length:
             return
         keep = min(self.length, want)
-        shape = (*self.key.shape[:4], want + 1, self.head_dim)
+        shape = (self.stage_layers, self.slots, self.max_batch, self.kv_heads, want + 1, self.head_dim)
         try:  # both new buffers first: if they do not fit, the pool stays as it was
             key, value = np.zeros(shape, F32), np.zeros(shape, F32)
         except MemoryError:
             mib = 2 * np.prod(shape, dtype=np.float64) * np.dtype(F32).itemsize / (1 << 20)
             raise GenerationError(f"the KV-cache pool cannot grow to {want} positions x {self.max_batch} sequences "
                                   f"({mib:,.0f} MiB): out of memory; set --kv-cache-mb or lower --max-batch") from None
-        key[..., :keep, :], value[..., :keep, :] = self.key[..., :keep, :], self.value[..., :keep, :]
+        if keep:
+            key[..., :keep, :], value[..., :keep, :] = self.key[..., :keep, :], self.value[..., :keep, :]
         self.key, self.value = key, value
         self.length = want
         self._bindings.clear()  # they point into the old pool

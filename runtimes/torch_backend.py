@@ -1,6 +1,6 @@
 """PyTorch backend: the same schedule as the compiled step graph, run from the artifact's weights.
 
-    step:  [embed(token); hidden_in] -> [P,1,H] -> stage layers 0..S-1 (each block's weights applied
+    step:  [embed(token); hidden_in] -> [P,H] (token rows) -> stage layers 0..S-1 (each block's weights applied
            once to all P rows) -> exit head (all rows), final head (row P-1), new K/V rows
 
 It runs on CPU or CUDA (`device="cuda"`); the cache and hidden states stay on the device and only
@@ -73,7 +73,7 @@ class TorchBackend:
         self.key = self.value = None
         self.inv_freq = rotary_inv_freq(cfg, self.device)
         self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
-        self.hidden_in = torch.zeros(max(self.slots - 1, 0), 1, cfg.hidden_size, device=self.device)
+        self.hidden_in = torch.zeros(max(self.slots - 1, 0), cfg.hidden_size, device=self.device)  # token rows [P-1, H]
 
     def reset(self, capacity: int) -> None:
         shape = (self.stage_layers, self.slots, self.cfg.num_key_value_heads, capacity, self.cfg.head_dim)
@@ -85,37 +85,36 @@ class TorchBackend:
     @torch.no_grad()
     def prefill(self, ids: list[int], start: int, want_logits: bool) -> tuple[int, np.ndarray | None]:
         cfg, model = self.cfg, self.model
-        x = model.model.embed_tokens(torch.tensor([ids], device=self.device))  # [1, L, H]
+        x = model.model.embed_tokens(torch.tensor(ids, device=self.device))  # token rows [L, H]
         length = len(ids)
         ctx = row_context(torch.tensor([start], device=self.device), length, self.key.shape[3], self.inv_freq, self.groups)
         for layer, block_index in enumerate(cfg.layer_map):
             j, slot = cache_slab(layer, self.stage_layers)
-            x, k, v = layer_over_rows(model.model.blocks[block_index], x.reshape(length, -1), ctx, self.key[j, slot][None],
-                                      self.value[j, slot][None], cfg)  # token rows [L, H]
-            x = loop_boundary(x, model.model.norm.weight, cfg, layer).reshape(1, length, -1)
+            x, k, v = layer_over_rows(model.model.blocks[block_index], x, ctx, self.key[j, slot][None],
+                                      self.value[j, slot][None], cfg)
+            x = loop_boundary(x, model.model.norm.weight, cfg, layer)
             self.key[j, slot, :, start:start + length] = k[0]
             self.value[j, slot, :, start:start + length] = v[0]
-        logits = model.final_head(x[:, -1])[0]  # [V]
+        logits = model.final_head(x[-1:])[0]  # [V]
         return int(logits.argmax()), (logits.float().cpu().numpy() if want_logits else None)
 
     @torch.no_grad()
     def step(self, token: int, positions: np.ndarray, valid: np.ndarray, want_logits: bool,
              all_exits: bool = False) -> StepResult:
         cfg, model = self.cfg, self.model
-        x = torch.cat((model.model.embed_tokens(torch.tensor([[token]], device=self.device)), self.hidden_in))  # [P,1,H]
+        x = torch.cat((model.model.embed_tokens(torch.tensor([token], device=self.device)), self.hidden_in))  # [P, H]
         starts = torch.from_numpy(positions.astype(np.int64)).to(self.device)
         new_rows, exit_hidden = [], None
         ctx = row_context(starts, 1, self.key.shape[3], self.inv_freq, self.groups)
         for j in range(self.stage_layers):
-            x, k, v = layer_over_rows(model.model.blocks[cfg.layer_map[j]], x.reshape(self.slots, -1), ctx,
-                                      self.key[j], self.value[j], cfg)  # token rows [P, H]
-            x = loop_boundary(x, model.model.norm.weight, cfg, j).reshape(self.slots, 1, -1)  # stage j of every slot: the same loop position
+            x, k, v = layer_over_rows(model.model.blocks[cfg.layer_map[j]], x, ctx, self.key[j], self.value[j], cfg)
+            x = loop_boundary(x, model.model.norm.weight, cfg, j)  # stage j of every slot: the same loop position
             new_rows.append((k, v))
             if j + 1 == cfg.exit_layer:
                 exit_hidden = x
         exit_rows = exit_hidden if all_exits else exit_hidden[:1]
-        exit_tokens = model.exit_head(exit_rows)[:, 0].argmax(-1)  # [P] or [1]
-        final_logits = model.final_head(x[-1])[0]  # [V]
+        exit_tokens = model.exit_head(exit_rows).argmax(-1)  # [P] or [1]
+        final_logits = model.final_head(x[-1:])[0]  # [V]
         tokens = torch.cat((final_logits.argmax()[None], exit_tokens)).cpu().numpy()
         # New rows of valid slots only (bubbles never write), all stage layers in one indexed copy each:
         # the indexed target is [n, S, kvh, hd] (advanced indices first), hence the transpose.

@@ -74,7 +74,8 @@ def _run_unbatched(engine: Engine, prompt: str, new_tokens: int) -> dict:
     start = time.perf_counter()
     times = []
     out = []
-    for token in engine._decoding(prompt, new_tokens, "speed", SamplingParams(), None, False, None):  # greedy
+    for token in engine._decoding(prompt, new_tokens, "speed", SamplingParams(), stop=None, stop_at_eos=False,
+                                  early_flush=None):  # greedy, token by token: the loop generate() drives
         times.append(time.perf_counter())
         out.append(token)
     wall = time.perf_counter() - start
