@@ -5,7 +5,7 @@ One scheduler iteration (`BatchScheduler.step`):
 
     1. cancelled sequences leave; waiting requests take free sequence slots (FIFO; a request waits
        while none is free, and one longer than a slot's capacity is refused at submit, never cut); the
-       pool's length follows the longest request in it (BatchBackend.reserve)
+       pool's width follows the occupied slots, its length the longest request (BatchBackend.reserve)
     2. prefill: one chunk (<= prefill_chunk tokens) of the oldest sequence still prefilling; its last
        chunk yields its first token
     3. decode: ONE graph run for every decoding sequence, speed or plain: the acceptance policy weighs
@@ -148,8 +148,8 @@ class BatchScheduler:
                 sequence.slot, sequence.state = len(self.occupied), PREFILL
                 sequence.pipeline = Pipeline(self.backend.slots, sequence.stats)
                 self.occupied.append(sequence)
-        if self.occupied:  # the pool's length follows its longest request (BatchBackend.reserve)
-            self.backend.reserve(max(s.positions for s in self.occupied))
+        if self.occupied:  # the pool's width and length follow its requests (BatchBackend.reserve)
+            self.backend.reserve(max(s.positions for s in self.occupied), len(self.occupied))
         self._prefill_chunk(events)
         decoding = [s for s in self.occupied if s.state == DECODE]
         if decoding:
@@ -226,13 +226,13 @@ class BatchScheduler:
         """Cache positions of SEQUENCE that may hold K/V it will read: prompt, emitted tokens, in-flight ones."""
         return min(self.backend.capacity, len(sequence.request.prompt) + len(sequence.out) + self.backend.slots)
 
-    def _bubble_positions(self) -> np.ndarray:
-        """[n] where each occupied sequence's bubbles run: just past what it may read (_cached), not the
-        pool's scratch row T. A bubble attends to every key below its position, so at T each cost an
-        attention over the whole slot (measured: the batch step's attention 3.5x the single-sequence
-        step's at zoo:small, whose slot holds its 1,024-token context); what it writes there is
-        overwritten before any row reads it (every position a row reads is below _cached)."""
-        return np.asarray([self._cached(sequence) for sequence in self.occupied], np.int64)
+    def _bubble_positions(self) -> list[int]:
+        """Where each occupied sequence's bubbles run (index: sequence slot): just past what it may read
+        (_cached), at most the pool's scratch row T. A bubble attends to every key below its position,
+        so at T each cost an attention over the whole slot (measured: the batch step's attention 3.5x
+        the single-sequence step's at zoo:small, whose slot holds its 1,024-token context); what it
+        writes there is overwritten before any row reads it (every position a row reads is below _cached)."""
+        return [min(self._cached(sequence), self.backend.length) for sequence in self.occupied]
 
     def _prefill_chunk(self, events: list[Event]) -> None:
         sequence = next((s for s in self.occupied if s.state == PREFILL), None)
@@ -255,13 +255,13 @@ class BatchScheduler:
 
     def _plain_step(self, decoding: list[Sequence], events: list[Event]) -> None:
         n = len(self.occupied)
-        tokens, positions, valid = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, bool)
+        tokens, positions, valid = np.zeros(n, np.int64), np.asarray(self._bubble_positions(), np.int64), np.zeros(n, bool)
         for sequence in decoding:
             frontier = sequence.frontier()
             tokens[sequence.slot], positions[sequence.slot], valid[sequence.slot] = frontier.token, frontier.pos, True
         want = any(s.request.picker.params.needs_logits for s in decoding)
         start = time.perf_counter()
-        argmax, logits = self.backend.plain_step(tokens, positions, valid, want, self._bubble_positions())
+        argmax, logits = self.backend.plain_step(tokens, positions, valid, want)
         self.steps["plain"] += 1
         for sequence in decoding:
             sequence.stats.steps += 1
@@ -274,7 +274,8 @@ class BatchScheduler:
     def _speed_step(self, decoding: list[Sequence], events: list[Event]) -> None:
         slots, n = self.backend.slots, len(self.occupied)
         entering = np.zeros(n, np.int64)
-        positions, valid = np.zeros((slots, n), np.int64), np.zeros((slots, n), bool)
+        positions = np.repeat(np.asarray([self._bubble_positions()], np.int64), slots, axis=0)  # [P, n]: bubbles' rows
+        valid = np.zeros((slots, n), bool)
         final_rows, final_of, exit_rows, exit_of = [], [], [], []
         stepping = []
         for sequence in decoding:
@@ -305,8 +306,7 @@ class BatchScheduler:
             return
         want = any(s.request.picker.params.needs_logits for s in final_of)
         start = time.perf_counter()
-        finals, logits, exits = self.backend.speed_step(entering, positions, valid, np.asarray(final_rows, np.int64),
-                                                        np.asarray(exit_rows, np.int64), want, self._bubble_positions())
+        finals, logits, exits = self.backend.speed_step(entering, positions, valid, final_rows, exit_rows, want)
         self.steps["speed"] += 1
         final = {id(s): (int(finals[i]), logits[i] if want else None) for i, s in enumerate(final_of)}
         guesses: dict[int, dict[int, int]] = {}

@@ -1,28 +1,36 @@
 """ONNX Runtime (CPU) backend for continuous batching: a KV-cache pool of sequence slots and the three
 graph runs the batch scheduler (runtimes/batch.py) needs. Imports numpy and onnxruntime only.
 
-    pool K, V [S, P, B, kvh, T+1, hd]  (stage layer j, pipeline slot s, sequence slot b, ...)
+    pool K, V [S, P, W, kvh, T+1, hd]  (stage layer j, pipeline slot s, sequence slot b, ...)
 
-T (`length`) follows the sequences in the pool (`reserve`: a power of two >= the longest prompt + max
-new tokens in it, at least MIN_POOL_POSITIONS), up to `capacity` (--kv-cache-mb, else the context)
-rather than holding every slot's whole context from the start: an Ouro-1.4B-shaped model keeps 1.5 MiB
-per position per sequence (96 logical layers = 24 blocks x 4 loops, 16 KV heads x 128, K and V, fp32),
-so 8 slots of a 32K context would be 384 GiB before the first request; numpy refuses such an allocation
-on this machine (32 GiB of zeros raised MemoryError). A pool that cannot grow is a one-line
-GenerationError, the old pool intact.
+The pool's width W (sequence slots) and length T (positions) follow the sequences in it (`reserve`):
+W the smallest power of two >= the occupied sequence slots, up to max_batch; T the smallest power of
+two >= the longest prompt + max new tokens in it, at least MIN_POOL_POSITIONS, up to `capacity`
+(--kv-cache-mb, else the context). Each grows at once and shrinks only after SHRINK_AFTER_STEPS steps in
+a row needed less (a burst of requests ending together does not shrink it just before the next burst
+grows it again).
+- W: the fused batch step runs attention over all W sequence slots, the free ones as padding rows; one
+  client in a pool of 8 slots paid 12% more a step for them than in a pool of 1 (zoo:small).
+- T: an Ouro-1.4B-shaped model keeps 1.5 MiB per position per sequence (96 logical layers = 24 blocks x
+  4 loops, 16 KV heads x 128, K and V, fp32), so 8 slots of a 32K context would be 384 GiB before the
+  first request; numpy refuses such an allocation on this machine (32 GiB of zeros raised MemoryError).
+A pool that cannot grow is a one-line GenerationError, the old pool intact.
 
     prefill(b, chunk)   prefill graph, 1 row:  logical layer l = s*S + j reads pool[j, s, b][None]
     plain_step(n)       prefill graph, n rows (one token per sequence): pool[j, s, :n]
     speed_step(n)       batch_step graph, P*n rows, slot-major (row s*n + b): slab (j, s) = pool[j, s, :n];
-                        fused: stage layer j's whole pool[j] as one [P*B, ...] buffer (one attention a layer)
+                        fused: stage layer j's whole pool[j] as one [P*W, ...] buffer (one attention a layer)
 
 Every slab a graph reads is a contiguous view of the pool (sequences 0..n-1: the scheduler keeps the
 occupied sequence slots a prefix by moving the last one into a hole). Bubbles (empty pipeline slots,
 sequences still prefilling) run where the scheduler says: just past what their sequence may read
-(runtimes/batch.py _bubble_positions), or at row T (`length`), the scratch row each slab has; with the
+(runtimes/batch.py _bubble_positions), at most row T (`length`), the scratch row each slab has; with the
 fused graphs (GroupQueryAttention writes the cache in place, bound through IO binding) that is where
 their K/V land, and no valid row reads it before it is rewritten. With the standard graphs new rows come
 back as tensors and only valid rows are written here.
+
+Fused steps run through a StepBinding per shape of step (its tensors bound once to buffers the step
+writes and reads), so a step makes no binding call.
 """
 
 from __future__ import annotations
@@ -39,6 +47,8 @@ from speedc.runtimes.onnx_session import onnxruntime_module, open_sessions, take
 
 F32 = np.float32
 MIN_POOL_POSITIONS = 256  # the pool's smallest length T (a regrow copies the pool: not for every request)
+SHRINK_AFTER_STEPS = 64  # see reserve
+MAX_STEP_BINDINGS = 1024  # fused step bindings kept (shapes seen: 54 at 8 sequences, 7 at one)
 
 
 def batch_ready(manifest: Manifest) -> bool:
@@ -71,11 +81,44 @@ def slot_capacity(manifest: Manifest, max_batch: int, kv_cache_mb: float | None)
     return capacity
 
 
+def _power_of_two_size(need: int, low: int, high: int) -> int:
+    """The size an axis of the pool takes for NEED: the smallest power of two >= need, at least LOW, at
+    most HIGH (powers of two: a pool swinging around one size is not copied back and forth)."""
+    return min(high, max(low, 1 << max(need - 1, 0).bit_length()))
+
+
+class StepBinding:
+    """One IO binding of a fused step graph for one shape of step: the cache slabs and every input and
+    output bound to a buffer once, so a step writes its inputs into `inputs`, runs, and reads `outputs`
+    (valid until the next run that binds the same buffers).
+
+    Why one per shape and not one rebound as shapes change: rebinding a tensor of a binding that has
+    run cost 80-100 us (ONNX Runtime 1.32, this machine), binding one on a fresh binding ~7 us; eight
+    sequences' steps change their final or exit row counts almost every step (54 shapes in 101 steps,
+    each seen again in later runs)."""
+
+    def __init__(self, session, slabs: dict[str, np.ndarray], tensors: dict[str, tuple[np.ndarray, bool]]) -> None:
+        self.session = session
+        self.binding = session.io_binding()
+        for name, view in slabs.items():  # past and present: the same pool memory (written in place)
+            self.binding.bind_input(name, "cpu", 0, F32, list(view.shape), view.ctypes.data)
+            self.binding.bind_output(name + ".out", "cpu", 0, F32, list(view.shape), view.ctypes.data)
+        self.inputs = {name: buffer for name, (buffer, output) in tensors.items() if not output}
+        self.outputs = {name: buffer for name, (buffer, output) in tensors.items() if output}
+        for name, (buffer, output) in tensors.items():
+            bind = self.binding.bind_output if output else self.binding.bind_input
+            bind(name, "cpu", 0, buffer.dtype, list(buffer.shape), buffer.ctypes.data)
+
+    def run(self) -> dict[str, np.ndarray]:
+        self.session.run_with_iobinding(self.binding)
+        return self.outputs
+
+
 class BatchBackend:
     name = "onnx-batch"
 
     def __init__(self, directory: Path, manifest: Manifest, max_batch: int, capacity: int, threads: int | None = None,
-                 fused: bool | None = None, min_length: int = MIN_POOL_POSITIONS) -> None:
+                 fused: bool | None = None, min_length: int = MIN_POOL_POSITIONS, shrink_after: int = SHRINK_AFTER_STEPS) -> None:
         if not batch_ready(manifest):
             raise ArtifactError(f"{directory}: built before continuous batching (no batch_step graph); rebuild it with "
                                 "this speedc (speedc build ... --force)")
@@ -91,39 +134,58 @@ class BatchBackend:
             raise ArtifactError(f"{directory}: has no {missing[0]} graph")
         self.max_batch, self.capacity = max_batch, capacity
         self.hidden = np.zeros((self.slots, max_batch, self.hidden_size), F32)  # last hidden_out, [slot, sequence]
-        self._bindings: dict[tuple, object] = {}  # (role, rows, output names) -> IO binding with the slabs bound (fused)
-        self.min_length = min_length
+        self._bindings: dict[tuple, object] = {}  # fused prefill: sequence slot -> IO binding with its slabs bound
+        self._steps: dict[tuple, StepBinding] = {}  # fused steps: (role, shape of the step) -> StepBinding, oldest first
+        self._buffers: dict[tuple, np.ndarray] = {}  # (name, shape) -> the buffer every StepBinding binds NAME of SHAPE to
+        self.min_length, self.shrink_after = min_length, shrink_after
+        self._shrink_pending = 0  # reserve calls in a row that asked for a smaller pool
         self.length = 0  # positions T the pool holds per sequence slot now (reserve), at most capacity
+        self.width = 0  # sequence slots W the pool holds now (reserve), at most max_batch
         self.key = self.value = None
-        self.reserve(0)
+        self.reserve(0, 1)
 
     @property
     def speculative(self) -> bool:
         return self.slots > 1
 
-    def reserve(self, positions: int) -> None:
-        """Make the pool hold POSITIONS (<= capacity) positions per sequence slot: T becomes the smallest
-        power of two >= POSITIONS (at least min_length, at most capacity) when that is larger than
-        T, or at most T / 4 (a batch swinging around one size does not copy back and forth). Every
-        position below min(old T, new T) keeps its K/V (the scratch row T never matters)."""
+    def reserve(self, positions: int, sequences: int | None = None) -> None:
+        """Make the pool hold POSITIONS (<= capacity) positions for each of SEQUENCES (<= max_batch; None:
+        as now) sequence slots, sized by _power_of_two_size (T at least min_length): at once where it must
+        grow, and where it may only shrink, once SHRINK_AFTER calls in a row asked for less (called once a
+        step: a burst of requests ending together does not shrink the pool just before the next burst
+        grows it again, each time copying it and remaking every step binding). The occupied slots (a
+        prefix) keep every position below min(old T, new T) (the scratch row T never matters)."""
         if positions > self.capacity:
             raise GenerationError(f"{positions} positions exceed the KV-cache slot of {self.capacity}")
-        want = min(self.capacity, max(self.min_length, 1 << max(positions - 1, 0).bit_length()))
-        if want == self.length or self.length // 4 < want < self.length:
+        sequences = self.width if sequences is None else sequences
+        if not 0 < sequences <= self.max_batch:
+            raise GenerationError(f"internal: {sequences} sequences for a pool of {self.max_batch}")
+        length = _power_of_two_size(positions, self.min_length, self.capacity)
+        width = _power_of_two_size(sequences, 1, self.max_batch)
+        grow = length > self.length or width > self.width
+        if not grow and (length, width) == (self.length, self.width):
+            self._shrink_pending = 0
             return
-        keep = min(self.length, want)
-        shape = (self.stage_layers, self.slots, self.max_batch, self.kv_heads, want + 1, self.head_dim)
+        if not grow:  # a shrink waits until the need has stayed low for shrink_after calls
+            self._shrink_pending += 1
+            if self._shrink_pending < self.shrink_after:
+                return
+        shape = (self.stage_layers, self.slots, width, self.kv_heads, length + 1, self.head_dim)
         try:  # both new buffers first: if they do not fit, the pool stays as it was
             key, value = np.zeros(shape, F32), np.zeros(shape, F32)
         except MemoryError:
             mib = 2 * np.prod(shape, dtype=np.float64) * np.dtype(F32).itemsize / (1 << 20)
-            raise GenerationError(f"the KV-cache pool cannot grow to {want} positions x {self.max_batch} sequences "
+            raise GenerationError(f"the KV-cache pool cannot grow to {length} positions x {width} sequence slots "
                                   f"({mib:,.0f} MiB): out of memory; set --kv-cache-mb or lower --max-batch") from None
-        if keep:
-            key[..., :keep, :], value[..., :keep, :] = self.key[..., :keep, :], self.value[..., :keep, :]
+        keep, kept = min(self.length, length), min(self.width, width)
+        if keep and kept:
+            key[:, :, :kept, :, :keep], value[:, :, :kept, :, :keep] = (self.key[:, :, :kept, :, :keep],
+                                                                        self.value[:, :, :kept, :, :keep])
         self.key, self.value = key, value
-        self.length = want
+        self.length, self.width = length, width
+        self._shrink_pending = 0
         self._bindings.clear()  # they point into the old pool
+        self._steps.clear()
 
     def move(self, source: int, target: int, length: int | None = None) -> None:
         """Sequence slot SOURCE's cache (its first LENGTH positions; None: all) and pipeline state now live
@@ -134,43 +196,6 @@ class BatchBackend:
         self.hidden[:, target] = self.hidden[:, source]
 
     # ---- running a graph -------------------------------------------------------------------------
-    def _run(self, role: str, feeds: dict, rows: tuple[int, int], slabs_of: Callable[[], dict[str, np.ndarray]],
-             outputs: dict[str, tuple]) -> dict[str, np.ndarray]:
-        """Run ROLE's graph over sequence slots ROWS = (first, end). SLABS_OF(): cache input name -> pool view
-        (read, and written in place when fused). OUTPUTS: name -> (shape, dtype) of what to return.
-        Standard graphs also return new_key/new_value.
-
-        Fused: the pool never moves, so the IO binding of the cache slabs (2 x slabs binds, the bulk of a
-        binding) is made once per (role, rows, output names) and kept; each run rebinds only the feeds and
-        the outputs it returns (the same names every time for one key, so nothing stale stays bound)."""
-        session = self.sessions[self.graph[role]]
-        if not self.fused:
-            names = list(outputs) + [contract.new_rows(kind) for kind in contract.KV_KINDS]
-            return dict(zip(names, session.run(names, {**feeds, **slabs_of()})))
-        key = (role, rows, tuple(outputs))
-        binding = self._bindings.get(key)
-        if binding is None:
-            binding = self._bindings[key] = session.io_binding()
-            for name, view in slabs_of().items():  # past and present: the same pool memory (written in place)
-                binding.bind_input(name, "cpu", 0, F32, list(view.shape), view.ctypes.data)
-                binding.bind_output(name + ".out", "cpu", 0, F32, list(view.shape), view.ctypes.data)
-        for name, value in feeds.items():
-            binding.bind_cpu_input(name, value)
-        results = {}
-        for name, (shape, dtype) in outputs.items():
-            results[name] = np.empty(shape, dtype)
-            binding.bind_output(name, "cpu", 0, dtype, list(shape), results[name].ctypes.data)
-        session.run_with_iobinding(binding)
-        return results
-
-    def _scratch(self, positions: np.ndarray, valid: np.ndarray, bubble_at: np.ndarray | None) -> np.ndarray:
-        """Bubbles run at BUBBLE_AT [n] (per sequence slot, a position no row reads before it is rewritten;
-        None: the scratch row T) when fused, as they write there; standard graphs: at 0 (never written)."""
-        if not self.fused:
-            return np.where(valid, positions, 0).astype(np.int64)
-        at = self.length if bubble_at is None else np.minimum(bubble_at, self.length)
-        return np.where(valid, positions, at).astype(np.int64)
-
     def _logical_slabs(self, rows: slice) -> dict[str, np.ndarray]:
         """Prefill-graph cache inputs: logical layer l = s*S + j reads pool[j, s, rows]."""
         slabs = {}
@@ -180,77 +205,135 @@ class BatchBackend:
             slabs[contract.cache_input("value", layer)] = self.value[j, slot, rows]
         return slabs
 
+    def _stage_slabs(self, n: int) -> dict[str, np.ndarray]:
+        """Batch-step cache inputs: fused, stage layer j's whole pool [P*W, kvh, T+1, hd] (one attention a
+        layer); standard, one slab pool[j, s, :n] per (stage layer, slot)."""
+        views = {}
+        for j in range(self.stage_layers):
+            for kind, pool in (("key", self.key), ("value", self.value)):
+                if self.fused:
+                    views[contract.cache_input(kind, j)] = pool[j].reshape(-1, *pool.shape[3:])
+                else:
+                    for s in range(self.slots):
+                        views[contract.batch_cache_input(kind, j, s)] = pool[j, s, :n]
+        return views
+
+    def _step(self, role: str, shape: tuple, slabs: Callable[[], dict[str, np.ndarray]],
+              tensors: Callable[[], dict[str, tuple]]) -> StepBinding:
+        """The StepBinding of ROLE for SHAPE (made on first use; at most MAX_STEP_BINDINGS kept, the oldest
+        dropped). TENSORS() -> name -> (shape, dtype, is output): each bound to this backend's buffer of
+        that name and shape (steps run one at a time and their outputs are read before the next, so
+        bindings share buffers)."""
+        step = self._steps.get((role, shape))
+        if step is None:
+            bound = {}
+            for name, (size, dtype, output) in tensors().items():
+                buffer = self._buffers.get((name, size))
+                if buffer is None:
+                    buffer = self._buffers[name, size] = np.zeros(size, dtype)
+                bound[name] = (buffer, output)
+            if len(self._steps) >= MAX_STEP_BINDINGS:
+                del self._steps[next(iter(self._steps))]
+            step = self._steps[role, shape] = StepBinding(self.sessions[self.graph[role]], slabs(), bound)
+        return step
+
+    def _run_standard(self, role: str, feeds: dict, slabs: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
+        """A standard graph: cache slabs fed as inputs, new K/V rows returned with OUTPUTS."""
+        names = outputs + [contract.new_rows(kind) for kind in contract.KV_KINDS]
+        return dict(zip(names, self.sessions[self.graph[role]].run(names, {**feeds, **slabs})))
+
     def prefill(self, sequence: int, ids: list[int], start: int, want_logits: bool) -> tuple[int, np.ndarray | None]:
         """Run a prompt chunk of sequence slot SEQUENCE through all N layers at positions start.."""
         feeds = {contract.INPUT_IDS: np.asarray([ids], np.int64), contract.POSITIONS: np.asarray([start], np.int64)}
-        outputs = {contract.NEXT_TOKEN: ((1,), np.int64)}
-        if want_logits:
-            outputs[contract.LOGITS] = ((1, self.vocab_size), F32)
-        result = self._run(contract.PREFILL, feeds, (sequence, sequence + 1),
-                           lambda: self._logical_slabs(slice(sequence, sequence + 1)), outputs)
-        if not self.fused:  # new rows [N, 1, kvh, L, hd] -> pool[j, s, sequence, :, start:start+L]
-            for kind, pool in (("key", self.key), ("value", self.value)):
+        outputs = [contract.NEXT_TOKEN] + ([contract.LOGITS] if want_logits else [])
+        slabs = lambda: self._logical_slabs(slice(sequence, sequence + 1))  # noqa: E731
+        if not self.fused:
+            result = self._run_standard(contract.PREFILL, feeds, slabs(), outputs)
+            for kind, pool in (("key", self.key), ("value", self.value)):  # [N, 1, kvh, L, hd] -> pool[j, s, sequence, :, start:]
                 new = result[contract.new_rows(kind)][:, 0]
                 pool[:, :, sequence, :, start:start + len(ids)] = new.reshape(
                     self.slots, self.stage_layers, *new.shape[1:]).transpose(1, 0, 2, 3, 4)
-        return int(result[contract.NEXT_TOKEN][0]), (result[contract.LOGITS][0] if want_logits else None)
+            return int(result[contract.NEXT_TOKEN][0]), (result[contract.LOGITS][0] if want_logits else None)
+        # The chunk length varies, so the ids are bound per call; the slabs' binding is kept per sequence slot.
+        binding = self._bindings.get(sequence)
+        if binding is None:
+            binding = self._bindings[sequence] = self.sessions[self.graph[contract.PREFILL]].io_binding()
+            for name, view in slabs().items():
+                binding.bind_input(name, "cpu", 0, F32, list(view.shape), view.ctypes.data)
+                binding.bind_output(name + ".out", "cpu", 0, F32, list(view.shape), view.ctypes.data)
+        for name, value in feeds.items():
+            binding.bind_cpu_input(name, value)
+        token, logits = np.zeros(1, np.int64), np.zeros((1, self.vocab_size), F32)
+        binding.bind_output(contract.NEXT_TOKEN, "cpu", 0, np.int64, [1], token.ctypes.data)
+        binding.bind_output(contract.LOGITS, "cpu", 0, F32, list(logits.shape), logits.ctypes.data)
+        self.sessions[self.graph[contract.PREFILL]].run_with_iobinding(binding)
+        return int(token[0]), (logits[0] if want_logits else None)
 
-    def plain_step(self, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray, want_logits: bool,
-                   bubble_at: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    def plain_step(self, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray,
+                   want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
         """Plain decoding of sequences 0..n-1 at once: row b's token at positions[b] through all N layers.
-        -> (argmax next tokens [n], logits [n, V] or None); invalid rows are bubbles (at bubble_at[b])."""
+        -> (argmax next tokens [n], logits [n, V] or None). Invalid rows are bubbles: fused, they run at
+        positions[b] (the scheduler's choice, where their K/V land); standard graphs, at 0 (not written)."""
         n = len(tokens)
-        feeds = {contract.INPUT_IDS: np.asarray(tokens, np.int64).reshape(n, 1),
-                 contract.POSITIONS: self._scratch(positions, valid, bubble_at)}
-        outputs = {contract.NEXT_TOKEN: ((n,), np.int64)}
-        if want_logits:
-            outputs[contract.LOGITS] = ((n, self.vocab_size), F32)
-        result = self._run(contract.PREFILL, feeds, (0, n), lambda: self._logical_slabs(slice(0, n)), outputs)
-        if not self.fused:  # new rows [N, n, kvh, 1, hd]; row b of layer s*S + j -> pool[j, s, b, :, positions[b]]
+        if not self.fused:
+            feeds = {contract.INPUT_IDS: np.asarray(tokens, np.int64).reshape(n, 1),
+                     contract.POSITIONS: np.where(valid, positions, 0).astype(np.int64)}
+            outputs = [contract.NEXT_TOKEN] + ([contract.LOGITS] if want_logits else [])
+            result = self._run_standard(contract.PREFILL, feeds, self._logical_slabs(slice(0, n)), outputs)
             rows = np.flatnonzero(valid)
             for kind, pool in (("key", self.key), ("value", self.value)):
                 new = result[contract.new_rows(kind)][:, :, :, 0]  # [N, n, kvh, hd]
                 new = new.reshape(self.slots, self.stage_layers, *new.shape[1:]).transpose(1, 0, 2, 3, 4)  # [S, P, n, kvh, hd]
                 # advanced indices (rows, positions) split by a slice: the target is [k, S, P, kvh, hd]
                 pool[:, :, rows, :, positions[rows]] = new[:, :, rows].transpose(2, 0, 1, 3, 4)
+            return result[contract.NEXT_TOKEN], (result[contract.LOGITS] if want_logits else None)
+        def tensors():
+            return {contract.INPUT_IDS: ((n, 1), np.int64, False), contract.POSITIONS: ((n,), np.int64, False),
+                    contract.NEXT_TOKEN: ((n,), np.int64, True),
+                    **({contract.LOGITS: ((n, self.vocab_size), F32, True)} if want_logits else {})}
+
+        step = self._step(contract.PREFILL, (n, want_logits), lambda: self._logical_slabs(slice(0, n)), tensors)
+        step.inputs[contract.INPUT_IDS][:, 0] = tokens
+        step.inputs[contract.POSITIONS][:] = positions
+        result = step.run()
         return result[contract.NEXT_TOKEN], (result[contract.LOGITS] if want_logits else None)
 
-    def speed_step(self, entering: np.ndarray, positions: np.ndarray, valid: np.ndarray, final_rows: np.ndarray,
-                   exit_rows: np.ndarray, want_logits: bool,
-                   bubble_at: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    def speed_step(self, entering: np.ndarray, positions: np.ndarray, valid: np.ndarray, final_rows: list[int],
+                   exit_rows: list[int], want_logits: bool) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
         """One pipelined step of sequences 0..n-1: entering [n] tokens enter slot 0; positions/valid [P, n]
-        (slot, sequence); bubbles of sequence b at bubble_at[b]. -> (final tokens [F], final logits [F, V] or
-        None, exit tokens [E]) for the rows final_rows / exit_rows (row = s*n + b)."""
+        (slot, sequence; bubbles as plain_step says). -> (final tokens [F], final logits [F, V] or None,
+        exit tokens [E]) for the rows final_rows / exit_rows (row = s*n + b)."""
         slots, n = positions.shape
-        rows = slots * n
-        feeds = {contract.INPUT_IDS: np.asarray(entering, np.int64).reshape(n, 1),
-                 contract.POSITIONS: self._scratch(positions, valid, None if bubble_at is None else bubble_at[None, :]).reshape(rows),
-                 contract.HIDDEN_IN: np.ascontiguousarray(self.hidden[:slots - 1, :n]).reshape((slots - 1) * n, 1, -1),
-                 contract.FINAL_ROWS: np.asarray(final_rows, np.int64), contract.EXIT_ROWS: np.asarray(exit_rows, np.int64)}
-        def slabs():
-            views = {}
-            for j in range(self.stage_layers):
-                for kind, pool in (("key", self.key), ("value", self.value)):
-                    if self.fused:  # the stage layer's whole pool, one buffer [P*B, kvh, T+1, hd]
-                        views[contract.cache_input(kind, j)] = pool[j].reshape(-1, *pool.shape[3:])
-                    else:
-                        for s in range(slots):
-                            views[contract.batch_cache_input(kind, j, s)] = pool[j, s, :n]
-            return views
-
-        outputs = {contract.FINAL_TOKEN: ((len(final_rows),), np.int64), contract.EXIT_TOKENS: ((len(exit_rows),), np.int64),
-                   contract.HIDDEN_OUT: ((rows, 1, self.hidden_size), F32)}
-        if want_logits:
-            outputs[contract.FINAL_LOGITS] = ((len(final_rows), self.vocab_size), F32)
-        # fused: the whole pool is bound whatever n is, so one binding serves every n
-        result = self._run(contract.BATCH_STEP, feeds, (0, self.max_batch if self.fused else n), slabs, outputs)
-        self.hidden[:, :n] = result[contract.HIDDEN_OUT].reshape(slots, n, self.hidden_size)
-        if not self.fused:  # new rows [S, R, kvh, 1, hd] -> pool[j, s, b, :, positions[s, b]] for valid (s, b)
-            s_index, b_index = np.nonzero(valid)
+        rows, finals, exits = slots * n, len(final_rows), len(exit_rows)
+        if not self.fused:
+            feeds = {contract.INPUT_IDS: np.asarray(entering, np.int64).reshape(n, 1),
+                     contract.POSITIONS: np.where(valid, positions, 0).astype(np.int64).reshape(rows),
+                     contract.HIDDEN_IN: np.ascontiguousarray(self.hidden[:slots - 1, :n]).reshape((slots - 1) * n, 1, -1),
+                     contract.FINAL_ROWS: np.asarray(final_rows, np.int64), contract.EXIT_ROWS: np.asarray(exit_rows, np.int64)}
+            outputs = [contract.FINAL_TOKEN, contract.EXIT_TOKENS, contract.HIDDEN_OUT] + ([contract.FINAL_LOGITS] if want_logits else [])
+            result = self._run_standard(contract.BATCH_STEP, feeds, self._stage_slabs(n), outputs)
+            s_index, b_index = np.nonzero(valid)  # new rows [S, R, kvh, 1, hd] -> pool[j, s, b, :, positions[s, b]]
             at = positions[s_index, b_index]
             for kind, pool in (("key", self.key), ("value", self.value)):
                 new = result[contract.new_rows(kind)][:, :, :, 0].reshape(self.stage_layers, slots, n, self.kv_heads, -1)
                 pool[:, s_index, b_index, :, at] = new[:, s_index, b_index].transpose(1, 0, 2, 3)
+        else:
+            def tensors():
+                return {contract.INPUT_IDS: ((n, 1), np.int64, False), contract.POSITIONS: ((rows,), np.int64, False),
+                        contract.HIDDEN_IN: (((slots - 1) * n, 1, self.hidden_size), F32, False),
+                        contract.FINAL_ROWS: ((finals,), np.int64, False), contract.EXIT_ROWS: ((exits,), np.int64, False),
+                        contract.FINAL_TOKEN: ((finals,), np.int64, True), contract.EXIT_TOKENS: ((exits,), np.int64, True),
+                        contract.HIDDEN_OUT: ((rows, 1, self.hidden_size), F32, True),
+                        **({contract.FINAL_LOGITS: ((finals, self.vocab_size), F32, True)} if want_logits else {})}
+
+            step = self._step(contract.BATCH_STEP, (n, finals, exits, want_logits), lambda: self._stage_slabs(n), tensors)
+            step.inputs[contract.INPUT_IDS][:, 0] = entering
+            step.inputs[contract.POSITIONS].reshape(slots, n)[:] = positions
+            step.inputs[contract.HIDDEN_IN].reshape(slots - 1, n, -1)[:] = self.hidden[:slots - 1, :n]
+            step.inputs[contract.FINAL_ROWS][:] = final_rows
+            step.inputs[contract.EXIT_ROWS][:] = exit_rows
+            result = step.run()
+        self.hidden[:, :n] = result[contract.HIDDEN_OUT].reshape(slots, n, self.hidden_size)
         return (result[contract.FINAL_TOKEN], result[contract.FINAL_LOGITS] if want_logits else None,
                 result[contract.EXIT_TOKENS])
 

@@ -147,7 +147,7 @@ def test_pool_length_follows_the_longest_request_losslessly(engine):
     from speedc.runtimes.batch import BatchScheduler
 
     backend = BatchBackend(engine.directory, engine.manifest, max_batch=2, capacity=engine.manifest.model["max_context"],
-                           min_length=16)
+                           min_length=16, shrink_after=4)
     scheduler = BatchScheduler(backend)
 
     def submit(prompt: str, max_new_tokens: int):
@@ -168,13 +168,40 @@ def test_pool_length_follows_the_longest_request_losslessly(engine):
         assert sequence.out == _alone(engine, prompt, {}, new).ids
 
 
+def test_pool_width_follows_the_occupied_slots_losslessly(engine):
+    """The pool's width W (sequence slots its attention runs over) follows the occupied slots: one
+    request in a pool of 4 runs alone (W = 1, no padding rows), two joining it mid-decode grow W to 4
+    (the first one's K/V copied over), and a few steps after they leave W shrinks back to 1 (keeping the
+    first one's K/V); each sequence equals plain decoding of it alone."""
+    from speedc.runtimes.batch import BatchScheduler
+
+    backend = BatchBackend(engine.directory, engine.manifest, max_batch=4, capacity=engine.manifest.model["max_context"],
+                           shrink_after=4)
+    scheduler = BatchScheduler(backend)
+
+    def submit(prompt: str, max_new_tokens: int):
+        return scheduler.submit(engine.request_from(prompt, dict(max_new_tokens=max_new_tokens, stop_at_eos=False)))
+
+    first, others = submit(PROMPTS[0], 40), []
+    widths = []
+    while scheduler.busy:
+        if not others and len(first.out) >= 5:
+            others = [submit(PROMPTS[1], 10), submit(PROMPTS[2], 12)]
+        scheduler.step()
+        if not widths or widths[-1] != backend.width:
+            widths.append(backend.width)
+    assert widths[0] == 1 and max(widths) == 4 and widths[-1] == 1  # 4 -> 2 -> 1 or 4 -> 1 as the two leave
+    for sequence, prompt, new in ((first, PROMPTS[0], 40), (others[0], PROMPTS[1], 10), (others[1], PROMPTS[2], 12)):
+        assert sequence.out == _alone(engine, prompt, {}, new).ids
+
+
 def test_pool_allocates_what_requests_need_and_refuses_growth_that_does_not_fit(engine):
     """A slot capacity whose full pool could never be allocated (here 2^36 positions x 2 sequences,
     terabytes) still serves short requests: the pool holds what they need. Growing past memory is a
     one-line GenerationError that leaves the pool and its sequences as they were."""
     backend = BatchBackend(engine.directory, engine.manifest, max_batch=2, capacity=1 << 36)
     assert backend.length == 256 and backend.key.nbytes < (64 << 20)
-    with pytest.raises(GenerationError, match=r"cannot grow to \d+ positions x 2 sequences .*out of memory"):
+    with pytest.raises(GenerationError, match=r"cannot grow to \d+ positions x 1 sequence slots .*out of memory"):
         backend.reserve(1 << 36)
     assert backend.length == 256
     from speedc.runtimes.batch import BatchScheduler

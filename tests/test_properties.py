@@ -140,14 +140,15 @@ def arrivals(draw, vocab: int):
 @settings(max_examples=BATCH_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data(), which=st.integers(0, len(SHAPES) + 1), fused=st.booleans(), max_batch=st.integers(1, 3),
        chunk=st.integers(1, 12), budget=st.sampled_from([None, 0, 4, 8]), step_cost=st.sampled_from([None, 1.3, 2.0]),
-       min_length=st.sampled_from([2, 8, 256]))
+       min_length=st.sampled_from([2, 8, 256]), shrink_after=st.sampled_from([1, 3]))
 def test_batched_sequences_equal_plain_decoding_alone(pool, data, which, fused, max_batch, chunk, budget, step_cost,
-                                                      min_length):
+                                                      min_length, shrink_after):
     """Continuous batching over the pool (forced mispredictions, a zoo model): sequences arrive at random
     steps, prefill in chunks, run beside others under the speed/plain row policy and (step_cost) the
     per-sequence acceptance rule with quick knobs (so sequences fall back, probe, and turn the batch plain
     and back), leave on max tokens or cancellation, while the pool's length grows and shrinks with the
-    longest request in it (min_length 2 or 8; 256: the capacity); each finished sequence's ids equal plain
+    longest request in it (min_length 2 or 8; 256: the capacity) and its width with the occupied slots
+    (shrinking after 1 or 3 steps of lower need); each finished sequence's ids equal plain
     decoding of it alone on the same graphs (greedy or seeded sampling), a cancelled one's are a prefix."""
     from speedc.runtimes.acceptance_policy import AcceptancePolicy
     from speedc.runtimes.batch import BatchScheduler, RowPolicy
@@ -158,7 +159,7 @@ def test_batched_sequences_equal_plain_decoding_alone(pool, data, which, fused, 
     fused = fused and contract.fused(contract.PREFILL) in engine.manifest.graphs
     alone = engines["onnx" if fused else "onnx-numpy"]  # plain decoding through the same attention graphs
     backend = BatchBackend(engine.directory, engine.manifest, max_batch=max_batch, capacity=40, fused=fused,
-                           min_length=min_length)
+                           min_length=min_length, shrink_after=shrink_after)
     acceptance = None if step_cost is None else AcceptancePolicy(backend.slots, step_cost, min_outcomes=2, probe_after=2)
     scheduler = BatchScheduler(backend, policy=RowPolicy(row_budget=budget), acceptance=acceptance, prefill_chunk=chunk)
     requests = data.draw(arrivals(model.cfg.vocab_size), label="requests")

@@ -2,7 +2,8 @@
 
 For each concurrency c, c clients each submit one request at once (prompts cycled from the bench set),
 and the batch runs until all are done, once per system, interleaved over the repeats (the order rotated
-each repeat, so no system always runs right after the same one):
+each repeat, so no system always runs right after the same one). Each system keeps one scheduler (its
+sessions, pool and step bindings) over the repeats, warmed up once, as a server keeps its one:
 
     speed-adaptive     the default policies: per sequence, speculate while its own acceptance keeps the
                        analytic bound above 1 (runtimes/acceptance_policy.py), per step, while the
@@ -41,14 +42,19 @@ def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def _run_once(engine: Engine, prompts: list[str], clients: int, new_tokens: int, options: dict, threads) -> dict:
+def _scheduler(engine: Engine, prompts: list[str], clients: int, new_tokens: int, options: dict, threads):
+    """A system's scheduler for CLIENTS, kept over the repeats as a server keeps its one (the engine of
+    the unbatched row is kept too), after an untimed warm-up: fresh sessions' first runs at each row
+    count allocate and prepack (a first prefill measured 180 ms against 11 ms after)."""
     scheduler = engine.batch_scheduler(max_batch=clients, threads=threads, **options)
-    # Warm-up, untimed: a fresh scheduler opens fresh sessions, whose first runs at each row count
-    # allocate and prepack (a first prefill measured 180 ms against 11 ms after).
     for i in range(clients):
-        scheduler.submit(engine.request_from(prompts[i % len(prompts)], dict(max_new_tokens=8, stop_at_eos=False)))
+        scheduler.submit(engine.request_from(prompts[i % len(prompts)], dict(max_new_tokens=new_tokens, stop_at_eos=False)))
     scheduler.run()
-    scheduler.steps, scheduler.mode_switches = dict.fromkeys(scheduler.steps, 0), 0  # count the timed run only
+    return scheduler
+
+
+def _run_once(scheduler, engine: Engine, prompts: list[str], clients: int, new_tokens: int) -> dict:
+    scheduler.steps, scheduler.mode_switches = dict.fromkeys(scheduler.steps, 0), 0  # count this run only
     start = time.perf_counter()
     sequences = [scheduler.submit(engine.request_from(prompts[i % len(prompts)], dict(max_new_tokens=new_tokens,
                                                                                      stop_at_eos=False)))
@@ -140,6 +146,9 @@ def _measure(engine, prompts, prompt_ids, alone, levels, new_tokens, repeats, th
     rows = []
     for clients in levels:
         systems = dict(SYSTEMS)
+        for name, options in SYSTEMS.items():
+            progress(f"concurrency {clients}: {name}, warm-up")
+            systems[name] = _scheduler(engine, prompts, clients, new_tokens, options, threads)
         if clients == 1:
             systems[UNBATCHED] = None
         if genai_dir is not None:
@@ -156,7 +165,7 @@ def _measure(engine, prompts, prompt_ids, alone, levels, new_tokens, repeats, th
                 elif name == UNBATCHED:
                     run = _run_unbatched(engine, prompts[0], new_tokens)
                 else:
-                    run = _run_once(engine, prompts, clients, new_tokens, system, threads)
+                    run = _run_once(system, engine, prompts, clients, new_tokens)
                 expected = [alone[prompts[i % len(prompts)]] for i in range(clients)]
                 if run["ids"] != expected:
                     raise SpeedcError(f"concurrency {clients}, {name}: ids differ from plain decoding alone; no speed reported")
