@@ -17,7 +17,8 @@ exactly the slot semantics of a SPEED step, and writes the new K/V rows into the
 runtime binds past and present to one buffer (IO binding; the `onnx` backend, runtimes/onnx_bound.py).
 
 The standard batch step reads one cache slab per (stage layer, slot); its fused variant reads each stage
-layer's whole pool as one buffer and runs one GroupQueryAttention a layer over it (BatchPool below).
+layer's whole pool as one buffer and runs one GroupQueryAttention a layer over it, and computes only the
+rows the runtime names (computed_rows: bubbles skipped; BatchPool below).
 
 The standard graphs stay in the artifact (TensorRT, the numpy-fed backend); these are added as
 `step.gqa`, `step_flush.gqa`, `prefill.gqa`, `batch_step.gqa`. Only for --target onnx: TensorRT has no such op.
@@ -81,46 +82,74 @@ def batch_slots(graph: gs.Graph) -> int:
 
 class BatchPool:
     r"""The batch step's attention over the runtime's cache pool (runtimes/batch_backend.py): stage layer
-    j's slabs of every slot and every sequence slot are one buffer [P*B, kvh, T, hd] (row s*B + b), so
+    j's slabs of every slot and every sequence slot are one buffer [P*W, kvh, T, hd] (row s*W + b), so
     ONE GroupQueryAttention per layer serves the P slots of all n sequences, as in the single-sequence
     step (a GroupQueryAttention per slot group cost each step about 40% more, measured at n = 1).
 
-        rows [P*n, w] (row s*n + b) ─ Reshape [P, n, w] ─ Pad sequences n..B-1 ─ Reshape [P*B, 1, w] ─┐
-        seqlens_k [P*n] ─ Reshape [P, n] ─ Pad with 0 ─ Reshape [P*B] ─────────────────────────────────┼─ GQA
-        [P, n, h*hd] ◄─ Slice sequences 0..n-1 ─ Reshape [P, B, h*hd] ─ out [P*B, 1, h*hd] ◄────────────┘
+    Only the rows the runtime names in computed_rows run the layers (bubbles, empty pipeline slots and
+    sequences still prefilling, do not: their Gemm rows cost real compute once a batch is compute-bound);
+    the attention scatters them into the pool's row order and gathers them back:
 
-    The padded rows are the free sequence slots n..B-1 (the scheduler keeps the occupied ones a
-    prefix): each attends to one key at position 0 and writes it there, into a slot no sequence holds."""
+        slot_inputs [P*n, H] ── Gather(computed_rows) ── [R, H] ── stage layers
+        pool_index [R] = (computed_rows // n) * W + computed_rows % n
+        qkv [R, w] ── ScatterND into zeros [P*W, w] at pool_index ── Reshape [P*W, 1, w] ──┐
+        seqlens_k [P*n] ── Reshape [P, n] ── Pad with 0 ── Reshape [P*W] ─────────────────┼─ GQA
+        [R, w'] ◄── Gather(pool_index) ◄── Reshape [P*W, w'] ◄── out [P*W, 1, w'] ◄───────────┘
 
-    def __init__(self, graph: gs.Graph, ids_shape: gs.Tensor, seqlens: gs.Tensor, slots: int, pool_input: gs.Tensor) -> None:
+    The rows not computed attend with zero q|k|v and write zero K/V at their own position: a bubble
+    at the position the runtime gives it (where no valid row reads before rewriting), a free sequence
+    slot (n..W-1, the scheduler keeps the occupied ones a prefix) at position 0 of a slot no sequence holds."""
+
+    def __init__(self, graph: gs.Graph, ids_shape: gs.Tensor, seqlens: gs.Tensor, slots: int, pool_input: gs.Tensor,
+                 slot_inputs: gs.Tensor) -> None:
         self.graph, self.slots = graph, slots
         c = lambda name, values: gs.Constant(f"gqa.pool.{name}", np.array(values, np.int64))  # noqa: E731
         self.zero, self.n_end = c("zero", [0]), c("one", [1])
         self.n = add_layer(graph, op="Slice", inputs=[ids_shape, self.zero, self.n_end], outputs=["gqa.pool.n"])[0]  # [1]
-        pool_rows = add_layer(graph, op="Shape", inputs=[pool_input], outputs=["gqa.pool.shape"], attrs={"end": 1})[0]
-        per_slot = add_layer(graph, op="Div", inputs=[pool_rows, c("slots", [slots])], outputs=["gqa.pool.B"])[0]  # [1]
-        missing = add_layer(graph, op="Sub", inputs=[per_slot, self.n], outputs=["gqa.pool.free"])[0]  # [1] B - n
-        self.pads = {rank: add_layer(graph, op="Concat", inputs=[c(f"pads{rank}.head", [0] * (rank + 1)), missing,
-                                                                 c(f"pads{rank}.tail", [0] * (rank - 2))],
-                                     outputs=[f"gqa.pool.pads{rank}"], attrs={"axis": 0})[0]
-                     for rank in (2, 3)}  # ONNX pads: every axis' begin, then every axis' end (axis 1's: B - n)
-        self.seqlens = reshape(graph, self._pad(reshape(graph, seqlens, [slots, -1], "gqa.pool.seqlens.2d"), 2, "gqa.pool.seqlens"),
-                               [-1], "gqa.pool.seqlens_k")  # int32 [P*B]
-
-    def _pad(self, x: gs.Tensor, rank: int, name: str) -> gs.Tensor:  # sequences axis (1) from n to B, zeros
-        return add_layer(self.graph, op="Pad", inputs=[x, self.pads[rank]], outputs=[f"{name}.padded"])[0]
+        self.pool_rows = add_layer(graph, op="Shape", inputs=[pool_input], outputs=["gqa.pool.shape"], attrs={"end": 1})[0]
+        per_slot = add_layer(graph, op="Div", inputs=[self.pool_rows, c("slots", [slots])], outputs=["gqa.pool.W"])[0]  # [1]
+        missing = add_layer(graph, op="Sub", inputs=[per_slot, self.n], outputs=["gqa.pool.free"])[0]  # [1] W - n
+        pads = add_layer(graph, op="Concat", inputs=[c("pads.head", [0, 0, 0]), missing], outputs=["gqa.pool.pads"],
+                         attrs={"axis": 0})[0]  # ONNX pads of a [P, n] tensor: begins (0, 0), ends (0, W - n)
+        seqlens_2d = reshape(graph, seqlens, [slots, -1], "gqa.pool.seqlens.2d")
+        padded = add_layer(graph, op="Pad", inputs=[seqlens_2d, pads], outputs=["gqa.pool.seqlens.padded"])[0]
+        self.seqlens = reshape(graph, padded, [-1], "gqa.pool.seqlens_k")  # int32 [P*W]
+        # The computed rows: the stage layers' input keeps only them.
+        rows = gs.Variable(contract.COMPUTED_ROWS, np.int64, ["computed_rows"])
+        graph.inputs.append(rows)
+        every_row = gs.Variable("slot_inputs.every_row", np.float32, slot_inputs.shape)
+        concat = slot_inputs.inputs[0]  # of the entering tokens' embeddings and hidden_in
+        concat.outputs.clear()
+        concat.outputs.append(every_row)
+        graph.nodes.append(gs.Node("Gather", "gqa.pool.computed/Gather", attrs={"axis": 0}, inputs=[every_row, rows],
+                                   outputs=[slot_inputs]))
+        slot_inputs.shape = ["computed_rows", slot_inputs.shape[-1]] if slot_inputs.shape else None
+        slot = add_layer(graph, op="Div", inputs=[rows, self.n], outputs=["gqa.pool.slot"])[0]  # [R] s
+        sequence = add_layer(graph, op="Sub", inputs=[rows, add_layer(graph, op="Mul", inputs=[slot, self.n],
+                                                                      outputs=["gqa.pool.slot_start"])[0]],
+                             outputs=["gqa.pool.sequence"])[0]  # [R] b
+        self.index = add_layer(graph, op="Add", inputs=[add_layer(graph, op="Mul", inputs=[slot, per_slot],
+                                                                  outputs=["gqa.pool.slot_base"])[0], sequence],
+                               outputs=["gqa.pool.index"])[0]  # [R] s*W + b
+        self.index_2d = add_layer(graph, op="Unsqueeze", inputs=[self.index, c("axis1", [1])],
+                                  outputs=["gqa.pool.index_2d"])[0]  # [R, 1]
+        self.zeros: dict[int, gs.Tensor] = {}
 
     def spread(self, rows: gs.Tensor, width: int, name: str) -> gs.Tensor:
-        """rows [P*n, w] -> [P*B, 1, w] (free sequence slots zero)."""
-        by_slot = reshape(self.graph, rows, [self.slots, -1, width], f"{name}.by_slot")  # [P, n, w]
-        return reshape(self.graph, self._pad(by_slot, 3, name), [-1, 1, 0], f"{name}.pool")
+        """rows [R, w] -> [P*W, 1, w] (every row not computed zero)."""
+        if width not in self.zeros:
+            shape = add_layer(self.graph, op="Concat", inputs=[self.pool_rows, gs.Constant(f"gqa.pool.w{width}", np.array([width], np.int64))],
+                              outputs=[f"gqa.pool.zeros{width}.shape"], attrs={"axis": 0})[0]
+            self.zeros[width] = add_layer(self.graph, op="ConstantOfShape", inputs=[shape],
+                                          outputs=[f"gqa.pool.zeros{width}"])[0]  # [P*W, w] float 0 (the default)
+        scattered = add_layer(self.graph, op="ScatterND", inputs=[self.zeros[width], self.index_2d, rows],
+                              outputs=[f"{name}.scattered"])[0]  # [P*W, w]
+        return reshape(self.graph, scattered, [-1, 1, width], f"{name}.pool")
 
-    def gather(self, out: gs.Tensor, name: str) -> gs.Tensor:
-        """GQA output [P*B, 1, w] -> [P, n, w] (the occupied sequence slots)."""
-        by_slot = reshape(self.graph, out, [self.slots, -1, 0], f"{name}.by_slot")  # [P, B, w]
-        return add_layer(self.graph, op="Slice", inputs=[by_slot, self.zero, self.n,
-                                                         gs.Constant(f"{name}.axis", np.array([1], np.int64))],
-                         outputs=[name])[0]
+    def gather(self, out: gs.Tensor, width: int, name: str) -> gs.Tensor:
+        """GQA output [P*W, 1, w] -> [R, w] (the computed rows)."""
+        flat = reshape(self.graph, out, [-1, width], f"{name}.flat")
+        return add_layer(self.graph, op="Gather", inputs=[flat, self.index], outputs=[name], attrs={"axis": 0})[0]
 
 
 def lower_to_gqa(graph: gs.Graph, *, heads: int, kv_heads: int, head_dim: int, theta: float, max_context: int) -> gs.Graph:
@@ -169,7 +198,7 @@ def lower_to_gqa(graph: gs.Graph, *, heads: int, kv_heads: int, head_dim: int, t
                 name = contract.cache_input(kind, layer)
                 known[name] = gs.Variable(name, np.float32, ["pool_rows", kv_heads, "context", head_dim])
                 graph.inputs.append(known[name])
-        pool = BatchPool(graph, ids_shape, seqlens, slots, known[contract.cache_input("key", 0)])
+        pool = BatchPool(graph, ids_shape, seqlens, slots, known[contract.cache_input("key", 0)], known["slot_inputs"])
     cache_outputs = []
     for layer, (q2d, k2d, v2d, o_proj) in enumerate(layers):
         prefix = f"gqa.{layer}"
@@ -182,7 +211,7 @@ def lower_to_gqa(graph: gs.Graph, *, heads: int, kv_heads: int, head_dim: int, t
             out = attention(prefix, rows_by_chunk(packed, width, f"{prefix}.qkv"), seqlens, caches)
         else:
             out = pool.gather(attention(prefix, pool.spread(packed, width, f"{prefix}.qkv"), pool.seqlens, caches),
-                              f"{prefix}.rows")  # [P, n, h*hd]
+                              heads * head_dim, f"{prefix}.rows")  # [R, h*hd]
         o_proj.inputs[0] = reshape(graph, out, [-1, heads * head_dim], f"{prefix}.ctx")  # [R*L, h*hd]
     # The new rows now land in the cache inside the graph: the stacked new_key/new_value outputs go.
     stacked = {contract.new_rows(kind) for kind in contract.KV_KINDS}

@@ -305,7 +305,7 @@ class BatchBackend:
         exit tokens [E]) for the rows final_rows / exit_rows (row = s*n + b)."""
         slots, n = positions.shape
         rows, finals, exits = slots * n, len(final_rows), len(exit_rows)
-        if not self.fused:
+        if not self.fused:  # every row runs, bubbles too
             feeds = {contract.INPUT_IDS: np.asarray(entering, np.int64).reshape(n, 1),
                      contract.POSITIONS: np.where(valid, positions, 0).astype(np.int64).reshape(rows),
                      contract.HIDDEN_IN: np.ascontiguousarray(self.hidden[:slots - 1, :n]).reshape((slots - 1) * n, 1, -1),
@@ -317,23 +317,35 @@ class BatchBackend:
             for kind, pool in (("key", self.key), ("value", self.value)):
                 new = result[contract.new_rows(kind)][:, :, :, 0].reshape(self.stage_layers, slots, n, self.kv_heads, -1)
                 pool[:, s_index, b_index, :, at] = new[:, s_index, b_index].transpose(1, 0, 2, 3)
-        else:
-            def tensors():
-                return {contract.INPUT_IDS: ((n, 1), np.int64, False), contract.POSITIONS: ((rows,), np.int64, False),
-                        contract.HIDDEN_IN: (((slots - 1) * n, 1, self.hidden_size), F32, False),
-                        contract.FINAL_ROWS: ((finals,), np.int64, False), contract.EXIT_ROWS: ((exits,), np.int64, False),
-                        contract.FINAL_TOKEN: ((finals,), np.int64, True), contract.EXIT_TOKENS: ((exits,), np.int64, True),
-                        contract.HIDDEN_OUT: ((rows, 1, self.hidden_size), F32, True),
-                        **({contract.FINAL_LOGITS: ((finals, self.vocab_size), F32, True)} if want_logits else {})}
+            self.hidden[:, :n] = result[contract.HIDDEN_OUT].reshape(slots, n, self.hidden_size)
+            return (result[contract.FINAL_TOKEN], result[contract.FINAL_LOGITS] if want_logits else None,
+                    result[contract.EXIT_TOKENS])
+        # Fused: only the valid rows run (computed_rows, slot-major indices); the head rows are given as
+        # indices among them, and hidden_out comes back for them alone.
+        computed = np.flatnonzero(valid)  # [R] s*n + b, ascending
+        count = len(computed)
+        among = np.empty(rows, np.int64)
+        among[computed] = np.arange(count)
 
-            step = self._step(contract.BATCH_STEP, (n, finals, exits, want_logits), lambda: self._stage_slabs(n), tensors)
-            step.inputs[contract.INPUT_IDS][:, 0] = entering
-            step.inputs[contract.POSITIONS].reshape(slots, n)[:] = positions
-            step.inputs[contract.HIDDEN_IN].reshape(slots - 1, n, -1)[:] = self.hidden[:slots - 1, :n]
-            step.inputs[contract.FINAL_ROWS][:] = final_rows
-            step.inputs[contract.EXIT_ROWS][:] = exit_rows
-            result = step.run()
-        self.hidden[:, :n] = result[contract.HIDDEN_OUT].reshape(slots, n, self.hidden_size)
+        def tensors():
+            return {contract.INPUT_IDS: ((n, 1), np.int64, False), contract.POSITIONS: ((rows,), np.int64, False),
+                    contract.HIDDEN_IN: (((slots - 1) * n, 1, self.hidden_size), F32, False),
+                    contract.COMPUTED_ROWS: ((count,), np.int64, False),
+                    contract.FINAL_ROWS: ((finals,), np.int64, False), contract.EXIT_ROWS: ((exits,), np.int64, False),
+                    contract.FINAL_TOKEN: ((finals,), np.int64, True), contract.EXIT_TOKENS: ((exits,), np.int64, True),
+                    contract.HIDDEN_OUT: ((count, 1, self.hidden_size), F32, True),
+                    **({contract.FINAL_LOGITS: ((finals, self.vocab_size), F32, True)} if want_logits else {})}
+
+        step = self._step(contract.BATCH_STEP, (n, count, finals, exits, want_logits), lambda: self._stage_slabs(n), tensors)
+        step.inputs[contract.INPUT_IDS][:, 0] = entering
+        step.inputs[contract.POSITIONS].reshape(slots, n)[:] = positions
+        step.inputs[contract.HIDDEN_IN].reshape(slots - 1, n, -1)[:] = self.hidden[:slots - 1, :n]
+        step.inputs[contract.COMPUTED_ROWS][:] = computed
+        step.inputs[contract.FINAL_ROWS][:] = among[final_rows]
+        step.inputs[contract.EXIT_ROWS][:] = among[exit_rows]
+        result = step.run()
+        slot, sequence = np.divmod(computed, n)
+        self.hidden[slot, sequence] = result[contract.HIDDEN_OUT][:, 0]
         return (result[contract.FINAL_TOKEN], result[contract.FINAL_LOGITS] if want_logits else None,
                 result[contract.EXIT_TOKENS])
 

@@ -254,19 +254,22 @@ class Engine:
     # ---- continuous batching (runtimes/batch.py) -------------------------------------------------
     def batch_scheduler(self, *, max_batch: int = 8, kv_cache_mb: float | None = None, row_budget: int | None = -1,
                         per_sequence: bool = True, prefill_chunk: int = 128, fused: bool | None = None,
-                        threads: int | None = None):
+                        threads: int | None = None, backend=None):
         """A scheduler over a new KV-cache pool of MAX_BATCH sequence slots (each of kv_cache_mb / max_batch,
         at most the model's context; None: the full context). ROW_BUDGET: the per-step speed/plain policy
         (-1: the default, None: always speculate, 0: always plain). PER_SEQUENCE: a sequence whose own
         acceptance makes speculation a loss decodes plainly (runtimes/acceptance_policy.py). The pool is
-        its own: single-sequence calls on this engine are unaffected."""
+        its own: single-sequence calls on this engine are unaffected. BACKEND: run on this BatchBackend (its
+        sessions and pool; max_batch, kv_cache_mb, fused and threads then come from it) instead of opening
+        one, for schedulers that take turns on one pool, never at once (the concurrency bench's policies)."""
         from speedc.runtimes.acceptance_policy import AcceptancePolicy, AlwaysSpeculate
         from speedc.runtimes.batch import BatchScheduler, RowPolicy
         from speedc.runtimes.batch_backend import make_batch_backend, slot_capacity
 
-        capacity = slot_capacity(self.manifest, max_batch, kv_cache_mb)
-        backend = make_batch_backend(self.directory, self.manifest, max_batch, capacity, device=self.device,
-                                     threads=threads, fused=fused)
+        if backend is None:
+            capacity = slot_capacity(self.manifest, max_batch, kv_cache_mb)
+            backend = make_batch_backend(self.directory, self.manifest, max_batch, capacity, device=self.device,
+                                         threads=threads, fused=fused)
         policy = RowPolicy() if row_budget == -1 else RowPolicy(row_budget=row_budget)
         acceptance = AcceptancePolicy.for_manifest(self.manifest) if per_sequence else AlwaysSpeculate()
         return BatchScheduler(backend, policy=policy, acceptance=acceptance, prefill_chunk=prefill_chunk)

@@ -56,6 +56,7 @@ FINAL_TOKEN, FINAL_LOGITS, EXIT_TOKENS = "final_token", "final_logits", "exit_to
 NEXT_TOKEN, LOGITS = "next_token", "logits"
 WRITE_START = "write_start"
 FINAL_ROWS, EXIT_ROWS = "final_rows", "exit_rows"
+COMPUTED_ROWS = "computed_rows"  # the fused batch step's rows that run (slot-major indices; bubbles do not)
 KV_KINDS = ("key", "value")
 
 
@@ -144,8 +145,8 @@ def expected_io(graph: str, d: Dims) -> tuple[list[TensorSpec], list[TensorSpec]
     """(inputs, outputs) the runtime expects of GRAPH."""
     if graph.endswith(FUSED_SUFFIX):
         inputs, outputs = _program_io(graph[:-len(FUSED_SUFFIX)], d)
-        if graph == fused(BATCH_STEP):  # one pool buffer per stage layer instead of P slabs
-            inputs = [spec for spec in inputs if not spec[0].startswith("cache.")]
+        if graph == fused(BATCH_STEP):  # one pool buffer per stage layer instead of P slabs; bubbles skipped
+            inputs = [spec for spec in inputs if not spec[0].startswith("cache.")] + [(COMPUTED_ROWS, "int64", (None,))]
             inputs += [(cache_input(kind, j), "float32", (None, d.kv_heads, None, d.head_dim))
                        for j in range(d.stage_layers) for kind in KV_KINDS]
         caches = [spec for spec in inputs if spec[0].startswith("cache.")]

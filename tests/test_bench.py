@@ -238,3 +238,22 @@ def test_memory_bound_on_a_looped_shape():
     summary = report["end_to_end"]  # the deepest pipeline, as other tools read it
     assert summary["slots"] == 4 and summary["identical_ids"] and summary["speedup"] == report["rows"][-1]["speedup_decode"]
     assert summary["acceptance_rate"] == report["rows"][-1]["acceptance"]
+
+
+def test_concurrency_bench_rows_for_every_system(tiny_artifact):
+    """`speedc bench --concurrency` (no peers): a row per (clients, system), the unbatched engine at one
+    client; every system's ids were required equal to plain decoding alone before any rate is reported."""
+    result = run_cli("bench", tiny_artifact, "--concurrency", "1,2", "--new-tokens", "8", "--repeats", "2",
+                     "--no-peers", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["identical_ids"] is True and report["repeats"] == 2
+    rows = {(row["clients"], row["system"]): row for row in report["concurrency"]}
+    batched = ("speed-adaptive", "speed-always", "plain-batched")
+    assert set(rows) == {(1, name) for name in (*batched, "speed-unbatched")} | {(2, name) for name in batched}
+    for (clients, system), row in rows.items():
+        assert row["tokens_per_second"] > 0 and row["ms_per_token_p50"] <= row["ms_per_token_p99"]
+        if system == "plain-batched":
+            assert row["steps"]["speed"] == 0 and row["steps"]["plain"] > 0
+        elif system == "speed-always":
+            assert row["steps"]["plain"] == 0 and row["steps"]["speed"] > 0

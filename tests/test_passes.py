@@ -174,8 +174,9 @@ def test_fuse_projections_feeds_packed_qkv_to_attention():
         for node in (n for n in graph.nodes if n.op == "GroupQueryAttention"):
             assert node.inputs[1].name == "" and node.inputs[2].name == ""  # packed: no key / value input
             source = node.inputs[0]
-            while source.inputs[0].op in ("Reshape", "Pad"):  # the batch step pads the rows into the pool
-                source = source.inputs[0].inputs[0]
+            while source.inputs[0].op in ("Reshape", "ScatterND"):  # the batch step scatters its rows into the pool
+                node = source.inputs[0]
+                source = node.inputs[2] if node.op == "ScatterND" else node.inputs[0]
             producer = source.inputs[0]
             assert producer.op == "Gemm" and producer.inputs[1].name.count("+") == 2, name  # the stacked q|k|v weight
     fused = after.graphs["step.gqa"]
@@ -202,7 +203,10 @@ def test_gqa_attention_before_after():
     slabs = {t.name for t in standard.inputs if t.name.startswith("cache.")}
     assert len(slabs) == 2 * 2 * 3  # key/value x stage layers x slots
     assert {t.name for t in fused.inputs} == ({t.name for t in standard.inputs} - slabs) | {
-        f"cache.{kind}.{j}" for kind in ("key", "value") for j in range(2)}
+        f"cache.{kind}.{j}" for kind in ("key", "value") for j in range(2)} | {"computed_rows"}
+    # Only the computed rows run the stage layers: one Gather of the slot inputs, every Gemm after it.
+    assert [n.inputs[1].name for n in fused.nodes if n.op == "Gather" and n.inputs[0].name == "slot_inputs.every_row"] == [
+        "computed_rows"]
     # The standard graphs are untouched (TensorRT and the numpy-fed backend use them).
     assert _ops(after.graphs["step"], "GroupQueryAttention") == 0
     trt = run_passes(_through(_state(model, target="trt"), "cache_writer"), ["gqa_attention"])[0]

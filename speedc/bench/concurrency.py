@@ -2,8 +2,9 @@
 
 For each concurrency c, c clients each submit one request at once (prompts cycled from the bench set),
 and the batch runs until all are done, once per system, interleaved over the repeats (the order rotated
-each repeat, so no system always runs right after the same one). Each system keeps one scheduler (its
-sessions, pool and step bindings) over the repeats, warmed up once, as a server keeps its one:
+each repeat, so no system always runs right after the same one). Each system keeps one scheduler over
+the repeats, warmed up once, as a server keeps its one; the batched systems share one backend (sessions,
+pool, step bindings), so they differ by their policies alone:
 
     speed-adaptive     the default policies: per sequence, speculate while its own acceptance keeps the
                        analytic bound above 1 (runtimes/acceptance_policy.py), per step, while the
@@ -42,11 +43,12 @@ def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def _scheduler(engine: Engine, prompts: list[str], clients: int, new_tokens: int, options: dict, threads):
-    """A system's scheduler for CLIENTS, kept over the repeats as a server keeps its one (the engine of
-    the unbatched row is kept too), after an untimed warm-up: fresh sessions' first runs at each row
-    count allocate and prepack (a first prefill measured 180 ms against 11 ms after)."""
-    scheduler = engine.batch_scheduler(max_batch=clients, threads=threads, **options)
+def _scheduler(engine: Engine, prompts: list[str], clients: int, new_tokens: int, options: dict, backend):
+    """A system's scheduler for CLIENTS on the level's shared BACKEND, kept over the repeats as a server
+    keeps its one (the engine of the unbatched row is kept too), after an untimed warm-up: fresh
+    sessions' first runs at each row count allocate and prepack (a first prefill measured 180 ms against
+    11 ms after), and each shape of step makes its binding once."""
+    scheduler = engine.batch_scheduler(backend=backend, **options)
     for i in range(clients):
         scheduler.submit(engine.request_from(prompts[i % len(prompts)], dict(max_new_tokens=new_tokens, stop_at_eos=False)))
     scheduler.run()
@@ -146,9 +148,12 @@ def _measure(engine, prompts, prompt_ids, alone, levels, new_tokens, repeats, th
     rows = []
     for clients in levels:
         systems = dict(SYSTEMS)
+        # One backend (sessions, pool) for every batched system: two sessions of one graph ran 2-4% apart
+        # here, steadily, which would read as a difference between policies.
+        backend = engine.batch_scheduler(max_batch=clients, threads=threads).backend
         for name, options in SYSTEMS.items():
             progress(f"concurrency {clients}: {name}, warm-up")
-            systems[name] = _scheduler(engine, prompts, clients, new_tokens, options, threads)
+            systems[name] = _scheduler(engine, prompts, clients, new_tokens, options, backend)
         if clients == 1:
             systems[UNBATCHED] = None
         if genai_dir is not None:
