@@ -124,6 +124,8 @@ class BatchPool:
         graph.nodes.append(gs.Node("Gather", "gqa.pool.computed/Gather", attrs={"axis": 0}, inputs=[every_row, rows],
                                    outputs=[slot_inputs]))
         slot_inputs.shape = ["computed_rows", slot_inputs.shape[-1]] if slot_inputs.shape else None
+        hidden_out = next(t for t in graph.outputs if t.name == contract.HIDDEN_OUT)
+        hidden_out.shape = ["computed_rows", *hidden_out.shape[1:]]  # the computed rows' hidden states
         slot = add_layer(graph, op="Div", inputs=[rows, self.n], outputs=["gqa.pool.slot"])[0]  # [R] s
         sequence = add_layer(graph, op="Sub", inputs=[rows, add_layer(graph, op="Mul", inputs=[slot, self.n],
                                                                       outputs=["gqa.pool.slot_start"])[0]],

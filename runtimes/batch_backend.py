@@ -118,7 +118,10 @@ class BatchBackend:
     name = "onnx-batch"
 
     def __init__(self, directory: Path, manifest: Manifest, max_batch: int, capacity: int, threads: int | None = None,
-                 fused: bool | None = None, min_length: int = MIN_POOL_POSITIONS, shrink_after: int = SHRINK_AFTER_STEPS) -> None:
+                 fused: bool | None = None, min_length: int = MIN_POOL_POSITIONS, shrink_after: int = SHRINK_AFTER_STEPS,
+                 sessions: dict | None = None) -> None:
+        """SESSIONS: another BatchBackend's sessions of this artifact (same fused choice), shared instead of
+        opened again (a session is stateless between runs; the pool and its bindings stay this backend's)."""
         if not batch_ready(manifest):
             raise ArtifactError(f"{directory}: built before continuous batching (no batch_step graph); rebuild it with "
                                 "this speedc (speedc build ... --force)")
@@ -128,7 +131,8 @@ class BatchBackend:
             fused = all(contract.fused(name) in manifest.graphs for name in programs)
         self.fused = fused
         self.graph = {name: contract.fused(name) if fused else name for name in programs}
-        self.sessions = open_sessions(directory, manifest, tuple(self.graph.values()), ["CPUExecutionProvider"], threads)
+        self.sessions = sessions if sessions is not None else open_sessions(
+            directory, manifest, tuple(self.graph.values()), ["CPUExecutionProvider"], threads)
         missing = [g for g in self.graph.values() if g not in self.sessions]
         if missing:
             raise ArtifactError(f"{directory}: has no {missing[0]} graph")
@@ -351,8 +355,8 @@ class BatchBackend:
 
 
 def make_batch_backend(directory: Path, manifest: Manifest, max_batch: int, capacity: int, device: str = "cpu",
-                       threads: int | None = None, fused: bool | None = None) -> BatchBackend:
+                       threads: int | None = None, fused: bool | None = None, sessions: dict | None = None) -> BatchBackend:
     if device != "cpu":
         raise SpeedcError(f"device {device!r}: continuous batching runs on the CPU in this version")
     onnxruntime_module()
-    return BatchBackend(directory, manifest, max_batch, capacity, threads=threads, fused=fused)
+    return BatchBackend(directory, manifest, max_batch, capacity, threads=threads, fused=fused, sessions=sessions)

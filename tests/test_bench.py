@@ -253,6 +253,7 @@ def test_concurrency_bench_rows_for_every_system(tiny_artifact):
     assert set(rows) == {(1, name) for name in (*batched, "speed-unbatched")} | {(2, name) for name in batched}
     for (clients, system), row in rows.items():
         assert row["tokens_per_second"] > 0 and row["ms_per_token_p50"] <= row["ms_per_token_p99"]
+        assert (row["scaling"] == 1.0) if clients == 1 else (row["scaling"] is None) == (system == "speed-unbatched")
         if system == "plain-batched":
             assert row["steps"]["speed"] == 0 and row["steps"]["plain"] > 0
         elif system == "speed-always":

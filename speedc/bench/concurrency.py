@@ -1,10 +1,11 @@
 """`speedc bench OUT --concurrency 1,2,4,8,16`: continuous batching under load.
 
 For each concurrency c, c clients each submit one request at once (prompts cycled from the bench set),
-and the batch runs until all are done, once per system, interleaved over the repeats (the order rotated
-each repeat, so no system always runs right after the same one). Each system keeps one scheduler over
-the repeats, warmed up once, as a server keeps its one; the batched systems share one backend (sessions,
-pool, step bindings), so they differ by their policies alone:
+and the batch runs until all are done, once per system and level in every repeat: systems and levels
+interleaved (the systems' order rotated each repeat, so no system always runs right after the same one),
+so host drift hits them alike. Each system keeps one scheduler per level over the repeats, warmed up
+once, as a server keeps its one; at a level the batched systems share one backend (pool, step
+bindings) and every level the same sessions, so they differ by their policies and loads alone:
 
     speed-adaptive     the default policies: per sequence, speculate while its own acceptance keeps the
                        analytic bound above 1 (runtimes/acceptance_policy.py), per step, while the
@@ -16,9 +17,10 @@ pool, step bindings), so they differ by their policies alone:
     onnxruntime-genai  (peers, when onnxruntime-genai and torch are installed) ORT GenAI's own batching,
                        og.Engine, on its builder's fp32 export of the unrolled weights (bench/peers.py)
 
-Reported per (c, system): aggregate tokens/s (all new tokens / wall time, medians over repeats),
-per-sequence decode ms/token p50/p99 (first token to last, over every sequence of every repeat) and
-time to first token p50. Ids are checked first: every system must produce, for each prompt, exactly
+Reported per (c, system): aggregate tokens/s (all new tokens / wall time, medians over repeats), its
+scaling (tokens/s over the same system's at the fewest clients in the same repeat, median: a ratio
+measured in one run), per-sequence decode ms/token p50/p99 (first token to last, over every sequence of
+every repeat) and time to first token p50. Ids are checked first: every system must produce, for each prompt, exactly
 the ids of plain decoding of that prompt alone (greedy).
 """
 
@@ -144,27 +146,34 @@ def concurrency_bench(engine: Engine, prompts: list[str], levels: list[int], new
 
 def _measure(engine, prompts, prompt_ids, alone, levels, new_tokens, repeats, threads, genai_dir, progress) -> list[dict]:
     from speedc.bench.peers import genai_batched
+    from speedc.runtimes.batch_backend import make_batch_backend, slot_capacity
 
-    rows = []
-    for clients in levels:
-        systems = dict(SYSTEMS)
-        # One backend (sessions, pool) for every batched system: two sessions of one graph ran 2-4% apart
-        # here, steadily, which would read as a difference between policies.
-        backend = engine.batch_scheduler(max_batch=clients, threads=threads).backend
+    systems: dict[int, dict[str, object]] = {}
+    sessions = None
+    for clients in dict.fromkeys(levels):
+        # Per level one backend (pool, step bindings) for every batched system, and one set of sessions
+        # for all levels: two sessions of one graph ran 2-4% apart here, steadily, which would read as a
+        # difference between policies or between client counts.
+        backend = make_batch_backend(engine.directory, engine.manifest, clients, slot_capacity(engine.manifest, clients, None),
+                                     device=engine.device, threads=threads, sessions=sessions)
+        sessions = backend.sessions
+        level = {}
         for name, options in SYSTEMS.items():
             progress(f"concurrency {clients}: {name}, warm-up")
-            systems[name] = _scheduler(engine, prompts, clients, new_tokens, options, backend)
+            level[name] = _scheduler(engine, prompts, clients, new_tokens, options, backend)
         if clients == 1:
-            systems[UNBATCHED] = None
+            level[UNBATCHED] = None
         if genai_dir is not None:
-            systems[GENAI] = genai_batched(genai_dir, clients, threads)
-        runs: dict[str, list[dict]] = {name: [] for name in systems}
-        for repeat in range(repeats):
-            names = list(systems)
+            level[GENAI] = genai_batched(genai_dir, clients, threads)
+        systems[clients] = level
+    runs: dict[tuple[int, str], list[dict]] = {(clients, name): [] for clients, level in systems.items() for name in level}
+    for repeat in range(repeats):
+        for clients, level in systems.items():  # the levels interleaved too: a ratio between them is not host drift
+            names = list(level)
             names = names[repeat % len(names):] + names[:repeat % len(names)]  # rotated: no system always follows the same one
             for name in names:  # interleaved: machine noise hits every system alike
-                system = systems[name]
-                progress(f"concurrency {clients}: {name}, repeat {repeat + 1}/{repeats}")
+                system = level[name]
+                progress(f"repeat {repeat + 1}/{repeats}: concurrency {clients}, {name}")
                 if name == GENAI:
                     run = _run_genai(system, prompt_ids, clients, new_tokens)
                 elif name == UNBATCHED:
@@ -174,15 +183,20 @@ def _measure(engine, prompts, prompt_ids, alone, levels, new_tokens, repeats, th
                 expected = [alone[prompts[i % len(prompts)]] for i in range(clients)]
                 if run["ids"] != expected:
                     raise SpeedcError(f"concurrency {clients}, {name}: ids differ from plain decoding alone; no speed reported")
-                runs[name].append(run)
-        for name, done in runs.items():
-            per_token = [ms for run in done for ms in run["per_token_ms"]]
-            rows.append({"clients": clients, "system": name,
-                         "tokens_per_second": round(statistics.median(r["tokens"] / r["wall"] for r in done), 1),
-                         "ms_per_token_p50": round(_percentile(per_token, 50), 3),
-                         "ms_per_token_p99": round(_percentile(per_token, 99), 3),
-                         "ttft_ms_p50": round(_percentile([t for r in done for t in r["ttft_ms"]], 50), 2),
-                         "steps": done[-1]["steps"]})
+                runs[clients, name].append(run)
+    fewest = min(systems)
+    rows = []
+    for (clients, name), done in runs.items():
+        rates = [r["tokens"] / r["wall"] for r in done]
+        base = [r["tokens"] / r["wall"] for r in runs.get((fewest, name), [])]
+        per_token = [ms for run in done for ms in run["per_token_ms"]]
+        rows.append({"clients": clients, "system": name, "tokens_per_second": round(statistics.median(rates), 1),
+                     # this system's rate over its own at the fewest clients, repeat by repeat (paired in time)
+                     "scaling": round(statistics.median(a / b for a, b in zip(rates, base)), 3) if base else None,
+                     "ms_per_token_p50": round(_percentile(per_token, 50), 3),
+                     "ms_per_token_p99": round(_percentile(per_token, 99), 3),
+                     "ttft_ms_p50": round(_percentile([t for r in done for t in r["ttft_ms"]], 50), 2),
+                     "steps": done[-1]["steps"]})
     return rows
 
 
@@ -190,8 +204,10 @@ def format_concurrency(report: dict) -> str:
     lines = [f"continuous batching, {report['artifact']} (P={report['slots']}), {report['new_tokens']} new tokens per "
              f"request, median of {report['repeats']}; ids equal plain decoding alone: {report['identical_ids']}",
              f"ORT GenAI: {report.get('onnxruntime_genai', 'not run')}",
-             f"{'clients':>7} {'system':<17} {'tokens/s':>9} {'ms/tok p50':>10} {'p99':>8} {'TTFT p50 ms':>11}  steps"]
+             f"{'clients':>7} {'system':<17} {'tokens/s':>9} {'scaling':>8} {'ms/tok p50':>10} {'p99':>8} {'TTFT p50 ms':>11}  steps"]
     for row in report["concurrency"]:
-        lines.append(f"{row['clients']:>7} {row['system']:<17} {row['tokens_per_second']:>9.1f} {row['ms_per_token_p50']:>10.2f} "
-                     f"{row['ms_per_token_p99']:>8.2f} {row['ttft_ms_p50']:>11.1f}  {row['steps']}")
+        scaling = f"{row['scaling']:.2f}x" if row.get("scaling") is not None else "-"
+        lines.append(f"{row['clients']:>7} {row['system']:<17} {row['tokens_per_second']:>9.1f} {scaling:>8} "
+                     f"{row['ms_per_token_p50']:>10.2f} {row['ms_per_token_p99']:>8.2f} {row['ttft_ms_p50']:>11.1f}  {row['steps']}")
+    lines.append("scaling: a system's tokens/s over its own at the fewest clients, per repeat (the levels run interleaved), median")
     return "\n".join(lines)
