@@ -28,7 +28,7 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--max-batch", type=int, default=8, show_default=True, help="With --prompts-file: sequences in flight.")
 @click.option("--kv-cache-mb", type=float, default=None,
               help="With --prompts-file: most memory for the KV-cache pool (default: every sequence slot may hold the full "
-                   "context; the pool holds only what the longest prompt + --max-new-tokens needs).")
+                   "context; the pool holds only what its sequences need: their number, the longest prompt + --max-new-tokens).")
 @click.option("--row-budget", type=int, default=None,
               help="With --prompts-file: speculate while a step has at most this many rows (default: the measured rule).")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)

@@ -62,7 +62,8 @@ def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_q
                    "at a time on the single-sequence engine (any --backend / --device).")
 @click.option("--kv-cache-mb", type=float, default=None,
               help="Most memory for the batching KV-cache pool, shared by the --max-batch requests (default: room "
-                   "for the model's whole context each; the pool holds only what the longest running request needs). "
+                   "for the model's whole context each; the pool holds only what the running requests need: their number and "
+                   "the longest one). "
                    "A request's prompt + max_tokens must fit its share.")
 @click.option("--max-queue", type=int, default=64, show_default=True,
               help="Requests that may wait for a place (beyond --max-batch running); beyond that the server "

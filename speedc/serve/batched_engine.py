@@ -73,7 +73,7 @@ class BatchedEngine:
         backend = self.loop.scheduler.backend
         mib = pool_bytes_per_position(self.engine.manifest) * self.slots * (backend.capacity + 1) / (1 << 20)
         return (f"continuous batching: up to {self.slots} requests at once, {self.max_queue} may wait; KV-cache pool "
-                f"up to {mib:.0f} MiB (it grows with the longest request), {backend.capacity} positions per request")
+                f"up to {mib:.0f} MiB (it grows with the requests in it), {backend.capacity} positions per request")
 
     # ---- what the server asks of the model and the metrics ---------------------------------------
     @property
