@@ -103,18 +103,35 @@ class BatchPool:
     def __init__(self, graph: gs.Graph, ids_shape: gs.Tensor, seqlens: gs.Tensor, slots: int, pool_input: gs.Tensor,
                  slot_inputs: gs.Tensor) -> None:
         self.graph, self.slots = graph, slots
-        c = lambda name, values: gs.Constant(f"gqa.pool.{name}", np.array(values, np.int64))  # noqa: E731
-        self.zero, self.n_end = c("zero", [0]), c("one", [1])
-        self.n = add_layer(graph, op="Slice", inputs=[ids_shape, self.zero, self.n_end], outputs=["gqa.pool.n"])[0]  # [1]
+        self.n = add_layer(graph, op="Slice", inputs=[ids_shape, self._const("zero", [0]), self._const("one", [1])],
+                           outputs=["gqa.pool.n"])[0]  # [1]
         self.pool_rows = add_layer(graph, op="Shape", inputs=[pool_input], outputs=["gqa.pool.shape"], attrs={"end": 1})[0]
-        per_slot = add_layer(graph, op="Div", inputs=[self.pool_rows, c("slots", [slots])], outputs=["gqa.pool.W"])[0]  # [1]
-        missing = add_layer(graph, op="Sub", inputs=[per_slot, self.n], outputs=["gqa.pool.free"])[0]  # [1] W - n
-        pads = add_layer(graph, op="Concat", inputs=[c("pads.head", [0, 0, 0]), missing], outputs=["gqa.pool.pads"],
+        self.width = add_layer(graph, op="Div", inputs=[self.pool_rows, self._const("slots", [slots])],
+                               outputs=["gqa.pool.W"])[0]  # [1]
+        self.seqlens = self._pool_seqlens(seqlens)  # int32 [P*W]
+        self.index = self._pool_index(self._compute_only(slot_inputs))  # [R] s*W + b
+        self.index_2d = add_layer(graph, op="Unsqueeze", inputs=[self.index, self._const("axis1", [1])],
+                                  outputs=["gqa.pool.index_2d"])[0]  # [R, 1]
+        self.zeros: dict[int, gs.Tensor] = {}
+
+    @staticmethod
+    def _const(name: str, values: list[int]) -> gs.Constant:
+        return gs.Constant(f"gqa.pool.{name}", np.array(values, np.int64))
+
+    def _pool_seqlens(self, seqlens: gs.Tensor) -> gs.Tensor:
+        """seqlens_k [P*n] (slot-major) -> [P*W], the free sequence slots n..W-1 at 0."""
+        graph = self.graph
+        missing = add_layer(graph, op="Sub", inputs=[self.width, self.n], outputs=["gqa.pool.free"])[0]  # [1] W - n
+        pads = add_layer(graph, op="Concat", inputs=[self._const("pads.head", [0, 0, 0]), missing], outputs=["gqa.pool.pads"],
                          attrs={"axis": 0})[0]  # ONNX pads of a [P, n] tensor: begins (0, 0), ends (0, W - n)
-        seqlens_2d = reshape(graph, seqlens, [slots, -1], "gqa.pool.seqlens.2d")
-        padded = add_layer(graph, op="Pad", inputs=[seqlens_2d, pads], outputs=["gqa.pool.seqlens.padded"])[0]
-        self.seqlens = reshape(graph, padded, [-1], "gqa.pool.seqlens_k")  # int32 [P*W]
-        # The computed rows: the stage layers' input keeps only them.
+        by_slot = reshape(graph, seqlens, [self.slots, -1], "gqa.pool.seqlens.2d")
+        padded = add_layer(graph, op="Pad", inputs=[by_slot, pads], outputs=["gqa.pool.seqlens.padded"])[0]
+        return reshape(graph, padded, [-1], "gqa.pool.seqlens_k")
+
+    def _compute_only(self, slot_inputs: gs.Tensor) -> gs.Tensor:
+        """The stage layers' input slot_inputs [P*n, H] keeps only the rows of the new graph input
+        computed_rows [R] (returned); hidden_out is then theirs."""
+        graph = self.graph
         rows = gs.Variable(contract.COMPUTED_ROWS, np.int64, ["computed_rows"])
         graph.inputs.append(rows)
         every_row = gs.Variable("slot_inputs.every_row", np.float32, slot_inputs.shape)
@@ -125,17 +142,17 @@ class BatchPool:
                                    outputs=[slot_inputs]))
         slot_inputs.shape = ["computed_rows", slot_inputs.shape[-1]] if slot_inputs.shape else None
         hidden_out = next(t for t in graph.outputs if t.name == contract.HIDDEN_OUT)
-        hidden_out.shape = ["computed_rows", *hidden_out.shape[1:]]  # the computed rows' hidden states
+        hidden_out.shape = ["computed_rows", *hidden_out.shape[1:]]
+        return rows
+
+    def _pool_index(self, rows: gs.Tensor) -> gs.Tensor:
+        """Slot-major rows s*n + b [R] -> pool rows s*W + b [R]."""
+        graph = self.graph
         slot = add_layer(graph, op="Div", inputs=[rows, self.n], outputs=["gqa.pool.slot"])[0]  # [R] s
-        sequence = add_layer(graph, op="Sub", inputs=[rows, add_layer(graph, op="Mul", inputs=[slot, self.n],
-                                                                      outputs=["gqa.pool.slot_start"])[0]],
-                             outputs=["gqa.pool.sequence"])[0]  # [R] b
-        self.index = add_layer(graph, op="Add", inputs=[add_layer(graph, op="Mul", inputs=[slot, per_slot],
-                                                                  outputs=["gqa.pool.slot_base"])[0], sequence],
-                               outputs=["gqa.pool.index"])[0]  # [R] s*W + b
-        self.index_2d = add_layer(graph, op="Unsqueeze", inputs=[self.index, c("axis1", [1])],
-                                  outputs=["gqa.pool.index_2d"])[0]  # [R, 1]
-        self.zeros: dict[int, gs.Tensor] = {}
+        start = add_layer(graph, op="Mul", inputs=[slot, self.n], outputs=["gqa.pool.slot_start"])[0]  # [R] s*n
+        sequence = add_layer(graph, op="Sub", inputs=[rows, start], outputs=["gqa.pool.sequence"])[0]  # [R] b
+        base = add_layer(graph, op="Mul", inputs=[slot, self.width], outputs=["gqa.pool.slot_base"])[0]  # [R] s*W
+        return add_layer(graph, op="Add", inputs=[base, sequence], outputs=["gqa.pool.index"])[0]
 
     def spread(self, rows: gs.Tensor, width: int, name: str) -> gs.Tensor:
         """rows [R, w] -> [P*W, 1, w] (every row not computed zero)."""
