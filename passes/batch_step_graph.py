@@ -20,8 +20,9 @@ over the first n sequences is one contiguous slab pool[j, s, :n], bound without 
 serves plain decoding (the prefill graph with n rows reads pool[j, s, :n] as logical layer s*S + j),
 so a batch can switch between SPEED and plain decoding step by step. Row counts (n, F, E) are dynamic:
 a sequence joins or leaves between steps. The standard graph concatenates the P slabs of a stage layer
-(a copy of the rows it reads); the fused variant (gqa_attention) gives each slot group its own
-GroupQueryAttention over its slab, written in place.
+(a copy of the rows it reads); the fused variant (gqa_attention) reads each stage layer's whole pool as
+one buffer, runs one GroupQueryAttention a layer over it, written in place, and computes only the rows
+that hold a token (gqa_attention.BatchPool).
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ graph runs the batch scheduler (runtimes/batch.py) needs. Imports numpy and onnx
 The pool's width W (sequence slots) and length T (positions) follow the sequences in it (`reserve`):
 W the smallest power of two >= the occupied sequence slots, up to max_batch; T the smallest power of
 two >= the longest prompt + max new tokens in it, at least MIN_POOL_POSITIONS, up to `capacity`
-(--kv-cache-mb, else the context). Each grows at once and shrinks only after SHRINK_AFTER_STEPS steps in
-a row needed less (a burst of requests ending together does not shrink it just before the next burst
-grows it again).
+(--kv-cache-mb, else the context). The pool grows at once (and then takes the other axis's current need
+too), and shrinks only after SHRINK_AFTER_STEPS steps in a row needed less (a burst of requests ending
+together does not shrink it just before the next burst grows it again); an idle pool keeps its size.
 - W: the fused batch step runs attention over all W sequence slots, the free ones as padding rows; one
   client in a pool of 8 slots paid 12% more a step for them than in a pool of 1 (zoo:small).
 - T: an Ouro-1.4B-shaped model keeps 1.5 MiB per position per sequence (96 logical layers = 24 blocks x
@@ -23,11 +23,12 @@ A pool that cannot grow is a one-line GenerationError, the old pool intact.
 
 Every slab a graph reads is a contiguous view of the pool (sequences 0..n-1: the scheduler keeps the
 occupied sequence slots a prefix by moving the last one into a hole). Bubbles (empty pipeline slots,
-sequences still prefilling) run where the scheduler says: just past what their sequence may read
-(runtimes/batch.py _bubble_positions), at most row T (`length`), the scratch row each slab has; with the
+sequences still prefilling) sit where the scheduler says: just past what their sequence may read
+(runtimes/batch.py _bubble_positions), at most row T (`length`), the scratch row each slab has. With the
 fused graphs (GroupQueryAttention writes the cache in place, bound through IO binding) that is where
-their K/V land, and no valid row reads it before it is rewritten. With the standard graphs new rows come
-back as tensors and only valid rows are written here.
+their K/V land (in the batch step, zeros: bubbles skip the layers and only attend), and no valid row
+reads it before it is rewritten. With the standard graphs bubbles run at 0, new rows come back as
+tensors and only valid rows are written here.
 
 Fused steps run through a StepBinding per shape of step (its tensors bound once to buffers the step
 writes and reads), so a step makes no binding call.
@@ -178,6 +179,9 @@ class BatchBackend:
         try:  # both new buffers first: if they do not fit, the pool stays as it was
             key, value = np.zeros(shape, F32), np.zeros(shape, F32)
         except MemoryError:
+            if not grow:  # the pool in place still holds what is needed: shrink another time
+                self._shrink_pending = 0
+                return
             mib = 2 * np.prod(shape, dtype=np.float64) * np.dtype(F32).itemsize / (1 << 20)
             raise GenerationError(f"the KV-cache pool cannot grow to {length} positions x {width} sequence slots "
                                   f"({mib:,.0f} MiB): out of memory; set --kv-cache-mb or lower --max-batch") from None
@@ -241,6 +245,12 @@ class BatchBackend:
             step = self._steps[role, shape] = StepBinding(self.sessions[self.graph[role]], slabs(), bound)
         return step
 
+    def _check_positions(self, positions: np.ndarray) -> None:
+        """Fused graphs write K/V in place through raw pointers: a position past the scratch row T would
+        write outside the pool, so it is refused, not run."""
+        if positions.max(initial=0) > self.length:
+            raise GenerationError(f"internal: a row at position {int(positions.max())} in a pool of {self.length} positions")
+
     def _run_standard(self, role: str, feeds: dict, slabs: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
         """A standard graph: cache slabs fed as inputs, new K/V rows returned with OUTPUTS."""
         names = outputs + [contract.new_rows(kind) for kind in contract.KV_KINDS]
@@ -296,6 +306,7 @@ class BatchBackend:
                     contract.NEXT_TOKEN: ((n,), np.int64, True),
                     **({contract.LOGITS: ((n, self.vocab_size), F32, True)} if want_logits else {})}
 
+        self._check_positions(positions)
         step = self._step(contract.PREFILL, (n, want_logits), lambda: self._logical_slabs(slice(0, n)), tensors)
         step.inputs[contract.INPUT_IDS][:, 0] = tokens
         step.inputs[contract.POSITIONS][:] = positions
@@ -326,6 +337,7 @@ class BatchBackend:
                     result[contract.EXIT_TOKENS])
         # Fused: only the valid rows run (computed_rows, slot-major indices); the head rows are given as
         # indices among them, and hidden_out comes back for them alone.
+        self._check_positions(positions)
         computed = np.flatnonzero(valid)  # [R] s*n + b, ascending
         count = len(computed)
         among = np.empty(rows, np.int64)

@@ -15,7 +15,9 @@ and tensor, not a failure deep inside a run.
     *.gqa          as the graph it varies, new_{key,value} replaced by cache.{key,value}.{i}.out (the
                    cache written in place: each output is bound to the buffer of its input)
     batch_step.gqa as batch_step, but its cache is the whole pool of each stage layer, one buffer
-                   cache.{key,value}.{j} [P*B, kvh, T, hd] (row s*B + b; B sequence slots >= n)
+                   cache.{key,value}.{j} [P*W, kvh, T, hd] (row s*W + b; W sequence slots >= n), and only
+                   the rows in computed_rows [C] (slot-major row numbers, those holding a token) run:
+                   final_rows / exit_rows are positions among them, hidden_out is [C, 1, H]
     batch_step     n sequences x P slots = R rows, row r = s*n + b (slot-major: the slots' rows are contiguous)
                    input_ids [n, 1] (slot 0 of each sequence)  positions [R]  hidden_in [(P-1)n, 1, H]
                    final_rows [F]  exit_rows [E] (rows whose final / exit head is wanted)

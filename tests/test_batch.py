@@ -251,3 +251,29 @@ def test_per_sequence_decisions_turn_the_batch_plain_and_back_losslessly(engine)
         assert sequence.out == _alone(engine, prompt, {"stop_at_eos": False, **setting}, 32).ids
     assert scheduler.steps["speed"] > 0 and scheduler.steps["plain"] > 0 and scheduler.mode_switches >= 2
     assert sequences[0].acceptance.fallbacks == 0 and sequences[1].acceptance.fallbacks >= 2  # fell back, probed, fell back
+
+
+def test_pool_shrink_that_cannot_allocate_keeps_the_pool_and_fused_rows_stay_inside_it(engine, monkeypatch):
+    """A shrink is best effort: when its new buffers cannot be allocated (forced here) the pool in place,
+    which holds what is needed, stays. A fused step never runs a row past the pool's scratch row T (the
+    graph writes K/V in place through raw pointers): it is refused in one line instead."""
+    import numpy as np
+
+    from speedc.runtimes import batch_backend
+
+    backend = BatchBackend(engine.directory, engine.manifest, max_batch=2, capacity=512, shrink_after=1)
+    backend.reserve(300, 2)
+    assert (backend.width, backend.length) == (2, 512)
+    pool = backend.key
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(batch_backend.np, "zeros", no_memory)
+    backend.reserve(10, 1)
+    monkeypatch.undo()
+    assert backend.key is pool and (backend.width, backend.length) == (2, 512)
+    if backend.fused:
+        positions = np.full((backend.slots, 1), backend.length + 1, np.int64)
+        with pytest.raises(GenerationError, match="internal: a row at position"):
+            backend.speed_step(np.zeros(1, np.int64), positions, np.ones((backend.slots, 1), bool), [], [0], False)

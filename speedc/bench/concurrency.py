@@ -5,7 +5,8 @@ and the batch runs until all are done, once per system and level in every repeat
 interleaved (the systems' order rotated each repeat, so no system always runs right after the same one),
 so host drift hits them alike. Each system keeps one scheduler per level over the repeats, warmed up
 once, as a server keeps its one; at a level the batched systems share one backend (pool, step
-bindings) and every level the same sessions, so they differ by their policies and loads alone:
+bindings) and every level the same sessions, so they differ by their policies and loads alone (every
+level's pool is held at once: the bench's memory is their sum):
 
     speed-adaptive     the default policies: per sequence, speculate while its own acceptance keeps the
                        analytic bound above 1 (runtimes/acceptance_policy.py), per step, while the
@@ -49,7 +50,7 @@ def _scheduler(engine: Engine, prompts: list[str], clients: int, new_tokens: int
     """A system's scheduler for CLIENTS on the level's shared BACKEND, kept over the repeats as a server
     keeps its one (the engine of the unbatched row is kept too), after an untimed warm-up: fresh
     sessions' first runs at each row count allocate and prepack (a first prefill measured 180 ms against
-    11 ms after), and each shape of step makes its binding once."""
+    11 ms after), and the run's shapes of step make their bindings."""
     scheduler = engine.batch_scheduler(backend=backend, **options)
     for i in range(clients):
         scheduler.submit(engine.request_from(prompts[i % len(prompts)], dict(max_new_tokens=new_tokens, stop_at_eos=False)))
@@ -164,8 +165,9 @@ def _measure(engine, prompts, prompt_ids, alone, levels, new_tokens, repeats, th
         if clients == 1:
             level[UNBATCHED] = None
         if genai_dir is not None:
-            level[GENAI] = genai_batched(genai_dir, clients, threads)
+            level[GENAI] = None  # one engine for every level (below): its model is the unrolled fp32 export
         systems[clients] = level
+    genai = genai_batched(genai_dir, max(systems), threads) if genai_dir is not None else None
     runs: dict[tuple[int, str], list[dict]] = {(clients, name): [] for clients, level in systems.items() for name in level}
     for repeat in range(repeats):
         for clients, level in systems.items():  # the levels interleaved too: a ratio between them is not host drift
@@ -175,7 +177,7 @@ def _measure(engine, prompts, prompt_ids, alone, levels, new_tokens, repeats, th
                 system = level[name]
                 progress(f"repeat {repeat + 1}/{repeats}: concurrency {clients}, {name}")
                 if name == GENAI:
-                    run = _run_genai(system, prompt_ids, clients, new_tokens)
+                    run = _run_genai(genai, prompt_ids, clients, new_tokens)
                 elif name == UNBATCHED:
                     run = _run_unbatched(engine, prompts[0], new_tokens)
                 else:
