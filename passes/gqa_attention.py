@@ -94,15 +94,15 @@ class BatchPool:
         pool_index [R] = (computed_rows // n) * W + computed_rows % n
         qkv [R, w] ── ScatterND into zeros [P*W, w] at pool_index ── Reshape [P*W, 1, w] ──┐
         seqlens_k [P*n] ── Reshape [P, n] ── Pad with 0 ── Reshape [P*W] ─────────────────┼─ GQA
-        [R, w'] ◄── Gather(pool_index) ◄── Reshape [P*W, w'] ◄── out [P*W, 1, w'] ◄───────────┘
+        [R, 1, w'] ◄── Gather(pool_index) ◄── out [P*W, 1, w'] ◄──────────────────────────────┘
 
     The rows not computed attend with zero q|k|v and write zero K/V at their own position: a bubble
     at the position the runtime gives it (where no valid row reads before rewriting), a free sequence
     slot (n..W-1, the scheduler keeps the occupied ones a prefix) at position 0 of a slot no sequence holds."""
 
     def __init__(self, graph: gs.Graph, ids_shape: gs.Tensor, seqlens: gs.Tensor, slots: int, pool_input: gs.Tensor,
-                 slot_inputs: gs.Tensor) -> None:
-        self.graph, self.slots = graph, slots
+                 slot_inputs: gs.Tensor, qkv_width: int) -> None:
+        self.graph, self.slots, self.qkv_width = graph, slots, qkv_width
         self.n = add_layer(graph, op="Slice", inputs=[ids_shape, self._const("zero", [0]), self._const("one", [1])],
                            outputs=["gqa.pool.n"])[0]  # [1]
         self.pool_rows = add_layer(graph, op="Shape", inputs=[pool_input], outputs=["gqa.pool.shape"], attrs={"end": 1})[0]
@@ -112,7 +112,10 @@ class BatchPool:
         self.index = self._pool_index(self._compute_only(slot_inputs))  # [R] s*W + b
         self.index_2d = add_layer(graph, op="Unsqueeze", inputs=[self.index, self._const("axis1", [1])],
                                   outputs=["gqa.pool.index_2d"])[0]  # [R, 1]
-        self.zeros: dict[int, gs.Tensor] = {}
+        shape = add_layer(graph, op="Concat", inputs=[self.pool_rows, self._const("qkv_width", [qkv_width])],
+                          outputs=["gqa.pool.zeros.shape"], attrs={"axis": 0})[0]
+        self.zeros = add_layer(graph, op="ConstantOfShape", inputs=[shape],
+                               outputs=["gqa.pool.zeros"])[0]  # [P*W, w] float 0 (the default), shared by every layer
 
     @staticmethod
     def _const(name: str, values: list[int]) -> gs.Constant:
@@ -154,21 +157,15 @@ class BatchPool:
         base = add_layer(graph, op="Mul", inputs=[slot, self.width], outputs=["gqa.pool.slot_base"])[0]  # [R] s*W
         return add_layer(graph, op="Add", inputs=[base, sequence], outputs=["gqa.pool.index"])[0]
 
-    def spread(self, rows: gs.Tensor, width: int, name: str) -> gs.Tensor:
-        """rows [R, w] -> [P*W, 1, w] (every row not computed zero)."""
-        if width not in self.zeros:
-            shape = add_layer(self.graph, op="Concat", inputs=[self.pool_rows, gs.Constant(f"gqa.pool.w{width}", np.array([width], np.int64))],
-                              outputs=[f"gqa.pool.zeros{width}.shape"], attrs={"axis": 0})[0]
-            self.zeros[width] = add_layer(self.graph, op="ConstantOfShape", inputs=[shape],
-                                          outputs=[f"gqa.pool.zeros{width}"])[0]  # [P*W, w] float 0 (the default)
-        scattered = add_layer(self.graph, op="ScatterND", inputs=[self.zeros[width], self.index_2d, rows],
+    def spread(self, rows: gs.Tensor, name: str) -> gs.Tensor:
+        """Packed q|k|v rows [R, w] -> [P*W, 1, w] (every row not computed zero)."""
+        scattered = add_layer(self.graph, op="ScatterND", inputs=[self.zeros, self.index_2d, rows],
                               outputs=[f"{name}.scattered"])[0]  # [P*W, w]
-        return reshape(self.graph, scattered, [-1, 1, width], f"{name}.pool")
+        return reshape(self.graph, scattered, [-1, 1, self.qkv_width], f"{name}.pool")
 
-    def gather(self, out: gs.Tensor, width: int, name: str) -> gs.Tensor:
-        """GQA output [P*W, 1, w] -> [R, w] (the computed rows)."""
-        flat = reshape(self.graph, out, [-1, width], f"{name}.flat")
-        return add_layer(self.graph, op="Gather", inputs=[flat, self.index], outputs=[name], attrs={"axis": 0})[0]
+    def gather(self, out: gs.Tensor, name: str) -> gs.Tensor:
+        """GQA output [P*W, 1, w] -> [R, 1, w] (the computed rows)."""
+        return add_layer(self.graph, op="Gather", inputs=[out, self.index], outputs=[name], attrs={"axis": 0})[0]
 
 
 def lower_to_gqa(graph: gs.Graph, *, heads: int, kv_heads: int, head_dim: int, theta: float, max_context: int) -> gs.Graph:
@@ -217,7 +214,8 @@ def lower_to_gqa(graph: gs.Graph, *, heads: int, kv_heads: int, head_dim: int, t
                 name = contract.cache_input(kind, layer)
                 known[name] = gs.Variable(name, np.float32, ["pool_rows", kv_heads, "context", head_dim])
                 graph.inputs.append(known[name])
-        pool = BatchPool(graph, ids_shape, seqlens, slots, known[contract.cache_input("key", 0)], known["slot_inputs"])
+        pool = BatchPool(graph, ids_shape, seqlens, slots, known[contract.cache_input("key", 0)], known["slot_inputs"],
+                         (heads + 2 * kv_heads) * head_dim)
     cache_outputs = []
     for layer, (q2d, k2d, v2d, o_proj) in enumerate(layers):
         prefix = f"gqa.{layer}"
@@ -229,8 +227,8 @@ def lower_to_gqa(graph: gs.Graph, *, heads: int, kv_heads: int, head_dim: int, t
         if pool is None:
             out = attention(prefix, rows_by_chunk(packed, width, f"{prefix}.qkv"), seqlens, caches)
         else:
-            out = pool.gather(attention(prefix, pool.spread(packed, width, f"{prefix}.qkv"), pool.seqlens, caches),
-                              heads * head_dim, f"{prefix}.rows")  # [R, h*hd]
+            out = pool.gather(attention(prefix, pool.spread(packed, f"{prefix}.qkv"), pool.seqlens, caches),
+                              f"{prefix}.rows")  # [R, 1, h*hd]
         o_proj.inputs[0] = reshape(graph, out, [-1, heads * head_dim], f"{prefix}.ctx")  # [R*L, h*hd]
     # The new rows now land in the cache inside the graph: the stacked new_key/new_value outputs go.
     stacked = {contract.new_rows(kind) for kind in contract.KV_KINDS}

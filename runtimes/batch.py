@@ -64,7 +64,7 @@ class Sequence:
     @property
     def last_useful(self) -> int:
         """A token at position q is worth computing only if position q+1 may still be emitted."""
-        return len(self.request.prompt) + self.request.max_new_tokens - 2
+        return self.positions - 2
 
     def frontier(self) -> Slot:
         """The last confirmed token at its position: what plain decoding runs next."""

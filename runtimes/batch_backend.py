@@ -88,6 +88,16 @@ def _power_of_two_size(need: int, low: int, high: int) -> int:
     return min(high, max(low, 1 << max(need - 1, 0).bit_length()))
 
 
+def pool_binding(session, slabs: dict[str, np.ndarray]):
+    """A new IO binding of SESSION with each cache input of SLABS (name -> pool view) bound to its view,
+    as past and as present: the same pool memory, written in place by GroupQueryAttention."""
+    binding = session.io_binding()
+    for name, view in slabs.items():
+        binding.bind_input(name, "cpu", 0, F32, list(view.shape), view.ctypes.data)
+        binding.bind_output(name + ".out", "cpu", 0, F32, list(view.shape), view.ctypes.data)  # contract.cache_output
+    return binding
+
+
 class StepBinding:
     """One IO binding of a fused step graph for one shape of step: the cache slabs and every input and
     output bound to a buffer once, so a step writes its inputs into `inputs`, runs, and reads `outputs`
@@ -100,10 +110,7 @@ class StepBinding:
 
     def __init__(self, session, slabs: dict[str, np.ndarray], tensors: dict[str, tuple[np.ndarray, bool]]) -> None:
         self.session = session
-        self.binding = session.io_binding()
-        for name, view in slabs.items():  # past and present: the same pool memory (written in place)
-            self.binding.bind_input(name, "cpu", 0, F32, list(view.shape), view.ctypes.data)
-            self.binding.bind_output(name + ".out", "cpu", 0, F32, list(view.shape), view.ctypes.data)
+        self.binding = pool_binding(session, slabs)
         self.inputs = {name: buffer for name, (buffer, output) in tensors.items() if not output}
         self.outputs = {name: buffer for name, (buffer, output) in tensors.items() if output}
         for name, (buffer, output) in tensors.items():
@@ -139,7 +146,7 @@ class BatchBackend:
             raise ArtifactError(f"{directory}: has no {missing[0]} graph")
         self.max_batch, self.capacity = max_batch, capacity
         self.hidden = np.zeros((self.slots, max_batch, self.hidden_size), F32)  # last hidden_out, [slot, sequence]
-        self._bindings: dict[tuple, object] = {}  # fused prefill: sequence slot -> IO binding with its slabs bound
+        self._prefill_bindings: dict[int, object] = {}  # fused: sequence slot -> its prefill binding (pool_binding)
         self._steps: dict[tuple, StepBinding] = {}  # fused steps: (role, shape of the step) -> StepBinding, oldest first
         self._buffers: dict[tuple, np.ndarray] = {}  # (name, shape) -> the buffer every StepBinding binds NAME of SHAPE to
         self.min_length, self.shrink_after = min_length, shrink_after
@@ -192,7 +199,7 @@ class BatchBackend:
         self.key, self.value = key, value
         self.length, self.width = length, width
         self._shrink_pending = 0
-        self._bindings.clear()  # they point into the old pool
+        self._prefill_bindings.clear()  # they point into the old pool
         self._steps.clear()
 
     def move(self, source: int, target: int, length: int | None = None) -> None:
@@ -269,12 +276,9 @@ class BatchBackend:
                     self.slots, self.stage_layers, *new.shape[1:]).transpose(1, 0, 2, 3, 4)
             return int(result[contract.NEXT_TOKEN][0]), (result[contract.LOGITS][0] if want_logits else None)
         # The chunk length varies, so the ids are bound per call; the slabs' binding is kept per sequence slot.
-        binding = self._bindings.get(sequence)
+        binding = self._prefill_bindings.get(sequence)
         if binding is None:
-            binding = self._bindings[sequence] = self.sessions[self.graph[contract.PREFILL]].io_binding()
-            for name, view in slabs().items():
-                binding.bind_input(name, "cpu", 0, F32, list(view.shape), view.ctypes.data)
-                binding.bind_output(name + ".out", "cpu", 0, F32, list(view.shape), view.ctypes.data)
+            binding = self._prefill_bindings[sequence] = pool_binding(self.sessions[self.graph[contract.PREFILL]], slabs())
         for name, value in feeds.items():
             binding.bind_cpu_input(name, value)
         token, logits = np.zeros(1, np.int64), np.zeros((1, self.vocab_size), F32)
@@ -301,12 +305,13 @@ class BatchBackend:
                 # advanced indices (rows, positions) split by a slice: the target is [k, S, P, kvh, hd]
                 pool[:, :, rows, :, positions[rows]] = new[:, :, rows].transpose(2, 0, 1, 3, 4)
             return result[contract.NEXT_TOKEN], (result[contract.LOGITS] if want_logits else None)
+        self._check_positions(positions)
+
         def tensors():
             return {contract.INPUT_IDS: ((n, 1), np.int64, False), contract.POSITIONS: ((n,), np.int64, False),
                     contract.NEXT_TOKEN: ((n,), np.int64, True),
                     **({contract.LOGITS: ((n, self.vocab_size), F32, True)} if want_logits else {})}
 
-        self._check_positions(positions)
         step = self._step(contract.PREFILL, (n, want_logits), lambda: self._logical_slabs(slice(0, n)), tensors)
         step.inputs[contract.INPUT_IDS][:, 0] = tokens
         step.inputs[contract.POSITIONS][:] = positions
@@ -340,8 +345,7 @@ class BatchBackend:
         self._check_positions(positions)
         computed = np.flatnonzero(valid)  # [R] s*n + b, ascending
         count = len(computed)
-        among = np.empty(rows, np.int64)
-        among[computed] = np.arange(count)
+        among = np.cumsum(valid) - 1  # [P*n] slot-major row -> its index among the computed rows (where valid)
 
         def tensors():
             return {contract.INPUT_IDS: ((n, 1), np.int64, False), contract.POSITIONS: ((rows,), np.int64, False),
