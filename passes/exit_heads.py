@@ -11,7 +11,8 @@ r"""Pass `exit_heads` (phase lowering): early-exit and final heads, with argmax 
       step_flush.onnx:  R = P (every slot's exit: the early-flush check reads the deeper ones)
 
     prefill graph:
-      hidden.{N-1} [B*L,H] --each row's last position--> final RMSNorm -> Gemm -> logits [B,V] -> next_token [B]
+      hidden.{N-1} [B*L,H] --each row's last real token (chunk_lengths)--> final RMSNorm -> Gemm -> logits [B,V]
+                                                                                           -> next_token [B]
 
 A looped model's loop-boundary norm has already normalized the state a head reads (Ouro's exit after
 loop 1, its final after the last loop): there the RMSNorm is left out (config final_norm, exit norm None).
@@ -130,23 +131,33 @@ def hidden_output(graph: gs.Graph, rows: gs.Tensor, shape: list) -> gs.Tensor:
 
 
 def add_prefill_head(graph: gs.Graph, state: CompileState) -> None:
-    """hidden.{N-1}: token rows [B*L, H], row b's L tokens contiguous; the head reads each row's last.
+    """hidden.{N-1}: token rows [B*L, H], row b's L tokens contiguous; the head reads each row's last real
+    token (row b holds chunk_lengths[b] tokens, then right padding: prompts of different lengths in one run).
 
-        [B*L, H] -- Reshape [B, L, H] (L from input_ids) -- Slice last position -- Reshape [B, H] -- head
+        b = Range(B)  [B]
+        [B*L, H] -- Gather(b*L + chunk_lengths - 1) -- [B, H] -- head
     """
     cfg = state.cfg
     last_hidden = tensor(graph, f"hidden.{cfg.num_hidden_layers - 1}")
+    lengths = gs.Variable(contract.CHUNK_LENGTHS, np.int64, ["batch"])
+    graph.inputs.append(lengths)
     ids_shape = add_layer(graph, op="Shape", inputs=[tensor(graph, contract.INPUT_IDS)], outputs=["final_head.ids_shape"],
-                          name="final_head/Shape_ids")[0]
-    by_row = add_layer(graph, op="Concat", inputs=[ids_shape, gs.Constant("final_head.width", np.array([cfg.hidden_size], np.int64))],
-                       outputs=["final_head.by_row_shape"], attrs={"axis": 0}, name="final_head/Concat_shape")[0]  # [B, L, H]
-    last_hidden = add_layer(graph, op="Reshape", inputs=[last_hidden, by_row], outputs=["final_head.by_row"],
-                            name="final_head/Reshape_by_row")[0]
-    starts, ends, axes = (gs.Constant(f"last_position.{n}", np.array([v], dtype=np.int64))
-                          for n, v in (("starts", -1), ("ends", np.iinfo(np.int64).max), ("axes", 1)))
-    last = add_layer(graph, op="Slice", inputs=[last_hidden, starts, ends, axes], outputs=["last_hidden"],
-                            name="final_head/Slice_last")[0]
-    logits, token = emit_head(graph, state, reshape(graph, last, [-1, cfg.hidden_size], "last_rows"), final_norm_weight(state),
+                          name="final_head/Shape_ids")[0]  # [2] = (B, L)
+    consts = {k: gs.Constant(f"final_head.{k}", np.array(v, np.int64)) for k, v in
+              (("zero", 0), ("one", 1), ("second", [1]), ("third", [2]))}
+    batch = add_layer(graph, op="Gather", inputs=[ids_shape, consts["zero"]], outputs=["final_head.B"], attrs={"axis": 0},
+                      name="final_head/Gather_B")[0]  # scalar B
+    chunk = add_layer(graph, op="Slice", inputs=[ids_shape, consts["second"], consts["third"]], outputs=["final_head.L"],
+                      name="final_head/Slice_L")[0]  # [1] L
+    rows = add_layer(graph, op="Range", inputs=[consts["zero"], batch, consts["one"]], outputs=["final_head.rows"],
+                     name="final_head/Range_rows")[0]  # [B]
+    starts = add_layer(graph, op="Mul", inputs=[rows, chunk], outputs=["final_head.row_starts"], name="final_head/Mul_L")[0]  # [B] b*L
+    ends = add_layer(graph, op="Add", inputs=[starts, lengths], outputs=["final_head.row_ends"], name="final_head/Add_lengths")[0]
+    index = add_layer(graph, op="Sub", inputs=[ends, gs.Constant("final_head.one_1d", np.array([1], np.int64))],
+                      outputs=["final_head.last_index"], name="final_head/Sub_one")[0]  # [B] b*L + len_b - 1
+    last = add_layer(graph, op="Gather", inputs=[last_hidden, index], outputs=["last_hidden"], attrs={"axis": 0},
+                     name="final_head/Gather_last")[0]  # [B, H]
+    logits, token = emit_head(graph, state, last, final_norm_weight(state),
                               "final_head", contract.LOGITS, contract.NEXT_TOKEN)
     token.shape, logits.shape = ["batch"], ["batch", cfg.vocab_size]  # one row per sequence (batched plain decoding)
     presents = [t for t in graph.outputs if t.name.startswith("present.")]

@@ -6,7 +6,7 @@ r"""Pass `gqa_attention` (phase lowering): ONNX Runtime variants of the graphs w
     v2d ─────────────┘                                        │    the stacked projection's output itself)
                                                               ├─ GroupQueryAttention ── [R, L, h*hd] ── Reshape ── o_proj
     cache.key.{l} / cache.value.{l} ──────────┤   (rotary inside)    └─ cache.key.{l}.out (same buffer)
-    seqlens_k = positions + L - 1 (int32) ────┤
+    seqlens_k = positions + L - 1 (int32) ────┤   (prefill: positions + chunk_lengths - 1, right padding)
     total_sequence_length = max(positions) + L┤
     cos/sin tables [max_context + 1, hd/2] ───┘  (computed from inv_freq, folded at load)
 
@@ -179,7 +179,12 @@ def lower_to_gqa(graph: gs.Graph, *, heads: int, kv_heads: int, head_dim: int, t
                                                  gs.Constant("gqa.two", np.array([2], np.int64))], outputs=["gqa.chunk"])[0]  # [1]
     last = add_layer(graph, op="Add", inputs=[positions, chunk], outputs=["gqa.end"])[0]  # [R] = positions + L
     last = add_layer(graph, op="Sub", inputs=[last, gs.Constant("gqa.one_i", np.array([1], np.int64))], outputs=["gqa.last"])[0]
-    seqlens = add_layer(graph, op="Cast", inputs=[last], outputs=["gqa.seqlens_k"], attrs={"to": 6})[0]  # int32 [R]
+    real_last = last
+    if contract.CHUNK_LENGTHS in known:  # prefill: a right-padded row's last real token (a first chunk: no past)
+        real_last = add_layer(graph, op="Add", inputs=[positions, known[contract.CHUNK_LENGTHS]], outputs=["gqa.real_end"])[0]
+        real_last = add_layer(graph, op="Sub", inputs=[real_last, gs.Constant("gqa.one_r", np.array([1], np.int64))],
+                              outputs=["gqa.real_last"])[0]  # [R] positions + chunk_lengths - 1
+    seqlens = add_layer(graph, op="Cast", inputs=[real_last], outputs=["gqa.seqlens_k"], attrs={"to": 6})[0]  # int32 [R]
     longest = add_layer(graph, op="ReduceMax", inputs=[last], outputs=["gqa.longest"], attrs={"keepdims": 0})[0]  # scalar
     total = add_layer(graph, op="Add", inputs=[longest, gs.Constant("gqa.one_s", np.array(1, np.int64))], outputs=["gqa.total64"])[0]
     total = add_layer(graph, op="Cast", inputs=[total], outputs=["gqa.total"], attrs={"to": 6})[0]  # int32 scalar

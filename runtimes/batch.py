@@ -6,8 +6,9 @@ One scheduler iteration (`BatchScheduler.step`):
     1. cancelled sequences leave; waiting requests take free sequence slots (FIFO; a request waits
        while none is free, and one longer than a slot's capacity is refused at submit, never cut); the
        pool's width follows the occupied slots, its length the longest request (BatchBackend.reserve)
-    2. prefill: one chunk (<= prefill_chunk tokens) of the oldest sequence still prefilling; its last
-       chunk yields its first token
+    2. prefill: one chunk (<= prefill_chunk tokens) of the oldest sequence still prefilling, batched with
+       the first chunks of the sequences after it that start their prompts too (one run, right padded,
+       within prefill_chunk tokens in all); a sequence's last chunk yields its first token
     3. decode: ONE graph run for every decoding sequence, speed or plain: the acceptance policy weighs
        each sequence's own acceptance (runtimes/acceptance_policy.py), the row policy the step's rows:
          speed: P*n rows; each sequence's pipeline exactly as runtimes/decode.py decode_speed runs it
@@ -234,24 +235,49 @@ class BatchScheduler:
         writes there is overwritten before any row reads it (every position a row reads is below _cached)."""
         return [min(self._cached(sequence), self.backend.length) for sequence in self.occupied]
 
+    def _prefill_group(self) -> list[Sequence]:
+        """The sequences prefilled in this iteration: the oldest one still prefilling, and when that one starts
+        its prompt, the sequences in the slots after it that start theirs too, while the padded batch
+        (sequences x longest first chunk) stays within prefill_chunk tokens: requests arriving together
+        share each weight read of their prefill (one run), and a decode step still waits for at most
+        prefill_chunk tokens of prefill. Only first chunks batch (BatchBackend.prefill says why)."""
+        head = next((s for s in self.occupied if s.state == PREFILL), None)
+        if head is None:
+            return []
+        group = [head]
+        if head.prefilled == 0:
+            longest = min(len(head.request.prompt), self.prefill_chunk)
+            for sequence in self.occupied[head.slot + 1:]:
+                if sequence.state != PREFILL or sequence.prefilled:
+                    break
+                length = max(longest, min(len(sequence.request.prompt), self.prefill_chunk))
+                if (len(group) + 1) * length > self.prefill_chunk:
+                    break
+                group.append(sequence)
+                longest = length
+        return group
+
     def _prefill_chunk(self, events: list[Event]) -> None:
-        sequence = next((s for s in self.occupied if s.state == PREFILL), None)
-        if sequence is None:
+        group = self._prefill_group()
+        if not group:
             return
         start = time.perf_counter()
-        request = sequence.request
-        chunk = request.prompt[sequence.prefilled:sequence.prefilled + self.prefill_chunk]
-        last = sequence.prefilled + len(chunk) == len(request.prompt)
-        want = last and request.picker.params.needs_logits
-        argmax, logits = self.backend.prefill(sequence.slot, chunk, sequence.prefilled, want)
-        sequence.prefilled += len(chunk)
+        chunks = [s.request.prompt[s.prefilled:s.prefilled + self.prefill_chunk] for s in group]
+        last = [s.prefilled + len(chunk) == len(s.request.prompt) for s, chunk in zip(group, chunks)]
+        want = any(done and s.request.picker.params.needs_logits for s, done in zip(group, last))
+        argmax, logits = self.backend.prefill(group[0].slot, chunks, group[0].prefilled, want)
         self.steps["prefill"] += 1
-        sequence.stats.prefill_seconds += time.perf_counter() - start
-        if last:
-            request.history = list(request.prompt)
-            sequence.stats.prompt_tokens = len(request.prompt)
-            sequence.state = DECODE
-            self._emit(sequence, request.picker.pick(logits, argmax, request.history), events)
+        elapsed = time.perf_counter() - start
+        for row, (sequence, chunk, done) in enumerate(zip(group, chunks, last)):
+            request = sequence.request
+            sequence.prefilled += len(chunk)
+            sequence.stats.prefill_seconds += elapsed
+            if done:
+                request.history = list(request.prompt)
+                sequence.stats.prompt_tokens = len(request.prompt)
+                sequence.state = DECODE
+                self._emit(sequence, request.picker.pick(logits[row] if want else None, int(argmax[row]), request.history),
+                           events)
 
     def _plain_step(self, decoding: list[Sequence], events: list[Event]) -> None:
         n = len(self.occupied)

@@ -146,7 +146,7 @@ class BatchBackend:
             raise ArtifactError(f"{directory}: has no {missing[0]} graph")
         self.max_batch, self.capacity = max_batch, capacity
         self.hidden = np.zeros((self.slots, max_batch, self.hidden_size), F32)  # last hidden_out, [slot, sequence]
-        self._prefill_bindings: dict[int, object] = {}  # fused: sequence slot -> its prefill binding (pool_binding)
+        self._prefill_bindings: dict[tuple, object] = {}  # fused: (first sequence slot, count) -> its prefill binding
         self._steps: dict[tuple, StepBinding] = {}  # fused steps: (role, shape of the step) -> StepBinding, oldest first
         self._buffers: dict[tuple, np.ndarray] = {}  # (name, shape) -> the buffer every StepBinding binds NAME of SHAPE to
         self.min_length, self.shrink_after = min_length, shrink_after
@@ -263,29 +263,45 @@ class BatchBackend:
         names = outputs + [contract.new_rows(kind) for kind in contract.KV_KINDS]
         return dict(zip(names, self.sessions[self.graph[role]].run(names, {**feeds, **slabs})))
 
-    def prefill(self, sequence: int, ids: list[int], start: int, want_logits: bool) -> tuple[int, np.ndarray | None]:
-        """Run a prompt chunk of sequence slot SEQUENCE through all N layers at positions start.."""
-        feeds = {contract.INPUT_IDS: np.asarray([ids], np.int64), contract.POSITIONS: np.asarray([start], np.int64)}
+    def prefill(self, first: int, chunks: list[list[int]], start: int, want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """Run prompt chunks through all N layers: chunk i belongs to sequence slot first + i and starts at
+        position START. Several chunks only as first chunks (START 0): ONNX Runtime's GroupQueryAttention
+        takes a batch of multi-token rows only without past context. They run as one [B, L] batch, right
+        padded to the longest (chunk_lengths), so the B prompts share each weight read: on zoo:small one
+        prefill of a few tokens costs about as much as one plain token (the weights streamed 16 times).
+        -> (argmax next tokens [B], logits [B, V] or None) after each chunk's last token."""
+        count, longest = len(chunks), max(len(chunk) for chunk in chunks)
+        if count > 1 and start and longest > 1:
+            raise GenerationError("internal: a batched prefill of chunks that have past context")
+        ids = np.zeros((count, longest), np.int64)  # the padding's id is never read back
+        for row, chunk in enumerate(chunks):
+            ids[row, :len(chunk)] = chunk
+        lengths = np.asarray([len(chunk) for chunk in chunks], np.int64)
+        feeds = {contract.INPUT_IDS: ids, contract.POSITIONS: np.full(count, start, np.int64), contract.CHUNK_LENGTHS: lengths}
         outputs = [contract.NEXT_TOKEN] + ([contract.LOGITS] if want_logits else [])
-        slabs = lambda: self._logical_slabs(slice(sequence, sequence + 1))  # noqa: E731
+        sequences = slice(first, first + count)
         if not self.fused:
-            result = self._run_standard(contract.PREFILL, feeds, slabs(), outputs)
-            for kind, pool in (("key", self.key), ("value", self.value)):  # [N, 1, kvh, L, hd] -> pool[j, s, sequence, :, start:]
-                new = result[contract.new_rows(kind)][:, 0]
-                pool[:, :, sequence, :, start:start + len(ids)] = new.reshape(
-                    self.slots, self.stage_layers, *new.shape[1:]).transpose(1, 0, 2, 3, 4)
-            return int(result[contract.NEXT_TOKEN][0]), (result[contract.LOGITS][0] if want_logits else None)
-        # The chunk length varies, so the ids are bound per call; the slabs' binding is kept per sequence slot.
-        binding = self._prefill_bindings.get(sequence)
+            result = self._run_standard(contract.PREFILL, feeds, self._logical_slabs(sequences), outputs)
+            for kind, pool in (("key", self.key), ("value", self.value)):  # [N, B, kvh, L, hd] -> pool[j, s, b, :, start:]
+                new = result[contract.new_rows(kind)]
+                new = new.reshape(self.slots, self.stage_layers, *new.shape[1:]).transpose(1, 0, 2, 3, 4, 5)
+                for row, length in enumerate(lengths):  # only the real tokens: the padding's rows are dropped
+                    pool[:, :, first + row, :, start:start + length] = new[:, :, row, :, :length]
+            return result[contract.NEXT_TOKEN], (result[contract.LOGITS] if want_logits else None)
+        self._check_positions(np.asarray([start + longest - 1]))
+        # The chunk length varies, so the ids are bound per call; the slabs' binding is kept per slot range
+        # (a padded token writes its K/V past its row's end, where nothing is read before it is rewritten).
+        binding = self._prefill_bindings.get((first, count))
         if binding is None:
-            binding = self._prefill_bindings[sequence] = pool_binding(self.sessions[self.graph[contract.PREFILL]], slabs())
+            binding = self._prefill_bindings[first, count] = pool_binding(self.sessions[self.graph[contract.PREFILL]],
+                                                                          self._logical_slabs(sequences))
         for name, value in feeds.items():
             binding.bind_cpu_input(name, value)
-        token, logits = np.zeros(1, np.int64), np.zeros((1, self.vocab_size), F32)
-        binding.bind_output(contract.NEXT_TOKEN, "cpu", 0, np.int64, [1], token.ctypes.data)
+        token, logits = np.zeros(count, np.int64), np.zeros((count, self.vocab_size), F32)
+        binding.bind_output(contract.NEXT_TOKEN, "cpu", 0, np.int64, [count], token.ctypes.data)
         binding.bind_output(contract.LOGITS, "cpu", 0, F32, list(logits.shape), logits.ctypes.data)
         self.sessions[self.graph[contract.PREFILL]].run_with_iobinding(binding)
-        return int(token[0]), (logits[0] if want_logits else None)
+        return token, (logits if want_logits else None)
 
     def plain_step(self, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray,
                    want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
@@ -295,7 +311,7 @@ class BatchBackend:
         n = len(tokens)
         if not self.fused:
             feeds = {contract.INPUT_IDS: np.asarray(tokens, np.int64).reshape(n, 1),
-                     contract.POSITIONS: np.where(valid, positions, 0).astype(np.int64)}
+                     contract.POSITIONS: np.where(valid, positions, 0).astype(np.int64), contract.CHUNK_LENGTHS: np.ones(n, np.int64)}
             outputs = [contract.NEXT_TOKEN] + ([contract.LOGITS] if want_logits else [])
             result = self._run_standard(contract.PREFILL, feeds, self._logical_slabs(slice(0, n)), outputs)
             rows = np.flatnonzero(valid)
@@ -309,12 +325,13 @@ class BatchBackend:
 
         def tensors():
             return {contract.INPUT_IDS: ((n, 1), np.int64, False), contract.POSITIONS: ((n,), np.int64, False),
-                    contract.NEXT_TOKEN: ((n,), np.int64, True),
+                    contract.CHUNK_LENGTHS: ((n,), np.int64, False), contract.NEXT_TOKEN: ((n,), np.int64, True),
                     **({contract.LOGITS: ((n, self.vocab_size), F32, True)} if want_logits else {})}
 
         step = self._step(contract.PREFILL, (n, want_logits), lambda: self._logical_slabs(slice(0, n)), tensors)
         step.inputs[contract.INPUT_IDS][:, 0] = tokens
         step.inputs[contract.POSITIONS][:] = positions
+        step.inputs[contract.CHUNK_LENGTHS][:] = 1
         result = step.run()
         return result[contract.NEXT_TOKEN], (result[contract.LOGITS] if want_logits else None)
 

@@ -149,6 +149,7 @@ class OnnxBoundBackend:
         binding = self.bindings[contract.PREFILL, want_logits]
         binding.bind_cpu_input(contract.INPUT_IDS, np.asarray([ids], dtype=np.int64))
         binding.bind_cpu_input(contract.POSITIONS, np.asarray([start], dtype=np.int64))
+        binding.bind_cpu_input(contract.CHUNK_LENGTHS, np.asarray([len(ids)], dtype=np.int64))
         new_rows = {}
         if not self.fused:  # [N, 1, kvh, L, hd]: L varies, so a buffer per call
             for kind in ("key", "value"):

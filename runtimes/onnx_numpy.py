@@ -52,7 +52,7 @@ class OnnxNumpyBackend:
 
     def prefill(self, ids: list[int], start: int, want_logits: bool) -> tuple[int, np.ndarray | None]:
         feeds = {contract.INPUT_IDS: np.asarray([ids], dtype=np.int64), contract.POSITIONS: np.asarray([start], dtype=np.int64),
-                 **self.prefill_cache_feeds}
+                 contract.CHUNK_LENGTHS: np.asarray([len(ids)], dtype=np.int64), **self.prefill_cache_feeds}
         names = [contract.NEXT_TOKEN, *NEW_ROWS] + ([contract.LOGITS] if want_logits else [])
         outputs = self.sessions[contract.PREFILL].run(names, feeds)
         token, new_key, new_value = outputs[:3]

@@ -59,6 +59,9 @@ NEXT_TOKEN, LOGITS = "next_token", "logits"
 WRITE_START = "write_start"
 FINAL_ROWS, EXIT_ROWS = "final_rows", "exit_rows"
 COMPUTED_ROWS = "computed_rows"  # the fused batch step's rows that run (slot-major indices; bubbles do not)
+# prefill: row b's real tokens are input_ids[b, :chunk_lengths[b]], the rest right padding (so prompts of
+# different lengths prefill in one run; a padded token's K/V land past its row's end, its logits unread)
+CHUNK_LENGTHS = "chunk_lengths"
 KV_KINDS = ("key", "value")
 
 
@@ -118,7 +121,7 @@ def _program_io(graph: str, d: Dims) -> tuple[list[TensorSpec], list[TensorSpec]
     i64, f32 = "int64", "float32"
     if graph == PREFILL:
         caches = range(d.num_layers)
-        inputs = [(INPUT_IDS, i64, (None, None)), (POSITIONS, i64, (None,))]
+        inputs = [(INPUT_IDS, i64, (None, None)), (POSITIONS, i64, (None,)), (CHUNK_LENGTHS, i64, (None,))]
         cache_shape = (None, d.kv_heads, None, d.head_dim)
         outputs = [(NEXT_TOKEN, i64, (None,)), (LOGITS, f32, (None, d.vocab_size))]
         rows = (d.num_layers, None, d.kv_heads, None, d.head_dim)

@@ -42,6 +42,23 @@ def test_generate_batch_equals_each_prompt_alone(engine):
     assert sum(r.stats.accepted for r in results) > 0  # the batch really speculated
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "standard"])
+def test_prompts_arriving_together_prefill_in_padded_runs(engine, fused):
+    """Prompts of 5, 7, 6, 11, 1 and ~40 tokens arrive at once (prefill_chunk 32): first chunks batch,
+    right padded, while sequences x longest first chunk stays within 32 tokens: [5, 7, 6] (3 x 7), [11, 1]
+    (2 x 11), the long prompt's first chunk alone (32), its rest alone (past context): 4 runs, not 7.
+    Greedy and seeded sampling: each sequence equals plain decoding of it alone."""
+    prompts = PROMPTS[:2] + [PROMPTS[2], PROMPTS[3], "O", "To be, or not to be, that is the question: " * 3]
+    lengths = [len(engine.request_from(p, {}).prompt) for p in prompts]
+    assert lengths[:5] == [5, 7, 6, 11, 1] and 32 < lengths[5] <= 64  # the grouping below depends on them
+    settings = [{}, {"temperature": 0.8, "seed": 3}, {}, {"temperature": 1.1, "top_k": 20, "seed": 9}, {}, {}]
+    scheduler = engine.batch_scheduler(max_batch=6, fused=fused, prefill_chunk=32)
+    results = engine.generate_batch(prompts, max_new_tokens=10, stop_at_eos=False, settings=settings, scheduler=scheduler)
+    assert scheduler.steps["prefill"] == 4
+    for prompt, setting, result in zip(prompts, settings, results):
+        assert result.ids == _alone(engine, prompt, {"stop_at_eos": False, **setting}, 10).ids
+
+
 def test_engine_loop_streams_confirmed_pieces_and_cancels(engine):
     async def scenario():
         loop = EngineLoop(engine, max_batch=2)

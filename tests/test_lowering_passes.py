@@ -95,7 +95,8 @@ def _step_feeds(seed: int, prefix: str = "past") -> dict[str, np.ndarray]:
 def _prefill_feeds(seed: int, length: int, start: int, prefix: str = "past", zero_cache: bool = False):
     rng = np.random.default_rng(seed)
     feeds = {"input_ids": rng.integers(0, V, size=(1, length)),  # [1, L]
-             "positions": np.array([start], dtype=np.int64)}  # [1]: the chunk's first position
+             "positions": np.array([start], dtype=np.int64),  # [1]: the chunk's first position
+             "chunk_lengths": np.array([length], dtype=np.int64)}  # [1]: no padding (graphs before exit_heads lack it)
     for layer in range(N):
         for kind in ("key", "value"):
             cache = rng.standard_normal((1, KVH, T, HD)).astype(np.float32)  # [1, kvh, T, hd]
@@ -278,6 +279,33 @@ def test_exit_heads_prefill_numerics(model, before_exit_heads, after_exit_heads)
         expected = model(torch.from_numpy(ids)).logits[:, -1].numpy()  # [1, V]
     np.testing.assert_allclose(fresh["logits"], expected, atol=LOGITS_ATOL, rtol=LOGITS_RTOL)
     _assert_argmax(fresh["next_token"], expected, "next_token vs PyTorch forward")
+
+
+def test_exit_heads_prefill_reads_each_rows_last_real_token(model, after_exit_heads):
+    """Prompts of different lengths in one prefill run, right padded (chunk_lengths): each row's logits are
+    its own prompt's, as PyTorch computes it alone; a padded row's cache rows up to its length too."""
+    lengths = [5, 3, 1]
+    feeds = _prefill_feeds(seed=8, length=max(lengths), start=0, zero_cache=True)
+    rng = np.random.default_rng(8)
+    feeds["input_ids"] = rng.integers(0, V, size=(len(lengths), max(lengths)))  # [B, L]
+    feeds["positions"] = np.zeros(len(lengths), np.int64)
+    feeds["chunk_lengths"] = np.array(lengths, np.int64)
+    for name in [k for k in feeds if k.startswith("past.")]:
+        feeds[name] = np.zeros((len(lengths), KVH, T, HD), np.float32)
+    batched = _run(after_exit_heads.graphs["prefill"], feeds)
+    assert batched["logits"].shape == (len(lengths), V)
+    for row, length in enumerate(lengths):
+        ids = feeds["input_ids"][row:row + 1, :length]
+        with torch.no_grad():
+            expected = model(torch.from_numpy(ids)).logits[:, -1].numpy()  # [1, V]
+        np.testing.assert_allclose(batched["logits"][row:row + 1], expected, atol=LOGITS_ATOL, rtol=LOGITS_RTOL)
+        alone = dict(feeds, input_ids=ids, positions=np.zeros(1, np.int64), chunk_lengths=np.array([length]),
+                     **{k: v[:1] for k, v in feeds.items() if k.startswith("past.")})
+        single = _run(after_exit_heads.graphs["prefill"], alone)
+        np.testing.assert_allclose(batched["logits"][row], single["logits"][0], atol=HIDDEN_ATOL, rtol=0)
+        for key in (k for k in single if k.startswith("present.")):
+            np.testing.assert_allclose(batched[key][row, :, :length], single[key][0, :, :length], atol=HIDDEN_ATOL, rtol=0,
+                                       err_msg=key)
 
 
 def test_exit_heads_refuses_a_state_without_programs(analysed):

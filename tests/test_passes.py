@@ -118,7 +118,7 @@ def test_exit_heads_and_kv_cache_outputs(model):
     assert prefill == {"next_token": ["batch"], "logits": ["batch", 97], "new_key": [6, "batch", 2, "chunk", 8],
                        "new_value": [6, "batch", 2, "chunk", 8]}  # one row per sequence (batched plain decoding)
     assert all(t.name.startswith("cache.") or t.name in ("input_ids", "positions", "hidden_in", "final_rows", "exit_rows")
-               for g in state.graphs.values() for t in g.inputs)
+               or (t.name, name) == ("chunk_lengths", "prefill") for name, g in state.graphs.items() for t in g.inputs)
 
 
 def _random_feeds(graph: gs.Graph, context: int = 6) -> dict[str, np.ndarray]:
@@ -275,7 +275,8 @@ def test_fuse_skip_norm_before_after():
 def _decode_rows_feeds(prefill: gs.Graph, rows: int, context: int = 6) -> dict[str, np.ndarray]:
     """Batched plain decoding feeds for the prefill graph: ROWS sequences, one token each."""
     rng = np.random.default_rng(1)
-    feeds = {"input_ids": rng.integers(0, 97, size=(rows, 1)), "positions": rng.integers(1, context - 1, size=rows)}
+    feeds = {"input_ids": rng.integers(0, 97, size=(rows, 1)), "positions": rng.integers(1, context - 1, size=rows),
+             "chunk_lengths": np.ones(rows, np.int64)}
     for t in prefill.inputs:
         if t.name.startswith("cache."):
             feeds[t.name] = rng.standard_normal((rows, t.shape[1], context, t.shape[3])).astype(np.float32)
