@@ -108,6 +108,7 @@ class BatchScheduler:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self.speculating = backend.speculative
+        self.acceptance_allows = self.rows_allow = backend.speculative  # each policy's last verdict (_speculate)
         self.mode_switches = 0
         self.steps = {"speed": 0, "plain": 0, "prefill": 0}
         self.decode_steps: Counter[int] = Counter()  # sequences decoded together -> decode steps so far
@@ -219,9 +220,12 @@ class BatchScheduler:
             return False
         for sequence in decoding:  # each sequence's own rule first (it advances its fall-back / probe state)
             self.acceptance.wants_speculation(sequence.acceptance)
-        if not self.acceptance.batch_speculates([s.acceptance for s in decoding], self.speculating):
-            return False
-        return self.policy.speculate(self.backend.slots, len(decoding), self.speculating)
+        # Each rule's hysteresis follows its own last verdict, not the batch's mode: a batch the acceptance
+        # rule turned plain at the row budget (8 sequences at P = 4, budget 32) must speculate again when
+        # its probes hold, though 32 rows is above the budget's resume mark (24).
+        self.acceptance_allows = self.acceptance.batch_speculates([s.acceptance for s in decoding], self.acceptance_allows)
+        self.rows_allow = self.policy.speculate(self.backend.slots, len(decoding), self.rows_allow)
+        return self.acceptance_allows and self.rows_allow
 
     def _cached(self, sequence: Sequence) -> int:
         """Cache positions of SEQUENCE that may hold K/V it will read: prompt, emitted tokens, in-flight ones."""

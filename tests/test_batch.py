@@ -270,6 +270,48 @@ def test_per_sequence_decisions_turn_the_batch_plain_and_back_losslessly(engine)
     assert sequences[0].acceptance.fallbacks == 0 and sequences[1].acceptance.fallbacks >= 2  # fell back, probed, fell back
 
 
+class ScriptedAcceptance:
+    """A stand-in for the acceptance rule that says plain decoding for the batch decisions in PLAIN_CALLS."""
+
+    def __init__(self, plain_calls: range) -> None:
+        self.plain_calls, self.calls = plain_calls, 0
+
+    def start(self):
+        return None
+
+    def waited(self, state) -> None:
+        pass
+
+    def stepped(self, state, accepted: int, failed: int) -> None:
+        pass
+
+    def wants_speculation(self, state) -> bool:
+        return True
+
+    def batch_speculates(self, states, speculating: bool = True) -> bool:
+        self.calls += 1
+        return self.calls not in self.plain_calls
+
+
+def test_a_batch_the_acceptance_rule_turned_plain_speculates_again_at_the_row_budget(engine):
+    """Two sequences at P = 4 fill a row budget of 8 exactly (its resume mark: 6 rows). The acceptance rule
+    (scripted) says plain for decisions 4-8, then speculate: the batch must speculate again, though its
+    rows sit above the row rule's resume mark (each rule's hysteresis follows its own verdict); it had
+    stayed plain to the end. Both equal plain decoding alone."""
+    from speedc.runtimes.batch import BatchScheduler, RowPolicy
+    from speedc.runtimes.batch_backend import make_batch_backend
+
+    backend = make_batch_backend(engine.directory, engine.manifest, max_batch=2, capacity=64)
+    scheduler = BatchScheduler(backend, policy=RowPolicy(row_budget=2 * engine.manifest.slots),
+                               acceptance=ScriptedAcceptance(range(4, 9)))
+    sequences = [scheduler.submit(engine.request_from(p, dict(max_new_tokens=32, stop_at_eos=False))) for p in PROMPTS[:2]]
+    scheduler.run()
+    assert scheduler.steps["plain"] >= 5 and scheduler.mode_switches == 2  # speed -> plain -> speed
+    assert scheduler.steps["speed"] > 10
+    for prompt, sequence in zip(PROMPTS, sequences):
+        assert sequence.out == _alone(engine, prompt, {"stop_at_eos": False}, 32).ids
+
+
 def test_pool_shrink_that_cannot_allocate_keeps_the_pool_and_fused_rows_stay_inside_it(engine, monkeypatch):
     """A shrink is best effort: when its new buffers cannot be allocated (forced here) the pool in place,
     which holds what is needed, stays. A fused step never runs a row past the pool's scratch row T (the
