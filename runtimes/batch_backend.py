@@ -16,7 +16,7 @@ together does not shrink it just before the next burst grows it again); an idle 
   first request; numpy refuses such an allocation on this machine (32 GiB of zeros raised MemoryError).
 A pool that cannot grow is a one-line GenerationError, the old pool intact.
 
-    prefill(b, chunk)   prefill graph, 1 row:  logical layer l = s*S + j reads pool[j, s, b][None]
+    prefill(b, chunks)  prefill graph, B rows: logical layer l = s*S + j reads pool[j, s, b:b+B]
     plain_step(n)       prefill graph, n rows (one token per sequence): pool[j, s, :n]
     speed_step(n)       batch_step graph, P*n rows, slot-major (row s*n + b): slab (j, s) = pool[j, s, :n];
                         fused: stage layer j's whole pool[j] as one [P*W, ...] buffer (one attention a layer)

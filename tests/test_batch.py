@@ -13,6 +13,7 @@ from conftest import assert_one_line_error, run_cli
 from speedc import Engine, contract
 from speedc.artifact import read_manifest
 from speedc.errors import ArtifactError, GenerationError
+from speedc.runtimes.acceptance_policy import AlwaysSpeculate
 from speedc.runtimes.batch_backend import BatchBackend
 from speedc.runtimes.engine_loop import EngineLoop
 
@@ -270,23 +271,11 @@ def test_per_sequence_decisions_turn_the_batch_plain_and_back_losslessly(engine)
     assert sequences[0].acceptance.fallbacks == 0 and sequences[1].acceptance.fallbacks >= 2  # fell back, probed, fell back
 
 
-class ScriptedAcceptance:
+class ScriptedAcceptance(AlwaysSpeculate):
     """A stand-in for the acceptance rule that says plain decoding for the batch decisions in PLAIN_CALLS."""
 
     def __init__(self, plain_calls: range) -> None:
         self.plain_calls, self.calls = plain_calls, 0
-
-    def start(self):
-        return None
-
-    def waited(self, state) -> None:
-        pass
-
-    def stepped(self, state, accepted: int, failed: int) -> None:
-        pass
-
-    def wants_speculation(self, state) -> bool:
-        return True
 
     def batch_speculates(self, states, speculating: bool = True) -> bool:
         self.calls += 1
