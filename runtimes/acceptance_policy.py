@@ -130,7 +130,8 @@ class AcceptancePolicy:
         every sequence: splitting is never better, for the batch or for any one sequence. So losing
         sequences ride along in the speed run while the winners carry the batch; when the losers weigh
         more, everyone decodes plainly until probes (a sequence's average starting afresh) say otherwise.
-        SPECULATING: the batch's last decision; leaving speculation needs the margin (see `margin`)."""
+        SPECULATING: this rule's last verdict (the scheduler keeps it apart from the row rule's); leaving
+        speculation needs the margin (see `margin`)."""
         if self.threshold >= 1.0:
             return False
         tokens = sum(self.tokens_per_step(state) for state in states)

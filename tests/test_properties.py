@@ -132,14 +132,15 @@ def arrivals(draw, vocab: int):
     for _ in range(draw(st.integers(1, 5))):
         requests.append(dict(prompt=draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=10)),
                              max_new_tokens=draw(st.integers(1, 16)), params=draw(sampling),
-                             early_flush=draw(st.booleans()), arrive=draw(st.integers(0, 12)),
+                             # half arrive at step 0: requests arriving together prefill in one padded run
+                             early_flush=draw(st.booleans()), arrive=draw(st.one_of(st.just(0), st.integers(0, 12))),
                              cancel=draw(st.one_of(st.none(), st.integers(0, 30)))))
     return requests
 
 
 @settings(max_examples=BATCH_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data(), which=st.integers(0, len(SHAPES) + 1), fused=st.booleans(), max_batch=st.integers(1, 3),
-       chunk=st.integers(1, 12), budget=st.sampled_from([None, 0, 4, 8]), step_cost=st.sampled_from([None, 1.3, 2.0]),
+       chunk=st.one_of(st.integers(1, 12), st.integers(16, 32)), budget=st.sampled_from([None, 0, 4, 8]), step_cost=st.sampled_from([None, 1.3, 2.0]),
        min_length=st.sampled_from([2, 8, 256]), shrink_after=st.sampled_from([1, 3]))
 def test_batched_sequences_equal_plain_decoding_alone(pool, data, which, fused, max_batch, chunk, budget, step_cost,
                                                       min_length, shrink_after):
