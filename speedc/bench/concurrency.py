@@ -27,6 +27,7 @@ the ids of plain decoding of that prompt alone (greedy).
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 
@@ -171,8 +172,12 @@ def _measure(engine, prompts, prompt_ids, alone, levels, new_tokens, repeats, th
     runs: dict[tuple[int, str], list[dict]] = {(clients, name): [] for clients, level in systems.items() for name in level}
     for repeat in range(repeats):
         for clients, level in systems.items():  # the levels interleaved too: a ratio between them is not host drift
+            # A new order each repeat (seeded): a rotation would keep each system behind the same one, and the
+            # one before matters: a batched system after the single-sequence engine (its own sessions, its
+            # own copy of the weights) starts with a cold cache (speed-adaptive ran 4-20% below speed-always at
+            # one client, both the same steps, when it followed the engine in 5 repeats of 7).
             names = list(level)
-            names = names[repeat % len(names):] + names[:repeat % len(names)]  # rotated: no system always follows the same one
+            random.Random(repeat * 1009 + clients).shuffle(names)
             for name in names:  # interleaved: machine noise hits every system alike
                 system = level[name]
                 progress(f"repeat {repeat + 1}/{repeats}: concurrency {clients}, {name}")
