@@ -6,9 +6,10 @@ One scheduler iteration (`BatchScheduler.step`):
     1. cancelled sequences leave; waiting requests take free sequence slots (FIFO; a request waits
        while none is free, and one longer than a slot's capacity is refused at submit, never cut); the
        pool's width follows the occupied slots, its length the longest request (BatchBackend.reserve)
-    2. prefill: one chunk (<= prefill_chunk tokens) of the oldest sequence still prefilling, batched with
-       the first chunks of the sequences after it that start their prompts too (one run, right padded,
-       within prefill_chunk tokens in all); a sequence's last chunk yields its first token
+    2. prefill: one chunk (<= prefill_chunk tokens) of the sequence in the lowest slot still prefilling;
+       when that chunk starts its prompt, batched with the first chunks of the sequences in the slots
+       right after it that start theirs too (one run, right padded, within prefill_chunk tokens in all);
+       a sequence's last chunk yields its first token
     3. decode: ONE graph run for every decoding sequence, speed or plain: the acceptance policy weighs
        each sequence's own acceptance (runtimes/acceptance_policy.py), the row policy the step's rows:
          speed: P*n rows; each sequence's pipeline exactly as runtimes/decode.py decode_speed runs it
@@ -115,6 +116,8 @@ class BatchScheduler:
 
     # ---- requests --------------------------------------------------------------------------------
     def submit(self, request: Request, *, early_flush: bool = True) -> Sequence:
+        if not request.prompt:
+            raise GenerationError("empty prompt: give at least one token")
         need = len(request.prompt) + request.max_new_tokens
         if need > self.backend.capacity:
             raise GenerationError(f"prompt ({len(request.prompt)} tokens) + max new tokens ({request.max_new_tokens}) "
@@ -240,7 +243,7 @@ class BatchScheduler:
         return [min(self._cached(sequence), self.backend.length) for sequence in self.occupied]
 
     def _prefill_group(self) -> list[Sequence]:
-        """The sequences prefilled in this iteration: the oldest one still prefilling, and when that one starts
+        """The sequences prefilled in this iteration: the one in the lowest slot still prefilling, and when it starts
         its prompt, the sequences in the slots after it that start theirs too, while the padded batch
         (sequences x longest first chunk) stays within prefill_chunk tokens: requests arriving together
         share each weight read of their prefill (one run), and a decode step still waits for at most

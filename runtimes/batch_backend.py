@@ -271,6 +271,8 @@ class BatchBackend:
         prefill of a few tokens costs about as much as one plain token (the weights streamed 16 times).
         -> (argmax next tokens [B], logits [B, V] or None) after each chunk's last token."""
         count, longest = len(chunks), max(len(chunk) for chunk in chunks)
+        if min(len(chunk) for chunk in chunks) < 1:  # its head would read the row before it
+            raise GenerationError("internal: an empty prefill chunk")
         if count > 1 and start and longest > 1:
             raise GenerationError("internal: a batched prefill of chunks that have past context")
         ids = np.zeros((count, longest), np.int64)  # the padding's id is never read back

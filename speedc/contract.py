@@ -5,9 +5,11 @@ checks each graph's I/O recorded in the manifest against `expected_io` (and ONNX
 each file against the manifest), so a change on one side is a one-line ArtifactError naming the graph
 and tensor, not a failure deep inside a run.
 
-    prefill        input_ids [B, L]  positions [B]  cache.{key,value}.{l} [B, kvh, T, hd]  (l < N)
+    prefill        input_ids [B, L]  positions [B]  chunk_lengths [B]  cache.{key,value}.{l} [B, kvh, T, hd]  (l < N)
                    -> next_token [B]  logits [B, V]  new_{key,value} [N, B, kvh, L, hd]
-                   (B = 1 for a prompt chunk; B sequences at once for batched plain decoding)
+                   (row b: its first chunk_lengths[b] tokens are real, the rest right padding; next_token and
+                   logits are its last real token's. B sequences at once: first prompt chunks arriving
+                   together, or batched plain decoding; a chunk with past context runs alone)
     step           input_ids [1, 1]  positions [P]  hidden_in [P-1, 1, H]  cache.{key,value}.{j} [P, kvh, T, hd]  (j < S)
                    -> final_token [1]  final_logits [1, V]  exit_tokens [1]  hidden_out [P, 1, H]
                       new_{key,value} [S, P, kvh, 1, hd]

@@ -156,6 +156,11 @@ def test_pool_limits_are_refused_in_one_line_not_truncated(engine):
         engine.batch_scheduler(max_batch=8, kv_cache_mb=0.001)
     with pytest.raises(GenerationError, match="unknown generation setting"):
         engine.generate_batch(["a"], settings=[{"temprature": 1.0}])
+    empty = engine.request_from([1], dict(max_new_tokens=4))
+    empty.prompt = []  # the scheduler's own API (Engine.encode refuses empty text before it gets here)
+    with pytest.raises(GenerationError, match="empty prompt"):
+        scheduler.submit(empty)
+    assert not scheduler.busy
 
 
 def test_pool_length_follows_the_longest_request_losslessly(engine):
