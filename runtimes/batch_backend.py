@@ -270,15 +270,15 @@ class BatchBackend:
         padded to the longest (chunk_lengths), so the B prompts share each weight read: on zoo:small one
         prefill of a few tokens costs about as much as one plain token (the weights streamed 16 times).
         -> (argmax next tokens [B], logits [B, V] or None) after each chunk's last token."""
-        count, longest = len(chunks), max(len(chunk) for chunk in chunks)
-        if min(len(chunk) for chunk in chunks) < 1:  # its head would read the row before it
+        lengths = np.asarray([len(chunk) for chunk in chunks], np.int64)
+        count, longest = len(chunks), int(lengths.max())
+        if lengths.min() < 1:  # its head would read the row before it
             raise GenerationError("internal: an empty prefill chunk")
         if count > 1 and start and longest > 1:
             raise GenerationError("internal: a batched prefill of chunks that have past context")
         ids = np.zeros((count, longest), np.int64)  # the padding's id is never read back
         for row, chunk in enumerate(chunks):
             ids[row, :len(chunk)] = chunk
-        lengths = np.asarray([len(chunk) for chunk in chunks], np.int64)
         feeds = {contract.INPUT_IDS: ids, contract.POSITIONS: np.full(count, start, np.int64), contract.CHUNK_LENGTHS: lengths}
         outputs = [contract.NEXT_TOKEN] + ([contract.LOGITS] if want_logits else [])
         sequences = slice(first, first + count)

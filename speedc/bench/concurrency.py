@@ -2,8 +2,8 @@
 
 For each concurrency c, c clients each submit one request at once (prompts cycled from the bench set),
 and the batch runs until all are done, once per system and level in every repeat: systems and levels
-interleaved (the systems' order rotated each repeat, so no system always runs right after the same one),
-so host drift hits them alike. Each system keeps one scheduler per level over the repeats, warmed up
+interleaved (the systems in a new seeded order each repeat, so no system always runs right after the
+same one), so host drift hits them alike. Each system keeps one scheduler per level over the repeats, warmed up
 once, as a server keeps its one; at a level the batched systems share one backend (pool, step
 bindings) and every level the same sessions, so they differ by their policies and loads alone (every
 level's pool is held at once: the bench's memory is their sum):
@@ -53,18 +53,21 @@ def _scheduler(engine: Engine, prompts: list[str], clients: int, new_tokens: int
     sessions' first runs at each row count allocate and prepack (a first prefill measured 180 ms against
     11 ms after), and the run's shapes of step make their bindings."""
     scheduler = engine.batch_scheduler(backend=backend, **options)
-    for i in range(clients):
-        scheduler.submit(engine.request_from(prompts[i % len(prompts)], dict(max_new_tokens=new_tokens, stop_at_eos=False)))
+    _submit(scheduler, engine, prompts, clients, new_tokens)
     scheduler.run()
     return scheduler
+
+
+def _submit(scheduler, engine: Engine, prompts: list[str], clients: int, new_tokens: int) -> list:
+    """One greedy request per client (prompts cycled), all at once."""
+    return [scheduler.submit(engine.request_from(prompts[i % len(prompts)], dict(max_new_tokens=new_tokens, stop_at_eos=False)))
+            for i in range(clients)]
 
 
 def _run_once(scheduler, engine: Engine, prompts: list[str], clients: int, new_tokens: int) -> dict:
     scheduler.steps, scheduler.mode_switches = dict.fromkeys(scheduler.steps, 0), 0  # count this run only
     start = time.perf_counter()
-    sequences = [scheduler.submit(engine.request_from(prompts[i % len(prompts)], dict(max_new_tokens=new_tokens,
-                                                                                     stop_at_eos=False)))
-                 for i in range(clients)]
+    sequences = _submit(scheduler, engine, prompts, clients, new_tokens)
     first, last = {}, {}
     while scheduler.busy:
         for sequence, token in scheduler.step():
