@@ -13,12 +13,14 @@ sequences, each with its own P-slot SPEED pipeline, run one step together (R = P
     hidden.{S-1} [R,H] -- Gather(final_rows) -> final norm --\
                                                               Concat -> Gemm(lm_head) -> ArgMax
     hidden.{exit-1} [R,H] -- Gather(exit_rows) -> exit norm --/    final_logits [F,V], final_token [F],
-                                                                     exit_tokens [E]
+                                                                     exit_tokens [E], exit_candidates [E,K] (TopK)
+    hidden.{exit-1} [R,H] -- Gather(check_rows) -> exit norm -- scored over check_candidates [C,K] only
+                                                                     -> check_tokens [C] (add_check_head)
 
 The cache is a pool [S, P, B, kvh, T, hd] (stage layer, slot, sequence, ...): slot s of stage layer j
 over the first n sequences is one contiguous slab pool[j, s, :n], bound without a copy. The same pool
 serves plain decoding (the prefill graph with n rows reads pool[j, s, :n] as logical layer s*S + j),
-so a batch can switch between SPEED and plain decoding step by step. Row counts (n, F, E) are dynamic:
+so a batch can switch between SPEED and plain decoding step by step. Row counts (n, F, E, C) are dynamic:
 a sequence joins or leaves between steps. The standard graph concatenates the P slabs of a stage layer
 (a copy of the rows it reads); the fused variant (gqa_attention) reads each stage layer's whole pool as
 one buffer, runs one GroupQueryAttention a layer over it, written in place, and computes only the rows
@@ -33,7 +35,7 @@ import onnx_graphsurgeon as gs
 from speedc import contract
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.exit_heads import final_norm_weight, hidden_output, maybe_norm, weight
-from speedc.passes.graph_utils import add_layer, replace_uses, tensor
+from speedc.passes.graph_utils import add_layer, replace_uses, reshape, tensor
 from speedc.passes.step_graph import enter_slots
 
 
@@ -50,8 +52,10 @@ def _slice0(graph: gs.Graph, x: gs.Tensor, start: gs.Tensor, end: gs.Tensor, nam
     return out
 
 
-def add_batch_heads(graph: gs.Graph, state: CompileState, final_rows: gs.Tensor, exit_rows: gs.Tensor) -> list[gs.Tensor]:
-    """Final head on FINAL_ROWS of the stage output, exit head on EXIT_ROWS of the exit tap: one LM-head Gemm."""
+def add_batch_heads(graph: gs.Graph, state: CompileState, final_rows: gs.Tensor, exit_rows: gs.Tensor,
+                    check_rows: gs.Tensor, check_candidates: gs.Tensor) -> list[gs.Tensor]:
+    """Final head on FINAL_ROWS of the stage output, exit head on EXIT_ROWS of the exit tap: one LM-head
+    Gemm; the exit rows' top-K ids; the early-flush checks on CHECK_ROWS over their CHECK_CANDIDATES."""
     cfg, sched = state.cfg, state.schedule
     stage_out = tensor(graph, f"hidden.{sched.stage_layers - 1}")
     exit_tap = tensor(graph, f"hidden.{state.exit_layer - 1}")
@@ -69,10 +73,48 @@ def add_batch_heads(graph: gs.Graph, state: CompileState, final_rows: gs.Tensor,
     f = add_layer(graph, op="Shape", inputs=[final_rows], outputs=["batch_final_count"], name="batch_heads/Shape_F")[0]  # [1]
     fe = add_layer(graph, op="Shape", inputs=[tokens], outputs=["batch_head_count"], name="batch_heads/Shape_FE")[0]  # [1]
     zero = gs.Constant("batch_heads.zero", np.array([0], np.int64))
+    exit_logits = _slice0(graph, logits, f, fe, "batch_exit_logits", np.float32, ["exit_rows", cfg.vocab_size])  # [E, V]
+    candidates = contract.candidate_count(cfg.vocab_size)
+    exit_candidates = add_layer(graph, op="TopK", inputs=[exit_logits, gs.Constant("batch_heads.k", np.array([candidates], np.int64))],
+                                outputs=["batch_exit_top_values", contract.EXIT_CANDIDATES], attrs={"axis": -1},
+                                name="batch_heads/TopK")[1]  # [E, K]
+    exit_candidates.dtype, exit_candidates.shape = np.int64, ["exit_rows", candidates]
     hidden_out = hidden_output(graph, stage_out, ["rows", 1, cfg.hidden_size])
     return [_slice0(graph, tokens, zero, f, contract.FINAL_TOKEN, np.int64, ["final_rows"]),
             _slice0(graph, logits, zero, f, contract.FINAL_LOGITS, np.float32, ["final_rows", cfg.vocab_size]),
-            _slice0(graph, tokens, f, fe, contract.EXIT_TOKENS, np.int64, ["exit_rows"]), hidden_out]
+            _slice0(graph, tokens, f, fe, contract.EXIT_TOKENS, np.int64, ["exit_rows"]), exit_candidates,
+            add_check_head(graph, state, exit_tap, lm_head, check_rows, check_candidates), hidden_out]
+
+
+def add_check_head(graph: gs.Graph, state: CompileState, exit_tap: gs.Tensor, lm_head: gs.Tensor, check_rows: gs.Tensor,
+                   check_candidates: gs.Tensor) -> gs.Tensor:
+    r"""Early-flush checks: the exit head on CHECK_ROWS scored over each row's K candidate ids only.
+    A check asks whether a deeper exit still picks the speculated successor; the candidates are the top
+    K of the token's first exit, where the deeper argmax lies (CHECK_CANDIDATE_COUNT), so a check costs
+    K dot products instead of a vocabulary-wide head row (the batch step is compute-bound at 8 sequences).
+    Its answer only steers speculation: verification at the last layer keeps every path lossless.
+
+        exit tap [R, H] -- Gather(check_rows) -- exit norm -- Unsqueeze -- [C, 1, H] --\
+        check_candidates [C, K] -- Gather(lm_head rows) -- [C, K, H] ----------------- Mul -- ReduceSum(H) -- [C, K]
+        [C, K] -- ArgMax -- [C, 1] -- GatherElements(check_candidates) -- Reshape -- check_tokens [C]
+    """
+    rows = maybe_norm(graph, state, _gather_rows(graph, exit_tap, check_rows, "batch_check_rows"),
+                      state.exit_norm, "batch_check_head")  # [C, H]
+    rows = add_layer(graph, op="Unsqueeze", inputs=[rows, gs.Constant("batch_check.axis1", np.array([1], np.int64))],
+                     outputs=["batch_check_rows.3d"], name="batch_check/Unsqueeze")[0]  # [C, 1, H]
+    embedded = add_layer(graph, op="Gather", inputs=[lm_head, check_candidates], outputs=["batch_check_weights"],
+                         attrs={"axis": 0}, name="batch_check/Gather_head_rows")[0]  # [C, K, H]
+    products = add_layer(graph, op="Mul", inputs=[embedded, rows], outputs=["batch_check_products"],
+                         name="batch_check/Mul")[0]  # [C, K, H]
+    scores = add_layer(graph, op="ReduceSum", inputs=[products, gs.Constant("batch_check.axis2", np.array([2], np.int64))],
+                       outputs=["batch_check_scores"], attrs={"keepdims": 0}, name="batch_check/ReduceSum")[0]  # [C, K]
+    best = add_layer(graph, op="ArgMax", inputs=[scores], outputs=["batch_check_best"], attrs={"axis": 1, "keepdims": 1},
+                     name="batch_check/ArgMax")[0]  # [C, 1]
+    picked = add_layer(graph, op="GatherElements", inputs=[check_candidates, best], outputs=["batch_check_picked"],
+                       attrs={"axis": 1}, name="batch_check/GatherElements")[0]  # [C, 1]
+    out = reshape(graph, picked, [-1], contract.CHECK_TOKENS)  # [C]
+    out.dtype, out.shape = np.int64, ["check_rows"]
+    return out
 
 
 def build_batch_step_graph(decode: gs.Graph, state: CompileState) -> gs.Graph:
@@ -95,8 +137,10 @@ def build_batch_step_graph(decode: gs.Graph, state: CompileState) -> gs.Graph:
             slabs += parts
     final_rows = gs.Variable(contract.FINAL_ROWS, np.int64, ["final_rows"])
     exit_rows = gs.Variable(contract.EXIT_ROWS, np.int64, ["exit_rows"])
-    graph.inputs = [input_ids, positions, hidden_in, final_rows, exit_rows, *slabs]
-    heads = add_batch_heads(graph, state, final_rows, exit_rows)
+    check_rows = gs.Variable(contract.CHECK_ROWS, np.int64, ["check_rows"])
+    check_candidates = gs.Variable(contract.CHECK_CANDIDATES, np.int64, ["check_rows", contract.candidate_count(cfg.vocab_size)])
+    graph.inputs = [input_ids, positions, hidden_in, final_rows, exit_rows, check_rows, check_candidates, *slabs]
+    heads = add_batch_heads(graph, state, final_rows, exit_rows, check_rows, check_candidates)
     presents = [known[f"present.{kind}.{layer}"] for layer in range(stage_layers) for kind in contract.KV_KINDS]
     graph.outputs = heads + presents
     return graph.cleanup(remove_unused_graph_inputs=False).toposort()

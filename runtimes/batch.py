@@ -13,7 +13,8 @@ One scheduler iteration (`BatchScheduler.step`):
     3. decode: ONE graph run for every decoding sequence, speed or plain: the acceptance policy weighs
        each sequence's own acceptance (runtimes/acceptance_policy.py), the row policy the step's rows:
          speed: P*n rows; each sequence's pipeline exactly as runtimes/decode.py decode_speed runs it
-                (enter, verify at the last slot, flush on a miss, optional early flush)
+                (enter, verify at the last slot, flush on a miss, optional early flush); an early-flush
+                check scores only the top K ids its token's first exit gave (HeadRows.check)
          plain: n rows; each sequence's last confirmed token through all N layers
     4. finished sequences (EOS, stop string, max tokens, cancelled) free their slot at once; the last
        occupied slot moves into the hole so the occupied slots stay a prefix (contiguous cache views)
@@ -35,7 +36,7 @@ import numpy as np
 
 from speedc.errors import GenerationError
 from speedc.runtimes.acceptance_policy import AcceptancePolicy, AlwaysSpeculate
-from speedc.runtimes.batch_backend import BatchBackend
+from speedc.runtimes.batch_backend import BatchBackend, HeadRows
 from speedc.runtimes.decode import DecodeStats, Pipeline, Request, Slot, emit_token
 
 WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
@@ -57,6 +58,7 @@ class Sequence:
     submitted: float = field(default_factory=time.perf_counter)
     first_token_seconds: float | None = None  # submit -> first confirmed token
     acceptance: object = None  # its record in the scheduler's acceptance policy
+    candidates: dict = field(default_factory=dict)  # in-flight token's position -> its first exit's top K ids
 
     @property
     def positions(self) -> int:
@@ -166,6 +168,7 @@ class BatchScheduler:
                     for sequence in decoding:
                         sequence.pipeline.flush_from(0)
                         sequence.pipeline.pending = None
+                        sequence.candidates.clear()
             (self._speed_step if speculate else self._plain_step)(decoding, events)
             self.decode_steps[len(decoding)] += 1
         for sequence in [s for s in self.occupied if s.state == DONE]:
@@ -309,7 +312,8 @@ class BatchScheduler:
         entering = np.zeros(n, np.int64)
         positions = np.repeat(np.asarray([self._bubble_positions()], np.int64), slots, axis=0)  # [P, n]: bubbles' rows
         valid = np.zeros((slots, n), bool)
-        final_rows, final_of, exit_rows, exit_of = [], [], [], []
+        heads = HeadRows()
+        final_of, exit_of, check_of = [], [], []
         stepping = []
         for sequence in decoding:
             pipeline = sequence.pipeline
@@ -328,29 +332,43 @@ class BatchScheduler:
                 if slot is not None:
                     positions[s, b], valid[s, b] = slot.pos, True
             if pipeline.slots[-1] is not None:
-                final_rows.append((slots - 1) * n + b)
+                heads.final.append((slots - 1) * n + b)
                 final_of.append(sequence)
-            depths = range(slots - 1) if sequence.early_flush else range(1)
-            for depth in depths:
-                if pipeline.slots[depth] is not None:
-                    exit_rows.append(depth * n + b)
-                    exit_of.append((sequence, depth))
+            # The exit head guesses slot 0's successor over the whole vocabulary; an early-flush check of a
+            # deeper slot scores the candidates that token's own first exit gave (contract.CHECK_ROWS).
+            for depth in range(slots - 1) if sequence.early_flush else range(1):
+                slot = pipeline.slots[depth]
+                if slot is None:
+                    continue
+                candidates = sequence.candidates.get(slot.pos) if depth else None
+                if candidates is None:
+                    heads.exit.append(depth * n + b)
+                    exit_of.append((sequence, depth, slot.pos))
+                else:
+                    heads.check.append(depth * n + b)
+                    heads.candidates.append(candidates)
+                    check_of.append((sequence, depth))
         if not stepping:
             return
         want = any(s.request.picker.params.needs_logits for s in final_of)
         start = time.perf_counter()
-        finals, logits, exits = self.backend.speed_step(entering, positions, valid, final_rows, exit_rows, want)
+        result = self.backend.speed_step(entering, positions, valid, heads, want)
         self.steps["speed"] += 1
-        final = {id(s): (int(finals[i]), logits[i] if want else None) for i, s in enumerate(final_of)}
+        final = {id(s): (int(result.final_tokens[i]), result.final_logits[i] if want else None) for i, s in enumerate(final_of)}
         guesses: dict[int, dict[int, int]] = {}
-        for i, (sequence, depth) in enumerate(exit_of):
-            guesses.setdefault(id(sequence), {})[depth] = int(exits[i])
+        for i, (sequence, depth, pos) in enumerate(exit_of):
+            guesses.setdefault(id(sequence), {})[depth] = int(result.exit_tokens[i])
+            sequence.candidates[pos] = result.exit_candidates[i].copy()  # the buffer is the next step's output too
+        for i, (sequence, depth) in enumerate(check_of):
+            guesses.setdefault(id(sequence), {})[depth] = int(result.check_tokens[i])
         for sequence in stepping:
             stats = sequence.stats
             stats.steps += 1
             accepted, failed = stats.accepted, stats.failed_speculations
             self._absorb(sequence, final.get(id(sequence)), guesses.get(id(sequence), {}), events)
             self.acceptance.stepped(sequence.acceptance, stats.accepted - accepted, stats.failed_speculations - failed)
+            in_flight = {slot.pos for slot in sequence.pipeline.slots if slot is not None}
+            sequence.candidates = {pos: ids for pos, ids in sequence.candidates.items() if pos in in_flight}
             stats.decode_seconds += time.perf_counter() - start
 
     def _absorb(self, sequence: Sequence, final: tuple[int, np.ndarray | None] | None, guesses: dict[int, int],

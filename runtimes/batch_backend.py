@@ -36,6 +36,7 @@ writes and reads), so a step makes no binding call.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -98,6 +99,31 @@ def pool_binding(session, slabs: dict[str, np.ndarray]):
     return binding
 
 
+@dataclass
+class HeadRows:
+    """The heads one speed step runs, by row (s*n + b): the final head (FINAL), the exit head over the
+    whole vocabulary (EXIT), and early-flush checks (CHECK) scored over CANDIDATES [len(CHECK), K] ids
+    (contract.CHECK_CANDIDATES)."""
+    final: list[int] = field(default_factory=list)
+    exit: list[int] = field(default_factory=list)
+    check: list[int] = field(default_factory=list)
+    candidates: list[np.ndarray] = field(default_factory=list)
+
+
+@dataclass
+class SpeedStepResult:
+    final_tokens: np.ndarray  # [F] argmax of the final head
+    final_logits: np.ndarray | None  # [F, V] when asked for
+    exit_tokens: np.ndarray  # [E] argmax of the exit head
+    exit_candidates: np.ndarray  # [E, K] its top K ids (what later checks of that token score)
+    check_tokens: np.ndarray  # [C] the best of each check's candidates
+
+    @classmethod
+    def of(cls, outputs: dict[str, np.ndarray], want_logits: bool) -> "SpeedStepResult":
+        return cls(outputs[contract.FINAL_TOKEN], outputs[contract.FINAL_LOGITS] if want_logits else None,
+                   outputs[contract.EXIT_TOKENS], outputs[contract.EXIT_CANDIDATES], outputs[contract.CHECK_TOKENS])
+
+
 class StepBinding:
     """One IO binding of a fused step graph for one shape of step: the cache slabs and every input and
     output bound to a buffer once, so a step writes its inputs into `inputs`, runs, and reads `outputs`
@@ -134,6 +160,7 @@ class BatchBackend:
             raise ArtifactError(f"{directory}: built before continuous batching (no batch_step graph); rebuild it with "
                                 "this speedc (speedc build ... --force)")
         take_dimensions(self, manifest)
+        self.check_width = contract.candidate_count(self.vocab_size)  # K of an early-flush check's candidates
         programs = (contract.PREFILL, contract.BATCH_STEP) if self.slots > 1 else (contract.PREFILL,)
         if fused is None:
             fused = all(contract.fused(name) in manifest.graphs for name in programs)
@@ -337,19 +364,22 @@ class BatchBackend:
         result = step.run()
         return result[contract.NEXT_TOKEN], (result[contract.LOGITS] if want_logits else None)
 
-    def speed_step(self, entering: np.ndarray, positions: np.ndarray, valid: np.ndarray, final_rows: list[int],
-                   exit_rows: list[int], want_logits: bool) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    def speed_step(self, entering: np.ndarray, positions: np.ndarray, valid: np.ndarray, heads: HeadRows,
+                   want_logits: bool) -> SpeedStepResult:
         """One pipelined step of sequences 0..n-1: entering [n] tokens enter slot 0; positions/valid [P, n]
-        (slot, sequence; bubbles as plain_step says). -> (final tokens [F], final logits [F, V] or None,
-        exit tokens [E]) for the rows final_rows / exit_rows (row = s*n + b)."""
+        (slot, sequence; bubbles as plain_step says); HEADS: the rows (row = s*n + b) whose heads run."""
         slots, n = positions.shape
-        rows, finals, exits = slots * n, len(final_rows), len(exit_rows)
+        rows, finals, exits, checks = slots * n, len(heads.final), len(heads.exit), len(heads.check)
+        width = self.check_width
+        candidates = np.asarray(heads.candidates, np.int64).reshape(checks, width)
         if not self.fused:  # every row runs, bubbles too
             feeds = {contract.INPUT_IDS: np.asarray(entering, np.int64).reshape(n, 1),
                      contract.POSITIONS: np.where(valid, positions, 0).astype(np.int64).reshape(rows),
                      contract.HIDDEN_IN: np.ascontiguousarray(self.hidden[:slots - 1, :n]).reshape((slots - 1) * n, 1, -1),
-                     contract.FINAL_ROWS: np.asarray(final_rows, np.int64), contract.EXIT_ROWS: np.asarray(exit_rows, np.int64)}
-            outputs = [contract.FINAL_TOKEN, contract.EXIT_TOKENS, contract.HIDDEN_OUT] + ([contract.FINAL_LOGITS] if want_logits else [])
+                     contract.FINAL_ROWS: np.asarray(heads.final, np.int64), contract.EXIT_ROWS: np.asarray(heads.exit, np.int64),
+                     contract.CHECK_ROWS: np.asarray(heads.check, np.int64), contract.CHECK_CANDIDATES: candidates}
+            outputs = [contract.FINAL_TOKEN, contract.EXIT_TOKENS, contract.EXIT_CANDIDATES, contract.CHECK_TOKENS,
+                       contract.HIDDEN_OUT] + ([contract.FINAL_LOGITS] if want_logits else [])
             result = self._run_standard(contract.BATCH_STEP, feeds, self._stage_slabs(n), outputs)
             s_index, b_index = np.nonzero(valid)  # new rows [S, R, kvh, 1, hd] -> pool[j, s, b, :, positions[s, b]]
             at = positions[s_index, b_index]
@@ -357,8 +387,7 @@ class BatchBackend:
                 new = result[contract.new_rows(kind)][:, :, :, 0].reshape(self.stage_layers, slots, n, self.kv_heads, -1)
                 pool[:, s_index, b_index, :, at] = new[:, s_index, b_index].transpose(1, 0, 2, 3)
             self.hidden[:, :n] = result[contract.HIDDEN_OUT].reshape(slots, n, self.hidden_size)
-            return (result[contract.FINAL_TOKEN], result[contract.FINAL_LOGITS] if want_logits else None,
-                    result[contract.EXIT_TOKENS])
+            return SpeedStepResult.of(result, want_logits)
         # Fused: only the valid rows run (computed_rows, slot-major indices); the head rows are given as
         # indices among them, and hidden_out comes back for them alone.
         self._check_positions(positions)
@@ -371,22 +400,28 @@ class BatchBackend:
                     contract.HIDDEN_IN: (((slots - 1) * n, 1, self.hidden_size), F32, False),
                     contract.COMPUTED_ROWS: ((count,), np.int64, False),
                     contract.FINAL_ROWS: ((finals,), np.int64, False), contract.EXIT_ROWS: ((exits,), np.int64, False),
+                    contract.CHECK_ROWS: ((checks,), np.int64, False),
+                    contract.CHECK_CANDIDATES: ((checks, width), np.int64, False),
                     contract.FINAL_TOKEN: ((finals,), np.int64, True), contract.EXIT_TOKENS: ((exits,), np.int64, True),
+                    contract.EXIT_CANDIDATES: ((exits, width), np.int64, True),
+                    contract.CHECK_TOKENS: ((checks,), np.int64, True),
                     contract.HIDDEN_OUT: ((count, 1, self.hidden_size), F32, True),
                     **({contract.FINAL_LOGITS: ((finals, self.vocab_size), F32, True)} if want_logits else {})}
 
-        step = self._step(contract.BATCH_STEP, (n, count, finals, exits, want_logits), lambda: self._stage_slabs(n), tensors)
+        step = self._step(contract.BATCH_STEP, (n, count, finals, exits, checks, want_logits), lambda: self._stage_slabs(n),
+                          tensors)
         step.inputs[contract.INPUT_IDS][:, 0] = entering
         step.inputs[contract.POSITIONS].reshape(slots, n)[:] = positions
         step.inputs[contract.HIDDEN_IN].reshape(slots - 1, n, -1)[:] = self.hidden[:slots - 1, :n]
         step.inputs[contract.COMPUTED_ROWS][:] = computed
-        step.inputs[contract.FINAL_ROWS][:] = among[final_rows]
-        step.inputs[contract.EXIT_ROWS][:] = among[exit_rows]
+        step.inputs[contract.FINAL_ROWS][:] = among[heads.final]
+        step.inputs[contract.EXIT_ROWS][:] = among[heads.exit]
+        step.inputs[contract.CHECK_ROWS][:] = among[heads.check]
+        step.inputs[contract.CHECK_CANDIDATES][:] = candidates
         result = step.run()
         slot, sequence = np.divmod(computed, n)
         self.hidden[slot, sequence] = result[contract.HIDDEN_OUT][:, 0]
-        return (result[contract.FINAL_TOKEN], result[contract.FINAL_LOGITS] if want_logits else None,
-                result[contract.EXIT_TOKENS])
+        return SpeedStepResult.of(result, want_logits)
 
 
 def make_batch_backend(directory: Path, manifest: Manifest, max_batch: int, capacity: int, device: str = "cpu",

@@ -64,6 +64,18 @@ COMPUTED_ROWS = "computed_rows"  # the fused batch step's rows that run (slot-ma
 # prefill: row b's real tokens are input_ids[b, :chunk_lengths[b]], the rest right padding (so prompts of
 # different lengths prefill in one run; a padded token's K/V land past its row's end, its logits unread)
 CHUNK_LENGTHS = "chunk_lengths"
+# batch step: an early-flush check (a token's exit head again, one or more stages deeper) scores only the
+# candidates its first exit gave (exit_candidates: that exit's top CHECK_CANDIDATES token ids), not the
+# whole vocabulary; check_tokens is the best of them (runtimes/batch.py)
+CHECK_ROWS, CHECK_CANDIDATES, CHECK_TOKENS = "check_rows", "check_candidates", "check_tokens"
+EXIT_CANDIDATES = "exit_candidates"
+CHECK_CANDIDATE_COUNT = 8  # measured on zoo:small: a deeper exit's argmax was inside the first exit's top 8 every time
+
+
+def candidate_count(vocab_size: int) -> int:
+    """Token ids an early-flush check of the batch step scores (at most the vocabulary)."""
+    return min(CHECK_CANDIDATE_COUNT, vocab_size)
+
 KV_KINDS = ("key", "value")
 
 
@@ -108,6 +120,10 @@ class Dims:
     hidden_size: int
     vocab_size: int
 
+    @property
+    def candidates(self) -> int:
+        return candidate_count(self.vocab_size)
+
     @classmethod
     def from_manifest(cls, manifest) -> "Dims":
         model = manifest.model
@@ -129,10 +145,12 @@ def _program_io(graph: str, d: Dims) -> tuple[list[TensorSpec], list[TensorSpec]
         rows = (d.num_layers, None, d.kv_heads, None, d.head_dim)
     elif graph == BATCH_STEP:
         inputs = [(INPUT_IDS, i64, (None, 1)), (POSITIONS, i64, (None,)), (HIDDEN_IN, f32, (None, 1, d.hidden_size)),
-                  (FINAL_ROWS, i64, (None,)), (EXIT_ROWS, i64, (None,))]
+                  (FINAL_ROWS, i64, (None,)), (EXIT_ROWS, i64, (None,)), (CHECK_ROWS, i64, (None,)),
+                  (CHECK_CANDIDATES, i64, (None, d.candidates))]
         inputs += [(batch_cache_input(kind, j, s), f32, (None, d.kv_heads, None, d.head_dim))
                    for j in range(d.stage_layers) for s in range(d.slots) for kind in KV_KINDS]
         outputs = [(FINAL_TOKEN, i64, (None,)), (FINAL_LOGITS, f32, (None, d.vocab_size)), (EXIT_TOKENS, i64, (None,)),
+                   (EXIT_CANDIDATES, i64, (None, d.candidates)), (CHECK_TOKENS, i64, (None,)),
                    (HIDDEN_OUT, f32, (None, 1, d.hidden_size))]
         rows = (d.stage_layers, None, d.kv_heads, 1, d.head_dim)
         return inputs, outputs + [(new_rows(kind), f32, rows) for kind in KV_KINDS]

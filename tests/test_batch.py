@@ -14,7 +14,7 @@ from speedc import Engine, contract
 from speedc.artifact import read_manifest
 from speedc.errors import ArtifactError, GenerationError
 from speedc.runtimes.acceptance_policy import AlwaysSpeculate
-from speedc.runtimes.batch_backend import BatchBackend
+from speedc.runtimes.batch_backend import BatchBackend, HeadRows
 from speedc.runtimes.engine_loop import EngineLoop
 
 PROMPTS = ["ROMEO:", "JULIET: O", "KING HENRY:", "First Citizen:\nBefore"]
@@ -329,4 +329,4 @@ def test_pool_shrink_that_cannot_allocate_keeps_the_pool_and_fused_rows_stay_ins
     if backend.fused:
         positions = np.full((backend.slots, 1), backend.length + 1, np.int64)
         with pytest.raises(GenerationError, match="internal: a row at position"):
-            backend.speed_step(np.zeros(1, np.int64), positions, np.ones((backend.slots, 1), bool), [], [0], False)
+            backend.speed_step(np.zeros(1, np.int64), positions, np.ones((backend.slots, 1), bool), HeadRows(exit=[0]), False)

@@ -308,6 +308,46 @@ def test_exit_heads_prefill_reads_each_rows_last_real_token(model, after_exit_he
                                        err_msg=key)
 
 
+@pytest.mark.parametrize("which", ["stage_end_exit", "inner_exit"])
+def test_batch_step_checks_score_only_their_candidates(which, request):
+    """The batch step's heads (pass batch_step_graph): exit rows give the argmax and top K of the exit
+    head; a check row scores only the K candidate ids it is given, and returns the best of them, as
+    PyTorch's exit head ranks them (a candidate list without the row's overall argmax proves the
+    restriction: the full argmax would be outside it)."""
+    prefix = "" if which == "stage_end_exit" else "inner_"
+    reference = request.getfixturevalue("model" if which == "stage_end_exit" else "inner_exit_model")
+    state = request.getfixturevalue(f"{prefix}after_exit_heads")
+    graph = state.graphs["batch_step"].copy()
+    exit_tap = graph.tensors()[f"hidden.{reference.cfg.exit_layer - 1}"]
+    graph.outputs.append(exit_tap)  # [R, H]: what the reference heads read
+    n, k = 2, 8
+    rng = np.random.default_rng(31)
+    feeds = {"input_ids": rng.integers(0, V, size=(n, 1)), "positions": np.array([6, 5, 5, 4, 4, 3], np.int64),  # [P*n]
+             "hidden_in": rng.standard_normal(((P - 1) * n, 1, H)).astype(np.float32),
+             "final_rows": np.array([4, 5], np.int64), "exit_rows": np.array([0, 1], np.int64),
+             "check_rows": np.array([2, 3, 5], np.int64), "check_candidates": np.zeros((3, 8), np.int64)}
+    for j in range(S):
+        for kind in ("key", "value"):
+            for s in range(P):
+                feeds[f"cache.{kind}.{j}.{s}"] = rng.standard_normal((n, KVH, T, HD)).astype(np.float32)
+    out = _run(graph, feeds)
+    with torch.no_grad():
+        logits = reference.exit_head(_torch(out[exit_tap.name])).numpy()  # [R, V]
+    exits = logits[feeds["exit_rows"]]
+    _assert_argmax(out["exit_tokens"], exits, "exit_tokens vs PyTorch exit_head")
+    np.testing.assert_array_equal(out["exit_candidates"], np.argsort(-exits, axis=-1)[:, :k])
+    top = np.sort(exits, axis=-1)[:, ::-1][:, :k + 1]
+    assert (np.diff(-top, axis=-1) > 2 * LOGITS_ATOL * (1 + np.abs(top[:, 1:]))).all(), "near-tie in the top K"
+    # Candidates: ranks 2..9 of each check row's own logits (its argmax left out) in a shuffled order.
+    ranked = np.argsort(-logits[feeds["check_rows"]], axis=-1)
+    candidates = np.stack([rng.permutation(row[1:k + 1]) for row in ranked])
+    out = _run(graph, dict(feeds, check_candidates=candidates))
+    np.testing.assert_array_equal(out["check_tokens"], ranked[:, 1])  # the best candidate: each row's second best
+    assert all(best not in row for best, row in zip(ranked[:, 0], candidates))
+    second, third = (np.take_along_axis(logits[feeds["check_rows"]], ranked[:, i:i + 1], -1) for i in (1, 2))
+    assert (second - third > 2 * LOGITS_ATOL * (1 + np.abs(second))).all(), "near-tie among the candidates"
+
+
 def test_exit_heads_refuses_a_state_without_programs(analysed):
     state = _before(analysed, "step_graph")  # schedule done, no step/prefill programs yet
     with pytest.raises(BuildError) as error:
