@@ -330,3 +330,26 @@ def test_pool_shrink_that_cannot_allocate_keeps_the_pool_and_fused_rows_stay_ins
         positions = np.full((backend.slots, 1), backend.length + 1, np.int64)
         with pytest.raises(GenerationError, match="internal: a row at position"):
             backend.speed_step(np.zeros(1, np.int64), positions, np.ones((backend.slots, 1), bool), HeadRows(exit=[0]), False)
+
+
+def test_candidate_checks_flush_where_full_vocabulary_checks_do(engine):
+    """Early-flush checks in the batch step score only the top 8 ids of their token's first exit; the
+    single-sequence engine's checks score the whole vocabulary (step_flush). On zoo:tiny each prompt's
+    early flushes, accepted and failed speculations come out the same both ways (a deeper exit's argmax
+    lies among those 8), and the batch really ran candidate checks."""
+    checks = []
+    scheduler = engine.batch_scheduler(max_batch=1, row_budget=None, per_sequence=False)
+    speed_step = scheduler.backend.speed_step
+
+    def counting(entering, positions, valid, heads, want):
+        checks.append(len(heads.check))
+        return speed_step(entering, positions, valid, heads, want)
+
+    scheduler.backend.speed_step = counting
+    for prompt in PROMPTS:
+        alone = engine.generate(prompt, max_new_tokens=48, stop_at_eos=False, mode="speed", early_flush=True)
+        [batched] = engine.generate_batch([prompt], max_new_tokens=48, stop_at_eos=False, scheduler=scheduler)
+        assert batched.ids == alone.ids
+        flushes = (batched.stats.early_flushes, batched.stats.accepted, batched.stats.mispredicted)
+        assert flushes == (alone.stats.early_flushes, alone.stats.accepted, alone.stats.mispredicted), prompt
+    assert sum(checks) > len(checks)  # about two checks a step once the pipelines are full
