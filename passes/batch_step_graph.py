@@ -45,7 +45,7 @@ def _gather_rows(graph: gs.Graph, hidden: gs.Tensor, rows: gs.Tensor, name: str)
 
 
 def _slice0(graph: gs.Graph, x: gs.Tensor, start: gs.Tensor, end: gs.Tensor, name: str, dtype, shape) -> gs.Tensor:
-    """x[start:end] along axis 0 (start, end: [1] int64), as a graph output named NAME."""
+    """x[start:end] along axis 0 (start, end: [1] int64), a tensor named NAME (the heads' outputs)."""
     out = add_layer(graph, op="Slice", inputs=[x, start, end, gs.Constant(f"{name}.axes", np.array([0], np.int64))],
                            outputs=[name], name=f"{name}/Slice")[0]
     out.dtype, out.shape = dtype, shape
@@ -100,11 +100,11 @@ def add_check_head(graph: gs.Graph, state: CompileState, exit_tap: gs.Tensor, lm
     """
     rows = maybe_norm(graph, state, _gather_rows(graph, exit_tap, check_rows, "batch_check_rows"),
                       state.exit_norm, "batch_check_head")  # [C, H]
-    rows = add_layer(graph, op="Unsqueeze", inputs=[rows, gs.Constant("batch_check.axis1", np.array([1], np.int64))],
-                     outputs=["batch_check_rows.3d"], name="batch_check/Unsqueeze")[0]  # [C, 1, H]
-    embedded = add_layer(graph, op="Gather", inputs=[lm_head, check_candidates], outputs=["batch_check_weights"],
-                         attrs={"axis": 0}, name="batch_check/Gather_head_rows")[0]  # [C, K, H]
-    products = add_layer(graph, op="Mul", inputs=[embedded, rows], outputs=["batch_check_products"],
+    rows_3d = add_layer(graph, op="Unsqueeze", inputs=[rows, gs.Constant("batch_check.axis1", np.array([1], np.int64))],
+                        outputs=["batch_check_rows.3d"], name="batch_check/Unsqueeze")[0]  # [C, 1, H]
+    head_rows = add_layer(graph, op="Gather", inputs=[lm_head, check_candidates], outputs=["batch_check_head_rows"],
+                          attrs={"axis": 0}, name="batch_check/Gather_head_rows")[0]  # [C, K, H]
+    products = add_layer(graph, op="Mul", inputs=[head_rows, rows_3d], outputs=["batch_check_products"],
                          name="batch_check/Mul")[0]  # [C, K, H]
     scores = add_layer(graph, op="ReduceSum", inputs=[products, gs.Constant("batch_check.axis2", np.array([2], np.int64))],
                        outputs=["batch_check_scores"], attrs={"keepdims": 0}, name="batch_check/ReduceSum")[0]  # [C, K]

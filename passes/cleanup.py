@@ -7,6 +7,7 @@ by default, so its artifact is as small as the checkpoint and computes exactly w
 
     before:  W (fp32) ---------------------> Gemm
     after:   W (fp16/bf16) -> Cast(float) -> Gemm
+    a row lookup (Gather of a weight's rows) casts only the rows it gathers (_cast_after)
 """
 
 from __future__ import annotations
@@ -37,6 +38,26 @@ def fold_and_clean(graph: gs.Graph) -> gs.Graph:
 STORAGE_DTYPES = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16}
 
 
+def _gathers_rows(node: gs.Node, table: gs.Constant) -> bool:
+    """NODE reads rows of TABLE (an embedding lookup, the batch step's candidate head rows)."""
+    return node.op == "Gather" and node.inputs[0] is table and node.attrs.get("axis", 0) == 0 and table not in node.inputs[1:]
+
+
+def _cast_after(graph: gs.Graph, gather: gs.Node, stored: gs.Constant) -> None:
+    """GATHER reads the 16-bit table STORED and its rows are cast to float32 after it, instead of the
+    whole table before it: ONNX Runtime folds a Cast of a weight into a float32 copy of that weight in
+    every session, so a lookup through one kept a float32 embedding table per session (the same values:
+    a Cast is elementwise).
+
+        before:  E16 -> Cast -> Gather(ids) -> [.., H] f32       after:  E16 -> Gather(ids) -> Cast -> [.., H] f32
+    """
+    out = gather.outputs[0]
+    rows = gs.Variable(f"{out.name}.stored")  # [.., H] in the storage dtype
+    gather.inputs[0] = stored
+    gather.outputs[0] = rows
+    graph.nodes.append(gs.Node("Cast", f"{out.name}/Cast_fp32", attrs={"to": 1}, inputs=[rows], outputs=[out]))
+
+
 def store_weights_16bit(graphs: dict[str, gs.Graph], storage: str) -> int:
     """Convert large float32 weights (checkpoint and stacked weights) to STORAGE (fp16 | bf16) + Cast;
     the same weight gets the same 16-bit copy in every graph, so the artifact still stores it once.
@@ -56,7 +77,10 @@ def store_weights_16bit(graphs: dict[str, gs.Graph], storage: str) -> int:
             cast_out = gs.Variable(f"{const.name}.fp32", dtype=np.float32, shape=list(const.shape))
             graph.nodes.append(gs.Node("Cast", f"{const.name}/Cast_fp32", attrs={"to": 1}, inputs=[stored], outputs=[cast_out]))
             for node in users:
-                node.inputs = [cast_out if inp is const else inp for inp in node.inputs]
+                if _gathers_rows(node, const):
+                    _cast_after(graph, node, stored)
+                else:
+                    node.inputs = [cast_out if inp is const else inp for inp in node.inputs]
             const.name = f"{const.name}.unused_fp32"
         graph.cleanup().toposort()
     return len(converted)

@@ -28,7 +28,7 @@ Where Xor
 """.split())
 
 # Inputs the parser needs as initializers / constants (op -> input index).
-TRT_CONSTANT_INPUTS = {"Slice": [3], "Squeeze": [1], "Unsqueeze": [1], "TopK": [1]}
+TRT_CONSTANT_INPUTS = {"Slice": [3], "Squeeze": [1], "Unsqueeze": [1], "TopK": [1], "ReduceSum": [1]}
 
 
 def lint_graph(graph: gs.Graph) -> list[str]:

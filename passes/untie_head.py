@@ -7,7 +7,9 @@ on a 16 MB head, 2 threads: 1.19 vs 1.02 ms at 1 row, 1.33 vs 1.17 ms at 4 rows)
 
     before:  E --------------------> Gather            after:  E -----------------> Gather
               \--------------------> Gemm(head)                E' (E's bytes) ----> Gemm(head)
-    16-bit storage:  E -> Cast -> {Gather, Gemm}       after:  E -> Cast -> Gather, E' -> Cast -> Gemm
+
+With 16-bit storage nothing is left to untie: a lookup reads the stored table and casts the rows it
+gathers (passes/cleanup.py), so the head's Cast (folded at load) feeds the Gemm alone.
 
 E' is a SameBytes view: weights.bin holds the bytes once and both initializers reference them.
 Block-quantized heads (MatMulNBits) and untied heads are left as they are.

@@ -58,7 +58,7 @@ class Sequence:
     submitted: float = field(default_factory=time.perf_counter)
     first_token_seconds: float | None = None  # submit -> first confirmed token
     acceptance: object = None  # its record in the scheduler's acceptance policy
-    candidates: dict = field(default_factory=dict)  # in-flight token's position -> its first exit's top K ids
+    candidates: dict[int, np.ndarray] = field(default_factory=dict)  # in-flight token's position -> its draft's top K ids
 
     @property
     def positions(self) -> int:
@@ -334,19 +334,17 @@ class BatchScheduler:
             if pipeline.slots[-1] is not None:
                 heads.final.append((slots - 1) * n + b)
                 final_of.append(sequence)
-            # The exit head guesses slot 0's successor over the whole vocabulary; an early-flush check of a
-            # deeper slot scores the candidates that token's own first exit gave (contract.CHECK_ROWS).
-            for depth in range(slots - 1) if sequence.early_flush else range(1):
+            # The exit head drafts slot 0's successor over the whole vocabulary; an early-flush check of a
+            # deeper slot scores only the candidates that token's own draft gave (contract.CHECK_ROWS): every
+            # token in a deeper slot went through slot 0 in an earlier speed step, which recorded them.
+            if pipeline.slots[0] is not None:
+                heads.exit.append(b)
+                exit_of.append((sequence, pipeline.slots[0].pos))
+            for depth in range(1, slots - 1) if sequence.early_flush else ():
                 slot = pipeline.slots[depth]
-                if slot is None:
-                    continue
-                candidates = sequence.candidates.get(slot.pos) if depth else None
-                if candidates is None:
-                    heads.exit.append(depth * n + b)
-                    exit_of.append((sequence, depth, slot.pos))
-                else:
+                if slot is not None:
                     heads.check.append(depth * n + b)
-                    heads.candidates.append(candidates)
+                    heads.candidates.append(sequence.candidates[slot.pos])
                     check_of.append((sequence, depth))
         if not stepping:
             return
@@ -356,8 +354,8 @@ class BatchScheduler:
         self.steps["speed"] += 1
         final = {id(s): (int(result.final_tokens[i]), result.final_logits[i] if want else None) for i, s in enumerate(final_of)}
         guesses: dict[int, dict[int, int]] = {}
-        for i, (sequence, depth, pos) in enumerate(exit_of):
-            guesses.setdefault(id(sequence), {})[depth] = int(result.exit_tokens[i])
+        for i, (sequence, pos) in enumerate(exit_of):
+            guesses.setdefault(id(sequence), {})[0] = int(result.exit_tokens[i])
             sequence.candidates[pos] = result.exit_candidates[i].copy()  # the buffer is the next step's output too
         for i, (sequence, depth) in enumerate(check_of):
             guesses.setdefault(id(sequence), {})[depth] = int(result.check_tokens[i])

@@ -112,6 +112,7 @@ class HeadRows:
 
 @dataclass
 class SpeedStepResult:
+    """What one speed step returns, in HeadRows' order (each array valid until the next step: bound buffers)."""
     final_tokens: np.ndarray  # [F] argmax of the final head
     final_logits: np.ndarray | None  # [F, V] when asked for
     exit_tokens: np.ndarray  # [E] argmax of the exit head

@@ -78,6 +78,24 @@ def test_fp16_storage_halves_the_weights(tmp_path, tiny_artifact):
     m = read_manifest(art)
     assert m.dtype == "fp16"
     assert abs(m.weights["stored_bytes"] / read_manifest(tiny_artifact).weights["stored_bytes"] - 0.5) < 0.01
+    # Row lookups (the embedding, the batch step's candidate checks) read the 16-bit table and cast only the
+    # rows they gather: ONNX Runtime folds a Cast of a whole weight into a float32 copy in every session.
+    from speedc.runtimes.engine import Engine
+
+    lookups = 0
+    for spec in m.graphs.values():
+        graph = onnx.load(str(art / spec["file"]), load_external_data=False).graph
+        stored = {t.name: t.data_type for t in graph.initializer}
+        readers = {name: [n for n in graph.node if name in n.input] for n in graph.node for name in n.output}
+        for node in (n for n in graph.node if n.op_type == "Gather" and n.input[0].startswith("model.")):
+            assert stored.get(node.input[0]) == onnx.TensorProto.FLOAT16, (spec["file"], node.input[0])
+            assert [r.op_type for r in readers[node.output[0]]] == ["Cast"], spec["file"]
+            lookups += 1
+    assert lookups >= 5 and not any(name.startswith("tied_head.") for name in m.weights["index"])  # no head view needed
+    engine = Engine.load(art)
+    speed, plain = (engine.generate("ROMEO:", max_new_tokens=24, mode=mode, stop_at_eos=False).ids
+                    for mode in ("speed", "autoregressive"))
+    assert speed == plain
 
 
 def test_cli_build_verbose_dump_and_inspect(tmp_path):
