@@ -310,7 +310,8 @@ class BatchScheduler:
     def _speed_step(self, decoding: list[Sequence], events: list[Event]) -> None:
         slots, n = self.backend.slots, len(self.occupied)
         entering = np.zeros(n, np.int64)
-        positions = np.repeat(np.asarray([self._bubble_positions()], np.int64), slots, axis=0)  # [P, n]: bubbles' rows
+        positions = np.empty((slots, n), np.int64)
+        positions[:] = self._bubble_positions()  # [P, n]: bubbles' rows, each sequence's bubbles where _bubble_positions says
         valid = np.zeros((slots, n), bool)
         heads = HeadRows()
         final_of, exit_of, check_of = [], [], []

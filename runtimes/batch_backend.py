@@ -51,6 +51,7 @@ F32 = np.float32
 MIN_POOL_POSITIONS = 256  # the pool's smallest length T (a regrow copies the pool: not for every request)
 SHRINK_AFTER_STEPS = 64  # see reserve
 MAX_STEP_BINDINGS = 1024  # fused step bindings kept (shapes seen: 54 at 8 sequences, 7 at one)
+MAX_LAYOUTS = 4096  # valid-row patterns remembered (_layout); a few KB each at most
 
 
 def batch_ready(manifest: Manifest) -> bool:
@@ -177,6 +178,7 @@ class BatchBackend:
         self._prefill_bindings: dict[tuple, object] = {}  # fused: (first sequence slot, count) -> its prefill binding
         self._steps: dict[tuple, StepBinding] = {}  # fused steps: (role, shape of the step) -> StepBinding, oldest first
         self._buffers: dict[tuple, np.ndarray] = {}  # (name, shape) -> the buffer every StepBinding binds NAME of SHAPE to
+        self._layouts: dict[tuple, tuple] = {}  # (n, valid pattern) -> _layout's arrays
         self.min_length, self.shrink_after = min_length, shrink_after
         self._shrink_pending = 0  # reserve calls in a row that asked for a smaller pool
         self.length = 0  # positions T the pool holds per sequence slot now (reserve), at most capacity
@@ -392,9 +394,8 @@ class BatchBackend:
         # Fused: only the valid rows run (computed_rows, slot-major indices); the head rows are given as
         # indices among them, and hidden_out comes back for them alone.
         self._check_positions(positions)
-        computed = np.flatnonzero(valid)  # [R] s*n + b, ascending
+        computed, among, slot, sequence = self._layout(valid)
         count = len(computed)
-        among = np.cumsum(valid) - 1  # [P*n] slot-major row -> its index among the computed rows (where valid)
 
         def tensors():
             return {contract.INPUT_IDS: ((n, 1), np.int64, False), contract.POSITIONS: ((rows,), np.int64, False),
@@ -420,9 +421,21 @@ class BatchBackend:
         step.inputs[contract.CHECK_ROWS][:] = among[heads.check]
         step.inputs[contract.CHECK_CANDIDATES][:] = candidates
         result = step.run()
-        slot, sequence = np.divmod(computed, n)
         self.hidden[slot, sequence] = result[contract.HIDDEN_OUT][:, 0]
         return SpeedStepResult.of(result, want_logits)
+
+    def _layout(self, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """VALID [P, n] -> (computed rows [R] s*n + b ascending, each slot-major row's index among them [P*n],
+        their slots [R], their sequences [R]); remembered per pattern: a pipeline's occupancy repeats (16
+        patterns at one sequence), and these four numpy calls were a tenth of a step's Python."""
+        key = (valid.shape[1], valid.tobytes())
+        layout = self._layouts.get(key)
+        if layout is None:
+            if len(self._layouts) >= MAX_LAYOUTS:
+                self._layouts.clear()
+            slot, sequence = np.nonzero(valid)  # row-major: slot-major rows, ascending
+            layout = self._layouts[key] = (slot * valid.shape[1] + sequence, np.cumsum(valid) - 1, slot, sequence)
+        return layout
 
 
 def make_batch_backend(directory: Path, manifest: Manifest, max_batch: int, capacity: int, device: str = "cpu",
