@@ -11,9 +11,9 @@ sequences, each with its own P-slot SPEED pipeline, run one step together (R = P
     cache.key.{j}.{s} [n,kvh,T,hd] (s < P) -- Concat (slot-major) --> past of stage layer j
                                                                               |
     hidden.{S-1} [R,H] -- Gather(final_rows) -> final norm --\
-                                                              Concat -> Gemm(lm_head) -> ArgMax
-    hidden.{exit-1} [R,H] -- Gather(exit_rows) -> exit norm --/    final_logits [F,V], final_token [F],
-                                                                     exit_tokens [E], exit_candidates [E,K] (TopK)
+                                                              Concat -> Gemm(lm_head) [F+E,V]
+    hidden.{exit-1} [R,H] -- Gather(exit_rows) -> exit norm --/    rows :F -> final_logits [F,V] -> ArgMax -> final_token [F]
+                                                                     rows F: -> TopK -> exit_candidates [E,K] -> [:, 0] -> exit_tokens [E]
     hidden.{exit-1} [R,H] -- Gather(check_rows) -> exit norm -- scored over check_candidates [C,K] only
                                                                      -> check_tokens [C] (add_check_head)
 
@@ -68,21 +68,26 @@ def add_batch_heads(graph: gs.Graph, state: CompileState, final_rows: gs.Tensor,
     lm_head = weight(graph, state, "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
     logits = add_layer(graph, op="Gemm", inputs=[both, lm_head], outputs=["batch_head_logits"], attrs={"transB": 1},
                               name="batch_heads/Gemm_lm_head")[0]  # [F+E, V]
-    tokens = add_layer(graph, op="ArgMax", inputs=[logits], outputs=["batch_head_tokens"], attrs={"axis": -1, "keepdims": 0},
-                              name="batch_heads/ArgMax")[0]  # [F+E]
     f = add_layer(graph, op="Shape", inputs=[final_rows], outputs=["batch_final_count"], name="batch_heads/Shape_F")[0]  # [1]
-    fe = add_layer(graph, op="Shape", inputs=[tokens], outputs=["batch_head_count"], name="batch_heads/Shape_FE")[0]  # [1]
     zero = gs.Constant("batch_heads.zero", np.array([0], np.int64))
-    exit_logits = _slice0(graph, logits, f, fe, "batch_exit_logits", np.float32, ["exit_rows", cfg.vocab_size])  # [E, V]
+    final_logits = _slice0(graph, logits, zero, f, contract.FINAL_LOGITS, np.float32, ["final_rows", cfg.vocab_size])  # [F, V]
+    final_token = add_layer(graph, op="ArgMax", inputs=[final_logits], outputs=[contract.FINAL_TOKEN],
+                            attrs={"axis": -1, "keepdims": 0}, name="batch_heads/ArgMax_final")[0]  # [F]
+    final_token.dtype, final_token.shape = np.int64, ["final_rows"]
+    every_row = gs.Constant("batch_heads.end", np.array([np.iinfo(np.int64).max], np.int64))
+    exit_logits = _slice0(graph, logits, f, every_row, "batch_exit_logits", np.float32, ["exit_rows", cfg.vocab_size])  # [E, V]
+    # The exit rows' argmax is their top candidate (TopK breaks ties toward the lower id, as ArgMax does):
+    # one pass over their logits, not two.
     candidates = contract.candidate_count(cfg.vocab_size)
     exit_candidates = add_layer(graph, op="TopK", inputs=[exit_logits, gs.Constant("batch_heads.k", np.array([candidates], np.int64))],
                                 outputs=["batch_exit_top_values", contract.EXIT_CANDIDATES], attrs={"axis": -1},
                                 name="batch_heads/TopK")[1]  # [E, K]
     exit_candidates.dtype, exit_candidates.shape = np.int64, ["exit_rows", candidates]
+    exit_tokens = add_layer(graph, op="Gather", inputs=[exit_candidates, gs.Constant("batch_heads.first", np.array(0, np.int64))],
+                            outputs=[contract.EXIT_TOKENS], attrs={"axis": 1}, name="batch_heads/Gather_top")[0]  # [E]
+    exit_tokens.dtype, exit_tokens.shape = np.int64, ["exit_rows"]
     hidden_out = hidden_output(graph, stage_out, ["rows", 1, cfg.hidden_size])
-    return [_slice0(graph, tokens, zero, f, contract.FINAL_TOKEN, np.int64, ["final_rows"]),
-            _slice0(graph, logits, zero, f, contract.FINAL_LOGITS, np.float32, ["final_rows", cfg.vocab_size]),
-            _slice0(graph, tokens, f, fe, contract.EXIT_TOKENS, np.int64, ["exit_rows"]), exit_candidates,
+    return [final_token, final_logits, exit_tokens, exit_candidates,
             add_check_head(graph, state, exit_tap, lm_head, check_rows, check_candidates), hidden_out]
 
 

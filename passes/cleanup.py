@@ -40,7 +40,7 @@ STORAGE_DTYPES = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16}
 
 def _gathers_rows(node: gs.Node, table: gs.Constant) -> bool:
     """NODE reads rows of TABLE (an embedding lookup, the batch step's candidate head rows)."""
-    return node.op == "Gather" and node.inputs[0] is table and node.attrs.get("axis", 0) == 0 and table not in node.inputs[1:]
+    return node.op == "Gather" and node.inputs[0] is table and node.attrs.get("axis", 0) == 0
 
 
 def _cast_after(graph: gs.Graph, gather: gs.Node, stored: gs.Constant) -> None:

@@ -212,6 +212,7 @@ def lower_to_gqa(graph: gs.Graph, *, heads: int, kv_heads: int, head_dim: int, t
 
     slots = batch_slots(graph)  # the batch step's per-slot slabs (0: another graph)
     layers = _layers(graph)
+    width = (heads + 2 * kv_heads) * head_dim  # packed q|k|v
     pool = None
     if slots:  # the pool inputs replace the per-slot slabs (their Concats fall away with the old attention)
         for layer in range(len(layers)):
@@ -219,8 +220,7 @@ def lower_to_gqa(graph: gs.Graph, *, heads: int, kv_heads: int, head_dim: int, t
                 name = contract.cache_input(kind, layer)
                 known[name] = gs.Variable(name, np.float32, ["pool_rows", kv_heads, "context", head_dim])
                 graph.inputs.append(known[name])
-        pool = BatchPool(graph, ids_shape, seqlens, slots, known[contract.cache_input("key", 0)], known["slot_inputs"],
-                         (heads + 2 * kv_heads) * head_dim)
+        pool = BatchPool(graph, ids_shape, seqlens, slots, known[contract.cache_input("key", 0)], known["slot_inputs"], width)
     cache_outputs = []
     for layer, (q2d, k2d, v2d, o_proj) in enumerate(layers):
         prefix = f"gqa.{layer}"
@@ -228,7 +228,6 @@ def lower_to_gqa(graph: gs.Graph, *, heads: int, kv_heads: int, head_dim: int, t
         # Packed q|k|v rows: fuse_projections then stacks the three Gemms into one whose output is exactly
         # this Concat (and drops the Split + Concat), so each layer reshapes (and pads) one tensor, not three.
         packed = add_layer(graph, op="Concat", inputs=[q2d, k2d, v2d], outputs=[f"{prefix}.qkv"], attrs={"axis": 1})[0]
-        width = (heads + 2 * kv_heads) * head_dim
         if pool is None:
             out = attention(prefix, rows_by_chunk(packed, width, f"{prefix}.qkv"), seqlens, caches)
         else:

@@ -58,7 +58,6 @@ class Sequence:
     submitted: float = field(default_factory=time.perf_counter)
     first_token_seconds: float | None = None  # submit -> first confirmed token
     acceptance: object = None  # its record in the scheduler's acceptance policy
-    candidates: dict[int, np.ndarray] = field(default_factory=dict)  # in-flight token's position -> its draft's top K ids
 
     @property
     def positions(self) -> int:
@@ -168,7 +167,6 @@ class BatchScheduler:
                     for sequence in decoding:
                         sequence.pipeline.flush_from(0)
                         sequence.pipeline.pending = None
-                        sequence.candidates.clear()
             (self._speed_step if speculate else self._plain_step)(decoding, events)
             self.decode_steps[len(decoding)] += 1
         for sequence in [s for s in self.occupied if s.state == DONE]:
@@ -340,12 +338,12 @@ class BatchScheduler:
             # token in a deeper slot went through slot 0 in an earlier speed step, which recorded them.
             if pipeline.slots[0] is not None:
                 heads.exit.append(b)
-                exit_of.append((sequence, pipeline.slots[0].pos))
+                exit_of.append((sequence, pipeline.slots[0]))
             for depth in range(1, slots - 1) if sequence.early_flush else ():
                 slot = pipeline.slots[depth]
                 if slot is not None:
                     heads.check.append(depth * n + b)
-                    heads.candidates.append(sequence.candidates[slot.pos])
+                    heads.candidates.append(slot.candidates)
                     check_of.append((sequence, depth))
         if not stepping:
             return
@@ -355,9 +353,9 @@ class BatchScheduler:
         self.steps["speed"] += 1
         final = {id(s): (int(result.final_tokens[i]), result.final_logits[i] if want else None) for i, s in enumerate(final_of)}
         guesses: dict[int, dict[int, int]] = {}
-        for i, (sequence, pos) in enumerate(exit_of):
+        for i, (sequence, drafting) in enumerate(exit_of):
             guesses.setdefault(id(sequence), {})[0] = int(result.exit_tokens[i])
-            sequence.candidates[pos] = result.exit_candidates[i].copy()  # the buffer is the next step's output too
+            drafting.candidates = result.exit_candidates[i].copy()  # the buffer is the next step's output too
         for i, (sequence, depth) in enumerate(check_of):
             guesses.setdefault(id(sequence), {})[depth] = int(result.check_tokens[i])
         for sequence in stepping:
@@ -366,8 +364,6 @@ class BatchScheduler:
             accepted, failed = stats.accepted, stats.failed_speculations
             self._absorb(sequence, final.get(id(sequence)), guesses.get(id(sequence), {}), events)
             self.acceptance.stepped(sequence.acceptance, stats.accepted - accepted, stats.failed_speculations - failed)
-            in_flight = {slot.pos for slot in sequence.pipeline.slots if slot is not None}
-            sequence.candidates = {pos: ids for pos, ids in sequence.candidates.items() if pos in in_flight}
             stats.decode_seconds += time.perf_counter() - start
 
     def _absorb(self, sequence: Sequence, final: tuple[int, np.ndarray | None] | None, guesses: dict[int, int],

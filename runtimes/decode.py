@@ -79,6 +79,9 @@ class Slot:
     """A token in flight: its id and the position it sits at."""
     token: int
     pos: int
+    # the ids its draft (exit head at slot 0) ranked highest: what the batch step's early-flush checks of
+    # this token score (runtimes/batch.py); it leaves with the token when that is confirmed or flushed
+    candidates: np.ndarray | None = field(default=None, compare=False, repr=False)
 
 
 class Pipeline:
