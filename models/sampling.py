@@ -8,6 +8,7 @@ same positions in the same order) draw identical sequences from the same seed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,14 +25,16 @@ class SamplingParams:
     seed: int | None = None
 
     def validate(self) -> None:
-        if self.temperature < 0:
-            raise GenerationError("temperature must be >= 0")
+        if not 0 <= self.temperature < math.inf:  # also refuses nan
+            raise GenerationError("temperature must be >= 0 (and finite)")
         if self.top_k < 0:
             raise GenerationError("top-k must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
             raise GenerationError("top-p must be in (0, 1]")
-        if self.repetition_penalty <= 0:
-            raise GenerationError("repetition penalty must be > 0")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise GenerationError("repetition penalty must be > 0 (and finite)")
+        if self.seed is not None and self.seed < 0:
+            raise GenerationError("seed must be >= 0")
 
     @property
     def greedy(self) -> bool:
@@ -62,7 +65,10 @@ class TokenPicker:
             scores[seen] = np.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
         if params.greedy:
             return int(np.argmax(scores))
-        scores = scores / params.temperature
+        # Shift before dividing: a tiny temperature then sends every other score to -inf, never
+        # (inf - inf) = nan (1e-320 picked the last id every time), and the shift does not change softmax.
+        with np.errstate(over="ignore"):  # overflow to -inf is the intended result
+            scores = (scores - scores.max()) / params.temperature
         if params.top_k > 0 and params.top_k < scores.size:
             kth = np.partition(scores, -params.top_k)[-params.top_k]
             scores = np.where(scores < kth, -np.inf, scores)

@@ -4,8 +4,9 @@ advanced together one step at a time (the backend is runtimes/batch_backend.py).
 One scheduler iteration (`BatchScheduler.step`):
 
     1. cancelled sequences leave; waiting requests take free sequence slots (FIFO; a request waits
-       while none is free, and one longer than a slot's capacity is refused at submit, never cut); the
-       pool's width follows the occupied slots, its length the longest request (BatchBackend.reserve)
+       while none is free or the pool cannot grow to hold it (out of memory) beside the running ones,
+       one longer than a slot's capacity is refused at submit, never cut); the pool's width follows
+       the occupied slots, its length the longest request (BatchBackend.reserve)
     2. prefill: one chunk (<= prefill_chunk tokens) of the sequence in the lowest slot still prefilling;
        when that chunk starts its prompt, batched with the first chunks of the sequences in the slots
        right after it that start theirs too (one run, right padded, within prefill_chunk tokens in all);
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from speedc.errors import GenerationError
+from speedc.errors import GenerationError, OutOfMemory
 from speedc.runtimes.acceptance_policy import AcceptancePolicy, AlwaysSpeculate
 from speedc.runtimes.batch_backend import BatchBackend, HeadRows
 from speedc.runtimes.decode import DecodeStats, Pipeline, Request, Slot, emit_token
@@ -58,6 +59,7 @@ class Sequence:
     submitted: float = field(default_factory=time.perf_counter)
     first_token_seconds: float | None = None  # submit -> first confirmed token
     acceptance: object = None  # its record in the scheduler's acceptance policy
+    error: Exception | None = None  # why it ended without finishing (stop_reason "error"), e.g. OutOfMemory
 
     @property
     def positions(self) -> int:
@@ -124,7 +126,7 @@ class BatchScheduler:
             raise GenerationError(f"prompt ({len(request.prompt)} tokens) + max new tokens ({request.max_new_tokens}) "
                                   f"exceeds the KV-cache slot of {self.backend.capacity} positions (raise --kv-cache-mb "
                                   "or lower --max-batch)")
-        mode = "batch speed" if self.backend.speculative else "batch autoregressive"
+        mode = "batch speed" if self.backend.speculative and self.policy.row_budget != 0 else "batch autoregressive"
         sequence = Sequence(next(self._ids), request, early_flush and self.backend.speculative, DecodeStats(mode),
                             acceptance=self.acceptance.start())
         with self._lock:
@@ -149,11 +151,7 @@ class BatchScheduler:
                 self.waiting.remove(sequence)
                 sequence.stats.stop_reason, sequence.state = "cancelled", DONE
                 events.append((sequence, None))
-            while self.waiting and len(self.occupied) < self.backend.max_batch:
-                sequence = self.waiting.popleft()
-                sequence.slot, sequence.state = len(self.occupied), PREFILL
-                sequence.pipeline = Pipeline(self.backend.slots, sequence.stats)
-                self.occupied.append(sequence)
+        self._admit(events)
         if self.occupied:  # the pool's width and length follow its requests (BatchBackend.reserve)
             self.backend.reserve(max(s.positions for s in self.occupied), len(self.occupied))
         self._prefill_chunk(events)
@@ -173,17 +171,57 @@ class BatchScheduler:
             self._release(sequence)
         return events
 
+    def _admit(self, events: list[Event]) -> None:
+        """Waiting requests take free sequence slots, first come first served, while the pool can grow to
+        hold them. One whose cache the pool cannot grow to hold (out of memory) waits, and the requests
+        behind it too, until running sequences leave; when none is left and it still does not fit, it
+        ends alone with that error (Sequence.error), never cut short and never failing the others."""
+        while len(self.occupied) < self.backend.max_batch:
+            with self._lock:
+                if not self.waiting:
+                    return
+                sequence = self.waiting[0]
+            try:
+                self._grow_pool(self.occupied + [sequence])
+            except OutOfMemory as error:
+                if self.occupied:
+                    return
+                with self._lock:
+                    self.waiting.popleft()
+                sequence.error = error
+                sequence.stats.stop_reason, sequence.state = "error", DONE
+                events.append((sequence, None))
+                continue
+            with self._lock:
+                self.waiting.popleft()
+            sequence.slot, sequence.state = len(self.occupied), PREFILL
+            sequence.pipeline = Pipeline(self.backend.slots, sequence.stats)
+            self.occupied.append(sequence)
+
+    def _grow_pool(self, sequences: list[Sequence]) -> None:
+        """Grow the pool to hold SEQUENCES at their longest (no-op when it does); OutOfMemory when it cannot."""
+        positions = max(s.positions for s in sequences)
+        if not self.backend.would_grow(positions, len(sequences)):
+            return
+        try:
+            self.backend.reserve(positions, len(sequences))
+        except OutOfMemory:
+            if self.occupied:
+                raise
+            self.backend.free_pool()  # nothing in it to keep: try again without the old buffers held
+            self.backend.reserve(positions, len(sequences))
+
     def run(self) -> None:
         while self.busy:
             self.step()
 
-    def drop_all(self) -> list[Sequence]:
-        """Forget every sequence, waiting or occupied, and return them: after a step failed part way its
-        sequences' state is unknown. Their slots are free for new requests (a prefill overwrites the cache)."""
+    def drop_running(self) -> list[Sequence]:
+        """Forget every sequence holding a slot and return them: after a step failed part way their state
+        is unknown. Their slots are free for new requests (a prefill overwrites the cache); the waiting
+        requests have not started and stay queued."""
         with self._lock:
-            dropped = list(self.occupied) + list(self.waiting)
+            dropped = list(self.occupied)
             self.occupied.clear()
-            self.waiting.clear()
         for sequence in dropped:
             sequence.state, sequence.slot = DONE, -1
         return dropped

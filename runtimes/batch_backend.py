@@ -36,6 +36,7 @@ writes and reads), so a step makes no binding call.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -44,7 +45,7 @@ import numpy as np
 
 from speedc import contract
 from speedc.artifact import Manifest
-from speedc.errors import ArtifactError, GenerationError, SpeedcError
+from speedc.errors import ArtifactError, GenerationError, OutOfMemory, SpeedcError
 from speedc.runtimes.onnx_session import onnxruntime_module, open_sessions, take_dimensions
 
 F32 = np.float32
@@ -76,6 +77,8 @@ def slot_capacity(manifest: Manifest, max_batch: int, kv_cache_mb: float | None)
     context = manifest.model["max_context"]
     if kv_cache_mb is None:
         return context
+    if not 0 < kv_cache_mb < math.inf:  # also refuses nan
+        raise GenerationError(f"--kv-cache-mb must be a finite number > 0, got {kv_cache_mb}")
     per_position = pool_bytes_per_position(manifest)
     capacity = min(context, int(kv_cache_mb * (1 << 20) / max_batch // per_position) - 1)  # - 1: the scratch row
     if capacity < 2:
@@ -220,7 +223,7 @@ class BatchBackend:
                 self._shrink_pending = 0
                 return
             mib = 2 * np.prod(shape, dtype=np.float64) * np.dtype(F32).itemsize / (1 << 20)
-            raise GenerationError(f"the KV-cache pool cannot grow to {length} positions x {width} sequence slots "
+            raise OutOfMemory(f"the KV-cache pool cannot grow to {length} positions x {width} sequence slots "
                                   f"({mib:,.0f} MiB): out of memory; set --kv-cache-mb or lower --max-batch") from None
         keep, kept = min(self.length, length), min(self.width, width)
         if keep and kept:
@@ -230,6 +233,20 @@ class BatchBackend:
         self.length, self.width = length, width
         self._shrink_pending = 0
         self._prefill_bindings.clear()  # they point into the old pool
+        self._steps.clear()
+
+    def would_grow(self, positions: int, sequences: int) -> bool:
+        """Whether reserve(POSITIONS, SEQUENCES) has to allocate a larger pool."""
+        return (_power_of_two_size(positions, self.min_length, self.capacity) > self.length
+                or _power_of_two_size(sequences, 1, self.max_batch) > self.width)
+
+    def free_pool(self) -> None:
+        """Drop the pool's buffers while no sequence holds a slot: reserve then allocates the new pool
+        without the old one beside it (a grow copies the old pool, so both are held at once)."""
+        self.key = self.value = None
+        self.length = self.width = 0
+        self._shrink_pending = 0
+        self._prefill_bindings.clear()
         self._steps.clear()
 
     def move(self, source: int, target: int, length: int | None = None) -> None:
@@ -436,6 +453,9 @@ class BatchBackend:
             slot, sequence = np.nonzero(valid)  # row-major: slot-major rows, ascending
             layout = self._layouts[key] = (slot * valid.shape[1] + sequence, np.cumsum(valid) - 1, slot, sequence)
         return layout
+
+
+BATCHING_BACKENDS = ("onnx", "onnx-numpy")  # Engine backends whose artifacts batch (on their own ONNX Runtime sessions)
 
 
 def make_batch_backend(directory: Path, manifest: Manifest, max_batch: int, capacity: int, device: str = "cpu",

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from speedc.artifact import TOKENIZER, Manifest, read_manifest
-from speedc.errors import GenerationError, SpeedcError
+from speedc.errors import BatchError, GenerationError, SpeedcError
 from speedc.models.sampling import SamplingParams, TokenPicker
 from speedc.runtimes.decode import DecodeStats, Decoding, Request, decode_autoregressive, decode_speed, run_to_end
 
@@ -144,9 +144,11 @@ class TextStream:
 
 class Engine:
     def __init__(self, directory: Path, manifest: Manifest, backend, tokenizer, *, device: str = "cpu",
-                 make_backend: Callable[[], object] | None = None) -> None:
-        """BACKEND: the single-sequence backend, or None to have MAKE_BACKEND make it on first use."""
+                 make_backend: Callable[[], object] | None = None, backend_name: str = DEFAULT_BACKEND) -> None:
+        """BACKEND: the single-sequence backend, or None to have MAKE_BACKEND make it on first use.
+        BACKEND_NAME: its name in BACKENDS (continuous batching runs on some only)."""
         self.directory, self.manifest, self.tokenizer, self.device = directory, manifest, tokenizer, device
+        self.backend_name = backend_name
         self._backend, self._make_backend = backend, make_backend
         self._backend_lock = threading.Lock()
         self.eos_token_id = manifest.model.get("eos_token_id")
@@ -189,7 +191,8 @@ class Engine:
         def make() -> object:
             return make_backend(directory, manifest, backend, device, threads)
 
-        return cls(directory, manifest, None if lazy else make(), tokenizer, device=device, make_backend=make)
+        return cls(directory, manifest, None if lazy else make(), tokenizer, device=device, make_backend=make,
+                   backend_name=backend)
 
     # ---- helpers ---------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -266,6 +269,7 @@ class Engine:
         from speedc.runtimes.batch import BatchScheduler, RowPolicy
         from speedc.runtimes.batch_backend import make_batch_backend, slot_capacity
 
+        self._check_batching()
         if backend is None:
             capacity = slot_capacity(self.manifest, max_batch, kv_cache_mb)
             backend = make_batch_backend(self.directory, self.manifest, max_batch, capacity, device=self.device,
@@ -280,19 +284,46 @@ class Engine:
                        settings: list[dict] | None = None, scheduler=None, **batch_options) -> list[GenerationResult]:
         """One result per prompt, in order, all decoded together (continuous batching). SETTINGS: per-prompt
         overrides of the keyword arguments (e.g. each its own seed). Each result equals what its prompt
-        produces alone with plain decoding. BATCH_OPTIONS go to batch_scheduler (max_batch, kv_cache_mb, ...)."""
+        produces alone with plain decoding. A prompt whose KV cache cannot be allocated even alone
+        (out of memory) fails alone: BatchError, whose results hold the others'. BATCH_OPTIONS go to
+        batch_scheduler (max_batch, kv_cache_mb, ...)."""
         common = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                       repetition_penalty=repetition_penalty, stop=stop, stop_at_eos=stop_at_eos, early_flush=early_flush)
         if settings is not None and len(settings) != len(prompts):
             raise GenerationError(f"{len(settings)} settings for {len(prompts)} prompts")
+        self._check_batching()
+        requests = []  # every prompt checked before any is queued: a bad one leaves nothing behind
+        for number, prompt in enumerate(prompts, 1):
+            params = {**common, **(settings[number - 1] if settings else {})}
+            try:
+                requests.append((self.request_from(prompt, params), params))
+            except GenerationError as bad:
+                raise GenerationError(f"prompt {number}: {bad}") from None
         scheduler = scheduler or self.batch_scheduler(**batch_options)
         sequences = []
-        for i, prompt in enumerate(prompts):
-            params = {**common, **(settings[i] if settings else {})}
-            sequences.append((scheduler.submit(self.request_from(prompt, params),
-                                               early_flush=self.flush_setting(params["early_flush"])), params["stop"]))
+        for number, (request, params) in enumerate(requests, 1):
+            try:
+                sequences.append((scheduler.submit(request, early_flush=self.flush_setting(params["early_flush"])),
+                                  params["stop"]))
+            except GenerationError as bad:  # e.g. longer than a slot of the pool: the ones queued leave with it
+                for sequence, _ in sequences:
+                    scheduler.cancel(sequence)
+                raise GenerationError(f"prompt {number}: {bad}") from None
         scheduler.run()
-        return [GenerationResult(seq.out, self.trim(self.decode_text(seq.out), stop), seq.stats) for seq, stop in sequences]
+        results = [None if seq.error else GenerationResult(seq.out, self.trim(self.decode_text(seq.out), stop), seq.stats)
+                   for seq, stop in sequences]
+        failed = [(number, seq.error) for number, (seq, _) in enumerate(sequences, 1) if seq.error]
+        if failed:
+            numbers = ", ".join(str(number) for number, _ in failed)
+            raise BatchError(f"prompt {numbers}: {failed[0][1]}" if len(failed) == 1 else
+                             f"prompts {numbers}: {failed[0][1]}", results)
+        return results
+
+    def _check_batching(self) -> None:
+        from speedc.runtimes.batch_backend import BATCHING_BACKENDS
+
+        if self.backend_name not in BATCHING_BACKENDS:
+            raise GenerationError(f"continuous batching runs on ONNX Runtime on the CPU, not --backend {self.backend_name}")
 
     def request_from(self, prompt, params: dict) -> Request:
         """make_request from generate()'s keyword arguments."""

@@ -12,7 +12,9 @@ One task drives the scheduler: each iteration runs one BatchScheduler.step in a 
 event loop stays free), then hands the confirmed tokens to each request's queue. It sleeps while no
 request is waiting or running and wakes on submit. Text follows the single-sequence stream's rule
 (engine.settled_text): no incomplete UTF-8 character, no text that may begin a stop string. A step
-that fails (a backend error) ends every request in flight with that error; the loop carries on.
+that fails (a backend error) ends every request it was running with that error (those that had
+already ended, end as they did); waiting requests stay queued and the loop carries on. A request
+whose KV cache cannot be allocated even alone ends with OutOfMemory; the others are unaffected.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from speedc.runtimes.batch import BatchScheduler, Sequence
+from speedc.runtimes.batch import DONE, BatchScheduler, Sequence
 from speedc.runtimes.engine import Engine, GenerationResult, settled_text
 
 
@@ -104,6 +106,7 @@ class EngineLoop:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speedc-batch")
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
+        self._event_loop: asyncio.AbstractEventLoop | None = None  # the loop _wake belongs to
 
     def submit(self, prompt, **params) -> Submitted:
         """Queue a request (Engine.generate's keyword arguments); bad input raises GenerationError here."""
@@ -127,12 +130,13 @@ class EngineLoop:
 
     def cancel(self, submitted: Submitted) -> None:
         self.scheduler.cancel(submitted.sequence)
-        if self._wake is not None:
-            self._wake.set()
+        if self._wake is not None and not self._event_loop.is_closed():  # asyncio.Event is not thread-safe:
+            self._event_loop.call_soon_threadsafe(self._wake.set)        # set it on its own loop
 
     def _ensure_running(self) -> None:
         if self._wake is None:
             self._wake = asyncio.Event()
+            self._event_loop = asyncio.get_running_loop()
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._drive())
 
@@ -146,18 +150,36 @@ class EngineLoop:
             try:
                 events = await loop.run_in_executor(self._executor, self.scheduler.step)
             except Exception as error:  # e.g. ONNX Runtime failed: the requests in flight end with it; later ones run
-                for sequence in self.scheduler.drop_all():
-                    submitted = self._requests.pop(sequence.id, None)
-                    if submitted is not None:
-                        submitted._fail(error)
+                self._end_after_failed_step(error)
                 continue
             for sequence, token in events:
                 submitted = self._requests.get(sequence.id)
                 if submitted is None:
                     continue
-                submitted._deliver(token)
+                if token is None and sequence.error is not None:  # it could not run (e.g. OutOfMemory alone)
+                    submitted._fail(sequence.error)
+                else:
+                    submitted._deliver(token)
                 if token is None:
                     del self._requests[sequence.id]
+
+    def _end_after_failed_step(self, error: Exception) -> None:
+        """A step raised part way, and its events went down with it. The sequences it held end with
+        ERROR (their state is unknown); one that had ended before the failure (cancelled at the step's
+        start, or finished in it) ends as it did, its undelivered tokens delivered first; waiting
+        requests stay queued."""
+        self.scheduler.drop_running()
+        for key, submitted in list(self._requests.items()):
+            sequence = submitted.sequence
+            if sequence.state != DONE:
+                continue  # still waiting: a later step runs it
+            del self._requests[key]
+            if sequence.error is None and sequence.stats.stop_reason:
+                for token in sequence.out[submitted._delivered:]:
+                    submitted._deliver(token)
+                submitted._deliver(None)
+            else:
+                submitted._fail(sequence.error or error)
 
     async def aclose(self) -> None:
         """Stop the loop task (requests in flight are cancelled) and the worker thread."""

@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+import math
+
 import click
+
+
+class FiniteFloat(click.FloatRange):
+    """A float option that refuses nan and inf (click's float and FloatRange take them: nan passes
+    every range check, and a nan timeout or pool size failed far from the command line)."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
 
 
 def backend_options(fn):
@@ -15,7 +28,7 @@ def backend_options(fn):
                      help=described + "."),
         click.option("--device", default="cpu", show_default=True,
                      help="cpu, cuda or cuda:N (torch, or onnx with onnxruntime-gpu)."),
-        click.option("--threads", type=int, default=None, help="Intra-op threads (default: all cores)."),
+        click.option("--threads", type=click.IntRange(min=1), default=None, help="Intra-op threads (default: all cores)."),
     ]
     for option in reversed(options):
         fn = option(fn)

@@ -11,7 +11,7 @@ import click
 
 from speedc.bench.peers import PEER_NAMES
 from speedc.bench.synthetic import SHAPES
-from speedc.cli_options import backend_options
+from speedc.cli_options import FiniteFloat, backend_options
 from speedc.errors import GenerationError
 
 
@@ -28,7 +28,7 @@ from speedc.errors import GenerationError
 @click.option("--end-to-end", is_flag=True,
               help="With --memory-bound: also SPEED vs plain decoding per depth, on weights whose residual updates are "
                    "scaled so the early exit agrees often (acceptance measured and reported; ids checked identical).")
-@click.option("--residual-scale", type=click.FloatRange(0, 1, min_open=True), default=None,
+@click.option("--residual-scale", type=FiniteFloat(0, 1, min_open=True), default=None,
               help="With --end-to-end: scale of each block's residual update (default 0.0015 for the zoo shape, untied, "
                    "0.1 for a looped shape: an acceptance near 0.8; smaller: higher acceptance).")
 @click.option("--weights", type=click.Choice(["fp32", "fp16", "bf16", "int8", "int4"]), default=None,
@@ -68,6 +68,17 @@ def bench(artifact, memory_bound, memory_bound_hidden, memory_bound_repeats, sha
     (prefill + decode), acceptance, tokens/step, c(P), the analytic bound, prefill time, peak RSS and
     weight bytes per system. With --memory-bound, measure the step cost c(P) on a large
     random-weight model instead."""
+    if memory_bound and concurrency is not None:
+        raise GenerationError("--memory-bound and --concurrency are separate benchmarks: give one")
+    if memory_bound and artifact is not None:
+        raise GenerationError("--memory-bound measures a random-weight model it builds itself: drop ARTIFACT")
+    if concurrency is not None:
+        ignored = [name for name, given in (("--backend", backend != "onnx"), ("--device", device != "cpu"),
+                                            ("--peer", bool(only_peers)), ("--sweep", bool(sweeps)),
+                                            ("--early-flush/--no-early-flush", early_flush is not None)) if given]
+        if ignored:
+            raise GenerationError(f"{ignored[0]} does not go with --concurrency (continuous batching runs on ONNX "
+                                  "Runtime on the CPU, early flush on; ORT GenAI is its one peer: --peers/--no-peers)")
     if memory_bound:
         from rich.console import Console
 
@@ -163,6 +174,9 @@ def print_memory_bound(report: dict) -> None:
                            f"{op['step_ms'] - op['token_share_ms']:>+15.3f}")
 
 
+MAX_CLIENTS = 1024  # --concurrency: a level's pool holds a sequence slot per client
+
+
 def concurrency_command(artifact: Path, levels: str, prompts, new_tokens: int, repeats: int, threads, peers, plot,
                         as_json: bool) -> None:
     from rich.console import Console
@@ -177,6 +191,8 @@ def concurrency_command(artifact: Path, levels: str, prompts, new_tokens: int, r
         raise GenerationError(f"--concurrency must be comma-separated integers, got {levels!r}") from None
     if not clients or min(clients) < 1:
         raise GenerationError("--concurrency needs client counts of at least 1")
+    if max(clients) > MAX_CLIENTS:
+        raise GenerationError(f"--concurrency: at most {MAX_CLIENTS} clients (every level's KV-cache pool is held at once)")
     if plot is not None:
         check_plot_path(plot)  # before minutes of measuring, not after
     engine = Engine.load(artifact, threads=threads)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from speedc.cli_options import FiniteFloat
 from speedc.errors import SpeedcError
 from speedc.models import zoo
 
@@ -35,7 +36,7 @@ def weights_bar(done: int, total: int, width: int = 30) -> str:
               help="With --weights int8/int4: the embedding / LM head's precision (default: --weights').")
 @click.option("--target", type=click.Choice(["onnx", "trt"]), default="onnx", show_default=True)
 @click.option("--exit-layer", type=click.IntRange(1), default=None, help="Override the early-exit point (logical layers).")
-@click.option("--alpha", type=click.FloatRange(0, 1), default=None,
+@click.option("--alpha", type=FiniteFloat(0, 1), default=None,
               help="Expected speculation acceptance for the schedule's cost model (default: measured in training, else 0.7).")
 @click.option("--eos-token-id", type=click.IntRange(0), default=None,
               help="End-of-text id to stop at (default: generation_config.json's, else config.json's; inspect shows which).")
@@ -109,7 +110,7 @@ def build(checkpoint, out, slots, weights, block_size, head_weights, target, exi
 @click.command(epilog=zoo.help_text())
 @click.argument("path")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.option("--alpha", type=click.FloatRange(0, 1), default=None, help="Acceptance to predict the speedup at.")
+@click.option("--alpha", type=FiniteFloat(0, 1), default=None, help="Acceptance to predict the speedup at.")
 @click.option("--measure", is_flag=True, help="Measure the artifact's step cost c(P) on this machine now and predict from it.")
 def inspect(path, as_json, alpha, measure):
     """Show the layer map, the pipeline schedule (slots x steps) and sizes of PATH: a checkpoint

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from speedc.cli_options import backend_options
-from speedc.errors import GenerationError
+from speedc.cli_options import FiniteFloat, backend_options
+from speedc.errors import BatchError, GenerationError
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -26,17 +26,18 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--prompts-file", type=click.Path(path_type=Path), default=None,
               help="One prompt per line, decoded together (continuous batching); output in input order.")
 @click.option("--max-batch", type=int, default=8, show_default=True, help="With --prompts-file: sequences in flight.")
-@click.option("--kv-cache-mb", type=float, default=None,
+@click.option("--kv-cache-mb", type=FiniteFloat(), default=None,
               help="With --prompts-file: most memory for the KV-cache pool (default: every sequence slot may hold the full "
                    "context; the pool holds only what its sequences need: their number, the longest prompt + --max-new-tokens).")
-@click.option("--row-budget", type=int, default=None,
-              help="With --prompts-file: speculate while a step has at most this many rows (default: the measured rule).")
+@click.option("--row-budget", type=click.IntRange(min=0), default=None,
+              help="With --prompts-file: speculate while a step has at most this many rows (default: the measured rule; "
+                   "0: never).")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--mode", type=click.Choice(["speed", "autoregressive"]), default="speed", show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--temperature", type=FiniteFloat(), default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--repetition-penalty", type=float, default=1.0, show_default=True)
+@click.option("--top-p", type=FiniteFloat(), default=1.0, show_default=True)
+@click.option("--repetition-penalty", type=FiniteFloat(), default=1.0, show_default=True)
 @click.option("--seed", type=int, default=None, help="RNG seed for sampling (same seed, same text in every mode).")
 @click.option("--stop", multiple=True, help="Stop when this string appears (repeatable).")
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-text token.")
@@ -62,16 +63,27 @@ def generate(artifact, prompt, prompt_ids, prompts_file, max_batch, kv_cache_mb,
         prompts = _read_prompts(prompts_file)
         engine = Engine.load(artifact, backend=backend, device=device, threads=threads, lazy=True)  # batching only
         budget = 0 if options.pop("mode") == "autoregressive" else (-1 if row_budget is None else row_budget)
-        results = engine.generate_batch(prompts, max_batch=max_batch, kv_cache_mb=kv_cache_mb, row_budget=budget,
-                                        threads=threads, **options)
-        for result in results:
+        failure = None
+        try:
+            results = engine.generate_batch(prompts, max_batch=max_batch, kv_cache_mb=kv_cache_mb, row_budget=budget,
+                                            threads=threads, **options)
+        except BatchError as failed:  # some prompts could not run: print the others, then the error
+            results, failure = failed.results, failed
+        for number, result in enumerate(results, 1):
+            if result is None:
+                if as_json:
+                    click.echo(json.dumps({"error": str(failure)}))  # its place in input order
+                continue
             if as_json:
                 click.echo(json.dumps(result.to_json()))
             else:
-                click.echo(result.text if result.text is not None else ",".join(map(str, result.ids)))
+                click.echo(_one_line(result.text) if result.text is not None else ",".join(map(str, result.ids)))
         if stats and not as_json:
             for result in results:
-                _print_stats(result.stats)
+                if result is not None:
+                    _print_stats(result.stats)
+        if failure is not None:
+            raise failure
         return
     source = prompt if prompt is not None else _parse_ids(prompt_ids)
     engine = Engine.load(artifact, backend=backend, device=device, threads=threads)
@@ -93,11 +105,24 @@ def generate(artifact, prompt, prompt_ids, prompts_file, max_batch, kv_cache_mb,
         _print_stats(result_stats)
 
 
+def _one_line(text: str) -> str:
+    """A completion on one output line (backslash, newline and carriage return escaped), so the plain
+    output of --prompts-file has exactly one line per prompt; --json carries the exact text."""
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
+
+
 def _read_prompts(path: Path) -> list[str]:
+    """One prompt per line: lines end at \\n or \\r\\n only (a form feed or U+2028 inside a prompt stays in
+    it, as `wc -l` counts), a UTF-8 byte-order mark is not part of the first prompt; "-" reads stdin."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        data = sys.stdin.buffer.read() if str(path) == "-" else path.read_bytes()
+        text = data.decode("utf-8-sig")
     except (OSError, UnicodeDecodeError) as bad:
         raise GenerationError(f"--prompts-file {path}: cannot read it ({bad.__class__.__name__})") from None
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()  # the newline ending the last line
+    lines = [line[:-1] if line.endswith("\r") else line for line in lines]
     for number, line in enumerate(lines, 1):
         if not line.strip():
             raise GenerationError(f"--prompts-file {path}: line {number} is empty (one prompt per line)")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from speedc.cli_options import FiniteFloat
 from speedc.models.presets import PRESETS
 
 
@@ -18,8 +19,8 @@ from speedc.models.presets import PRESETS
 @click.option("--steps", type=click.IntRange(1), default=1000, show_default=True, help="Total optimizer steps (with --resume: the new total).")
 @click.option("--batch-size", type=click.IntRange(1), default=16, show_default=True)
 @click.option("--seq-len", type=click.IntRange(8), default=128, show_default=True)
-@click.option("--lr", type=float, default=2e-3, show_default=True, help="Peak learning rate (cosine decay to 10%).")
-@click.option("--exit-weight", type=float, default=0.5, show_default=True, help="Weight of the early-exit loss.")
+@click.option("--lr", type=FiniteFloat(), default=2e-3, show_default=True, help="Peak learning rate (cosine decay to 10%).")
+@click.option("--exit-weight", type=FiniteFloat(), default=0.5, show_default=True, help="Weight of the early-exit loss.")
 @click.option("--eval-every", type=click.IntRange(1), default=200, show_default=True)
 @click.option("--save-every", type=click.IntRange(1), default=200, show_default=True, help="Checkpoint period in steps.")
 @click.option("--seed", type=int, default=0, show_default=True)

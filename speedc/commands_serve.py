@@ -7,11 +7,8 @@ from pathlib import Path
 
 import click
 
-from speedc.cli_options import backend_options
+from speedc.cli_options import FiniteFloat, backend_options
 from speedc.errors import SpeedcError
-
-
-BATCHING_BACKENDS = ("onnx", "onnx-numpy")  # continuous batching runs its own ONNX Runtime sessions (CPU)
 
 
 def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_queue: int, timeout: float,
@@ -34,7 +31,7 @@ def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_q
         if kv_cache_mb is not None:
             raise SpeedcError("--kv-cache-mb sizes the batching pool; with --max-batch 1 there is none")
         return
-    from speedc.runtimes.batch_backend import batch_ready, slot_capacity
+    from speedc.runtimes.batch_backend import BATCHING_BACKENDS, batch_ready, slot_capacity
 
     if backend not in BATCHING_BACKENDS or device != "cpu":
         raise SpeedcError(f"continuous batching runs on ONNX Runtime on the CPU (not --backend {backend} --device "
@@ -60,7 +57,7 @@ def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_q
 @click.option("--max-batch", type=int, default=8, show_default=True,
               help="Requests decoded together (continuous batching: they share each engine step). 1: one request "
                    "at a time on the single-sequence engine (any --backend / --device).")
-@click.option("--kv-cache-mb", type=float, default=None,
+@click.option("--kv-cache-mb", type=FiniteFloat(), default=None,
               help="Most memory for the batching KV-cache pool, shared by the --max-batch requests (default: room "
                    "for the model's whole context each; the pool holds only what the running requests need: their number and "
                    "the longest one). "
@@ -68,7 +65,7 @@ def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_q
 @click.option("--max-queue", type=int, default=64, show_default=True,
               help="Requests that may wait for a place (beyond --max-batch running); beyond that the server "
                    "answers 429 with Retry-After.")
-@click.option("--request-timeout", type=float, default=600.0, show_default=True,
+@click.option("--request-timeout", type=FiniteFloat(), default=600.0, show_default=True,
               help="Seconds a request may take from arrival (queueing included) before it is stopped.")
 @backend_options
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
@@ -79,7 +76,7 @@ def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_q
               help="--ray: autoscale between MIN and MAX replicas instead of a fixed number.")
 @click.option("--max-ongoing-requests", type=int, default=None,
               help="--ray: requests a replica holds at once (default: --max-batch running + --max-queue waiting).")
-@click.option("--replica-cpus", type=float, default=1.0, show_default=True, help="--ray: CPUs reserved per replica.")
+@click.option("--replica-cpus", type=FiniteFloat(), default=1.0, show_default=True, help="--ray: CPUs reserved per replica.")
 def serve(artifact, host, port, model_name, chat_template, mode, max_batch, kv_cache_mb, max_queue, request_timeout,
           backend, device, threads, log_level, use_ray, replicas, autoscale, max_ongoing_requests, replica_cpus):
     """Serve a compiled ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions,

@@ -23,3 +23,17 @@ class ArtifactError(SpeedcError):
 
 class GenerationError(SpeedcError):
     """Bad generation request: empty prompt, ids outside the vocabulary, context overflow."""
+
+
+class BatchError(GenerationError):
+    """Some prompts of a batch could not be generated; RESULTS holds the others' results in prompt
+    order (None where one failed), so finished work is not lost."""
+
+    def __init__(self, message: str, results: list) -> None:
+        super().__init__(message)
+        self.results = results
+
+
+class OutOfMemory(GenerationError):
+    """Memory for a request's KV cache could not be allocated (servers answer 503: retry later or
+    lower the memory asked for)."""

@@ -86,6 +86,23 @@ def build_artifact(model_or_dir, out: Path, **options) -> Path:
     return out
 
 
+@pytest.fixture
+def memory_for_256_positions(monkeypatch):
+    """A stand-in memory limit: the OS refuses any KV-cache pool longer than 256 positions."""
+    import numpy as np
+
+    from speedc.runtimes import batch_backend
+
+    real_zeros = np.zeros
+
+    def zeros(shape, *args, **kwargs):
+        if isinstance(shape, tuple) and len(shape) == 6 and shape[4] > 257:  # [S, P, W, kvh, T + 1, hd]
+            raise MemoryError
+        return real_zeros(shape, *args, **kwargs)
+
+    monkeypatch.setattr(batch_backend.np, "zeros", zeros)
+
+
 @pytest.fixture(scope="session")
 def tiny_artifact(tmp_path_factory) -> Path:
     return build_artifact(ZOO / "tiny", tmp_path_factory.mktemp("tiny") / "art")
@@ -97,14 +114,14 @@ def zoo_artifacts(tmp_path_factory) -> dict[str, Path]:
     return {name: build_artifact(ZOO / name, root / name) for name in ZOO_MODELS}
 
 
-def run_cli(*args: str, env: dict | None = None, timeout: int = 300):
-    """Run the installed `speedc` console script; returns CompletedProcess (text)."""
+def run_cli(*args: str, env: dict | None = None, timeout: int = 300, stdin: str | None = None):
+    """Run the installed `speedc` console script (STDIN: text fed to it); returns CompletedProcess (text)."""
     import subprocess
     import sys
 
     exe = Path(sys.executable).with_name("speedc")
     return subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+                          env={**os.environ, **(env or {})}, input=stdin)
 
 
 def assert_one_line_error(result, *fragments: str) -> None:

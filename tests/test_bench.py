@@ -240,6 +240,18 @@ def test_memory_bound_on_a_looped_shape():
     assert summary["acceptance_rate"] == report["rows"][-1]["acceptance"]
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--sweep", "length"], "--sweep does not go with --concurrency"),
+    (["--backend", "torch"], "--backend does not go with --concurrency"),
+    (["--no-early-flush"], "--early-flush/--no-early-flush does not go with --concurrency"),
+    (["--memory-bound"], "--memory-bound and --concurrency are separate benchmarks"),
+    (["--concurrency", "99999999999999999999"], "at most 1024 clients"),  # was a numpy traceback
+])
+def test_concurrency_bench_refuses_options_it_would_ignore(tiny_artifact, args, message):
+    """Before: these ran the concurrency table and silently dropped the option."""
+    assert_one_line_error(run_cli("bench", tiny_artifact, "--concurrency", "1,2", *args), message)
+
+
 def test_concurrency_bench_rows_for_every_system(tiny_artifact):
     """`speedc bench --concurrency` (no peers): a row per (clients, system), the unbatched engine at one
     client; every system's ids were required equal to plain decoding alone before any rate is reported."""

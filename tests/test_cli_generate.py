@@ -35,6 +35,7 @@ def test_generate_json_and_stats(tiny_artifact):
     (["--prompt", "hi", "--temperature", "-1"], ["temperature"]),
     (["--prompt", "hi", "--top-p", "0"], ["top-p"]),
     (["--prompt", "hi", "--device", "cuda"], ["device 'cuda'"]),
+    (["--prompt", "hi", "--temperature", "0.8", "--seed", "-1"], ["seed must be >= 0"]),
 ])
 def test_bad_requests(tiny_artifact, args, fragments):
     assert_one_line_error(run_cli("generate", tiny_artifact, *args), *fragments)
@@ -60,3 +61,15 @@ def test_damaged_artifacts(tiny_artifact, tmp_path):
     shutil.copytree(tiny_artifact, unfinished)
     (unfinished / "manifest.json").unlink()
     assert_one_line_error(run_cli("generate", unfinished, "--prompt", "hi"), "no manifest.json")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--temperature", "nan"], "'nan' is not a finite number"),
+    (["--prompts-file", "p.txt", "--kv-cache-mb", "inf"], "'inf' is not a finite number"),
+    (["--threads", "0"], "0 is not in the range x>=1"),
+])
+def test_option_values_click_refuses(tiny_artifact, args, message):
+    """nan and inf pass click's float (and every range check); before, they failed deep inside with a
+    traceback (a nan pool size, a nan timeout on the server). Refused as usage errors now."""
+    result = run_cli("generate", tiny_artifact, "--prompt", "hi", *args)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr

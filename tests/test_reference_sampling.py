@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from conftest import random_config, randomize
 from speedc.errors import GenerationError
 from speedc.models.generate import generate
 from speedc.models.sampling import SamplingParams as Sampling
+from speedc.models.sampling import TokenPicker
 from speedc.models.llama import SharedLlama
 
 
@@ -41,3 +43,16 @@ def test_stops_at_eos_and_validates(model):
         generate(model, [model.cfg.vocab_size], 3)
     with pytest.raises(GenerationError, match="exceeds the context"):
         generate(model, [1] * 100, 40)
+
+
+def test_a_tiny_temperature_picks_the_argmax_and_non_finite_settings_are_refused():
+    """Before: at temperature 1e-320 the scores overflowed to inf, softmax gave nan and the last id was
+    picked every time. The scores are shifted by their maximum before dividing now."""
+    logits = np.array([0.5, 2.0, -1.0, 2.0 - 1e-9, 1.0])
+    for temperature in (1e-320, 1e-300, 1e-12):
+        picker = TokenPicker(Sampling(temperature=temperature, seed=0))
+        assert [picker.pick(logits, 0, []) for _ in range(8)] == [1] * 8
+    for bad in (dict(temperature=float("nan")), dict(temperature=float("inf")), dict(repetition_penalty=float("nan")),
+                dict(top_p=float("nan")), dict(seed=-1)):
+        with pytest.raises(GenerationError):
+            TokenPicker(Sampling(**bad))

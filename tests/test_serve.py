@@ -190,6 +190,9 @@ BAD_REQUESTS = [
     ("completions", {"model": "tiny", "prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
     ("completions", {"model": "tiny", "prompt": [5] * 600}, 400, "prompt"),
     ("completions", {"model": "tiny", "prompt": [5] * 500, "max_tokens": 100}, 400, "max_tokens"),
+    # 5 M characters: refused before tokenizing (it took 6 s, and every other stream stalled behind it)
+    ("completions", {"model": "tiny", "prompt": "ROMEO: " * 700_000}, 400, "prompt"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x" * 5_000_000}]}, 400, "messages"),
     ("completions", {"model": "tiny", "prompt": [5, 99999]}, 400, "prompt"),
     ("completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
     ("completions", {"model": "tiny", "prompt": ["a", "b"]}, 400, "prompt"),

@@ -2,7 +2,8 @@
 requests that give up free their places), the request timeout stops a generation (streamed or whole),
 a model without a chat template answers chat with a 400, SIGTERM lets in-flight requests finish before
 the process exits, the single-sequence engine (--max-batch 1) still serves, and a batched server opens
-only the batch scheduler's sessions. One `speedc serve` subprocess for the module (--max-batch 2
+only the batch scheduler's sessions, and a request whose KV cache cannot be allocated gets a 503 while the
+others are served. One `speedc serve` subprocess for the module (--max-batch 2
 --max-queue 1; the SIGTERM test ends it, so it runs last); other settings run the app in this process."""
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ async def admitted(http: httpx.AsyncClient, count: int, seconds: float = 5) -> b
 
 def test_bad_command_lines_are_one_line_errors(tiny_artifact, tmp_path):
     assert_one_line_error(run_cli("serve", tmp_path / "nothing"), "not an artifact directory")
+    nan_timeout = run_cli("serve", tiny_artifact, "--request-timeout", "nan")  # was: every request a 500
+    assert nan_timeout.returncode == 2 and "'nan' is not a finite number" in nan_timeout.stderr
     (tmp_path / "broken.jinja").write_text("{% for m in messages %}")
     assert_one_line_error(run_cli("serve", tiny_artifact, "--chat-template", tmp_path / "broken.jinja"),
                           "chat template does not parse")
@@ -122,6 +125,34 @@ def test_request_timeout_stops_streamed_and_whole_generations(tiny_artifact):
         assert late.value.status_code == 408 and late.value.body["type"] == "timeout_error"
         metrics = httpx.get(f"{url}/metrics").text
         assert "speedc_requests_timed_out_total 2.0" in metrics and "speedc_requests_running 0.0" in metrics
+
+
+def test_a_request_whose_cache_cannot_be_allocated_gets_503_and_the_others_are_served(tiny_artifact,
+                                                                                     memory_for_256_positions):
+    """Before: a request whose KV cache the pool could not grow to hold failed every request running
+    beside it with a 500. Now it waits for them, then alone gets a 503 out_of_memory with the engine's
+    advice (an error event when streamed); the short requests beside it are served in full."""
+    settings = ServeSettings(artifact=tiny_artifact, model_name="tiny", threads=1, max_batch=2)
+    expected = Engine.load(tiny_artifact, threads=1).generate("ROMEO:", max_new_tokens=40, stop_at_eos=False).text
+
+    async def scenario(url: str):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            async def short():
+                return await http.post("/v1/completions", json=dict(BODY, max_tokens=40))
+
+            async def long(stream: bool):
+                await asyncio.sleep(0.05)
+                return await http.post("/v1/completions", json=dict(BODY, max_tokens=300, stream=stream))
+
+            return await asyncio.gather(short(), short(), long(False), long(True))
+
+    with server_in_this_process(settings) as url:
+        first, second, whole, streamed = asyncio.run(scenario(url))
+    assert first.json()["choices"][0]["text"] == second.json()["choices"][0]["text"] == expected
+    assert whole.status_code == 503 and whole.json()["error"]["code"] == "out_of_memory"
+    assert "cannot grow" in whole.json()["error"]["message"] and "--kv-cache-mb" in whole.json()["error"]["message"]
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert events[-1]["error"]["code"] == "out_of_memory"
 
 
 def _events(response: httpx.Response) -> list[dict | str]:

@@ -53,9 +53,17 @@ def _scheduler(engine: Engine, prompts: list[str], clients: int, new_tokens: int
     sessions' first runs at each row count allocate and prepack (a first prefill measured 180 ms against
     11 ms after), and the run's shapes of step make their bindings."""
     scheduler = engine.batch_scheduler(backend=backend, **options)
-    _submit(scheduler, engine, prompts, clients, new_tokens)
+    sequences = _submit(scheduler, engine, prompts, clients, new_tokens)
     scheduler.run()
+    _raise_failure(sequences, clients)
     return scheduler
+
+
+def _raise_failure(sequences: list, clients: int) -> None:
+    """A request that could not run (its KV cache out of memory even alone) ends the bench in one line."""
+    failed = next((s.error for s in sequences if s.error is not None), None)
+    if failed is not None:
+        raise SpeedcError(f"concurrency {clients}: {failed}")
 
 
 def _submit(scheduler, engine: Engine, prompts: list[str], clients: int, new_tokens: int) -> list:
@@ -76,6 +84,7 @@ def _run_once(scheduler, engine: Engine, prompts: list[str], clients: int, new_t
                 first.setdefault(sequence.id, now)
                 last[sequence.id] = now
     wall = time.perf_counter() - start
+    _raise_failure(sequences, clients)
     per_token = [(last[s.id] - first[s.id]) * 1e3 / (len(s.out) - 1) for s in sequences if len(s.out) > 1]
     return {"wall": wall, "tokens": sum(len(s.out) for s in sequences), "ids": [s.out for s in sequences],
             "per_token_ms": per_token, "ttft_ms": [(first[s.id] - start) * 1e3 for s in sequences],

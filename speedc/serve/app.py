@@ -27,10 +27,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from speedc.errors import GenerationError, SpeedcError
+from speedc.errors import GenerationError, OutOfMemory, SpeedcError
 from speedc.serve.batched_engine import BatchedEngine, BatchedGeneration
 from speedc.serve.chat_template import ChatTemplate, TemplateRenderError, load_chat_template
-from speedc.serve.engine_adapter import Generation, GenerationRequest, Piece, QueueFull, ThreadedEngine
+from speedc.serve.engine_adapter import (Generation, GenerationRequest, Piece, QueueFull, ThreadedEngine,
+                                         prompt_char_limit)
 from speedc.serve.metrics import CONTENT_TYPE, Metrics
 from speedc.serve.protocol import (COMPLETIONS_DEFAULT_MAX_TOKENS, ApiError, ParsedRequest, parse_request,
                                    read_json)
@@ -78,8 +79,17 @@ class Service:
     def __init__(self, settings: ServeSettings) -> None:
         self.template: ChatTemplate | None = load_chat_template(settings.artifact, settings.chat_template)
         self.adapter = make_adapter(settings)
+        self.prompt_char_limit = prompt_char_limit(self.adapter.engine, self.adapter.max_context)
 
     def prompt_ids(self, parsed: ParsedRequest) -> list[int]:
+        """The request's prompt as ids (tokenized, or rendered through the chat template first). Called
+        in a worker thread: tokenizing a long prompt must not stall the event loop's other streams."""
+        text_chars = (sum(len(str(m.get("content") or "")) for m in parsed.messages) if parsed.kind == "chat"
+                      else len(parsed.prompt) if isinstance(parsed.prompt, str) else 0)
+        if text_chars > self.prompt_char_limit:
+            raise ApiError(400, f"the prompt is {text_chars:,} characters: more tokens than the {self.adapter.max_context} "
+                                "a request may hold", param="messages" if parsed.kind == "chat" else "prompt",
+                           code="context_length_exceeded")
         if parsed.kind == "chat":
             if self.template is None:
                 raise ApiError(400, "this model has no chat template (none in its artifact); use /v1/completions, "
@@ -94,15 +104,18 @@ class Service:
 
     def generation_request(self, parsed: ParsedRequest, ids: list[int]) -> GenerationRequest:
         context, param = self.adapter.max_context, "messages" if parsed.kind == "chat" else "prompt"
+        # a request's KV-cache slot is the model's context unless --kv-cache-mb made it smaller
+        limit = (f"the model's context of {context} tokens" if context == self.adapter.engine.manifest.model["max_context"]
+                 else f"a request's share of the server's KV-cache pool ({context} tokens, --kv-cache-mb)")
         if len(ids) >= context:
-            raise ApiError(400, f"the prompt is {len(ids)} tokens; the model's context is {context} tokens",
+            raise ApiError(400, f"the prompt is {len(ids)} tokens; that leaves no room within {limit}",
                            param=param, code="context_length_exceeded")
         s = parsed.sampling
         default = COMPLETIONS_DEFAULT_MAX_TOKENS if parsed.kind == "completion" else context - len(ids)
         max_tokens = s.max_tokens if s.max_tokens is not None else min(default, context - len(ids))
         if len(ids) + max_tokens > context:
-            raise ApiError(400, f"the prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-                                f"context of {context} tokens", param="max_tokens", code="context_length_exceeded")
+            raise ApiError(400, f"the prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds {limit}",
+                           param="max_tokens", code="context_length_exceeded")
         return GenerationRequest(ids, max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
                                  repetition_penalty=s.repetition_penalty, stop=tuple(s.stop),
                                  stop_at_eos=not s.ignore_eos)
@@ -178,6 +191,12 @@ async def until_disconnect(request: Request, work: asyncio.Future):
     return work.result()
 
 
+def out_of_memory(error: OutOfMemory) -> ApiError:
+    """The request's KV cache could not be allocated even with no other request running: the server's
+    memory, not the request, is the limit (503, with the engine's advice)."""
+    return ApiError(503, str(error), kind="server_error", code="out_of_memory")
+
+
 async def whole_response(request: Request, reply: Reply, tracker: Tracker) -> Response:
     async def collect() -> str:
         return "".join([piece.text async for piece in tracker.pieces()])
@@ -186,6 +205,8 @@ async def whole_response(request: Request, reply: Reply, tracker: Tracker) -> Re
         text = await until_disconnect(request, asyncio.ensure_future(collect()))
     except asyncio.TimeoutError:
         raise tracker.timed_out() from None
+    except OutOfMemory as full:
+        raise out_of_memory(full) from None
     except ClientGone:
         return Response(status_code=CLIENT_GONE_STATUS)
     finally:
@@ -205,6 +226,8 @@ async def stream_events(reply: Reply, tracker: Tracker) -> AsyncIterator[str]:
             yield item
     except asyncio.TimeoutError:
         yield error_event(tracker.timed_out().body())
+    except OutOfMemory as full:
+        yield error_event(out_of_memory(full).body())
     except Exception:  # the status line is sent: the error goes in the stream
         log.exception("generation failed")
         yield error_event(ApiError(500, "the generation failed on the server", kind="server_error").body())
@@ -299,7 +322,7 @@ def create_app(settings: ServeSettings, *, load_in_background: bool = True,
             raise ApiError(404, f"the model {parsed.model!r} does not exist (this server serves "
                                 f"{settings.model_name!r})", param="model", code="model_not_found")
         try:
-            ids = service.prompt_ids(parsed)
+            ids = await asyncio.to_thread(service.prompt_ids, parsed)
             generation = service.adapter.submit(service.generation_request(parsed, ids))
         except GenerationError as bad:
             raise ApiError(400, str(bad), param="messages" if kind == "chat" else "prompt") from None

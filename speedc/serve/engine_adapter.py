@@ -44,6 +44,15 @@ def encode(engine, text: str, special_tokens: bool) -> list[int]:
     return engine.tokenizer.encode(text, add_special_tokens=False).ids
 
 
+def prompt_char_limit(engine, context: int) -> int:
+    """Characters beyond which a text prompt cannot fit CONTEXT tokens, whatever it says: no token covers
+    more characters than the longest vocabulary entry (a byte-level entry has a character per byte, a
+    text character at least one byte), and x 4 leaves room for a normalizer that composes characters.
+    Servers refuse longer prompts without tokenizing them (5 M characters took 4-6 s of a core)."""
+    longest = max((len(token) for token in engine.tokenizer.get_vocab()), default=1)
+    return context * max(longest, 1) * 4
+
+
 class RetryEstimate:
     """Retry-After for a full queue: a place comes free when one of the SLOTS generations running
     finishes, on average every mean generation time / SLOTS (a running mean of engine seconds)."""

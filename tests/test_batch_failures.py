@@ -1,0 +1,193 @@
+"""Continuous batching when something fails: a KV-cache pool that cannot grow (a real allocation of
+terabytes refused by the OS, then a stand-in memory limit that refuses pools longer than 256
+positions), a step that raises part way (the real backend made to fail once), and cancellations
+racing those. Whatever fails, the other requests' outputs equal plain decoding alone,
+no request is cut short or left hanging, and the scheduler stays consistent."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from speedc import Engine
+from speedc.errors import BatchError, GenerationError, OutOfMemory
+from speedc.runtimes.batch import DONE, BatchScheduler
+from speedc.runtimes.batch_backend import BatchBackend
+from speedc.runtimes.engine_loop import EngineLoop
+
+PROMPTS = ["ROMEO:", "JULIET: O", "KING HENRY:", "First Citizen:\nBefore"]
+HUGE = 1 << 36  # positions: a slot capacity whose full pool would take terabytes
+LONG = 300  # new tokens: a request whose pool (512 positions) the stand-in memory limit refuses
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_artifact) -> Engine:
+    return Engine.load(tiny_artifact)
+
+
+def _alone(engine: Engine, prompt: str, max_new_tokens: int):
+    return engine.generate(prompt, max_new_tokens=max_new_tokens, mode="autoregressive", stop_at_eos=False).ids
+
+
+def _request(engine: Engine, prompt: str, max_new_tokens: int):
+    return engine.request_from(prompt, dict(max_new_tokens=max_new_tokens, stop_at_eos=False))
+
+
+def test_pool_allocates_what_requests_need_and_refuses_growth_that_does_not_fit(engine):
+    """A slot capacity whose full pool could never be allocated still serves short requests: the pool
+    holds what they need. Growing past memory is a one-line OutOfMemory that leaves the pool as it was."""
+    backend = BatchBackend(engine.directory, engine.manifest, max_batch=2, capacity=HUGE)
+    assert backend.length == 256 and backend.key.nbytes < (64 << 20)
+    with pytest.raises(OutOfMemory, match=r"cannot grow to \d+ positions x 1 sequence slots .*out of memory"):
+        backend.reserve(HUGE - 1)
+    assert backend.length == 256
+    scheduler = BatchScheduler(backend)
+    sequence = scheduler.submit(_request(engine, PROMPTS[0], 16))
+    scheduler.run()
+    assert sequence.out == _alone(engine, PROMPTS[0], 16)
+
+
+def test_a_request_the_pool_cannot_hold_waits_then_fails_alone(engine, memory_for_256_positions):
+    """Before: admitting a request whose cache the pool could not grow to hold failed every request in
+    the batch. Now it waits (and the requests behind it, first come first served) while others run;
+    once it is alone and still does not fit, it alone ends with OutOfMemory and the queue moves on."""
+    backend = BatchBackend(engine.directory, engine.manifest, max_batch=2, capacity=512)
+    scheduler = BatchScheduler(backend)
+    first = scheduler.submit(_request(engine, PROMPTS[0], 20))
+    for _ in range(3):
+        scheduler.step()
+    huge = scheduler.submit(_request(engine, PROMPTS[1], LONG))
+    behind = scheduler.submit(_request(engine, PROMPTS[2], 12))
+    waited = ended = 0
+    while scheduler.busy:
+        events = scheduler.step()
+        assert len(scheduler.occupied) <= backend.width  # never more sequences than the pool holds
+        if first.state != DONE:
+            assert huge in scheduler.waiting and behind in scheduler.waiting
+            waited += 1
+        ended += sum(1 for sequence, token in events if sequence is huge and token is None)
+    assert waited > 5 and ended == 1
+    assert isinstance(huge.error, OutOfMemory) and huge.stats.stop_reason == "error" and huge.out == []
+    assert first.out == _alone(engine, PROMPTS[0], 20) and behind.out == _alone(engine, PROMPTS[2], 12)
+    assert first.error is None and behind.error is None
+
+
+def test_generate_batch_keeps_the_other_results_when_one_prompt_cannot_run(engine, memory_for_256_positions):
+    backend = BatchBackend(engine.directory, engine.manifest, max_batch=2, capacity=512)
+    with pytest.raises(BatchError, match=r"^prompt 2: the KV-cache pool cannot grow") as failed:
+        engine.generate_batch(PROMPTS[:3], max_new_tokens=10, stop_at_eos=False, settings=[{}, {"max_new_tokens": LONG}, {}],
+                              scheduler=BatchScheduler(backend))
+    first, missing, third = failed.value.results
+    assert missing is None
+    assert first.ids == _alone(engine, PROMPTS[0], 10) and third.ids == _alone(engine, PROMPTS[2], 10)
+
+
+def test_engine_loop_request_that_cannot_fit_fails_alone(engine, memory_for_256_positions):
+    async def scenario():
+        loop = EngineLoop(engine, scheduler=BatchScheduler(BatchBackend(engine.directory, engine.manifest, max_batch=2,
+                                                                        capacity=512)))
+        short = loop.submit(PROMPTS[0], max_new_tokens=12, stop_at_eos=False)
+        huge = loop.submit(PROMPTS[1], max_new_tokens=LONG)
+        with pytest.raises(OutOfMemory):
+            await huge.wait()
+        result = await short.wait()
+        after = await loop.submit(PROMPTS[2], max_new_tokens=8, stop_at_eos=False).wait()
+        assert not loop._requests
+        await loop.aclose()
+        return result, after
+
+    result, after = asyncio.run(scenario())
+    assert result.ids == _alone(engine, PROMPTS[0], 12) and after.ids == _alone(engine, PROMPTS[2], 8)
+
+
+def _fail_once_when(backend, method: str, condition):
+    """Make BACKEND.METHOD (the real one) raise once, in the first call where CONDITION() holds."""
+    real = getattr(backend, method)
+
+    def maybe_fail(*args, **kwargs):
+        if condition():
+            setattr(backend, method, real)
+            raise RuntimeError("injected ONNX Runtime failure")
+        return real(*args, **kwargs)
+
+    setattr(backend, method, maybe_fail)
+
+
+def test_engine_loop_step_failure_ends_requests_in_flight_and_goes_on(engine):
+    """A step that raises (here: the real backend's prefill made to fail once) ends the requests in
+    flight with that error and frees their slots; the next request is served as usual."""
+    async def scenario():
+        loop = EngineLoop(engine, max_batch=2)
+        _fail_once_when(loop.scheduler.backend, "prefill", lambda: True)
+        doomed = loop.submit(PROMPTS[0], max_new_tokens=8)
+        with pytest.raises(RuntimeError, match="injected"):
+            await doomed.wait()
+        assert (loop.running, loop.waiting) == (0, 0)
+        after = await loop.submit(PROMPTS[1], max_new_tokens=8).wait()
+        await loop.aclose()
+        return after
+
+    assert asyncio.run(scenario()).ids == _alone(engine, PROMPTS[1], 8)
+
+
+def test_requests_that_ended_before_a_step_failed_end_as_they_did(engine):
+    """Before: a request cancelled (running or waiting) or finished in a step that then raised lost its
+    end with the step's events, and its iterator never ended. Now: the cancelled ones end "cancelled",
+    one that finished in that step ends with all its tokens, the one the step was running fails with
+    the error, and the request still waiting runs afterwards: equal to plain decoding alone."""
+    async def scenario():
+        loop = EngineLoop(engine, max_batch=2)
+        running = loop.submit(PROMPTS[0], max_new_tokens=64, stop_at_eos=False)
+        cancelled = loop.submit(PROMPTS[1], max_new_tokens=64, stop_at_eos=False)
+        pieces = 0
+        async for _ in running:
+            pieces += 1
+            if pieces == 3:
+                break
+        one_token = loop.submit(PROMPTS[2], max_new_tokens=1, stop_at_eos=False)
+        waiting_cancelled = loop.submit(PROMPTS[3], max_new_tokens=8, stop_at_eos=False)  # max_batch 2: these wait
+        queued = loop.submit(PROMPTS[3], max_new_tokens=6, stop_at_eos=False)  # (one_token takes the freed slot)
+        # fail the decode part of the step that has just processed both cancellations and finished one_token
+        _fail_once_when(loop.scheduler.backend, "speed_step", lambda: (cancelled.sequence.state == DONE
+                                                                        and waiting_cancelled.sequence.state == DONE
+                                                                        and one_token.sequence.state == DONE))
+        loop.cancel(cancelled)
+        loop.cancel(waiting_cancelled)
+        ends = {}
+        for name, submitted in (("cancelled", cancelled), ("waiting_cancelled", waiting_cancelled),
+                                ("one_token", one_token), ("running", running), ("queued", queued)):
+            try:
+                ends[name] = (await asyncio.wait_for(submitted.wait(), 60)).stats.stop_reason
+            except RuntimeError as error:
+                ends[name] = str(error)
+        leaked = dict(loop._requests)
+        await loop.aclose()
+        return ends, leaked, one_token, queued
+
+    ends, leaked, one_token, queued = asyncio.run(scenario())
+    assert ends == {"cancelled": "cancelled", "waiting_cancelled": "cancelled", "one_token": "max_new_tokens",
+                    "running": "injected ONNX Runtime failure", "queued": "max_new_tokens"}
+    assert not leaked
+    assert one_token.result.ids == _alone(engine, PROMPTS[2], 1) and queued.result.ids == _alone(engine, PROMPTS[3], 6)
+
+
+def test_cancel_from_another_thread_wakes_the_loop(engine):
+    """EngineLoop.cancel may be called from any thread (asyncio.Event is not thread-safe: it is set on
+    its own loop)."""
+    import threading
+
+    async def scenario():
+        loop = EngineLoop(engine, max_batch=1)
+        first = loop.submit(PROMPTS[0], max_new_tokens=400, stop_at_eos=False)
+        async for _ in first:
+            break
+        thread = threading.Thread(target=loop.cancel, args=(first,))
+        thread.start()
+        thread.join()
+        result = await asyncio.wait_for(first.wait(), 60)
+        await loop.aclose()
+        return result
+
+    result = asyncio.run(scenario())
+    assert result.stats.stop_reason == "cancelled" and 0 < len(result.ids) < 400
