@@ -29,13 +29,15 @@ import numpy as np
 from safetensors.torch import save_file
 
 from speedc.errors import CheckpointError
-from speedc.models.checkpoint_files import CONFIG_FILE, INDEX_FILE, TOKENIZER_FILE, WEIGHTS_FILE, token_ids
+from speedc.models.checkpoint_files import (CONFIG_FILE, INDEX_FILE, TOKENIZER_FILE, WEIGHTS_FILE, generation_eos_ids,
+                                           token_ids)
 from speedc.models.config import ModelConfig
 from speedc.models.families import FAMILIES
 from speedc.models.llama import SharedLlama
 from speedc.models.tensor_source import TensorSource, safetensors_sources, same_values
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")  # TensorSource dtype names a checkpoint weight may have
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
@@ -80,10 +82,17 @@ def _read_weights(directory: Path, allow_pickle: bool) -> tuple[dict[str, Tensor
     safetensors_files = sorted(directory.glob("*.safetensors"))
     if safetensors_files:
         sources: dict[str, TensorSource] = {}
+        origin: dict[str, Path] = {}
         for path in safetensors_files:
-            sources.update(safetensors_sources(path))
+            for name, source in safetensors_sources(path).items():
+                if name in sources:  # which one the model meant is not ours to guess (a later file used to win)
+                    raise CheckpointError(f"{directory}: tensor {name} is in both {origin[name].name} and {path.name}")
+                sources[name], origin[name] = source, path
         return sources, safetensors_files[0]
     pickled = sorted(p for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickled and any((directory / name).is_file() for name in ("manifest.json", "prefill.onnx")):  # speedc's own files
+        raise CheckpointError(f"{directory}: a speedc artifact (or what is left of one), not a checkpoint: build from "
+                              "the checkpoint it came from; `speedc generate` runs an artifact")
     if pickled:
         if not allow_pickle:
             raise CheckpointError(
@@ -151,8 +160,12 @@ def load_checkpoint(path: str | Path, *, allow_pickle: bool = False) -> tuple[Mo
 
 
 def with_generation_token_ids(cfg: ModelConfig, directory: Path) -> ModelConfig:
-    """The checkpoint's generation token ids (checkpoint_files.token_ids) over config.json's."""
-    return dataclasses.replace(cfg, **{key: value for key, (value, _) in token_ids(directory).items()})
+    """The checkpoint's generation token ids (checkpoint_files.token_ids) over config.json's; every
+    end-of-text id generation_config.json lists (Llama-3-style chat models end on several)."""
+    found = {key: value for key, (value, _) in token_ids(directory).items()}
+    if "eos_token_id" in found:
+        found["eos_token_ids"] = generation_eos_ids(directory) or (found["eos_token_id"],)
+    return dataclasses.replace(cfg, **found)
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -175,6 +188,9 @@ def _check_against_config(cfg: ModelConfig, tensors: dict[str, TensorSource], we
         if tuple(tensors[name].shape) != shape:
             raise CheckpointError(
                 f"{weights_path}: {name} has shape {list(tensors[name].shape)} but config.json implies {list(shape)}")
+        if tensors[name].dtype not in FLOAT_DTYPES:  # an int32 weight built and generated gibberish
+            raise CheckpointError(f"{weights_path}: {name} is {tensors[name].dtype}; weights must be floating point "
+                                  f"({', '.join(FLOAT_DTYPES)})")
 
 
 def load_model(path: str | Path, *, allow_pickle: bool = False, dtype: torch.dtype = torch.float32) -> SharedLlama:
@@ -291,8 +307,23 @@ def checkpoint_hash(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def read_tokenizer_json(path: str | Path) -> str | None:
+def read_tokenizer_json(path: str | Path, vocab_size: int | None = None) -> str | None:
+    """The checkpoint's tokenizer.json text (None: it has none), checked to load, and, given the model's
+    VOCAB_SIZE, to produce no id the model has no row for (a build used to copy a broken one, and
+    `speedc generate` failed with a traceback; a larger tokenizer failed only at its first big id)."""
     file = Path(path) / TOKENIZER_FILE
-    return file.read_text() if file.exists() else None
+    if not file.exists():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        text = file.read_text(encoding="utf-8")
+        tokenizer = Tokenizer.from_str(text)
+    except Exception as bad:  # the tokenizers package raises its own Exception type
+        raise CheckpointError(f"{file}: not a tokenizer the tokenizers package can load ({str(bad).splitlines()[0]})") from None
+    if vocab_size is not None and tokenizer.get_vocab_size(with_added_tokens=True) > vocab_size:
+        raise CheckpointError(f"{file}: {tokenizer.get_vocab_size(with_added_tokens=True)} tokens, but the model's "
+                              f"vocabulary has {vocab_size} rows")
+    return text
 
 

@@ -100,6 +100,14 @@ def token_ids(directory: Path) -> dict[str, tuple[int, str]]:
     return found
 
 
+def generation_eos_ids(directory: Path) -> tuple[int, ...] | None:
+    """Every end-of-text id when generation_config.json lists several (None otherwise)."""
+    listed = _json_file(Path(directory) / GENERATION_CONFIG_FILE).get("eos_token_id")
+    if isinstance(listed, list) and listed and all(_first_id(value) is not None for value in listed):
+        return tuple(listed)
+    return None
+
+
 def token_id_sources(directory: Path) -> dict[str, str]:
     found = token_ids(directory)
     return {key: found[key][1] if key in found else CONFIG_FILE for key in ("bos_token_id", "eos_token_id")}
@@ -110,9 +118,12 @@ def acceptance_hint_from_training(checkpoint: Path) -> float | None:
     training = Path(checkpoint) / TRAINING_FILE
     try:
         history = json.loads(training.read_text())["history"]
-        return float(history[-1]["agree_top1"])
+        agreement = float(history[-1]["agree_top1"])
     except (OSError, KeyError, IndexError, ValueError, TypeError):
         return None
+    if not 0 <= agreement <= 1:  # also nan: an agreement of 5 turned speculation off without a word
+        raise CheckpointError(f"{training}: agree_top1 {agreement!r} is not an agreement in [0, 1]; fix or remove the file")
+    return agreement
 
 
 def has_speedc_section(checkpoint: Path) -> bool:

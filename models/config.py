@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from speedc.errors import CheckpointError
 from speedc.models.layer_map import describe_layer_map, resolve_layer_map
 
 CONFIG_FORMAT_VERSION = 1
+MAX_CONTEXT = 1 << 22  # positions: 4 M (a 1e9-position config took 122 s to build an artifact that could not run)
 
 
 @dataclasses.dataclass
@@ -50,14 +52,18 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     bos_token_id: int = 0
     eos_token_id: int = 0
+    eos_token_ids: tuple[int, ...] = ()  # every end-of-text id, eos_token_id first (() : just eos_token_id)
     architecture: str = "llama"  # the family (models/families.py) the checkpoint was read as
     sandwich_norms: bool = False  # Ouro: h = x + norm2(attn(norm1(x))); out = h + norm4(mlp(norm3(h)))
     loop_norm: bool = False  # looped models: state = model.norm(state) after every pass over the blocks
     final_norm: bool = True  # the final head normalizes (False: the last loop-boundary norm already did)
 
     def __post_init__(self) -> None:
-        if self.head_dim is None:
+        if self.head_dim is None and isinstance(self.num_attention_heads, int) and self.num_attention_heads > 0:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        if not self.eos_token_ids or self.eos_token_ids[0] != self.eos_token_id:  # eos_token_id was set on its own
+            self.eos_token_ids = (self.eos_token_id,)
+        self.eos_token_ids = tuple(self.eos_token_ids)
         self.validate()
 
     # ---- derived ------------------------------------------------------------------------
@@ -80,7 +86,15 @@ class ModelConfig:
             need(isinstance(value, int) and value > 0, f"{name} must be a positive integer, got {value!r}")
         need(self.num_attention_heads % self.num_key_value_heads == 0,
              "num_attention_heads must be a multiple of num_key_value_heads")
-        need(self.head_dim % 2 == 0, "head_dim must be even (rotary embedding)")
+        need(isinstance(self.head_dim, int) and self.head_dim > 0 and self.head_dim % 2 == 0,
+             f"head_dim must be a positive even integer (rotary embedding), got {self.head_dim!r}")
+        for name, value in (("bos_token_id", self.bos_token_id), *(("eos_token_id", v) for v in self.eos_token_ids)):
+            need(isinstance(value, int) and not isinstance(value, bool) and 0 <= value < self.vocab_size,
+                 f"{name} {value!r} (here or in generation_config.json) is outside the vocabulary (0..{self.vocab_size - 1})")
+        need(0 < self.rms_norm_eps < math.inf, f"rms_norm_eps must be a finite number > 0, got {self.rms_norm_eps!r}")
+        need(0 < self.rope_theta < math.inf, f"rope_theta must be a finite number > 0, got {self.rope_theta!r}")
+        need(self.max_position_embeddings <= MAX_CONTEXT,  # the graphs hold [context, head_dim / 2] rotary tables
+             f"max_position_embeddings {self.max_position_embeddings:,} is beyond what this build supports ({MAX_CONTEXT:,})")
         need(self.exit_norm in ("own", "final", "none"),
              f"speedc.exit.norm must be 'own', 'final' or 'none', got {self.exit_norm!r}")
         need(1 <= self.exit_layer <= self.num_hidden_layers,
@@ -113,7 +127,7 @@ class ModelConfig:
             "attention_bias": False,
             "mlp_bias": False,
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_id,
             "torch_dtype": "float32",
             "speedc": {
                 "format_version": CONFIG_FORMAT_VERSION,

@@ -79,34 +79,66 @@ def common_fields(data: dict[str, Any]) -> dict[str, Any]:
         raise CheckpointError(f"config.json: unsupported hidden_act={data.get('hidden_act')!r} (only 'silu')")
     if data.get("attention_bias") or data.get("mlp_bias"):
         raise CheckpointError("config.json: attention/MLP biases are not supported")
+    for key in ("rope_parameters", "rope_scaling"):  # both: a rope_scaling beside plain rope_parameters still scales
+        rope = data.get(key) or {}
+        if not isinstance(rope, dict):
+            raise CheckpointError(f"config.json: {key} must be an object, got {rope!r}")
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+            raise CheckpointError(f"config.json: unsupported rope type {rope.get('rope_type', rope.get('type'))!r} "
+                                  f"({key})")
     rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
-    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-        raise CheckpointError(f"config.json: unsupported rope type {rope.get('rope_type', rope.get('type'))!r}")
     # transformers 5.x: rope_parameters.rope_theta; 4.x: top-level rope_theta.
     rope_theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or data.get("rope_theta", 10000.0)
     try:
-        eos = data.get("eos_token_id", 0)
-        eos = eos[0] if isinstance(eos, list) else eos
+        eos_ids = data.get("eos_token_id", 0)
+        eos_ids = eos_ids if isinstance(eos_ids, list) and eos_ids else [eos_ids]  # several: a chat model's end ids
+        eos = eos_ids[0]
         bos = data.get("bos_token_id")
         bos = bos[0] if isinstance(bos, list) else bos
         return dict(
-            vocab_size=int(data["vocab_size"]),
-            hidden_size=int(data["hidden_size"]),
-            intermediate_size=int(data["intermediate_size"]),
-            num_attention_heads=int(data["num_attention_heads"]),
-            num_key_value_heads=int(data.get("num_key_value_heads") or data["num_attention_heads"]),
-            head_dim=int(data["head_dim"]) if data.get("head_dim") else None,
+            vocab_size=integer(data, "vocab_size", data["vocab_size"]),
+            hidden_size=integer(data, "hidden_size", data["hidden_size"]),
+            intermediate_size=integer(data, "intermediate_size", data["intermediate_size"]),
+            num_attention_heads=integer(data, "num_attention_heads", data["num_attention_heads"]),
+            num_key_value_heads=integer(data, "num_key_value_heads",
+                                        data.get("num_key_value_heads") or data["num_attention_heads"]),
+            head_dim=integer(data, "head_dim", data["head_dim"]) if data.get("head_dim") else None,
             rms_norm_eps=float(data.get("rms_norm_eps", 1e-5)),
             rope_theta=float(rope_theta),
-            max_position_embeddings=int(data.get("max_position_embeddings", 1024)),
-            tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),  # transformers' default
-            bos_token_id=int(bos or 0),
-            eos_token_id=int(eos or 0),
+            max_position_embeddings=integer(data, "max_position_embeddings", data.get("max_position_embeddings", 1024)),
+            tie_word_embeddings=boolean("tie_word_embeddings", data.get("tie_word_embeddings", False)),  # transformers' default
+            bos_token_id=integer(data, "bos_token_id", bos or 0),
+            eos_token_id=integer(data, "eos_token_id", eos or 0),
+            eos_token_ids=tuple(integer(data, "eos_token_id", value or 0) for value in eos_ids),
         )
     except KeyError as missing:
         raise CheckpointError(f"config.json: missing field {missing.args[0]!r}") from None
     except (TypeError, ValueError) as bad:
         raise CheckpointError(f"config.json: {bad}") from None
+
+
+def integer(data: dict[str, Any], key: str, value: Any) -> int:
+    """VALUE (config.json's KEY) as it must be: a JSON integer (8.7 layers or "8" are refused, not truncated)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise CheckpointError(f"config.json: {key} must be an integer, got {value!r}")
+    return value
+
+
+def boolean(key: str, value: Any) -> bool:
+    """A JSON true/false (the string "false" is refused: bool("false") would read it as true)."""
+    if not isinstance(value, bool):
+        raise CheckpointError(f"config.json: {key} must be true or false, got {value!r}")
+    return value
+
+
+def section(data: dict[str, Any], *path: str) -> dict[str, Any]:
+    """The object at DATA[path...] ({} when absent); a non-object there is refused in one line."""
+    value: Any = data
+    for key in path:
+        value = value.get(key) or {}
+        if not isinstance(value, dict):
+            raise CheckpointError(f"config.json: {'.'.join(path[:path.index(key) + 1])} must be an object, got {value!r}")
+    return value
 
 
 def positive_int(data: dict[str, Any], key: str, default: int | None = None) -> int:

@@ -7,32 +7,32 @@ from __future__ import annotations
 from typing import Any
 
 from speedc.errors import CheckpointError
-from speedc.models.config import ModelConfig
-from speedc.models.families import Family, common_fields, register_family
+from speedc.models.config import CONFIG_FORMAT_VERSION, ModelConfig
+from speedc.models.families import Family, boolean, common_fields, integer, positive_int, register_family, section
 from speedc.models.layer_map import first_pass_length, resolve_layer_map
 
 
 def read_config(data: dict[str, Any]) -> ModelConfig:
     """A plain config has no speedc section: every layer is its own block (identity map), and the
     exit defaults to the end of the first pass through the unique blocks, read through the final norm."""
-    try:
-        num_layers = int(data["num_hidden_layers"])
-    except KeyError:
-        raise CheckpointError("config.json: missing field 'num_hidden_layers'") from None
-    except (TypeError, ValueError) as bad:
-        raise CheckpointError(f"config.json: {bad}") from None
-    section = data.get("speedc") or {}
-    layer_map = resolve_layer_map(section["layer_map"], num_layers) if "layer_map" in section else list(range(num_layers))
-    exit_section = section.get("exit") or {}
-    block = section.get("block") or {}
+    if "num_hidden_layers" not in data:
+        raise CheckpointError("config.json: missing field 'num_hidden_layers'")
+    num_layers = positive_int(data, "num_hidden_layers")
+    speedc = section(data, "speedc")
+    if speedc.get("format_version", CONFIG_FORMAT_VERSION) != CONFIG_FORMAT_VERSION:
+        raise CheckpointError(f"config.json: speedc.format_version {speedc['format_version']!r} is not one this speedc "
+                              f"reads ({CONFIG_FORMAT_VERSION})")
+    layer_map = resolve_layer_map(speedc["layer_map"], num_layers) if "layer_map" in speedc else list(range(num_layers))
+    exit_section, block = section(data, "speedc", "exit"), section(data, "speedc", "block")
     try:
         return ModelConfig(
             num_hidden_layers=num_layers, layer_map=layer_map,
-            exit_layer=int(exit_section.get("layer", first_pass_length(layer_map))),
+            exit_layer=integer(data, "speedc.exit.layer", exit_section.get("layer", first_pass_length(layer_map))),
             exit_norm=exit_section.get("norm", "final"),
             architecture=str(block.get("architecture", "llama")),
-            sandwich_norms=bool(block.get("sandwich_norms", False)), loop_norm=bool(block.get("loop_norm", False)),
-            final_norm=bool(block.get("final_norm", True)),
+            sandwich_norms=boolean("speedc.block.sandwich_norms", block.get("sandwich_norms", False)),
+            loop_norm=boolean("speedc.block.loop_norm", block.get("loop_norm", False)),
+            final_norm=boolean("speedc.block.final_norm", block.get("final_norm", True)),
             **common_fields(data))
     except (TypeError, ValueError) as bad:
         raise CheckpointError(f"config.json: {bad}") from None

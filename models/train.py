@@ -166,6 +166,9 @@ def train(out: str | Path, opts: TrainOptions, *, resume: bool = False,
     else:
         if (out / STATE_FILE).exists():
             raise SpeedcError(f"{out}: already holds a training run; pass --resume to continue it or choose another OUT")
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):  # a checkpoint, an artifact, anything else
+            raise SpeedcError(f"{out} exists and is not empty; train into a new folder (checkpoints there would be "
+                              "written over)")
         preset = dict(PRESETS[opts.preset])
         tokenizer = train_tokenizer(docs, preset.pop("vocab_size"))
         tokenizer_json = tokenizer.to_str()

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from speedc.artifact import TOKENIZER, Manifest, read_manifest
-from speedc.errors import BatchError, GenerationError, SpeedcError
+from speedc.errors import ArtifactError, BatchError, GenerationError, SpeedcError
 from speedc.models.sampling import SamplingParams, TokenPicker
 from speedc.runtimes.decode import DecodeStats, Decoding, Request, decode_autoregressive, decode_speed, run_to_end
 
@@ -152,6 +152,9 @@ class Engine:
         self._backend, self._make_backend = backend, make_backend
         self._backend_lock = threading.Lock()
         self.eos_token_id = manifest.model.get("eos_token_id")
+        # every end-of-text id (artifacts built before eos_token_ids: the one id)
+        self.eos_token_ids = frozenset(manifest.model.get("eos_token_ids") or
+                                       ([] if self.eos_token_id is None else [self.eos_token_id]))
         # Early flush is on by default: `speedc bench --early-flush/--no-early-flush` measures both.
         self.early_flush_default = True
         self._lock = threading.Lock()  # one cache: one call at a time
@@ -186,7 +189,11 @@ class Engine:
                 from tokenizers import Tokenizer
             except ImportError:
                 raise SpeedcError("text prompts need the tokenizers package: pip install tokenizers") from None
-            tokenizer = Tokenizer.from_file(str(directory / TOKENIZER))
+            try:
+                tokenizer = Tokenizer.from_file(str(directory / TOKENIZER))
+            except Exception as bad:  # the tokenizers package raises its own Exception type
+                raise ArtifactError(f"{directory / TOKENIZER}: cannot be loaded ({str(bad).splitlines()[0]}); "
+                                    "rebuild the artifact") from None
 
         def make() -> object:
             return make_backend(directory, manifest, backend, device, threads)
@@ -234,10 +241,10 @@ class Engine:
                                   f"model's context of {limit}")
         if stop and self.tokenizer is None:
             raise GenerationError("stop strings need a tokenizer; this artifact has none")
-        eos = self.eos_token_id if stop_at_eos else None
+        eos = self.eos_token_ids if stop_at_eos else frozenset()
 
         def stop_reason(new_ids: list[int]) -> str | None:
-            if eos is not None and new_ids[-1] == eos:
+            if new_ids[-1] in eos:
                 return "eos"
             if stop:
                 text = self.tokenizer.decode(new_ids)

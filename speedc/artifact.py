@@ -100,9 +100,11 @@ def read_manifest(directory: str | Path, *, verify_hashes: bool = True) -> Manif
     if not path.exists():
         raise ArtifactError(f"{directory}: no {MANIFEST} (not a speedc artifact, or an unfinished build)")
     try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as bad:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as bad:
         raise ArtifactError(f"{path}: unreadable ({bad})") from None
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{path}: malformed manifest (not a JSON object); rebuild the artifact")
     version = data.get("format_version")
     if version != FORMAT_VERSION:
         raise ArtifactError(f"{path}: artifact format version {version} but this speedc reads version {FORMAT_VERSION}; "
@@ -118,7 +120,7 @@ def read_manifest(directory: str | Path, *, verify_hashes: bool = True) -> Manif
     except ArtifactError as mismatch:
         raise ArtifactError(f"{directory}: {mismatch} (built by speedc {manifest.speedc_version}); rebuild it with "
                             "this speedc: speedc build CHECKPOINT -o OUT --force") from None
-    except (KeyError, TypeError, ValueError) as bad:
+    except (KeyError, TypeError, ValueError, AttributeError) as bad:
         raise ArtifactError(f"{path}: malformed manifest ({bad!r}); rebuild the artifact") from None
     if verify_hashes:
         for name, expected in manifest.files.items():

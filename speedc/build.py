@@ -8,7 +8,6 @@ after that pass.
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 import tempfile
 import time
@@ -19,6 +18,7 @@ from typing import Callable
 from speedc import __version__
 from speedc.artifact import (CHAT_TEMPLATE, CONFIG, FORMAT_VERSION, TOKENIZER, TOKENIZER_CONFIG, WEIGHTS, Manifest,
                              stored_entries, weight_bytes, write_graphs, write_manifest)
+from speedc.build_output import check_output, install
 from speedc.errors import BuildError, SpeedcError
 from speedc.models.checkpoint import checkpoint_hash, open_checkpoint, read_tokenizer_json
 from speedc.models.checkpoint_files import acceptance_hint_from_training, declared_tensor_bytes, has_speedc_section
@@ -115,10 +115,7 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
     unknown = sorted(set(dump_after or []) - set(passes))
     if unknown:
         raise BuildError(f"--dump-after {unknown[0]}: no such pass (passes: {', '.join(passes)})")
-    if out.exists() and not force:
-        raise BuildError(f"{out} exists; pass --force to replace it")
-    if out.resolve() == checkpoint.resolve():
-        raise BuildError("the output directory must differ from the checkpoint directory")
+    check_output(out, checkpoint, force)
     declared = declared_tensor_bytes(checkpoint) if checkpoint.is_dir() else {}
     if options.dtype is None:
         options = dataclasses.replace(options, dtype=default_storage(declared))
@@ -128,11 +125,15 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
     if options.eos_token_id is not None:
         if not 0 <= options.eos_token_id < cfg.vocab_size:
             raise BuildError(f"--eos-token-id {options.eos_token_id} is outside the vocabulary (0..{cfg.vocab_size - 1})")
-        cfg = dataclasses.replace(cfg, eos_token_id=options.eos_token_id)
+        cfg = dataclasses.replace(cfg, eos_token_id=options.eos_token_id, eos_token_ids=(options.eos_token_id,))
+    tokenizer = read_tokenizer_json(checkpoint, cfg.vocab_size) if checkpoint.is_dir() else None  # checked before compiling
     state = CompileState(cfg, weights, options, has_speedc_section=has_speedc_section(checkpoint),
                          acceptance_hint=acceptance_hint_from_training(checkpoint))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    except OSError as bad:
+        raise BuildError(f"cannot write into {out.parent}: {bad.strerror or bad}") from None
     try:
         state, reports = run_passes(state, passes, dump_after=set(dump_after or []), dump_dir=out.parent / f"{out.name}.dumps",
                                     on_pass=on_pass)
@@ -145,7 +146,6 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
         specs, index = write_graphs(state.graphs, tmp, set(weights), state.weight_parts, on_bytes=on_weight_bytes,
                                     aliases=state.weight_aliases)
         cfg.save(tmp / CONFIG)
-        tokenizer = read_tokenizer_json(checkpoint)
         if tokenizer is not None:
             (tmp / TOKENIZER).write_text(tokenizer)
         for name in (TOKENIZER_CONFIG, CHAT_TEMPLATE):  # the chat template travels with the artifact
@@ -160,6 +160,7 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
             model={"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_layers": cfg.num_hidden_layers,
                    "num_kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
                    "max_context": cfg.max_position_embeddings, "eos_token_id": cfg.eos_token_id,
+                   "eos_token_ids": list(cfg.eos_token_ids),
                    "num_unique_blocks": max(state.layer_map) + 1, "exit_norm": state.exit_norm,
                    "bos_token_id": cfg.bos_token_id, "architecture": cfg.architecture},
             layer_map=state.layer_map, exit_layer=state.exit_layer, schedule=schedule, dtype=options.dtype,
@@ -189,15 +190,13 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
                                  "nothing was written. Please report it; --no-measure skips the measurement") from None
             write_manifest(tmp, manifest)
         tmp.chmod(0o755)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        install(tmp, out, force)
     except SpeedcError:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     except OSError as bad:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise BuildError(f"cannot write the artifact: {bad.strerror or bad}") from None
+        raise BuildError(f"cannot write the artifact {out}: {bad.strerror or bad}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

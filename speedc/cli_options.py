@@ -17,6 +17,9 @@ class FiniteFloat(click.FloatRange):
             self.fail(f"{value!r} is not a finite number.", param, ctx)
         return number
 
+    def _describe_range(self) -> str:  # the help's range note (click's own says "x<=None" for no bounds)
+        return "finite" if self.min is None and self.max is None else super()._describe_range()
+
 
 def backend_options(fn):
     """--backend, --device, --threads: how an artifact is run (choices from the runtime's registry)."""

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shlex
+import signal
+import sys
 from pathlib import Path
 
 import click
@@ -72,6 +75,9 @@ def build(checkpoint, out, slots, weights, block_size, head_weights, target, exi
 
     if verbose:
         click.echo(f"building {checkpoint} -> {out}\n     phase | pass            time | graph nodes | initializer bytes", err=True)
+    # SIGTERM (a CI timeout, `kill`) exits like Ctrl-C: the build's cleanup removes its unfinished folder
+    with contextlib.suppress(ValueError):  # (ValueError: not the main thread, e.g. a CliRunner in a thread)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     with console.status("compiling", spinner="dots") if not verbose else contextlib.nullcontext() as status:
         def progress(message: str) -> None:
             if verbose:
@@ -104,7 +110,8 @@ def build(checkpoint, out, slots, weights, block_size, head_weights, target, exi
     measured = m.build.get("step_cost_measured")
     if measured:
         click.echo(f"step cost c(P={measured['slots']}) = {measured['step_cost']:.2f} measured on this machine "
-                   f"({measured['backend']}, {measured['threads']} threads); `speedc inspect {out}` predicts from it")
+                   f"({measured['backend']}, {measured['threads']} threads); `speedc inspect {shlex.quote(str(out))}` "
+                   "predicts from it")
 
 
 @click.command(epilog=zoo.help_text())

@@ -35,7 +35,8 @@ def _from_checkpoint(path: Path, alpha: float | None) -> dict:
             "alpha_source": "--alpha" if alpha is not None else (
                 f"measured in training ({TRAINING_FILE})" if state.acceptance_hint is not None else "default assumption"),
             "architecture": cfg.architecture,
-            "token_ids": {"bos": cfg.bos_token_id, "eos": cfg.eos_token_id, "from": token_id_sources(path)},
+            "token_ids": {"bos": cfg.bos_token_id, "eos": cfg.eos_token_id, "eos_all": list(cfg.eos_token_ids),
+                          "from": token_id_sources(path)},
             "sizes": {"checkpoint weights (fp32)": stored,
                       "distinct weights (fp32)": graph_stats(state.graphs["decode"])[1]},
             "config_notes": family_of(raw).notes(raw), "notes": state.notes}
@@ -135,12 +136,14 @@ def render(info: dict) -> None:
         model = (f"{model.get('architecture', 'llama')}: N={model['num_layers']} layers over "
                  f"{model.get('num_unique_blocks', '?')} unique blocks, hidden "
                  f"{model['hidden_size']}, {model['num_kv_heads']} kv heads x {model['head_dim']}, vocab "
-                 f"{model['vocab_size']}, context {model['max_context']}, eos {model['eos_token_id']}")
+                 f"{model['vocab_size']}, context {model['max_context']}, eos "
+                 f"{'/'.join(map(str, model.get('eos_token_ids') or [model['eos_token_id']]))}")
     console.print(f"model: {model}")
     if "token_ids" in info:
         ids = info["token_ids"]
         console.print(f"architecture {info['architecture']}; token ids: bos {ids['bos']} (from {ids['from']['bos_token_id']}), "
-                      f"eos {ids['eos']} (from {ids['from']['eos_token_id']}); `speedc build --eos-token-id` overrides")
+                      f"eos {'/'.join(map(str, ids.get('eos_all') or [ids['eos']]))} (from {ids['from']['eos_token_id']}); "
+                      "`speedc build --eos-token-id` overrides")
     for note in info.get("config_notes", []):
         console.print(f"config: {note}")
     console.print(f"layer map: {info['layer_map']}  (exit after layer {info['exit_layer']})")

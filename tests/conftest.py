@@ -114,14 +114,14 @@ def zoo_artifacts(tmp_path_factory) -> dict[str, Path]:
     return {name: build_artifact(ZOO / name, root / name) for name in ZOO_MODELS}
 
 
-def run_cli(*args: str, env: dict | None = None, timeout: int = 300, stdin: str | None = None):
-    """Run the installed `speedc` console script (STDIN: text fed to it); returns CompletedProcess (text)."""
+def run_cli(*args: str, env: dict | None = None, timeout: int = 300, stdin: str | None = None, cwd=None):
+    """Run the installed `speedc` console script (STDIN: text fed to it; CWD: where); returns CompletedProcess."""
     import subprocess
     import sys
 
     exe = Path(sys.executable).with_name("speedc")
     return subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})}, input=stdin)
+                          env={**os.environ, **(env or {})}, input=stdin, cwd=cwd)
 
 
 def assert_one_line_error(result, *fragments: str) -> None:

@@ -57,6 +57,74 @@ def test_bad_checkpoints_fail_in_one_line(checkpoint, tmp_path, damage, fragment
     assert not (tmp_path / "out").exists()
 
 
+def _edit_section(path, *keys, value):
+    config = json.loads((path / "config.json").read_text())
+    target = config
+    for key in keys[:-1]:
+        target = target[key]
+    target[keys[-1]] = value
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def _retype_tensor(path, name: str, dtype):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors[name] = tensors[name].to(dtype)
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+def _duplicate_in_second_file(path):
+    from safetensors.torch import load_file, save_file
+
+    name = "model.blocks.0.mlp.down_proj.weight"
+    save_file({name: torch.zeros_like(load_file(str(path / "model.safetensors"))[name])}, str(path / "zz.safetensors"))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda p: _edit_config(p, num_hidden_layers=4.7), "num_hidden_layers must be a positive integer, got 4.7"),
+    (lambda p: _edit_config(p, tie_word_embeddings="false"), "tie_word_embeddings must be true or false"),
+    (lambda p: _edit_config(p, speedc=[1]), "speedc must be an object"),
+    (lambda p: _edit_section(p, "speedc", "exit", value=5), "speedc.exit must be an object"),
+    (lambda p: _edit_config(p, head_dim=-8), "head_dim must be a positive even integer"),
+    (lambda p: _edit_config(p, rms_norm_eps=float("nan")), "rms_norm_eps must be a finite number > 0"),
+    (lambda p: _edit_config(p, rope_scaling={"rope_type": "llama3", "factor": 8.0}), "unsupported rope type 'llama3'"),
+    (lambda p: _edit_config(p, max_position_embeddings=10 ** 9), "max_position_embeddings 1,000,000,000 is beyond"),
+    (lambda p: (p / "generation_config.json").write_text('{"eos_token_id": 5000}'), "eos_token_id 5000"),
+    (lambda p: _edit_section(p, "speedc", "format_version", value=99), "speedc.format_version 99"),
+    (lambda p: _retype_tensor(p, "model.blocks.0.mlp.down_proj.weight", torch.int32), "is int32; weights must be floating"),
+    (_duplicate_in_second_file, "is in both model.safetensors and zz.safetensors"),
+    (lambda p: (p / "training.json").write_text('{"history": [{"agree_top1": 5}]}'), "agree_top1 5.0 is not an agreement"),
+], ids=["float-layers", "string-bool", "section-list", "exit-number", "negative-head-dim", "nan-eps", "rope-scaling-beside",
+        "huge-context", "eos-outside", "format-version", "int-weight", "duplicate-tensor", "training-hint"])
+def test_config_and_weight_values_are_refused_in_one_line(checkpoint, damage, message):
+    """Before: a traceback (AttributeError, ZeroDivisionError), a silent coercion (4.7 layers -> 4, "false" ->
+    true), or an artifact that built and then generated nothing useful. Now each is a CheckpointError."""
+    from speedc.models.checkpoint_files import acceptance_hint_from_training
+
+    path, _ = checkpoint
+    damage(path)
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(path)
+        acceptance_hint_from_training(path)
+
+
+def test_tokenizers_that_cannot_serve_the_model_are_refused(tmp_path):
+    from speedc.models.checkpoint import read_tokenizer_json
+
+    shutil.copy(ZOO / "small" / "tokenizer.json", tmp_path / "tokenizer.json")  # 4,096 tokens
+    assert read_tokenizer_json(tmp_path, 4096)
+    with pytest.raises(CheckpointError, match="4096 tokens, but the model's vocabulary has 1024 rows"):
+        read_tokenizer_json(tmp_path, 1024)
+    (tmp_path / "tokenizer.json").write_text("{bad")
+    with pytest.raises(CheckpointError, match="not a tokenizer the tokenizers package can load"):
+        read_tokenizer_json(tmp_path, 4096)
+
+
+def test_an_artifact_given_as_the_checkpoint_is_named_as_one(tiny_artifact, tmp_path):
+    assert_one_line_error(run_cli("build", tiny_artifact, "-o", tmp_path / "out"), "a speedc artifact", "not a checkpoint")
+
+
 def test_missing_directory(tmp_path):
     assert_one_line_error(run_cli("build", tmp_path / "nope", "-o", tmp_path / "out"), "not a checkpoint directory")
 
@@ -98,3 +166,22 @@ def test_zoo_cards_hold_measured_numbers():
         history = json.loads((card_dir / "training.json").read_text())["history"][-1]
         assert str(history["val_loss_final"]) in card and str(history["agree_top1"]) in card
         assert "speedc train" in card and json.loads((card_dir / "training.json").read_text())["corpus_sha256"] in card
+
+
+def test_every_end_of_text_id_in_generation_config_stops_generation(tiny_artifact, tmp_path):
+    """Before: of generation_config.json's eos_token_id [a, b] (Llama-3-style chat models list several)
+    only a was kept, and generation ran on past b. Now the artifact records all and stops at any."""
+    from speedc import Engine
+    from speedc.build import build
+    from speedc.passes.base import BuildOptions
+
+    plain = Engine.load(tiny_artifact).generate("ROMEO:", max_new_tokens=12, stop_at_eos=False).ids
+    stop_at = next(i for i in range(2, len(plain)) if plain[i] not in plain[:i])  # first time this id appears
+    checkpoint = shutil.copytree(ZOO / "tiny", tmp_path / "ckpt")
+    (checkpoint / "generation_config.json").write_text(json.dumps({"eos_token_id": [1000, plain[stop_at]]}))
+    build(checkpoint, tmp_path / "art", BuildOptions())
+    engine = Engine.load(tmp_path / "art")
+    assert engine.manifest.model["eos_token_ids"] == [1000, plain[stop_at]]
+    for mode in ("speed", "autoregressive"):
+        result = engine.generate("ROMEO:", max_new_tokens=12, mode=mode)
+        assert result.ids == plain[:stop_at + 1] and result.stats.stop_reason == "eos"

@@ -50,6 +50,16 @@ def test_bad_corpus(tmp_path):
     assert_one_line_error(run_cli("train", tmp_path / "o", "--corpus", tmp_path / "missing.txt"), "missing.txt")
 
 
+def test_a_folder_that_is_not_a_training_run_is_not_written_over(tmp_path):
+    """Before: training into a checkpoint or an artifact folder replaced its files without a word."""
+    out = tmp_path / "checkpoint"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"precious")
+    assert_one_line_error(run_cli("train", out, "--corpus", _corpus(tmp_path), "--preset", "test", "--steps", "2"),
+                          "exists and is not empty")
+    assert (out / "model.safetensors").read_bytes() == b"precious" and sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+
+
 def test_ctrl_c_saves_progress(tmp_path):
     """SIGINT mid-run: the current step finishes, a checkpoint is saved, exit code 130, resumable."""
     import signal
