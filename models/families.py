@@ -92,7 +92,7 @@ def common_fields(data: dict[str, Any]) -> dict[str, Any]:
     try:
         eos_ids = data.get("eos_token_id", 0)
         eos_ids = eos_ids if isinstance(eos_ids, list) and eos_ids else [eos_ids]  # several: a chat model's end ids
-        eos = eos_ids[0]
+        eos_ids = tuple(integer(data, "eos_token_id", value or 0) for value in eos_ids)
         bos = data.get("bos_token_id")
         bos = bos[0] if isinstance(bos, list) else bos
         return dict(
@@ -108,8 +108,7 @@ def common_fields(data: dict[str, Any]) -> dict[str, Any]:
             max_position_embeddings=integer(data, "max_position_embeddings", data.get("max_position_embeddings", 1024)),
             tie_word_embeddings=boolean("tie_word_embeddings", data.get("tie_word_embeddings", False)),  # transformers' default
             bos_token_id=integer(data, "bos_token_id", bos or 0),
-            eos_token_id=integer(data, "eos_token_id", eos or 0),
-            eos_token_ids=tuple(integer(data, "eos_token_id", value or 0) for value in eos_ids),
+            eos_token_id=eos_ids[0], eos_token_ids=eos_ids,
         )
     except KeyError as missing:
         raise CheckpointError(f"config.json: missing field {missing.args[0]!r}") from None

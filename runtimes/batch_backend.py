@@ -232,8 +232,7 @@ class BatchBackend:
         self.key, self.value = key, value
         self.length, self.width = length, width
         self._shrink_pending = 0
-        self._prefill_bindings.clear()  # they point into the old pool
-        self._steps.clear()
+        self._drop_bindings()
 
     def would_grow(self, positions: int, sequences: int) -> bool:
         """Whether reserve(POSITIONS, SEQUENCES) has to allocate a larger pool."""
@@ -246,6 +245,10 @@ class BatchBackend:
         self.key = self.value = None
         self.length = self.width = 0
         self._shrink_pending = 0
+        self._drop_bindings()
+
+    def _drop_bindings(self) -> None:
+        """Forget every binding into the pool (it was replaced or freed: they point into old buffers)."""
         self._prefill_bindings.clear()
         self._steps.clear()
 

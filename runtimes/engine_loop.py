@@ -74,6 +74,13 @@ class Submitted:
             piece, self._shown = text[len(self._shown):], text
         self.queue.put_nowait(Piece(token, piece))
 
+    def _end(self) -> None:
+        """Called on the event loop when its sequence has ended: as it finished, or with why it could not run."""
+        if self.sequence.error is not None:
+            self._fail(self.sequence.error)
+        else:
+            self._deliver(None)
+
     def _fail(self, error: BaseException) -> None:
         """Called on the event loop: the step that ran this request failed; iterating raises ERROR."""
         self.error = error
@@ -156,12 +163,11 @@ class EngineLoop:
                 submitted = self._requests.get(sequence.id)
                 if submitted is None:
                     continue
-                if token is None and sequence.error is not None:  # it could not run (e.g. OutOfMemory alone)
-                    submitted._fail(sequence.error)
-                else:
-                    submitted._deliver(token)
                 if token is None:
                     del self._requests[sequence.id]
+                    submitted._end()
+                else:
+                    submitted._deliver(token)
 
     def _end_after_failed_step(self, error: Exception) -> None:
         """A step raised part way, and its events went down with it. The sequences it held end with
@@ -174,12 +180,12 @@ class EngineLoop:
             if sequence.state != DONE:
                 continue  # still waiting: a later step runs it
             del self._requests[key]
-            if sequence.error is None and sequence.stats.stop_reason:
+            if sequence.stats.stop_reason:  # it had ended (finished, cancelled, or could not run)
                 for token in sequence.out[submitted._delivered:]:
                     submitted._deliver(token)
-                submitted._deliver(None)
+                submitted._end()
             else:
-                submitted._fail(sequence.error or error)
+                submitted._fail(error)
 
     async def aclose(self) -> None:
         """Stop the loop task (requests in flight are cancelled) and the worker thread."""

@@ -64,12 +64,12 @@ def install(tmp: Path, out: Path, force: bool) -> None:
         kept = Path(tempfile.mkdtemp(prefix=f"{out.name}.built-", dir=out.parent))
         os.replace(tmp, kept)  # over the empty folder mkdtemp made: a free name
         raise BuildError(f"{out} appeared while the build ran and was left as it is; the new artifact is {kept}")
-    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-    os.rmdir(old)  # a free name beside OUT for the old artifact
-    os.rename(out, old)
+    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))  # the old artifact goes in here
+    os.rename(out, aside / out.name)
     try:
         os.rename(tmp, out)
     except OSError:
-        os.rename(old, out)  # put the old artifact back
+        os.rename(aside / out.name, out)  # put the old artifact back
+        aside.rmdir()
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(aside, ignore_errors=True)
