@@ -46,14 +46,23 @@ def _same(a: gs.Constant, b: gs.Constant) -> bool:
     return np.array_equal(a.values, b.values)
 
 
+def _role(name: str) -> str:
+    """What a weight is in its block (self_attn.k_proj.weight); "" for the weights outside the blocks."""
+    match = _BLOCK_NAME.match(name)
+    return match.group(2) if match else ""
+
+
 def merge_identical_constants(graph: gs.Graph, merged_into: dict[str, gs.Constant] | None = None) -> int:
     """Point every use of a duplicated weight at one copy; returns how many copies were dropped.
-    MERGED_INTO (filled when given): dropped name -> the constant that now stands for it."""
+    MERGED_INTO (filled when given): dropped name -> the constant that now stands for it.
+    Only weights of the same role merge (block 0's k_proj with block 4's): later passes find the
+    projections by name, and a k_proj equal to its v_proj (both zero, say) merged under one name left
+    them a v projection that reads k_proj (an "internal" error)."""
     canonical: dict[tuple, list[gs.Constant]] = {}
     merged = 0
     constants = [t for t in graph.tensors().values() if isinstance(t, gs.Constant) and math.prod(t.shape) > 1]
     for const in sorted(constants, key=lambda c: c.name):
-        bucket = canonical.setdefault(_content_key(const), [])
+        bucket = canonical.setdefault((_role(const.name), *_content_key(const)), [])
         twin = next((c for c in bucket if _same(c, const)), None)
         if twin is None:
             bucket.append(const)

@@ -23,6 +23,7 @@ from speedc.artifact import TOKENIZER, Manifest, read_manifest
 from speedc.errors import ArtifactError, BatchError, GenerationError, SpeedcError
 from speedc.models.sampling import SamplingParams, TokenPicker
 from speedc.runtimes.decode import DecodeStats, Decoding, Request, decode_autoregressive, decode_speed, run_to_end
+from speedc.runtimes.detokenize import DecodeRule, IncrementalText, StopStrings, cut_at_stop, decode_rule
 
 MODES = ("speed", "autoregressive")
 
@@ -82,54 +83,39 @@ def make_backend(directory: Path, manifest: Manifest, backend: str, device: str,
     return entry.make(directory, manifest, device, threads)
 
 
-def _stop_prefix_length(text: str, stop: list[str]) -> int:
-    """Length of the longest end of TEXT that begins some stop string (0 when none does)."""
-    for length in range(min(len(text), max(map(len, stop), default=1) - 1), 0, -1):
-        if any(s.startswith(text[-length:]) for s in stop):
-            return length
-    return 0
-
-
-def settled_text(text: str, stop: list[str] | None) -> str:
-    """What of TEXT (the confirmed ids rendered so far, cut at any stop string) a stream may show now:
-    nothing while it ends in an incomplete UTF-8 sequence, and never an end that may still begin a
-    STOP string (the next tokens could complete it). The one rule every text stream follows."""
-    if text.endswith("\ufffd"):
-        return ""
-    return text[:len(text) - _stop_prefix_length(text, stop or [])]
-
-
 class TextStream:
     """Iterator of confirmed text pieces; `ids` and `stats` are complete once it is exhausted.
 
     It runs DECODING holding LOCK from its first piece until it ends or is closed (the engine's cache
-    serves one call at a time); RENDER turns the confirmed ids into the text shown so far. Text that
-    may be the start of a STOP string is held back until it is known not to be one, so the pieces
-    always join to what generate() returns."""
+    serves one call at a time); TEXT renders the confirmed ids a few at a time, FINAL renders them all
+    once at the end (generate()'s text). Text that may be the start of a stop string is held back
+    until it is known not to be one, so the pieces join to what generate() returns."""
 
-    def __init__(self, decoding: Decoding, lock: threading.Lock, render: Callable[[list[int]], str],
-                 stop: list[str] | None = None) -> None:
+    def __init__(self, decoding: Decoding, lock: threading.Lock, text: IncrementalText,
+                 final: Callable[[list[int]], str]) -> None:
         self.ids: list[int] = []
         self.stats: DecodeStats | None = None
-        self._pieces = self._run(decoding, lock, render, stop or [])
+        self._pieces = self._run(decoding, lock, text, final)
 
-    def _run(self, decoding: Decoding, lock: threading.Lock, render: Callable[[list[int]], str],
-             stop: list[str]) -> Iterator[str]:
-        shown = ""
+    def _run(self, decoding: Decoding, lock: threading.Lock, text: IncrementalText,
+             final: Callable[[list[int]], str]) -> Iterator[str]:
+        shown = 0
         with lock:
             while True:
                 try:
-                    self.ids.append(next(decoding))
+                    token = next(decoding)
                 except StopIteration as done:
                     self.stats = done.value[1]
                     break
-                text = settled_text(render(self.ids), stop)
-                if len(text) > len(shown):
-                    yield text[len(shown):]
-                    shown = text
-        final = render(self.ids)
-        if len(final) > len(shown):
-            yield final[len(shown):]
+                self.ids.append(token)
+                text.push(token)
+                settled = text.settled()
+                if len(settled) > shown:
+                    yield settled[shown:]
+                    shown = len(settled)
+        whole = final(self.ids)
+        if len(whole) > shown:
+            yield whole[shown:]
 
     def __iter__(self) -> "TextStream":
         return self
@@ -158,6 +144,7 @@ class Engine:
         # Early flush is on by default: `speedc bench --early-flush/--no-early-flush` measures both.
         self.early_flush_default = True
         self._lock = threading.Lock()  # one cache: one call at a time
+        self.decode_rule = decode_rule(tokenizer) if tokenizer is not None else DecodeRule()
 
     @property
     def backend(self):
@@ -220,6 +207,10 @@ class Engine:
     def decode_text(self, ids: list[int]) -> str | None:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else None
 
+    def incremental_text(self, stop: list[str] | None) -> IncrementalText:
+        """The text of ids fed one at a time, for streams (a few ids decoded a token: detokenize.py)."""
+        return IncrementalText(self.tokenizer.decode, stop, self.decode_rule)
+
     def _decoding(self, prompt, max_new_tokens: int, mode: str, sampling: SamplingParams, stop: list[str] | None,
                   stop_at_eos: bool, early_flush: bool | None) -> Decoding:
         if mode not in MODES:
@@ -241,25 +232,24 @@ class Engine:
                                   f"model's context of {limit}")
         if stop and self.tokenizer is None:
             raise GenerationError("stop strings need a tokenizer; this artifact has none")
+        if stop and not all(isinstance(s, str) and s for s in stop):
+            raise GenerationError("a stop string must be a non-empty string")
         eos = self.eos_token_ids if stop_at_eos else frozenset()
+
+        stop_strings = StopStrings(self.tokenizer.decode, stop, self.decode_rule) if stop else None
 
         def stop_reason(new_ids: list[int]) -> str | None:
             if new_ids[-1] in eos:
                 return "eos"
-            if stop:
-                text = self.tokenizer.decode(new_ids)
-                if any(s in text for s in stop):
-                    return "stop_string"
+            if stop_strings is not None and stop_strings(new_ids):
+                return "stop_string"
             return None
 
         return Request(ids, max_new_tokens, TokenPicker(sampling), stop_reason)
 
     def trim(self, text: str | None, stop: list[str] | None) -> str | None:
         """TEXT cut before the first stop string in it."""
-        if text is None or not stop:
-            return text
-        cut = min((text.index(s) for s in stop if s in text), default=len(text))
-        return text[:cut]
+        return None if text is None else cut_at_stop(text, stop)
 
     # ---- continuous batching (runtimes/batch.py) -------------------------------------------------
     def batch_scheduler(self, *, max_batch: int = 8, kv_cache_mb: float | None = None, row_budget: int | None = -1,
@@ -369,4 +359,5 @@ class Engine:
         sampling = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed)
         # Checks run now; the decoding itself starts (and takes the lock) at the stream's first piece.
         decoding = self._decoding(prompt, max_new_tokens, mode, sampling, stop, stop_at_eos, early_flush)
-        return TextStream(decoding, self._lock, lambda ids: self.trim(self.tokenizer.decode(ids), stop), stop)
+        return TextStream(decoding, self._lock, self.incremental_text(stop),
+                          lambda ids: self.trim(self.decode_text(ids), stop))

@@ -11,7 +11,8 @@
 One task drives the scheduler: each iteration runs one BatchScheduler.step in a worker thread (the
 event loop stays free), then hands the confirmed tokens to each request's queue. It sleeps while no
 request is waiting or running and wakes on submit. Text follows the single-sequence stream's rule
-(engine.settled_text): no incomplete UTF-8 character, no text that may begin a stop string. A step
+(detokenize.IncrementalText.settled): no incomplete UTF-8 character, no text that may begin a stop
+string; each token decodes a few ids, not the whole output. A step
 that fails (a backend error) ends every request it was running with that error (those that had
 already ended, end as they did); waiting requests stay queued and the loop carries on. A request
 whose KV cache cannot be allocated even alone ends with OutOfMemory; the others are unaffected.
@@ -24,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from speedc.runtimes.batch import DONE, BatchScheduler, Sequence
-from speedc.runtimes.engine import Engine, GenerationResult, settled_text
+from speedc.runtimes.engine import Engine, GenerationResult
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,8 @@ class Submitted:
         self.engine, self.sequence, self.stop = engine, sequence, stop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.result: GenerationResult | None = None
-        self._shown = ""
+        self._text = engine.incremental_text(stop) if engine.tokenizer is not None else None
+        self._shown = 0  # characters of text handed to the queue so far
         self._delivered = 0  # tokens handed to the queue so far
         self.error: BaseException | None = None  # the failure that ended it, if one did
 
@@ -52,26 +54,24 @@ class Submitted:
     def ids(self) -> list[int]:
         return list(self.sequence.out)
 
-    def _render(self, upto: int) -> str:
-        if self.engine.tokenizer is None:
-            return ""
-        return self.engine.trim(self.engine.tokenizer.decode(self.sequence.out[:upto]), self.stop)
-
     def _deliver(self, token: int | None) -> None:
         """Called on the event loop, in order: the next confirmed token, or None: finished."""
         if token is None:
-            final = self._render(len(self.sequence.out))
-            if len(final) > len(self._shown):
-                self.queue.put_nowait(Piece(-1, final[len(self._shown):]))  # held-back text (never a new id)
-            text = final if self.engine.tokenizer is not None else None  # the whole text, stop strings cut
+            text = None  # the whole text, stop strings cut: one whole decode, exactly generate()'s
+            if self._text is not None:
+                text = self.engine.trim(self.engine.decode_text(self.sequence.out), self.stop)
+                if len(text) > self._shown:
+                    self.queue.put_nowait(Piece(-1, text[self._shown:]))  # held-back text (never a new id)
             self.result = GenerationResult(list(self.sequence.out), text, self.sequence.stats)
             self.queue.put_nowait(None)
             return
         self._delivered += 1
-        text = settled_text(self._render(self._delivered), self.stop)
         piece = ""
-        if len(text) > len(self._shown):
-            piece, self._shown = text[len(self._shown):], text
+        if self._text is not None:
+            self._text.push(token)
+            settled = self._text.settled()
+            if len(settled) > self._shown:
+                piece, self._shown = settled[self._shown:], len(settled)
         self.queue.put_nowait(Piece(token, piece))
 
     def _end(self) -> None:

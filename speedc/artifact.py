@@ -39,7 +39,7 @@ from typing import Any, Callable
 import numpy as np
 
 from speedc import contract
-from speedc.errors import ArtifactError, BuildError
+from speedc.errors import ArtifactError, BuildError, CheckpointError
 
 FORMAT_VERSION = 1
 WEIGHT_PREFIXES = ("model.", "lm_head.")  # checkpoint tensor names (native or Hugging Face layout)
@@ -352,11 +352,14 @@ def write_graphs(graphs: dict, directory: Path, weight_names: set[str], weight_p
         for name, uses in owners.items():
             offset = -(-blob.tell() // WEIGHT_ALIGN) * WEIGHT_ALIGN
             blob.write(b"\0" * (offset - blob.tell()))
-            for chunk in _chunks(uses[0]):
-                blob.write(chunk.reshape(-1).view(np.uint8).data)  # no copy
-                done += chunk.nbytes
-                if on_bytes:
-                    on_bytes(done, total)
+            try:
+                for chunk in _chunks(uses[0]):
+                    blob.write(chunk.reshape(-1).view(np.uint8).data)  # no copy
+                    done += chunk.nbytes
+                    if on_bytes:
+                        on_bytes(done, total)
+            except CheckpointError as bad:
+                raise CheckpointError(f"weight {name}: {bad}") from None
             index[name] = {"offset": offset, "length": blob.tell() - offset}
             _reference(index, name, uses, weight_parts)
     for name, uses in views.items():  # the same bytes in another shape: referenced, not written again

@@ -119,12 +119,14 @@ def build(checkpoint, out, slots, weights, block_size, head_weights, target, exi
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--alpha", type=FiniteFloat(0, 1), default=None, help="Acceptance to predict the speedup at.")
 @click.option("--measure", is_flag=True, help="Measure the artifact's step cost c(P) on this machine now and predict from it.")
-def inspect(path, as_json, alpha, measure):
+@click.option("--verify", is_flag=True, help="Check every file of the artifact against the sha256 in its manifest "
+              "(loading does too); without it, only that each is present.")
+def inspect(path, as_json, alpha, measure, verify):
     """Show the layer map, the pipeline schedule (slots x steps) and sizes of PATH: a checkpoint
     (a directory, or zoo:NAME) or an artifact."""
     from speedc.inspect import describe, render
 
-    info = describe(zoo.resolve(path), alpha, measure=measure)
+    info = describe(zoo.resolve(path), alpha, measure=measure, verify=verify)
     if as_json:
         click.echo(json.dumps(info, indent=2))
     else:

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from speedc.artifact import MANIFEST, read_manifest
-from speedc.errors import SpeedcError
+from speedc.errors import ArtifactError, SpeedcError
 from speedc.models.checkpoint_files import CONFIG_FILE, TRAINING_FILE
 from speedc.schedule import ALPHA_GRID, DEFAULT_ALPHA, analytic_bound, assumed_step_cost, describe_assumed_step_cost
 
@@ -42,8 +42,13 @@ def _from_checkpoint(path: Path, alpha: float | None) -> dict:
             "config_notes": family_of(raw).notes(raw), "notes": state.notes}
 
 
-def _from_artifact(path: Path, alpha: float | None) -> dict:
-    m = read_manifest(path, verify_hashes=False)
+def _from_artifact(path: Path, alpha: float | None, verify: bool) -> dict:
+    """VERIFY: hash every file against the manifest (as loading does); without it, only their presence."""
+    m = read_manifest(path, verify_hashes=verify)
+    missing = [name for name in m.files if not (path / name).is_file()]
+    if missing:
+        raise ArtifactError(f"{path / missing[0]}: listed in the manifest but missing"
+                            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "") + "; rebuild the artifact")
     files = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file()}
     quantization = m.weights.get("quantization")
     stored_label = "weights stored" + (f" ({m.dtype}, block {quantization['block_size']}: codes + scales)" if quantization
@@ -57,7 +62,7 @@ def _from_artifact(path: Path, alpha: float | None) -> dict:
             "dtype": m.dtype, "quantization": quantization, "target": m.target, "sizes": sizes,
             "step_cost_measured": m.build.get("step_cost_measured"),
             "graphs": {name: {"inputs": len(g["inputs"]), "outputs": len(g["outputs"])} for name, g in m.graphs.items()},
-            "notes": m.build.get("notes", [])}
+            "notes": m.build.get("notes", []), "files_verified": verify}
 
 
 def prediction(info: dict, alpha: float | None, measured: dict | None) -> dict:
@@ -81,10 +86,10 @@ def prediction(info: dict, alpha: float | None, measured: dict | None) -> dict:
             "measured": is_measured}
 
 
-def describe(path: Path, alpha: float | None = None, *, measure: bool = False) -> dict:
+def describe(path: Path, alpha: float | None = None, *, measure: bool = False, verify: bool = False) -> dict:
     path = Path(path)
     if (path / MANIFEST).exists():
-        info = _from_artifact(path, alpha)
+        info = _from_artifact(path, alpha, verify)
         measured = info["step_cost_measured"]
         if measure:
             from speedc.step_cost import measure_artifact
@@ -94,6 +99,8 @@ def describe(path: Path, alpha: float | None = None, *, measure: bool = False) -
                 measured["when"] = "now (inspect --measure)"
             info["step_cost_measured_now"] = measured
     elif (path / CONFIG_FILE).exists():
+        if verify:
+            raise SpeedcError(f"{path}: --verify checks an artifact's files against its manifest; a checkpoint has none")
         if measure:
             raise SpeedcError(f"{path}: --measure times a compiled step graph; build the checkpoint first "
                               "(speedc build CHECKPOINT -o OUT)")
@@ -156,6 +163,8 @@ def render(info: dict) -> None:
                f"accuracy level {q['accuracy_level']} (MatMulNBits)" if q else "float")
         console.print(f"weights: {info['dtype']} ({how}): {_megabytes(stored)} stored once, "
                       f"{stored / max(unique, 1):.3f} x the unique fp32 bytes")
+        console.print("files: every one present and its sha256 the manifest's" if info.get("files_verified") else
+                      "files: every one present (--verify checks their sha256, as loading does)")
     console.print(f"schedule: P={sched['slots']} slots x S={sched['stage_layers']} layers; {sched['reason']}")
     for s, layers in enumerate(sched["slot_layers"]):
         console.print(f"  slot {s}: logical layers {layers[0]}..{layers[-1]} (blocks {sched['stage_blocks']})")

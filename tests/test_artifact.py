@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -124,6 +125,22 @@ def test_cli_build_verbose_dump_and_inspect(tmp_path):
     assert_one_line_error(run_cli("inspect", ZOO / "tiny", "--measure"), "build the checkpoint first")
     now = json.loads(run_cli("inspect", out, "--json", "--measure").stdout)
     assert now["prediction"]["measured"] and "now (inspect --measure)" in now["prediction"]["step_cost_source"]
+
+
+def test_inspect_checks_the_files_and_verify_their_hashes(tmp_path, tiny_artifact):
+    """Before: inspect listed whatever files were there; a missing weights.bin or a damaged graph only
+    showed at load. Now a missing file is one line, and --verify checks every sha256 as loading does."""
+    art = tmp_path / "art"
+    shutil.copytree(tiny_artifact, art)
+    assert "every one present and its sha256" in run_cli("inspect", art, "--verify").stdout
+    assert json.loads(run_cli("inspect", art, "--json").stdout)["files_verified"] is False
+    graph = art / "step.onnx"
+    graph.write_bytes(graph.read_bytes()[:-1] + bytes([graph.read_bytes()[-1] ^ 1]))  # one bit
+    assert run_cli("inspect", art).returncode == 0  # present: not hashed without --verify
+    assert_one_line_error(run_cli("inspect", art, "--verify"), "step.onnx", "sha256 does not match")
+    (art / "weights.bin").unlink()
+    assert_one_line_error(run_cli("inspect", art), "weights.bin", "listed in the manifest but missing")
+    assert_one_line_error(run_cli("inspect", ZOO / "tiny", "--verify"), "a checkpoint has none")
 
 
 def test_existing_output_refused_without_force(tmp_path, tiny_artifact):

@@ -185,3 +185,28 @@ def test_every_end_of_text_id_in_generation_config_stops_generation(tiny_artifac
     for mode in ("speed", "autoregressive"):
         result = engine.generate("ROMEO:", max_new_tokens=12, mode=mode)
         assert result.ids == plain[:stop_at + 1] and result.stats.stop_reason == "eos"
+
+
+def _set_value(path, name: str, value: float):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors[name][1, 2] = value
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("value, weights, fragments", [
+    (float("nan"), "fp32", ["mlp.up_proj", "1 nan/inf values in the checkpoint"]),
+    (float("inf"), "int8", ["mlp.up_proj", "1 nan/inf values in the checkpoint"]),
+    (1e5, "fp16", ["mlp.up_proj", "beyond float16's range", "1e+05", "--weights bf16 or fp32"]),
+], ids=["nan-fp32", "inf-int8", "fp16-overflow"])
+def test_weights_that_are_not_finite_are_refused(checkpoint, tmp_path, value, weights, fragments):
+    """Before: a nan in a checkpoint, or a value beyond float16's range (inf once stored), built an artifact
+    that generated one id over and over (numpy only warned "overflow encountered in cast")."""
+    path, _ = checkpoint
+    _set_value(path, "model.blocks.1.mlp.up_proj.weight", value)
+    result = run_cli("build", path, "-o", tmp_path / "out", "--weights", weights, "--no-measure")
+    assert_one_line_error(result, *fragments)
+    assert "overflow" not in result.stderr and not (tmp_path / "out").exists()
+    if value == 1e5:  # bfloat16 keeps float32's range
+        assert run_cli("build", path, "-o", tmp_path / "bf16", "--weights", "bf16", "--no-measure").returncode == 0

@@ -77,6 +77,36 @@ def test_merge_identical_constants_before_after():
     assert [n.inputs[1].name for n in graph.nodes] == ["w1", "w1", "w3"]
 
 
+def test_only_weights_of_one_role_merge():
+    """Before: block 0's k_proj equal to its v_proj (both zero, or copied) merged under one name, and
+    gqa_attention failed with "internal: ... q/k/v groups". Now the same role merges across blocks only."""
+    x = gs.Variable("x", np.float32, [2, 3])
+    values = np.arange(9, dtype=np.float32).reshape(3, 3)
+    names = ["model.blocks.0.self_attn.k_proj.weight", "model.blocks.0.self_attn.v_proj.weight",
+             "model.blocks.1.self_attn.k_proj.weight", "model.embed_tokens.weight", "lm_head.weight"]
+    outputs = [gs.Variable(f"y{i}", np.float32, [2, 3]) for i in range(len(names))]
+    nodes = [gs.Node("MatMul", inputs=[x, gs.Constant(name, values.copy())], outputs=[y]) for name, y in zip(names, outputs)]
+    graph = gs.Graph(nodes=nodes, inputs=[x], outputs=outputs)
+    assert merge_identical_constants(graph) == 2
+    assert [n.inputs[1].name for n in graph.nodes] == [names[0], names[1], names[0], names[4], names[4]]
+
+
+def test_projections_equal_across_roles_build_and_stay_lossless(tmp_path):
+    from conftest import build_artifact
+    from speedc import Engine
+    from speedc.models.generate import generate as reference_generate
+
+    model = randomize(SharedLlama(random_config(blocks=2, layers=4, heads=4, kv_heads=2, hidden=64)), seed=5)
+    with torch.no_grad():
+        attention = model.model.blocks[0].self_attn
+        attention.v_proj.weight.copy_(attention.k_proj.weight)
+    engine = Engine.load(build_artifact(model, tmp_path / "art"))
+    prompt = [3, 1, 4, 1, 5]
+    speed = engine.generate(prompt, max_new_tokens=24, stop_at_eos=False)
+    assert speed.ids == engine.generate(prompt, max_new_tokens=24, stop_at_eos=False, mode="autoregressive").ids
+    assert speed.ids == reference_generate(model, prompt, 24)
+
+
 def test_schedule_valid_slots_and_choice():
     cycle = [0, 1, 2, 3] * 4
     assert valid_slot_counts(cycle, exit_layer=4) == [1, 2, 4]

@@ -1,0 +1,191 @@
+"""Text of a growing list of token ids, a token at a time, at a cost per token that does not grow
+with the text: the streams and the stop-string rule used to re-decode the whole output after every
+token (1 ms a token at 4,000 tokens with the zoo tokenizer, twice a token with stop strings: O(n^2)
+over a long generation, on the server's event loop for every stream).
+
+    ids:   t0 t1 t2 ... t(p-1) | tp ... t(r-1) | tr ... t(n-1)
+           committed text ......|   window     |  pending
+                                ^ prefix        ^ read
+
+Only the window and the pending ids are decoded each token: pending text = decode(ids[prefix:]) minus
+decode(ids[prefix:read]). The window gives the pending ids their left context (SentencePiece's
+leading-space rules look at the token before). Pending text is committed once it ends in a whole
+character (not U+FFFD, an incomplete UTF-8 sequence); then the window moves up to the old read offset.
+
+That is exact only where a token's text never changes once later tokens follow (decode_rule):
+byte-level BPE (GPT-2, Llama 3, Qwen, the zoo), Metaspace and Replace/Strip/Fuse. Byte fallback
+(Llama 2, Mistral) re-renders a run of <0xNN> tokens as U+FFFD when a later byte makes the run
+invalid UTF-8, so text is not committed while the last id is a byte token. WordPiece cleanup and CTC
+rewrite across tokens (" ' s" -> "'s"), and unknown decoders might: those decode the whole text each
+time, as before (exact, O(n) a token). A window whose text is not a prefix of the longer decode
+switches to whole decoding too.
+
+Stop strings are looked for only in the new text plus the last len(longest stop) - 1 characters
+before it, so the first occurrence found is the first in the whole text (Engine.trim's cut).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Callable
+
+REPLACEMENT = "\ufffd"  # what decoding shows for an incomplete UTF-8 sequence
+LOCAL_DECODERS = {"ByteLevel", "Metaspace", "Fuse", "Strip", "ByteFallback", "BPEDecoder"}  # see the module doc
+
+
+@dataclass(frozen=True)
+class DecodeRule:
+    """How a tokenizer's text may be decoded a window at a time (decode_rule)."""
+    windowed: bool = True  # False: decode all ids each time
+    byte_tokens: frozenset[int] = frozenset()  # byte-fallback ids: text not committed while the last id is one
+
+
+def _local(decoder: dict | None) -> bool:
+    if decoder is None:  # tokens joined by spaces
+        return True
+    kind = decoder.get("type")
+    if kind == "Sequence":
+        return all(_local(part) for part in decoder.get("decoders", []))
+    if kind == "Replace":  # a one-character pattern cannot span two tokens' text
+        return len(next(iter(decoder.get("pattern", {}).values()), "")) == 1
+    if kind == "WordPiece":
+        return not decoder.get("cleanup", True)
+    return kind in LOCAL_DECODERS
+
+
+def _mentions(decoder: dict | None, kind: str) -> bool:
+    return decoder is not None and (decoder.get("type") == kind or any(_mentions(d, kind) for d in decoder.get("decoders", [])))
+
+
+def decode_rule(tokenizer) -> DecodeRule:
+    """The DecodeRule of a `tokenizers.Tokenizer`, read from its decoder's own description."""
+    if not hasattr(tokenizer, "decoder"):  # not a tokenizers.Tokenizer: nothing known of its decoding
+        return DecodeRule(windowed=False)
+    try:
+        decoder = json.loads(tokenizer.decoder.__getstate__()) if tokenizer.decoder is not None else None
+    except (AttributeError, TypeError, ValueError):
+        return DecodeRule(windowed=False)
+    if not _local(decoder):
+        return DecodeRule(windowed=False)
+    if _mentions(decoder, "ByteFallback"):
+        found = (tokenizer.token_to_id(f"<0x{b:02X}>") for b in range(256))
+        return DecodeRule(byte_tokens=frozenset(i for i in found if i is not None))
+    return DecodeRule()
+
+
+def stop_prefix_length(text: str, stop: list[str]) -> int:
+    """Length of the longest end of TEXT that begins some stop string (0 when none does)."""
+    for length in range(min(len(text), max(map(len, stop), default=1) - 1), 0, -1):
+        if any(s.startswith(text[-length:]) for s in stop):
+            return length
+    return 0
+
+
+def cut_at_stop(text: str, stop: list[str] | None) -> str:
+    """TEXT cut before the first stop string in it."""
+    if not stop:
+        return text
+    return text[:min((text.index(s) for s in stop if s in text), default=len(text))]
+
+
+class IncrementalText:
+    """The text of ids fed one at a time (`push`), equal to DECODE(all ids) with stop strings cut.
+
+    `text` is the text so far (pending ids included, as a whole decode shows it), `stopped` whether a
+    stop string occurs in it, `settled()` what a stream may show now: never an incomplete character,
+    never text that may still begin a stop string."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str] | None = None,
+                 rule: DecodeRule = DecodeRule()) -> None:
+        self._decode, self._byte_tokens = decode, rule.byte_tokens
+        self.stop = list(stop or [])
+        self._longest = max(map(len, self.stop), default=0)
+        self.ids: list[int] = []
+        self._committed = ""  # the text of ids[:_read]
+        self._tail = ""  # the last _longest - 1 committed characters: where a stop may begin
+        self._prefix = self._read = 0  # window ids[_prefix:_read]
+        self._window_text = ""  # decode(ids[_prefix:_read])
+        self._pending = ""  # text of ids[_read:], possibly ending in an incomplete character
+        self._whole = not rule.windowed  # decode everything each time
+        self.stop_at: int | None = None  # index in the text of the first stop string, once one occurs
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_at is not None
+
+    @property
+    def text(self) -> str:
+        """The text of every id pushed, cut before the first stop string."""
+        whole = self._committed + self._pending
+        return whole if self.stop_at is None else whole[:self.stop_at]
+
+    def push(self, token: int) -> None:
+        self.ids.append(token)
+        if self._whole:
+            self._pending = self._decode(self.ids)
+            self._look_for_stop()
+            return
+        extended = self._decode(self.ids[self._prefix:])
+        if not extended.startswith(self._window_text):
+            self._switch_to_whole()
+            self._look_for_stop()
+            return
+        self._pending = extended[len(self._window_text):]
+        self._look_for_stop()
+        if not self._pending.endswith(REPLACEMENT) and token not in self._byte_tokens:
+            self._commit()
+
+    def _commit(self) -> None:
+        """The pending text ends in a whole character: it joins the committed text; the window moves."""
+        self._committed += self._pending
+        self._tail = (self._tail + self._pending)[-(self._longest - 1):] if self._longest > 1 else ""
+        self._prefix, self._read = self._read, len(self.ids)
+        self._window_text = self._decode(self.ids[self._prefix:self._read])
+        self._pending = ""
+
+    def _switch_to_whole(self) -> None:
+        self._whole = True
+        self._committed, self._tail, self.stop_at = "", "", None
+        self._pending = self._decode(self.ids)
+
+    def _look_for_stop(self) -> None:
+        if not self.stop or self.stop_at is not None:
+            return
+        if self._whole:
+            region, offset = self._pending, 0
+        else:
+            region, offset = self._tail + self._pending, len(self._committed) - len(self._tail)
+        found = [region.find(s) for s in self.stop]
+        first = min((i for i in found if i >= 0), default=None)
+        if first is not None:
+            self.stop_at = offset + first
+
+    def settled(self) -> str:
+        """What a stream may show now: nothing past an incomplete character, and no end that may still
+        begin a stop string (the next tokens could complete it)."""
+        text = self.text
+        if self.stop_at is None:
+            if text.endswith(REPLACEMENT):
+                text = self._committed  # "" once whole re-decoding took over
+            text = text[:len(text) - stop_prefix_length(text, self.stop)]
+        return text
+
+
+class StopStrings:
+    """A request's stop-string rule: called with the ids generated so far after each new one, True once
+    their text contains a stop string. Fed one id a call (IncrementalText); called with any other list
+    (a new generation with the same request) it starts over."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str], rule: DecodeRule = DecodeRule()) -> None:
+        self._decode, self._stop, self._rule = decode, stop, rule
+        self._text = IncrementalText(decode, stop, rule)
+
+    def __call__(self, ids: list[int]) -> bool:
+        known = self._text.ids
+        if len(ids) != len(known) + 1 or (known and ids[len(known) - 1] != known[-1]):
+            self._text = IncrementalText(self._decode, self._stop, self._rule)
+            for token in ids[:-1]:
+                self._text.push(token)
+        self._text.push(ids[-1])
+        return self._text.stopped
