@@ -73,22 +73,34 @@ class SourceWeight(LazyValues):
         """The values in row blocks, converted to DTYPE: what the writer streams into weights.bin.
         CheckpointError where a value is nan or inf, in the checkpoint or once converted (a float32
         value beyond float16's range): such a model generates garbage, or one id forever."""
-        for part in self.parts:
+        for index, part in enumerate(self.parts):
             for first, rows in part.row_blocks():
                 stored = part.read(first, rows)
                 with np.errstate(over="ignore"):  # overflow is reported below, as an error
                     chunk = np.ascontiguousarray(stored, dtype=self.dtype)
                 if non_finite_count(chunk):
-                    raise CheckpointError(self._non_finite_message(stored, chunk))
+                    raise CheckpointError(self._non_finite_message(index))
                 yield chunk
 
-    def _non_finite_message(self, stored: np.ndarray, chunk: np.ndarray) -> str:
-        in_checkpoint = non_finite_count(stored)
+    def _non_finite_message(self, index: int) -> str:
+        """What is wrong with part INDEX, counted over the whole part (only on the way to an error)."""
+        part = self.parts[index]
+        in_checkpoint = converted = 0
+        largest = 0.0
+        for first, rows in part.row_blocks():
+            stored = part.read(first, rows)
+            in_checkpoint += non_finite_count(stored)
+            with np.errstate(over="ignore"):
+                converted += non_finite_count(np.asarray(stored, dtype=self.dtype))
+            finite = stored.astype(np.float32)
+            finite = finite[np.isfinite(finite)]
+            largest = max(largest, float(np.max(np.abs(finite), initial=0.0)))
+        where = f" (part {index + 1} of {len(self.parts)} stacked)" if len(self.parts) > 1 else ""
         if in_checkpoint:
-            return f"{in_checkpoint} nan/inf values in the checkpoint (a diverged or damaged training run?)"
-        largest = float(np.max(np.abs(stored.astype(np.float32))))
-        return (f"{non_finite_count(chunk)} values beyond {self.dtype.name}'s range once converted (largest "
-                f"magnitude {largest:.4g}); build with --weights bf16 or fp32")
+            return f"{in_checkpoint} nan/inf values in the checkpoint{where} (a diverged or damaged training run?)"
+        instead = "--weights bf16 or fp32" if self.dtype.name == "float16" else "--weights fp32"
+        return (f"{converted} values beyond {self.dtype.name}'s range once converted{where} (largest magnitude "
+                f"{largest:.4g}); build with {instead}")
 
     @property
     def tensor(self):

@@ -9,16 +9,19 @@ over a long generation, on the server's event loop for every stream).
 
 Only the window and the pending ids are decoded each token: pending text = decode(ids[prefix:]) minus
 decode(ids[prefix:read]). The window gives the pending ids their left context (SentencePiece's
-leading-space rules look at the token before). Pending text is committed once it ends in a whole
+leading-space rules look at the token before). Pending text is committed once it is not empty (a
+special token alone decodes to nothing: a window of it would hide the context) and ends in a whole
 character (not U+FFFD, an incomplete UTF-8 sequence); then the window moves up to the old read offset.
+Streams show committed text only (take_settled).
 
 That is exact only where a token's text never changes once later tokens follow (decode_rule):
 byte-level BPE (GPT-2, Llama 3, Qwen, the zoo), Metaspace and Replace/Strip/Fuse. Byte fallback
 (Llama 2, Mistral) re-renders a run of <0xNN> tokens as U+FFFD when a later byte makes the run
-invalid UTF-8, so text is not committed while the last id is a byte token. WordPiece cleanup and CTC
-rewrite across tokens (" ' s" -> "'s"), and unknown decoders might: those decode the whole text each
-time, as before (exact, O(n) a token). A window whose text is not a prefix of the longer decode
-switches to whole decoding too.
+invalid UTF-8, so text is not committed while the last id that shows text is a byte token. WordPiece
+cleanup and CTC rewrite across tokens (" ' s" -> "'s"), and unknown decoders might: those decode the
+whole text each time, as before (exact, O(n) a token). A window whose text is not a prefix of the
+longer decode switches to whole decoding too. A window waiting for a whole character (a run of
+invalid bytes, or a genuine U+FFFD at the end) grows until one comes.
 
 Stop strings are looked for only in the new text plus the last len(longest stop) - 1 characters
 before it, so the first occurrence found is the first in the whole text (Engine.trim's cut).
@@ -38,7 +41,8 @@ LOCAL_DECODERS = {"ByteLevel", "Metaspace", "Fuse", "Strip", "ByteFallback", "BP
 class DecodeRule:
     """How a tokenizer's text may be decoded a window at a time (decode_rule)."""
     windowed: bool = True  # False: decode all ids each time
-    byte_tokens: frozenset[int] = frozenset()  # byte-fallback ids: text not committed while the last id is one
+    byte_tokens: frozenset[int] = frozenset()  # byte-fallback ids: text not committed while the last one showing text is one
+    skipped: frozenset[int] = frozenset()  # special ids decode leaves out (they neither end nor start a byte run)
 
 
 def _local(decoder: dict | None) -> bool:
@@ -70,7 +74,9 @@ def decode_rule(tokenizer) -> DecodeRule:
         return DecodeRule(windowed=False)
     if _mentions(decoder, "ByteFallback"):
         found = (tokenizer.token_to_id(f"<0x{b:02X}>") for b in range(256))
-        return DecodeRule(byte_tokens=frozenset(i for i in found if i is not None))
+        added = getattr(tokenizer, "get_added_tokens_decoder", dict)()
+        return DecodeRule(byte_tokens=frozenset(i for i in found if i is not None),
+                          skipped=frozenset(i for i, token in added.items() if token.special))
     return DecodeRule()
 
 
@@ -92,22 +98,26 @@ def cut_at_stop(text: str, stop: list[str] | None) -> str:
 class IncrementalText:
     """The text of ids fed one at a time (`push`), equal to DECODE(all ids) with stop strings cut.
 
-    `text` is the text so far (pending ids included, as a whole decode shows it), `stopped` whether a
-    stop string occurs in it, `settled()` what a stream may show now: never an incomplete character,
-    never text that may still begin a stop string."""
+    `text` is the text so far (pending ids included, as a whole decode shows it; O(n): for the end and
+    for tests), `stopped` whether a stop string occurs in it, `take_settled()` the text a stream may
+    show since its last call: never an incomplete character, never text that may still begin a stop
+    string, never text a later id could re-render; `shown` how many characters it has handed out."""
 
     def __init__(self, decode: Callable[[list[int]], str], stop: list[str] | None = None,
                  rule: DecodeRule = DecodeRule()) -> None:
-        self._decode, self._byte_tokens = decode, rule.byte_tokens
+        self._decode, self._byte_tokens, self._skipped = decode, rule.byte_tokens, rule.skipped
         self.stop = list(stop or [])
         self._longest = max(map(len, self.stop), default=0)
         self.ids: list[int] = []
-        self._committed = ""  # the text of ids[:_read]
-        self._tail = ""  # the last _longest - 1 committed characters: where a stop may begin
+        self._pieces: list[str] = []  # committed text (of ids[:_read]), in pieces
+        self._length = 0  # its length
+        self._tail = ""  # its last _longest - 1 characters: where a stop may begin
+        self._unshown = ""  # its end that take_settled has not handed out
         self._prefix = self._read = 0  # window ids[_prefix:_read]
         self._window_text = ""  # decode(ids[_prefix:_read])
-        self._pending = ""  # text of ids[_read:], possibly ending in an incomplete character
+        self._pending = ""  # text of ids[_read:], possibly ending in an incomplete character; all of it when whole
         self._whole = not rule.windowed  # decode everything each time
+        self.shown = 0  # characters take_settled has handed out
         self.stop_at: int | None = None  # index in the text of the first stop string, once one occurs
 
     @property
@@ -117,74 +127,90 @@ class IncrementalText:
     @property
     def text(self) -> str:
         """The text of every id pushed, cut before the first stop string."""
-        whole = self._committed + self._pending
+        whole = "".join(self._pieces) + self._pending
         return whole if self.stop_at is None else whole[:self.stop_at]
 
     def push(self, token: int) -> None:
         self.ids.append(token)
         if self._whole:
             self._pending = self._decode(self.ids)
-            self._look_for_stop()
+            self._look_for_stop(self._pending, 0)
             return
         extended = self._decode(self.ids[self._prefix:])
         if not extended.startswith(self._window_text):
             self._switch_to_whole()
-            self._look_for_stop()
             return
         self._pending = extended[len(self._window_text):]
-        self._look_for_stop()
-        if not self._pending.endswith(REPLACEMENT) and token not in self._byte_tokens:
+        self._look_for_stop(self._tail + self._pending, self._length - len(self._tail))
+        if self._pending and not self._pending.endswith(REPLACEMENT) and not self._in_byte_run():
             self._commit()
 
+    def _in_byte_run(self) -> bool:
+        """Whether the last pending id that shows text is a byte-fallback token (committed text never
+        ends in one, so a run of them lies in the pending ids)."""
+        if self._byte_tokens:
+            for token in reversed(self.ids[self._read:]):
+                if token not in self._skipped:
+                    return token in self._byte_tokens
+        return False
+
     def _commit(self) -> None:
-        """The pending text ends in a whole character: it joins the committed text; the window moves."""
-        self._committed += self._pending
-        self._tail = (self._tail + self._pending)[-(self._longest - 1):] if self._longest > 1 else ""
+        """The pending text is final: it joins the committed text; the window moves."""
+        piece = self._pending
+        self._pieces.append(piece)
+        self._length += len(piece)
+        self._unshown += piece
+        self._tail = (self._tail + piece)[-(self._longest - 1):] if self._longest > 1 else ""
         self._prefix, self._read = self._read, len(self.ids)
         self._window_text = self._decode(self.ids[self._prefix:self._read])
         self._pending = ""
 
     def _switch_to_whole(self) -> None:
         self._whole = True
-        self._committed, self._tail, self.stop_at = "", "", None
+        self._pieces, self._length, self._tail, self._unshown, self.stop_at = [], 0, "", "", None
         self._pending = self._decode(self.ids)
+        self._look_for_stop(self._pending, 0)
 
-    def _look_for_stop(self) -> None:
+    def _look_for_stop(self, region: str, offset: int) -> None:
+        """REGION: the text from index OFFSET on, holding every place a new stop string could be."""
         if not self.stop or self.stop_at is not None:
             return
-        if self._whole:
-            region, offset = self._pending, 0
-        else:
-            region, offset = self._tail + self._pending, len(self._committed) - len(self._tail)
-        found = [region.find(s) for s in self.stop]
-        first = min((i for i in found if i >= 0), default=None)
+        first = min((i for i in (region.find(s) for s in self.stop) if i >= 0), default=None)
         if first is not None:
             self.stop_at = offset + first
 
-    def settled(self) -> str:
-        """What a stream may show now: nothing past an incomplete character, and no end that may still
-        begin a stop string (the next tokens could complete it)."""
-        text = self.text
-        if self.stop_at is None:
+    def take_settled(self) -> str:
+        """The text a stream may show now that it has not been handed yet. Nothing once a stop string
+        occurred: the stream's end shows the text up to it (a whole decode, exactly generate()'s)."""
+        if self.stop_at is not None:
+            return ""
+        if self._whole:  # the rule streams always had: nothing while the text ends in an incomplete character
+            text = self._pending
             if text.endswith(REPLACEMENT):
-                text = self._committed  # "" once whole re-decoding took over
-            text = text[:len(text) - stop_prefix_length(text, self.stop)]
-        return text
+                return ""
+            end = len(text) - stop_prefix_length(text, self.stop)
+            piece = text[self.shown:end] if end > self.shown else ""
+        else:
+            keep = stop_prefix_length(self._tail, self.stop)  # the committed end that may begin a stop
+            piece = self._unshown[:len(self._unshown) - keep]
+            self._unshown = self._unshown[len(piece):]
+        self.shown += len(piece)
+        return piece
 
 
 class StopStrings:
-    """A request's stop-string rule: called with the ids generated so far after each new one, True once
-    their text contains a stop string. Fed one id a call (IncrementalText); called with any other list
-    (a new generation with the same request) it starts over."""
+    """A request's stop-string rule: called with its list of generated ids after each new one, True
+    once their text contains a stop string. Fed one id a call (IncrementalText); called with another
+    list, or with more than one new id, it starts over from that list."""
 
     def __init__(self, decode: Callable[[list[int]], str], stop: list[str], rule: DecodeRule = DecodeRule()) -> None:
         self._decode, self._stop, self._rule = decode, stop, rule
         self._text = IncrementalText(decode, stop, rule)
+        self._ids: list[int] | None = None  # the list it is following
 
     def __call__(self, ids: list[int]) -> bool:
-        known = self._text.ids
-        if len(ids) != len(known) + 1 or (known and ids[len(known) - 1] != known[-1]):
-            self._text = IncrementalText(self._decode, self._stop, self._rule)
+        if ids is not self._ids or len(ids) != len(self._text.ids) + 1:
+            self._ids, self._text = ids, IncrementalText(self._decode, self._stop, self._rule)
             for token in ids[:-1]:
                 self._text.push(token)
         self._text.push(ids[-1])

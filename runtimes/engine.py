@@ -99,7 +99,6 @@ class TextStream:
 
     def _run(self, decoding: Decoding, lock: threading.Lock, text: IncrementalText,
              final: Callable[[list[int]], str]) -> Iterator[str]:
-        shown = 0
         with lock:
             while True:
                 try:
@@ -109,13 +108,12 @@ class TextStream:
                     break
                 self.ids.append(token)
                 text.push(token)
-                settled = text.settled()
-                if len(settled) > shown:
-                    yield settled[shown:]
-                    shown = len(settled)
+                piece = text.take_settled()
+                if piece:
+                    yield piece
         whole = final(self.ids)
-        if len(whole) > shown:
-            yield whole[shown:]
+        if len(whole) > text.shown:
+            yield whole[text.shown:]
 
     def __iter__(self) -> "TextStream":
         return self
@@ -232,6 +230,8 @@ class Engine:
                                   f"model's context of {limit}")
         if stop and self.tokenizer is None:
             raise GenerationError("stop strings need a tokenizer; this artifact has none")
+        if isinstance(stop, str):  # it would stop at any one of its characters
+            raise GenerationError(f"stop must be a list of strings, e.g. stop=[{stop!r}]")
         if stop and not all(isinstance(s, str) and s for s in stop):
             raise GenerationError("a stop string must be a non-empty string")
         eos = self.eos_token_ids if stop_at_eos else frozenset()

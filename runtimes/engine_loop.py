@@ -11,7 +11,7 @@
 One task drives the scheduler: each iteration runs one BatchScheduler.step in a worker thread (the
 event loop stays free), then hands the confirmed tokens to each request's queue. It sleeps while no
 request is waiting or running and wakes on submit. Text follows the single-sequence stream's rule
-(detokenize.IncrementalText.settled): no incomplete UTF-8 character, no text that may begin a stop
+(detokenize.IncrementalText.take_settled): no incomplete UTF-8 character, no text that may begin a stop
 string; each token decodes a few ids, not the whole output. A step
 that fails (a backend error) ends every request it was running with that error (those that had
 already ended, end as they did); waiting requests stay queued and the loop carries on. A request
@@ -42,7 +42,6 @@ class Submitted:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.result: GenerationResult | None = None
         self._text = engine.incremental_text(stop) if engine.tokenizer is not None else None
-        self._shown = 0  # characters of text handed to the queue so far
         self._delivered = 0  # tokens handed to the queue so far
         self.error: BaseException | None = None  # the failure that ended it, if one did
 
@@ -60,8 +59,8 @@ class Submitted:
             text = None  # the whole text, stop strings cut: one whole decode, exactly generate()'s
             if self._text is not None:
                 text = self.engine.trim(self.engine.decode_text(self.sequence.out), self.stop)
-                if len(text) > self._shown:
-                    self.queue.put_nowait(Piece(-1, text[self._shown:]))  # held-back text (never a new id)
+                if len(text) > self._text.shown:
+                    self.queue.put_nowait(Piece(-1, text[self._text.shown:]))  # held-back text (never a new id)
             self.result = GenerationResult(list(self.sequence.out), text, self.sequence.stats)
             self.queue.put_nowait(None)
             return
@@ -69,9 +68,7 @@ class Submitted:
         piece = ""
         if self._text is not None:
             self._text.push(token)
-            settled = self._text.settled()
-            if len(settled) > self._shown:
-                piece, self._shown = settled[self._shown:], len(settled)
+            piece = self._text.take_settled()
         self.queue.put_nowait(Piece(token, piece))
 
     def _end(self) -> None:

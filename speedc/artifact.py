@@ -126,7 +126,7 @@ def read_manifest(directory: str | Path, *, verify_hashes: bool = True) -> Manif
         for name, expected in manifest.files.items():
             file = directory / name
             if not file.exists():
-                raise ArtifactError(f"{file}: listed in the manifest but missing")
+                raise ArtifactError(f"{file}: listed in the manifest but missing; rebuild the artifact")
             if sha256_file(file) != expected:
                 raise ArtifactError(f"{file}: sha256 does not match the manifest (corrupt or modified); rebuild the artifact")
     return manifest
@@ -266,11 +266,19 @@ def _stored_constants(graphs: dict, ordered: list[str], weight_names: set[str]) 
 
 def _chunks(constant):
     """A constant's values as byte-ready arrays: streamed row blocks for a weight still in the checkpoint
-    (any object with `chunks()`, see passes/source_weights.py), the array itself otherwise."""
+    (any object with `chunks()`, see passes/source_weights.py), the array itself otherwise (a weight
+    held in memory is checked for nan/inf here; computed tables may hold -inf on purpose)."""
     values = constant._values  # graphsurgeon's storage: .values would load a lazy weight whole
     if hasattr(values, "chunks"):
         return values.chunks()
-    return iter([np.ascontiguousarray(constant.values)])
+    array = np.ascontiguousarray(constant.values)
+    if is_weight_name(constant.name) and array.dtype.kind == "f":
+        from speedc.passes.source_weights import non_finite_count
+
+        bad = non_finite_count(array)
+        if bad:
+            raise CheckpointError(f"{bad} nan/inf values")
+    return iter([array])
 
 
 def _identity(constant) -> tuple:

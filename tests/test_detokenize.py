@@ -1,14 +1,15 @@
 """IncrementalText (runtimes/detokenize.py): the text of ids fed one at a time equals a whole decode of
-them after every id, under three decoder families (byte-level BPE: the zoo and Qwen/Llama-3 style;
-SentencePiece-style Metaspace + byte fallback + strip: Llama 2 style; WordPiece with cleanup), with
-random ids (split and invalid UTF-8 included) and stop strings; and each id costs a bounded decode."""
+them after every id, under the decoder families (byte-level BPE: the zoo and Qwen/Llama-3 style;
+SentencePiece-style Metaspace + byte fallback + strip: Llama 2 style; Metaspace alone; no decoder;
+WordPiece with cleanup), with random ids (special tokens, split and invalid UTF-8 included) and stop
+strings; a stream never takes back text it showed; and each id costs a bounded decode."""
 
 from __future__ import annotations
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from conftest import ZOO
 from speedc.runtimes.detokenize import DecodeRule, IncrementalText, StopStrings, cut_at_stop, decode_rule
@@ -24,6 +25,16 @@ def _sentencepiece_style() -> Tokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
     tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                            decoders.Strip(" ", 1, 0)])
+    tokenizer.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    return tokenizer
+
+
+def _word_level(decoder) -> Tokenizer:
+    """Whole words with "▁" for the space before them, a special token decode leaves out."""
+    words = ["<unk>", "▁Hello", "▁world", "Hello", ",", "▁a", "é", "▁é", "\n", "▁", "ö"]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.add_special_tokens([AddedToken("<sp>", special=True)])
+    tokenizer.decoder = decoder
     return tokenizer
 
 
@@ -38,6 +49,8 @@ def _wordpiece_with_cleanup() -> Tokenizer:
 TOKENIZERS = {
     "zoo-byte-level-bpe": lambda: Tokenizer.from_file(str(ZOO / "tiny" / "tokenizer.json")),
     "sentencepiece-style": _sentencepiece_style,
+    "metaspace-first": lambda: _word_level(decoders.Metaspace(prepend_scheme="first")),
+    "no-decoder": lambda: _word_level(None),
     "wordpiece-cleanup": _wordpiece_with_cleanup,
 }
 STOPS = ["\n\n", "e", "ll", "é", " a", "the", "n't", "\ufffd", "lo.", "ö"]
@@ -57,7 +70,8 @@ def _decoder_keeps_its_text(tokenizer: Tokenizer, ids: list[int]) -> bool:
 
 
 def _check_every_prefix(tokenizer: Tokenizer, ids: list[int], stop: list[str]) -> None:
-    text = IncrementalText(tokenizer.decode, stop, decode_rule(tokenizer))
+    rule = decode_rule(tokenizer)
+    text = IncrementalText(tokenizer.decode, stop, rule)
     keeps_its_text = _decoder_keeps_its_text(tokenizer, ids)
     shown = ""
     for k, token in enumerate(ids, 1):
@@ -65,14 +79,14 @@ def _check_every_prefix(tokenizer: Tokenizer, ids: list[int], stop: list[str]) -
         whole = tokenizer.decode(ids[:k])
         assert text.text == cut_at_stop(whole, stop), (ids[:k], stop)
         assert text.stopped == any(s in whole for s in stop)
-        settled = text.settled()
-        assert text.text.startswith(settled)
-        if keeps_its_text:
-            assert settled.startswith(shown), (ids[:k], shown, settled)  # a stream never takes text back
-        shown = settled
+        shown += text.take_settled()
+        assert text.shown == len(shown)
+        if rule.windowed or keeps_its_text:  # a stream never takes text back
+            assert cut_at_stop(whole, stop).startswith(shown), (ids[:k], shown, whole)
         if text.stopped:  # generation ends at the first stop string
             break
-    assert not keeps_its_text or cut_at_stop(tokenizer.decode(ids[:k]), stop).startswith(shown)
+    final = cut_at_stop(tokenizer.decode(ids[:k]), stop)
+    assert not (rule.windowed or keeps_its_text) or final.startswith(shown)
 
 
 @settings(max_examples=int(__import__("os").environ.get("DETOK_EX", "150")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -94,7 +108,7 @@ def test_real_text_and_split_characters(tokenizer):
 def test_decoders_are_windowed_only_where_that_is_exact():
     assert decode_rule(TOKENIZERS["zoo-byte-level-bpe"]()) == DecodeRule()
     sentencepiece = decode_rule(TOKENIZERS["sentencepiece-style"]())
-    assert sentencepiece.windowed and len(sentencepiece.byte_tokens) == 256
+    assert sentencepiece.windowed and len(sentencepiece.byte_tokens) == 256 and len(sentencepiece.skipped) == 2
     assert decode_rule(TOKENIZERS["wordpiece-cleanup"]()) == DecodeRule(windowed=False)
 
 
@@ -113,7 +127,7 @@ def test_each_id_costs_a_bounded_decode(name):
     text = IncrementalText(decode, ["never there"], decode_rule(tokenizer))
     for token in ids:
         text.push(token)
-        text.settled()
+        text.take_settled()
     assert len(ids) > 1000
     assert max(decoded) <= 16 and sum(decoded) <= 8 * len(ids)
     assert text.text == tokenizer.decode(ids) and not text.stopped
@@ -123,7 +137,14 @@ def test_stop_rule_starts_over_for_another_generation():
     tokenizer = TOKENIZERS["zoo-byte-level-bpe"]()
     first, second = tokenizer.encode("hello there\n\nend").ids, tokenizer.encode("no stop here").ids
     rule = StopStrings(tokenizer.decode, ["\n\n"])
-    said = [rule(first[:k]) for k in range(1, len(first) + 1)]
-    assert said[-1] and not said[0]
-    assert not any(rule(second[:k]) for k in range(1, len(second) + 1))  # not the first text's stop
-    assert rule(first)  # a whole list at once: decoded from the start
+    growing, said = [], []
+    for token in first:
+        growing.append(token)
+        said.append(rule(growing))
+    at = said.index(True)  # the first id whose text completes the stop string, and every one after it
+    assert all(said[at:]) and "\n\n" in tokenizer.decode(first[:at + 1]) and "\n\n" not in tokenizer.decode(first[:at])
+    growing = []
+    for token in second:  # another list, fed as a generation feeds it
+        growing.append(token)
+        assert not rule(growing)  # not the first text's stop
+    assert rule(list(first))  # a whole list at once: decoded from the start

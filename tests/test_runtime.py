@@ -9,6 +9,7 @@ from transformers import LlamaForCausalLM
 
 from conftest import ZOO, ZOO_MODELS
 from speedc import Engine
+from speedc.errors import GenerationError
 from speedc.models.checkpoint import load_model, save_unrolled_hf
 from speedc.models.corpus import load_documents
 from speedc.models.generate import generate as reference_generate
@@ -102,6 +103,16 @@ def test_stop_strings_and_eos(zoo):
     assert "\n\n" not in result.text and result.stats.stop_reason in ("stop_string", "max_new_tokens")
     # A stream holds back text that may begin a stop string: the first "\n" of "\n\n" is never shown.
     assert "".join(engine.stream("ROMEO:\n", max_new_tokens=100, stop=["\n\n"], stop_at_eos=False)) == result.text
+    # It stops at the very id whose text (a whole decode) first holds the stop string (the rule decodes
+    # a window of ids a token, runtimes/detokenize.py), as a batch of one does.
+    free = engine.generate("ROMEO:\n", max_new_tokens=100, stop_at_eos=False).ids
+    first = next((k for k in range(1, len(free) + 1) if "\n\n" in engine.tokenizer.decode(free[:k])), len(free))
+    assert result.ids == free[:first]
+    assert engine.generate_batch(["ROMEO:\n"], max_new_tokens=100, stop=["\n\n"], stop_at_eos=False)[0].ids == result.ids
     eos = engine.eos_token_id
     forced = engine.generate([eos, eos], max_new_tokens=100)
     assert forced.stats.stop_reason == "eos" or eos not in forced.ids
+    with pytest.raises(GenerationError, match="non-empty"):  # "" was in every text: it stopped after one token
+        engine.generate("ROMEO:", stop=[""])
+    with pytest.raises(GenerationError, match=r"list of strings, e.g. stop=\['\\n'\]"):
+        engine.generate("ROMEO:", stop="\n")
