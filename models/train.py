@@ -141,9 +141,41 @@ def _save(out: Path, model: SharedLlama, optimizer: torch.optim.Optimizer, state
     write_atomic(out / STATE_FILE, lambda p: p.write_text(json.dumps(state, indent=2) + "\n"))
 
 
+RUN_SETTINGS = ("preset", "batch_size", "seq_len", "lr", "exit_weight", "seed", "bf16")  # fixed for a run's life
+RESUMABLE_SETTINGS = ("steps", "eval_every", "save_every", "threads")  # a resumed run takes these anew
+
+
+def _resumed_options(out: Path, saved: dict, opts: TrainOptions, given: frozenset[str]) -> TrainOptions:
+    """The saved run's options, with the RESUMABLE_SETTINGS the caller GIVEN (steps always). A run setting
+    given with another value than the run's is refused: it was silently ignored before."""
+    for name in sorted(given & set(RUN_SETTINGS)):
+        if getattr(opts, name) != saved.get(name):
+            flag = f"--{name.replace('_', '-')}"
+            raise SpeedcError(f"{out}: {flag} {getattr(opts, name)} differs from the run's {saved.get(name)}; a resumed "
+                              f"run keeps its settings (it may change {', '.join('--' + n.replace('_', '-') for n in RESUMABLE_SETTINGS)})")
+    changed = {name: getattr(opts, name) for name in RESUMABLE_SETTINGS if name == "steps" or name in given}
+    try:
+        return TrainOptions(**{**saved, **changed})
+    except TypeError as bad:
+        raise SpeedcError(f"{out / STATE_FILE}: unreadable training state ({bad})") from None
+
+
+def _saved_state(out: Path) -> dict:
+    try:
+        state = json.loads((out / STATE_FILE).read_text())
+        if not isinstance(state, dict) or not isinstance(state["options"], dict) or not isinstance(state["step"], int):
+            raise TypeError("not a training state")
+        state["corpus_sha256"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as bad:
+        raise SpeedcError(f"{out / STATE_FILE}: unreadable training state ({type(bad).__name__}: {bad}); cannot "
+                          "resume this run") from None
+    return state
+
+
 def train(out: str | Path, opts: TrainOptions, *, resume: bool = False,
-          progress: Callable[[int, int, dict], None] | None = None) -> dict:
-    """Train (or resume) into OUT; returns the final training state (metrics included)."""
+          progress: Callable[[int, int, dict], None] | None = None, given: frozenset[str] = frozenset()) -> dict:
+    """Train (or resume) into OUT; returns the final training state (metrics included). GIVEN: the
+    options the caller set explicitly (resuming checks them against the run's)."""
     out = Path(out)
     if opts.threads:
         torch.set_num_threads(opts.threads)
@@ -154,12 +186,10 @@ def train(out: str | Path, opts: TrainOptions, *, resume: bool = False,
     if resume:
         if not (out / STATE_FILE).exists():
             raise SpeedcError(f"{out}: nothing to resume (no {STATE_FILE})")
-        state = json.loads((out / STATE_FILE).read_text())
+        state = _saved_state(out)
         if state["corpus_sha256"] != digest:
             raise SpeedcError(f"{out}: was trained on another corpus (sha256 {state['corpus_sha256'][:12]}…)")
-        saved_opts = state["options"]
-        saved_opts.update(steps=opts.steps)  # resuming may extend the run
-        opts = TrainOptions(**saved_opts)
+        opts = _resumed_options(out, state["options"], opts, given)
         tokenizer_json = (out / TOKENIZER_FILE).read_text()
         cfg, tensors = load_checkpoint(out)
         model = model_from_state(cfg, tensors).train()
@@ -170,6 +200,9 @@ def train(out: str | Path, opts: TrainOptions, *, resume: bool = False,
             raise SpeedcError(f"{out} exists and is not empty; train into a new folder (checkpoints there would be "
                               "written over)")
         preset = dict(PRESETS[opts.preset])
+        if opts.seq_len > preset["max_position_embeddings"]:  # it trained, on windows the model's config disowns
+            raise SpeedcError(f"--seq-len {opts.seq_len} is beyond the {opts.preset} preset's context of "
+                              f"{preset['max_position_embeddings']} positions")
         tokenizer = train_tokenizer(docs, preset.pop("vocab_size"))
         tokenizer_json = tokenizer.to_str()
         cfg = ModelConfig.from_json_dict({

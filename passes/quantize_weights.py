@@ -63,6 +63,11 @@ def _weight_gather(node: gs.Node) -> bool:
             and node.inputs[1].shape is not None)
 
 
+def _largest_block(k: int) -> int:
+    """The largest power of two (>= 16) that fits in K: the largest --block-size a row of K values takes unpadded."""
+    return max(16, 1 << (k.bit_length() - 1))
+
+
 class Quantizer:
     """One quantized copy of each weight, shared by every graph (each graph gets its own Constants over
     the same values: graphsurgeon tensors track their consumers, so one tensor must not span graphs)."""
@@ -80,6 +85,10 @@ class Quantizer:
             values = values if values is not None else np.asarray(weight.values, np.float32)
             if np.dtype(weight.dtype) != np.float32:
                 raise BuildError(f"internal: weight {weight.name} is {weight.dtype}, quantization expects float32")
+            k = weight.shape[-1]
+            if self.block_size > k:  # every row padded to one block: a larger artifact than the default's
+                raise BuildError(f"--block-size {self.block_size} is longer than the rows of {weight.name} ({k} values); "
+                                 f"each would be padded to {self.block_size}: use --block-size {_largest_block(k)} or less")
             self.pairs[weight.name] = quantized_pair(values, weight.name, self.bits_of(weight.name), self.block_size)
             parts = self.state.weight_parts.get(weight.name)
             if parts:  # a stacked weight: its parts are row ranges of the codes and of the scales alike

@@ -24,7 +24,9 @@ longer decode switches to whole decoding too. A window waiting for a whole chara
 invalid bytes, or a genuine U+FFFD at the end) grows until one comes.
 
 Stop strings are looked for only in the new text plus the last len(longest stop) - 1 characters
-before it, so the first occurrence found is the first in the whole text (Engine.trim's cut).
+before it, so the first occurrence found is the first in the whole text (Engine.trim's cut). A U+FFFD
+at the very end is left out of the search: it may be the first byte of a character the next token
+completes (a stop string "\ufffd" ended generations on characters that never appeared).
 """
 
 from __future__ import annotations
@@ -134,14 +136,14 @@ class IncrementalText:
         self.ids.append(token)
         if self._whole:
             self._pending = self._decode(self.ids)
-            self._look_for_stop(self._pending, 0)
+            self._look_for_stop(self._pending.rstrip(REPLACEMENT), 0)
             return
         extended = self._decode(self.ids[self._prefix:])
         if not extended.startswith(self._window_text):
             self._switch_to_whole()
             return
         self._pending = extended[len(self._window_text):]
-        self._look_for_stop(self._tail + self._pending, self._length - len(self._tail))
+        self._look_for_stop(self._tail + self._pending.rstrip(REPLACEMENT), self._length - len(self._tail))
         if self._pending and not self._pending.endswith(REPLACEMENT) and not self._in_byte_run():
             self._commit()
 
@@ -169,7 +171,7 @@ class IncrementalText:
         self._whole = True
         self._pieces, self._length, self._tail, self._unshown, self.stop_at = [], 0, "", "", None
         self._pending = self._decode(self.ids)
-        self._look_for_stop(self._pending, 0)
+        self._look_for_stop(self._pending.rstrip(REPLACEMENT), 0)
 
     def _look_for_stop(self, region: str, offset: int) -> None:
         """REGION: the text from index OFFSET on, holding every place a new stop string could be."""

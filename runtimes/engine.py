@@ -83,37 +83,68 @@ def make_backend(directory: Path, manifest: Manifest, backend: str, device: str,
     return entry.make(directory, manifest, device, threads)
 
 
+def check_text(text: str, what: str) -> None:
+    """GenerationError where TEXT holds a lone surrogate (no UTF-8 for it: the tokenizer raised a
+    TypeError): a JSON "\\udce9" escape, or a byte that was not UTF-8 in a command-line argument."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as bad:
+        code = ord(text[bad.start])
+        byte = f", the byte 0x{code - 0xDC00:02x} that is not UTF-8" if 0xDC80 <= code <= 0xDCFF else ""
+        raise GenerationError(f"{what} is not valid Unicode text: a lone surrogate U+{code:04X} at character "
+                              f"{bad.start}{byte}") from None
+
+
+class _StreamOutcome:
+    """What a stream's generator records (ids so far, stats at the end): shared with the TextStream
+    without a reference back to it, so a stream dropped mid-way is freed, and its generator closed
+    (releasing the engine), as soon as nothing refers to it (`for piece in engine.stream(...): break`)."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.stats: DecodeStats | None = None
+
+
+def _stream_pieces(decoding: Decoding, lock: threading.Lock, text: IncrementalText, final: Callable[[list[int]], str],
+                   outcome: _StreamOutcome) -> Iterator[str]:
+    with lock:
+        while True:
+            try:
+                token = next(decoding)
+            except StopIteration as done:
+                outcome.stats = done.value[1]
+                break
+            outcome.ids.append(token)
+            text.push(token)
+            piece = text.take_settled()
+            if piece:
+                yield piece
+    whole = final(outcome.ids)
+    if len(whole) > text.shown:
+        yield whole[text.shown:]
+
+
 class TextStream:
     """Iterator of confirmed text pieces; `ids` and `stats` are complete once it is exhausted.
 
-    It runs DECODING holding LOCK from its first piece until it ends or is closed (the engine's cache
-    serves one call at a time); TEXT renders the confirmed ids a few at a time, FINAL renders them all
-    once at the end (generate()'s text). Text that may be the start of a stop string is held back
-    until it is known not to be one, so the pieces join to what generate() returns."""
+    It runs DECODING holding LOCK from its first piece until it ends, is closed, or is dropped (the
+    engine's cache serves one call at a time); TEXT renders the confirmed ids a few at a time, FINAL
+    renders them all once at the end (generate()'s text). Text that may be the start of a stop string
+    is held back until it is known not to be one, so the pieces join to what generate() returns.
+    Also a context manager (closed on exit)."""
 
     def __init__(self, decoding: Decoding, lock: threading.Lock, text: IncrementalText,
                  final: Callable[[list[int]], str]) -> None:
-        self.ids: list[int] = []
-        self.stats: DecodeStats | None = None
-        self._pieces = self._run(decoding, lock, text, final)
+        self._outcome = _StreamOutcome()
+        self._pieces = _stream_pieces(decoding, lock, text, final, self._outcome)
 
-    def _run(self, decoding: Decoding, lock: threading.Lock, text: IncrementalText,
-             final: Callable[[list[int]], str]) -> Iterator[str]:
-        with lock:
-            while True:
-                try:
-                    token = next(decoding)
-                except StopIteration as done:
-                    self.stats = done.value[1]
-                    break
-                self.ids.append(token)
-                text.push(token)
-                piece = text.take_settled()
-                if piece:
-                    yield piece
-        whole = final(self.ids)
-        if len(whole) > text.shown:
-            yield whole[text.shown:]
+    @property
+    def ids(self) -> list[int]:
+        return self._outcome.ids
+
+    @property
+    def stats(self) -> DecodeStats | None:
+        return self._outcome.stats
 
     def __iter__(self) -> "TextStream":
         return self
@@ -124,6 +155,12 @@ class TextStream:
     def close(self) -> None:
         """Stop early: the engine is free for the next call at once."""
         self._pieces.close()
+
+    def __enter__(self) -> "TextStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class Engine:
@@ -191,6 +228,7 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise GenerationError("this artifact has no tokenizer.json: pass token ids instead of text")
+            check_text(prompt, "the prompt")
             ids = self.tokenizer.encode(prompt).ids
         else:
             ids = [int(i) for i in prompt]
@@ -234,6 +272,8 @@ class Engine:
             raise GenerationError(f"stop must be a list of strings, e.g. stop=[{stop!r}]")
         if stop and not all(isinstance(s, str) and s for s in stop):
             raise GenerationError("a stop string must be a non-empty string")
+        for text in stop or []:
+            check_text(text, "a stop string")
         eos = self.eos_token_ids if stop_at_eos else frozenset()
 
         stop_strings = StopStrings(self.tokenizer.decode, stop, self.decode_rule) if stop else None

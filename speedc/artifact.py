@@ -127,7 +127,11 @@ def read_manifest(directory: str | Path, *, verify_hashes: bool = True) -> Manif
             file = directory / name
             if not file.exists():
                 raise ArtifactError(f"{file}: listed in the manifest but missing; rebuild the artifact")
-            if sha256_file(file) != expected:
+            try:
+                digest = sha256_file(file)
+            except OSError as bad:  # a folder in its place, no permission
+                raise ArtifactError(f"{file}: unreadable ({bad.strerror or bad}); rebuild the artifact") from None
+            if digest != expected:
                 raise ArtifactError(f"{file}: sha256 does not match the manifest (corrupt or modified); rebuild the artifact")
     return manifest
 

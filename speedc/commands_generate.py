@@ -14,9 +14,18 @@ from speedc.errors import BatchError, GenerationError
 
 def _parse_ids(text: str) -> list[int]:
     try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+        return [int(x) for x in text.replace(" ", "").split(",")]  # "1,,2" is refused, not read as 1,2
     except ValueError:
         raise GenerationError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+
+
+def _refuse_batch_options_without_file(max_batch, kv_cache_mb, row_budget) -> None:
+    """The batching options shape --prompts-file's run; with one prompt they were silently ignored."""
+    given = click.get_current_context().get_parameter_source("max_batch") != click.core.ParameterSource.DEFAULT
+    for name, used in (("--max-batch", given), ("--kv-cache-mb", kv_cache_mb is not None),
+                       ("--row-budget", row_budget is not None)):
+        if used:
+            raise GenerationError(f"{name} goes with --prompts-file (a single prompt decodes alone)")
 
 
 @click.command()
@@ -85,9 +94,12 @@ def generate(artifact, prompt, prompt_ids, prompts_file, max_batch, kv_cache_mb,
         if failure is not None:
             raise failure
         return
+    _refuse_batch_options_without_file(max_batch, kv_cache_mb, row_budget)
+    if stream and as_json:
+        raise GenerationError("--stream prints text as it comes, --json one object at the end: choose one")
     source = prompt if prompt is not None else _parse_ids(prompt_ids)
     engine = Engine.load(artifact, backend=backend, device=device, threads=threads)
-    if stream and not as_json:
+    if stream:
         pieces = engine.stream(source, **options)
         for piece in pieces:
             click.echo(piece, nl=False)

@@ -26,7 +26,8 @@ from speedc.models.presets import PRESETS
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--threads", type=click.IntRange(0), default=0, help="torch threads (0: default).")
 @click.option("--bf16/--no-bf16", default=True, show_default=True, help="bf16 autocast for training steps (evaluation stays fp32).")
-@click.option("--resume", is_flag=True, help="Continue the run saved in OUT.")
+@click.option("--resume", is_flag=True, help="Continue the run saved in OUT with its settings; --steps (the new total), "
+              "--eval-every, --save-every and --threads may change, other settings must match the run's.")
 def train(out: Path, corpus, preset, steps, batch_size, seq_len, lr, exit_weight, eval_every, save_every, seed, threads, bf16, resume):
     """Train a shared-weight decoder with the early-exit loss into checkpoint directory OUT.
 
@@ -57,7 +58,11 @@ def train(out: Path, corpus, preset, steps, batch_size, seq_len, lr, exit_weight
             if "val_loss_final" in metrics:
                 bar.console.print(f"step {step}: {shown}")
 
-        state = run_training(out, opts, resume=resume, progress=report)
+        source = click.get_current_context().get_parameter_source
+        given = frozenset(name for name in ("preset", "steps", "batch_size", "seq_len", "lr", "exit_weight", "eval_every",
+                                            "save_every", "seed", "threads", "bf16")
+                          if source(name) != click.core.ParameterSource.DEFAULT)
+        state = run_training(out, opts, resume=resume, progress=report, given=given)
     last = state["history"][-1]
     click.echo(f"saved {out} after {state['step']} steps, {state['wall_seconds']:.0f} s: "
                f"val loss exit {last['val_loss_exit']} final {last['val_loss_final']}, "

@@ -47,7 +47,8 @@ def _from_artifact(path: Path, alpha: float | None, verify: bool) -> dict:
     m = read_manifest(path, verify_hashes=verify)
     missing = [name for name in m.files if not (path / name).is_file()]
     if missing:
-        raise ArtifactError(f"{path / missing[0]}: listed in the manifest but missing"
+        what = "not a file" if (path / missing[0]).exists() else "missing"
+        raise ArtifactError(f"{path / missing[0]}: listed in the manifest but {what}"
                             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "") + "; rebuild the artifact")
     files = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file()}
     quantization = m.weights.get("quantization")

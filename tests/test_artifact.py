@@ -138,6 +138,13 @@ def test_inspect_checks_the_files_and_verify_their_hashes(tmp_path, tiny_artifac
     graph.write_bytes(graph.read_bytes()[:-1] + bytes([graph.read_bytes()[-1] ^ 1]))  # one bit
     assert run_cli("inspect", art).returncode == 0  # present: not hashed without --verify
     assert_one_line_error(run_cli("inspect", art, "--verify"), "step.onnx", "sha256 does not match")
+    shutil.copy(tiny_artifact / "step.onnx", graph)
+    (art / "tokenizer.json").unlink()
+    (art / "tokenizer.json").mkdir()  # an IsADirectoryError traceback from inspect --verify and generate before
+    assert_one_line_error(run_cli("inspect", art), "tokenizer.json", "listed in the manifest but not a file")
+    assert_one_line_error(run_cli("generate", art, "--prompt", "hi"), "tokenizer.json", "unreadable")
+    (art / "tokenizer.json").rmdir()
+    shutil.copy(tiny_artifact / "tokenizer.json", art / "tokenizer.json")
     (art / "weights.bin").unlink()
     assert_one_line_error(run_cli("inspect", art), "weights.bin", "listed in the manifest but missing")
     assert_one_line_error(run_cli("inspect", ZOO / "tiny", "--verify"), "a checkpoint has none")

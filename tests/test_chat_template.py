@@ -84,6 +84,8 @@ def test_template_errors_and_the_sandbox():
         mutate.render(CONVERSATION)
     with pytest.raises(SpeedcError, match="does not parse"):
         ChatTemplate("{% for m in messages %}", SPECIAL)
+    with pytest.raises(TemplateRenderError, match="ZeroDivisionError"):  # any error in the template: a bare 500 before
+        ChatTemplate("{{ 1 / 0 }}", SPECIAL).render(CONVERSATION)
 
 
 def test_where_templates_are_found(tmp_path):

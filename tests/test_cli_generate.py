@@ -36,6 +36,13 @@ def test_generate_json_and_stats(tiny_artifact):
     (["--prompt", "hi", "--top-p", "0"], ["top-p"]),
     (["--prompt", "hi", "--device", "cuda"], ["device 'cuda'"]),
     (["--prompt", "hi", "--temperature", "0.8", "--seed", "-1"], ["seed must be >= 0"]),
+    # silently read, or ignored, before
+    (["--prompt-ids", "1,,2"], ["comma-separated integers"]),
+    (["--prompt", "hi", "--max-batch", "3"], ["--max-batch goes with --prompts-file"]),
+    (["--prompt", "hi", "--row-budget", "0"], ["--row-budget goes with --prompts-file"]),
+    (["--prompt", "hi", "--stream", "--json"], ["choose one"]),
+    (["--prompt", "caf\udce9"], ["not valid Unicode text", "the byte 0xe9"]),  # a Latin-1 byte in argv: a traceback before
+    (["--prompt", "hi", "--stop", ""], ["stop string must be a non-empty string"]),
 ])
 def test_bad_requests(tiny_artifact, args, fragments):
     assert_one_line_error(run_cli("generate", tiny_artifact, *args), *fragments)

@@ -77,16 +77,16 @@ def _check_every_prefix(tokenizer: Tokenizer, ids: list[int], stop: list[str]) -
     for k, token in enumerate(ids, 1):
         text.push(token)
         whole = tokenizer.decode(ids[:k])
-        assert text.text == cut_at_stop(whole, stop), (ids[:k], stop)
-        assert text.stopped == any(s in whole for s in stop)
+        # a U+FFFD at the end may be a character's first byte: no stop string ends there yet
+        assert text.stopped == any(s in whole.rstrip("\ufffd") for s in stop), (ids[:k], stop)
+        assert text.text == (cut_at_stop(whole, stop) if text.stopped else whole), (ids[:k], stop)
         shown += text.take_settled()
         assert text.shown == len(shown)
         if rule.windowed or keeps_its_text:  # a stream never takes text back
-            assert cut_at_stop(whole, stop).startswith(shown), (ids[:k], shown, whole)
+            assert text.text.startswith(shown), (ids[:k], shown, whole)
         if text.stopped:  # generation ends at the first stop string
             break
-    final = cut_at_stop(tokenizer.decode(ids[:k]), stop)
-    assert not (rule.windowed or keeps_its_text) or final.startswith(shown)
+    assert not (rule.windowed or keeps_its_text) or text.text.startswith(shown)
 
 
 @settings(max_examples=int(__import__("os").environ.get("DETOK_EX", "150")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -58,3 +58,13 @@ def test_abandoned_stream_frees_the_engine(tiny_artifact):
     done = threading.Event()
     threading.Thread(target=lambda: (engine.generate("JULIET:\n", max_new_tokens=4), done.set())).start()
     assert done.wait(timeout=60)
+    # Before: leaving a loop over an unnamed stream (break) kept the engine's lock for ever (the stream's
+    # generator referred back to the stream: a cycle nothing collected), and the next call hung.
+    for _ in engine.stream("ROMEO:\n", max_new_tokens=30, stop_at_eos=False):
+        break
+    done.clear()
+    threading.Thread(target=lambda: (engine.generate("JULIET:\n", max_new_tokens=4), done.set()), daemon=True).start()
+    assert done.wait(timeout=60)
+    with engine.stream("ROMEO:\n", max_new_tokens=30, stop_at_eos=False) as stream:
+        next(stream)
+    assert engine.generate("JULIET:\n", max_new_tokens=4).ids  # the with block closed it

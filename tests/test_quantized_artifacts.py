@@ -167,6 +167,9 @@ def test_what_quantized_weights_cannot_do_is_refused_in_one_line(quantized, tmp_
         build(ZOO / "tiny", tmp_path / "x", BuildOptions(dtype="int4", target="trt"))
     with pytest.raises(BuildError, match="--block-size 24: MatMulNBits takes 16, 32"):
         build(ZOO / "tiny", tmp_path / "x", BuildOptions(dtype="int8", block_size=24))
+    # zoo:tiny's rows are 128 long: block 256 padded each (1.00 MB stored against 0.59 MB at 32), silently
+    with pytest.raises(BuildError, match="--block-size 256 is longer than the rows of .* \\(128 values\\).*--block-size 128 or less"):
+        build(ZOO / "tiny", tmp_path / "x", BuildOptions(dtype="int8", block_size=256))
     with pytest.raises(SpeedcError, match="the PyTorch backend runs float artifacts; this one stores int4"):
         Engine.load(quantized["random-int4"][1]["onnx"].directory, backend="torch")
     result = CliRunner().invoke(main, ["build", "zoo:tiny", "-o", str(tmp_path / "x"), "--block-size", "64"])

@@ -214,6 +214,11 @@ BAD_REQUESTS = [
      400, "logprobs"),
     ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                           "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    # lone surrogates (valid JSON escapes, no UTF-8 for them): a 500 from the tokenizer before
+    ("completions", b'{"model": "tiny", "prompt": "caf\\udce9"}', 400, "prompt"),
+    ("chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "caf\\ud800"}]}', 400, "messages"),
+    ("completions", b'{"model": "tiny", "prompt": "x", "stop": ["\\ud800"]}', 400, "stop"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user"}]}, 400, "messages"),  # no content
 ]
 
 
@@ -227,6 +232,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
             assert set(error) == {"message", "type", "param", "code"} and error["message"], sent.text
             assert error["param"] == param, (body, error)
         assert http.get("/completions").status_code == 405 and "error" in http.get("/completions").json()
+        usage_null = {"model": "tiny", "prompt": "x", "max_tokens": 2, "stream": True, "stream_options": {"include_usage": None}}
+        assert http.post("/completions", json=usage_null).status_code == 200  # null means the default
         assert http.post("/nothing", json={}).status_code == 404
     with pytest.raises(openai.BadRequestError, match="n=2 is not supported"):
         client.completions.create(model="tiny", prompt="x", n=2)

@@ -63,6 +63,8 @@ def test_bad_command_lines_are_one_line_errors(tiny_artifact, tmp_path):
     (tmp_path / "broken.jinja").write_text("{% for m in messages %}")
     assert_one_line_error(run_cli("serve", tiny_artifact, "--chat-template", tmp_path / "broken.jinja"),
                           "chat template does not parse")
+    # Ray's options without --ray: a local server ignored them (even --replicas 0) and the user believed in replicas
+    assert_one_line_error(run_cli("serve", tiny_artifact, "--replicas", "0"), "--replicas goes with --ray")
     # the batching options are refused by the same up-front check (in this process: no CLI start-up each)
     refusals = [(dict(kv_cache_mb=0.001), "leaves no room for 8 sequences"), (dict(max_batch=0), "at least 1"),
                 (dict(backend="torch"), "--max-batch 1"), (dict(max_batch=1, kv_cache_mb=5.0), "with --max-batch 1")]

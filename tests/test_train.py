@@ -44,6 +44,18 @@ def test_short_training_run_gives_a_loadable_checkpoint_and_resumes(tmp_path):
     resumed = run_cli(*args, "--steps", "9", "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads((out / "training.json").read_text())["step"] == 9
+    # Before: every option but --steps was silently ignored on --resume; a run setting given anew is refused
+    assert_one_line_error(run_cli(*args, "--steps", "10", "--resume", "--lr", "0.1"), "--lr 0.1 differs from the run's 0.002")
+    state = (out / "training.json").read_text()
+    (out / "training.json").write_text(state[:len(state) // 2])  # damaged: was a JSONDecodeError traceback
+    assert_one_line_error(run_cli(*args, "--steps", "10", "--resume"), "training.json", "unreadable training state")
+
+
+def test_seq_len_beyond_the_presets_context_is_refused(tmp_path):
+    """Before: it trained, on windows longer than the saved config's max_position_embeddings (and --seq-len
+    100000 ran attention over 100k positions for minutes)."""
+    assert_one_line_error(run_cli("train", tmp_path / "o", "--preset", "test", "--corpus", _corpus(tmp_path),
+                                  "--seq-len", "256", "--steps", "1"), "--seq-len 256 is beyond the test preset's context of 128")
 
 
 def test_bad_corpus(tmp_path):

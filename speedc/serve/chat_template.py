@@ -108,8 +108,10 @@ class ChatTemplate:
                                          documents=None, **self.special_tokens)
         except TemplateRenderError:
             raise
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as bad:
+        except jinja2.TemplateError as bad:
             raise TemplateRenderError(f"the chat template failed on these messages: {bad}") from None
+        except Exception as bad:  # the template is code: any error in it ({{ 1/0 }} was a bare 500)
+            raise TemplateRenderError(f"the chat template failed on these messages: {type(bad).__name__}: {bad}") from None
 
 
 def load_chat_template(artifact: Path, override: Path | None = None) -> ChatTemplate | None:

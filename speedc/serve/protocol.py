@@ -75,17 +75,28 @@ def boolean(value: Any, name: str) -> bool:
     return value
 
 
+def text(value: str, name: str) -> str:
+    """VALUE, refused where it is not Unicode text: JSON may escape a lone surrogate ("\\ud800"), which no
+    UTF-8 can hold (the tokenizer raised a TypeError: a 500 before)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as bad:
+        raise ApiError(400, f"{name} is not valid Unicode text: a lone surrogate U+{ord(value[bad.start]):04X} at "
+                            f"character {bad.start}", param=name) from None
+    return value
+
+
 def string(value: Any, name: str) -> str:
     if not isinstance(value, str):
         raise _bad(name, "a string")
-    return value
+    return text(value, name)
 
 
 def stop_strings(value: Any, name: str) -> list[str]:
     values = [value] if isinstance(value, str) else value
     if not isinstance(values, list) or not all(isinstance(v, str) and v for v in values):
         raise _bad(name, "a non-empty string or a list of them")
-    return values
+    return [text(v, name) for v in values]
 
 
 def stream_options(value: Any, name: str) -> bool:
@@ -94,7 +105,8 @@ def stream_options(value: Any, name: str) -> bool:
     unknown = sorted(set(value) - {"include_usage"})
     if unknown:
         raise ApiError(400, f"{name}.{unknown[0]} is not supported by this server", param=name)
-    return boolean(value.get("include_usage", False), f"{name}.include_usage")
+    include = value.get("include_usage")
+    return False if include is None else boolean(include, f"{name}.include_usage")  # null: the default
 
 
 def is_token_ids(value: Any) -> bool:
@@ -105,7 +117,9 @@ def prompt(value: Any, name: str) -> str | list[int]:
     """A string or a list of token ids; a batch (list of several) is not supported."""
     if isinstance(value, list) and len(value) == 1 and (isinstance(value[0], str) or is_token_ids(value[0])):
         value = value[0]  # a batch of one
-    if isinstance(value, str) or is_token_ids(value):
+    if isinstance(value, str):
+        return text(value, name)
+    if is_token_ids(value):
         return value
     if isinstance(value, list) and len(value) > 1 and all(isinstance(v, (str, list)) for v in value):
         raise ApiError(400, f"{name}: batches of several prompts are not supported (send one request each)",
@@ -119,7 +133,7 @@ ROLES = ("system", "developer", "user", "assistant")
 def message_content(value: Any, name: str) -> str:
     """Text content: a string, or a list of {"type": "text", "text": ...} parts (joined by newlines)."""
     if value is None or isinstance(value, str):
-        return value or ""
+        return text(value or "", name)
     if isinstance(value, list) and all(isinstance(p, dict) for p in value):
         kinds = sorted({p.get("type") for p in value} - {"text"}, key=str)
         if kinds:
@@ -147,6 +161,8 @@ def _message(message: Any, where: str) -> dict:
     role = message.get("role")
     if role not in ROLES:
         raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}")
+    if "content" not in message:  # null is an assistant turn without text; absent is a mistake
+        raise ApiError(400, f"{where}.content is required")
     checked = {"role": role, "content": message_content(message.get("content"), f"{where}.content")}
     if message.get("name") is not None:
         checked["name"] = string(message["name"], f"{where}.name")
