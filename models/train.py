@@ -149,10 +149,13 @@ def _resumed_options(out: Path, saved: dict, opts: TrainOptions, given: frozense
     """The saved run's options, with the RESUMABLE_SETTINGS the caller GIVEN (steps always). A run setting
     given with another value than the run's is refused: it was silently ignored before."""
     for name in sorted(given & set(RUN_SETTINGS)):
-        if getattr(opts, name) != saved.get(name):
+        value, theirs = getattr(opts, name), saved.get(name, getattr(TrainOptions(), name))  # older runs: the default
+        if value != theirs:
             flag = f"--{name.replace('_', '-')}"
-            raise SpeedcError(f"{out}: {flag} {getattr(opts, name)} differs from the run's {saved.get(name)}; a resumed "
-                              f"run keeps its settings (it may change {', '.join('--' + n.replace('_', '-') for n in RESUMABLE_SETTINGS)})")
+            said, had = ((f"--{'' if value else 'no-'}{name}", f"--{'' if theirs else 'no-'}{name}") if isinstance(value, bool)
+                         else (f"{flag} {value}", str(theirs)))
+            raise SpeedcError(f"{out}: {said} differs from the run's {had}; a resumed run keeps its settings (it may "
+                              f"change {', '.join('--' + n.replace('_', '-') for n in RESUMABLE_SETTINGS)})")
     changed = {name: getattr(opts, name) for name in RESUMABLE_SETTINGS if name == "steps" or name in given}
     try:
         return TrainOptions(**{**saved, **changed})
@@ -163,9 +166,12 @@ def _resumed_options(out: Path, saved: dict, opts: TrainOptions, given: frozense
 def _saved_state(out: Path) -> dict:
     try:
         state = json.loads((out / STATE_FILE).read_text())
-        if not isinstance(state, dict) or not isinstance(state["options"], dict) or not isinstance(state["step"], int):
+        if not (isinstance(state, dict) and isinstance(state["options"], dict) and isinstance(state["step"], int)
+                and isinstance(state["corpus_sha256"], str) and isinstance(state.get("history", []), list)
+                and isinstance(state.get("wall_seconds", 0.0), (int, float))):
             raise TypeError("not a training state")
-        state["corpus_sha256"]
+        for key, empty in (("history", []), ("wall_seconds", 0.0), ("tokens_seen", 0)):
+            state.setdefault(key, empty)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as bad:
         raise SpeedcError(f"{out / STATE_FILE}: unreadable training state ({type(bad).__name__}: {bad}); cannot "
                           "resume this run") from None

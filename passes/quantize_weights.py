@@ -63,9 +63,12 @@ def _weight_gather(node: gs.Node) -> bool:
             and node.inputs[1].shape is not None)
 
 
+MIN_BLOCK = 16  # MatMulNBits' smallest block; rows shorter than it are padded whatever the block
+
+
 def _largest_block(k: int) -> int:
-    """The largest power of two (>= 16) that fits in K: the largest --block-size a row of K values takes unpadded."""
-    return max(16, 1 << (k.bit_length() - 1))
+    """The largest power of two that fits in K (>= MIN_BLOCK): the largest block a row of K values takes unpadded."""
+    return 1 << (k.bit_length() - 1)
 
 
 class Quantizer:
@@ -86,7 +89,7 @@ class Quantizer:
             if np.dtype(weight.dtype) != np.float32:
                 raise BuildError(f"internal: weight {weight.name} is {weight.dtype}, quantization expects float32")
             k = weight.shape[-1]
-            if self.block_size > k:  # every row padded to one block: a larger artifact than the default's
+            if self.block_size > k >= MIN_BLOCK:  # every row padded to one block: a larger artifact than the default's
                 raise BuildError(f"--block-size {self.block_size} is longer than the rows of {weight.name} ({k} values); "
                                  f"each would be padded to {self.block_size}: use --block-size {_largest_block(k)} or less")
             self.pairs[weight.name] = quantized_pair(values, weight.name, self.bits_of(weight.name), self.block_size)

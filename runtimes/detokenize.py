@@ -44,7 +44,7 @@ class DecodeRule:
     """How a tokenizer's text may be decoded a window at a time (decode_rule)."""
     windowed: bool = True  # False: decode all ids each time
     byte_tokens: frozenset[int] = frozenset()  # byte-fallback ids: text not committed while the last one showing text is one
-    skipped: frozenset[int] = frozenset()  # special ids decode leaves out (they neither end nor start a byte run)
+    skipped: frozenset[int] = frozenset()  # special ids decode leaves out: never decoded (nor part of a byte run)
 
 
 def _local(decoder: dict | None) -> bool:
@@ -74,12 +74,12 @@ def decode_rule(tokenizer) -> DecodeRule:
         return DecodeRule(windowed=False)
     if not _local(decoder):
         return DecodeRule(windowed=False)
+    added = getattr(tokenizer, "get_added_tokens_decoder", dict)()
+    skipped = frozenset(i for i, token in added.items() if token.special)
     if _mentions(decoder, "ByteFallback"):
         found = (tokenizer.token_to_id(f"<0x{b:02X}>") for b in range(256))
-        added = getattr(tokenizer, "get_added_tokens_decoder", dict)()
-        return DecodeRule(byte_tokens=frozenset(i for i in found if i is not None),
-                          skipped=frozenset(i for i, token in added.items() if token.special))
-    return DecodeRule()
+        return DecodeRule(byte_tokens=frozenset(i for i in found if i is not None), skipped=skipped)
+    return DecodeRule(skipped=skipped)
 
 
 def stop_prefix_length(text: str, stop: list[str]) -> int:
@@ -107,10 +107,13 @@ class IncrementalText:
 
     def __init__(self, decode: Callable[[list[int]], str], stop: list[str] | None = None,
                  rule: DecodeRule = DecodeRule()) -> None:
+        """DECODE: ids -> text, leaving out special ids (tokenizers' default) as RULE.skipped lists them."""
         self._decode, self._byte_tokens, self._skipped = decode, rule.byte_tokens, rule.skipped
         self.stop = list(stop or [])
         self._longest = max(map(len, self.stop), default=0)
         self.ids: list[int] = []
+        self._visible: list[int] = []  # ids less the skipped ones (a run of end-of-text ids under
+        # --ignore-eos would otherwise grow the window: O(run) a token); the offsets below index it
         self._pieces: list[str] = []  # committed text (of ids[:_read]), in pieces
         self._length = 0  # its length
         self._tail = ""  # its last _longest - 1 characters: where a stop may begin
@@ -134,11 +137,14 @@ class IncrementalText:
 
     def push(self, token: int) -> None:
         self.ids.append(token)
+        if token in self._skipped:  # decode leaves it out: the text is what it was
+            return
+        self._visible.append(token)
         if self._whole:
-            self._pending = self._decode(self.ids)
+            self._pending = self._decode(self._visible)
             self._look_for_stop(self._pending.rstrip(REPLACEMENT), 0)
             return
-        extended = self._decode(self.ids[self._prefix:])
+        extended = self._decode(self._visible[self._prefix:])
         if not extended.startswith(self._window_text):
             self._switch_to_whole()
             return
@@ -148,13 +154,9 @@ class IncrementalText:
             self._commit()
 
     def _in_byte_run(self) -> bool:
-        """Whether the last pending id that shows text is a byte-fallback token (committed text never
-        ends in one, so a run of them lies in the pending ids)."""
-        if self._byte_tokens:
-            for token in reversed(self.ids[self._read:]):
-                if token not in self._skipped:
-                    return token in self._byte_tokens
-        return False
+        """Whether the last pending id is a byte-fallback token (committed text never ends in one, so a
+        run of them lies in the pending ids; skipped ids are not in _visible)."""
+        return bool(self._byte_tokens) and self._visible[-1] in self._byte_tokens
 
     def _commit(self) -> None:
         """The pending text is final: it joins the committed text; the window moves."""
@@ -163,14 +165,14 @@ class IncrementalText:
         self._length += len(piece)
         self._unshown += piece
         self._tail = (self._tail + piece)[-(self._longest - 1):] if self._longest > 1 else ""
-        self._prefix, self._read = self._read, len(self.ids)
-        self._window_text = self._decode(self.ids[self._prefix:self._read])
+        self._prefix, self._read = self._read, len(self._visible)
+        self._window_text = self._decode(self._visible[self._prefix:self._read])
         self._pending = ""
 
     def _switch_to_whole(self) -> None:
         self._whole = True
         self._pieces, self._length, self._tail, self._unshown, self.stop_at = [], 0, "", "", None
-        self._pending = self._decode(self.ids)
+        self._pending = self._decode(self._visible)
         self._look_for_stop(self._pending.rstrip(REPLACEMENT), 0)
 
     def _look_for_stop(self, region: str, offset: int) -> None:

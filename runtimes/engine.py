@@ -108,17 +108,20 @@ class _StreamOutcome:
 def _stream_pieces(decoding: Decoding, lock: threading.Lock, text: IncrementalText, final: Callable[[list[int]], str],
                    outcome: _StreamOutcome) -> Iterator[str]:
     with lock:
-        while True:
-            try:
-                token = next(decoding)
-            except StopIteration as done:
-                outcome.stats = done.value[1]
-                break
-            outcome.ids.append(token)
-            text.push(token)
-            piece = text.take_settled()
-            if piece:
-                yield piece
+        try:
+            while True:
+                try:
+                    token = next(decoding)
+                except StopIteration as done:
+                    outcome.stats = done.value[1]
+                    break
+                outcome.ids.append(token)
+                text.push(token)
+                piece = text.take_settled()
+                if piece:
+                    yield piece
+        finally:
+            decoding.close()  # a stream left early ends its decoding while it still holds the engine
     whole = final(outcome.ids)
     if len(whole) > text.shown:
         yield whole[text.shown:]

@@ -7,6 +7,11 @@ import math
 import click
 
 
+# Where an option's value counts as the user's (ctx.get_parameter_source): a command that refuses an option it
+# would ignore asks this, not "not the default" (ctx.invoke passes None, a default_map sets values).
+GIVEN = (click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT)
+
+
 class FiniteFloat(click.FloatRange):
     """A float option that refuses nan and inf (click's float and FloatRange take them: nan passes
     every range check, and a nan timeout or pool size failed far from the command line)."""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from speedc.cli_options import FiniteFloat, backend_options
+from speedc.cli_options import GIVEN, FiniteFloat, backend_options
 from speedc.errors import BatchError, GenerationError
 
 
@@ -21,7 +21,7 @@ def _parse_ids(text: str) -> list[int]:
 
 def _refuse_batch_options_without_file(max_batch, kv_cache_mb, row_budget) -> None:
     """The batching options shape --prompts-file's run; with one prompt they were silently ignored."""
-    given = click.get_current_context().get_parameter_source("max_batch") != click.core.ParameterSource.DEFAULT
+    given = click.get_current_context().get_parameter_source("max_batch") in GIVEN
     for name, used in (("--max-batch", given), ("--kv-cache-mb", kv_cache_mb is not None),
                        ("--row-budget", row_budget is not None)):
         if used:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from speedc.cli_options import FiniteFloat, backend_options
+from speedc.cli_options import GIVEN, FiniteFloat, backend_options
 from speedc.errors import SpeedcError
 
 
@@ -87,7 +87,7 @@ def serve(artifact, host, port, model_name, chat_template, mode, max_batch, kv_c
     if not use_ray:  # they shape the Ray deployment; a local server silently ignored them, bad values too
         source = click.get_current_context().get_parameter_source
         given = [f"--{name.replace('_', '-')}" for name in ("replicas", "autoscale", "max_ongoing_requests", "replica_cpus")
-                 if source(name) != click.core.ParameterSource.DEFAULT]
+                 if source(name) in GIVEN]
         if given:
             raise SpeedcError(f"{given[0]} goes with --ray (scale-out on Ray Serve); this serves one process")
     settings = ServeSettings(artifact=artifact.resolve(), model_name=model_name or artifact.resolve().name,

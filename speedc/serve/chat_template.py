@@ -110,6 +110,8 @@ class ChatTemplate:
             raise
         except jinja2.TemplateError as bad:
             raise TemplateRenderError(f"the chat template failed on these messages: {bad}") from None
+        except MemoryError:
+            raise
         except Exception as bad:  # the template is code: any error in it ({{ 1/0 }} was a bare 500)
             raise TemplateRenderError(f"the chat template failed on these messages: {type(bad).__name__}: {bad}") from None
 
