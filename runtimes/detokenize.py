@@ -82,6 +82,18 @@ def decode_rule(tokenizer) -> DecodeRule:
     return DecodeRule(skipped=skipped)
 
 
+def not_unicode(text: str) -> str | None:
+    """Why TEXT is not Unicode text (a lone surrogate: no UTF-8 holds it, and the tokenizer raises a
+    TypeError), or None: a JSON "\\udce9" escape, or a byte that was not UTF-8 in a command-line argument."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as bad:
+        code = ord(text[bad.start])
+        byte = f", the byte 0x{code - 0xDC00:02x} that is not UTF-8" if 0xDC80 <= code <= 0xDCFF else ""
+        return f"a lone surrogate U+{code:04X} at character {bad.start}{byte}"
+    return None
+
+
 def stop_prefix_length(text: str, stop: list[str]) -> int:
     """Length of the longest end of TEXT that begins some stop string (0 when none does)."""
     for length in range(min(len(text), max(map(len, stop), default=1) - 1), 0, -1):
@@ -122,7 +134,7 @@ class IncrementalText:
         self._window_text = ""  # decode(ids[_prefix:_read])
         self._pending = ""  # text of ids[_read:], possibly ending in an incomplete character; all of it when whole
         self._whole = not rule.windowed  # decode everything each time
-        self.shown = 0  # characters take_settled has handed out
+        self.shown = 0  # characters take_settled and take_rest have handed out
         self.stop_at: int | None = None  # index in the text of the first stop string, once one occurs
 
     @property
@@ -200,6 +212,13 @@ class IncrementalText:
             self._unshown = self._unshown[len(piece):]
         self.shown += len(piece)
         return piece
+
+    def take_rest(self, final: str) -> str:
+        """The end of FINAL (the generation's whole text, stop strings cut: one whole decode, exactly
+        generate()'s) that take_settled has not handed out: what a stream shows last."""
+        rest = final[self.shown:] if len(final) > self.shown else ""
+        self.shown += len(rest)
+        return rest
 
 
 class StopStrings:

@@ -23,7 +23,7 @@ from speedc.artifact import TOKENIZER, Manifest, read_manifest
 from speedc.errors import ArtifactError, BatchError, GenerationError, SpeedcError
 from speedc.models.sampling import SamplingParams, TokenPicker
 from speedc.runtimes.decode import DecodeStats, Decoding, Request, decode_autoregressive, decode_speed, run_to_end
-from speedc.runtimes.detokenize import DecodeRule, IncrementalText, StopStrings, cut_at_stop, decode_rule
+from speedc.runtimes.detokenize import DecodeRule, IncrementalText, StopStrings, cut_at_stop, decode_rule, not_unicode
 
 MODES = ("speed", "autoregressive")
 
@@ -84,15 +84,10 @@ def make_backend(directory: Path, manifest: Manifest, backend: str, device: str,
 
 
 def check_text(text: str, what: str) -> None:
-    """GenerationError where TEXT holds a lone surrogate (no UTF-8 for it: the tokenizer raised a
-    TypeError): a JSON "\\udce9" escape, or a byte that was not UTF-8 in a command-line argument."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as bad:
-        code = ord(text[bad.start])
-        byte = f", the byte 0x{code - 0xDC00:02x} that is not UTF-8" if 0xDC80 <= code <= 0xDCFF else ""
-        raise GenerationError(f"{what} is not valid Unicode text: a lone surrogate U+{code:04X} at character "
-                              f"{bad.start}{byte}") from None
+    """GenerationError where TEXT is not Unicode text (detokenize.not_unicode)."""
+    problem = not_unicode(text)
+    if problem:
+        raise GenerationError(f"{what} is not valid Unicode text: {problem}")
 
 
 class _StreamOutcome:
@@ -122,9 +117,9 @@ def _stream_pieces(decoding: Decoding, lock: threading.Lock, text: IncrementalTe
                     yield piece
         finally:
             decoding.close()  # a stream left early ends its decoding while it still holds the engine
-    whole = final(outcome.ids)
-    if len(whole) > text.shown:
-        yield whole[text.shown:]
+    rest = text.take_rest(final(outcome.ids))
+    if rest:
+        yield rest
 
 
 class TextStream:

@@ -59,8 +59,9 @@ class Submitted:
             text = None  # the whole text, stop strings cut: one whole decode, exactly generate()'s
             if self._text is not None:
                 text = self.engine.trim(self.engine.decode_text(self.sequence.out), self.stop)
-                if len(text) > self._text.shown:
-                    self.queue.put_nowait(Piece(-1, text[self._text.shown:]))  # held-back text (never a new id)
+                rest = self._text.take_rest(text)
+                if rest:
+                    self.queue.put_nowait(Piece(-1, rest))  # held-back text (never a new id)
             self.result = GenerationResult(list(self.sequence.out), text, self.sequence.stats)
             self.queue.put_nowait(None)
             return

@@ -7,9 +7,18 @@ import math
 import click
 
 
-# Where an option's value counts as the user's (ctx.get_parameter_source): a command that refuses an option it
-# would ignore asks this, not "not the default" (ctx.invoke passes None, a default_map sets values).
-GIVEN = (click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT)
+def given_options(*names: str) -> list[str]:
+    """Of the current command's parameters NAMES, those the user set (on the command line or through the
+    environment; not a default, a default_map or ctx.invoke), in order: a command that refuses options it
+    would not use asks this."""
+    source = click.get_current_context().get_parameter_source
+    given = (click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT)
+    return [name for name in names if source(name) in given]
+
+
+def flag(name: str) -> str:
+    """A parameter's name as its option: max_batch -> --max-batch."""
+    return "--" + name.replace("_", "-")
 
 
 class FiniteFloat(click.FloatRange):

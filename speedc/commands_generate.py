@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from speedc.cli_options import GIVEN, FiniteFloat, backend_options
+from speedc.cli_options import FiniteFloat, backend_options, flag, given_options
 from speedc.errors import BatchError, GenerationError
 
 
@@ -19,13 +19,11 @@ def _parse_ids(text: str) -> list[int]:
         raise GenerationError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
 
-def _refuse_batch_options_without_file(max_batch, kv_cache_mb, row_budget) -> None:
+def _refuse_batch_options_without_file() -> None:
     """The batching options shape --prompts-file's run; with one prompt they were silently ignored."""
-    given = click.get_current_context().get_parameter_source("max_batch") in GIVEN
-    for name, used in (("--max-batch", given), ("--kv-cache-mb", kv_cache_mb is not None),
-                       ("--row-budget", row_budget is not None)):
-        if used:
-            raise GenerationError(f"{name} goes with --prompts-file (a single prompt decodes alone)")
+    given = given_options("max_batch", "kv_cache_mb", "row_budget")
+    if given:
+        raise GenerationError(f"{flag(given[0])} goes with --prompts-file (a single prompt decodes alone)")
 
 
 @click.command()
@@ -94,7 +92,7 @@ def generate(artifact, prompt, prompt_ids, prompts_file, max_batch, kv_cache_mb,
         if failure is not None:
             raise failure
         return
-    _refuse_batch_options_without_file(max_batch, kv_cache_mb, row_budget)
+    _refuse_batch_options_without_file()
     if stream and as_json:
         raise GenerationError("--stream prints text as it comes, --json one object at the end: choose one")
     source = prompt if prompt is not None else _parse_ids(prompt_ids)

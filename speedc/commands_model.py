@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from speedc.cli_options import GIVEN, FiniteFloat
+from speedc.cli_options import FiniteFloat, given_options
 from speedc.models.presets import PRESETS
 
 
@@ -58,10 +58,8 @@ def train(out: Path, corpus, preset, steps, batch_size, seq_len, lr, exit_weight
             if "val_loss_final" in metrics:
                 bar.console.print(f"step {step}: {shown}")
 
-        source = click.get_current_context().get_parameter_source
-        given = frozenset(name for name in ("preset", "steps", "batch_size", "seq_len", "lr", "exit_weight", "eval_every",
-                                            "save_every", "seed", "threads", "bf16")
-                          if source(name) in GIVEN)
+        given = frozenset(given_options("preset", "steps", "batch_size", "seq_len", "lr", "exit_weight", "eval_every",
+                                        "save_every", "seed", "threads", "bf16"))
         state = run_training(out, opts, resume=resume, progress=report, given=given)
     last = state["history"][-1]
     click.echo(f"saved {out} after {state['step']} steps, {state['wall_seconds']:.0f} s: "

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from speedc.cli_options import GIVEN, FiniteFloat, backend_options
+from speedc.cli_options import FiniteFloat, backend_options, flag, given_options
 from speedc.errors import SpeedcError
 
 
@@ -84,12 +84,9 @@ def serve(artifact, host, port, model_name, chat_template, mode, max_batch, kv_c
     from speedc.serve.app import ServeSettings
 
     _check_up_front(artifact, chat_template, port, max_queue, request_timeout, max_batch, kv_cache_mb, backend, device)
-    if not use_ray:  # they shape the Ray deployment; a local server silently ignored them, bad values too
-        source = click.get_current_context().get_parameter_source
-        given = [f"--{name.replace('_', '-')}" for name in ("replicas", "autoscale", "max_ongoing_requests", "replica_cpus")
-                 if source(name) in GIVEN]
-        if given:
-            raise SpeedcError(f"{given[0]} goes with --ray (scale-out on Ray Serve); this serves one process")
+    ray_only = given_options("replicas", "autoscale", "max_ongoing_requests", "replica_cpus")
+    if ray_only and not use_ray:  # they shape the Ray deployment; a local server silently ignored them, bad values too
+        raise SpeedcError(f"{flag(ray_only[0])} goes with --ray (scale-out on Ray Serve); this serves one process")
     settings = ServeSettings(artifact=artifact.resolve(), model_name=model_name or artifact.resolve().name,
                              backend=backend, device=device, threads=threads, mode=mode, max_batch=max_batch,
                              kv_cache_mb=kv_cache_mb, max_queue=max_queue, request_timeout=request_timeout,

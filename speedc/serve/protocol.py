@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from speedc.runtimes.detokenize import not_unicode
+
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default; chat defaults to the rest of the context
 
 
@@ -78,11 +80,9 @@ def boolean(value: Any, name: str) -> bool:
 def text(value: str, name: str) -> str:
     """VALUE, refused where it is not Unicode text: JSON may escape a lone surrogate ("\\ud800"), which no
     UTF-8 can hold (the tokenizer raised a TypeError: a 500 before)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as bad:
-        raise ApiError(400, f"{name} is not valid Unicode text: a lone surrogate U+{ord(value[bad.start]):04X} at "
-                            f"character {bad.start}", param=name) from None
+    problem = not_unicode(value)
+    if problem:
+        raise ApiError(400, f"{name} is not valid Unicode text: {problem}", param=name)
     return value
 
 
