@@ -134,7 +134,7 @@ def _read_prompts(path: Path) -> list[str]:
         lines.pop()  # the newline ending the last line
     lines = [line[:-1] if line.endswith("\r") else line for line in lines]
     for number, line in enumerate(lines, 1):
-        if not line.strip():
+        if not line:  # a line of spaces is a prompt, as --prompt "  " is
             raise GenerationError(f"--prompts-file {path}: line {number} is empty (one prompt per line)")
     if not lines:
         raise GenerationError(f"--prompts-file {path}: no prompts")

@@ -216,6 +216,11 @@ def test_cli_prompts_file_json_in_input_order(engine, tiny_artifact, tmp_path):
     assert all(r["stats"]["mode"] == "batch speed" and r["text"] for r in rows)
     prompts.write_text("a\n\nb\n")
     assert_one_line_error(run_cli("generate", tiny_artifact, "--prompts-file", prompts), "line 2 is empty")
+    prompts.write_text("a\n  \n")  # spaces are a prompt, as with --prompt "  " (they were refused as empty)
+    result = run_cli("generate", tiny_artifact, "--prompts-file", prompts, "--json", "--max-new-tokens", "6")
+    assert result.returncode == 0, result.stderr
+    assert [json.loads(line)["ids"] for line in result.stdout.splitlines()] == [
+        _alone(engine, p, {}, 6).ids for p in ("a", "  ")]
 
 
 def test_cli_prompts_file_lines_are_what_wc_counts_and_plain_output_is_one_line_each(engine, tiny_artifact, tmp_path):
