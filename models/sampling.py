@@ -9,11 +9,22 @@ same positions in the same order) draw identical sequences from the same seed.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
 from speedc.errors import GenerationError
+
+
+def is_integer(value) -> bool:
+    """An int (numpy's too), not a bool or a float: 3.0 as a count or an index fails later, deep in a step."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value) -> bool:
+    """A real number (int or float, numpy's too), not a bool or a string."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -25,6 +36,13 @@ class SamplingParams:
     seed: int | None = None
 
     def validate(self) -> None:
+        for name, value in (("temperature", self.temperature), ("top-p", self.top_p),
+                            ("repetition penalty", self.repetition_penalty)):
+            if not is_real(value):
+                raise GenerationError(f"{name} must be a number, not {type(value).__name__}")
+        for name, value in (("top-k", self.top_k), ("seed", self.seed)):
+            if not is_integer(value) and not (name == "seed" and value is None):
+                raise GenerationError(f"{name} must be an integer, not {type(value).__name__}")
         if not 0 <= self.temperature < math.inf:  # also refuses nan
             raise GenerationError("temperature must be >= 0 (and finite)")
         if self.top_k < 0:

@@ -17,6 +17,9 @@ from typing import Protocol
 
 import numpy as np
 
+from speedc.errors import SpeedcError
+from speedc.models.sampling import is_integer
+
 
 def cache_slab(layer: int, stage_layers: int) -> tuple[int, int]:
     """(stage layer j, slot s) of the cache slab holding logical layer `layer` = s * S + j."""
@@ -25,8 +28,13 @@ def cache_slab(layer: int, stage_layers: int) -> tuple[int, int]:
 
 
 def resolve_threads(threads: int | None) -> int:
-    """Intra-op threads: the argument, else $SPEEDC_THREADS, else every core."""
-    return threads or int(os.environ.get("SPEEDC_THREADS", 0)) or (os.cpu_count() or 1)
+    """Intra-op threads: the argument, else $SPEEDC_THREADS, else every core (None or 0: not given)."""
+    if threads is not None and (not is_integer(threads) or threads < 0):
+        raise SpeedcError(f"threads must be a positive integer (or None for every core), not {threads!r:.20}")
+    given = os.environ.get("SPEEDC_THREADS", "0").strip() or "0"
+    if not given.isdigit():
+        raise SpeedcError(f"SPEEDC_THREADS={given!r:.20} is not a number of threads")
+    return threads or int(given) or (os.cpu_count() or 1)
 
 
 @dataclass

@@ -124,8 +124,8 @@ class BatchScheduler:
         need = len(request.prompt) + request.max_new_tokens
         if need > self.backend.capacity:
             raise GenerationError(f"prompt ({len(request.prompt)} tokens) + max new tokens ({request.max_new_tokens}) "
-                                  f"exceeds the KV-cache slot of {self.backend.capacity} positions (raise --kv-cache-mb "
-                                  "or lower --max-batch)")
+                                  f"exceeds the KV-cache slot of {self.backend.capacity} positions (a larger KV-cache budget or "
+                                  "fewer sequences: kv_cache_mb / max_batch, --kv-cache-mb / --max-batch)")
         mode = "batch speed" if self.backend.speculative and self.policy.row_budget != 0 else "batch autoregressive"
         sequence = Sequence(next(self._ids), request, early_flush and self.backend.speculative, DecodeStats(mode),
                             acceptance=self.acceptance.start())
@@ -186,17 +186,24 @@ class BatchScheduler:
             except OutOfMemory as error:
                 if self.occupied:
                     return
-                with self._lock:
-                    self.waiting.popleft()
-                sequence.error = error
-                sequence.stats.stop_reason, sequence.state = "error", DONE
-                events.append((sequence, None))
+                self._refuse(sequence, error, events)
+                continue
+            except Exception as error:  # e.g. a request the checks let through: it alone ends, rather than
+                self._refuse(sequence, error, events)  # failing every step while it heads the queue
                 continue
             with self._lock:
                 self.waiting.popleft()
             sequence.slot, sequence.state = len(self.occupied), PREFILL
             sequence.pipeline = Pipeline(self.backend.slots, sequence.stats)
             self.occupied.append(sequence)
+
+    def _refuse(self, sequence: Sequence, error: Exception, events: list[Event]) -> None:
+        """SEQUENCE, at the head of the queue, cannot be admitted: it ends alone with ERROR (Sequence.error)."""
+        with self._lock:
+            self.waiting.popleft()
+        sequence.error = error
+        sequence.stats.stop_reason, sequence.state = "error", DONE
+        events.append((sequence, None))
 
     def _grow_pool(self, sequences: list[Sequence]) -> None:
         """Grow the pool to hold SEQUENCES at their longest (no-op when it does); OutOfMemory when it cannot."""

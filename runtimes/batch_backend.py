@@ -224,7 +224,8 @@ class BatchBackend:
                 return
             mib = 2 * np.prod(shape, dtype=np.float64) * np.dtype(F32).itemsize / (1 << 20)
             raise OutOfMemory(f"the KV-cache pool cannot grow to {length} positions x {width} sequence slots "
-                                  f"({mib:,.0f} MiB): out of memory; set --kv-cache-mb or lower --max-batch") from None
+                              f"({mib:,.0f} MiB): out of memory; a smaller KV-cache budget or fewer sequences "
+                              "(kv_cache_mb / max_batch, --kv-cache-mb / --max-batch)") from None
         keep, kept = min(self.length, length), min(self.width, width)
         if keep and kept:
             key[:, :, :kept, :, :keep], value[:, :, :kept, :, :keep] = (self.key[:, :, :kept, :, :keep],

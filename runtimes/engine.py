@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 
 from speedc.artifact import TOKENIZER, Manifest, read_manifest
 from speedc.errors import ArtifactError, BatchError, GenerationError, SpeedcError
-from speedc.models.sampling import SamplingParams, TokenPicker
+from speedc.models.sampling import SamplingParams, TokenPicker, is_integer, is_real
 from speedc.runtimes.decode import DecodeStats, Decoding, Request, decode_autoregressive, decode_speed, run_to_end
 from speedc.runtimes.detokenize import DecodeRule, IncrementalText, StopStrings, cut_at_stop, decode_rule, not_unicode
 
@@ -90,6 +90,28 @@ def check_text(text: str, what: str) -> None:
         raise GenerationError(f"{what} is not valid Unicode text: {problem}")
 
 
+class EngineLock:
+    """The engine's one cache serves one call at a time; a call waits for the one before it. A thread
+    asking while it holds it (a call made inside its own open stream) would wait for ever: that is a
+    GenerationError instead. Released by whichever thread ends the call (a stream may be handed on)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holder: int | None = None  # thread id that took it; only that thread compares equal
+
+    def __enter__(self) -> "EngineLock":
+        if self._holder == threading.get_ident():
+            raise GenerationError("this thread holds the engine in an open stream: exhaust or close it "
+                                  "(stream.close(), or `with engine.stream(...) as stream:`) before the next call")
+        self._lock.acquire()
+        self._holder = threading.get_ident()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._holder = None
+        self._lock.release()
+
+
 class _StreamOutcome:
     """What a stream's generator records (ids so far, stats at the end): shared with the TextStream
     without a reference back to it, so a stream dropped mid-way is freed, and its generator closed
@@ -98,13 +120,14 @@ class _StreamOutcome:
     def __init__(self) -> None:
         self.ids: list[int] = []
         self.stats: DecodeStats | None = None
+        self.cancelled = False  # set by close() from another thread: the stream ends at its next token
 
 
-def _stream_pieces(decoding: Decoding, lock: threading.Lock, text: IncrementalText, final: Callable[[list[int]], str],
+def _stream_pieces(decoding: Decoding, lock: EngineLock, text: IncrementalText, final: Callable[[list[int]], str],
                    outcome: _StreamOutcome) -> Iterator[str]:
     with lock:
         try:
-            while True:
+            while not outcome.cancelled:
                 try:
                     token = next(decoding)
                 except StopIteration as done:
@@ -117,6 +140,8 @@ def _stream_pieces(decoding: Decoding, lock: threading.Lock, text: IncrementalTe
                     yield piece
         finally:
             decoding.close()  # a stream left early ends its decoding while it still holds the engine
+    if outcome.cancelled:
+        return  # closed from another thread: no more text
     rest = text.take_rest(final(outcome.ids))
     if rest:
         yield rest
@@ -131,7 +156,7 @@ class TextStream:
     is held back until it is known not to be one, so the pieces join to what generate() returns.
     Also a context manager (closed on exit)."""
 
-    def __init__(self, decoding: Decoding, lock: threading.Lock, text: IncrementalText,
+    def __init__(self, decoding: Decoding, lock: EngineLock, text: IncrementalText,
                  final: Callable[[list[int]], str]) -> None:
         self._outcome = _StreamOutcome()
         self._pieces = _stream_pieces(decoding, lock, text, final, self._outcome)
@@ -151,8 +176,13 @@ class TextStream:
         return next(self._pieces)
 
     def close(self) -> None:
-        """Stop early: the engine is free for the next call at once."""
-        self._pieces.close()
+        """Stop early: the engine is free for the next call at once. From another thread than the one
+        iterating (a client went away, say), the stream ends at its next token, and the engine then."""
+        self._outcome.cancelled = True
+        try:
+            self._pieces.close()
+        except ValueError:  # "generator already executing": another thread is inside next(); it sees the flag
+            pass
 
     def __enter__(self) -> "TextStream":
         return self
@@ -176,7 +206,7 @@ class Engine:
                                        ([] if self.eos_token_id is None else [self.eos_token_id]))
         # Early flush is on by default: `speedc bench --early-flush/--no-early-flush` measures both.
         self.early_flush_default = True
-        self._lock = threading.Lock()  # one cache: one call at a time
+        self._lock = EngineLock()  # one cache: one call at a time
         self.decode_rule = decode_rule(tokenizer) if tokenizer is not None else DecodeRule()
 
     @property
@@ -228,8 +258,14 @@ class Engine:
                 raise GenerationError("this artifact has no tokenizer.json: pass token ids instead of text")
             check_text(prompt, "the prompt")
             ids = self.tokenizer.encode(prompt).ids
+        elif isinstance(prompt, (bytes, bytearray)) or not hasattr(prompt, "__iter__"):  # bytes would run as ids
+            raise GenerationError(f"a prompt is text (str) or a list of token ids, not {type(prompt).__name__}")
         else:
-            ids = [int(i) for i in prompt]
+            ids = list(prompt)
+            bad = next((i for i in ids if not is_integer(i)), None)
+            if bad is not None:  # int() would turn 1.7 into 1 and "5" into 5
+                raise GenerationError(f"prompt ids must be integers, not {type(bad).__name__} ({bad!r:.20})")
+            ids = [int(i) for i in ids]
         if not ids:
             raise GenerationError("empty prompt: give at least one token")
         vocab = self.manifest.model["vocab_size"]
@@ -257,8 +293,15 @@ class Engine:
     def make_request(self, prompt, max_new_tokens: int, sampling: SamplingParams, stop: list[str] | None,
                      stop_at_eos: bool) -> Request:
         """A checked request (GenerationError on bad input): ids, limits, its own TokenPicker, stop rule."""
+        if not is_integer(max_new_tokens):
+            raise GenerationError(f"max new tokens must be an integer, not {type(max_new_tokens).__name__}")
         if max_new_tokens < 1:
             raise GenerationError("max new tokens must be at least 1")
+        if not isinstance(stop_at_eos, bool):
+            raise GenerationError(f"stop_at_eos must be True or False, not {type(stop_at_eos).__name__}")
+        if stop is not None and not isinstance(stop, (list, tuple)):  # a str: it would stop at any one character
+            example = f"stop=[{stop!r}]" if isinstance(stop, str) else "stop=['\\n\\n']"
+            raise GenerationError(f"stop must be a list of strings, e.g. {example}")
         ids = self.encode(prompt)
         limit = self.manifest.model["max_context"]
         if len(ids) + max_new_tokens > limit:
@@ -266,8 +309,6 @@ class Engine:
                                   f"model's context of {limit}")
         if stop and self.tokenizer is None:
             raise GenerationError("stop strings need a tokenizer; this artifact has none")
-        if isinstance(stop, str):  # it would stop at any one of its characters
-            raise GenerationError(f"stop must be a list of strings, e.g. stop=[{stop!r}]")
         if stop and not all(isinstance(s, str) and s for s in stop):
             raise GenerationError("a stop string must be a non-empty string")
         for text in stop or []:
@@ -305,6 +346,15 @@ class Engine:
         from speedc.runtimes.batch_backend import make_batch_backend, slot_capacity
 
         self._check_batching()
+        checks = (("max_batch", max_batch, is_integer), ("prefill_chunk", prefill_chunk, is_integer),
+                  ("row_budget", row_budget, lambda v: v is None or is_integer(v)),
+                  ("kv_cache_mb", kv_cache_mb, lambda v: v is None or is_real(v)))
+        for name, value, allowed in checks:  # 2.0 slots or a float chunk would fail deep inside a step
+            if not allowed(value):
+                raise GenerationError(f"{name} must be {'a number' if name == 'kv_cache_mb' else 'an integer'}, "
+                                      f"not {type(value).__name__}")
+        if prefill_chunk < 1:
+            raise GenerationError("prefill_chunk must be at least 1")
         if backend is None:
             capacity = slot_capacity(self.manifest, max_batch, kv_cache_mb)
             backend = make_batch_backend(self.directory, self.manifest, max_batch, capacity, device=self.device,
@@ -324,8 +374,12 @@ class Engine:
         batch_scheduler (max_batch, kv_cache_mb, ...)."""
         common = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                       repetition_penalty=repetition_penalty, stop=stop, stop_at_eos=stop_at_eos, early_flush=early_flush)
+        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):  # a str would be one prompt a character
+            raise GenerationError(f"prompts must be a list (of texts or id lists), not {type(prompts).__name__}")
         if settings is not None and len(settings) != len(prompts):
             raise GenerationError(f"{len(settings)} settings for {len(prompts)} prompts")
+        if settings is not None and not all(isinstance(one, dict) for one in settings):
+            raise GenerationError("settings must be a list of dicts of generate()'s keyword arguments, one a prompt")
         self._check_batching()
         requests = []  # every prompt checked before any is queued: a bad one leaves nothing behind
         for number, prompt in enumerate(prompts, 1):
@@ -366,6 +420,7 @@ class Engine:
                                  "stop_at_eos", "early_flush"}
         if unknown:
             raise GenerationError(f"unknown generation setting {sorted(unknown)[0]!r}")
+        self.flush_setting(params.get("early_flush"))  # checked with the rest, before anything is queued
         sampling = SamplingParams(params.get("temperature", 0.0), params.get("top_k", 0), params.get("top_p", 1.0),
                                   params.get("repetition_penalty", 1.0), params.get("seed"))
         return self.make_request(prompt, params.get("max_new_tokens", 64), sampling, params.get("stop"),
@@ -373,6 +428,8 @@ class Engine:
 
     def flush_setting(self, early_flush: bool | None) -> bool:
         """Early flush as asked, else the engine's default."""
+        if early_flush is not None and not isinstance(early_flush, bool):
+            raise GenerationError(f"early_flush must be True, False or None, not {type(early_flush).__name__}")
         return self.early_flush_default if early_flush is None else early_flush
 
     # ---- public API ------------------------------------------------------------------------------

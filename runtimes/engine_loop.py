@@ -2,11 +2,16 @@
 
     loop = EngineLoop(engine, max_batch=8)
     request = loop.submit("ROMEO:", max_new_tokens=64, temperature=0.8, seed=1)   # checks now
-    async for piece in request:           # Piece(id, text): confirmed tokens only, in order
+    async for piece in request:           # Piece(id, text): confirmed tokens only, in order (a last
+                                          # Piece(None, text) carries text held back to the end)
         print(piece.text, end="")
     request.result                        # GenerationResult: ids, text (stop strings cut), stats
     request.finish_reason                 # "eos" | "stop_string" | "max_new_tokens" | "cancelled"
     loop.cancel(request)                  # from anywhere; its slot is freed at the next step boundary
+
+The loop belongs to the event loop of its first submit (a later asyncio.run takes it over once that one
+has closed, cancelling what was left of it). submit may be called from another thread too (its request
+is then iterated on the loop's event loop, e.g. through asyncio.run_coroutine_threadsafe).
 
 One task drives the scheduler: each iteration runs one BatchScheduler.step in a worker thread (the
 event loop stays free), then hands the confirmed tokens to each request's queue. It sleeps while no
@@ -30,7 +35,7 @@ from speedc.runtimes.engine import Engine, GenerationResult
 
 @dataclass(frozen=True)
 class Piece:
-    id: int  # the confirmed token id
+    id: int | None  # the confirmed token id; None for the text held back to the end (no new token)
     text: str  # text it completes ("" while a UTF-8 sequence is incomplete, or without a tokenizer)
 
 
@@ -61,7 +66,7 @@ class Submitted:
                 text = self.engine.trim(self.engine.decode_text(self.sequence.out), self.stop)
                 rest = self._text.take_rest(text)
                 if rest:
-                    self.queue.put_nowait(Piece(-1, rest))  # held-back text (never a new id)
+                    self.queue.put_nowait(Piece(None, rest))  # held-back text (never a new id)
             self.result = GenerationResult(list(self.sequence.out), text, self.sequence.stats)
             self.queue.put_nowait(None)
             return
@@ -115,12 +120,15 @@ class EngineLoop:
 
     def submit(self, prompt, **params) -> Submitted:
         """Queue a request (Engine.generate's keyword arguments); bad input raises GenerationError here."""
+        on_loop_thread = self._bind_event_loop()  # before anything is queued: nothing is left behind
         request = self.engine.request_from(prompt, params)
         sequence = self.scheduler.submit(request, early_flush=self.engine.flush_setting(params.get("early_flush")))
         submitted = Submitted(self.engine, sequence, params.get("stop"))
         self._requests[sequence.id] = submitted
-        self._ensure_running()
-        self._wake.set()
+        if on_loop_thread:
+            self._start_or_wake()
+        else:  # asyncio objects are not thread-safe: wake the loop task on its own thread
+            self._event_loop.call_soon_threadsafe(self._start_or_wake)
         return submitted
 
     @property
@@ -138,12 +146,30 @@ class EngineLoop:
         if self._wake is not None and not self._event_loop.is_closed():  # asyncio.Event is not thread-safe:
             self._event_loop.call_soon_threadsafe(self._wake.set)        # set it on its own loop
 
-    def _ensure_running(self) -> None:
-        if self._wake is None:
-            self._wake = asyncio.Event()
-            self._event_loop = asyncio.get_running_loop()
+    def _bind_event_loop(self) -> bool:
+        """The event loop the loop task runs on: the caller's on first use, or once the one before has
+        closed (its requests, which nothing can await any more, are cancelled). True when called on it."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        bound = self._event_loop
+        if bound is not None and not bound.is_closed():
+            return running is bound
+        if running is None:
+            raise RuntimeError("EngineLoop.submit needs a running event loop: call it from a coroutine "
+                               "(or, from another thread, once the loop has started on its event loop)")
+        for submitted in list(self._requests.values()):  # left by an event loop that has closed
+            self.scheduler.cancel(submitted.sequence)
+        self._requests.clear()
+        self._event_loop, self._wake, self._task = running, asyncio.Event(), None
+        return True
+
+    def _start_or_wake(self) -> None:
+        """On the loop's event loop: the loop task runs (started again if it ended) and looks for work."""
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._drive())
+            self._task = self._event_loop.create_task(self._drive())
+        self._wake.set()
 
     async def _drive(self) -> None:
         loop = asyncio.get_running_loop()

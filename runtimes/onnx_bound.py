@@ -79,7 +79,9 @@ class OnnxBoundBackend:
 
     def reset(self, capacity: int) -> None:
         if self.capacity != capacity:
-            self.capacity = capacity
+            # Set again once every buffer and binding below exists: a failure part way (out of memory, say)
+            # must not leave a capacity that the next request of that length would trust.
+            self.capacity = None
             rows = capacity + 1  # + the scratch row bubbles write to
             shape = (self.stage_layers, self.slots, self.kv_heads, rows, self.head_dim)
             # Zeroed once: masked keys get weight 0, and 0 * garbage could be NaN.
@@ -88,6 +90,7 @@ class OnnxBoundBackend:
             row_shape = (self.stage_layers, self.slots, self.kv_heads, 1, self.head_dim)
             self.new_rows = {"key": self._device_zeros(row_shape), "value": self._device_zeros(row_shape)}
             self._make_bindings(rows)
+            self.capacity = capacity
         self.current = 0  # hidden[current] holds the last step's hidden_out
         for buffer in self.hidden:  # a fresh request starts from empty slots
             buffer.update_inplace(np.zeros((self.slots, 1, self.hidden_size), np.float32))

@@ -113,6 +113,11 @@ def read_manifest(directory: str | Path, *, verify_hashes: bool = True) -> Manif
         manifest = Manifest(**data)
     except TypeError as bad:
         raise ArtifactError(f"{path}: malformed manifest ({bad})") from None
+    model = manifest.model if isinstance(manifest.model, dict) else {}
+    for key in ("vocab_size", "max_context"):  # every runtime reads them at once (a bare KeyError before)
+        if not (isinstance(model.get(key), int) and model[key] > 0):
+            raise ArtifactError(f"{path}: malformed manifest (model.{key} missing or not a positive integer); "
+                                "rebuild the artifact")
     try:
         dims = contract.Dims.from_manifest(manifest)
         for name, spec in manifest.graphs.items():

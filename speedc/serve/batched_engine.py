@@ -46,7 +46,7 @@ class BatchedGeneration:
                 self.finish_reason = FINISH_REASONS.get(self.stats.stop_reason, "stop")
                 self._owner._retry.record(self.stats)
             raise
-        tokens = 1 if piece.id >= 0 else 0  # id -1: text held back until the end (a cut stop string), no new token
+        tokens = 0 if piece.id is None else 1  # None: text held back until the end (a cut stop string), no new token
         self.completion_tokens += tokens
         return Piece(piece.text, tokens)
 
