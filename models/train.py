@@ -178,6 +178,22 @@ def _saved_state(out: Path) -> dict:
     return state
 
 
+def _saved_moments(out: Path, model: torch.nn.Module) -> dict:
+    """The optimizer's moments saved with the run, each of its parameter's shape (SpeedcError if not)."""
+    try:
+        moments = load_file(str(out / OPTIMIZER_FILE))
+    except Exception as bad:  # safetensors raises its own error types for a damaged file
+        raise SpeedcError(f"{out / OPTIMIZER_FILE}: unreadable optimizer state ({str(bad).splitlines()[0]}); "
+                          "cannot resume this run") from None
+    for name, param in model.named_parameters():
+        for kind in ("exp_avg", "exp_avg_sq"):
+            moment = moments.get(f"{name}::{kind}")
+            if moment is not None and moment.shape != param.shape:
+                raise SpeedcError(f"{out / OPTIMIZER_FILE}: {name}::{kind} has shape {tuple(moment.shape)}, the "
+                                  f"model's is {tuple(param.shape)}; cannot resume this run")
+    return moments
+
+
 def train(out: str | Path, opts: TrainOptions, *, resume: bool = False,
           progress: Callable[[int, int, dict], None] | None = None, given: frozenset[str] = frozenset()) -> dict:
     """Train (or resume) into OUT; returns the final training state (metrics included). GIVEN: the
@@ -196,7 +212,10 @@ def train(out: str | Path, opts: TrainOptions, *, resume: bool = False,
         if state["corpus_sha256"] != digest:
             raise SpeedcError(f"{out}: was trained on another corpus (sha256 {state['corpus_sha256'][:12]}…)")
         opts = _resumed_options(out, state["options"], opts, given)
-        tokenizer_json = (out / TOKENIZER_FILE).read_text()
+        try:
+            tokenizer_json = (out / TOKENIZER_FILE).read_text()
+        except (OSError, UnicodeDecodeError) as bad:
+            raise SpeedcError(f"{out / TOKENIZER_FILE}: unreadable ({type(bad).__name__}); cannot resume this run") from None
         cfg, tensors = load_checkpoint(out)
         model = model_from_state(cfg, tensors).train()
     else:
@@ -229,7 +248,7 @@ def train(out: str | Path, opts: TrainOptions, *, resume: bool = False,
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": opts.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=opts.lr, betas=(0.9, 0.95))
     if resume and (out / OPTIMIZER_FILE).exists():
-        moments = load_file(str(out / OPTIMIZER_FILE))
+        moments = _saved_moments(out, model)
         for name, param in model.named_parameters():
             if f"{name}::exp_avg" in moments:
                 optimizer.state[param] = {"step": torch.tensor(state.get("adam_step", state["step"])),

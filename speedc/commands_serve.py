@@ -9,6 +9,7 @@ import click
 
 from speedc.cli_options import FiniteFloat, backend_options, flag, given_options
 from speedc.errors import SpeedcError
+from speedc.runtimes.detokenize import not_unicode
 
 
 def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_queue: int, timeout: float,
@@ -87,7 +88,11 @@ def serve(artifact, host, port, model_name, chat_template, mode, max_batch, kv_c
     ray_only = given_options("replicas", "autoscale", "max_ongoing_requests", "replica_cpus")
     if ray_only and not use_ray:  # they shape the Ray deployment; a local server silently ignored them, bad values too
         raise SpeedcError(f"{flag(ray_only[0])} goes with --ray (scale-out on Ray Serve); this serves one process")
-    settings = ServeSettings(artifact=artifact.resolve(), model_name=model_name or artifact.resolve().name,
+    model_name = model_name or artifact.resolve().name
+    problem = not_unicode(model_name)  # every /v1/models answer and response carries it: each was a 500
+    if problem:
+        raise SpeedcError(f"the model name is not Unicode text ({problem}); give one with --model-name")
+    settings = ServeSettings(artifact=artifact.resolve(), model_name=model_name,
                              backend=backend, device=device, threads=threads, mode=mode, max_batch=max_batch,
                              kv_cache_mb=kv_cache_mb, max_queue=max_queue, request_timeout=request_timeout,
                              chat_template=chat_template.resolve() if chat_template else None)

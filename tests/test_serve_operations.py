@@ -65,6 +65,9 @@ def test_bad_command_lines_are_one_line_errors(tiny_artifact, tmp_path):
                           "chat template does not parse")
     # Ray's options without --ray: a local server ignored them (even --replicas 0) and the user believed in replicas
     assert_one_line_error(run_cli("serve", tiny_artifact, "--replicas", "0"), "--replicas goes with --ray")
+    # a Latin-1 byte in the name (a lone surrogate here): /v1/models and every response were a 500
+    assert_one_line_error(run_cli("serve", tiny_artifact, "--model-name", "m\udce9"),
+                          "model name is not Unicode text", "0xe9")
     # the batching options are refused by the same up-front check (in this process: no CLI start-up each)
     refusals = [(dict(kv_cache_mb=0.001), "leaves no room for 8 sequences"), (dict(max_batch=0), "at least 1"),
                 (dict(backend="torch"), "--max-batch 1"), (dict(max_batch=1, kv_cache_mb=5.0), "with --max-batch 1")]

@@ -49,6 +49,9 @@ def test_short_training_run_gives_a_loadable_checkpoint_and_resumes(tmp_path):
     state = (out / "training.json").read_text()
     (out / "training.json").write_text(state[:len(state) // 2])  # damaged: was a JSONDecodeError traceback
     assert_one_line_error(run_cli(*args, "--steps", "10", "--resume"), "training.json", "unreadable training state")
+    (out / "training.json").write_text(state)
+    (out / "optimizer.state").write_bytes(b"damaged")  # was a SafetensorError traceback
+    assert_one_line_error(run_cli(*args, "--steps", "10", "--resume"), "optimizer.state", "unreadable optimizer state")
 
 
 def test_seq_len_beyond_the_presets_context_is_refused(tmp_path):
