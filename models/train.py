@@ -212,6 +212,9 @@ def train(out: str | Path, opts: TrainOptions, *, resume: bool = False,
         if state["corpus_sha256"] != digest:
             raise SpeedcError(f"{out}: was trained on another corpus (sha256 {state['corpus_sha256'][:12]}…)")
         opts = _resumed_options(out, state["options"], opts, given)
+        if opts.steps <= state["step"]:  # it printed "saved" and wrote nothing
+            raise SpeedcError(f"{out}: the run is already at step {state['step']}; --steps is the new total, "
+                              f"so give more than {state['step']}")
         try:
             tokenizer_json = (out / TOKENIZER_FILE).read_text()
         except (OSError, UnicodeDecodeError) as bad:

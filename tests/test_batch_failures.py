@@ -145,15 +145,18 @@ def test_requests_that_ended_before_a_step_failed_end_as_they_did(engine):
             pieces += 1
             if pieces == 3:
                 break
+        # A step runs in the worker thread meanwhile: freeing `cancelled`'s slot comes last, so the first step
+        # with a free slot sees all the rest (before, a step between the two cancels could admit `queued` into
+        # the slot one_token left, and the injected failure then failed it too: timing-dependent, seen once in CI).
         one_token = loop.submit(PROMPTS[2], max_new_tokens=1, stop_at_eos=False)
         waiting_cancelled = loop.submit(PROMPTS[3], max_new_tokens=8, stop_at_eos=False)  # max_batch 2: these wait
+        loop.cancel(waiting_cancelled)
         queued = loop.submit(PROMPTS[3], max_new_tokens=6, stop_at_eos=False)  # (one_token takes the freed slot)
         # fail the decode part of the step that has just processed both cancellations and finished one_token
         _fail_once_when(loop.scheduler.backend, "speed_step", lambda: (cancelled.sequence.state == DONE
                                                                         and waiting_cancelled.sequence.state == DONE
                                                                         and one_token.sequence.state == DONE))
         loop.cancel(cancelled)
-        loop.cancel(waiting_cancelled)
         ends = {}
         for name, submitted in (("cancelled", cancelled), ("waiting_cancelled", waiting_cancelled),
                                 ("one_token", one_token), ("running", running), ("queued", queued)):

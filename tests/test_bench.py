@@ -270,3 +270,15 @@ def test_concurrency_bench_rows_for_every_system(tiny_artifact):
             assert row["steps"]["speed"] == 0 and row["steps"]["plain"] > 0
         elif system == "speed-always":
             assert row["steps"]["plain"] == 0 and row["steps"]["speed"] > 0
+
+
+def test_step_cost_is_measured_at_valid_positions_for_a_short_bench(tiny_artifact):
+    """A bench of prompt + new tokens under 2(P-1) measured c(P) at negative positions: ONNX Runtime's
+    attention refused them (a traceback after every run) and the other backends measured nonsense."""
+    from speedc.bench.run import measure_step_cost
+    from speedc.runtimes.engine import Engine
+
+    for backend in ("onnx", "onnx-numpy"):
+        engine = Engine.load(tiny_artifact, backend=backend)
+        cost = measure_step_cost(engine, context=3, repeats=3)
+        assert 0 < cost < 100, (backend, cost)

@@ -219,6 +219,9 @@ BAD_REQUESTS = [
     ("chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "caf\\ud800"}]}', 400, "messages"),
     ("completions", b'{"model": "tiny", "prompt": "x", "stop": ["\\ud800"]}', 400, "stop"),
     ("chat/completions", {"model": "tiny", "messages": [{"role": "user"}]}, 400, "messages"),  # no content
+    ("completions", b'{"model": "tiny", "prompt": "x", "temperature": 1e400}', 400, "temperature"),  # param was prompt
+    ("completions", b'{"model": "tiny", "prompt": "x", "top_p": NaN}', 400, "top_p"),
+    ("completions", b"[" * 5000 + b"]" * 5000, 400, None),  # nested too deeply for the parser: was a 500
 ]
 
 

@@ -44,6 +44,7 @@ def test_short_training_run_gives_a_loadable_checkpoint_and_resumes(tmp_path):
     resumed = run_cli(*args, "--steps", "9", "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads((out / "training.json").read_text())["step"] == 9
+    assert_one_line_error(run_cli(*args, "--steps", "9", "--resume"), "already at step 9", "more than 9")
     # Before: every option but --steps was silently ignored on --resume; a run setting given anew is refused
     assert_one_line_error(run_cli(*args, "--steps", "10", "--resume", "--lr", "0.1"), "--lr 0.1 differs from the run's 0.002")
     state = (out / "training.json").read_text()

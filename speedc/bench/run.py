@@ -123,8 +123,9 @@ def measure_step_times(backend, context: int, repeats: int = 200) -> tuple[float
     """(seconds of one P-slot step, seconds of one plain token), both at a cache of `context` rows
     with the newest position in the middle, interleaved, medians."""
     slots = backend.slots
+    context = max(context, 2 * slots)  # the oldest slot's position is >= 0 (a 5-token bench went negative)
     backend.reset(context)
-    positions = np.arange(context // 2, context // 2 - slots, -1)
+    positions = np.arange(context // 2, context // 2 - slots, -1)  # newest first: [P]
     valid = np.ones(slots, dtype=bool)
     return interleaved_medians(lambda: backend.step(1, positions, valid, False),
                                lambda: backend.prefill([1], context // 2, False), repeats, warmup=5)

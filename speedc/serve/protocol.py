@@ -10,6 +10,7 @@ as in the OpenAI API.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -68,6 +69,8 @@ def integer(value: Any, name: str) -> int:
 def number(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _bad(name, "a number")
+    if not math.isfinite(value):  # Infinity, NaN, 1e400: refused here, naming the field (param was "prompt")
+        raise _bad(name, "a finite number")
     return float(value)
 
 
@@ -202,6 +205,8 @@ def read_json(raw: bytes) -> dict:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as bad:
         raise ApiError(400, f"the request body is not valid JSON ({bad})") from None
+    except RecursionError:  # "[" * 3000: Python's parser recurses per level (was a 500)
+        raise ApiError(400, "the request body is not valid JSON here (nested too deeply)") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     return body
