@@ -27,6 +27,14 @@ def is_real(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def require(value, name: str, kind: str, *, optional: bool = False) -> None:
+    """GenerationError naming NAME unless VALUE is KIND ("an integer" or "a number"), or None if OPTIONAL."""
+    if optional and value is None:
+        return
+    if not (is_integer(value) if kind == "an integer" else is_real(value)):
+        raise GenerationError(f"{name} must be {kind}, not {type(value).__name__}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
@@ -38,11 +46,9 @@ class SamplingParams:
     def validate(self) -> None:
         for name, value in (("temperature", self.temperature), ("top-p", self.top_p),
                             ("repetition penalty", self.repetition_penalty)):
-            if not is_real(value):
-                raise GenerationError(f"{name} must be a number, not {type(value).__name__}")
-        for name, value in (("top-k", self.top_k), ("seed", self.seed)):
-            if not is_integer(value) and not (name == "seed" and value is None):
-                raise GenerationError(f"{name} must be an integer, not {type(value).__name__}")
+            require(value, name, "a number")
+        require(self.top_k, "top-k", "an integer")
+        require(self.seed, "seed", "an integer", optional=True)
         if not 0 <= self.temperature < math.inf:  # also refuses nan
             raise GenerationError("temperature must be >= 0 (and finite)")
         if self.top_k < 0:

@@ -218,7 +218,8 @@ def train(out: str | Path, opts: TrainOptions, *, resume: bool = False,
         try:
             tokenizer_json = (out / TOKENIZER_FILE).read_text()
         except (OSError, UnicodeDecodeError) as bad:
-            raise SpeedcError(f"{out / TOKENIZER_FILE}: unreadable ({type(bad).__name__}); cannot resume this run") from None
+            raise SpeedcError(f"{out / TOKENIZER_FILE}: unreadable ({type(bad).__name__}); cannot resume this "
+                              "run") from None
         cfg, tensors = load_checkpoint(out)
         model = model_from_state(cfg, tensors).train()
     else:

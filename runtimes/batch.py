@@ -124,8 +124,8 @@ class BatchScheduler:
         need = len(request.prompt) + request.max_new_tokens
         if need > self.backend.capacity:
             raise GenerationError(f"prompt ({len(request.prompt)} tokens) + max new tokens ({request.max_new_tokens}) "
-                                  f"exceeds the KV-cache slot of {self.backend.capacity} positions (a larger KV-cache budget or "
-                                  "fewer sequences: kv_cache_mb / max_batch, --kv-cache-mb / --max-batch)")
+                                  f"exceeds the KV-cache slot of {self.backend.capacity} positions (a larger KV-cache "
+                                  "budget or fewer sequences: kv_cache_mb / max_batch, --kv-cache-mb / --max-batch)")
         mode = "batch speed" if self.backend.speculative and self.policy.row_budget != 0 else "batch autoregressive"
         sequence = Sequence(next(self._ids), request, early_flush and self.backend.speculative, DecodeStats(mode),
                             acceptance=self.acceptance.start())

@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 
 from speedc.artifact import TOKENIZER, Manifest, read_manifest
 from speedc.errors import ArtifactError, BatchError, GenerationError, SpeedcError
-from speedc.models.sampling import SamplingParams, TokenPicker, is_integer, is_real
+from speedc.models.sampling import SamplingParams, TokenPicker, is_integer, require
 from speedc.runtimes.decode import DecodeStats, Decoding, Request, decode_autoregressive, decode_speed, run_to_end
 from speedc.runtimes.detokenize import DecodeRule, IncrementalText, StopStrings, cut_at_stop, decode_rule, not_unicode
 
@@ -293,8 +293,7 @@ class Engine:
     def make_request(self, prompt, max_new_tokens: int, sampling: SamplingParams, stop: list[str] | None,
                      stop_at_eos: bool) -> Request:
         """A checked request (GenerationError on bad input): ids, limits, its own TokenPicker, stop rule."""
-        if not is_integer(max_new_tokens):
-            raise GenerationError(f"max new tokens must be an integer, not {type(max_new_tokens).__name__}")
+        require(max_new_tokens, "max new tokens", "an integer")
         if max_new_tokens < 1:
             raise GenerationError("max new tokens must be at least 1")
         if not isinstance(stop_at_eos, bool):
@@ -346,13 +345,10 @@ class Engine:
         from speedc.runtimes.batch_backend import make_batch_backend, slot_capacity
 
         self._check_batching()
-        checks = (("max_batch", max_batch, is_integer), ("prefill_chunk", prefill_chunk, is_integer),
-                  ("row_budget", row_budget, lambda v: v is None or is_integer(v)),
-                  ("kv_cache_mb", kv_cache_mb, lambda v: v is None or is_real(v)))
-        for name, value, allowed in checks:  # 2.0 slots or a float chunk would fail deep inside a step
-            if not allowed(value):
-                raise GenerationError(f"{name} must be {'a number' if name == 'kv_cache_mb' else 'an integer'}, "
-                                      f"not {type(value).__name__}")
+        require(max_batch, "max_batch", "an integer")  # 2.0 slots or a float chunk would fail deep inside a step
+        require(prefill_chunk, "prefill_chunk", "an integer")
+        require(row_budget, "row_budget", "an integer", optional=True)
+        require(kv_cache_mb, "kv_cache_mb", "a number", optional=True)
         if prefill_chunk < 1:
             raise GenerationError("prefill_chunk must be at least 1")
         if backend is None:
@@ -374,7 +370,7 @@ class Engine:
         batch_scheduler (max_batch, kv_cache_mb, ...)."""
         common = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                       repetition_penalty=repetition_penalty, stop=stop, stop_at_eos=stop_at_eos, early_flush=early_flush)
-        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):  # a str would be one prompt a character
+        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):  # a str: one prompt a character
             raise GenerationError(f"prompts must be a list (of texts or id lists), not {type(prompts).__name__}")
         if settings is not None and len(settings) != len(prompts):
             raise GenerationError(f"{len(settings)} settings for {len(prompts)} prompts")
