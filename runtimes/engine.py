@@ -228,7 +228,7 @@ class Engine:
 
     @classmethod
     def load(cls, path: str | Path, *, backend: str = "onnx", device: str = "cpu", threads: int | None = None,
-             verify: bool = True, lazy: bool = False) -> "Engine":
+             verify: bool = False, lazy: bool = False) -> "Engine":
         """LAZY: open the single-sequence backend only when a single-sequence call first needs it, so a
         caller that only batches (batch_scheduler opens its own sessions) holds one set of sessions."""
         directory = Path(path)

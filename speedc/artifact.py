@@ -77,6 +77,7 @@ class Manifest:
     graphs: dict[str, dict[str, Any]]  # name -> {file, inputs: [{name, shape, dtype}], outputs: [...]}
     weights: dict[str, Any]  # {file, unique_bytes, stored_bytes, index: {name: {offset, length, dtype, shape}}}
     files: dict[str, str] = field(default_factory=dict)  # file name -> sha256
+    file_bytes: dict[str, int] = field(default_factory=dict)  # file name -> size (the cheap check at every load)
     build: dict[str, Any] = field(default_factory=dict)  # timings, notes
 
     @property
@@ -91,8 +92,11 @@ class Manifest:
         return json.dumps(self.__dict__, indent=2) + "\n"
 
 
-def read_manifest(directory: str | Path, *, verify_hashes: bool = True) -> Manifest:
-    """Load and check an artifact's manifest: format version, and (optionally) every file's hash."""
+def read_manifest(directory: str | Path, *, verify_hashes: bool = False) -> Manifest:
+    """Load and check an artifact's manifest: format version, the graphs' I/O against the contract, and
+    every listed file present at its recorded size, every one but weights.bin also by sha256 (graphs,
+    tokenizer, config: kilobytes to megabytes). VERIFY_HASHES: weights.bin by sha256 too (gigabytes at
+    real size, a full read, which is why a load does not do it; `speedc inspect --verify` does)."""
     directory = Path(directory)
     path = directory / MANIFEST
     if not directory.is_dir():
@@ -127,18 +131,30 @@ def read_manifest(directory: str | Path, *, verify_hashes: bool = True) -> Manif
                             "this speedc: speedc build CHECKPOINT -o OUT --force") from None
     except (KeyError, TypeError, ValueError, AttributeError) as bad:
         raise ArtifactError(f"{path}: malformed manifest ({bad!r}); rebuild the artifact") from None
-    if verify_hashes:
-        for name, expected in manifest.files.items():
-            file = directory / name
-            if not file.exists():
-                raise ArtifactError(f"{file}: listed in the manifest but missing; rebuild the artifact")
-            try:
-                digest = sha256_file(file)
-            except OSError as bad:  # a folder in its place, no permission
-                raise ArtifactError(f"{file}: unreadable ({bad.strerror or bad}); rebuild the artifact") from None
-            if digest != expected:
-                raise ArtifactError(f"{file}: sha256 does not match the manifest (corrupt or modified); rebuild the artifact")
+    check_files(directory, manifest, every_hash=verify_hashes)
     return manifest
+
+
+def check_files(directory: Path, manifest: Manifest, *, every_hash: bool) -> None:
+    """ArtifactError naming the first listed file that is missing, unreadable, of another size than
+    recorded, or of another sha256 (weights.bin only with EVERY_HASH)."""
+    for name, expected in manifest.files.items():
+        file = directory / name
+        if not file.exists():
+            raise ArtifactError(f"{file}: listed in the manifest but missing; rebuild the artifact")
+        if not file.is_file():
+            raise ArtifactError(f"{file}: listed in the manifest but not a file; rebuild the artifact")
+        try:
+            size = file.stat().st_size
+            recorded = manifest.file_bytes.get(name)
+            if recorded is not None and size != recorded:
+                raise ArtifactError(f"{file}: {size} bytes, the manifest records {recorded} (truncated or replaced); "
+                                    "rebuild the artifact")
+            hashed = every_hash or name != WEIGHTS or recorded is None
+            if hashed and sha256_file(file) != expected:
+                raise ArtifactError(f"{file}: sha256 does not match the manifest (corrupt or modified); rebuild the artifact")
+        except OSError as bad:  # a folder in its place, no permission
+            raise ArtifactError(f"{file}: unreadable ({bad.strerror or bad}); rebuild the artifact") from None
 
 
 def is_weight_name(name: str) -> bool:
@@ -399,5 +415,7 @@ def write_graphs(graphs: dict, directory: Path, weight_names: set[str], weight_p
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:
     """Hash every file, then write the manifest LAST: a directory without one is never loadable."""
-    manifest.files = {p.name: sha256_file(p) for p in sorted(Path(directory).iterdir()) if p.name != MANIFEST}
+    files = [p for p in sorted(Path(directory).iterdir()) if p.name != MANIFEST]
+    manifest.files = {p.name: sha256_file(p) for p in files}
+    manifest.file_bytes = {p.name: p.stat().st_size for p in files}
     (Path(directory) / MANIFEST).write_text(manifest.to_json())

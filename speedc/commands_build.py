@@ -119,8 +119,9 @@ def build(checkpoint, out, slots, weights, block_size, head_weights, target, exi
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--alpha", type=FiniteFloat(0, 1), default=None, help="Acceptance to predict the speedup at.")
 @click.option("--measure", is_flag=True, help="Measure the artifact's step cost c(P) on this machine now and predict from it.")
-@click.option("--verify", is_flag=True, help="Check every file of the artifact against the sha256 in its manifest "
-              "(loading does too); without it, only that each is present.")
+@click.option("--verify", is_flag=True, help="Check every file of the artifact against the sha256 in its manifest, "
+              "weights.bin too (a full read); without it, what every load checks: each present at its recorded size, "
+              "the small files by sha256.")
 def inspect(path, as_json, alpha, measure, verify):
     """Show the layer map, the pipeline schedule (slots x steps) and sizes of PATH: a checkpoint
     (a directory, or zoo:NAME) or an artifact."""

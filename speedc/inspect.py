@@ -43,13 +43,8 @@ def _from_checkpoint(path: Path, alpha: float | None) -> dict:
 
 
 def _from_artifact(path: Path, alpha: float | None, verify: bool) -> dict:
-    """VERIFY: hash every file against the manifest (as loading does); without it, only their presence."""
+    """VERIFY: hash every file against the manifest; without it, what every load checks (read_manifest)."""
     m = read_manifest(path, verify_hashes=verify)
-    missing = [name for name in m.files if not (path / name).is_file()]
-    if missing:
-        what = "not a file" if (path / missing[0]).exists() else "missing"
-        raise ArtifactError(f"{path / missing[0]}: listed in the manifest but {what}"
-                            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "") + "; rebuild the artifact")
     files = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file()}
     quantization = m.weights.get("quantization")
     stored_label = "weights stored" + (f" ({m.dtype}, block {quantization['block_size']}: codes + scales)" if quantization
@@ -165,7 +160,8 @@ def render(info: dict) -> None:
         console.print(f"weights: {info['dtype']} ({how}): {_megabytes(stored)} stored once, "
                       f"{stored / max(unique, 1):.3f} x the unique fp32 bytes")
         console.print("files: every one present and its sha256 the manifest's" if info.get("files_verified") else
-                      "files: every one present (--verify checks their sha256, as loading does)")
+                      "files: every one present at its recorded size, the small ones by sha256, as every load checks "
+                      "(--verify: every file's sha256, weights.bin too)")
     console.print(f"schedule: P={sched['slots']} slots x S={sched['stage_layers']} layers; {sched['reason']}")
     for s, layers in enumerate(sched["slot_layers"]):
         console.print(f"  slot {s}: logical layers {layers[0]}..{layers[-1]} (blocks {sched['stage_blocks']})")

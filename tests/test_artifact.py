@@ -128,21 +128,27 @@ def test_cli_build_verbose_dump_and_inspect(tmp_path):
 
 
 def test_inspect_checks_the_files_and_verify_their_hashes(tmp_path, tiny_artifact):
-    """Before: inspect listed whatever files were there; a missing weights.bin or a damaged graph only
-    showed at load. Now a missing file is one line, and --verify checks every sha256 as loading does."""
+    """A missing or damaged file is one line; every load (inspect too) checks each file's size and the small
+    files' sha256, --verify every sha256 (weights.bin too: a full read, gigabytes at real size)."""
     art = tmp_path / "art"
     shutil.copytree(tiny_artifact, art)
     assert "every one present and its sha256" in run_cli("inspect", art, "--verify").stdout
     assert json.loads(run_cli("inspect", art, "--json").stdout)["files_verified"] is False
-    graph = art / "step.onnx"
-    graph.write_bytes(graph.read_bytes()[:-1] + bytes([graph.read_bytes()[-1] ^ 1]))  # one bit
-    assert run_cli("inspect", art).returncode == 0  # present: not hashed without --verify
-    assert_one_line_error(run_cli("inspect", art, "--verify"), "step.onnx", "sha256 does not match")
-    shutil.copy(tiny_artifact / "step.onnx", graph)
+    graph = art / "prefill.onnx"
+    graph.write_bytes(graph.read_bytes()[:-1] + bytes([graph.read_bytes()[-1] ^ 1]))  # one bit of a small file
+    assert_one_line_error(run_cli("inspect", art), "prefill.onnx", "sha256 does not match")
+    shutil.copy(tiny_artifact / "prefill.onnx", graph)
+    weights = art / "weights.bin"
+    blob = bytearray(weights.read_bytes())
+    blob[7] ^= 1  # one bit of weights.bin: not hashed at load, by --verify
+    weights.write_bytes(bytes(blob))
+    assert run_cli("inspect", art).returncode == 0
+    assert_one_line_error(run_cli("inspect", art, "--verify"), "weights.bin", "sha256 does not match")
+    shutil.copy(tiny_artifact / "weights.bin", weights)
     (art / "tokenizer.json").unlink()
     (art / "tokenizer.json").mkdir()  # an IsADirectoryError traceback from inspect --verify and generate before
     assert_one_line_error(run_cli("inspect", art), "tokenizer.json", "listed in the manifest but not a file")
-    assert_one_line_error(run_cli("generate", art, "--prompt", "hi"), "tokenizer.json", "unreadable")
+    assert_one_line_error(run_cli("generate", art, "--prompt", "hi"), "tokenizer.json", "not a file")
     (art / "tokenizer.json").rmdir()
     shutil.copy(tiny_artifact / "tokenizer.json", art / "tokenizer.json")
     (art / "weights.bin").unlink()

@@ -52,9 +52,14 @@ def test_damaged_artifacts(tiny_artifact, tmp_path):
     corrupt = tmp_path / "corrupt"
     shutil.copytree(tiny_artifact, corrupt)
     blob = bytearray((corrupt / "weights.bin").read_bytes())
-    blob[100] ^= 0xFF
+    (corrupt / "weights.bin").write_bytes(bytes(blob[:-64]))  # truncated: every load checks the size
+    assert_one_line_error(run_cli("generate", corrupt, "--prompt", "hi"), "weights.bin", "the manifest records")
+    blob[100] ^= 0xFF  # same size, other bytes: weights.bin is hashed by inspect --verify, not at every load
     (corrupt / "weights.bin").write_bytes(bytes(blob))
-    assert_one_line_error(run_cli("generate", corrupt, "--prompt", "hi"), "weights.bin", "sha256 does not match")
+    assert_one_line_error(run_cli("inspect", corrupt, "--verify"), "weights.bin", "sha256 does not match")
+    graph = corrupt / "prefill.onnx"  # a small file is hashed at every load
+    graph.write_bytes(graph.read_bytes()[:-1] + b"\0")
+    assert_one_line_error(run_cli("generate", corrupt, "--prompt", "hi"), "prefill.onnx", "sha256 does not match")
 
     old = tmp_path / "old"
     shutil.copytree(tiny_artifact, old)
