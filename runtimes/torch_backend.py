@@ -78,35 +78,44 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and ("out of memory" in text or "allocate memory" in text)
 
 
+MAX_GRAPHS = 64  # captured step graphs kept (one sequence: a speed and a plain one per pool)
+
+
 class TorchBackend:
     name = "torch"
 
     def __init__(self, directory: Path, manifest: Manifest, max_batch: int = 1, capacity: int | None = None,
                  device: str = "cpu", threads: int | None = None, min_length: int = MIN_POOL_POSITIONS,
-                 shrink_after: int = SHRINK_AFTER_STEPS) -> None:
-        """CAPACITY: positions each of MAX_BATCH sequence slots may hold (None: the model's context)."""
+                 shrink_after: int = SHRINK_AFTER_STEPS, cuda_graphs: bool = False) -> None:
+        """CAPACITY: positions each of MAX_BATCH sequence slots may hold (None: the model's context).
+        CUDA_GRAPHS (device cuda): each step's layers replay a captured CUDA graph (see _run)."""
         if is_quantized(manifest):
             raise SpeedcError(f"{directory}: the PyTorch backend runs float artifacts; this one stores {manifest.dtype} "
                               "weights for ONNX Runtime's MatMulNBits: use --backend onnx, or build with --weights fp32/fp16/bf16")
         self._setup(load_model_from_artifact(directory, manifest), manifest.slots, max_batch, capacity, device, threads,
-                    min_length, shrink_after)
+                    min_length, shrink_after, cuda_graphs)
 
     @classmethod
     def from_model(cls, model: SharedLlama, slots: int, max_batch: int = 1, capacity: int | None = None,
                    device: str = "cpu", threads: int | None = None, min_length: int = MIN_POOL_POSITIONS,
-                   shrink_after: int = SHRINK_AFTER_STEPS) -> "TorchBackend":
+                   shrink_after: int = SHRINK_AFTER_STEPS, cuda_graphs: bool = False) -> "TorchBackend":
         """A backend over an in-memory model (no artifact): what the GPU check uses where only torch is
         installed. SLOTS must be a valid pipeline depth for the layer map (valid_slot_counts)."""
         if slots not in valid_slot_counts(model.cfg.layer_map, model.cfg.exit_layer):
             raise SpeedcError(f"{slots} slots do not fit the layer map {model.cfg.layer_map} (exit after {model.cfg.exit_layer})")
         backend = cls.__new__(cls)
-        backend._setup(model, slots, max_batch, capacity, device, threads, min_length, shrink_after)
+        backend._setup(model, slots, max_batch, capacity, device, threads, min_length, shrink_after, cuda_graphs)
         return backend
 
     def _setup(self, model: SharedLlama, slots: int, max_batch: int, capacity: int | None, device: str,
-               threads: int | None, min_length: int, shrink_after: int) -> None:
+               threads: int | None, min_length: int, shrink_after: int, cuda_graphs: bool) -> None:
         cfg = model.cfg
         self.device = _device(device)
+        if cuda_graphs and self.device.type != "cuda":
+            raise SpeedcError(f"CUDA graphs need a CUDA device, not {device!r}")
+        self.cuda_graphs = bool(cuda_graphs)
+        self.full_past = self.cuda_graphs  # attend over the whole pool (fixed shapes), not up to the newest position
+        self._graphs: dict[tuple, StepGraph] = {}  # (role, rows) -> its captured graph over the current pool
         if threads:
             torch.set_num_threads(resolve_threads(threads))
         if not is_integer(max_batch) or max_batch < 1:
@@ -175,6 +184,7 @@ class TorchBackend:
         self.key, self.value = key, value
         self.length, self.width = length, width
         self._shrink_pending = 0
+        self._graphs.clear()  # captured over the old buffers
 
     def _zeros(self, shape: tuple) -> torch.Tensor:
         """A zeroed pool buffer; OutOfMemory (caught by reserve) where the device cannot hold it."""
@@ -195,6 +205,7 @@ class TorchBackend:
         self.key = self.value = None
         self.length = self.width = 0
         self._shrink_pending = 0
+        self._graphs.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # hand the blocks back, so the next allocation may take them whole
 
@@ -264,69 +275,118 @@ class TorchBackend:
     def plain_step(self, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray,
                    want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
         """Plain decoding of sequences 0..n-1 at once: row b's token at positions[b] through all N layers.
-        -> (argmax next tokens [n], logits [n, V] or None). Invalid rows (bubbles) run at 0, unwritten."""
-        cfg, model = self.cfg, self.model
-        n = len(tokens)
+        -> (argmax next tokens [n], logits [n, V] or None). Invalid rows (bubbles) run at 0 and write the
+        scratch row T."""
         at = np.where(valid, positions, 0).astype(np.int64)
         self._check_positions(at)
-        rows = np.flatnonzero(valid)
-        tokens, starts, rows, written = self._ints(tokens, at, rows, at[rows])
+        inputs = self._ints(tokens, at, np.where(valid, at, self.length))
+        x = self._run(("plain", len(tokens)), self._plain_layers, inputs, int(at.max(initial=0)))
+        return self._heads_out(self.model.final_head(x), want_logits)  # [n, V]
+
+    def _plain_layers(self, tokens: torch.Tensor, starts: torch.Tensor, written: torch.Tensor, past: int) -> torch.Tensor:
+        """The N layers over n rows of one token (row b: sequence slot b) at STARTS, attending to the first
+        PAST positions; row b's K/V land at WRITTEN[b]. -> hidden [n, H] (pure but for the pool writes, so
+        a CUDA graph's warm-up run may repeat it)."""
+        cfg, model = self.cfg, self.model
+        n = tokens.shape[0]
+        rows = torch.arange(n, device=self.device)
         x = model.model.embed_tokens(tokens)  # [n, H]
-        past = int(at.max(initial=0))  # every row attends below its own position
         ctx = self._context(starts, 1, past)
         for layer, block in enumerate(cfg.layer_map):
             j, slot = cache_slab(layer, self.stage_layers)
             key, value = self.key[j, slot, :n], self.value[j, slot, :n]  # [n, kvh, T+1, hd]
             x, k, v = layer_over_rows(model.model.blocks[block], x, ctx, key[:, :, :past], value[:, :, :past], cfg)
             x = loop_boundary(x, model.model.norm.weight, cfg, layer)
-            # valid rows only: the indexed target is [k, kvh, hd] (rows, positions split by a slice)
-            key[rows, :, written], value[rows, :, written] = k[rows, :, 0], v[rows, :, 0]
-        return self._heads_out(model.final_head(x), want_logits)  # [n, V]
+            # the indexed target is [n, kvh, hd] (rows, positions split by a slice)
+            key[rows, :, written], value[rows, :, written] = k[:, :, 0], v[:, :, 0]
+        return x
 
     @torch.no_grad()
     def speed_step(self, entering: np.ndarray, positions: np.ndarray, valid: np.ndarray, heads: HeadRows,
                    want_logits: bool) -> SpeedStepResult:
         """One pipelined step of sequences 0..n-1: entering [n] tokens enter slot 0; positions/valid [P, n]
-        (slot, sequence); HEADS: the rows (row = s*n + b) whose heads run."""
-        cfg, model = self.cfg, self.model
-        slots, n = positions.shape
-        width, stage = self.width, self.stage_layers
+        (slot, sequence); HEADS: the rows (row = s*n + b) whose heads run. The step runs all W sequence
+        slots (row s*W + b); bubbles run at 0 and write the scratch row T."""
+        model, slots, width = self.model, self.slots, self.width
+        n = positions.shape[1]
         grid = np.zeros((slots, width), np.int64)  # [P, W] each row's position, bubbles (and free slots) at 0
         grid[:, :n] = np.where(valid, positions, 0)
         self._check_positions(grid)
-        slot, sequence = np.nonzero(valid)
-        candidates = np.asarray(heads.candidates, np.int64).reshape(len(heads.check), self.check_width)
+        written = np.full((slots, width), self.length, np.int64)  # [P, W]: bubbles write the scratch row T
+        written[:, :n] = np.where(valid, positions, self.length)
         entering_w = np.zeros(width, np.int64)
         entering_w[:n] = entering
-        (entering_t, starts, slot, sequence, written, final_rows, exit_rows, candidates_t) = self._ints(
-            entering_w, grid, slot, sequence, grid[slot, sequence], _on_grid(heads.final, n, width),
-            _on_grid(heads.exit + heads.check, n, width), candidates)
-        behind = self.hidden[:slots - 1, :width].reshape((slots - 1) * width, -1)  # slots 1..P-1 carry on [(P-1)W, H]
-        x = torch.cat((model.model.embed_tokens(entering_t), behind))  # [P*W, H]
-        past = int(grid.max())
+        candidates = np.asarray(heads.candidates, np.int64).reshape(len(heads.check), self.check_width)
+        *inputs, final_rows, exit_rows, candidates = self._ints(entering_w, grid, written, _on_grid(heads.final, n, width),
+                                                                 _on_grid(heads.exit + heads.check, n, width), candidates)
+        x, tap = self._run(("speed", width), self._speed_layers, inputs, int(grid.max()))
+        self.hidden[:, :width] = x.view(slots, width, -1)  # each slot's state, read by the next slot next step
+        final_logits = model.final_head(x[final_rows])  # [F, V]
+        exit_logits = model.exit_head(tap[exit_rows])  # [E + C, V]: drafts, then early-flush checks
+        finals, exits, width_k = len(heads.final), len(heads.exit), self.check_width
+        drafts = top_candidates(exit_logits[:exits], width_k)  # [E, K]
+        checks = best_candidate(exit_logits[exits:], candidates.view(-1, width_k))  # [C]
+        ids = torch.cat((final_logits.argmax(-1), drafts.reshape(-1), checks)).cpu().numpy()  # one copy back
+        exit_candidates = ids[finals:finals + exits * width_k].reshape(exits, width_k)
+        return SpeedStepResult(ids[:finals], final_logits.float().cpu().numpy() if want_logits else None,
+                               exit_candidates[:, 0], exit_candidates, ids[finals + exits * width_k:])
+
+    def _speed_layers(self, entering: torch.Tensor, starts: torch.Tensor, written: torch.Tensor,
+                      past: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The S stage layers over P*W rows (row s*W + b: slot s of sequence slot b; slot 0 enters ENTERING,
+        slots 1..P-1 carry on from self.hidden) at STARTS, attending to the first PAST positions; each
+        row's K/V land at WRITTEN. -> (hidden [P*W, H], exit tap [P*W, H]); self.hidden is left as it was
+        (the caller moves it on), so a CUDA graph's warm-up run may repeat it."""
+        cfg, model, slots = self.cfg, self.model, self.slots
+        width = entering.shape[0]
+        rows = torch.arange(slots * width, device=self.device)
+        behind = self.hidden[:slots - 1, :width].reshape((slots - 1) * width, -1)  # slots 1..P-1 [(P-1)W, H]
+        x = torch.cat((model.model.embed_tokens(entering), behind))  # [P*W, H]
         ctx = self._context(starts, 1, past)
-        tap = None
-        for j in range(stage):
+        tap = x
+        for j in range(self.stage_layers):
             key = self.key[j].view(slots * width, *self.key.shape[3:])  # [P*W, kvh, T+1, hd], a view
             value = self.value[j].view(slots * width, *self.value.shape[3:])
             x, k, v = layer_over_rows(model.model.blocks[cfg.layer_map[j]], x, ctx, key[:, :, :past], value[:, :, :past], cfg)
             x = loop_boundary(x, model.model.norm.weight, cfg, j)  # stage j of every slot: the same loop position
-            # valid rows only: pool[j][s, b, :, position] ([k, kvh, hd]) <- their new rows
-            rows = (slots, width, self.kv_heads, self.head_dim)
-            self.key[j][slot, sequence, :, written] = k[:, :, 0].reshape(rows)[slot, sequence]
-            self.value[j][slot, sequence, :, written] = v[:, :, 0].reshape(rows)[slot, sequence]
+            key[rows, :, written], value[rows, :, written] = k[:, :, 0], v[:, :, 0]  # [P*W, kvh, hd]
             if j + 1 == cfg.exit_layer:
                 tap = x
-        self.hidden[:, :width] = x.reshape(slots, width, -1)  # each slot's state, read by the next slot next step
-        final_logits = model.final_head(x[final_rows])  # [F, V]
-        exit_logits = model.exit_head(tap[exit_rows])  # [E + C, V]: drafts, then early-flush checks
-        drafts = top_candidates(exit_logits[:len(heads.exit)], self.check_width)  # [E, K]
-        checks = best_candidate(exit_logits[len(heads.exit):], candidates_t.view(-1, self.check_width))  # [C]
-        ids = torch.cat((final_logits.argmax(-1), drafts.reshape(-1), checks)).cpu().numpy()  # one copy back
-        finals, exits = len(heads.final), len(heads.exit)
-        exit_candidates = ids[finals:finals + exits * self.check_width].reshape(exits, self.check_width)
-        return SpeedStepResult(ids[:finals], final_logits.float().cpu().numpy() if want_logits else None,
-                               exit_candidates[:, 0], exit_candidates, ids[finals + exits * self.check_width:])
+        return x, tap
+
+    def _run(self, role: tuple, layers, inputs: list[torch.Tensor], past: int):
+        """LAYERS(*INPUTS, past): eagerly over the first PAST positions, or (cuda_graphs) the whole pool
+        through a CUDA graph captured once per ROLE and pool (every shape fixed, one launch a step)."""
+        if not self.cuda_graphs:
+            return layers(*inputs, self.length + 1 if self.full_past else past)
+        graph = self._graphs.get(role)
+        if graph is None:
+            if len(self._graphs) >= MAX_GRAPHS:
+                del self._graphs[next(iter(self._graphs))]
+            graph = self._graphs[role] = StepGraph(lambda *static: layers(*static, self.length + 1), inputs)
+        return graph(inputs)
+
+
+class StepGraph:
+    """One CUDA graph of a step's layers: inputs copied into its static tensors, one replay, outputs in
+    its static tensors (valid until the next replay of this graph)."""
+
+    def __init__(self, run, inputs: list[torch.Tensor]) -> None:
+        self.inputs = [tensor.clone() for tensor in inputs]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the capture: kernels picked, workspaces allocated
+            run(*self.inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.outputs = run(*self.inputs)
+
+    def __call__(self, inputs: list[torch.Tensor]):
+        for static, value in zip(self.inputs, inputs):
+            static.copy_(value)
+        self.graph.replay()
+        return self.outputs
 
 
 def _on_grid(rows: list[int], n: int, width: int) -> np.ndarray:

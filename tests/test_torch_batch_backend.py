@@ -2,7 +2,7 @@
 random models (several layer maps, P = 2, 3, 4, grouped-query and multi-query attention, a looped
 model with sandwich norms), its ids equal ONNX Runtime's batch backend (fused and standard graphs) and
 plain decoding with the PyTorch reference, for one and three sequences, greedy and seeded sampling,
-early flush on; its pool follows BatchBackend's sizing rules, bubbles never write, ties break as ONNX
+early flush on; its pool follows BatchBackend's sizing rules, bubbles write only the scratch row, ties break as ONNX
 Runtime's do, and a pool that cannot grow is OutOfMemory for that request alone."""
 
 from __future__ import annotations
@@ -129,9 +129,10 @@ def test_forced_mispredictions_with_staggered_arrivals_and_a_growing_pool(sampli
     assert backend.length <= CAPACITY
 
 
-def test_bubbles_never_write_the_pool():
-    """One speed step with bubbles at positions that hold K/V: the only pool entries that change are
-    the valid rows' own (stage layer, slot, sequence, position) rows."""
+@pytest.mark.parametrize("step", ["speed", "plain"])
+def test_bubbles_write_only_the_scratch_row(step):
+    """One step with bubbles at positions that hold K/V: the only pool entries that change are the valid
+    rows' own (stage layer, slot, sequence, position) rows and the scratch row T no row reads."""
     model = randomize(SharedLlama(random_config(blocks=2, layers=6, heads=4, kv_heads=2, hidden=64)), seed=2)
     backend = TorchBackend.from_model(model, 3, max_batch=2, capacity=32, min_length=32)
     backend.reserve(20, 2)
@@ -139,18 +140,35 @@ def test_bubbles_never_write_the_pool():
     backend.key.copy_(torch.randn(backend.key.shape, generator=gen))
     backend.value.copy_(torch.randn(backend.value.shape, generator=gen))
     key, value = backend.key.clone(), backend.value.clone()
-    positions = np.array([[9, 5], [8, 5], [7, 5]])  # [P, n]: sequence 1's bubbles sit on rows sequence 1 holds
-    valid = np.array([[True, False], [False, True], [True, False]])
-    heads = HeadRows(final=[4], exit=[0], check=[], candidates=[])  # rows s*n + b: slot 2 of sequence 0, its slot 0
-    result = backend.speed_step(np.array([7, 0]), positions, valid, heads, want_logits=True)
-    assert result.final_tokens.shape == (1,) and result.final_logits.shape == (1, model.cfg.vocab_size)
-    assert result.exit_candidates.shape == (1, backend.check_width) and result.check_tokens.shape == (0,)
-    changed = (backend.key != key).any(dim=(3, 5))  # [S, P, W, T+1]: any head or channel changed
-    expected = torch.zeros_like(changed)
-    for s, b in zip(*np.nonzero(valid)):
-        expected[:, s, b, positions[s, b]] = True
-    assert torch.equal(changed, expected)
-    assert torch.equal((backend.value != value).any(dim=(3, 5)), expected)
+    expected = torch.zeros(backend.key.shape[:3] + backend.key.shape[4:5], dtype=torch.bool)  # [S, P, W, T+1]
+    if step == "speed":
+        positions = np.array([[9, 5], [8, 5], [7, 5]])  # [P, n]: sequence 1's bubbles sit on rows sequence 1 holds
+        valid = np.array([[True, False], [False, True], [True, False]])
+        heads = HeadRows(final=[4], exit=[0], check=[], candidates=[])  # rows s*n + b: slot 2 of sequence 0, its slot 0
+        result = backend.speed_step(np.array([7, 0]), positions, valid, heads, want_logits=True)
+        assert result.final_tokens.shape == (1,) and result.final_logits.shape == (1, model.cfg.vocab_size)
+        assert result.exit_candidates.shape == (1, backend.check_width) and result.check_tokens.shape == (0,)
+        for s, b in zip(*np.nonzero(valid)):
+            expected[:, s, b, positions[s, b]] = True
+    else:
+        positions, valid = np.array([9, 5]), np.array([False, True])
+        tokens, logits = backend.plain_step(np.array([3, 4]), positions, valid, want_logits=False)
+        assert tokens.shape == (2,) and logits is None
+        expected[:, :, 1, 5] = True  # every logical layer (stage layer, slot) of sequence 1 at its position
+    bubbles = (key != backend.key).any(dim=(3, 5))
+    assert torch.equal(bubbles[..., :backend.length], expected[..., :backend.length])
+    assert torch.equal((value != backend.value).any(dim=(3, 5))[..., :backend.length], expected[..., :backend.length])
+
+
+def test_attention_over_the_whole_pool_decodes_the_same(case):
+    """full_past (what a captured CUDA graph runs: every step attends over all T+1 rows, masked) gives
+    the same ids as attending up to the newest position."""
+    name, model, _, _, backends = case
+    backend = TorchBackend.from_model(model, backends["torch"].slots, max_batch=3, capacity=CAPACITY)
+    backend.full_past = True
+    params = SAMPLING["seeded"]
+    sequences = _decode(backend, PROMPTS, NEW_TOKENS, params)
+    assert [s.out for s in sequences] == [reference_generate(model, p, n, params) for p, n in zip(PROMPTS, NEW_TOKENS)]
 
 
 def test_speed_step_heads_match_the_onnx_batch_step(case):
@@ -253,6 +271,8 @@ def test_bad_arguments_are_one_line_errors():
         assert "\n" not in str(error.value)
     with pytest.raises(SpeedcError, match="2 slots do not fit"):
         TorchBackend.from_model(model, 2)
+    with pytest.raises(SpeedcError, match="CUDA graphs need a CUDA device"):
+        TorchBackend.from_model(model, 3, cuda_graphs=True)
     if not torch.cuda.is_available():
         with pytest.raises(SpeedcError, match="CUDA is not available"):
             TorchBackend.from_model(model, 3, device="cuda")
