@@ -70,9 +70,12 @@ def best_candidate(logits: torch.Tensor, candidates: torch.Tensor) -> torch.Tens
     return candidates.gather(1, scores.argmax(1, keepdim=True))[:, 0]
 
 
+TORCH_OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)  # torch.OutOfMemoryError: 2.5+
+
+
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether an allocation error means the device (or host) memory is exhausted."""
-    if isinstance(error, (MemoryError, torch.OutOfMemoryError)):
+    if isinstance(error, (MemoryError, TORCH_OUT_OF_MEMORY)):
         return True
     text = str(error).lower()  # CPU: "DefaultCPUAllocator: can't allocate memory"; CUDA: "CUDA out of memory"
     return isinstance(error, RuntimeError) and ("out of memory" in text or "allocate memory" in text)

@@ -6,7 +6,9 @@ vs `autoregressive` benchmark on a memory-bound configuration, written to one JS
 
 Backends:
 - torch (PyTorch CUDA): TorchBackend over an in-memory model (no ONNX needed, so it runs where only
-  torch is installed), fp32 (default) or bf16 (--dtype bf16).
+  torch is installed), fp32 (default) or bf16 (--dtype bf16); on CUDA also torch+cuda-graphs, each
+  step's layers replayed from a captured CUDA graph (one launch a step instead of hundreds; a failed
+  capture is that row's error).
 - onnxruntime-cuda: reported as not available (the batch backend runs ONNX Runtime on the CPU only).
 - tensorrt: reported as not available (engine building is not part of this speedc build).
 
@@ -101,6 +103,19 @@ def check_backend(backend, reference_ids: list[list[int]] | None, prompts: list[
             "step_cost": round(measure_step_cost(backend, context), 3)}
 
 
+def _graphed_row(model, passes: int, device: str, reference_ids, prompts, new_tokens: int, repeats: int) -> dict:
+    """check_backend on TorchBackend with each step's layers replayed from a captured CUDA graph; a
+    capture or replay failure is the row's error (reported beside the eager row), not the check's end."""
+    from speedc.runtimes.torch_backend import TorchBackend
+
+    try:
+        backend = TorchBackend.from_model(model, passes, device=device, cuda_graphs=True)
+        return check_backend(backend, reference_ids, prompts, new_tokens, repeats)
+    except Exception as error:  # noqa: BLE001 -- torch raises many types from a failed capture
+        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        return {"lossless": False, "error": f"{type(error).__name__}: {message}"[:300]}
+
+
 def run_check(*, device: str, hidden: int, blocks: int, passes: int, residual_scale: float, new_tokens: int,
               repeats: int, dtype: str = "fp32", progress=print) -> dict:
     import torch
@@ -137,6 +152,9 @@ def run_check(*, device: str, hidden: int, blocks: int, passes: int, residual_sc
     report["backends"]["torch"] = check_backend(TorchBackend.from_model(model, passes, device=device), reference_ids,
                                                 prompts, new_tokens, repeats)
     if device.startswith("cuda"):
+        progress("torch backend with CUDA graphs: lossless + timing")
+        report["backends"]["torch+cuda-graphs"] = _graphed_row(model, passes, device, reference_ids, prompts,
+                                                               new_tokens, repeats)
         report["backends"]["onnxruntime-cuda"] = {"skipped": "the batch backend (runtimes/batch_backend.py) runs ONNX "
                                                              "Runtime on the CPU only in this version"}
         try:

@@ -64,6 +64,7 @@ def test_gpu_check_cuda(dtype):
     report = run_check(device="cuda", hidden=256, blocks=2, passes=4, residual_scale=0.1, new_tokens=16, repeats=1,
                        dtype=dtype, progress=lambda m: None)
     assert report["backends"]["torch"]["lossless"] is True
+    assert report["backends"]["torch+cuda-graphs"]["lossless"] is True, report["backends"]["torch+cuda-graphs"]
 
 
 def _has_ort_cuda() -> bool:
