@@ -10,11 +10,13 @@ from the artifact's weights or an in-memory model, on CPU or CUDA. Needs torch (
     speed_step(n)       P*W rows, row s*W + b: stage layer j reads pool[j] as one [P*W, kvh, T+1, hd] view
                         (the W - n free sequence slots run as bubbles: a contiguous view, never a copy)
 
-Only valid rows write K/V (index_put at their positions); bubbles compute and are dropped, so they never
-touch a row a valid one reads. Every past is cut to the largest position a valid row attends below,
-bubbles run at position 0. The pool and the carried hidden states stay on the device; one copy brings
-the step's ids in, one takes every head's ids back (logits too when sampling). Precision: the model's
-(a bf16 model keeps a bf16 pool and computes in bf16).
+Bubbles (empty pipeline slots, sequences not decoding, free sequence slots) run at position 0 and
+write their K/V into the scratch row T, which no row reads (every valid position is below T), so every
+write has a fixed shape. Eagerly, every past is cut to the largest position a row attends below; with
+cuda_graphs (CUDA), each step's layers replay a graph captured once per row count and pool, attending
+over all T+1 rows (masked: the same softmax). The pool and the carried hidden states stay on the device;
+one copy brings the step's ids in, one takes every head's ids back (logits too when sampling).
+Precision: the model's (a bf16 model keeps a bf16 pool and computes in bf16).
 
 Sizes (reserve, would_grow, free_pool) follow BatchBackend's rules: powers of two, at least min_length
 positions, at most `capacity`; a shrink waits SHRINK_AFTER_STEPS calls; a pool that cannot grow is a
@@ -236,8 +238,9 @@ class TorchBackend:
                                    past_mask=ctx.past_mask.to(self.dtype), chunk_mask=ctx.chunk_mask.to(self.dtype))
 
     def _check_positions(self, positions: np.ndarray) -> None:
-        """A row past the scratch row T would index outside the pool (a device assert on CUDA): refused."""
-        if positions.size and (positions.max() > self.length or positions.min() < 0):
+        """Rows that hold a token sit below the scratch row T (bubbles write there; past it a write would
+        index outside the pool, a device assert on CUDA): anything else is refused, not run."""
+        if positions.size and (positions.max() >= self.length or positions.min() < 0):
             raise GenerationError(f"internal: a row at position {int(positions.max())} in a pool of {self.length} positions")
 
     def _heads_out(self, logits: torch.Tensor, want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
@@ -281,7 +284,7 @@ class TorchBackend:
         -> (argmax next tokens [n], logits [n, V] or None). Invalid rows (bubbles) run at 0 and write the
         scratch row T."""
         at = np.where(valid, positions, 0).astype(np.int64)
-        self._check_positions(at)
+        self._check_positions(at[valid])
         inputs = self._ints(tokens, at, np.where(valid, at, self.length))
         x = self._run(("plain", len(tokens)), self._plain_layers, inputs, int(at.max(initial=0)))
         return self._heads_out(self.model.final_head(x), want_logits)  # [n, V]
@@ -314,7 +317,7 @@ class TorchBackend:
         n = positions.shape[1]
         grid = np.zeros((slots, width), np.int64)  # [P, W] each row's position, bubbles (and free slots) at 0
         grid[:, :n] = np.where(valid, positions, 0)
-        self._check_positions(grid)
+        self._check_positions(positions[valid])
         written = np.full((slots, width), self.length, np.int64)  # [P, W]: bubbles write the scratch row T
         written[:, :n] = np.where(valid, positions, self.length)
         entering_w = np.zeros(width, np.int64)

@@ -271,6 +271,9 @@ def test_bad_arguments_are_one_line_errors():
         assert "\n" not in str(error.value)
     with pytest.raises(SpeedcError, match="2 slots do not fit"):
         TorchBackend.from_model(model, 2)
+    backend = TorchBackend.from_model(model, 3, capacity=32)
+    with pytest.raises(GenerationError, match="a row at position 32 in a pool of 32"):  # T is the bubbles' scratch row
+        backend.plain_step(np.array([1]), np.array([backend.length]), np.array([True]), False)
     with pytest.raises(SpeedcError, match="CUDA graphs need a CUDA device"):
         TorchBackend.from_model(model, 3, cuda_graphs=True)
     if not torch.cuda.is_available():
