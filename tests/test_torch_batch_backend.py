@@ -66,9 +66,9 @@ def _request(prompt: list[int], new_tokens: int, params: SamplingParams) -> Requ
     return Request(list(prompt), new_tokens, TokenPicker(params), stop=lambda ids: None)
 
 
-def _decode(backend, prompts, new_tokens, params, *, speculate: bool = True, arrive_every: int = 0):
+def _decode(backend, prompts, new_tokens, params, *, speculate: bool = True, arrive_every: int = 0, watch=None):
     """Run PROMPTS through a BatchScheduler on BACKEND (speed steps, or plain ones), one submitted every
-    ARRIVE_EVERY steps (0: all at once); -> the finished sequences."""
+    ARRIVE_EVERY steps (0: all at once), WATCH(scheduler) after each step; -> the finished sequences."""
     scheduler = BatchScheduler(backend, policy=RowPolicy(row_budget=None if speculate else 0))
     pending = [_request(p, n, params) for p, n in zip(prompts, new_tokens)]
     sequences, step = [], 0
@@ -78,6 +78,8 @@ def _decode(backend, prompts, new_tokens, params, *, speculate: bool = True, arr
                 sequences.append(scheduler.submit(request, early_flush=True))
             pending = [] if arrive_every == 0 else pending[1:]
         scheduler.step()
+        if watch is not None:
+            watch(scheduler)
         step += 1
     assert all(s.stats.stop_reason == "max_new_tokens" for s in sequences)
     return sequences
@@ -96,7 +98,6 @@ def test_ids_equal_onnx_batch_backend_and_plain_decoding(case, sampling, count):
         assert [s.out for s in sequences] == expected, (name, label)
         if label == "torch":
             assert sum(s.stats.mispredicted for s in sequences) > 0
-            assert sum(s.stats.accepted + s.stats.mispredicted for s in sequences) > 0
             if backend.slots > 2:  # early-flush checks exist from P = 3 (slots 1..P-2)
                 assert sum(s.stats.early_flushes for s in sequences) > 0
     plain = _decode(backends["torch"], prompts, lengths, params, speculate=False)
@@ -116,17 +117,26 @@ def _perturbed_exit(model: SharedLlama, strength: float) -> SharedLlama:
 @pytest.mark.parametrize("sampling", list(SAMPLING))
 def test_forced_mispredictions_with_staggered_arrivals_and_a_growing_pool(sampling):
     """A perturbed exit head (P = 4, early flush on): sequences arrive two steps apart while others
-    decode, the pool grows under them (min_length 8) and shrinks after one call, finished ones leave
-    holes filled by moves; every sequence still equals plain decoding of it alone."""
+    decode, the pool grows under them (min_length 8: longer and wider) and shrinks after one call,
+    finished ones leave holes filled by moves; every sequence still equals plain decoding of it alone."""
     model = _perturbed_exit(randomize(SharedLlama(random_config(blocks=2, layers=8, heads=4, kv_heads=2, hidden=64)),
                                       seed=8), strength=3.0)
     params = SAMPLING[sampling]
-    prompts, lengths = PROMPTS + [[3, 3, 3]], [24, 6, 30, 9]
+    prompts, lengths = PROMPTS + [[3, 3, 3]], [6, 24, 30, 9]
     backend = TorchBackend.from_model(model, 4, max_batch=3, capacity=CAPACITY, min_length=8, shrink_after=1)
-    sequences = _decode(backend, prompts, lengths, params, arrive_every=2)
+    sizes, slots = [], {}
+
+    def watch(scheduler):
+        sizes.append((backend.length, backend.width))
+        for sequence in scheduler.occupied:
+            slots.setdefault(sequence.id, set()).add(sequence.slot)
+
+    sequences = _decode(backend, prompts, lengths, params, arrive_every=2, watch=watch)
     assert [s.out for s in sequences] == [reference_generate(model, p, n, params) for p, n in zip(prompts, lengths)]
     assert sum(s.stats.mispredicted for s in sequences) > 0 and sum(s.stats.early_flushes for s in sequences) > 0
-    assert backend.length <= CAPACITY
+    lengths_seen = [length for length, _ in sizes]
+    assert lengths_seen[0] < max(lengths_seen) and lengths_seen[-1] < max(lengths_seen)  # grew, then shrank
+    assert len({width for _, width in sizes}) > 1 and any(len(held) > 1 for held in slots.values())  # a move
 
 
 @pytest.mark.parametrize("step", ["speed", "plain"])
