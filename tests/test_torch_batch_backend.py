@@ -289,3 +289,14 @@ def test_bad_arguments_are_one_line_errors():
     if not torch.cuda.is_available():
         with pytest.raises(SpeedcError, match="CUDA is not available"):
             TorchBackend.from_model(model, 3, device="cuda")
+
+
+def test_one_slot_decodes_plainly():
+    """P = 1 (a plain engine): no speculation, every step a plain one; ids equal the reference's."""
+    model = randomize(SharedLlama(random_config(blocks=2, layers=6, heads=4, kv_heads=1)), seed=12)
+    backend = TorchBackend.from_model(model, 1, max_batch=3, capacity=CAPACITY)
+    assert not backend.speculative and backend.stage_layers == 6
+    params = SAMPLING["seeded"]
+    sequences = _decode(backend, PROMPTS, NEW_TOKENS, params)
+    assert [s.out for s in sequences] == [reference_generate(model, p, n, params) for p, n in zip(PROMPTS, NEW_TOKENS)]
+    assert all(s.stats.mode == "batch autoregressive" and s.stats.accepted == 0 for s in sequences)
