@@ -147,7 +147,7 @@ def run_check(*, device: str, hidden: int, blocks: int, passes: int, residual_sc
         model = model.to(torch.bfloat16)
     unique_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     report["model"] = {"hidden": hidden, "blocks": blocks, "passes": passes, "unique_weight_gb": round(unique_bytes / 1e9, 3),
-                       "residual_scale": residual_scale, "weights": "random (see module doc)"}
+                       "weight_dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "residual_scale": residual_scale, "weights": "random (see module doc)"}
     progress(f"torch backend: {unique_bytes / 1e9:.2f} GB unique {dtype} weights; lossless + timing")
     report["backends"]["torch"] = check_backend(TorchBackend.from_model(model, passes, device=device), reference_ids,
                                                 prompts, new_tokens, repeats)

@@ -35,7 +35,7 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert torch_row["compared_with"] == "autoregressive and the PyTorch reference"  # speed == plain == reference
     assert 0 < torch_row["acceptance"] <= 1 and torch_row["step_cost"] > 0
     assert set(torch_row["ms_per_token_p50"]) == {"speed", "autoregressive"}
-    assert report["model"]["blocks"] == 2 and report["device"] == "cpu" and report["dtype"] == "fp32"
+    assert report["model"]["blocks"] == 2 and report["device"] == "cpu" and report["model"]["weight_dtype"] == "float32"
 
 
 def test_gpu_check_bf16_compares_speed_with_plain_decoding():
@@ -46,7 +46,7 @@ def test_gpu_check_bf16_compares_speed_with_plain_decoding():
                        dtype="bf16", progress=lambda m: None)
     torch_row = report["backends"]["torch"]
     assert torch_row["lossless"] is True and torch_row["identical_prompts"] == 4
-    assert torch_row["compared_with"] == "autoregressive" and report["dtype"] == "bf16"
+    assert torch_row["compared_with"] == "autoregressive" and report["model"]["weight_dtype"] == "bfloat16"
 
 
 def test_from_model_needs_stages_with_one_block_sequence():
