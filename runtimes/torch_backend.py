@@ -91,35 +91,40 @@ class TorchBackend:
 
     def __init__(self, directory: Path, manifest: Manifest, max_batch: int = 1, capacity: int | None = None,
                  device: str = "cpu", threads: int | None = None, min_length: int = MIN_POOL_POSITIONS,
-                 shrink_after: int = SHRINK_AFTER_STEPS, cuda_graphs: bool = False) -> None:
+                 shrink_after: int = SHRINK_AFTER_STEPS, cuda_graphs: bool = False, exact: bool = False) -> None:
         """CAPACITY: positions each of MAX_BATCH sequence slots may hold (None: the model's context).
-        CUDA_GRAPHS (device cuda): each step's layers replay a captured CUDA graph (see _run)."""
+        CUDA_GRAPHS (device cuda): each step's layers replay a captured CUDA graph (see _run).
+        EXACT: batch-invariant decoding, SPEED's logits bitwise plain decoding's (see plain_step)."""
         if is_quantized(manifest):
             raise SpeedcError(f"{directory}: the PyTorch backend runs float artifacts; this one stores {manifest.dtype} "
                               "weights for ONNX Runtime's MatMulNBits: use --backend onnx, or build with --weights fp32/fp16/bf16")
         self._setup(load_model_from_artifact(directory, manifest), manifest.slots, max_batch, capacity, device, threads,
-                    min_length, shrink_after, cuda_graphs)
+                    min_length=min_length, shrink_after=shrink_after, cuda_graphs=cuda_graphs, exact=exact)
 
     @classmethod
     def from_model(cls, model: SharedLlama, slots: int, max_batch: int = 1, capacity: int | None = None,
                    device: str = "cpu", threads: int | None = None, min_length: int = MIN_POOL_POSITIONS,
-                   shrink_after: int = SHRINK_AFTER_STEPS, cuda_graphs: bool = False) -> "TorchBackend":
+                   shrink_after: int = SHRINK_AFTER_STEPS, cuda_graphs: bool = False,
+                   exact: bool = False) -> "TorchBackend":
         """A backend over an in-memory model (no artifact): what the GPU check uses where only torch is
         installed. SLOTS must be a valid pipeline depth for the layer map (valid_slot_counts)."""
         if slots not in valid_slot_counts(model.cfg.layer_map, model.cfg.exit_layer):
             raise SpeedcError(f"{slots} slots do not fit the layer map {model.cfg.layer_map} (exit after {model.cfg.exit_layer})")
         backend = cls.__new__(cls)
-        backend._setup(model, slots, max_batch, capacity, device, threads, min_length, shrink_after, cuda_graphs)
+        backend._setup(model, slots, max_batch, capacity, device, threads, min_length=min_length, shrink_after=shrink_after,
+                       cuda_graphs=cuda_graphs, exact=exact)
         return backend
 
     def _setup(self, model: SharedLlama, slots: int, max_batch: int, capacity: int | None, device: str,
-               threads: int | None, min_length: int, shrink_after: int, cuda_graphs: bool) -> None:
+               threads: int | None, *, min_length: int, shrink_after: int, cuda_graphs: bool, exact: bool) -> None:
         cfg = model.cfg
         self.device = _device(device)
         if cuda_graphs and self.device.type != "cuda":
             raise SpeedcError(f"CUDA graphs need a CUDA device, not {device!r}")
-        self.cuda_graphs = bool(cuda_graphs)
-        self.full_past = self.cuda_graphs  # attend over the whole pool (fixed shapes), not up to the newest position
+        self.cuda_graphs, self.exact = bool(cuda_graphs), bool(exact)
+        # attend over the whole pool (fixed shapes; every row's softmax and products the same length), not
+        # up to the newest position
+        self.full_past = self.cuda_graphs or self.exact
         self._graphs: dict[tuple, StepGraph] = {}  # (role, rows) -> its captured graph over the current pool
         if threads:
             torch.set_num_threads(resolve_threads(threads))
@@ -282,12 +287,48 @@ class TorchBackend:
                    want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
         """Plain decoding of sequences 0..n-1 at once: row b's token at positions[b] through all N layers.
         -> (argmax next tokens [n], logits [n, V] or None). Invalid rows (bubbles) run at 0 and write the
-        scratch row T."""
+        scratch row T.
+
+        EXACT: the token runs through the speed step's layers instead, P passes of P*W rows (pass s: it is
+        the one token in slot s; the same weight reads as N layers of n rows, P times the rows), so each of
+        its products has the shape SPEED's has for it: torch's CPU and GPU kernels pick different ones for
+        1 and P rows (measured: a 1-row and a 4-row F.linear differ in the last bits on this CPU), and this
+        keeps SPEED's logits bitwise plain decoding's, as ONNX Runtime's CPU kernels do without it."""
         at = np.where(valid, positions, 0).astype(np.int64)
         self._check_positions(at[valid])
+        if self.exact:
+            return self._plain_as_speed_passes(tokens, at, valid, want_logits)
         inputs = self._ints(tokens, at, np.where(valid, at, self.length))
         x = self._run(("plain", len(tokens)), self._plain_layers, inputs, int(at.max(initial=0)))
         return self._heads_out(self.model.final_head(x), want_logits)  # [n, V]
+
+    def _plain_as_speed_passes(self, tokens: np.ndarray, at: np.ndarray, valid: np.ndarray,
+                               want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """plain_step (EXACT): pass s runs the tokens in slot s of _speed_layers, every other row a bubble;
+        slot s+1 of the next pass reads what slot s wrote to self.hidden. Leaves self.hidden as SPEED
+        would find it after a flush: nothing it reads (a plain step follows a flush of every pipeline)."""
+        slots, width, n = self.slots, self.width, len(tokens)
+        entering = np.zeros(width, np.int64)
+        entering[:n] = tokens
+        x = None
+        for slot in range(slots):
+            grid = np.zeros((slots, width), np.int64)  # [P, W]: the tokens in slot SLOT, bubbles at 0
+            grid[slot, :n] = at
+            written = np.full((slots, width), self.length, np.int64)  # bubbles write the scratch row T
+            written[slot, :n] = np.where(valid, at, self.length)
+            x, _ = self._run(("speed", width), self._speed_layers, self._ints(entering, grid, written), int(at.max(initial=0)))
+            self.hidden[:, :width] = x.view(slots, width, -1)
+        last = torch.arange(n, device=self.device) + (slots - 1) * width  # the last slot's rows
+        return self._heads_out(self._final_head_rows(x, last), want_logits)  # [n, V]
+
+    def _final_head_rows(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The final head of ROWS of x ([P*W, H], a speed pass's) -> [len(rows), V]; EXACT: computed over
+        all W rows of the last slot (where every final row is), then picked: the head's product has one
+        shape at every step, however many sequences have a token leaving."""
+        if not self.exact:
+            return self.model.final_head(x[rows])
+        first = (self.slots - 1) * self.width
+        return self.model.final_head(x[first:])[rows - first]  # [W, V] -> [F, V]
 
     def _plain_layers(self, tokens: torch.Tensor, starts: torch.Tensor, written: torch.Tensor, past: int) -> torch.Tensor:
         """The N layers over n rows of one token (row b: sequence slot b) at STARTS, attending to the first
@@ -318,6 +359,8 @@ class TorchBackend:
         grid = np.zeros((slots, width), np.int64)  # [P, W] each row's position, bubbles (and free slots) at 0
         grid[:, :n] = np.where(valid, positions, 0)
         self._check_positions(positions[valid])
+        if self.exact and min(heads.final, default=slots * n) < (slots - 1) * n:
+            raise GenerationError("internal: an exact speed step's final rows are the last slot's")
         written = np.full((slots, width), self.length, np.int64)  # [P, W]: bubbles write the scratch row T
         written[:, :n] = np.where(valid, positions, self.length)
         entering_w = np.zeros(width, np.int64)
@@ -327,7 +370,7 @@ class TorchBackend:
                                                                  _on_grid(heads.exit + heads.check, n, width), candidates)
         x, tap = self._run(("speed", width), self._speed_layers, inputs, int(grid.max()))
         self.hidden[:, :width] = x.view(slots, width, -1)  # each slot's state, read by the next slot next step
-        final_logits = model.final_head(x[final_rows])  # [F, V]
+        final_logits = self._final_head_rows(x, final_rows)  # [F, V]
         exit_logits = model.exit_head(tap[exit_rows])  # [E + C, V]: drafts, then early-flush checks
         finals, exits, width_k = len(heads.final), len(heads.exit), self.check_width
         drafts = top_candidates(exit_logits[:exits], width_k)  # [E, K]

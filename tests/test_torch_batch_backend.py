@@ -300,3 +300,24 @@ def test_one_slot_decodes_plainly():
     sequences = _decode(backend, PROMPTS, NEW_TOKENS, params)
     assert [s.out for s in sequences] == [reference_generate(model, p, n, params) for p, n in zip(PROMPTS, NEW_TOKENS)]
     assert all(s.stats.mode == "batch autoregressive" and s.stats.accepted == 0 for s in sequences)
+
+
+@pytest.mark.parametrize("slots, shape", [(3, dict(blocks=2, layers=6, heads=4, kv_heads=2, hidden=64)),
+                                          (4, dict(blocks=2, layers=8, heads=4, kv_heads=1, tie=False))])
+def test_exact_speed_logits_are_bitwise_plain_logits(slots, shape, sampled_logits):
+    """exact=True: every logits row SPEED samples from is bitwise plain decoding's row for that position
+    (torch's 1-row and P-row products differ in the last bits otherwise), one sequence; three sequences
+    at once give the reference's ids in both modes."""
+    seen, decoding_as = sampled_logits
+    model = randomize(SharedLlama(random_config(**shape)), seed=21)
+    backend = TorchBackend.from_model(model, slots, max_batch=3, capacity=CAPACITY, exact=True)
+    params = SAMPLING["seeded"]
+    for mode, speculate in (("speed", True), ("plain", False)):
+        decoding_as(mode)
+        _decode(backend, PROMPTS[:1], [40], params, speculate=speculate)
+    assert seen["speed"].keys() == seen["plain"].keys() and len(seen["speed"]) == 40
+    for position, row in seen["speed"].items():
+        assert np.array_equal(row, seen["plain"][position]), position
+    expected = [reference_generate(model, p, n, params) for p, n in zip(PROMPTS, NEW_TOKENS)]
+    for speculate in (True, False):
+        assert [s.out for s in _decode(backend, PROMPTS, NEW_TOKENS, params, speculate=speculate)] == expected
