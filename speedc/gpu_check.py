@@ -6,9 +6,10 @@ vs `autoregressive` benchmark on a memory-bound configuration, written to one JS
 
 Backends:
 - torch (PyTorch CUDA): TorchBackend over an in-memory model (no ONNX needed, so it runs where only
-  torch is installed), fp32 (default) or bf16 (--dtype bf16); on CUDA also torch+cuda-graphs, each
-  step's layers replayed from a captured CUDA graph (one launch a step instead of hundreds; a failed
-  capture is that row's error).
+  torch is installed), fp32 (default) or bf16 (--dtype bf16); --exact for batch-invariant decoding (a
+  1-row and a P-row product may round differently; see TorchBackend.plain_step). On CUDA also
+  torch+cuda-graphs: each step's layers replayed from a captured CUDA graph (one launch a step instead
+  of hundreds; a failed capture is that row's error).
 - onnxruntime-cuda: reported as not available (the batch backend runs ONNX Runtime on the CPU only).
 - tensorrt: reported as not available (engine building is not part of this speedc build).
 
@@ -103,13 +104,14 @@ def check_backend(backend, reference_ids: list[list[int]] | None, prompts: list[
             "step_cost": round(measure_step_cost(backend, context), 3)}
 
 
-def _graphed_row(model, passes: int, device: str, reference_ids, prompts, new_tokens: int, repeats: int) -> dict:
+def _graphed_row(model, passes: int, device: str, exact: bool, reference_ids, prompts, new_tokens: int,
+                 repeats: int) -> dict:
     """check_backend on TorchBackend with each step's layers replayed from a captured CUDA graph; a
     capture or replay failure is the row's error (reported beside the eager row), not the check's end."""
     from speedc.runtimes.torch_backend import TorchBackend
 
     try:
-        backend = TorchBackend.from_model(model, passes, device=device, cuda_graphs=True)
+        backend = TorchBackend.from_model(model, passes, device=device, cuda_graphs=True, exact=exact)
         return check_backend(backend, reference_ids, prompts, new_tokens, repeats)
     except Exception as error:  # noqa: BLE001 -- torch raises many types from a failed capture
         message = str(error).strip().splitlines()[0] if str(error).strip() else ""
@@ -117,7 +119,7 @@ def _graphed_row(model, passes: int, device: str, reference_ids, prompts, new_to
 
 
 def run_check(*, device: str, hidden: int, blocks: int, passes: int, residual_scale: float, new_tokens: int,
-              repeats: int, dtype: str = "fp32", progress=print) -> dict:
+              repeats: int, dtype: str = "fp32", exact: bool = False, progress=print) -> dict:
     import torch
 
     from speedc.bench.synthetic import random_model
@@ -127,7 +129,7 @@ def run_check(*, device: str, hidden: int, blocks: int, passes: int, residual_sc
     if dtype not in DTYPES:
         raise SystemExit(f"gpu_check: --dtype {dtype!r}: choose from {', '.join(DTYPES)}")
     started = time.perf_counter()
-    report: dict = {"device": device, "torch": torch.__version__, "dtype": dtype, "backends": {}}
+    report: dict = {"device": device, "torch": torch.__version__, "dtype": dtype, "exact": exact, "backends": {}}
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise SystemExit("gpu_check: torch sees no CUDA device")
@@ -149,11 +151,11 @@ def run_check(*, device: str, hidden: int, blocks: int, passes: int, residual_sc
     report["model"] = {"hidden": hidden, "blocks": blocks, "passes": passes, "unique_weight_gb": round(unique_bytes / 1e9, 3),
                        "weight_dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "residual_scale": residual_scale, "weights": "random (see module doc)"}
     progress(f"torch backend: {unique_bytes / 1e9:.2f} GB unique {dtype} weights; lossless + timing")
-    report["backends"]["torch"] = check_backend(TorchBackend.from_model(model, passes, device=device), reference_ids,
-                                                prompts, new_tokens, repeats)
+    report["backends"]["torch"] = check_backend(TorchBackend.from_model(model, passes, device=device, exact=exact),
+                                                reference_ids, prompts, new_tokens, repeats)
     if device.startswith("cuda"):
         progress("torch backend with CUDA graphs: lossless + timing")
-        report["backends"]["torch+cuda-graphs"] = _graphed_row(model, passes, device, reference_ids, prompts,
+        report["backends"]["torch+cuda-graphs"] = _graphed_row(model, passes, device, exact, reference_ids, prompts,
                                                                new_tokens, repeats)
         report["backends"]["onnxruntime-cuda"] = {"skipped": "the batch backend (runtimes/batch_backend.py) runs ONNX "
                                                              "Runtime on the CPU only in this version"}
@@ -177,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dtype", choices=DTYPES, default="fp32", help="weights, cache and products (bf16: no reference)")
+    parser.add_argument("--exact", action="store_true",
+                        help="batch-invariant decoding: SPEED's logits bitwise plain decoding's (plain steps run P-row products)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"))
     args = parser.parse_args(argv)
@@ -186,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     report = run_check(device=args.device, hidden=args.hidden, blocks=args.blocks, passes=args.passes,
                        residual_scale=args.residual_scale, new_tokens=args.new_tokens, repeats=args.repeats,
-                       dtype=args.dtype, progress=lambda m: print(f"gpu_check: {m}", file=sys.stderr, flush=True))
+                       dtype=args.dtype, exact=args.exact, progress=lambda m: print(f"gpu_check: {m}", file=sys.stderr, flush=True))
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
     return 0 if all(b.get("lossless", True) for b in report["backends"].values()) else 1

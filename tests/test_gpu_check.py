@@ -38,12 +38,15 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert report["model"]["blocks"] == 2 and report["device"] == "cpu" and report["model"]["weight_dtype"] == "float32"
 
 
-def test_gpu_check_bf16_compares_speed_with_plain_decoding():
-    """bf16 weights, cache and products (no fp32 reference then): SPEED ids == plain ids on every prompt."""
+@pytest.mark.parametrize("exact", [False, True])
+def test_gpu_check_bf16_compares_speed_with_plain_decoding(exact):
+    """bf16 weights, cache and products (no fp32 reference then), batch-invariant or not: SPEED ids ==
+    plain ids on every prompt."""
     from speedc.gpu_check import run_check
 
     report = run_check(device="cpu", hidden=64, blocks=2, passes=2, residual_scale=0.1, new_tokens=10, repeats=1,
-                       dtype="bf16", progress=lambda m: None)
+                       dtype="bf16", exact=exact, progress=lambda m: None)
+    assert report["exact"] is exact
     torch_row = report["backends"]["torch"]
     assert torch_row["lossless"] is True and torch_row["identical_prompts"] == 4
     assert torch_row["compared_with"] == "autoregressive" and report["model"]["weight_dtype"] == "bfloat16"
@@ -57,12 +60,12 @@ def test_from_model_needs_stages_with_one_block_sequence():
 
 
 @pytest.mark.skipif(not CUDA, reason="no CUDA device: the PyTorch CUDA path runs in scripts/gpu_check.sh on a GPU")
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_gpu_check_cuda(dtype):
+@pytest.mark.parametrize("dtype, exact", [("fp32", False), ("bf16", True)])
+def test_gpu_check_cuda(dtype, exact):
     from speedc.gpu_check import run_check
 
     report = run_check(device="cuda", hidden=256, blocks=2, passes=4, residual_scale=0.1, new_tokens=16, repeats=1,
-                       dtype=dtype, progress=lambda m: None)
+                       dtype=dtype, exact=exact, progress=lambda m: None)
     assert report["backends"]["torch"]["lossless"] is True
     assert report["backends"]["torch+cuda-graphs"]["lossless"] is True, report["backends"]["torch+cuda-graphs"]
 
