@@ -255,7 +255,8 @@ class TorchBackend:
 
     # ---- the three runs --------------------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, first: int, chunks: list[list[int]], start: int, want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    def prefill(self, first: int, chunks: list[list[int]], start: int,
+                want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
         """Prompt chunks through all N layers: chunk i belongs to sequence slot first + i and starts at
         position START; several run as one [B, L] batch, right padded to the longest.
         -> (argmax next tokens [B], logits [B, V] or None) after each chunk's last token."""
@@ -316,7 +317,8 @@ class TorchBackend:
             grid[slot, :n] = at
             written = np.full((slots, width), self.length, np.int64)  # bubbles write the scratch row T
             written[slot, :n] = np.where(valid, at, self.length)
-            x, _ = self._run(("speed", width), self._speed_layers, self._ints(entering, grid, written), int(at.max(initial=0)))
+            inputs = self._ints(entering, grid, written)
+            x, _ = self._run(("speed", width), self._speed_layers, inputs, int(at.max(initial=0)))
             self.hidden[:, :width] = x.view(slots, width, -1)
         last = torch.arange(n, device=self.device) + (slots - 1) * width  # the last slot's rows
         return self._heads_out(self._final_head_rows(x, last), want_logits)  # [n, V]

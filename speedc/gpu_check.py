@@ -149,7 +149,8 @@ def run_check(*, device: str, hidden: int, blocks: int, passes: int, residual_sc
         model = model.to(torch.bfloat16)
     unique_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     report["model"] = {"hidden": hidden, "blocks": blocks, "passes": passes, "unique_weight_gb": round(unique_bytes / 1e9, 3),
-                       "weight_dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "residual_scale": residual_scale, "weights": "random (see module doc)"}
+                       "weight_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+                       "residual_scale": residual_scale, "weights": "random (see module doc)"}
     progress(f"torch backend: {unique_bytes / 1e9:.2f} GB unique {dtype} weights; lossless + timing")
     report["backends"]["torch"] = check_backend(TorchBackend.from_model(model, passes, device=device, exact=exact),
                                                 reference_ids, prompts, new_tokens, repeats)
@@ -190,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     report = run_check(device=args.device, hidden=args.hidden, blocks=args.blocks, passes=args.passes,
                        residual_scale=args.residual_scale, new_tokens=args.new_tokens, repeats=args.repeats,
-                       dtype=args.dtype, exact=args.exact, progress=lambda m: print(f"gpu_check: {m}", file=sys.stderr, flush=True))
+                       dtype=args.dtype, exact=args.exact,
+                       progress=lambda m: print(f"gpu_check: {m}", file=sys.stderr, flush=True))
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
     return 0 if all(b.get("lossless", True) for b in report["backends"].values()) else 1
