@@ -1,10 +1,26 @@
-"""PyTorch backend: the same schedule as the compiled step graph, run from the artifact's weights.
+"""PyTorch backend for the continuous-batching scheduler (runtimes/batch.py): the same contract as
+runtimes/batch_backend.py BatchBackend (a KV-cache pool of sequence slots; prefill, plain_step,
+speed_step), computed with the model code itself (models/row_layer.py, the heads of models/llama.py)
+from the artifact's weights or an in-memory model, on CPU or CUDA. Needs torch (the compiler extra).
 
-    step:  [embed(token); hidden_in] -> [P,H] (token rows) -> stage layers 0..S-1 (each block's weights applied
-           once to all P rows) -> exit head (all rows), final head (row P-1), new K/V rows
+    pool K, V [S, P, W, kvh, T+1, hd]  (stage layer j, pipeline slot s, sequence slot b, ...)
 
-It runs on CPU or CUDA (`device="cuda"`); the cache and hidden states stay on the device and only
-token ids (and logits when sampling) cross to the host. Needs torch and the compiler extra.
+    prefill(b, chunks)  B chunks at START: logical layer l = s*S + j reads pool[j, s, b:b+B, :, :START]
+    plain_step(n)       n rows, one token per sequence: logical layer l reads pool[j, s, :n]
+    speed_step(n)       P*W rows, row s*W + b: stage layer j reads pool[j] as one [P*W, kvh, T+1, hd] view
+                        (the W - n free sequence slots run as bubbles: a contiguous view, never a copy)
+
+Bubbles (empty pipeline slots, sequences not decoding, free sequence slots) run at position 0 and
+write their K/V into the scratch row T, which no row reads (every valid position is below T), so every
+write has a fixed shape. Eagerly, every past is cut to the largest position a row attends below; with
+cuda_graphs (CUDA), each step's layers replay a graph captured once per row count and pool, attending
+over all T+1 rows (masked: the same softmax). The pool and the carried hidden states stay on the device;
+one copy brings the step's ids in, one takes every head's ids back (logits too when sampling).
+Precision: the model's (a bf16 model keeps a bf16 pool and computes in bf16).
+
+Sizes (reserve, would_grow, free_pool) follow BatchBackend's rules: powers of two, at least min_length
+positions, at most `capacity`; a shrink waits SHRINK_AFTER_STEPS calls; a pool that cannot grow is a
+one-line OutOfMemory with the old pool intact.
 """
 
 from __future__ import annotations
@@ -15,14 +31,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from speedc import contract
 from speedc.artifact import (CONFIG, Manifest, checkpoint_tensor_names, dequantized_weights, exit_norm_kind, is_quantized,
                              read_weight)
-from speedc.errors import SpeedcError
+from speedc.errors import GenerationError, OutOfMemory, SpeedcError
 from speedc.models.config import ModelConfig
 from speedc.models.layer_map import valid_slot_counts
 from speedc.models.llama import SharedLlama
-from speedc.models.row_layer import layer_over_rows, loop_boundary, rotary_inv_freq, row_context
-from speedc.runtimes.backend import StepResult, cache_slab
+from speedc.models.row_layer import RowContext, layer_over_rows, loop_boundary, rotary_inv_freq, row_context
+from speedc.models.sampling import is_integer
+from speedc.runtimes.backend import cache_slab, resolve_threads
+from speedc.runtimes.batch_backend import (MIN_POOL_POSITIONS, SHRINK_AFTER_STEPS, HeadRows, SpeedStepResult,
+                                           _power_of_two_size)
 
 
 def load_model_from_artifact(directory: Path, manifest: Manifest) -> SharedLlama:
@@ -30,7 +50,6 @@ def load_model_from_artifact(directory: Path, manifest: Manifest) -> SharedLlama
     from speedc.models.checkpoint import model_from_state  # imports safetensors: not needed by from_model
 
     base = ModelConfig.load(directory / CONFIG)
-    index = manifest.weights["index"]
     # The artifact's layer map is the one the share pass derived from the weights.
     cfg = dataclasses.replace(base, layer_map=list(manifest.layer_map), exit_layer=manifest.exit_layer,
                               exit_norm=exit_norm_kind(manifest))
@@ -41,87 +60,400 @@ def load_model_from_artifact(directory: Path, manifest: Manifest) -> SharedLlama
     return model_from_state(cfg, tensors)
 
 
+def top_candidates(logits: torch.Tensor, count: int) -> torch.Tensor:
+    """logits [E, V] -> the COUNT best ids of each row [E, K], ties to the lower id (as ONNX Runtime's
+    TopK and every argmax here): a stable descending sort, where torch.topk's order of ties is unspecified."""
+    return torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :count]
+
+
+def best_candidate(logits: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """logits [C, V], candidates [C, K] -> each row's highest-scoring candidate [C] (ties: the first listed)."""
+    scores = logits.gather(1, candidates)  # [C, K]
+    return candidates.gather(1, scores.argmax(1, keepdim=True))[:, 0]
+
+
+TORCH_OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)  # torch.OutOfMemoryError: 2.5+
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether an allocation error means the device (or host) memory is exhausted."""
+    if isinstance(error, (MemoryError, TORCH_OUT_OF_MEMORY)):
+        return True
+    text = str(error).lower()  # CPU: "DefaultCPUAllocator: can't allocate memory"; CUDA: "CUDA out of memory"
+    return isinstance(error, RuntimeError) and ("out of memory" in text or "allocate memory" in text)
+
+
+MAX_GRAPHS = 64  # captured step graphs kept (one sequence: a speed and a plain one per pool)
+
+
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, directory: Path, manifest: Manifest, device: str = "cpu", threads: int | None = None) -> None:
+    def __init__(self, directory: Path, manifest: Manifest, max_batch: int = 1, capacity: int | None = None,
+                 device: str = "cpu", threads: int | None = None, min_length: int = MIN_POOL_POSITIONS,
+                 shrink_after: int = SHRINK_AFTER_STEPS, cuda_graphs: bool = False, exact: bool = False) -> None:
+        """CAPACITY: positions each of MAX_BATCH sequence slots may hold (None: the model's context).
+        CUDA_GRAPHS (device cuda): each step's layers replay a captured CUDA graph (see _run).
+        EXACT: batch-invariant decoding, SPEED's logits bitwise plain decoding's (see plain_step)."""
         if is_quantized(manifest):
             raise SpeedcError(f"{directory}: the PyTorch backend runs float artifacts; this one stores {manifest.dtype} "
                               "weights for ONNX Runtime's MatMulNBits: use --backend onnx, or build with --weights fp32/fp16/bf16")
-        self._setup(load_model_from_artifact(directory, manifest), manifest.slots, device, threads)
+        self._setup(load_model_from_artifact(directory, manifest), manifest.slots, max_batch, capacity, device, threads,
+                    min_length=min_length, shrink_after=shrink_after, cuda_graphs=cuda_graphs, exact=exact)
 
     @classmethod
-    def from_model(cls, model: SharedLlama, slots: int, device: str = "cpu", threads: int | None = None) -> "TorchBackend":
+    def from_model(cls, model: SharedLlama, slots: int, max_batch: int = 1, capacity: int | None = None,
+                   device: str = "cpu", threads: int | None = None, min_length: int = MIN_POOL_POSITIONS,
+                   shrink_after: int = SHRINK_AFTER_STEPS, cuda_graphs: bool = False,
+                   exact: bool = False) -> "TorchBackend":
         """A backend over an in-memory model (no artifact): what the GPU check uses where only torch is
         installed. SLOTS must be a valid pipeline depth for the layer map (valid_slot_counts)."""
         if slots not in valid_slot_counts(model.cfg.layer_map, model.cfg.exit_layer):
             raise SpeedcError(f"{slots} slots do not fit the layer map {model.cfg.layer_map} (exit after {model.cfg.exit_layer})")
         backend = cls.__new__(cls)
-        backend._setup(model, slots, device, threads)
+        backend._setup(model, slots, max_batch, capacity, device, threads, min_length=min_length, shrink_after=shrink_after,
+                       cuda_graphs=cuda_graphs, exact=exact)
         return backend
 
-    def _setup(self, model: SharedLlama, slots: int, device: str, threads: int | None) -> None:
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise SpeedcError(f"device {device!r}: CUDA is not available to torch on this machine")
+    def _setup(self, model: SharedLlama, slots: int, max_batch: int, capacity: int | None, device: str,
+               threads: int | None, *, min_length: int, shrink_after: int, cuda_graphs: bool, exact: bool) -> None:
+        cfg = model.cfg
+        self.device = _device(device)
+        if cuda_graphs and self.device.type != "cuda":
+            raise SpeedcError(f"CUDA graphs need a CUDA device, not {device!r}")
+        self.cuda_graphs, self.exact = bool(cuda_graphs), bool(exact)
+        # attend over the whole pool (fixed shapes; every row's softmax and products the same length), not
+        # up to the newest position
+        self.full_past = self.cuda_graphs or self.exact
+        self._graphs: dict[tuple, StepGraph] = {}  # (role, rows) -> its captured graph over the current pool
         if threads:
-            torch.set_num_threads(threads)
-        self.device = torch.device(device)
+            torch.set_num_threads(resolve_threads(threads))
+        if not is_integer(max_batch) or max_batch < 1:
+            raise GenerationError(f"max batch must be an integer of at least 1, not {max_batch!r:.20}")
+        context = cfg.max_position_embeddings
+        capacity = context if capacity is None else capacity
+        if not is_integer(capacity) or not 2 <= capacity <= context:
+            raise GenerationError(f"a KV-cache slot of {capacity!r:.20} positions: it must be 2..{context} (the context)")
         self.model = model.to(self.device).eval()
-        self.cfg = cfg = self.model.cfg
-        self.slots, self.stage_layers = slots, cfg.num_hidden_layers // slots
-        self.vocab_size, self.max_context = cfg.vocab_size, cfg.max_position_embeddings
-        self.key = self.value = None
-        self.inv_freq = rotary_inv_freq(cfg, self.device)
+        self.cfg = cfg
+        self.dtype = next(self.model.parameters()).dtype  # the pool and every product in the weights' precision
+        self.slots, self.stage_layers, self.num_layers = slots, cfg.num_hidden_layers // slots, cfg.num_hidden_layers
+        self.vocab_size, self.max_context = cfg.vocab_size, context
+        self.kv_heads, self.head_dim, self.hidden_size = cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+        self.check_width = contract.candidate_count(self.vocab_size)  # K of an early-flush check's candidates
         self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
-        self.hidden_in = torch.zeros(max(self.slots - 1, 0), cfg.hidden_size, device=self.device)  # token rows [P-1, H]
+        self.inv_freq = rotary_inv_freq(cfg, self.device)
+        self.max_batch, self.capacity = max_batch, capacity
+        self.hidden = torch.zeros(slots, max_batch, cfg.hidden_size, dtype=self.dtype, device=self.device)  # [P, B, H]
+        self.min_length, self.shrink_after = min_length, shrink_after
+        self._shrink_pending = 0  # reserve calls in a row that asked for a smaller pool
+        self.length = 0  # positions T the pool holds per sequence slot now (reserve), at most capacity
+        self.width = 0  # sequence slots W the pool holds now (reserve), at most max_batch
+        self.key = self.value = None
+        self.reserve(0, 1)
 
-    def reset(self, capacity: int) -> None:
-        shape = (self.stage_layers, self.slots, self.cfg.num_key_value_heads, capacity, self.cfg.head_dim)
-        if self.key is None or tuple(self.key.shape) != shape:
-            self.key = torch.zeros(shape, device=self.device)
-            self.value = torch.zeros(shape, device=self.device)
-        self.hidden_in.zero_()
+    @property
+    def speculative(self) -> bool:
+        return self.slots > 1
 
+    # ---- the pool --------------------------------------------------------------------------------
+    def reserve(self, positions: int, sequences: int | None = None) -> None:
+        """BatchBackend.reserve's rules: the pool holds POSITIONS for each of SEQUENCES (None: as now)
+        sequence slots, grown at once, shrunk only after shrink_after calls in a row asked for less; the
+        occupied slots (a prefix) keep every position below min(old T, new T)."""
+        if positions > self.capacity:
+            raise GenerationError(f"{positions} positions exceed the KV-cache slot of {self.capacity}")
+        sequences = self.width if sequences is None else sequences
+        if not 0 < sequences <= self.max_batch:
+            raise GenerationError(f"internal: {sequences} sequences for a pool of {self.max_batch}")
+        length = _power_of_two_size(positions, self.min_length, self.capacity)
+        width = _power_of_two_size(sequences, 1, self.max_batch)
+        grow = length > self.length or width > self.width
+        if not grow and (length, width) == (self.length, self.width):
+            self._shrink_pending = 0
+            return
+        if not grow:  # a shrink waits until the need has stayed low for shrink_after calls
+            self._shrink_pending += 1
+            if self._shrink_pending < self.shrink_after:
+                return
+        shape = (self.stage_layers, self.slots, width, self.kv_heads, length + 1, self.head_dim)
+        try:  # both new buffers first: if they do not fit, the pool stays as it was
+            key, value = self._zeros(shape), self._zeros(shape)
+        except OutOfMemory:
+            if not grow:  # the pool in place still holds what is needed: shrink another time
+                self._shrink_pending = 0
+                return
+            mib = 2 * np.prod(shape, dtype=np.float64) * self.hidden.element_size() / (1 << 20)
+            raise OutOfMemory(f"the KV-cache pool cannot grow to {length} positions x {width} sequence slots "
+                              f"({mib:,.0f} MiB on {self.device}): out of memory; a smaller KV-cache budget or fewer "
+                              "sequences (kv_cache_mb / max_batch, --kv-cache-mb / --max-batch)") from None
+        keep, kept = min(self.length, length), min(self.width, width)
+        if keep and kept:
+            key[:, :, :kept, :, :keep] = self.key[:, :, :kept, :, :keep]
+            value[:, :, :kept, :, :keep] = self.value[:, :, :kept, :, :keep]
+        self.key, self.value = key, value
+        self.length, self.width = length, width
+        self._shrink_pending = 0
+        self._graphs.clear()  # captured over the old buffers
+
+    def _zeros(self, shape: tuple) -> torch.Tensor:
+        """A zeroed pool buffer; OutOfMemory (caught by reserve) where the device cannot hold it."""
+        try:
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        except (MemoryError, RuntimeError) as error:
+            if is_out_of_memory(error):
+                raise OutOfMemory(str(error).splitlines()[0] if str(error) else "out of memory") from None
+            raise
+
+    def would_grow(self, positions: int, sequences: int) -> bool:
+        """Whether reserve(POSITIONS, SEQUENCES) has to allocate a larger pool."""
+        return (_power_of_two_size(positions, self.min_length, self.capacity) > self.length
+                or _power_of_two_size(sequences, 1, self.max_batch) > self.width)
+
+    def free_pool(self) -> None:
+        """Drop the pool while no sequence holds a slot (reserve then allocates without the old one beside it)."""
+        self.key = self.value = None
+        self.length = self.width = 0
+        self._shrink_pending = 0
+        self._graphs.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the blocks back, so the next allocation may take them whole
+
+    def move(self, source: int, target: int, length: int | None = None) -> None:
+        """Sequence slot SOURCE's cache (its first LENGTH positions; None: all) and pipeline state now live
+        in slot TARGET."""
+        cut = slice(None, length)
+        for pool in (self.key, self.value):
+            pool[:, :, target, :, cut] = pool[:, :, source, :, cut]
+        self.hidden[:, target] = self.hidden[:, source]
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    def _ints(self, *arrays) -> list[torch.Tensor]:
+        """Integer arrays -> int64 tensors on the device, flat, in one host-to-device copy."""
+        flat = [np.asarray(a, np.int64).reshape(-1) for a in arrays]
+        joined = torch.from_numpy(np.concatenate(flat)).to(self.device)
+        return list(torch.split(joined, [a.size for a in flat]))
+
+    def _context(self, starts: torch.Tensor, length: int, past_len: int) -> RowContext:
+        """row_context, its tables in the weights' precision (a bf16 product of a float32 table is float32)."""
+        ctx = row_context(starts, length, past_len, self.inv_freq, self.groups)
+        if self.dtype == torch.float32:
+            return ctx
+        return dataclasses.replace(ctx, cos=ctx.cos.to(self.dtype), sin=ctx.sin.to(self.dtype),
+                                   past_mask=ctx.past_mask.to(self.dtype), chunk_mask=ctx.chunk_mask.to(self.dtype))
+
+    def _check_positions(self, positions: np.ndarray) -> None:
+        """Rows that hold a token sit below the scratch row T (bubbles write there; past it a write would
+        index outside the pool, a device assert on CUDA): anything else is refused, not run."""
+        if positions.size and (positions.max() >= self.length or positions.min() < 0):
+            raise GenerationError(f"internal: a row at position {int(positions.max())} in a pool of {self.length} positions")
+
+    def _heads_out(self, logits: torch.Tensor, want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """logits [B, V] -> (argmax [B], logits [B, V] float32 or None) on the host."""
+        tokens = logits.argmax(-1).cpu().numpy()
+        return tokens, (logits.float().cpu().numpy() if want_logits else None)
+
+    # ---- the three runs --------------------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, ids: list[int], start: int, want_logits: bool) -> tuple[int, np.ndarray | None]:
+    def prefill(self, first: int, chunks: list[list[int]], start: int,
+                want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """Prompt chunks through all N layers: chunk i belongs to sequence slot first + i and starts at
+        position START; several run as one [B, L] batch, right padded to the longest.
+        -> (argmax next tokens [B], logits [B, V] or None) after each chunk's last token."""
         cfg, model = self.cfg, self.model
-        x = model.model.embed_tokens(torch.tensor(ids, device=self.device))  # token rows [L, H]
-        length = len(ids)
-        ctx = row_context(torch.tensor([start], device=self.device), length, self.key.shape[3], self.inv_freq, self.groups)
-        for layer, block_index in enumerate(cfg.layer_map):
+        lengths = np.asarray([len(chunk) for chunk in chunks], np.int64)
+        count, longest = len(chunks), int(lengths.max())
+        if lengths.min() < 1:  # its head would read the row before it
+            raise GenerationError("internal: an empty prefill chunk")
+        self._check_positions(np.asarray([start + longest - 1]))
+        ids = np.zeros((count, longest), np.int64)  # the padding's id: its rows are never read back
+        for row, chunk in enumerate(chunks):
+            ids[row, :len(chunk)] = chunk
+        last = np.arange(count) * longest + lengths - 1  # each chunk's last real token among the B*L rows
+        ids, last, starts = self._ints(ids, last, np.full(count, start))
+        x = model.model.embed_tokens(ids)  # [B*L, H]
+        ctx = self._context(starts, longest, start)
+        sequences = slice(first, first + count)
+        for layer, block in enumerate(cfg.layer_map):
             j, slot = cache_slab(layer, self.stage_layers)
-            x, k, v = layer_over_rows(model.model.blocks[block_index], x, ctx, self.key[j, slot][None],
-                                      self.value[j, slot][None], cfg)
+            key, value = self.key[j, slot, sequences], self.value[j, slot, sequences]  # [B, kvh, T+1, hd]
+            x, k, v = layer_over_rows(model.model.blocks[block], x, ctx, key[:, :, :start], value[:, :, :start], cfg)
             x = loop_boundary(x, model.model.norm.weight, cfg, layer)
-            self.key[j, slot, :, start:start + length] = k[0]
-            self.value[j, slot, :, start:start + length] = v[0]
-        logits = model.final_head(x[-1:])[0]  # [V]
-        return int(logits.argmax()), (logits.float().cpu().numpy() if want_logits else None)
+            # A padded token's K/V land past its chunk's end, where its own token writes before anything reads.
+            key[:, :, start:start + longest], value[:, :, start:start + longest] = k, v  # [B, kvh, L, hd]
+        return self._heads_out(model.final_head(x[last]), want_logits)  # [B, V]
 
     @torch.no_grad()
-    def step(self, token: int, positions: np.ndarray, valid: np.ndarray, want_logits: bool,
-             all_exits: bool = False) -> StepResult:
+    def plain_step(self, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray,
+                   want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """Plain decoding of sequences 0..n-1 at once: row b's token at positions[b] through all N layers.
+        -> (argmax next tokens [n], logits [n, V] or None). Invalid rows (bubbles) run at 0 and write the
+        scratch row T.
+
+        EXACT: the token runs through the speed step's layers instead, P passes of P*W rows (pass s: it is
+        the one token in slot s; the same weight reads as N layers of n rows, P times the rows), so each of
+        its products has the shape SPEED's has for it: torch's CPU and GPU kernels pick different ones for
+        1 and P rows (measured: a 1-row and a 4-row F.linear differ in the last bits on this CPU), and this
+        keeps SPEED's logits bitwise plain decoding's, as ONNX Runtime's CPU kernels do without it."""
+        at = np.where(valid, positions, 0).astype(np.int64)
+        self._check_positions(at[valid])
+        if self.exact:
+            return self._plain_as_speed_passes(tokens, at, valid, want_logits)
+        inputs = self._ints(tokens, at, np.where(valid, at, self.length))
+        x = self._run(("plain", len(tokens)), self._plain_layers, inputs, int(at.max(initial=0)))
+        return self._heads_out(self.model.final_head(x), want_logits)  # [n, V]
+
+    def _plain_as_speed_passes(self, tokens: np.ndarray, at: np.ndarray, valid: np.ndarray,
+                               want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """plain_step (EXACT): pass s runs the tokens in slot s of _speed_layers, every other row a bubble;
+        slot s+1 of the next pass reads what slot s wrote to self.hidden. Leaves self.hidden as SPEED
+        would find it after a flush: nothing it reads (a plain step follows a flush of every pipeline)."""
+        slots, width, n = self.slots, self.width, len(tokens)
+        entering = np.zeros(width, np.int64)
+        entering[:n] = tokens
+        x = None
+        for slot in range(slots):
+            grid = np.zeros((slots, width), np.int64)  # [P, W]: the tokens in slot SLOT, bubbles at 0
+            grid[slot, :n] = at
+            written = np.full((slots, width), self.length, np.int64)  # bubbles write the scratch row T
+            written[slot, :n] = np.where(valid, at, self.length)
+            inputs = self._ints(entering, grid, written)
+            x, _ = self._run(("speed", width), self._speed_layers, inputs, int(at.max(initial=0)))
+            self.hidden[:, :width] = x.view(slots, width, -1)
+        last = torch.arange(n, device=self.device) + (slots - 1) * width  # the last slot's rows
+        return self._heads_out(self._final_head_rows(x, last), want_logits)  # [n, V]
+
+    def _final_head_rows(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The final head of ROWS of x ([P*W, H], a speed pass's) -> [len(rows), V]; EXACT: computed over
+        all W rows of the last slot (where every final row is), then picked: the head's product has one
+        shape at every step, however many sequences have a token leaving."""
+        if not self.exact:
+            return self.model.final_head(x[rows])
+        first = (self.slots - 1) * self.width
+        return self.model.final_head(x[first:])[rows - first]  # [W, V] -> [F, V]
+
+    def _plain_layers(self, tokens: torch.Tensor, starts: torch.Tensor, written: torch.Tensor, past: int) -> torch.Tensor:
+        """The N layers over n rows of one token (row b: sequence slot b) at STARTS, attending to the first
+        PAST positions; row b's K/V land at WRITTEN[b]. -> hidden [n, H] (pure but for the pool writes, so
+        a CUDA graph's warm-up run may repeat it)."""
         cfg, model = self.cfg, self.model
-        x = torch.cat((model.model.embed_tokens(torch.tensor([token], device=self.device)), self.hidden_in))  # [P, H]
-        starts = torch.from_numpy(positions.astype(np.int64)).to(self.device)
-        new_rows, exit_hidden = [], None
-        ctx = row_context(starts, 1, self.key.shape[3], self.inv_freq, self.groups)
+        n = tokens.shape[0]
+        rows = torch.arange(n, device=self.device)
+        x = model.model.embed_tokens(tokens)  # [n, H]
+        ctx = self._context(starts, 1, past)
+        for layer, block in enumerate(cfg.layer_map):
+            j, slot = cache_slab(layer, self.stage_layers)
+            key, value = self.key[j, slot, :n], self.value[j, slot, :n]  # [n, kvh, T+1, hd]
+            x, k, v = layer_over_rows(model.model.blocks[block], x, ctx, key[:, :, :past], value[:, :, :past], cfg)
+            x = loop_boundary(x, model.model.norm.weight, cfg, layer)
+            # the indexed target is [n, kvh, hd] (rows, positions split by a slice)
+            key[rows, :, written], value[rows, :, written] = k[:, :, 0], v[:, :, 0]
+        return x
+
+    @torch.no_grad()
+    def speed_step(self, entering: np.ndarray, positions: np.ndarray, valid: np.ndarray, heads: HeadRows,
+                   want_logits: bool) -> SpeedStepResult:
+        """One pipelined step of sequences 0..n-1: entering [n] tokens enter slot 0; positions/valid [P, n]
+        (slot, sequence); HEADS: the rows (row = s*n + b) whose heads run. The step runs all W sequence
+        slots (row s*W + b); bubbles run at 0 and write the scratch row T."""
+        model, slots, width = self.model, self.slots, self.width
+        n = positions.shape[1]
+        grid = np.zeros((slots, width), np.int64)  # [P, W] each row's position, bubbles (and free slots) at 0
+        grid[:, :n] = np.where(valid, positions, 0)
+        self._check_positions(positions[valid])
+        if self.exact and min(heads.final, default=slots * n) < (slots - 1) * n:
+            raise GenerationError("internal: an exact speed step's final rows are the last slot's")
+        written = np.full((slots, width), self.length, np.int64)  # [P, W]: bubbles write the scratch row T
+        written[:, :n] = np.where(valid, positions, self.length)
+        entering_w = np.zeros(width, np.int64)
+        entering_w[:n] = entering
+        candidates = np.asarray(heads.candidates, np.int64).reshape(len(heads.check), self.check_width)
+        *inputs, final_rows, exit_rows, candidates = self._ints(entering_w, grid, written, _on_grid(heads.final, n, width),
+                                                                 _on_grid(heads.exit + heads.check, n, width), candidates)
+        x, tap = self._run(("speed", width), self._speed_layers, inputs, int(grid.max()))
+        self.hidden[:, :width] = x.view(slots, width, -1)  # each slot's state, read by the next slot next step
+        final_logits = self._final_head_rows(x, final_rows)  # [F, V]
+        exit_logits = model.exit_head(tap[exit_rows])  # [E + C, V]: drafts, then early-flush checks
+        finals, exits, width_k = len(heads.final), len(heads.exit), self.check_width
+        drafts = top_candidates(exit_logits[:exits], width_k)  # [E, K]
+        checks = best_candidate(exit_logits[exits:], candidates.view(-1, width_k))  # [C]
+        ids = torch.cat((final_logits.argmax(-1), drafts.reshape(-1), checks)).cpu().numpy()  # one copy back
+        exit_candidates = ids[finals:finals + exits * width_k].reshape(exits, width_k)
+        return SpeedStepResult(ids[:finals], final_logits.float().cpu().numpy() if want_logits else None,
+                               exit_candidates[:, 0], exit_candidates, ids[finals + exits * width_k:])
+
+    def _speed_layers(self, entering: torch.Tensor, starts: torch.Tensor, written: torch.Tensor,
+                      past: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The S stage layers over P*W rows (row s*W + b: slot s of sequence slot b; slot 0 enters ENTERING,
+        slots 1..P-1 carry on from self.hidden) at STARTS, attending to the first PAST positions; each
+        row's K/V land at WRITTEN. -> (hidden [P*W, H], exit tap [P*W, H]); self.hidden is left as it was
+        (the caller moves it on), so a CUDA graph's warm-up run may repeat it."""
+        cfg, model, slots = self.cfg, self.model, self.slots
+        width = entering.shape[0]
+        rows = torch.arange(slots * width, device=self.device)
+        behind = self.hidden[:slots - 1, :width].reshape((slots - 1) * width, -1)  # slots 1..P-1 [(P-1)W, H]
+        x = torch.cat((model.model.embed_tokens(entering), behind))  # [P*W, H]
+        ctx = self._context(starts, 1, past)
+        tap = x
         for j in range(self.stage_layers):
-            x, k, v = layer_over_rows(model.model.blocks[cfg.layer_map[j]], x, ctx, self.key[j], self.value[j], cfg)
+            key = self.key[j].view(slots * width, *self.key.shape[3:])  # [P*W, kvh, T+1, hd], a view
+            value = self.value[j].view(slots * width, *self.value.shape[3:])
+            x, k, v = layer_over_rows(model.model.blocks[cfg.layer_map[j]], x, ctx, key[:, :, :past], value[:, :, :past], cfg)
             x = loop_boundary(x, model.model.norm.weight, cfg, j)  # stage j of every slot: the same loop position
-            new_rows.append((k, v))
+            key[rows, :, written], value[rows, :, written] = k[:, :, 0], v[:, :, 0]  # [P*W, kvh, hd]
             if j + 1 == cfg.exit_layer:
-                exit_hidden = x
-        exit_rows = exit_hidden if all_exits else exit_hidden[:1]
-        exit_tokens = model.exit_head(exit_rows).argmax(-1)  # [P] or [1]
-        final_logits = model.final_head(x[-1:])[0]  # [V]
-        tokens = torch.cat((final_logits.argmax()[None], exit_tokens)).cpu().numpy()
-        # New rows of valid slots only (bubbles never write), all stage layers in one indexed copy each:
-        # the indexed target is [n, S, kvh, hd] (advanced indices first), hence the transpose.
-        rows = torch.from_numpy(np.flatnonzero(valid)).to(self.device)
-        for buffer, part in ((self.key, 0), (self.value, 1)):
-            new = torch.stack([kv[part][:, :, 0] for kv in new_rows])  # [S, P, kvh, hd]
-            buffer[:, rows, :, starts[rows]] = new[:, rows].transpose(0, 1)
-        self.hidden_in = x[:-1]
-        logits = final_logits.float().cpu().numpy() if want_logits else None
-        return StepResult(int(tokens[0]), logits, tokens[1:])
+                tap = x
+        return x, tap
+
+    def _run(self, role: tuple, layers, inputs: list[torch.Tensor], past: int):
+        """LAYERS(*INPUTS, past): eagerly over the first PAST positions, or (cuda_graphs) the whole pool
+        through a CUDA graph captured once per ROLE and pool (every shape fixed, one launch a step)."""
+        if not self.cuda_graphs:
+            return layers(*inputs, self.length + 1 if self.full_past else past)
+        graph = self._graphs.get(role)
+        if graph is None:
+            if len(self._graphs) >= MAX_GRAPHS:
+                del self._graphs[next(iter(self._graphs))]
+            graph = self._graphs[role] = StepGraph(lambda *static: layers(*static, self.length + 1), inputs)
+        return graph(inputs)
+
+
+class StepGraph:
+    """One CUDA graph of a step's layers: inputs copied into its static tensors, one replay, outputs in
+    its static tensors (valid until the next replay of this graph)."""
+
+    def __init__(self, run, inputs: list[torch.Tensor]) -> None:
+        self.inputs = [tensor.clone() for tensor in inputs]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the capture: kernels picked, workspaces allocated
+            run(*self.inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.outputs = run(*self.inputs)
+
+    def __call__(self, inputs: list[torch.Tensor]):
+        for static, value in zip(self.inputs, inputs):
+            static.copy_(value)
+        self.graph.replay()
+        return self.outputs
+
+
+def _on_grid(rows: list[int], n: int, width: int) -> np.ndarray:
+    """Rows numbered s*n + b (the scheduler's) -> s*W + b (the step's rows over all W sequence slots)."""
+    rows = np.asarray(rows, np.int64)
+    return rows // n * width + rows % n
+
+
+def _device(device: str) -> torch.device:
+    """torch.device of DEVICE ("cpu", "cuda", "cuda:N"), or a one-line SpeedcError."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise SpeedcError(f"device {device!r}: use cpu, cuda or cuda:N") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise SpeedcError(f"device {device!r}: CUDA is not available to torch on this machine")
+    if resolved.type not in ("cpu", "cuda"):
+        raise SpeedcError(f"device {device!r}: the PyTorch backend runs on cpu or cuda")
+    return resolved

@@ -1,5 +1,6 @@
-"""The GPU check script's logic, run on the CPU device here (CI has no GPU), and the GPU paths
-themselves, skipped with a reason where no CUDA device or provider exists."""
+"""The GPU check script's logic (TorchBackend under the batch scheduler, one sequence), run on the CPU
+device here (CI has no GPU), and the GPU paths themselves, skipped with a reason where no CUDA device
+or provider exists."""
 
 from __future__ import annotations
 
@@ -30,10 +31,25 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert run.returncode == 0, run.stderr
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     torch_row = report["backends"]["torch"]
-    assert torch_row["lossless"] is True and torch_row["prompts"] == 4  # speed == autoregressive == reference
+    assert torch_row["lossless"] is True and torch_row["prompts"] == torch_row["identical_prompts"] == 4
+    assert torch_row["compared_with"] == "autoregressive and the PyTorch reference"  # speed == plain == reference
     assert 0 < torch_row["acceptance"] <= 1 and torch_row["step_cost"] > 0
     assert set(torch_row["ms_per_token_p50"]) == {"speed", "autoregressive"}
-    assert report["model"]["blocks"] == 2 and report["device"] == "cpu"
+    assert report["model"]["blocks"] == 2 and report["device"] == "cpu" and report["model"]["weight_dtype"] == "float32"
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_gpu_check_bf16_compares_speed_with_plain_decoding(exact):
+    """bf16 weights, cache and products (no fp32 reference then), batch-invariant or not: SPEED ids ==
+    plain ids on every prompt."""
+    from speedc.gpu_check import run_check
+
+    report = run_check(device="cpu", hidden=64, blocks=2, passes=2, residual_scale=0.1, new_tokens=10, repeats=1,
+                       dtype="bf16", exact=exact, progress=lambda m: None)
+    assert report["exact"] is exact
+    torch_row = report["backends"]["torch"]
+    assert torch_row["lossless"] is True and torch_row["identical_prompts"] == 4
+    assert torch_row["compared_with"] == "autoregressive" and report["model"]["weight_dtype"] == "bfloat16"
 
 
 def test_from_model_needs_stages_with_one_block_sequence():
@@ -44,12 +60,14 @@ def test_from_model_needs_stages_with_one_block_sequence():
 
 
 @pytest.mark.skipif(not CUDA, reason="no CUDA device: the PyTorch CUDA path runs in scripts/gpu_check.sh on a GPU")
-def test_gpu_check_cuda(tmp_path):
+@pytest.mark.parametrize("dtype, exact", [("fp32", False), ("bf16", True)])
+def test_gpu_check_cuda(dtype, exact):
     from speedc.gpu_check import run_check
 
     report = run_check(device="cuda", hidden=256, blocks=2, passes=4, residual_scale=0.1, new_tokens=16, repeats=1,
-                       workdir=tmp_path, progress=lambda m: None)
+                       dtype=dtype, exact=exact, progress=lambda m: None)
     assert report["backends"]["torch"]["lossless"] is True
+    assert report["backends"]["torch+cuda-graphs"]["lossless"] is True, report["backends"]["torch+cuda-graphs"]
 
 
 def _has_ort_cuda() -> bool:
