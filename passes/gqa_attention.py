@@ -20,6 +20,12 @@ The standard batch step reads one cache slab per (stage layer, slot); its fused 
 layer's whole pool as one buffer and runs one GroupQueryAttention a layer over it, and computes only the
 rows the runtime names (computed_rows: bubbles skipped; BatchPool below).
 
+What the fusion drops must be exactly what GroupQueryAttention computes: each layer's nodes between its
+projections and o_proj are checked against the attention models/row_layer.py writes (op by op, and its
+score scale), the rotary frequencies against rope_theta's, and the shared nodes falling away with them
+(masks, tables) by op type. Anything else (a q/k norm, a soft-cap, a scaled rope, a sliding window) is a
+one-line BuildError naming the node and the layer, never silently dropped (LAYER_ATTENTION_OPS below).
+
 The standard graphs stay in the artifact (TensorRT, the numpy-fed backend); these are added as
 `step.gqa`, `step_flush.gqa`, `prefill.gqa`, `batch_step.gqa`. Only for --target onnx: TensorRT has no such op.
 """
@@ -111,8 +117,7 @@ def check_layer_attention(path: list[gs.Node], where: str, head_dim: int) -> Non
     for op, known in LAYER_ATTENTION_OPS.items():
         if counts[op] != known:
             raise BuildError(f"gqa_attention: {counts[op]} {op} nodes on the attention path of {where} where the "
-                             f"attention it fuses has {known} (e.g. {next((n.name for n in path if n.op == op), '-')!r}): "
-                             f"{REFUSAL}")
+                             f"attention it fuses has {known}: {REFUSAL}")
     for node in (n for n in path if n.op == "Mul"):
         for value in (_constant_values(t) for t in node.inputs):
             if value is not None and value.size == 1 and not np.isclose(float(value), head_dim ** -0.5, rtol=1e-6):
@@ -146,6 +151,7 @@ def check_rotary_frequencies(graph: gs.Graph, inv_freq: np.ndarray) -> None:
 
 
 def check_shared_attention(replaced: list[gs.Node], graph_name: str) -> None:
+    """REPLACED: the nodes the fusion dropped outside the layers' paths; each must be of a known op type."""
     for node in replaced:
         if node.op not in SHARED_ATTENTION_OPS:
             raise BuildError(f"gqa_attention: {node.op} node {node.name!r} feeds the attention of graph {graph_name} "
