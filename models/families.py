@@ -66,10 +66,31 @@ def family_of(data: dict[str, Any]) -> Family:
     raise CheckpointError(f"config.json: unsupported architecture {named} (supported: {supported()})")
 
 
+def off(value: Any) -> bool:
+    return not value
+
+
+# Options of Hugging Face decoder configs asking for computation speedc's layer and head (models/row_layer.py,
+# models/llama.py) do not do, whatever the family: a q/k norm, logit soft-capping, another score scale,
+# sliding-window or other non-full attention layers, rotary over part of each head. A config setting one describes a
+# model trained with it (even where transformers' Llama code would ignore the key), so it is refused
+# by name rather than built into a model that computes something else.
+UNIMPLEMENTED_OPTIONS = {
+    "qk_norm": off, "use_qk_norm": off, "qk_layernorm": off,
+    "attn_logit_softcapping": lambda v: v is None, "final_logit_softcapping": lambda v: v is None,
+    "query_pre_attn_scalar": lambda v: v is None,
+    "use_sliding_window": off,
+    "layer_types": lambda v: v is None or (isinstance(v, list) and all(t == "full_attention" for t in v)),
+    "partial_rotary_factor": lambda v: v is None or v == 1,
+}
+
+
 def read_config(data: dict[str, Any]):
     if not isinstance(data, dict):
         raise CheckpointError("config.json: top level must be an object")
-    return family_of(data).read_config(data)
+    family = family_of(data)
+    refuse_options(data, family.architectures[0], UNIMPLEMENTED_OPTIONS)
+    return family.read_config(data)
 
 
 # ---- fields every family shares (Hugging Face decoder configs) -------------------------------------
@@ -86,6 +107,8 @@ def common_fields(data: dict[str, Any]) -> dict[str, Any]:
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
             raise CheckpointError(f"config.json: unsupported rope type {rope.get('rope_type', rope.get('type'))!r} "
                                   f"({key})")
+        if rope.get("partial_rotary_factor", 1) != 1:  # rotary over part of each head: row_layer rotates all of it
+            raise CheckpointError(f"config.json: unsupported partial_rotary_factor {rope['partial_rotary_factor']!r} ({key})")
     rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
     # transformers 5.x: rope_parameters.rope_theta; 4.x: top-level rope_theta.
     rope_theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or data.get("rope_theta", 10000.0)

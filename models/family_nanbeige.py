@@ -16,19 +16,14 @@ from __future__ import annotations
 from typing import Any
 
 from speedc.models.config import ModelConfig
-from speedc.models.families import Family, common_fields, positive_int, refuse_options, register_family
+from speedc.models.families import Family, common_fields, off, positive_int, refuse_options, register_family
 from speedc.models.layer_map import cycle_map
 
 
-def _off(value: Any) -> bool:
-    return not value
-
-
-REFUSED = {name: _off for name in (
+REFUSED = {name: off for name in (
     "enable_mhc", "enable_hyper_connection", "enable_h_res_identity", "loop_share_kv", "enable_double_loop_split",
     "loop_middle_layers", "qk_layernorm", "emb_neighbor_num", "insert_ngram_layer_idx", "ngram_insert_all_layers",
     "enable_depth_attention", "mlp_bias", "attention_bias")}
-REFUSED["layer_types"] = lambda v: all(t == "full_attention" for t in (v or []))
 REFUSED["rope_scaling"] = lambda v: v is None
 
 

@@ -21,10 +21,9 @@ from speedc.models.config import ModelConfig
 from speedc.models.families import Family, common_fields, positive_int, refuse_options, register_family
 from speedc.models.layer_map import cycle_map
 
-# Options that would change the computation; None / False / full attention is what the checkpoints ship.
+# Options that would change the computation; None / False is what the checkpoints ship (sliding window and
+# layer types: models/families.py UNIMPLEMENTED_ATTENTION, for every family).
 REFUSED = {
-    "use_sliding_window": lambda v: not v,
-    "layer_types": lambda v: all(t == "full_attention" for t in (v or [])),
     "rope_scaling": lambda v: v is None,
     "exit_at_step": lambda v: v is None,
     "use_weighted_exit": lambda v: not v,

@@ -20,11 +20,19 @@ The standard batch step reads one cache slab per (stage layer, slot); its fused 
 layer's whole pool as one buffer and runs one GroupQueryAttention a layer over it, and computes only the
 rows the runtime names (computed_rows: bubbles skipped; BatchPool below).
 
+What the fusion drops must be exactly what GroupQueryAttention computes: each layer's nodes between its
+projections and o_proj are checked against the attention models/row_layer.py writes (op by op, and its
+score scale), the rotary frequencies against rope_theta's, and the shared nodes falling away with them
+(masks, tables) by op type. Anything else (a q/k norm, a soft-cap, a scaled rope, a sliding window) is a
+one-line BuildError naming the node and the layer, never silently dropped (LAYER_ATTENTION_OPS below).
+
 The standard graphs stay in the artifact (TensorRT, the numpy-fed backend); these are added as
 `step.gqa`, `step_flush.gqa`, `prefill.gqa`, `batch_step.gqa`. Only for --target onnx: TensorRT has no such op.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -32,7 +40,7 @@ import onnx_graphsurgeon as gs
 from speedc import contract
 from speedc.errors import BuildError
 from speedc.passes.base import CompileState, register_pass
-from speedc.passes.graph_utils import add_layer, import_microsoft_domain, reshape
+from speedc.passes.graph_utils import add_layer, ancestors, descendants, import_microsoft_domain, reshape
 
 GQA_HEAD_DIM_MULTIPLE = 16  # ONNX Runtime's CPU kernel: "head_size shall be a multiple of 16"
 
@@ -57,13 +65,111 @@ def _layers(graph: gs.Graph) -> list[tuple[gs.Tensor, gs.Tensor, gs.Tensor, gs.N
     return [(g["q"], g["k"], g["v"], o) for g, o in zip(groups, o_projs)]
 
 
+# ---- what the fusion replaces must be exactly what GroupQueryAttention computes ----------------------------
+# One layer's path from its q/k/v projections to its o_proj, as models/row_layer.py writes it (the same on
+# every program and the batch step, whatever the head counts): q/k/v to heads (Reshape, Transpose),
+# half-split rotary on q and k (Slice, Neg, Concat, Mul, Add), q scaled by head_dim**-0.5 (Mul), scores
+# over past and new keys plus their masks (MatMul, Add), one softmax over both (Concat, Softmax, Slice),
+# the two products with v summed (MatMul, Add), heads merged (Reshape, Transpose). The fusion drops every
+# node there for one GroupQueryAttention, so anything else on the path (a q/k norm, a soft-cap, a score
+# bias) would vanish from the model without a word: it is refused by name instead.
+LAYER_ATTENTION_OPS = Counter({"Reshape": 6, "Transpose": 5, "Slice": 6, "Neg": 2, "Concat": 3, "Mul": 5, "Add": 5,
+                               "MatMul": 4, "Softmax": 1})
+# What else falls away with the attention, shared by its layers: the rotary tables from the positions, the
+# two causal masks, the cache slabs' plumbing. Their counts vary with the graph, so only the op types are
+# fixed; rope scaling changes values, not ops, so the rotary frequencies are compared by value.
+SHARED_ATTENTION_OPS = frozenset({"Add", "Cast", "Concat", "Constant", "ConstantOfShape", "Cos", "Expand", "Gather",
+                                  "Less", "LessOrEqual", "Mul", "Range", "Shape", "Sin", "Tile", "Transpose",
+                                  "Unsqueeze", "Where"})
+REFUSAL = "GroupQueryAttention does not compute that, so the fused graph would silently change the model"
+
+
+def _constant_values(tensor: gs.Tensor) -> np.ndarray | None:
+    """The values of a constant input (an initializer or a Constant node's output), else None."""
+    if isinstance(tensor, gs.Constant):
+        return tensor.values
+    producer = tensor.inputs[0] if tensor.inputs else None
+    if producer is not None and producer.op == "Constant" and isinstance(producer.attrs.get("value"), gs.Constant):
+        return producer.attrs["value"].values
+    return None
+
+
+def attention_path(q2d: gs.Tensor, k2d: gs.Tensor, v2d: gs.Tensor, o_proj: gs.Node) -> list[gs.Node]:
+    """The nodes between a layer's projections and its o_proj: reached from q/k/v (not past o_proj)
+    and reaching o_proj's input; nearest the projections first."""
+    reached = descendants([q2d, k2d, v2d], stop=o_proj)
+    on_path: dict[int, gs.Node] = {}
+    stack = [o_proj.inputs[0]]
+    while stack:
+        for producer in stack.pop().inputs:
+            if id(producer) in reached and id(producer) not in on_path:
+                on_path[id(producer)] = producer
+                stack.extend(producer.inputs)
+    return [node for node in reached.values() if id(node) in on_path]
+
+
+def check_layer_attention(path: list[gs.Node], where: str, head_dim: int) -> None:
+    """PATH's ops must be LAYER_ATTENTION_OPS exactly, and its q scale GQA's own (1/sqrt(head_dim))."""
+    for node in path:
+        if node.op not in LAYER_ATTENTION_OPS:
+            raise BuildError(f"gqa_attention: {node.op} node {node.name!r} on the attention path of {where}: {REFUSAL}")
+    counts = Counter(node.op for node in path)
+    for op, known in LAYER_ATTENTION_OPS.items():
+        if counts[op] != known:
+            raise BuildError(f"gqa_attention: {counts[op]} {op} nodes on the attention path of {where} where the "
+                             f"attention it fuses has {known}: {REFUSAL}")
+    for node in (n for n in path if n.op == "Mul"):
+        for value in (_constant_values(t) for t in node.inputs):
+            if value is not None and value.size == 1 and not np.isclose(float(value), head_dim ** -0.5, rtol=1e-6):
+                raise BuildError(f"gqa_attention: {where} scales its scores by {float(value):g} (node {node.name!r}), "
+                                 f"not 1/sqrt(head_dim) = {head_dim ** -0.5:g}: {REFUSAL}")
+
+
+def check_layer_paths(graph: gs.Graph, layers: list, head_dim: int) -> set[int]:
+    """Each layer's attention path checked (check_layer_attention); the ids of all their nodes."""
+    paths: set[int] = set()
+    for layer, (q2d, k2d, v2d, o_proj) in enumerate(layers):
+        path = attention_path(q2d, k2d, v2d, o_proj)
+        block = o_proj.inputs[1].name.removesuffix(".o_proj.weight")
+        check_layer_attention(path, f"layer {layer} ({block}) of graph {graph.name}", head_dim)
+        paths.update(id(node) for node in path)
+    return paths
+
+
+def check_rotary_frequencies(graph: gs.Graph, inv_freq: np.ndarray) -> None:
+    """The frequencies the graph's rotary tables multiply the positions by must be the ones
+    rotary_tables computes from rope_theta (a scaled rope would otherwise be replaced by plain rope)."""
+    tables = ancestors([t for node in graph.nodes if node.op in ("Cos", "Sin") for t in node.outputs])
+    found = [value for node in graph.nodes if node.op == "Mul" and id(node) in tables
+             for value in (_constant_values(t) for t in node.inputs) if value is not None and value.shape == inv_freq.shape]
+    if not found:
+        raise BuildError(f"gqa_attention: no rotary frequencies [{inv_freq.size}] found in graph {graph.name}: {REFUSAL}")
+    for value in found:
+        if not np.allclose(value, inv_freq, rtol=1e-6, atol=0):
+            raise BuildError(f"gqa_attention: graph {graph.name} rotates by other frequencies than rope_theta's "
+                             f"(a scaled rope?): {REFUSAL}")
+
+
+def check_shared_attention(replaced: list[gs.Node], graph_name: str) -> None:
+    """REPLACED: the nodes the fusion dropped outside the layers' paths; each must be of a known op type."""
+    for node in replaced:
+        if node.op not in SHARED_ATTENTION_OPS:
+            raise BuildError(f"gqa_attention: {node.op} node {node.name!r} feeds the attention of graph {graph_name} "
+                             f"(its rotary tables, masks or cache): {REFUSAL}")
+
+
+def rotary_inv_freq(head_dim: int, theta: float) -> np.ndarray:
+    """[hd/2] float32, Hugging Face's default rope (models/row_layer.py rotary_inv_freq, in numpy)."""
+    return (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))).astype(np.float32)
+
+
 def rotary_tables(graph: gs.Graph, head_dim: int, theta: float, rows: int) -> tuple[gs.Tensor, gs.Tensor]:
     """cos/sin [rows, hd/2] for positions 0..rows-1 (Hugging Face half-split rotary), computed in the
     graph from inv_freq (ONNX Runtime folds them at load) so the artifact does not store the tables.
 
         Range(rows) [rows] -> Cast float -> Unsqueeze [rows, 1] -> Mul inv_freq [hd/2] -> Cos / Sin
     """
-    inv_freq = (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))).astype(np.float32)
+    inv_freq = rotary_inv_freq(head_dim, theta)
     index = add_layer(graph, op="Range", inputs=[gs.Constant("gqa.rows.start", np.array(0, np.int64)),
                                                  gs.Constant("gqa.rows.stop", np.array(rows, np.int64)),
                                                  gs.Constant("gqa.rows.step", np.array(1, np.int64))], outputs=["gqa.rows"])[0]
@@ -170,6 +276,11 @@ class BatchPool:
 
 def lower_to_gqa(graph: gs.Graph, *, heads: int, kv_heads: int, head_dim: int, theta: float, max_context: int) -> gs.Graph:
     graph = graph.copy()
+    standard = graph.name  # the graph this fused variant stands in for
+    layers = _layers(graph)
+    original_nodes = list(graph.nodes)  # before any rewiring: what falls away is checked against them at the end
+    paths = check_layer_paths(graph, layers, head_dim)
+    check_rotary_frequencies(graph, rotary_inv_freq(head_dim, theta))
     graph.name = contract.fused(graph.name)
     known = graph.tensors()  # looked up once: graph.tensors() scans the whole graph (per layer: minutes)
     positions, input_ids = known[contract.POSITIONS], known[contract.INPUT_IDS]
@@ -211,7 +322,6 @@ def lower_to_gqa(graph: gs.Graph, *, heads: int, kv_heads: int, head_dim: int, t
         return out
 
     slots = batch_slots(graph)  # the batch step's per-slot slabs (0: another graph)
-    layers = _layers(graph)
     width = (heads + 2 * kv_heads) * head_dim  # packed q|k|v
     pool = None
     if slots:  # the pool inputs replace the per-slot slabs (their Concats fall away with the old attention)
@@ -238,7 +348,10 @@ def lower_to_gqa(graph: gs.Graph, *, heads: int, kv_heads: int, head_dim: int, t
     stacked = {contract.new_rows(kind) for kind in contract.KV_KINDS}
     graph.outputs = [t for t in graph.outputs if t.name not in stacked] + cache_outputs
     import_microsoft_domain(graph)
-    return graph.cleanup(remove_unused_graph_inputs=True).toposort()
+    graph.cleanup(remove_unused_graph_inputs=True)
+    kept = {id(node) for node in graph.nodes}
+    check_shared_attention([n for n in original_nodes if id(n) not in kept and id(n) not in paths], standard)
+    return graph.toposort()
 
 
 @register_pass("gqa_attention", phase="lowering", requires=("heads", "cache_io", "separate_projections"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import deque
 
 import numpy as np
 import onnx
@@ -54,6 +55,21 @@ def ancestors(outputs: list[gs.Tensor]) -> set[int]:
                 seen.add(id(producer))
                 stack.extend(producer.inputs)
     return seen
+
+
+def descendants(tensors: list[gs.Tensor], stop: gs.Node | None = None) -> dict[int, gs.Node]:
+    """Every node reading any of TENSORS directly or through other nodes, by id, nearest first (breadth
+    first); STOP is included but not walked past."""
+    reached: dict[int, gs.Node] = {}
+    frontier = deque(tensors)
+    while frontier:
+        tensor = frontier.popleft()
+        for consumer in tensor.outputs:
+            if id(consumer) not in reached:
+                reached[id(consumer)] = consumer
+                if consumer is not stop:
+                    frontier.extend(consumer.outputs)
+    return reached
 
 
 def weight_constants(nodes) -> list[gs.Constant]:

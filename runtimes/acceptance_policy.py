@@ -9,8 +9,8 @@ bound (speedc/schedule.py) is above 1:
 alpha is the sequence's average of its speculation outcomes (confirmed = 1, failed at the last layer or
 by an early flush = 0): a plain mean over the first 1/weight outcomes, then an exponential average, so it
 follows a text that changes character. c(P) is the step cost
-measured at build time (manifest build.step_cost_measured), else FALLBACK_STEP_COST (said so in
-`describe`). The state machine of one sequence:
+measured at build time (manifest build.step_cost_measured), else the cost model's assumption
+(speedc/schedule.py assumed_step_cost, the one the compiler chose P with; said so in `describe`). The state machine of one sequence:
 
     speculating --(>= min_outcomes outcomes and bound < 1 - margin)--> plain
     plain --(probe_after tokens decoded plainly)--> speculating (a probe: its average starts afresh)
@@ -26,15 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from speedc.schedule import analytic_bound, assumed_step_cost
-
-# c(P) when the artifact carries no measurement: 1 + 0.25 (P - 1), i.e. c(4) = 1.75, the middle of the
-# c(4) = 1.23-2.25 measured on this project's 2-core CPU (README "Measured here"). Not a measurement.
-FALLBACK_STEP_COST_SLOPE = 0.25
-
-
-def fallback_step_cost(slots: int) -> float:
-    return assumed_step_cost(slots, FALLBACK_STEP_COST_SLOPE)
+from speedc.schedule import analytic_bound, assumed_step_cost, describe_assumed_step_cost
 
 
 @dataclass
@@ -67,12 +59,12 @@ class AcceptancePolicy:
 
     @classmethod
     def for_manifest(cls, manifest, **knobs) -> "AcceptancePolicy":
-        """c(P) from the manifest's build-time measurement when it was taken at this P, else the fallback."""
+        """c(P) from the manifest's build-time measurement when it was taken at this P, else the assumed one."""
         measured = (manifest.build or {}).get("step_cost_measured") or {}
         if measured.get("slots") == manifest.slots and measured.get("step_cost"):
             return cls(manifest.slots, float(measured["step_cost"]), "measured at build", **knobs)
-        return cls(manifest.slots, fallback_step_cost(manifest.slots),
-                   f"fallback 1 + {FALLBACK_STEP_COST_SLOPE} (P - 1), not measured", **knobs)
+        return cls(manifest.slots, assumed_step_cost(manifest.slots), f"{describe_assumed_step_cost()}, not measured",
+                   **knobs)
 
     @property
     def threshold(self) -> float:

@@ -46,7 +46,7 @@ import numpy as np
 from speedc import contract
 from speedc.artifact import Manifest
 from speedc.errors import ArtifactError, GenerationError, OutOfMemory, SpeedcError
-from speedc.runtimes.onnx_session import onnxruntime_module, open_sessions, take_dimensions
+from speedc.runtimes.onnx_session import bound_address, onnxruntime_module, open_sessions, take_dimensions
 
 F32 = np.float32
 MIN_POOL_POSITIONS = 256  # the pool's smallest length T (a regrow copies the pool: not for every request)
@@ -98,8 +98,9 @@ def pool_binding(session, slabs: dict[str, np.ndarray]):
     as past and as present: the same pool memory, written in place by GroupQueryAttention."""
     binding = session.io_binding()
     for name, view in slabs.items():
-        binding.bind_input(name, "cpu", 0, F32, list(view.shape), view.ctypes.data)
-        binding.bind_output(name + ".out", "cpu", 0, F32, list(view.shape), view.ctypes.data)  # contract.cache_output
+        binding.bind_input(name, "cpu", 0, F32, list(view.shape), bound_address(binding, name, view, F32))
+        present = name + ".out"  # contract.cache_output
+        binding.bind_output(present, "cpu", 0, F32, list(view.shape), bound_address(binding, present, view, F32))
     return binding
 
 
@@ -139,14 +140,15 @@ class StepBinding:
     sequences' steps change their final or exit row counts almost every step (54 shapes in 101 steps,
     each seen again in later runs)."""
 
-    def __init__(self, session, slabs: dict[str, np.ndarray], tensors: dict[str, tuple[np.ndarray, bool]]) -> None:
+    def __init__(self, session, slabs: dict[str, np.ndarray], tensors: dict[str, tuple[np.ndarray, type, bool]]) -> None:
+        """TENSORS: name -> (buffer, the dtype the graph takes or gives there, is output)."""
         self.session = session
         self.binding = pool_binding(session, slabs)
-        self.inputs = {name: buffer for name, (buffer, output) in tensors.items() if not output}
-        self.outputs = {name: buffer for name, (buffer, output) in tensors.items() if output}
-        for name, (buffer, output) in tensors.items():
+        self.inputs = {name: buffer for name, (buffer, _, output) in tensors.items() if not output}
+        self.outputs = {name: buffer for name, (buffer, _, output) in tensors.items() if output}
+        for name, (buffer, dtype, output) in tensors.items():
             bind = self.binding.bind_output if output else self.binding.bind_input
-            bind(name, "cpu", 0, buffer.dtype, list(buffer.shape), buffer.ctypes.data)
+            bind(name, "cpu", 0, dtype, list(buffer.shape), bound_address(self.binding, name, buffer, dtype))
 
     def run(self) -> dict[str, np.ndarray]:
         self.session.run_with_iobinding(self.binding)
@@ -297,7 +299,7 @@ class BatchBackend:
                 buffer = self._buffers.get((name, size))
                 if buffer is None:
                     buffer = self._buffers[name, size] = np.zeros(size, dtype)
-                bound[name] = (buffer, output)
+                bound[name] = (buffer, dtype, output)
             if len(self._steps) >= MAX_STEP_BINDINGS:
                 del self._steps[next(iter(self._steps))]
             step = self._steps[role, shape] = StepBinding(self.sessions[self.graph[role]], slabs(), bound)
@@ -351,8 +353,10 @@ class BatchBackend:
         for name, value in feeds.items():
             binding.bind_cpu_input(name, value)
         token, logits = np.zeros(count, np.int64), np.zeros((count, self.vocab_size), F32)
-        binding.bind_output(contract.NEXT_TOKEN, "cpu", 0, np.int64, [count], token.ctypes.data)
-        binding.bind_output(contract.LOGITS, "cpu", 0, F32, list(logits.shape), logits.ctypes.data)
+        binding.bind_output(contract.NEXT_TOKEN, "cpu", 0, np.int64, [count],
+                            bound_address(binding, contract.NEXT_TOKEN, token, np.int64))
+        binding.bind_output(contract.LOGITS, "cpu", 0, F32, list(logits.shape),
+                            bound_address(binding, contract.LOGITS, logits, F32))
         self.sessions[self.graph[contract.PREFILL]].run_with_iobinding(binding)
         return token, (logits if want_logits else None)
 

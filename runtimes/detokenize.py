@@ -47,6 +47,16 @@ class DecodeRule:
     skipped: frozenset[int] = frozenset()  # special ids decode leaves out: never decoded (nor part of a byte run)
 
 
+@dataclass(frozen=True)
+class Piece:
+    """A stretch of one request's streamed output: the confirmed token ids it adds, in order, and the
+    settled text they complete ("" while a UTF-8 character is incomplete, a stop string cut it, or there
+    is no tokenizer). The batching loop gives one id a piece; the single-sequence server stream as many
+    as one settled text spans. No ids: text held back to the end (it might have begun a stop string)."""
+    ids: tuple[int, ...]
+    text: str
+
+
 def _local(decoder: dict | None) -> bool:
     if decoder is None:  # tokens joined by spaces
         return True

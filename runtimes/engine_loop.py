@@ -2,8 +2,8 @@
 
     loop = EngineLoop(engine, max_batch=8)
     request = loop.submit("ROMEO:", max_new_tokens=64, temperature=0.8, seed=1)   # checks now
-    async for piece in request:           # Piece(id, text): confirmed tokens only, in order (a last
-                                          # Piece(None, text) carries text held back to the end)
+    async for piece in request:           # Piece(ids=(id,), text): confirmed tokens only, in order (a
+                                          # last Piece(ids=(), text) carries text held back to the end)
         print(piece.text, end="")
     request.result                        # GenerationResult: ids, text (stop strings cut), stats
     request.finish_reason                 # "eos" | "stop_string" | "max_new_tokens" | "cancelled"
@@ -27,16 +27,10 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 from speedc.runtimes.batch import DONE, BatchScheduler, Sequence
+from speedc.runtimes.detokenize import Piece
 from speedc.runtimes.engine import Engine, GenerationResult
-
-
-@dataclass(frozen=True)
-class Piece:
-    id: int | None  # the confirmed token id; None for the text held back to the end (no new token)
-    text: str  # text it completes ("" while a UTF-8 sequence is incomplete, or without a tokenizer)
 
 
 class Submitted:
@@ -66,7 +60,7 @@ class Submitted:
                 text = self.engine.trim(self.engine.decode_text(self.sequence.out), self.stop)
                 rest = self._text.take_rest(text)
                 if rest:
-                    self.queue.put_nowait(Piece(None, rest))  # held-back text (never a new id)
+                    self.queue.put_nowait(Piece(ids=(), text=rest))  # held-back text (never a new id)
             self.result = GenerationResult(list(self.sequence.out), text, self.sequence.stats)
             self.queue.put_nowait(None)
             return
@@ -75,7 +69,7 @@ class Submitted:
         if self._text is not None:
             self._text.push(token)
             piece = self._text.take_settled()
-        self.queue.put_nowait(Piece(token, piece))
+        self.queue.put_nowait(Piece(ids=(token,), text=piece))
 
     def _end(self) -> None:
         """Called on the event loop when its sequence has ended: as it finished, or with why it could not run."""

@@ -23,7 +23,7 @@ from speedc import contract
 from speedc.artifact import Manifest
 from speedc.errors import ArtifactError, SpeedcError
 from speedc.runtimes.backend import StepResult, cache_slab
-from speedc.runtimes.onnx_session import onnxruntime_module, open_sessions, providers_for, take_dimensions
+from speedc.runtimes.onnx_session import bound_address, onnxruntime_module, open_sessions, providers_for, take_dimensions
 
 F32 = np.dtype(np.float32).itemsize
 
@@ -77,6 +77,11 @@ class OnnxBoundBackend:
         bind = binding.bind_output if output else binding.bind_input
         bind(name, self.ort_device, self.device_id, np.float32, list(shape), address)
 
+    @staticmethod
+    def _bind_host(binding, name: str, array: np.ndarray, dtype) -> None:
+        """Output NAME (of DTYPE) written straight into the host array ARRAY."""
+        binding.bind_output(name, "cpu", 0, dtype, list(array.shape), bound_address(binding, name, array, dtype))
+
     def reset(self, capacity: int) -> None:
         if self.capacity != capacity:
             # Set again once every buffer and binding below exists: a failure part way (out of memory, say)
@@ -122,18 +127,17 @@ class OnnxBoundBackend:
                         if self.fused:  # present = past: GroupQueryAttention writes the new rows in place
                             self._bind(binding, contract.cache_output(kind, index), address, view, output=True)
                 if role == contract.PREFILL:
-                    binding.bind_output(contract.NEXT_TOKEN, "cpu", 0, np.int64, [1], self.next_token.ctypes.data)
+                    self._bind_host(binding, contract.NEXT_TOKEN, self.next_token, np.int64)
                 else:
-                    binding.bind_output(contract.FINAL_TOKEN, "cpu", 0, np.int64, [1], self.final_token.ctypes.data)
-                    exits = self.exit_tokens[role]
-                    binding.bind_output(contract.EXIT_TOKENS, "cpu", 0, np.int64, list(exits.shape), exits.ctypes.data)
+                    self._bind_host(binding, contract.FINAL_TOKEN, self.final_token, np.int64)
+                    self._bind_host(binding, contract.EXIT_TOKENS, self.exit_tokens[role], np.int64)
                     if not self.fused:
                         for kind in ("key", "value"):
                             self._bind(binding, contract.new_rows(kind), self.new_rows[kind].data_ptr(), self.new_rows[kind].shape(),
                                        output=True)
                 if with_logits:
-                    binding.bind_output(contract.LOGITS if role == contract.PREFILL else contract.FINAL_LOGITS, "cpu", 0, np.float32,
-                                        list(self.logits.shape), self.logits.ctypes.data)
+                    self._bind_host(binding, contract.LOGITS if role == contract.PREFILL else contract.FINAL_LOGITS, self.logits,
+                                    np.float32)
                 self.bindings[role, with_logits] = binding
         if not self.fused:
             full = (self.stage_layers, self.slots, self.kv_heads, rows, self.head_dim)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from speedc.artifact import Manifest
 from speedc.errors import ArtifactError, SpeedcError
 from speedc.runtimes.backend import resolve_threads
@@ -16,6 +18,22 @@ def onnxruntime_module():
     except ImportError:
         raise SpeedcError("the ONNX Runtime backend needs onnxruntime: pip install onnxruntime") from None
     return onnxruntime
+
+
+def bound_address(binding, name: str, array: np.ndarray, dtype) -> int:
+    """The address to bind tensor NAME of BINDING (an ONNX Runtime IO binding) to ARRAY by raw pointer.
+
+    ONNX Runtime then reads and writes that memory as a dense tensor of DTYPE and ARRAY's shape without
+    knowing ARRAY: a strided view or another dtype would be misread (or written past its end), and an
+    array freed while bound would have the next run write into freed memory. So ARRAY must be C-contiguous
+    and of DTYPE, and BINDING keeps a reference to it (as ONNX Runtime's own bind_cpu_input does), by
+    name: rebinding NAME releases the array bound before."""
+    if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
+        raise SpeedcError(f"internal: {name} is bound by address but is not a C-contiguous array")
+    if array.dtype != np.dtype(dtype):
+        raise SpeedcError(f"internal: {name} is bound as {np.dtype(dtype)} but the array holds {array.dtype}")
+    vars(binding).setdefault("speedc_bound_arrays", {})[name] = array
+    return array.ctypes.data
 
 
 def take_dimensions(backend, manifest: Manifest) -> None:

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from speedc.runtimes.acceptance_policy import AcceptancePolicy, fallback_step_cost
-from speedc.schedule import analytic_bound
+from speedc.runtimes.acceptance_policy import AcceptancePolicy
+from speedc.schedule import analytic_bound, assumed_step_cost
 
 
 def _steps(policy: AcceptancePolicy, state, script: str) -> str:
@@ -62,7 +62,7 @@ def test_a_good_run_survives_a_few_misses_and_a_long_bad_stretch_does_not():
     assert state.alpha < policy.threshold
 
 
-def test_step_cost_from_the_manifest_else_the_stated_fallback():
+def test_step_cost_from_the_manifest_else_the_assumed_one():
     def manifest(build):  # the two fields for_manifest reads
         return SimpleNamespace(slots=4, build=build)
 
@@ -70,7 +70,8 @@ def test_step_cost_from_the_manifest_else_the_stated_fallback():
     assert (measured.step_cost, measured.step_cost_source) == (2.1, "measured at build")
     for build in ({}, {"step_cost_measured": {"slots": 2, "step_cost": 1.2}}):  # none, or taken at another P
         fallback = AcceptancePolicy.for_manifest(manifest(build))
-        assert fallback.step_cost == fallback_step_cost(4) == 1.75 and "not measured" in fallback.describe()
+        assert fallback.step_cost == assumed_step_cost(4) == pytest.approx(1.6)  # the compiler's assumption, one value
+        assert "assumed c(P) = 1 + 0.2 (P - 1), not measured" in fallback.describe()
 
 
 def test_the_batch_speculates_while_its_summed_bound_wins():

@@ -109,6 +109,34 @@ def test_config_and_weight_values_are_refused_in_one_line(checkpoint, damage, me
         acceptance_hint_from_training(path)
 
 
+@pytest.mark.parametrize("option, value", [
+    ("qk_norm", True), ("use_qk_norm", True), ("qk_layernorm", True), ("attn_logit_softcapping", 50.0),
+    ("final_logit_softcapping", 30.0), ("query_pre_attn_scalar", 256), ("use_sliding_window", True),
+    ("layer_types", ["sliding_attention", "full_attention"] * 2), ("partial_rotary_factor", 0.5),
+])
+def test_options_the_model_does_not_compute_are_refused_by_name(checkpoint, option, value):
+    """Before: loaded and built, the option silently ignored (an attention, or logits, other than the
+    checkpoint's). Now one line naming it."""
+    path, _ = checkpoint
+    _edit_config(path, **{option: value})
+    with pytest.raises(CheckpointError, match=rf"^config.json: LlamaForCausalLM option {option}=.* is not supported"):
+        load_checkpoint(path)
+
+
+def test_rotary_over_part_of_each_head_is_refused_in_rope_parameters(checkpoint):
+    path, _ = checkpoint
+    _edit_config(path, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+    with pytest.raises(CheckpointError, match=r"unsupported partial_rotary_factor 0.25 \(rope_parameters\)"):
+        load_checkpoint(path)
+
+
+def test_those_options_switched_off_still_load(checkpoint):
+    path, model = checkpoint
+    _edit_config(path, qk_norm=False, attn_logit_softcapping=None, use_sliding_window=False, sliding_window=4096,
+                 layer_types=["full_attention"] * 4, partial_rotary_factor=1.0)
+    assert load_checkpoint(path)[0].layer_map == model.cfg.layer_map
+
+
 def test_tokenizers_that_cannot_serve_the_model_are_refused(tmp_path):
     from speedc.models.checkpoint import read_tokenizer_json
 

@@ -28,10 +28,10 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from speedc.errors import GenerationError, OutOfMemory, SpeedcError
+from speedc.runtimes.detokenize import Piece
 from speedc.serve.batched_engine import BatchedEngine, BatchedGeneration
 from speedc.serve.chat_template import ChatTemplate, TemplateRenderError, load_chat_template
-from speedc.serve.engine_adapter import (Generation, GenerationRequest, Piece, QueueFull, ThreadedEngine,
-                                         prompt_char_limit)
+from speedc.serve.engine_adapter import Generation, GenerationRequest, QueueFull, ThreadedEngine, prompt_char_limit
 from speedc.serve.metrics import CONTENT_TYPE, Metrics
 from speedc.serve.protocol import (COMPLETIONS_DEFAULT_MAX_TOKENS, ApiError, ParsedRequest, parse_request,
                                    read_json)
@@ -145,7 +145,7 @@ class Tracker:
                 piece = await asyncio.wait_for(self.generation.__anext__(), remaining)
             except StopAsyncIteration:
                 break
-            self.metrics.generation_tokens.inc(piece.tokens)
+            self.metrics.generation_tokens.inc(len(piece.ids))
             if not piece.text:
                 continue  # tokens a stop string cut: counted, nothing to show
             now = time.perf_counter()

@@ -16,8 +16,9 @@ what it produces alone (the scheduler's lossless promise), so the server's answe
 from __future__ import annotations
 
 from speedc.runtimes.batch_backend import pool_bytes_per_position
+from speedc.runtimes.detokenize import Piece
 from speedc.runtimes.engine_loop import EngineLoop, Submitted
-from speedc.serve.engine_adapter import FINISH_REASONS, GenerationRequest, Piece, QueueFull, RetryEstimate, encode
+from speedc.serve.engine_adapter import FINISH_REASONS, GenerationRequest, QueueFull, RetryEstimate, encode
 
 ROW_BUDGET = {"speed": -1, "autoregressive": 0}  # --mode -> the scheduler's row policy (-1: its default rule)
 
@@ -46,9 +47,8 @@ class BatchedGeneration:
                 self.finish_reason = FINISH_REASONS.get(self.stats.stop_reason, "stop")
                 self._owner._retry.record(self.stats)
             raise
-        tokens = 0 if piece.id is None else 1  # None: text held back until the end (a cut stop string), no new token
-        self.completion_tokens += tokens
-        return Piece(piece.text, tokens)
+        self.completion_tokens += len(piece.ids)  # none: text held back until the end (a cut stop string)
+        return piece
 
     def cancel(self) -> bool:
         """Stop generating now (no-op once finished); True when there was something to stop."""

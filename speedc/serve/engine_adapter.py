@@ -27,6 +27,8 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from speedc.runtimes.detokenize import Piece
+
 FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length"}  # engine -> OpenAI
 
 
@@ -85,12 +87,6 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
-class Piece:
-    text: str  # confirmed text, whole UTF-8 characters
-    tokens: int  # confirmed tokens this piece adds (a held-back byte sequence may span several)
-
-
-@dataclass(frozen=True)
 class _Finished:
     stats: object  # the engine's DecodeStats
 
@@ -125,10 +121,10 @@ class Generation:
             for text in stream:
                 if self._stop.is_set():
                     return
-                hand_over(Piece(text, len(stream.ids) - counted))
+                hand_over(Piece(ids=tuple(stream.ids[counted:]), text=text))  # several: a held-back byte sequence
                 counted = len(stream.ids)
             if len(stream.ids) > counted:  # tokens whose text a stop string cut off: counted, not shown
-                hand_over(Piece("", len(stream.ids) - counted))
+                hand_over(Piece(ids=tuple(stream.ids[counted:]), text=""))
             hand_over(_Finished(stream.stats))
         finally:
             stream.close()  # the engine is free for the next request
@@ -160,7 +156,7 @@ class Generation:
     async def __anext__(self) -> Piece:
         item = await self._queue.get()
         if isinstance(item, Piece):
-            self.completion_tokens += item.tokens
+            self.completion_tokens += len(item.ids)
             return item
         self._queue.put_nowait(item)  # the end stays the end
         if isinstance(item, _Failure):
