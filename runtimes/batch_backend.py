@@ -45,6 +45,7 @@ import numpy as np
 
 from speedc import contract
 from speedc.artifact import Manifest
+from speedc.cache_layout import CORE, CacheLayout
 from speedc.errors import ArtifactError, GenerationError, OutOfMemory, SpeedcError
 from speedc.runtimes.onnx_session import onnxruntime_module, open_sessions, take_dimensions
 
@@ -165,6 +166,9 @@ class BatchBackend:
             raise ArtifactError(f"{directory}: built before continuous batching (no batch_step graph); rebuild it with "
                                 "this speedc (speedc build ... --force)")
         take_dimensions(self, manifest)
+        self.layout = CacheLayout.from_manifest(manifest)  # which pool slab each graph's cache input is
+        if self.layout.pipelined_phases:
+            raise ArtifactError(f"{directory}: its depth plan pipelines a prelude or coda, which this runtime does not run")
         self.check_width = contract.candidate_count(self.vocab_size)  # K of an early-flush check's candidates
         programs = (contract.PREFILL, contract.BATCH_STEP) if self.slots > 1 else (contract.PREFILL,)
         if fused is None:
@@ -215,7 +219,7 @@ class BatchBackend:
             self._shrink_pending += 1
             if self._shrink_pending < self.shrink_after:
                 return
-        shape = (self.stage_layers, self.slots, width, self.kv_heads, length + 1, self.head_dim)
+        shape = self.layout.pool_shape(CORE, width, self.kv_heads, length, self.head_dim)
         try:  # both new buffers first: if they do not fit, the pool stays as it was
             key, value = np.zeros(shape, F32), np.zeros(shape, F32)
         except MemoryError:
@@ -262,27 +266,21 @@ class BatchBackend:
         self.hidden[:, target] = self.hidden[:, source]
 
     # ---- running a graph -------------------------------------------------------------------------
+    @property
+    def _pools(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """The layout's pools by phase: (K, V) each."""
+        return {CORE: (self.key, self.value)}
+
     def _logical_slabs(self, rows: slice) -> dict[str, np.ndarray]:
-        """Prefill-graph cache inputs: logical layer l = s*S + j reads pool[j, s, rows]."""
-        slabs = {}
-        for layer in range(self.num_layers):
-            slot, j = divmod(layer, self.stage_layers)
-            slabs[contract.cache_input("key", layer)] = self.key[j, slot, rows]
-            slabs[contract.cache_input("value", layer)] = self.value[j, slot, rows]
-        return slabs
+        """Prefill-graph cache inputs over sequence slots ROWS (CacheLayout.prefill_slabs)."""
+        return self.layout.prefill_slabs(self._pools, rows)
 
     def _stage_slabs(self, n: int) -> dict[str, np.ndarray]:
-        """Batch-step cache inputs: fused, stage layer j's whole pool [P*W, kvh, T+1, hd] (one attention a
-        layer); standard, one slab pool[j, s, :n] per (stage layer, slot)."""
-        views = {}
-        for j in range(self.stage_layers):
-            for kind, pool in (("key", self.key), ("value", self.value)):
-                if self.fused:
-                    views[contract.cache_input(kind, j)] = pool[j].reshape(-1, *pool.shape[3:])
-                else:
-                    for s in range(self.slots):
-                        views[contract.batch_cache_input(kind, j, s)] = pool[j, s, :n]
-        return views
+        """Batch-step cache inputs of sequences 0..n-1 (CacheLayout.step_slabs)."""
+        return self.layout.step_slabs(self._pools, n, self.fused)
+
+    def _new_rows(self, result: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {kind: result[contract.new_rows(kind)] for kind in contract.KV_KINDS}
 
     def _step(self, role: str, shape: tuple, slabs: Callable[[], dict[str, np.ndarray]],
               tensors: Callable[[], dict[str, tuple]]) -> StepBinding:
@@ -335,11 +333,7 @@ class BatchBackend:
         sequences = slice(first, first + count)
         if not self.fused:
             result = self._run_standard(contract.PREFILL, feeds, self._logical_slabs(sequences), outputs)
-            for kind, pool in (("key", self.key), ("value", self.value)):  # [N, B, kvh, L, hd] -> pool[j, s, b, :, start:]
-                new = result[contract.new_rows(kind)]
-                new = new.reshape(self.slots, self.stage_layers, *new.shape[1:]).transpose(1, 0, 2, 3, 4, 5)
-                for row, length in enumerate(lengths):  # only the real tokens: the padding's rows are dropped
-                    pool[:, :, first + row, :, start:start + length] = new[:, :, row, :, :length]
+            self.layout.write_prefill_rows(self._pools, self._new_rows(result), first, start, lengths)
             return result[contract.NEXT_TOKEN], (result[contract.LOGITS] if want_logits else None)
         self._check_positions(np.asarray([start + longest - 1]))
         # The chunk length varies, so the ids are bound per call; the slabs' binding is kept per slot range
@@ -367,12 +361,7 @@ class BatchBackend:
                      contract.POSITIONS: np.where(valid, positions, 0).astype(np.int64), contract.CHUNK_LENGTHS: np.ones(n, np.int64)}
             outputs = [contract.NEXT_TOKEN] + ([contract.LOGITS] if want_logits else [])
             result = self._run_standard(contract.PREFILL, feeds, self._logical_slabs(slice(0, n)), outputs)
-            rows = np.flatnonzero(valid)
-            for kind, pool in (("key", self.key), ("value", self.value)):
-                new = result[contract.new_rows(kind)][:, :, :, 0]  # [N, n, kvh, hd]
-                new = new.reshape(self.slots, self.stage_layers, *new.shape[1:]).transpose(1, 0, 2, 3, 4)  # [S, P, n, kvh, hd]
-                # advanced indices (rows, positions) split by a slice: the target is [k, S, P, kvh, hd]
-                pool[:, :, rows, :, positions[rows]] = new[:, :, rows].transpose(2, 0, 1, 3, 4)
+            self.layout.write_token_rows(self._pools, self._new_rows(result), np.flatnonzero(valid), positions)
             return result[contract.NEXT_TOKEN], (result[contract.LOGITS] if want_logits else None)
         self._check_positions(positions)
 
@@ -405,11 +394,7 @@ class BatchBackend:
             outputs = [contract.FINAL_TOKEN, contract.EXIT_TOKENS, contract.EXIT_CANDIDATES, contract.CHECK_TOKENS,
                        contract.HIDDEN_OUT] + ([contract.FINAL_LOGITS] if want_logits else [])
             result = self._run_standard(contract.BATCH_STEP, feeds, self._stage_slabs(n), outputs)
-            s_index, b_index = np.nonzero(valid)  # new rows [S, R, kvh, 1, hd] -> pool[j, s, b, :, positions[s, b]]
-            at = positions[s_index, b_index]
-            for kind, pool in (("key", self.key), ("value", self.value)):
-                new = result[contract.new_rows(kind)][:, :, :, 0].reshape(self.stage_layers, slots, n, self.kv_heads, -1)
-                pool[:, s_index, b_index, :, at] = new[:, s_index, b_index].transpose(1, 0, 2, 3)
+            self.layout.write_step_rows(self._pools, self._new_rows(result), slots, n, valid, positions)
             self.hidden[:, :n] = result[contract.HIDDEN_OUT].reshape(slots, n, self.hidden_size)
             return SpeedStepResult.of(result, want_logits)
         # Fused: only the valid rows run (computed_rows, slot-major indices); the head rows are given as
