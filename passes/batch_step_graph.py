@@ -33,6 +33,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from speedc import contract
+from speedc.cache_layout import CORE, CacheLayout
+from speedc.errors import BuildError
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.exit_heads import final_norm_weight, hidden_output, maybe_norm, weight
 from speedc.passes.graph_utils import add_layer, replace_uses, reshape, tensor
@@ -124,7 +126,10 @@ def add_check_head(graph: gs.Graph, state: CompileState, exit_tap: gs.Tensor, lm
 
 def build_batch_step_graph(decode: gs.Graph, state: CompileState) -> gs.Graph:
     cfg, sched = state.cfg, state.schedule
-    slots, stage_layers, hidden_size = sched.slots, sched.stage_layers, cfg.hidden_size
+    layout = CacheLayout.from_plan(sched.depth_plan, sched.slots)
+    if layout.pipelined_phases:
+        raise BuildError(f"internal: the batch step graph runs one repeated core; the plan has {layout.phases}")
+    slots, stage_layers, hidden_size = layout.slots, layout.stage_layers, cfg.hidden_size
     graph = decode.copy()
     graph.name = "speedc_batch_step"
     hidden_in = enter_slots(graph, "sequences", "rows_behind", "rows", hidden_size)  # embeddings [n, H]
@@ -135,8 +140,9 @@ def build_batch_step_graph(decode: gs.Graph, state: CompileState) -> gs.Graph:
     for layer in range(stage_layers):
         for kind in contract.KV_KINDS:
             past = known[f"past.{kind}.{layer}"]  # becomes the slot-major concatenation of P slabs
+            depths = range(layout.pool_layers(CORE)[1])  # the slots: core pool depths
             parts = [gs.Variable(contract.batch_cache_input(kind, layer, s), np.float32,
-                                 ["sequences", cfg.num_key_value_heads, "context", cfg.head_dim]) for s in range(slots)]
+                                 ["sequences", cfg.num_key_value_heads, "context", cfg.head_dim]) for s in depths]
             graph.nodes.append(gs.Node("Concat", f"batch_cache/Concat_{kind}_{layer}", attrs={"axis": 0},
                                        inputs=parts, outputs=[past]))
             slabs += parts

@@ -20,6 +20,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from speedc import contract
+from speedc.cache_layout import CacheLayout
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.graph_utils import add_layer
 
@@ -53,9 +54,10 @@ def rename_cache_inputs(graph: gs.Graph) -> None:
 def kv_cache(state: CompileState) -> CompileState:
     """Name cache inputs per (stage) layer and stack the new K/V rows into one output each."""
     cfg, sched = state.cfg, state.schedule
+    layout = CacheLayout.from_plan(sched.depth_plan, sched.slots)  # prefill: one entry a logical layer (+ readout codas)
     step_shape = (sched.stage_layers, sched.slots, 1)
-    shapes = {contract.STEP: step_shape, contract.STEP_FLUSH: step_shape, contract.PREFILL: (cfg.num_hidden_layers, "batch", "chunk"),
-              contract.BATCH_STEP: (sched.stage_layers, "rows", 1)}
+    shapes = {contract.STEP: step_shape, contract.STEP_FLUSH: step_shape, contract.PREFILL: (len(layout.entries), "batch", "chunk"),
+              contract.BATCH_STEP: (layout.stage_layers, "rows", 1)}
     for name in [n for n in shapes if n in state.graphs]:  # the programs only (not the cache writers)
         graph = state.graphs[name]
         rename_cache_inputs(graph)

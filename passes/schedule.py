@@ -1,4 +1,5 @@
-"""Pass `schedule` (phase analysis): choose the pipeline depth P and the slot -> layer table.
+"""Pass `schedule` (phase analysis): choose the pipeline depth P and the slot -> layer table from the
+depth plan the share pass fitted (P divides its core repeats; slot 0 also runs the prelude).
 
     cycle M=4, N=16:  stage blocks 0 1 2 3 | 0 1 2 3 | 0 1 2 3 | 0 1 2 3   -> P=4 (or P=2, S=8)
     sequence M=4:     stage blocks 0 0 0 0 | 1 1 1 1 | ...                 -> no P>1 shares weights
@@ -18,6 +19,6 @@ from speedc.schedule import DEFAULT_ALPHA, make_schedule
 def schedule(state: CompileState) -> CompileState:
     """Pick P and the slot -> logical-layer table from the layer map and the cost model."""
     alpha = state.options.alpha if state.options.alpha is not None else (state.acceptance_hint or DEFAULT_ALPHA)
-    state.schedule = make_schedule(state.layer_map, state.exit_layer, alpha, state.options.slots)
+    state.schedule = make_schedule(state.layer_map, state.exit_layer, alpha, state.options.slots, plan=state.depth_plan)
     state.notes.append(f"schedule: {state.schedule.reason}")
     return state

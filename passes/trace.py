@@ -40,7 +40,7 @@ from speedc import contract
 from speedc.errors import BuildError
 from speedc.models.config import ModelConfig
 from speedc.models.llama import SharedLlama
-from speedc.models.row_layer import layer_over_rows, loop_boundary, rms_norm, row_context, rotary_inv_freq
+from speedc.models.row_layer import layer_over_rows, rms_norm, row_context, rotary_inv_freq
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.graph_utils import linear_to_gemm, replace_uses
 from speedc.passes.source_weights import weight_constant
@@ -74,9 +74,11 @@ class DecodeProgram(nn.Module):
                           cfg.num_attention_heads // cfg.num_key_value_heads)
         hidden_out, present = [], []
         exit_logits = None
-        for layer, block_index in enumerate(cfg.layer_map):
-            x, k, v = layer_over_rows(self.model.blocks[block_index], x, ctx, past[2 * layer], past[2 * layer + 1], cfg)
-            x = loop_boundary(x, self.model.norm.weight, cfg, layer)
+        for step in cfg.depth_plan.trip():  # prelude, core repeats (model.norm after each where the plan says), coda
+            layer = step.layer
+            x, k, v = layer_over_rows(self.model.blocks[step.block], x, ctx, past[2 * layer], past[2 * layer + 1], cfg)
+            if step.norm_after:
+                x = rms_norm(x, self.model.norm.weight, cfg.rms_norm_eps)
             hidden_out.append(x)
             present += [k, v]
             if layer + 1 == cfg.exit_layer:
