@@ -102,8 +102,8 @@ class DepthPlan:
         """Pipeline depths P: P divides the repeats and the draft tap lies in slot 0. A plan with a prelude
         or coda pipelines only where PIPELINED_PHASES (the graphs that run them) say so; else plain only."""
         valid = [1]
-        if not self.cycle and not pipelined_phases:
-            return valid
+        if not self.cycle and not (pipelined_phases and draft_layer > len(self.prelude)):
+            return valid  # (a draft inside the prelude would not read the core's state at all)
         for slots in range(2, self.repeats + 1):
             if self.repeats % slots == 0 and draft_layer <= len(self.prelude) + len(self.core) * (self.repeats // slots):
                 valid.append(slots)

@@ -26,6 +26,8 @@ def read_config(data: dict[str, Any]) -> ModelConfig:
     layer_map = resolve_layer_map(speedc["layer_map"], num_layers) if "layer_map" in speedc else list(range(num_layers))
     # speedc.depth: the depth plan a build recorded (models/depth_plan.py); else derived from the layer map
     plan = DepthPlan.from_json(section(data, "speedc", "depth")) if speedc.get("depth") else None
+    if plan is not None and plan.injection:  # represented in the plan, not run by any graph yet
+        raise CheckpointError(f"config.json: speedc.depth injection {plan.injection!r} is not supported by this speedc build")
     if plan is not None and not plan.fits(layer_map):
         raise CheckpointError(f"config.json: speedc.depth ({plan.describe()}) does not fit the layer map {layer_map}")
     exit_section, block = section(data, "speedc", "exit"), section(data, "speedc", "block")

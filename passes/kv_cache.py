@@ -42,6 +42,15 @@ def stack_presents(graph: gs.Graph, layers: int, rows: int | str, chunk: int | s
     graph.outputs = [t for t in graph.outputs if not t.name.startswith("present.")] + stacked
 
 
+def drop_entries_from(graph: gs.Graph, entries: int) -> None:
+    """Cache inputs and present outputs of entries >= ENTRIES leave the graph (cleanup drops their nodes)."""
+    def index(name: str) -> int:
+        return int(name.rsplit(".", 1)[1])
+
+    graph.inputs = [t for t in graph.inputs if not (t.name.startswith("cache.") and index(t.name) >= entries)]
+    graph.outputs = [t for t in graph.outputs if not (t.name.startswith("present.") and index(t.name) >= entries)]
+
+
 def rename_cache_inputs(graph: gs.Graph) -> None:
     for t in graph.inputs:
         if t.name.startswith("past."):
@@ -61,6 +70,8 @@ def kv_cache(state: CompileState) -> CompileState:
     for name in [n for n in shapes if n in state.graphs]:  # the programs only (not the cache writers)
         graph = state.graphs[name]
         rename_cache_inputs(graph)
+        if name == contract.PREFILL:  # the plain engine reads no draft-readout coda the trace may have run
+            drop_entries_from(graph, shapes[name][0])
         stack_presents(graph, *shapes[name], cfg.num_key_value_heads, cfg.head_dim)
         graph.cleanup().toposort()
     return state

@@ -148,7 +148,9 @@ def share(state: CompileState) -> CompileState:
         raise BuildError(f"--exit-layer must be in 1..{len(layer_map)}, got {exit_layer}")
     declared = state.cfg.exit_norm if state.options.exit_layer is None else None
     state.exit_layer = exit_layer
-    if declared == "own" and state.has_speedc_section:
+    if state.depth_plan.coda:  # the draft reads out through the coda, then the final readout's norm
+        state.exit_norm = "model.norm.weight" if state.depth_plan.final_norm else None
+    elif declared == "own" and state.has_speedc_section:
         state.exit_norm = "model.exit_norm.weight"
     elif declared == "none" or state.depth_plan.ends_repeat(exit_layer - 1):
         state.exit_norm = None  # the loop-boundary norm already normalized the state the exit reads

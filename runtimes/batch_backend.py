@@ -165,10 +165,8 @@ class BatchBackend:
         if not batch_ready(manifest):
             raise ArtifactError(f"{directory}: built before continuous batching (no batch_step graph); rebuild it with "
                                 "this speedc (speedc build ... --force)")
-        take_dimensions(self, manifest)
+        take_dimensions(self, manifest, phases=True)
         self.layout = CacheLayout.from_manifest(manifest)  # which pool slab each graph's cache input is
-        if self.layout.pipelined_phases:
-            raise ArtifactError(f"{directory}: its depth plan pipelines a prelude or coda, which this runtime does not run")
         self.check_width = contract.candidate_count(self.vocab_size)  # K of an early-flush check's candidates
         programs = (contract.PREFILL, contract.BATCH_STEP) if self.slots > 1 else (contract.PREFILL,)
         if fused is None:
@@ -190,7 +188,8 @@ class BatchBackend:
         self._shrink_pending = 0  # reserve calls in a row that asked for a smaller pool
         self.length = 0  # positions T the pool holds per sequence slot now (reserve), at most capacity
         self.width = 0  # sequence slots W the pool holds now (reserve), at most max_batch
-        self.key = self.value = None
+        self.key = self.value = None  # the core pool (every layer of a cycle)
+        self.phase_pools: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # a depth plan's prelude / coda pools
         self.reserve(0, 1)
 
     @property
@@ -219,22 +218,25 @@ class BatchBackend:
             self._shrink_pending += 1
             if self._shrink_pending < self.shrink_after:
                 return
-        shape = self.layout.pool_shape(CORE, width, self.kv_heads, length, self.head_dim)
-        try:  # both new buffers first: if they do not fit, the pool stays as it was
-            key, value = np.zeros(shape, F32), np.zeros(shape, F32)
+        shapes = {phase: self.layout.pool_shape(phase, width, self.kv_heads, length, self.head_dim)
+                  for phase in self.layout.phases}
+        try:  # every new buffer first: if they do not fit, the pool stays as it was
+            pools = {phase: (np.zeros(shape, F32), np.zeros(shape, F32)) for phase, shape in shapes.items()}
         except MemoryError:
             if not grow:  # the pool in place still holds what is needed: shrink another time
                 self._shrink_pending = 0
                 return
-            mib = 2 * np.prod(shape, dtype=np.float64) * np.dtype(F32).itemsize / (1 << 20)
+            mib = sum(2 * np.prod(shape, dtype=np.float64) for shape in shapes.values()) * np.dtype(F32).itemsize / (1 << 20)
             raise OutOfMemory(f"the KV-cache pool cannot grow to {length} positions x {width} sequence slots "
                               f"({mib:,.0f} MiB): out of memory; a smaller KV-cache budget or fewer sequences "
                               "(kv_cache_mb / max_batch, --kv-cache-mb / --max-batch)") from None
         keep, kept = min(self.length, length), min(self.width, width)
-        if keep and kept:
-            key[:, :, :kept, :, :keep], value[:, :, :kept, :, :keep] = (self.key[:, :, :kept, :, :keep],
-                                                                        self.value[:, :, :kept, :, :keep])
-        self.key, self.value = key, value
+        if keep and kept and self.key is not None:
+            for phase, old in self._pools.items():
+                for new, pool in zip(pools[phase], old):
+                    new[:, :, :kept, :, :keep] = pool[:, :, :kept, :, :keep]
+        self.key, self.value = pools.pop(CORE)
+        self.phase_pools = pools
         self.length, self.width = length, width
         self._shrink_pending = 0
         self._drop_bindings()
@@ -248,6 +250,7 @@ class BatchBackend:
         """Drop the pool's buffers while no sequence holds a slot: reserve then allocates the new pool
         without the old one beside it (a grow copies the old pool, so both are held at once)."""
         self.key = self.value = None
+        self.phase_pools = {}
         self.length = self.width = 0
         self._shrink_pending = 0
         self._drop_bindings()
@@ -261,15 +264,22 @@ class BatchBackend:
         """Sequence slot SOURCE's cache (its first LENGTH positions; None: all) and pipeline state now live
         in slot TARGET."""
         cut = slice(None, length)
-        for pool in (self.key, self.value):
-            pool[:, :, target, :, cut] = pool[:, :, source, :, cut]
+        for pair in self._pools.values():
+            for pool in pair:
+                pool[:, :, target, :, cut] = pool[:, :, source, :, cut]
         self.hidden[:, target] = self.hidden[:, source]
 
     # ---- running a graph -------------------------------------------------------------------------
     @property
     def _pools(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """The layout's pools by phase: (K, V) each."""
-        return {CORE: (self.key, self.value)}
+        return {CORE: (self.key, self.value), **self.phase_pools}
+
+    @property
+    def early_checks(self) -> bool:
+        """Whether the batch step can check a deeper slot's draft (early flush): a cycle's slots all read
+        out at the same tap; a plan's prelude / coda readouts exist at slot 0 and slot P-1 only."""
+        return self.speculative and not self.layout.pipelined_phases
 
     def _logical_slabs(self, rows: slice) -> dict[str, np.ndarray]:
         """Prefill-graph cache inputs over sequence slots ROWS (CacheLayout.prefill_slabs)."""
@@ -279,8 +289,12 @@ class BatchBackend:
         """Batch-step cache inputs of sequences 0..n-1 (CacheLayout.step_slabs)."""
         return self.layout.step_slabs(self._pools, n, self.fused)
 
-    def _new_rows(self, result: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return {kind: result[contract.new_rows(kind)] for kind in contract.KV_KINDS}
+    def _new_rows(self, result: dict[str, np.ndarray]) -> dict:
+        """A standard graph's new K/V rows by kind, and by (kind, phase) for a plan's prelude / coda."""
+        rows = {kind: result[contract.new_rows(kind)] for kind in contract.KV_KINDS}
+        rows.update({(kind, phase): result[contract.phase_new_rows(kind, phase)] for phase in self.phase_pools
+                     for kind in contract.KV_KINDS if contract.phase_new_rows(kind, phase) in result})
+        return rows
 
     def _step(self, role: str, shape: tuple, slabs: Callable[[], dict[str, np.ndarray]],
               tensors: Callable[[], dict[str, tuple]]) -> StepBinding:
@@ -310,6 +324,8 @@ class BatchBackend:
     def _run_standard(self, role: str, feeds: dict, slabs: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
         """A standard graph: cache slabs fed as inputs, new K/V rows returned with OUTPUTS."""
         names = outputs + [contract.new_rows(kind) for kind in contract.KV_KINDS]
+        if role == contract.BATCH_STEP:  # a depth plan's phases return their own new rows
+            names += [contract.phase_new_rows(kind, phase) for phase in self.phase_pools for kind in contract.KV_KINDS]
         return dict(zip(names, self.sessions[self.graph[role]].run(names, {**feeds, **slabs})))
 
     def prefill(self, first: int, chunks: list[list[int]], start: int, want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:

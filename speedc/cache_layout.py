@@ -139,18 +139,28 @@ class CacheLayout:
 
     # ---- the slabs a graph input names -------------------------------------------------------
     def prefill_slabs(self, pools: dict[str, tuple[np.ndarray, np.ndarray]], rows: slice) -> dict[str, np.ndarray]:
-        """Prefill-graph cache inputs over sequence slots ROWS: entry e reads its pool[layer, depth, rows]."""
+        """Prefill-graph cache inputs over sequence slots ROWS: logical layer l reads its pool[layer, depth, rows].
+        (The draft readout's coda entries are written, never read, by the prefill: its rows only need their K/V.)"""
         slabs = {}
-        for index, at in enumerate(self.entries):
+        for index, at in enumerate(self.entries[:self.num_layers]):
             for kind, pool in zip(contract.KV_KINDS, pools[at.phase]):
                 slabs[contract.cache_input(kind, index)] = pool[at.layer, at.depth, rows]  # [B, kvh, T+1, hd]
         return slabs
 
     def step_slabs(self, pools: dict[str, tuple[np.ndarray, np.ndarray]], n: int, fused: bool) -> dict[str, np.ndarray]:
         """Batch-step cache inputs: fused, stage layer j's whole core pool [P*W, kvh, T+1, hd] (one attention
-        a layer); standard, one slab pool[j, s, :n] per (stage layer, slot)."""
-        self._core_only("the batch step")
+        a layer); standard, one slab pool[j, s, :n] per (stage layer, slot), and the phases' slabs:
+        prelude layer i pool[i, 0, :n], coda layer i at readout depth d pool[i, d, :n]."""
+        if fused:
+            self._core_only("the fused batch step")
         views = {}
+        for kind, pool in zip(contract.KV_KINDS, pools.get(PRELUDE, ())):
+            for i in range(self.prelude_layers):
+                views[contract.phase_cache_input(kind, PRELUDE, i)] = pool[i, 0, :n]  # [n, kvh, T+1, hd]
+        for kind, pool in zip(contract.KV_KINDS, pools.get(CODA, ())):
+            for i in range(self.coda_layers):
+                for depth in range(self.readouts):
+                    views[contract.phase_cache_input(kind, CODA, i, depth)] = pool[i, depth, :n]
         for j in range(self.stage_layers):
             for kind, pool in zip(contract.KV_KINDS, pools[CORE]):
                 if fused:
@@ -183,13 +193,22 @@ class CacheLayout:
     def write_step_rows(self, pools: dict[str, tuple[np.ndarray, np.ndarray]], new: dict[str, np.ndarray],
                         slots: int, n: int, valid: np.ndarray, positions: np.ndarray) -> None:
         """The batch step's new rows NEW[kind] [S, P*n, kvh, 1, hd] (row s*n + b) into pool[j, s, b, :, positions[s, b]]
-        for the valid (slot, sequence) pairs only (bubbles never write)."""
-        self._core_only("the batch step")
+        for the valid (slot, sequence) pairs only (bubbles never write). With phases, NEW[(kind, PRELUDE)]
+        [Lp, n, kvh, 1, hd] are slot 0's rows, NEW[(kind, CODA)] [Lc, 2, n, kvh, 1, hd] the draft readout's
+        (slot 0's rows) and the final readout's (slot P-1's): each readout depth writes only its own K/V."""
         s_index, b_index = np.nonzero(valid)
         at = positions[s_index, b_index]
         for kind, pool in zip(contract.KV_KINDS, pools[CORE]):
             rows = new[kind][:, :, :, 0].reshape(self.stage_layers, slots, n, *pool.shape[3:4], -1)  # [S, P, n, kvh, hd]
             pool[:, s_index, b_index, :, at] = rows[:, s_index, b_index].transpose(1, 0, 2, 3)
+        entering, leaving = np.flatnonzero(valid[0]), np.flatnonzero(valid[slots - 1])
+        for kind, pool in zip(contract.KV_KINDS, pools.get(PRELUDE, ())):
+            rows = new[(kind, PRELUDE)][:, :, :, 0]  # [Lp, n, kvh, hd]
+            pool[:, 0, entering, :, positions[0, entering]] = rows[:, entering].transpose(1, 0, 2, 3)  # target [k, Lp, kvh, hd]
+        for kind, pool in zip(contract.KV_KINDS, pools.get(CODA, ())):
+            rows = new[(kind, CODA)][:, :, :, :, 0]  # [Lc, 2, n, kvh, hd]
+            for depth, (picked, slot) in ((DRAFT_READOUT, (entering, 0)), (self.readouts - 1, (leaving, slots - 1))):
+                pool[:, depth, picked, :, positions[slot, picked]] = rows[:, depth, picked].transpose(1, 0, 2, 3)
 
     def _core_only(self, what: str) -> None:
         if self.pipelined_phases:

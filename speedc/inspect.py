@@ -166,6 +166,10 @@ def render(info: dict) -> None:
                       f"{stored / max(unique, 1):.3f} x the unique fp32 bytes")
         console.print("files: every one present and its sha256 the manifest's" if info.get("files_verified") else
                       "files: every one present (--verify checks their sha256, as loading does)")
+    if sched.get("depth_plan"):  # artifacts built before the depth plan have none
+        from speedc.models.depth_plan import DepthPlan
+
+        console.print(f"depth plan: {DepthPlan.from_json(sched['depth_plan']).describe()}")
     console.print(f"schedule: P={sched['slots']} slots x S={sched['stage_layers']} layers; {sched['reason']}")
     for s, layers in enumerate(sched["slot_layers"]):
         console.print(f"  slot {s}: logical layers {layers[0]}..{layers[-1]} (blocks {sched['stage_blocks']})")

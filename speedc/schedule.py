@@ -73,12 +73,12 @@ def speedup_curve(valid_slots: list[int]) -> dict[int, dict[str, float]]:
 
 
 def make_schedule(layer_map: list[int], exit_layer: int, alpha: float, requested: int | None,
-                  plan: DepthPlan | None = None) -> Schedule:
+                  plan: DepthPlan | None = None, pipelined_phases: bool = False) -> Schedule:
     """Choose P among the depths PLAN allows (None: derived from LAYER_MAP): the requested one, else the
-    best predicted speedup at ALPHA."""
+    best predicted speedup at ALPHA. PIPELINED_PHASES: the graphs can run the plan's prelude / coda."""
     n = len(layer_map)
     plan = plan or derive_plan(layer_map)
-    valid = plan.valid_slots(exit_layer)
+    valid = plan.valid_slots(exit_layer, pipelined_phases)
     if requested is not None:
         if requested not in valid:
             raise BuildError(f"--slots {requested} does not divide the schedule: valid slot counts for this layer map "

@@ -111,12 +111,47 @@ def test_middle_cycle_layout_owns_coda_kv_per_readout():
     assert layout.pool_shape(CODA, W, KVH, T, HD) == (1, 2, W, KVH, T + 1, HD)
     pools = pools_for(layout)
     slabs = layout.prefill_slabs(pools, slice(0, 1))
-    assert len(slabs) == 2 * 9
-    final, draft = slabs[contract.cache_input("key", 7)], slabs[contract.cache_input("key", 8)]
+    assert len(slabs) == 2 * 8  # the prefill reads the trip's layers (it only writes the draft readout's coda)
+    final = slabs[contract.cache_input("key", 7)]
     assert np.shares_memory(final, pools[CODA][0][0, 1]) and not np.shares_memory(final, pools[CODA][0][0, 0])
-    assert np.shares_memory(draft, pools[CODA][0][0, 0])  # each readout depth its own coda K/V
+    step = layout.step_slabs(pools, 2, fused=False)
+    assert len(step) == 2 * (2 * 3 + 1 + 2)  # core (j, s), the prelude, the coda at both readout depths
+    assert np.shares_memory(step[contract.phase_cache_input("value", PRELUDE, 0)], pools[PRELUDE][1])
+    np.testing.assert_array_equal(step[contract.phase_cache_input("key", CODA, 0, 1)], pools[CODA][0][0, 1, :2])
     with pytest.raises(ArtifactError, match="not pipelined"):
-        layout.step_slabs(pools, 1, fused=False)
+        layout.step_slabs(pools, 2, fused=True)  # the fused variant runs a cycle only
+
+
+def test_middle_cycle_step_rows_write_each_readout_depth_from_its_own_slot():
+    """Slot 0's rows write the prelude and the draft readout's coda; slot P-1's the final readout's coda;
+    bubbles nothing (positions are each sequence's own)."""
+    layout = CacheLayout.from_plan(middle_cycle_plan(), slots=3)
+    pools = pools_for(layout)
+    expected = {phase: [pool.copy() for pool in pair] for phase, pair in pools.items()}
+    rng = np.random.default_rng(3)
+    n = 2
+    valid = np.array([[True, False], [True, True], [False, True]])
+    positions = np.array([[5, 0], [4, 3], [0, 2]])
+    new = {}
+    for k, kind in enumerate(contract.KV_KINDS):
+        new[kind] = rng.standard_normal((2, 3 * n, KVH, 1, HD)).astype(np.float32)
+        new[(kind, PRELUDE)] = rng.standard_normal((1, n, KVH, 1, HD)).astype(np.float32)
+        new[(kind, CODA)] = rng.standard_normal((1, 2, n, KVH, 1, HD)).astype(np.float32)
+        for s in range(3):
+            for b in range(n):
+                if valid[s, b]:
+                    for j in range(2):
+                        expected[CORE][k][j, s, b, :, positions[s, b]] = new[kind][j, s * n + b, :, 0]
+        for b in range(n):
+            if valid[0, b]:  # entering slot 0: prelude and draft coda at its position
+                expected[PRELUDE][k][0, 0, b, :, positions[0, b]] = new[(kind, PRELUDE)][0, b, :, 0]
+                expected[CODA][k][0, 0, b, :, positions[0, b]] = new[(kind, CODA)][0, 0, b, :, 0]
+            if valid[2, b]:  # leaving slot P-1: the final readout's coda
+                expected[CODA][k][0, 1, b, :, positions[2, b]] = new[(kind, CODA)][0, 1, b, :, 0]
+    layout.write_step_rows(pools, new, 3, n, valid, positions)
+    for phase, pair in pools.items():
+        for k in range(2):
+            np.testing.assert_array_equal(pair[k], expected[phase][k])
 
 
 def test_plain_engine_is_one_stage_and_bad_slot_counts_refused():
