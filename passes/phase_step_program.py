@@ -64,8 +64,7 @@ class PhaseStepProgram(nn.Module):
         if not llama.cfg.tie_word_embeddings:
             self.lm_head = llama.lm_head  # unused here; kept so parameter names match the checkpoint's
         self.register_buffer("inv_freq", rotary_inv_freq(self.cfg), persistent=False)
-        self.layout = CacheLayout(len(pipeline.plan.prelude), pipeline.stage_layers, pipeline.slots,
-                                  len(pipeline.plan.coda), 2 if pipeline.plan.coda else 1)
+        self.layout = CacheLayout.from_plan(pipeline.plan.to_json(), pipeline.slots)  # the runtime's addressing
 
     def _run(self, blocks, x, ctx, slabs, first_layer: int):
         """x [r, H] through BLOCKS against SLABS [(k, v)] -> (x, [k], [v]), model.norm where a repeat ends."""
