@@ -10,6 +10,9 @@ s's rows for stage layer j, logical layer s*S + j, are one contiguous [kvh, T, h
                    new_key        [N, 1, kvh, L, hd]   rows start .. start+L-1
     batch step     cache inputs named by passes/batch_step_graph.py; new_key [S, R, kvh, 1, hd]
 
+Which slab each entry is lives in speedc/cache_layout.py (a depth plan's prelude / coda included: its
+prefill writes N + Lc entries, the draft readout's coda last).
+
 The graphs only read the cache; new rows leave as one small tensor each for K and V, so a step
 never copies or concatenates the cache (the copy that cost the prototype 25% of its speed).
 """

@@ -2,6 +2,7 @@
 graph runs the batch scheduler (runtimes/batch.py) needs. Imports numpy and onnxruntime only.
 
     pool K, V [S, P, W, kvh, T+1, hd]  (stage layer j, pipeline slot s, sequence slot b, ...)
+    (a depth plan with a prelude / coda adds their pools beside it; speedc/cache_layout.py addresses all)
 
 The pool's width W (sequence slots) and length T (positions) follow the sequences in it (`reserve`):
 W the smallest power of two >= the occupied sequence slots, up to max_batch; T the smallest power of
@@ -65,9 +66,11 @@ def batch_ready(manifest: Manifest) -> bool:
 
 
 def pool_bytes_per_position(manifest: Manifest) -> int:
-    """K and V bytes one sequence slot needs per position (every logical layer)."""
+    """K and V bytes one sequence slot needs per position (every cache entry: each logical layer, and a
+    pipelined coda's second readout depth)."""
     model = manifest.model
-    return 2 * model["num_layers"] * model["num_kv_heads"] * model["head_dim"] * np.dtype(F32).itemsize
+    entries = len(CacheLayout.from_manifest(manifest).entries)
+    return 2 * entries * model["num_kv_heads"] * model["head_dim"] * np.dtype(F32).itemsize
 
 
 def slot_capacity(manifest: Manifest, max_batch: int, kv_cache_mb: float | None) -> int:
