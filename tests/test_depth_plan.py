@@ -129,3 +129,35 @@ def test_config_round_trip_and_bad_plan(tmp_path):
     with pytest.raises(CheckpointError) as error:
         ModelConfig.load(path)
     assert "\n" not in str(error.value) and "at least one block" in str(error.value)
+
+
+def test_speedc_middle_cycle_checkpoint_pipelines_losslessly(tmp_path):
+    """speedc's own checkpoint with a middle-cycle layer map (declared in its speedc section) gets the
+    prelude / coda pipeline too: batched SPEED == batched plain == the PyTorch reference (greedy), SPEED ==
+    plain (seeded sampling), with mispredictions (random weights). The transformers oracle for this
+    shape is tests/test_family_looped_llama.py."""
+    import torch
+
+    from conftest import build_artifact, randomize
+    from speedc import Engine
+    from speedc.artifact import read_manifest
+    from speedc.models.generate import generate as reference_generate
+    from speedc.models.llama import SharedLlama
+
+    cfg = random_config(layers=8, layer_map={"pattern": "middle-cycle", "num_blocks": 4}, blocks=4, exit_layer=3,
+                        exit_norm="final", hidden=64, heads=4, kv_heads=2)
+    model = randomize(SharedLlama(cfg), seed=21)
+    artifact = build_artifact(model, tmp_path / "art")
+    manifest = read_manifest(artifact)
+    assert manifest.slots == 3 and manifest.schedule["slot_layers"] == [[0, 1, 2], [3, 4], [5, 6]]
+    engine = Engine.load(artifact, lazy=True)
+    prompts = [torch.randint(0, cfg.vocab_size, (5,), generator=torch.Generator().manual_seed(s)).tolist() for s in (1, 2)]
+    plain = engine.generate_batch(prompts, max_new_tokens=12, stop_at_eos=False, row_budget=0, max_batch=2)
+    speed = engine.generate_batch(prompts, max_new_tokens=12, stop_at_eos=False, max_batch=2)
+    reference = [reference_generate(model, p, 12) for p in prompts]
+    assert [r.ids for r in speed] == [r.ids for r in plain] == reference
+    assert sum(r.stats.mispredicted for r in speed) > 0
+    settings = [{"temperature": 1.0, "seed": 5}, {"temperature": 0.7, "top_k": 10, "seed": 6}]
+    runs = [engine.generate_batch(prompts, max_new_tokens=12, stop_at_eos=False, settings=settings, max_batch=2, **extra)
+            for extra in ({}, {"row_budget": 0})]
+    assert [r.ids for r in runs[0]] == [r.ids for r in runs[1]]
