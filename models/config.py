@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from speedc.errors import CheckpointError
+from speedc.models.depth_plan import DepthPlan, fit_plan
 from speedc.models.layer_map import describe_layer_map, resolve_layer_map
 
 CONFIG_FORMAT_VERSION = 1
@@ -57,6 +58,9 @@ class ModelConfig:
     sandwich_norms: bool = False  # Ouro: h = x + norm2(attn(norm1(x))); out = h + norm4(mlp(norm3(h)))
     loop_norm: bool = False  # looped models: state = model.norm(state) after every pass over the blocks
     final_norm: bool = True  # the final head normalizes (False: the last loop-boundary norm already did)
+    # The phases of a token's trip (models/depth_plan.py): a family's declared loops, else derived from
+    # the layer map; always refitted to layer_map / loop_norm / final_norm (dataclasses.replace keeps it true).
+    depth_plan: DepthPlan | None = None
 
     def __post_init__(self) -> None:
         if self.head_dim is None and isinstance(self.num_attention_heads, int) and self.num_attention_heads > 0:
@@ -65,6 +69,7 @@ class ModelConfig:
             self.eos_token_ids = (self.eos_token_id,)
         self.eos_token_ids = tuple(self.eos_token_ids)
         self.validate()
+        self.depth_plan = fit_plan(list(self.layer_map), self.depth_plan, self.loop_norm, self.final_norm)
 
     # ---- derived ------------------------------------------------------------------------
     @property
@@ -72,8 +77,8 @@ class ModelConfig:
         return max(self.layer_map) + 1
 
     def ends_loop(self, layer: int) -> bool:
-        """Whether logical layer LAYER is followed by the loop-boundary norm."""
-        return self.loop_norm and (layer + 1) % self.num_blocks == 0
+        """Whether logical layer LAYER is followed by the loop-boundary norm (the end of a core repeat)."""
+        return self.depth_plan.ends_repeat(layer)
 
     def validate(self) -> None:
         def need(cond: bool, message: str) -> None:
@@ -135,6 +140,7 @@ class ModelConfig:
                 "exit": {"layer": self.exit_layer, "norm": self.exit_norm},
                 "block": {"architecture": self.architecture, "sandwich_norms": self.sandwich_norms,
                           "loop_norm": self.loop_norm, "final_norm": self.final_norm},
+                "depth": self.depth_plan.to_json(),
             },
         }
 

@@ -40,7 +40,14 @@ def register_family(family: Family) -> Family:
 
 
 def _load_families() -> None:
-    from speedc.models import family_llama, family_nanbeige, family_ouro  # noqa: F401  (registers)
+    """Import every models/family_*.py (each registers itself): a new family is one file."""
+    import importlib
+    import pkgutil
+
+    from speedc import models
+
+    for module in sorted(m.name for m in pkgutil.iter_modules(models.__path__) if m.name.startswith("family_")):
+        importlib.import_module(f"speedc.models.{module}")
 
 
 def supported() -> str:

@@ -9,6 +9,7 @@ from typing import Any
 from speedc.errors import CheckpointError
 from speedc.models.config import CONFIG_FORMAT_VERSION, ModelConfig
 from speedc.models.families import Family, boolean, common_fields, integer, positive_int, register_family, section
+from speedc.models.depth_plan import DepthPlan
 from speedc.models.layer_map import first_pass_length, resolve_layer_map
 
 
@@ -23,6 +24,12 @@ def read_config(data: dict[str, Any]) -> ModelConfig:
         raise CheckpointError(f"config.json: speedc.format_version {speedc['format_version']!r} is not one this speedc "
                               f"reads ({CONFIG_FORMAT_VERSION})")
     layer_map = resolve_layer_map(speedc["layer_map"], num_layers) if "layer_map" in speedc else list(range(num_layers))
+    # speedc.depth: the depth plan a build recorded (models/depth_plan.py); else derived from the layer map
+    plan = DepthPlan.from_json(section(data, "speedc", "depth")) if speedc.get("depth") else None
+    if plan is not None and plan.injection:  # represented in the plan, not run by any graph yet
+        raise CheckpointError(f"config.json: speedc.depth injection {plan.injection!r} is not supported by this speedc build")
+    if plan is not None and not plan.fits(layer_map):
+        raise CheckpointError(f"config.json: speedc.depth ({plan.describe()}) does not fit the layer map {layer_map}")
     exit_section, block = section(data, "speedc", "exit"), section(data, "speedc", "block")
     try:
         return ModelConfig(
@@ -33,7 +40,7 @@ def read_config(data: dict[str, Any]) -> ModelConfig:
             sandwich_norms=boolean("speedc.block.sandwich_norms", block.get("sandwich_norms", False)),
             loop_norm=boolean("speedc.block.loop_norm", block.get("loop_norm", False)),
             final_norm=boolean("speedc.block.final_norm", block.get("final_norm", True)),
-            **common_fields(data))
+            depth_plan=plan, **common_fields(data))
     except (TypeError, ValueError) as bad:
         raise CheckpointError(f"config.json: {bad}") from None
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from speedc.models.config import ModelConfig
 from speedc.models.families import Family, common_fields, off, positive_int, refuse_options, register_family
-from speedc.models.layer_map import cycle_map
+from speedc.models.depth_plan import looped_plan
 
 
 REFUSED = {name: off for name in (
@@ -39,9 +39,10 @@ def read_config(data: dict[str, Any]) -> ModelConfig:
     layers = positive_int(data, "num_hidden_layers")
     loops = loop_count(data)
     skip = bool(data.get("skip_loop_final_norm", False))
-    return ModelConfig(num_hidden_layers=layers * loops, layer_map=cycle_map(layers * loops, layers), exit_layer=layers,
+    plan = looped_plan(layers, loops, repeat_norm=not skip, final_norm=skip)
+    return ModelConfig(num_hidden_layers=plan.num_layers, layer_map=plan.layer_map, exit_layer=plan.first_repeat_end(),
                        exit_norm="final" if skip else "none", architecture="nanbeige", sandwich_norms=False,
-                       loop_norm=not skip, final_norm=skip, **common_fields(data))
+                       loop_norm=plan.repeat_norm, final_norm=plan.final_norm, depth_plan=plan, **common_fields(data))
 
 
 def config_notes(data: dict[str, Any]) -> list[str]:

@@ -21,6 +21,7 @@ import onnx_graphsurgeon as gs
 
 from speedc.errors import BuildError
 from speedc.models.config import ModelConfig
+from speedc.models.depth_plan import DepthPlan
 from speedc.models.tensor_source import TensorSource
 from speedc.passes.source_weights import constant_nbytes
 from speedc.schedule import Schedule
@@ -31,7 +32,7 @@ PassFn = Callable[["CompileState"], "CompileState"]
 FACTS: dict[str, str] = {
     "decode_program": "the traced N-layer decode program (graph 'decode')",
     "separate_projections": "one Gemm per q/k/v/gate/up projection",
-    "layer_map": "the layer map and the early-exit point derived from the weights",
+    "layer_map": "the layer map, its depth plan and the early-exit point derived from the weights",
     "schedule": "the pipeline schedule (P, slot -> layers)",
     "programs": "the step and prefill graphs",
     "batch_program": "the batch step graph (many sequences' pipelines per step)",
@@ -69,6 +70,7 @@ class CompileState:
     layer_map: list[int] | None = None  # derived from the weights by the share pass
     exit_layer: int | None = None  # logical layers before the early-exit head (share pass decides)
     exit_norm: str | None = None  # initializer name of the exit head's RMSNorm weight
+    depth_plan: DepthPlan | None = None  # the phases of a token's trip over the derived layer map (share pass)
     schedule: Schedule | None = None  # the schedule pass decides
     weight_parts: dict[str, list] = field(default_factory=dict)  # stacked weight -> [(part, first row, rows)]
     weight_aliases: dict[str, str] = field(default_factory=dict)  # a model tensor share merged away -> the one holding its values

@@ -25,6 +25,10 @@ a sequence joins or leaves between steps. The standard graph concatenates the P 
 (a copy of the rows it reads); the fused variant (gqa_attention) reads each stage layer's whole pool as
 one buffer, runs one GroupQueryAttention a layer over it, written in place, and computes only the rows
 that hold a token (gqa_attention.BatchPool).
+
+A depth plan with a prelude or coda (models/depth_plan.py) gets its batch step from
+passes/phase_step_program.py instead (slot 0 runs the prelude, each readout its coda with its own
+K/V); the heads below read its readouts. Standard graph only: the fused variant runs cycles.
 """
 
 from __future__ import annotations
@@ -33,9 +37,10 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from speedc import contract
+from speedc.cache_layout import CORE, CacheLayout
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.exit_heads import final_norm_weight, hidden_output, maybe_norm, weight
-from speedc.passes.graph_utils import add_layer, replace_uses, reshape, tensor
+from speedc.passes.graph_utils import add_layer, linear_to_gemm, replace_uses, reshape, tensor
 from speedc.passes.step_graph import enter_slots
 
 
@@ -53,13 +58,15 @@ def _slice0(graph: gs.Graph, x: gs.Tensor, start: gs.Tensor, end: gs.Tensor, nam
 
 
 def add_batch_heads(graph: gs.Graph, state: CompileState, final_rows: gs.Tensor, exit_rows: gs.Tensor,
-                    check_rows: gs.Tensor, check_candidates: gs.Tensor) -> list[gs.Tensor]:
+                    check_rows: gs.Tensor, check_candidates: gs.Tensor, taps: tuple[str, str] | None = None) -> list[gs.Tensor]:
     """Final head on FINAL_ROWS of the stage output, exit head on EXIT_ROWS of the exit tap: one LM-head
-    Gemm; the exit rows' top-K ids; the early-flush checks on CHECK_ROWS over their CHECK_CANDIDATES."""
+    Gemm; the exit rows' top-K ids; the early-flush checks on CHECK_ROWS over their CHECK_CANDIDATES.
+    TAPS: (final, exit) readout tensors [R, H] to read instead (a depth plan's codas, phase_step_program)."""
     cfg, sched = state.cfg, state.schedule
     stage_out = tensor(graph, f"hidden.{sched.stage_layers - 1}")
-    exit_tap = tensor(graph, f"hidden.{state.exit_layer - 1}")
-    final_in = maybe_norm(graph, state, _gather_rows(graph, stage_out, final_rows, "batch_final_rows"),
+    final_tap, exit_tap = ((stage_out, tensor(graph, f"hidden.{state.exit_layer - 1}")) if taps is None
+                           else (tensor(graph, taps[0]), tensor(graph, taps[1])))
+    final_in = maybe_norm(graph, state, _gather_rows(graph, final_tap, final_rows, "batch_final_rows"),
                           final_norm_weight(state), "batch_final_head")  # [F, H]
     exit_in = maybe_norm(graph, state, _gather_rows(graph, exit_tap, exit_rows, "batch_exit_rows"),
                          state.exit_norm, "batch_exit_head")  # [E, H]
@@ -122,9 +129,43 @@ def add_check_head(graph: gs.Graph, state: CompileState, exit_tap: gs.Tensor, lm
     return out
 
 
+def head_inputs(cfg) -> list[gs.Variable]:
+    """final_rows, exit_rows, check_rows, check_candidates: the rows whose heads a step runs."""
+    return [gs.Variable(contract.FINAL_ROWS, np.int64, ["final_rows"]), gs.Variable(contract.EXIT_ROWS, np.int64, ["exit_rows"]),
+            gs.Variable(contract.CHECK_ROWS, np.int64, ["check_rows"]),
+            gs.Variable(contract.CHECK_CANDIDATES, np.int64, ["check_rows", contract.candidate_count(cfg.vocab_size)])]
+
+
+def build_phase_batch_step_graph(state: CompileState) -> gs.Graph:
+    """The batch step of a depth plan with a prelude / coda: traced from phase_step_program (its diagram),
+    the heads reading its readouts."""
+    from speedc.passes.phase_step_program import READOUT_DRAFT, READOUT_FINAL, import_phase_step, slab_names
+    from speedc.passes.trace import bind_weights
+
+    cfg, sched = state.cfg, state.schedule
+    # The family's plan: its block numbers are the checkpoint's (the decode program was traced with them).
+    graph, layout = import_phase_step(cfg, cfg.depth_plan.pipeline(sched.slots, state.exit_layer))
+    slabs = slab_names(layout)
+    bind_weights(graph, state, [contract.INPUT_IDS, contract.POSITIONS, contract.HIDDEN_IN, *slabs])
+    linear_to_gemm(graph)
+    graph.name = "speedc_batch_step"
+    heads = head_inputs(cfg)
+    known = graph.tensors()
+    graph.inputs = [known[contract.INPUT_IDS], known[contract.POSITIONS], known[contract.HIDDEN_IN], *heads,
+                    *(known[name] for name in slabs)]
+    phase_rows = [t for t in graph.outputs if t.name.startswith("new_")]
+    presents = [t for t in graph.outputs if t.name.startswith("present.")]
+    outputs = add_batch_heads(graph, state, *heads, taps=(READOUT_FINAL, READOUT_DRAFT))
+    graph.outputs = outputs + presents + phase_rows
+    return graph.cleanup(remove_unused_graph_inputs=False).toposort()
+
+
 def build_batch_step_graph(decode: gs.Graph, state: CompileState) -> gs.Graph:
     cfg, sched = state.cfg, state.schedule
-    slots, stage_layers, hidden_size = sched.slots, sched.stage_layers, cfg.hidden_size
+    layout = CacheLayout.from_plan(sched.depth_plan, sched.slots)
+    if layout.pipelined_phases:
+        return build_phase_batch_step_graph(state)
+    slots, stage_layers, hidden_size = layout.slots, layout.stage_layers, cfg.hidden_size
     graph = decode.copy()
     graph.name = "speedc_batch_step"
     hidden_in = enter_slots(graph, "sequences", "rows_behind", "rows", hidden_size)  # embeddings [n, H]
@@ -135,15 +176,13 @@ def build_batch_step_graph(decode: gs.Graph, state: CompileState) -> gs.Graph:
     for layer in range(stage_layers):
         for kind in contract.KV_KINDS:
             past = known[f"past.{kind}.{layer}"]  # becomes the slot-major concatenation of P slabs
+            depths = range(layout.pool_layers(CORE)[1])  # the slots: core pool depths
             parts = [gs.Variable(contract.batch_cache_input(kind, layer, s), np.float32,
-                                 ["sequences", cfg.num_key_value_heads, "context", cfg.head_dim]) for s in range(slots)]
+                                 ["sequences", cfg.num_key_value_heads, "context", cfg.head_dim]) for s in depths]
             graph.nodes.append(gs.Node("Concat", f"batch_cache/Concat_{kind}_{layer}", attrs={"axis": 0},
                                        inputs=parts, outputs=[past]))
             slabs += parts
-    final_rows = gs.Variable(contract.FINAL_ROWS, np.int64, ["final_rows"])
-    exit_rows = gs.Variable(contract.EXIT_ROWS, np.int64, ["exit_rows"])
-    check_rows = gs.Variable(contract.CHECK_ROWS, np.int64, ["check_rows"])
-    check_candidates = gs.Variable(contract.CHECK_CANDIDATES, np.int64, ["check_rows", contract.candidate_count(cfg.vocab_size)])
+    final_rows, exit_rows, check_rows, check_candidates = head_inputs(cfg)
     graph.inputs = [input_ids, positions, hidden_in, final_rows, exit_rows, check_rows, check_candidates, *slabs]
     heads = add_batch_heads(graph, state, final_rows, exit_rows, check_rows, check_candidates)
     presents = [known[f"present.{kind}.{layer}"] for layer in range(stage_layers) for kind in contract.KV_KINDS]

@@ -73,7 +73,8 @@ def maybe_norm(graph: gs.Graph, state: CompileState, rows: gs.Tensor, norm_weigh
 
 
 def final_norm_weight(state: CompileState) -> str | None:
-    return "model.norm.weight" if state.cfg.final_norm else None
+    """The final readout's norm, as the depth plan says (None: the last repeat's norm already applied)."""
+    return "model.norm.weight" if (state.depth_plan or state.cfg.depth_plan).final_norm else None
 
 
 def emit_head(graph: gs.Graph, state: CompileState, rows: gs.Tensor, norm_weight: str | None, prefix: str,

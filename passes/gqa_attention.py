@@ -39,6 +39,7 @@ import onnx_graphsurgeon as gs
 
 from speedc import contract
 from speedc.errors import BuildError
+from speedc.cache_layout import CacheLayout
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.graph_utils import add_layer, ancestors, descendants, import_microsoft_domain, reshape
 
@@ -361,6 +362,9 @@ def gqa_attention(state: CompileState) -> CompileState:
     if state.options.target != "onnx":
         return state
     cfg = state.cfg
+    if CacheLayout.from_plan(state.schedule.depth_plan, state.schedule.slots).pipelined_phases:
+        state.notes.append("gqa_attention: skipped (the fused batch step runs a cycle; this plan pipelines a prelude / coda)")
+        return state
     if cfg.head_dim % GQA_HEAD_DIM_MULTIPLE:
         state.notes.append(f"gqa_attention: skipped (ONNX Runtime's GroupQueryAttention needs head_dim % "
                            f"{GQA_HEAD_DIM_MULTIPLE} == 0, this model has {cfg.head_dim})")

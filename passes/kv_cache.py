@@ -10,6 +10,9 @@ s's rows for stage layer j, logical layer s*S + j, are one contiguous [kvh, T, h
                    new_key        [N, 1, kvh, L, hd]   rows start .. start+L-1
     batch step     cache inputs named by passes/batch_step_graph.py; new_key [S, R, kvh, 1, hd]
 
+Which slab each entry is lives in speedc/cache_layout.py (a depth plan's prelude / coda included: its
+prefill writes N + Lc entries, the draft readout's coda last).
+
 The graphs only read the cache; new rows leave as one small tensor each for K and V, so a step
 never copies or concatenates the cache (the copy that cost the prototype 25% of its speed).
 """
@@ -20,6 +23,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from speedc import contract
+from speedc.cache_layout import CacheLayout
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.graph_utils import add_layer
 
@@ -41,6 +45,15 @@ def stack_presents(graph: gs.Graph, layers: int, rows: int | str, chunk: int | s
     graph.outputs = [t for t in graph.outputs if not t.name.startswith("present.")] + stacked
 
 
+def drop_entries_from(graph: gs.Graph, entries: int) -> None:
+    """Cache inputs and present outputs of entries >= ENTRIES leave the graph (cleanup drops their nodes)."""
+    def index(name: str) -> int:
+        return int(name.rsplit(".", 1)[1])
+
+    graph.inputs = [t for t in graph.inputs if not (t.name.startswith("cache.") and index(t.name) >= entries)]
+    graph.outputs = [t for t in graph.outputs if not (t.name.startswith("present.") and index(t.name) >= entries)]
+
+
 def rename_cache_inputs(graph: gs.Graph) -> None:
     for t in graph.inputs:
         if t.name.startswith("past."):
@@ -53,12 +66,15 @@ def rename_cache_inputs(graph: gs.Graph) -> None:
 def kv_cache(state: CompileState) -> CompileState:
     """Name cache inputs per (stage) layer and stack the new K/V rows into one output each."""
     cfg, sched = state.cfg, state.schedule
+    layout = CacheLayout.from_plan(sched.depth_plan, sched.slots)  # prefill: one entry a logical layer (+ readout codas)
     step_shape = (sched.stage_layers, sched.slots, 1)
-    shapes = {contract.STEP: step_shape, contract.STEP_FLUSH: step_shape, contract.PREFILL: (cfg.num_hidden_layers, "batch", "chunk"),
-              contract.BATCH_STEP: (sched.stage_layers, "rows", 1)}
+    shapes = {contract.STEP: step_shape, contract.STEP_FLUSH: step_shape, contract.PREFILL: (len(layout.entries), "batch", "chunk"),
+              contract.BATCH_STEP: (layout.stage_layers, "rows", 1)}
     for name in [n for n in shapes if n in state.graphs]:  # the programs only (not the cache writers)
         graph = state.graphs[name]
         rename_cache_inputs(graph)
+        if name == contract.PREFILL:  # the plain engine reads no draft-readout coda the trace may have run
+            drop_entries_from(graph, shapes[name][0])
         stack_presents(graph, *shapes[name], cfg.num_key_value_heads, cfg.head_dim)
         graph.cleanup().toposort()
     return state

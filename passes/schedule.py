@@ -1,4 +1,5 @@
-"""Pass `schedule` (phase analysis): choose the pipeline depth P and the slot -> layer table.
+"""Pass `schedule` (phase analysis): choose the pipeline depth P and the slot -> layer table from the
+depth plan the share pass fitted (P divides its core repeats; slot 0 also runs the prelude).
 
     cycle M=4, N=16:  stage blocks 0 1 2 3 | 0 1 2 3 | 0 1 2 3 | 0 1 2 3   -> P=4 (or P=2, S=8)
     sequence M=4:     stage blocks 0 0 0 0 | 1 1 1 1 | ...                 -> no P>1 shares weights
@@ -11,13 +12,24 @@ acceptance (the option, else the checkpoint's measured exit/final agreement, els
 from __future__ import annotations
 
 from speedc.passes.base import CompileState, register_pass
+from speedc.passes.trace import draft_coda
 from speedc.schedule import DEFAULT_ALPHA, make_schedule
+
+
+def phases_pipeline(state: CompileState) -> bool:
+    """Whether the graphs can pipeline the plan's prelude / coda: the decode program was traced with the
+    same phases (and, with a coda, the draft readout's own coda at the same tap: trace.draft_coda)."""
+    plan, traced, cfg = state.depth_plan, state.cfg.depth_plan, state.cfg
+    same = (len(plan.prelude), len(plan.core), plan.repeats, len(plan.coda)) == (
+        len(traced.prelude), len(traced.core), traced.repeats, len(traced.coda))
+    return same and state.exit_layer == cfg.exit_layer and (draft_coda(cfg) or not plan.coda)
 
 
 @register_pass("schedule", phase="analysis", requires=("layer_map",), provides=("schedule",))
 def schedule(state: CompileState) -> CompileState:
     """Pick P and the slot -> logical-layer table from the layer map and the cost model."""
     alpha = state.options.alpha if state.options.alpha is not None else (state.acceptance_hint or DEFAULT_ALPHA)
-    state.schedule = make_schedule(state.layer_map, state.exit_layer, alpha, state.options.slots)
+    state.schedule = make_schedule(state.layer_map, state.exit_layer, alpha, state.options.slots, plan=state.depth_plan,
+                                   pipelined_phases=phases_pipeline(state))
     state.notes.append(f"schedule: {state.schedule.reason}")
     return state

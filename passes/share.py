@@ -21,6 +21,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from speedc.errors import BuildError
+from speedc.models.depth_plan import fit_plan
 from speedc.models.layer_map import describe_layer_map, first_pass_length
 from speedc.passes.base import CompileState, register_pass
 from speedc.models.tensor_source import same_values
@@ -127,6 +128,10 @@ def share(state: CompileState) -> CompileState:
         merged_into.update({w.name: w for w in weights if w.name not in merged_into})
     rename_blocks(block_weights)
     state.layer_map = layer_map
+    # The family's loops where the weights keep them (its norms sit at their ends), else derived from the map.
+    cfg = state.cfg
+    state.depth_plan = fit_plan(layer_map, cfg.depth_plan, cfg.loop_norm, cfg.final_norm)
+    state.notes.append(f"share: depth plan {state.depth_plan.describe()}")
     state.weight_aliases = model_tensor_aliases(state.cfg, layer_map, merged_into)
     state.notes.append(f"share: merged {merged} duplicate initializers; layer map {describe_layer_map(layer_map)}: {layer_map}")
     if state.has_speedc_section and layer_map != state.cfg.layer_map:
@@ -143,9 +148,11 @@ def share(state: CompileState) -> CompileState:
         raise BuildError(f"--exit-layer must be in 1..{len(layer_map)}, got {exit_layer}")
     declared = state.cfg.exit_norm if state.options.exit_layer is None else None
     state.exit_layer = exit_layer
-    if declared == "own" and state.has_speedc_section:
+    if state.depth_plan.coda:  # the draft reads out through the coda, then the final readout's norm
+        state.exit_norm = "model.norm.weight" if state.depth_plan.final_norm else None
+    elif declared == "own" and state.has_speedc_section:
         state.exit_norm = "model.exit_norm.weight"
-    elif declared == "none" or state.cfg.ends_loop(exit_layer - 1):
+    elif declared == "none" or state.depth_plan.ends_repeat(exit_layer - 1):
         state.exit_norm = None  # the loop-boundary norm already normalized the state the exit reads
     else:
         state.exit_norm = "model.norm.weight"

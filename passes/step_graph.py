@@ -78,7 +78,7 @@ def step_graph(state: CompileState) -> CompileState:
     """Rewrite the decode program into the P-slot step graph with one weight load per block per step."""
     decode = state.graphs.pop("decode")
     sched = state.schedule
-    if sched.speculative:
+    if sched.speculative and sched.depth_plan.get("prelude") == sched.depth_plan.get("coda") == []:  # a cycle only
         state.graphs[contract.STEP] = build_step_graph(decode, sched.slots, sched.stage_layers, state.exit_layer,
                                                 state.cfg.hidden_size)
         state.notes.append(f"step_graph: step graph with {sched.slots} slots x {sched.stage_layers} layers")

@@ -40,7 +40,7 @@ from speedc import contract
 from speedc.errors import BuildError
 from speedc.models.config import ModelConfig
 from speedc.models.llama import SharedLlama
-from speedc.models.row_layer import layer_over_rows, loop_boundary, rms_norm, row_context, rotary_inv_freq
+from speedc.models.row_layer import layer_over_rows, rms_norm, row_context, rotary_inv_freq
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.graph_utils import linear_to_gemm, replace_uses
 from speedc.passes.source_weights import weight_constant
@@ -73,26 +73,48 @@ class DecodeProgram(nn.Module):
         ctx = row_context(positions, length, past[0].shape[2], self.inv_freq,
                           cfg.num_attention_heads // cfg.num_key_value_heads)
         hidden_out, present = [], []
-        exit_logits = None
-        for layer, block_index in enumerate(cfg.layer_map):
-            x, k, v = layer_over_rows(self.model.blocks[block_index], x, ctx, past[2 * layer], past[2 * layer + 1], cfg)
-            x = loop_boundary(x, self.model.norm.weight, cfg, layer)
+        exit_logits = tap = None
+        for step in cfg.depth_plan.trip():  # prelude, core repeats (model.norm after each where the plan says), coda
+            layer = step.layer
+            x, k, v = layer_over_rows(self.model.blocks[step.block], x, ctx, past[2 * layer], past[2 * layer + 1], cfg)
+            if step.norm_after:
+                x = rms_norm(x, self.model.norm.weight, cfg.rms_norm_eps)
             hidden_out.append(x)
             present += [k, v]
             if layer + 1 == cfg.exit_layer:
+                tap = x
                 norm = {"own": getattr(self.model, "exit_norm", None), "final": self.model.norm, "none": None}[cfg.exit_norm]
                 exit_logits = self._head(x, None if norm is None else norm.weight).reshape(b, length, -1)
         final_norm = self.model.norm.weight if cfg.final_norm else None
         logits = self._head(x, final_norm).reshape(b, length, -1)
+        if draft_coda(cfg):  # the draft readout's own coda over the tap (cache entries N..N+Lc-1)
+            for index, block in enumerate(cfg.depth_plan.coda):
+                entry = cfg.num_hidden_layers + index
+                tap, k, v = layer_over_rows(self.model.blocks[block], tap, ctx, past[2 * entry], past[2 * entry + 1], cfg)
+                present += [k, v]
+            exit_logits = self._head(tap, final_norm).reshape(b, length, -1)
         return (logits, exit_logits, embeddings, *hidden_out, *present)
 
 
-def io_names(num_layers: int) -> tuple[list[str], list[str]]:
+def draft_coda(cfg: ModelConfig) -> bool:
+    """Whether the decode program also runs the draft readout's coda (a plan with a coda that may pipeline:
+    its draft tap after the prelude, inside the core), so SPEED finds that readout depth's K/V filled."""
+    plan = cfg.depth_plan
+    return bool(plan.coda) and plan.repeats > 1 and len(plan.prelude) < cfg.exit_layer <= plan.num_layers - len(plan.coda)
+
+
+def cache_entries(cfg: ModelConfig) -> int:
+    """K/V entries the decode program reads and writes: its logical layers, then the draft readout's coda."""
+    return cfg.num_hidden_layers + (len(cfg.depth_plan.coda) if draft_coda(cfg) else 0)
+
+
+def io_names(num_layers: int, entries: int | None = None) -> tuple[list[str], list[str]]:
+    entries = num_layers if entries is None else entries
     inputs = [contract.INPUT_IDS, contract.POSITIONS]
-    for layer in range(num_layers):
+    for layer in range(entries):
         inputs += [f"past.key.{layer}", f"past.value.{layer}"]
     outputs = [*TRACED_HEADS, "embeddings"] + [f"hidden.{layer}" for layer in range(num_layers)]
-    for layer in range(num_layers):
+    for layer in range(entries):
         outputs += [f"present.key.{layer}", f"present.value.{layer}"]
     return inputs, outputs
 
@@ -125,8 +147,8 @@ def trace_decode_program(cfg: ModelConfig) -> onnx.ModelProto:
     batch, length, past_len = 2, 3, 5  # non-1 sizes so nothing specialises on them
     kv_shape = (batch, cfg.num_key_value_heads, past_len, cfg.head_dim)
     args = (torch.zeros(batch, length, dtype=torch.long), torch.tensor([5, 2]),
-            *[torch.zeros(kv_shape) for _ in range(2 * cfg.num_hidden_layers)], *weights)
-    inputs, outputs = io_names(cfg.num_hidden_layers)
+            *[torch.zeros(kv_shape) for _ in range(2 * cache_entries(cfg))], *weights)
+    inputs, outputs = io_names(cfg.num_hidden_layers, cache_entries(cfg))
     dynamic = {contract.INPUT_IDS: {0: "batch", 1: "chunk"}, contract.POSITIONS: {0: "batch"}}
     for name in inputs[2:]:
         dynamic[name] = {0: "batch", 2: "context"}
@@ -145,9 +167,10 @@ def trace_decode_program(cfg: ModelConfig) -> onnx.ModelProto:
     return onnx.load_from_string(buffer.getvalue())
 
 
-def bind_weights(graph: gs.Graph, state: CompileState) -> int:
-    """Each parameter input -> a constant over the checkpoint tensor of that name (nothing is read)."""
-    program_inputs = set(io_names(state.cfg.num_hidden_layers)[0])
+def bind_weights(graph: gs.Graph, state: CompileState, program_inputs: list[str] | None = None) -> int:
+    """Each parameter input (every input not in PROGRAM_INPUTS; None: the decode program's) -> a constant
+    over the checkpoint tensor of that name (nothing is read)."""
+    program_inputs = set(program_inputs or io_names(state.cfg.num_hidden_layers, cache_entries(state.cfg))[0])
     bound = 0
     for inp in [i for i in graph.inputs if i.name not in program_inputs]:
         source = state.weights.get(inp.name)

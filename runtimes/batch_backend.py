@@ -2,6 +2,7 @@
 graph runs the batch scheduler (runtimes/batch.py) needs. Imports numpy and onnxruntime only.
 
     pool K, V [S, P, W, kvh, T+1, hd]  (stage layer j, pipeline slot s, sequence slot b, ...)
+    (a depth plan with a prelude / coda adds their pools beside it; speedc/cache_layout.py addresses all)
 
 The pool's width W (sequence slots) and length T (positions) follow the sequences in it (`reserve`):
 W the smallest power of two >= the occupied sequence slots, up to max_batch; T the smallest power of
@@ -45,6 +46,7 @@ import numpy as np
 
 from speedc import contract
 from speedc.artifact import Manifest
+from speedc.cache_layout import CORE, CacheLayout
 from speedc.errors import ArtifactError, GenerationError, OutOfMemory, SpeedcError
 from speedc.runtimes.onnx_session import bound_address, onnxruntime_module, open_sessions, take_dimensions
 
@@ -64,9 +66,11 @@ def batch_ready(manifest: Manifest) -> bool:
 
 
 def pool_bytes_per_position(manifest: Manifest) -> int:
-    """K and V bytes one sequence slot needs per position (every logical layer)."""
+    """K and V bytes one sequence slot needs per position (every cache entry: each logical layer, and a
+    pipelined coda's second readout depth)."""
     model = manifest.model
-    return 2 * model["num_layers"] * model["num_kv_heads"] * model["head_dim"] * np.dtype(F32).itemsize
+    entries = len(CacheLayout.from_manifest(manifest).entries)
+    return 2 * entries * model["num_kv_heads"] * model["head_dim"] * np.dtype(F32).itemsize
 
 
 def slot_capacity(manifest: Manifest, max_batch: int, kv_cache_mb: float | None) -> int:
@@ -166,7 +170,8 @@ class BatchBackend:
         if not batch_ready(manifest):
             raise ArtifactError(f"{directory}: built before continuous batching (no batch_step graph); rebuild it with "
                                 "this speedc (speedc build ... --force)")
-        take_dimensions(self, manifest)
+        take_dimensions(self, manifest, phases=True)
+        self.layout = CacheLayout.from_manifest(manifest)  # which pool slab each graph's cache input is
         self.check_width = contract.candidate_count(self.vocab_size)  # K of an early-flush check's candidates
         programs = (contract.PREFILL, contract.BATCH_STEP) if self.slots > 1 else (contract.PREFILL,)
         if fused is None:
@@ -188,7 +193,8 @@ class BatchBackend:
         self._shrink_pending = 0  # reserve calls in a row that asked for a smaller pool
         self.length = 0  # positions T the pool holds per sequence slot now (reserve), at most capacity
         self.width = 0  # sequence slots W the pool holds now (reserve), at most max_batch
-        self.key = self.value = None
+        self.key = self.value = None  # the core pool (every layer of a cycle)
+        self.phase_pools: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # a depth plan's prelude / coda pools
         self.reserve(0, 1)
 
     @property
@@ -217,22 +223,25 @@ class BatchBackend:
             self._shrink_pending += 1
             if self._shrink_pending < self.shrink_after:
                 return
-        shape = (self.stage_layers, self.slots, width, self.kv_heads, length + 1, self.head_dim)
-        try:  # both new buffers first: if they do not fit, the pool stays as it was
-            key, value = np.zeros(shape, F32), np.zeros(shape, F32)
+        shapes = {phase: self.layout.pool_shape(phase, width, self.kv_heads, length, self.head_dim)
+                  for phase in self.layout.phases}
+        try:  # every new buffer first: if they do not fit, the pool stays as it was
+            pools = {phase: (np.zeros(shape, F32), np.zeros(shape, F32)) for phase, shape in shapes.items()}
         except MemoryError:
             if not grow:  # the pool in place still holds what is needed: shrink another time
                 self._shrink_pending = 0
                 return
-            mib = 2 * np.prod(shape, dtype=np.float64) * np.dtype(F32).itemsize / (1 << 20)
+            mib = sum(2 * np.prod(shape, dtype=np.float64) for shape in shapes.values()) * np.dtype(F32).itemsize / (1 << 20)
             raise OutOfMemory(f"the KV-cache pool cannot grow to {length} positions x {width} sequence slots "
                               f"({mib:,.0f} MiB): out of memory; a smaller KV-cache budget or fewer sequences "
                               "(kv_cache_mb / max_batch, --kv-cache-mb / --max-batch)") from None
         keep, kept = min(self.length, length), min(self.width, width)
-        if keep and kept:
-            key[:, :, :kept, :, :keep], value[:, :, :kept, :, :keep] = (self.key[:, :, :kept, :, :keep],
-                                                                        self.value[:, :, :kept, :, :keep])
-        self.key, self.value = key, value
+        if keep and kept and self.key is not None:
+            for phase, old in self._pools.items():
+                for new, pool in zip(pools[phase], old):
+                    new[:, :, :kept, :, :keep] = pool[:, :, :kept, :, :keep]
+        self.key, self.value = pools.pop(CORE)
+        self.phase_pools = pools
         self.length, self.width = length, width
         self._shrink_pending = 0
         self._drop_bindings()
@@ -246,6 +255,7 @@ class BatchBackend:
         """Drop the pool's buffers while no sequence holds a slot: reserve then allocates the new pool
         without the old one beside it (a grow copies the old pool, so both are held at once)."""
         self.key = self.value = None
+        self.phase_pools = {}
         self.length = self.width = 0
         self._shrink_pending = 0
         self._drop_bindings()
@@ -259,32 +269,37 @@ class BatchBackend:
         """Sequence slot SOURCE's cache (its first LENGTH positions; None: all) and pipeline state now live
         in slot TARGET."""
         cut = slice(None, length)
-        for pool in (self.key, self.value):
-            pool[:, :, target, :, cut] = pool[:, :, source, :, cut]
+        for pair in self._pools.values():
+            for pool in pair:
+                pool[:, :, target, :, cut] = pool[:, :, source, :, cut]
         self.hidden[:, target] = self.hidden[:, source]
 
     # ---- running a graph -------------------------------------------------------------------------
+    @property
+    def _pools(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """The layout's pools by phase: (K, V) each."""
+        return {CORE: (self.key, self.value), **self.phase_pools}
+
+    @property
+    def early_checks(self) -> bool:
+        """Whether the batch step can check a deeper slot's draft (early flush): a cycle's slots all read
+        out at the same tap; a plan's prelude / coda readouts exist at slot 0 and slot P-1 only."""
+        return self.speculative and not self.layout.pipelined_phases
+
     def _logical_slabs(self, rows: slice) -> dict[str, np.ndarray]:
-        """Prefill-graph cache inputs: logical layer l = s*S + j reads pool[j, s, rows]."""
-        slabs = {}
-        for layer in range(self.num_layers):
-            slot, j = divmod(layer, self.stage_layers)
-            slabs[contract.cache_input("key", layer)] = self.key[j, slot, rows]
-            slabs[contract.cache_input("value", layer)] = self.value[j, slot, rows]
-        return slabs
+        """Prefill-graph cache inputs over sequence slots ROWS (CacheLayout.prefill_slabs)."""
+        return self.layout.prefill_slabs(self._pools, rows)
 
     def _stage_slabs(self, n: int) -> dict[str, np.ndarray]:
-        """Batch-step cache inputs: fused, stage layer j's whole pool [P*W, kvh, T+1, hd] (one attention a
-        layer); standard, one slab pool[j, s, :n] per (stage layer, slot)."""
-        views = {}
-        for j in range(self.stage_layers):
-            for kind, pool in (("key", self.key), ("value", self.value)):
-                if self.fused:
-                    views[contract.cache_input(kind, j)] = pool[j].reshape(-1, *pool.shape[3:])
-                else:
-                    for s in range(self.slots):
-                        views[contract.batch_cache_input(kind, j, s)] = pool[j, s, :n]
-        return views
+        """Batch-step cache inputs of sequences 0..n-1 (CacheLayout.step_slabs)."""
+        return self.layout.step_slabs(self._pools, n, self.fused)
+
+    def _new_rows(self, result: dict[str, np.ndarray]) -> dict:
+        """A standard graph's new K/V rows by kind, and by (kind, phase) for a plan's prelude / coda."""
+        rows = {kind: result[contract.new_rows(kind)] for kind in contract.KV_KINDS}
+        rows.update({(kind, phase): result[contract.phase_new_rows(kind, phase)] for phase in self.phase_pools
+                     for kind in contract.KV_KINDS if contract.phase_new_rows(kind, phase) in result})
+        return rows
 
     def _step(self, role: str, shape: tuple, slabs: Callable[[], dict[str, np.ndarray]],
               tensors: Callable[[], dict[str, tuple]]) -> StepBinding:
@@ -314,6 +329,8 @@ class BatchBackend:
     def _run_standard(self, role: str, feeds: dict, slabs: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
         """A standard graph: cache slabs fed as inputs, new K/V rows returned with OUTPUTS."""
         names = outputs + [contract.new_rows(kind) for kind in contract.KV_KINDS]
+        if role == contract.BATCH_STEP:  # a depth plan's phases return their own new rows
+            names += [contract.phase_new_rows(kind, phase) for phase in self.phase_pools for kind in contract.KV_KINDS]
         return dict(zip(names, self.sessions[self.graph[role]].run(names, {**feeds, **slabs})))
 
     def prefill(self, first: int, chunks: list[list[int]], start: int, want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
@@ -337,11 +354,7 @@ class BatchBackend:
         sequences = slice(first, first + count)
         if not self.fused:
             result = self._run_standard(contract.PREFILL, feeds, self._logical_slabs(sequences), outputs)
-            for kind, pool in (("key", self.key), ("value", self.value)):  # [N, B, kvh, L, hd] -> pool[j, s, b, :, start:]
-                new = result[contract.new_rows(kind)]
-                new = new.reshape(self.slots, self.stage_layers, *new.shape[1:]).transpose(1, 0, 2, 3, 4, 5)
-                for row, length in enumerate(lengths):  # only the real tokens: the padding's rows are dropped
-                    pool[:, :, first + row, :, start:start + length] = new[:, :, row, :, :length]
+            self.layout.write_prefill_rows(self._pools, self._new_rows(result), first, start, lengths)
             return result[contract.NEXT_TOKEN], (result[contract.LOGITS] if want_logits else None)
         self._check_positions(np.asarray([start + longest - 1]))
         # The chunk length varies, so the ids are bound per call; the slabs' binding is kept per slot range
@@ -371,12 +384,7 @@ class BatchBackend:
                      contract.POSITIONS: np.where(valid, positions, 0).astype(np.int64), contract.CHUNK_LENGTHS: np.ones(n, np.int64)}
             outputs = [contract.NEXT_TOKEN] + ([contract.LOGITS] if want_logits else [])
             result = self._run_standard(contract.PREFILL, feeds, self._logical_slabs(slice(0, n)), outputs)
-            rows = np.flatnonzero(valid)
-            for kind, pool in (("key", self.key), ("value", self.value)):
-                new = result[contract.new_rows(kind)][:, :, :, 0]  # [N, n, kvh, hd]
-                new = new.reshape(self.slots, self.stage_layers, *new.shape[1:]).transpose(1, 0, 2, 3, 4)  # [S, P, n, kvh, hd]
-                # advanced indices (rows, positions) split by a slice: the target is [k, S, P, kvh, hd]
-                pool[:, :, rows, :, positions[rows]] = new[:, :, rows].transpose(2, 0, 1, 3, 4)
+            self.layout.write_token_rows(self._pools, self._new_rows(result), np.flatnonzero(valid), positions)
             return result[contract.NEXT_TOKEN], (result[contract.LOGITS] if want_logits else None)
         self._check_positions(positions)
 
@@ -409,11 +417,7 @@ class BatchBackend:
             outputs = [contract.FINAL_TOKEN, contract.EXIT_TOKENS, contract.EXIT_CANDIDATES, contract.CHECK_TOKENS,
                        contract.HIDDEN_OUT] + ([contract.FINAL_LOGITS] if want_logits else [])
             result = self._run_standard(contract.BATCH_STEP, feeds, self._stage_slabs(n), outputs)
-            s_index, b_index = np.nonzero(valid)  # new rows [S, R, kvh, 1, hd] -> pool[j, s, b, :, positions[s, b]]
-            at = positions[s_index, b_index]
-            for kind, pool in (("key", self.key), ("value", self.value)):
-                new = result[contract.new_rows(kind)][:, :, :, 0].reshape(self.stage_layers, slots, n, self.kv_heads, -1)
-                pool[:, s_index, b_index, :, at] = new[:, s_index, b_index].transpose(1, 0, 2, 3)
+            self.layout.write_step_rows(self._pools, self._new_rows(result), slots, n, valid, positions)
             self.hidden[:, :n] = result[contract.HIDDEN_OUT].reshape(slots, n, self.hidden_size)
             return SpeedStepResult.of(result, want_logits)
         # Fused: only the valid rows run (computed_rows, slot-major indices); the head rows are given as

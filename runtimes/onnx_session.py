@@ -36,8 +36,14 @@ def bound_address(binding, name: str, array: np.ndarray, dtype) -> int:
     return array.ctypes.data
 
 
-def take_dimensions(backend, manifest: Manifest) -> None:
-    """The sizes every ONNX Runtime backend reads from the manifest, as attributes of BACKEND."""
+def take_dimensions(backend, manifest: Manifest, phases: bool = False) -> None:
+    """The sizes every ONNX Runtime backend reads from the manifest, as attributes of BACKEND. PHASES: the
+    backend runs a depth plan's pipelined prelude / coda (the batch backend); others refuse such artifacts."""
+    plan = manifest.schedule.get("depth_plan") or {}
+    if not phases and manifest.slots > 1 and (plan.get("prelude") or plan.get("coda")):
+        raise ArtifactError(f"this artifact pipelines a depth plan with a prelude / coda, which only the batch path "
+                            f"runs (Engine.generate_batch / --prompts-file); the {getattr(backend, 'name', 'single-sequence')} "
+                            "backend does not")
     model = manifest.model
     backend.slots, backend.stage_layers = manifest.slots, manifest.stage_layers
     backend.num_layers = model["num_layers"]

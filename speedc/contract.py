@@ -29,6 +29,12 @@ and tensor, not a failure deep inside a run.
                    -> final_token [F]  final_logits [F, V]  exit_tokens [E]  exit_candidates [E, K] (their top K)
                       check_tokens [K'] (each check's best candidate)  hidden_out [R, 1, H]
                       new_{key,value} [S, R, kvh, 1, hd]
+    batch_step of a depth plan with a prelude / coda (speedc/cache_layout.py; standard graph only):
+                   as batch_step, plus cache.{key,value}.prelude.{i} [n, kvh, T, hd] (i < Lp) and
+                   cache.{key,value}.coda.{i}.{d} [n, kvh, T, hd] (i < Lc, readout depth d: 0 draft, 1 final)
+                   -> also new_{key,value}.prelude [Lp, n, kvh, 1, hd]  new_{key,value}.coda [Lc, 2, n, kvh, 1, hd];
+                   its prefill reads the N logical layers' slabs and returns E = N + Lc entries' new rows (the draft
+                   readout's coda last: its K/V of the chunk's rows, computed from the draft tap)
     cache_write_step     cache.{key,value} [S, P, kvh, T, hd]  new_{key,value} [S, P, kvh, L, hd]  write_start [P]
                          -> cache.{key,value}.out (bound to the same buffers: ScatterND in place)
     cache_write_prefill  the same with new_{key,value} slot-major [P, S, kvh, L, hd]
@@ -92,6 +98,16 @@ def batch_cache_input(kind: str, stage_layer: int, slot: int) -> str:
     return f"cache.{kind}.{stage_layer}.{slot}"
 
 
+def phase_cache_input(kind: str, phase: str, layer: int, depth: int | None = None) -> str:
+    """The batch step's slab of a prelude layer (depth None) or of coda layer i at readout depth d."""
+    return f"cache.{kind}.{phase}.{layer}" + ("" if depth is None else f".{depth}")
+
+
+def phase_new_rows(kind: str, phase: str) -> str:
+    """The batch step's stacked new K or V rows of a prelude or coda phase."""
+    return f"new_{kind}.{phase}"
+
+
 def cache_output(kind: str, index: int) -> str:
     """A fused graph's in-place cache output (bound to the buffer of cache_input(kind, index))."""
     return f"cache.{kind}.{index}.out"
@@ -122,16 +138,25 @@ class Dims:
     head_dim: int
     hidden_size: int
     vocab_size: int
+    prelude_layers: int = 0  # Lp of a pipelined depth plan (0: a cycle, or the plain engine)
+    coda_layers: int = 0  # Lc of a pipelined depth plan: two readout depths own its K/V
 
     @property
     def candidates(self) -> int:
         return candidate_count(self.vocab_size)
 
+    @property
+    def cache_entries(self) -> int:
+        """The prefill graph's cache entries: every logical layer, then the draft readout's coda."""
+        return self.num_layers + self.coda_layers
+
     @classmethod
     def from_manifest(cls, manifest) -> "Dims":
         model = manifest.model
+        plan = manifest.schedule.get("depth_plan") if manifest.slots > 1 else None
+        phases = (len(plan["prelude"]), len(plan["coda"])) if plan else (0, 0)
         return cls(manifest.slots, manifest.stage_layers, model["num_layers"], model["num_kv_heads"], model["head_dim"],
-                   model["hidden_size"], model["vocab_size"])
+                   model["hidden_size"], model["vocab_size"], *phases)
 
 
 Shape = tuple  # ints for fixed sizes, None where the size is dynamic
@@ -141,11 +166,11 @@ TensorSpec = tuple[str, str, Shape]  # (name, numpy dtype name, shape)
 def _program_io(graph: str, d: Dims) -> tuple[list[TensorSpec], list[TensorSpec]]:
     i64, f32 = "int64", "float32"
     if graph == PREFILL:
-        caches = range(d.num_layers)
+        caches = range(d.num_layers)  # it reads the trip's layers; it writes every entry (the draft coda's too)
         inputs = [(INPUT_IDS, i64, (None, None)), (POSITIONS, i64, (None,)), (CHUNK_LENGTHS, i64, (None,))]
         cache_shape = (None, d.kv_heads, None, d.head_dim)
         outputs = [(NEXT_TOKEN, i64, (None,)), (LOGITS, f32, (None, d.vocab_size))]
-        rows = (d.num_layers, None, d.kv_heads, None, d.head_dim)
+        rows = (d.cache_entries, None, d.kv_heads, None, d.head_dim)
     elif graph == BATCH_STEP:
         inputs = [(INPUT_IDS, i64, (None, 1)), (POSITIONS, i64, (None,)), (HIDDEN_IN, f32, (None, 1, d.hidden_size)),
                   (FINAL_ROWS, i64, (None,)), (EXIT_ROWS, i64, (None,)), (CHECK_ROWS, i64, (None,)),
@@ -156,6 +181,15 @@ def _program_io(graph: str, d: Dims) -> tuple[list[TensorSpec], list[TensorSpec]
                    (EXIT_CANDIDATES, i64, (None, d.candidates)), (CHECK_TOKENS, i64, (None,)),
                    (HIDDEN_OUT, f32, (None, 1, d.hidden_size))]
         rows = (d.stage_layers, None, d.kv_heads, 1, d.head_dim)
+        slab = (None, d.kv_heads, None, d.head_dim)
+        if d.prelude_layers or d.coda_layers:  # a depth plan's phases beside the slots
+            inputs += [(phase_cache_input(kind, "prelude", i), f32, slab) for i in range(d.prelude_layers) for kind in KV_KINDS]
+            inputs += [(phase_cache_input(kind, "coda", i, depth), f32, slab) for i in range(d.coda_layers)
+                       for depth in range(2) for kind in KV_KINDS]
+            outputs += [(phase_new_rows(kind, "prelude"), f32, (d.prelude_layers, None, d.kv_heads, 1, d.head_dim))
+                        for kind in KV_KINDS]
+            outputs += [(phase_new_rows(kind, "coda"), f32, (d.coda_layers, 2, None, d.kv_heads, 1, d.head_dim))
+                        for kind in KV_KINDS]
         return inputs, outputs + [(new_rows(kind), f32, rows) for kind in KV_KINDS]
     else:
         caches = range(d.stage_layers)

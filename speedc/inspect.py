@@ -162,6 +162,10 @@ def render(info: dict) -> None:
         console.print("files: every one present and its sha256 the manifest's" if info.get("files_verified") else
                       "files: every one present at its recorded size, the small ones by sha256, as every load checks "
                       "(--verify: every file's sha256, weights.bin too)")
+    if sched.get("depth_plan"):  # artifacts built before the depth plan have none
+        from speedc.models.depth_plan import DepthPlan
+
+        console.print(f"depth plan: {DepthPlan.from_json(sched['depth_plan']).describe()}")
     console.print(f"schedule: P={sched['slots']} slots x S={sched['stage_layers']} layers; {sched['reason']}")
     for s, layers in enumerate(sched["slot_layers"]):
         console.print(f"  slot {s}: logical layers {layers[0]}..{layers[-1]} (blocks {sched['stage_blocks']})")

@@ -2,9 +2,10 @@
 
 Standard library only (no torch, no numpy), so the runtime path, bench and inspect can use it.
 
-A stage is S = N/P consecutive logical layers; slot s runs stage s (layers s*S .. s*S+S-1) each step.
-One weight load serves all P slots only if every stage runs the same block sequence
-(models/layer_map.valid_slot_counts).
+The model's depth plan (models/depth_plan.py: prelude, core x R, coda) says which P are possible: P
+divides the core repeats R, each slot runs K = R/P of them (a stage of S = K x core layers, the same
+block sequence in every slot, so one weight load serves all P slots), and the draft tap lies in slot 0.
+A plan with a prelude or coda is pipelined only where the graphs run those phases (plain engine else).
 
 Cost model: a step with P filled slots costs c(P) single-slot stage passes; plain decoding costs P
 stage passes per token, and a failed speculation costs P-1 extra steps, so at acceptance alpha
@@ -20,10 +21,10 @@ c(P) of an artifact on the machine at hand.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from speedc.errors import BuildError
-from speedc.models.layer_map import valid_slot_counts
+from speedc.models.depth_plan import DepthPlan, derive_plan
 
 # beta of the assumed c(P) = 1 + beta (P - 1); not a measurement. 0.2: c(4) = 1.6 and c(8) = 2.4, the middle
 # of what this project measured on its 2-core CPU (SPEED.md, README): c(4) 1.15-1.4 for fp32 steps at the
@@ -63,6 +64,8 @@ class Schedule:
     valid_slots: list[int]
     curve: dict[int, dict[str, float]]  # P -> {alpha: predicted speedup at the assumed c(P)}
     reason: str
+    depth_plan: dict = field(default_factory=dict)  # DepthPlan.to_json: what the graphs and the cache layout follow
+    readouts: dict = field(default_factory=dict)  # SlotPlan.readouts: where the draft and final heads read
 
     @property
     def speculative(self) -> bool:
@@ -76,10 +79,13 @@ def speedup_curve(valid_slots: list[int]) -> dict[int, dict[str, float]]:
     return {p: {f"{a:.2f}": round(predicted_speedup(p, a), 3) for a in ALPHA_GRID} for p in valid_slots}
 
 
-def make_schedule(layer_map: list[int], exit_layer: int, alpha: float, requested: int | None) -> Schedule:
-    """Choose P among the valid depths: the requested one, else the best predicted speedup at ALPHA."""
+def make_schedule(layer_map: list[int], exit_layer: int, alpha: float, requested: int | None,
+                  plan: DepthPlan | None = None, pipelined_phases: bool = False) -> Schedule:
+    """Choose P among the depths PLAN allows (None: derived from LAYER_MAP): the requested one, else the
+    best predicted speedup at ALPHA. PIPELINED_PHASES: the graphs can run the plan's prelude / coda."""
     n = len(layer_map)
-    valid = valid_slot_counts(layer_map, exit_layer)
+    plan = plan or derive_plan(layer_map)
+    valid = plan.valid_slots(exit_layer, pipelined_phases)
     if requested is not None:
         if requested not in valid:
             raise BuildError(f"--slots {requested} does not divide the schedule: valid slot counts for this layer map "
@@ -90,16 +96,17 @@ def make_schedule(layer_map: list[int], exit_layer: int, alpha: float, requested
         slots = max(valid, key=lambda p: (round(predicted_speedup(p, alpha), 6), -p))
         if len(valid) == 1:
             blocks = max(layer_map) + 1
-            why = ("no block repeats (unshared model): SPEED cannot amortise any weight load"
-                   if blocks == n else "no stage partition lets the slots share one weight load")
+            why = ("no block repeats (unshared model): SPEED cannot amortise any weight load" if blocks == n else
+                   f"depth plan {plan.describe()}: its prelude / coda run on the plain engine in this build"
+                   if plan.repeats > 1 and not plan.cycle else "no stage partition lets the slots share one weight load")
             reason = f"{why}; building the plain engine (P=1)"
         elif slots == 1:
             reason = f"at expected acceptance {alpha:.2f} no pipeline depth beats plain decoding; plain engine"
         else:
             reason = (f"P={slots} has the best predicted speedup {predicted_speedup(slots, alpha):.2f}x at expected "
                       f"acceptance {alpha:.2f} ({describe_assumed_step_cost()}) among valid P {valid}")
-    stage = n // slots
+    pipeline = plan.pipeline(slots, exit_layer)
     return Schedule(
-        slots=slots, stage_layers=stage,
-        slot_layers=[list(range(s * stage, (s + 1) * stage)) for s in range(slots)],
-        stage_blocks=layer_map[:stage], alpha=alpha, valid_slots=valid, curve=speedup_curve(valid), reason=reason)
+        slots=slots, stage_layers=pipeline.stage_layers, slot_layers=pipeline.slot_layers(),
+        stage_blocks=pipeline.stage_blocks, alpha=alpha, valid_slots=valid, curve=speedup_curve(valid), reason=reason,
+        depth_plan=plan.to_json(), readouts=pipeline.readouts())

@@ -1,0 +1,247 @@
+r"""Depth plans: the phases of one token's trip through a shared-weight decoder, and how the SPEED
+pipeline spreads them over P slots.
+
+    embed -> prelude (once) -> e ---> core repeat 0 -> [norm] -> core repeat 1 -> ... -> core repeat R-1 -> [norm]
+                                 \__ injection (Huginn: every repeat reads adapter(cat[state, e]))    |
+                                                                 readout: coda -> [final norm] -> head
+
+    Llama cycle  [0 1 2 3]*4         prelude ()   core (0 1 2 3) R=4  coda ()
+    Ouro         L layers x loops    prelude ()   core (0..L-1)  R=loops, model.norm after each repeat
+    Nanbeige     the same; model.norm after each repeat, or once at the end (skip_loop_final_norm)
+    middle-cycle [0 1 2 1 2 1 2 3]   prelude (0)  core (1 2)     R=3      coda (3)
+
+The pipeline (SlotPlan): P slots, each running K = R/P consecutive core repeats of one token; slot 0
+also runs the prelude for the token entering it. The draft reads out inside slot 0 (after
+`draft_layer` logical layers), the verified token after slot P-1, and an early-flush check reads a
+deeper slot's state at the draft's tap. A readout's coda needs K/V of earlier positions at the same
+depth, so each readout depth owns its coda K/V (speedc/cache_layout.py).
+
+A family (models/family_*.py) emits its plan; a plan is also derived from a bare layer map (a Hugging
+Face checkpoint whose sharing the compiler finds in the weights): the decomposition with the most core
+repeats. Standard library only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Iterator
+
+from speedc.errors import CheckpointError
+
+PRELUDE, CORE, CODA = "prelude", "core", "coda"
+INJECTIONS = (None, "adapter-concat")  # how a repeat reads the entry state e (None: it does not)
+
+
+@dataclass(frozen=True)
+class LayerStep:
+    """One logical layer of the trip: its block, where it sits, and whether model.norm follows it."""
+    layer: int
+    block: int
+    phase: str
+    repeat: int  # core repeat (0 outside the core)
+    norm_after: bool
+
+
+@dataclass(frozen=True)
+class DepthPlan:
+    prelude: tuple[int, ...]  # blocks run once, on entry
+    core: tuple[int, ...]  # blocks of one core repeat
+    repeats: int  # R
+    coda: tuple[int, ...] = ()  # blocks run at each readout
+    repeat_norm: bool = False  # model.norm replaces the state after every core repeat (Ouro, Nanbeige)
+    final_norm: bool = True  # the final readout's head applies model.norm
+    injection: str | None = None  # each repeat reads adapter(cat[state, entry state]) (Huginn); no family uses it yet
+
+    def __post_init__(self) -> None:
+        if not self.core or self.repeats < 1:
+            raise CheckpointError(f"depth plan: a core of at least one block repeated at least once, got "
+                                  f"{list(self.core)} x {self.repeats}")
+        if self.injection not in INJECTIONS:
+            raise CheckpointError(f"depth plan: unknown injection {self.injection!r} (known: {INJECTIONS[1:]})")
+
+    # ---- shape ---------------------------------------------------------------------------------
+    @property
+    def layer_map(self) -> list[int]:
+        return [*self.prelude, *self.core * self.repeats, *self.coda]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.prelude) + len(self.core) * self.repeats + len(self.coda)
+
+    @property
+    def cycle(self) -> bool:
+        """Only the repeated core: SPEED's original shape (P identical stages)."""
+        return not self.prelude and not self.coda
+
+    def trip(self) -> Iterator[LayerStep]:
+        """Every logical layer of one plain trip, in order."""
+        layer = 0
+        for block in self.prelude:
+            yield LayerStep(layer, block, PRELUDE, 0, False)
+            layer += 1
+        for repeat in range(self.repeats):
+            for index, block in enumerate(self.core):
+                yield LayerStep(layer, block, CORE, repeat, self.repeat_norm and index == len(self.core) - 1)
+                layer += 1
+        for block in self.coda:
+            yield LayerStep(layer, block, CODA, 0, False)
+            layer += 1
+
+    def ends_repeat(self, layer: int) -> bool:
+        """Whether model.norm follows logical layer LAYER (the end of a core repeat, when the plan norms there)."""
+        core_at = layer - len(self.prelude)
+        return (self.repeat_norm and 0 <= core_at < len(self.core) * self.repeats
+                and (core_at + 1) % len(self.core) == 0)
+
+    def first_repeat_end(self) -> int:
+        """Logical layers up to the end of the first core repeat (the default draft tap)."""
+        return len(self.prelude) + len(self.core)
+
+    # ---- the pipeline --------------------------------------------------------------------------
+    def valid_slots(self, draft_layer: int, pipelined_phases: bool = False) -> list[int]:
+        """Pipeline depths P: P divides the repeats and the draft tap lies in slot 0. A plan with a prelude
+        or coda pipelines only where PIPELINED_PHASES (the graphs that run them) say so; else plain only."""
+        valid = [1]
+        if not self.cycle and not (pipelined_phases and draft_layer > len(self.prelude)):
+            return valid  # (a draft inside the prelude would not read the core's state at all)
+        for slots in range(2, self.repeats + 1):
+            if self.repeats % slots == 0 and draft_layer <= len(self.prelude) + len(self.core) * (self.repeats // slots):
+                valid.append(slots)
+        return valid
+
+    def pipeline(self, slots: int, draft_layer: int) -> "SlotPlan":
+        if slots != 1 and self.repeats % slots:
+            raise CheckpointError(f"depth plan: {slots} slots do not divide {self.repeats} core repeats")
+        return SlotPlan(self, slots, draft_layer)
+
+    # ---- relabelling and JSON ------------------------------------------------------------------
+    def fits(self, layer_map: list[int]) -> bool:
+        """Whether LAYER_MAP has this plan's phase lengths with every core repeat running the same blocks."""
+        if len(layer_map) != self.num_layers:
+            return False
+        start, size = len(self.prelude), len(self.core)
+        first = layer_map[start:start + size]
+        return all(layer_map[start + r * size:start + (r + 1) * size] == first for r in range(self.repeats))
+
+    def relabel(self, layer_map: list[int]) -> "DepthPlan":
+        """The same phases over LAYER_MAP's block numbers (it must fit)."""
+        start, size, tail = len(self.prelude), len(self.core), len(self.coda)
+        return replace(self, prelude=tuple(layer_map[:start]), core=tuple(layer_map[start:start + size]),
+                       coda=tuple(layer_map[len(layer_map) - tail:]) if tail else ())
+
+    def to_json(self) -> dict:
+        return {"prelude": list(self.prelude), "core": list(self.core), "repeats": self.repeats, "coda": list(self.coda),
+                "repeat_norm": self.repeat_norm, "final_norm": self.final_norm, "injection": self.injection}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "DepthPlan":
+        try:
+            return cls(tuple(data["prelude"]), tuple(data["core"]), int(data["repeats"]), tuple(data.get("coda", ())),
+                       bool(data.get("repeat_norm", False)), bool(data.get("final_norm", True)), data.get("injection"))
+        except (KeyError, TypeError, ValueError) as bad:
+            raise CheckpointError(f"depth plan: malformed ({bad!r})") from None
+
+    def describe(self) -> str:
+        parts = [f"prelude {list(self.prelude)}"] if self.prelude else []
+        parts.append(f"core {list(self.core)} x {self.repeats}" + (" (norm each repeat)" if self.repeat_norm else ""))
+        if self.coda:
+            parts.append(f"coda {list(self.coda)}")
+        if self.injection:
+            parts.append(f"injection {self.injection}")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """A depth plan pipelined over SLOTS: which slot runs which phase, and where the readouts are."""
+    plan: DepthPlan
+    slots: int
+    draft_layer: int  # logical layers before the draft readout (inside slot 0)
+
+    @property
+    def repeats_per_slot(self) -> int:
+        return self.plan.repeats // self.slots if self.slots > 1 else self.plan.repeats
+
+    @property
+    def stage_layers(self) -> int:
+        """S: the core layers one slot runs a step (P = 1: the whole trip)."""
+        if self.slots == 1:
+            return self.plan.num_layers
+        return len(self.plan.core) * self.repeats_per_slot
+
+    @property
+    def stage_blocks(self) -> list[int]:
+        """The block sequence every slot's core stage runs (P = 1: the whole layer map)."""
+        return self.plan.layer_map[len(self.plan.prelude):len(self.plan.prelude) + self.stage_layers] \
+            if self.slots > 1 else self.plan.layer_map
+
+    def slot_layers(self) -> list[list[int]]:
+        """Slot s -> the logical layers it runs: slot 0 the prelude then its repeats; the coda belongs to
+        the readouts (listed with the last slot at P = 1, where one trip is one stage)."""
+        if self.slots == 1:
+            return [list(range(self.plan.num_layers))]
+        prelude = len(self.plan.prelude)
+        slots = [list(range(prelude + s * self.stage_layers, prelude + (s + 1) * self.stage_layers)) for s in range(self.slots)]
+        slots[0] = list(range(prelude)) + slots[0]
+        return slots
+
+    def readouts(self) -> dict[str, dict]:
+        """Where the heads read: the draft after draft_layer layers of slot 0, the final after slot P-1;
+        both through the coda (its own K/V per readout depth) when the plan has one."""
+        return {"draft": {"slot": 0, "after_layer": self.draft_layer, "coda": bool(self.plan.coda)},
+                "final": {"slot": self.slots - 1, "after_layer": self.plan.num_layers - len(self.plan.coda),
+                          "coda": bool(self.plan.coda)}}
+
+
+# ---- deriving a plan from a layer map ------------------------------------------------------------
+def _smallest_period(seq: list[int]) -> int:
+    """The shortest p with seq[i] == seq[i + p] for all i and p dividing len(seq) (KMP failure function)."""
+    n = len(seq)
+    fail = [0] * n
+    k = 0
+    for i in range(1, n):
+        while k and seq[i] != seq[k]:
+            k = fail[k - 1]
+        if seq[i] == seq[k]:
+            k += 1
+        fail[i] = k
+    period = n - fail[-1] if n else 1
+    return period if n % period == 0 else n
+
+
+def derive_plan(layer_map: list[int], repeat_norm: bool = False, final_norm: bool = True) -> DepthPlan:
+    """The decomposition prelude + core x R + coda of LAYER_MAP: the whole map as one cycle when it repeats
+    (what SPEED pipelines without a prelude or coda), else the decomposition with the most repeats R; among
+    those the fewest layers outside the core, then the shortest coda (a coda costs K/V per readout depth)."""
+    n = len(layer_map)
+    period = _smallest_period(list(layer_map))
+    if period < n or len(set(layer_map)) == n:  # one cycle repeated (SPEED's own shape), or nothing repeats at all
+        return DepthPlan((), tuple(layer_map[:period]), n // period, repeat_norm=repeat_norm, final_norm=final_norm)
+    best = None
+    for outside in range(n):
+        for coda in range(outside + 1):
+            prelude = outside - coda
+            middle = layer_map[prelude:n - coda]
+            period = _smallest_period(middle)
+            key = (-(len(middle) // period), outside, coda)
+            if best is None or key < best[0]:
+                best = (key, prelude, period, coda)
+        if -best[0][0] >= n - outside - 1:  # a longer prelude + coda leaves no room for more repeats
+            break
+    _, prelude, period, coda = best
+    return DepthPlan(tuple(layer_map[:prelude]), tuple(layer_map[prelude:prelude + period]),
+                     (n - prelude - coda) // period, tuple(layer_map[n - coda:]) if coda else (),
+                     repeat_norm=repeat_norm, final_norm=final_norm)
+
+
+def fit_plan(layer_map: list[int], declared: DepthPlan | None, repeat_norm: bool, final_norm: bool) -> DepthPlan:
+    """The plan of LAYER_MAP: the DECLARED one (a family's loops, where its norms sit) relabelled when it
+    repeats and fits, else derived from the map. The norms are the caller's (ModelConfig's flags)."""
+    if declared is not None and declared.repeats > 1 and declared.fits(layer_map):
+        return replace(declared.relabel(layer_map), repeat_norm=repeat_norm, final_norm=final_norm)
+    return derive_plan(layer_map, repeat_norm, final_norm)
+
+
+def looped_plan(layers: int, loops: int, *, repeat_norm: bool, final_norm: bool) -> DepthPlan:
+    """A looped checkpoint (Ouro, Nanbeige): the whole stack of LAYERS blocks is the core, run LOOPS times."""
+    return DepthPlan((), tuple(range(layers)), loops, (), repeat_norm=repeat_norm, final_norm=final_norm)

@@ -1,0 +1,167 @@
+r"""The batch step of a depth plan with a prelude or a coda (models/depth_plan.py), traced from PyTorch.
+
+n sequences x P slots = R rows, slot-major (row s*n + b), as the cycle's batch step (passes/batch_step_graph.py);
+what differs is that slot 0's rows run the prelude first and each readout runs the coda on its own rows
+with its own coda K/V (speedc/cache_layout.py: the final readout's coda only ever sees final-depth states):
+
+    input_ids [n,1] -> embed [n,H] -> prelude layers (positions of slot 0; cache.{kind}.prelude.{i}) -> e [n,H]
+    hidden_in [(P-1)n,1,H] -> [(P-1)n,H] ----------------------------------------------------\
+    Concat(e, ...) [R,H] -> stage layers j < S (all R rows; past = Concat_s cache.{kind}.{j}.{s}) -> hidden.{S-1} [R,H]
+          |                                                                                     |
+      tap after layer draft_layer - 1, rows of slot 0 [n,H]                        rows of slot P-1 [n,H]
+          |                                                                                     |
+      coda layers (cache.{kind}.coda.{i}.0)                              coda layers (cache.{kind}.coda.{i}.1)
+          |                                                                                     |
+      readout.draft = Concat(draft [n,H], zeros [(P-1)n,H]) [R,H]      readout.final = Concat(zeros, final) [R,H]
+
+The heads (passes/batch_step_graph.add_batch_heads) gather their rows from the readouts: exit rows are
+slot 0's, final rows slot P-1's (runtimes/batch.py). New K/V: present.{kind}.{j} per stage layer (the
+kv_cache pass stacks them), new_{kind}.prelude [Lp, n, kvh, 1, hd], new_{kind}.coda [Lc, 2, n, kvh, 1, hd].
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import onnx
+import onnx_graphsurgeon as gs
+import torch
+from torch import nn
+
+from speedc import contract
+from speedc.cache_layout import CacheLayout
+from speedc.errors import BuildError
+from speedc.models.config import ModelConfig
+from speedc.models.depth_plan import SlotPlan
+from speedc.models.llama import SharedLlama
+from speedc.models.row_layer import layer_over_rows, rms_norm, row_context, rotary_inv_freq
+from speedc.passes.trace import OPSET, WeightsAsInputs
+
+STAGE_OUT_PREFIX = "hidden."  # hidden.{S-1}: the stage output (hidden_out)
+READOUT_DRAFT, READOUT_FINAL = "readout.draft", "readout.final"
+
+
+def slab_names(layout: CacheLayout) -> list[str]:
+    """The step's cache inputs in the program's argument order: core (j, s), prelude i, coda (i, depth)."""
+    names = [contract.batch_cache_input(kind, j, s) for j in range(layout.stage_layers) for s in range(layout.slots)
+             for kind in contract.KV_KINDS]
+    names += [contract.phase_cache_input(kind, "prelude", i) for i in range(layout.prelude_layers)
+              for kind in contract.KV_KINDS]
+    names += [contract.phase_cache_input(kind, "coda", i, d) for i in range(layout.coda_layers)
+              for d in range(layout.readouts) for kind in contract.KV_KINDS]
+    return names
+
+
+class PhaseStepProgram(nn.Module):
+    """One batch step of SLOTS over a plan with phases (the diagram above). Same layer code as the
+    traced decode program (models/row_layer.py), so plain decoding and SPEED compute the same rows."""
+
+    def __init__(self, llama: SharedLlama, pipeline: SlotPlan) -> None:
+        super().__init__()
+        self.cfg, self.pipeline = llama.cfg, pipeline
+        self.model = llama.model
+        if not llama.cfg.tie_word_embeddings:
+            self.lm_head = llama.lm_head  # unused here; kept so parameter names match the checkpoint's
+        self.register_buffer("inv_freq", rotary_inv_freq(self.cfg), persistent=False)
+        self.layout = CacheLayout.from_plan(pipeline.plan.to_json(), pipeline.slots)  # the runtime's addressing
+
+    def _run(self, blocks, x, ctx, slabs, first_layer: int):
+        """x [r, H] through BLOCKS against SLABS [(k, v)] -> (x, [k], [v]), model.norm where a repeat ends."""
+        keys, values = [], []
+        for offset, (block, (past_k, past_v)) in enumerate(zip(blocks, slabs)):
+            x, k, v = layer_over_rows(self.model.blocks[block], x, ctx, past_k, past_v, self.cfg)
+            if self.cfg.depth_plan.ends_repeat(first_layer + offset):
+                x = rms_norm(x, self.model.norm.weight, self.cfg.rms_norm_eps)
+            keys.append(k)
+            values.append(v)
+        return x, keys, values
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_in: torch.Tensor, *slabs: torch.Tensor):
+        cfg, layout, plan = self.cfg, self.layout, self.pipeline.plan
+        p, hidden = layout.slots, cfg.hidden_size
+        groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        core_count = 2 * layout.stage_layers * p
+        prelude_count = 2 * layout.prelude_layers
+        core, prelude, coda = slabs[:core_count], slabs[core_count:core_count + prelude_count], slabs[core_count + prelude_count:]
+        by_slot = positions.reshape(p, -1)  # [P, n]
+        past_len = slabs[0].shape[2]
+        first_ctx = row_context(by_slot[0], 1, past_len, self.inv_freq, groups)  # slot 0's rows
+        last_ctx = row_context(by_slot[p - 1], 1, past_len, self.inv_freq, groups)  # slot P-1's rows
+        x = self.model.embed_tokens(input_ids).reshape(-1, hidden)  # [n, H]
+        pairs = [(prelude[2 * i], prelude[2 * i + 1]) for i in range(layout.prelude_layers)]
+        x, prelude_k, prelude_v = self._run(plan.prelude, x, first_ctx, pairs, 0)
+        x = torch.cat((x, hidden_in.reshape(-1, hidden)), dim=0)  # [R, H]
+        ctx = row_context(positions, 1, past_len, self.inv_freq, groups)
+        stage_blocks, taps, core_k, core_v = self.pipeline.stage_blocks, [], [], []
+        tap = self.pipeline.draft_layer - layout.prelude_layers - 1  # stage layer after which the draft reads out
+        for j, block in enumerate(stage_blocks):
+            step = 2 * j * p  # core slabs: (j, s) for s < P, key then value
+            past_k = torch.cat([core[step + 2 * s] for s in range(p)], dim=0)  # [R, kvh, T, hd]
+            past_v = torch.cat([core[step + 2 * s + 1] for s in range(p)], dim=0)
+            x, (k,), (v,) = self._run([block], x, ctx, [(past_k, past_v)], layout.prelude_layers + j)
+            core_k.append(k)
+            core_v.append(v)
+            taps.append(x)
+        rows = taps[tap].reshape(p, -1, hidden)  # [P, n, H]
+        out = x.reshape(p, -1, hidden)  # [P, n, H]
+        draft_pairs = [(coda[2 * (i * 2)], coda[2 * (i * 2) + 1]) for i in range(layout.coda_layers)]
+        final_pairs = [(coda[2 * (i * 2 + 1)], coda[2 * (i * 2 + 1) + 1]) for i in range(layout.coda_layers)]
+        draft, draft_k, draft_v = self._run(plan.coda, rows[0], first_ctx, draft_pairs, plan.num_layers)
+        final, final_k, final_v = self._run(plan.coda, out[p - 1], last_ctx, final_pairs, plan.num_layers)
+        zeros = torch.zeros_like(hidden_in.reshape(-1, hidden))  # [(P-1)n, H]: rows no readout reads
+        readout_draft = torch.cat((draft, zeros), dim=0)  # [R, H]
+        readout_final = torch.cat((zeros, final), dim=0)  # [R, H]
+
+        def stacked(parts):  # [k, n, kvh, 1, hd] (an empty phase: [0, ...])
+            return torch.stack(parts) if parts else torch.zeros((0, *core_k[0].shape), dtype=x.dtype)
+
+        coda_k = torch.stack((stacked(draft_k), stacked(final_k)), dim=1)  # [Lc, 2, n, kvh, 1, hd]
+        coda_v = torch.stack((stacked(draft_v), stacked(final_v)), dim=1)
+        presents = [t for pair in zip(core_k, core_v) for t in pair]
+        return (readout_draft, readout_final, x, stacked(prelude_k), stacked(prelude_v), coda_k, coda_v, *presents)
+
+
+def output_names(layout: CacheLayout) -> list[str]:
+    names = [READOUT_DRAFT, READOUT_FINAL, f"{STAGE_OUT_PREFIX}{layout.stage_layers - 1}"]
+    names += [contract.phase_new_rows(kind, "prelude") for kind in contract.KV_KINDS]
+    names += [contract.phase_new_rows(kind, "coda") for kind in contract.KV_KINDS]
+    names += [f"present.{kind}.{j}" for j in range(layout.stage_layers) for kind in contract.KV_KINDS]
+    return names
+
+
+def trace_phase_step(cfg: ModelConfig, pipeline: SlotPlan) -> tuple[onnx.ModelProto, list[str], CacheLayout]:
+    """The step program with its weights as graph inputs named as in the checkpoint (shapes only)."""
+    if not 0 <= pipeline.draft_layer - len(pipeline.plan.prelude) - 1 < pipeline.stage_layers:
+        raise BuildError(f"the draft readout (after layer {pipeline.draft_layer}) must lie in slot 0's core layers "
+                         f"({len(pipeline.plan.prelude) + 1}..{len(pipeline.plan.prelude) + pipeline.stage_layers})")
+    with torch.device("meta"):
+        llama = SharedLlama(cfg)
+    step = PhaseStepProgram(llama, pipeline).eval()
+    program = WeightsAsInputs(step)
+    layout = step.layout
+    weights = [torch.empty(p.shape) for _, p in step.named_parameters()]
+    n, past = 2, 5  # non-1 sizes so nothing specialises on them
+    kv = (n, cfg.num_key_value_heads, past, cfg.head_dim)
+    slabs = slab_names(layout)
+    args = (torch.zeros(n, 1, dtype=torch.long), torch.arange(layout.slots * n), torch.zeros((layout.slots - 1) * n, 1, cfg.hidden_size),
+            *[torch.zeros(kv) for _ in slabs], *weights)
+    inputs = [contract.INPUT_IDS, contract.POSITIONS, contract.HIDDEN_IN, *slabs]
+    outputs = output_names(layout)
+    dynamic = {contract.INPUT_IDS: {0: "sequences"}, contract.POSITIONS: {0: "rows"}, contract.HIDDEN_IN: {0: "rows_behind"}}
+    dynamic.update({name: {0: "sequences", 2: "context"} for name in slabs})
+    dynamic.update({name: {0: "rows"} for name in outputs[:3]})
+    dynamic.update({name: {1: "sequences"} for name in outputs[3:5]})
+    dynamic.update({name: {2: "sequences"} for name in outputs[5:7]})
+    dynamic.update({name: {0: "rows"} for name in outputs[7:]})
+    buffer = io.BytesIO()
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(program, args, buffer, input_names=inputs + program.weight_names, output_names=outputs,
+                          dynamic_axes=dynamic, opset_version=OPSET, do_constant_folding=False, dynamo=False)
+    return onnx.load_from_string(buffer.getvalue()), inputs, layout
+
+
+def import_phase_step(cfg: ModelConfig, pipeline: SlotPlan) -> tuple[gs.Graph, CacheLayout]:
+    model, _, layout = trace_phase_step(cfg, pipeline)
+    return gs.import_onnx(model), layout

@@ -1,0 +1,163 @@
+"""models/depth_plan.py: each family emits the phases of a token's trip, a bare layer map yields the
+same plan, the pipeline places prelude / core / readouts on slots, the passes and the manifest carry
+the plan, and a bad plan in config.json is one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from conftest import random_config
+from looped_checkpoints import write_nanbeige, write_ouro
+from speedc.cache_layout import CacheLayout
+from speedc.errors import CheckpointError
+from speedc.models.config import ModelConfig
+from speedc.models.depth_plan import CODA, CORE, PRELUDE, DepthPlan, derive_plan
+from speedc.passes.base import BuildOptions, CompileState, run_passes
+from speedc.schedule import make_schedule
+
+MIDDLE = [0, 1, 2, 1, 2, 1, 2, 3]  # one layer, a 2-block core x 3, one layer
+
+
+def read(directory) -> ModelConfig:
+    return ModelConfig.load(directory / "config.json")
+
+
+def test_looped_families_emit_their_loops(tmp_path):
+    ouro = read(write_ouro(tmp_path / "ouro", layers=3, loops=4))
+    assert ouro.depth_plan == DepthPlan((), (0, 1, 2), 4, (), repeat_norm=True, final_norm=False)
+    nanbeige = read(write_nanbeige(tmp_path / "nb", layers=2, loops=3))
+    assert nanbeige.depth_plan == DepthPlan((), (0, 1), 3, (), repeat_norm=True, final_norm=False)
+    skip = read(write_nanbeige(tmp_path / "nb-skip", layers=2, loops=3, skip_loop_final_norm=True))
+    assert skip.depth_plan == DepthPlan((), (0, 1), 3, (), repeat_norm=False, final_norm=True)
+    # the loop-boundary norm sits where the published forward puts it: after each loop's last layer
+    assert [layer for layer in range(12) if ouro.ends_loop(layer)] == [2, 5, 8, 11]
+    assert not any(skip.ends_loop(layer) for layer in range(6))
+
+
+def test_llama_layer_maps_are_instances():
+    cycle = random_config(layers=6, blocks=2)
+    assert cycle.depth_plan == DepthPlan((), (0, 1), 3)
+    middle = random_config(layers=8, layer_map={"pattern": "middle-cycle", "num_blocks": 4}, blocks=4, exit_layer=3)
+    assert middle.layer_map == MIDDLE
+    plan = middle.depth_plan
+    assert (plan.prelude, plan.core, plan.repeats, plan.coda) == ((0,), (1, 2), 3, (3,))
+    assert [(s.phase, s.repeat) for s in plan.trip()] == [
+        (PRELUDE, 0), (CORE, 0), (CORE, 0), (CORE, 1), (CORE, 1), (CORE, 2), (CORE, 2), (CODA, 0)]
+    unshared = random_config(layers=4, layer_map=list(range(4)), blocks=4, exit_layer=4)
+    assert unshared.depth_plan == DepthPlan((), (0, 1, 2, 3), 1)
+
+
+def test_derived_plans():
+    assert derive_plan([0, 1] * 4) == DepthPlan((), (0, 1), 4)
+    assert derive_plan(MIDDLE) == DepthPlan((0,), (1, 2), 3, (3,))
+    assert derive_plan([5, 0, 0, 0]).prelude == (5,) and derive_plan([5, 0, 0, 0]).repeats == 3
+    # a map that is one cycle stays one (SPEED pipelines it) even where a coda would give more repeats
+    assert derive_plan([0, 0, 0, 1] * 2) == DepthPlan((), (0, 0, 0, 1), 2)
+    for layer_map in ([0, 1] * 4, MIDDLE, [0, 0, 1, 1], [3, 0, 1, 2, 0, 1, 2, 4, 5], list(range(5))):
+        assert derive_plan(layer_map).layer_map == layer_map
+
+
+def test_refitted_when_the_layer_map_changes():
+    """dataclasses.replace (the share pass's aliases, the bench) keeps plan and map in step."""
+    ouro_like = random_config(layers=6, blocks=3)
+    looped = dataclasses.replace(ouro_like, loop_norm=True)
+    assert looped.depth_plan.repeat_norm and looped.depth_plan.core == (0, 1, 2)
+    merged = dataclasses.replace(looped, layer_map=[0, 0, 1] * 2)  # two equal blocks merged: same loops, new labels
+    assert merged.depth_plan == DepthPlan((), (0, 0, 1), 2, (), repeat_norm=True, final_norm=True)
+    assert [layer for layer in range(6) if merged.ends_loop(layer)] == [2, 5]
+
+
+def test_pipeline_places_phases_on_slots():
+    plan = derive_plan(MIDDLE)
+    assert plan.valid_slots(3) == [1]  # this build runs a prelude / coda on the plain engine only
+    assert plan.valid_slots(3, pipelined_phases=True) == [1, 3]
+    pipe = plan.pipeline(3, draft_layer=3)
+    assert pipe.stage_layers == 2 and pipe.stage_blocks == [1, 2]
+    assert pipe.slot_layers() == [[0, 1, 2], [3, 4], [5, 6]]  # slot 0: the prelude, then its repeat
+    assert pipe.readouts() == {"draft": {"slot": 0, "after_layer": 3, "coda": True},
+                               "final": {"slot": 2, "after_layer": 7, "coda": True}}
+    cycle = derive_plan([0, 1, 2, 3] * 4)
+    assert cycle.valid_slots(4) == [1, 2, 4] and cycle.valid_slots(5) == [1, 2]  # the draft tap lies in slot 0
+    two = cycle.pipeline(2, 4)
+    assert two.stage_layers == 8 and two.slot_layers() == [list(range(8)), list(range(8, 16))]
+
+
+def test_schedule_records_the_plan_and_the_layout_follows_it():
+    sched = make_schedule([0, 1] * 4, 2, alpha=0.9, requested=4)
+    assert sched.depth_plan == DepthPlan((), (0, 1), 4).to_json() and sched.readouts["final"]["slot"] == 3
+    assert CacheLayout.from_plan(sched.depth_plan, sched.slots) == CacheLayout.cycle(2, 4)
+    plain = make_schedule(MIDDLE, 3, alpha=0.9, requested=None)
+    assert plain.slots == 1 and "prelude" in plain.reason
+    assert CacheLayout.from_plan(plain.depth_plan, 1) == CacheLayout.plain(8)
+
+
+def test_passes_fit_the_plan_to_the_weights(tmp_path):
+    """The share pass derives the layer map from the weights of an Ouro checkpoint and keeps its loops;
+    the schedule pass reads the plan."""
+    from speedc.models.checkpoint import open_checkpoint
+    from speedc.passes import schedule, share, trace  # noqa: F401  (registers)
+
+    directory = write_ouro(tmp_path / "ouro", layers=2, loops=3)
+    cfg, weights = open_checkpoint(directory)
+    state, _ = run_passes(CompileState(cfg, weights, BuildOptions(), has_speedc_section=False), ["trace", "share", "schedule"])
+    assert state.depth_plan == DepthPlan((), (0, 1), 3, (), repeat_norm=True, final_norm=False)
+    assert state.schedule.slots == 3 and state.schedule.depth_plan == state.depth_plan.to_json()
+    assert state.exit_norm is None  # the draft reads the loop-normed state
+
+
+def test_config_round_trip_and_bad_plan(tmp_path):
+    cfg = random_config(layers=8, layer_map={"pattern": "middle-cycle", "num_blocks": 4}, blocks=4, exit_layer=3)
+    data = cfg.to_json_dict()
+    assert data["speedc"]["depth"]["prelude"] == [0]
+    assert ModelConfig.from_json_dict(data).depth_plan == cfg.depth_plan
+    data["speedc"]["depth"] = dict(data["speedc"]["depth"], repeats=2)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError) as error:
+        ModelConfig.load(path)
+    assert "\n" not in str(error.value) and "does not fit the layer map" in str(error.value)
+    data["speedc"]["depth"] = dict(cfg.depth_plan.to_json(), injection="adapter-concat")  # represented, not run
+    path.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError) as error:
+        ModelConfig.load(path)
+    assert "\n" not in str(error.value) and "injection 'adapter-concat' is not supported" in str(error.value)
+    data["speedc"]["depth"] = {"prelude": [], "core": [], "repeats": 1}
+    path.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError) as error:
+        ModelConfig.load(path)
+    assert "\n" not in str(error.value) and "at least one block" in str(error.value)
+
+
+def test_speedc_middle_cycle_checkpoint_pipelines_losslessly(tmp_path):
+    """speedc's own checkpoint with a middle-cycle layer map (declared in its speedc section) gets the
+    prelude / coda pipeline too: batched SPEED == batched plain == the PyTorch reference (greedy), SPEED ==
+    plain (seeded sampling), with mispredictions (random weights). The transformers oracle for this
+    shape is tests/test_family_looped_llama.py."""
+    import torch
+
+    from conftest import build_artifact, randomize
+    from speedc import Engine
+    from speedc.artifact import read_manifest
+    from speedc.models.generate import generate as reference_generate
+    from speedc.models.llama import SharedLlama
+
+    cfg = random_config(layers=8, layer_map={"pattern": "middle-cycle", "num_blocks": 4}, blocks=4, exit_layer=3,
+                        exit_norm="final", hidden=64, heads=4, kv_heads=2)
+    model = randomize(SharedLlama(cfg), seed=21)
+    artifact = build_artifact(model, tmp_path / "art")
+    manifest = read_manifest(artifact)
+    assert manifest.slots == 3 and manifest.schedule["slot_layers"] == [[0, 1, 2], [3, 4], [5, 6]]
+    engine = Engine.load(artifact, lazy=True)
+    prompts = [torch.randint(0, cfg.vocab_size, (5,), generator=torch.Generator().manual_seed(s)).tolist() for s in (1, 2)]
+    plain = engine.generate_batch(prompts, max_new_tokens=12, stop_at_eos=False, row_budget=0, max_batch=2)
+    speed = engine.generate_batch(prompts, max_new_tokens=12, stop_at_eos=False, max_batch=2)
+    reference = [reference_generate(model, p, 12) for p in prompts]
+    assert [r.ids for r in speed] == [r.ids for r in plain] == reference
+    assert sum(r.stats.mispredicted for r in speed) > 0
+    settings = [{"temperature": 1.0, "seed": 5}, {"temperature": 0.7, "top_k": 10, "seed": 6}]
+    runs = [engine.generate_batch(prompts, max_new_tokens=12, stop_at_eos=False, settings=settings, max_batch=2, **extra)
+            for extra in ({}, {"row_budget": 0})]
+    assert [r.ids for r in runs[0]] == [r.ids for r in runs[1]]
