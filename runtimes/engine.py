@@ -341,6 +341,7 @@ class Engine:
                      stop_at_eos: bool) -> Request:
         """A checked request (GenerationError on bad input): ids, limits, its own TokenPicker, stop rule."""
         require(max_new_tokens, "max new tokens", "an integer")
+        max_new_tokens = int(max_new_tokens)  # a numpy integer would reach the pool's sizes (int.bit_length)
         if max_new_tokens < 1:
             raise GenerationError("max new tokens must be at least 1")
         if not isinstance(stop_at_eos, bool):
