@@ -1,5 +1,6 @@
-"""ONNX Runtime (CPU) backend for continuous batching: a KV-cache pool of sequence slots and the three
-graph runs the batch scheduler (runtimes/batch.py) needs. Imports numpy and onnxruntime only.
+"""The ONNX Runtime (CPU) backend: a KV-cache pool of sequence slots and the three graph runs the scheduler
+(runtimes/batch.py) needs, for one sequence (Engine.generate / stream: a batch of one) and for continuous
+batching alike. Imports numpy and onnxruntime only.
 
     pool K, V [S, P, W, kvh, T+1, hd]  (stage layer j, pipeline slot s, sequence slot b, ...)
 
