@@ -151,15 +151,17 @@ class BatchScheduler:
         events: list[Event] = []
         for sequence in [s for s in self.occupied if s.cancelled]:
             self._finish(sequence, "cancelled", events)
-        with self._lock:
-            for sequence in [s for s in self.waiting if s.cancelled]:
-                self.waiting.remove(sequence)
-                sequence.stats.stop_reason, sequence.state = "cancelled", DONE
-                events.append((sequence, None))
-        self._admit(events)
+        if self.waiting:  # (checked without the lock first: a step of a full batch takes it not at all)
+            with self._lock:
+                for sequence in [s for s in self.waiting if s.cancelled]:
+                    self.waiting.remove(sequence)
+                    sequence.stats.stop_reason, sequence.state = "cancelled", DONE
+                    events.append((sequence, None))
+            self._admit(events)
         if self.occupied:  # the pool's width and length follow its requests (BatchBackend.reserve)
             self.backend.reserve(max(s.positions for s in self.occupied), len(self.occupied))
-        self._prefill_chunk(events)
+        if any(s.state == PREFILL for s in self.occupied):
+            self._prefill_chunk(events)
         first_token = any(token is not None for _, token in events)  # only a prefill confirms one so far
         decoding = [s for s in self.occupied if s.state == DECODE]
         if decoding and not (first_token and self.first_token_alone):
