@@ -41,7 +41,33 @@ from speedc.cache_layout import CORE, CacheLayout
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.exit_heads import final_norm_weight, hidden_output, maybe_norm, weight
 from speedc.passes.graph_utils import add_layer, linear_to_gemm, replace_uses, reshape, tensor
-from speedc.passes.step_graph import enter_slots
+
+
+def enter_slots(graph: gs.Graph, entering: str | int, behind: str | int, rows: str | int, hidden_size: int) -> gs.Tensor:
+    """The entry of the step graph: the embedded tokens entering slot 0 (ENTERING rows) and the contract's
+    hidden_in [BEHIND, 1, H] (slots 1..P-1) concatenated into the ROWS token rows the stage layers run.
+    Returns hidden_in (a graph input)."""
+    embeddings = tensor(graph, "embeddings")
+    _relabel_rows(graph, embeddings, [entering, hidden_size], [rows, hidden_size])
+    hidden_in = gs.Variable(contract.HIDDEN_IN, dtype=np.float32, shape=[behind, 1, hidden_size])
+    slot_inputs = gs.Variable("slot_inputs", dtype=np.float32, shape=[rows, hidden_size])
+    replace_uses(embeddings, slot_inputs)
+    graph.nodes.append(gs.Node("Concat", "slot_inputs_concat", attrs={"axis": 0},
+                               inputs=[embeddings, reshape(graph, hidden_in, [-1, hidden_size], "hidden_in.rows")],
+                               outputs=[slot_inputs]))
+    return hidden_in
+
+
+def _relabel_rows(graph: gs.Graph, embeddings: gs.Tensor, embedded: list, layer_rows: list) -> None:
+    """The traced program's token rows (embeddings, every layer's tensors) share one row count, "rows" =
+    B*L; the step graph's do not (its embeddings are the entering tokens, its layers run every slot). The
+    traced shapes of the tensors in between are dropped (ONNX Runtime infers them) and the two row counts
+    labelled apart, or shape inference would equate them and refuse the graph."""
+    inputs = {id(t) for t in graph.inputs}
+    for t in graph.tensors().values():
+        if not isinstance(t, gs.Constant) and id(t) not in inputs and not t.name.startswith("present."):
+            t.shape = layer_rows if t.name.startswith("hidden.") else None
+    embeddings.shape = embedded
 
 
 def _gather_rows(graph: gs.Graph, hidden: gs.Tensor, rows: gs.Tensor, name: str) -> gs.Tensor:
@@ -190,12 +216,16 @@ def build_batch_step_graph(decode: gs.Graph, state: CompileState) -> gs.Graph:
     return graph.cleanup(remove_unused_graph_inputs=False).toposort()
 
 
-@register_pass("batch_step_graph", phase="lowering", requires=("decode_program", "schedule"), provides=("batch_program",))
+@register_pass("batch_step_graph", phase="lowering", requires=("decode_program", "schedule"),
+               provides=("programs", "layer_presents"), consumes=("decode_program",))
 def batch_step_graph(state: CompileState) -> CompileState:
-    """Add the batch step graph (many sequences' pipelines per step) beside the single-sequence programs."""
+    """The decode program becomes the prefill graph; beside it (P > 1) the batch step graph, one weight
+    read per block per step for every row of every sequence."""
+    decode = state.graphs.pop("decode")
     sched = state.schedule
     if sched.speculative:  # a plain engine batches through the prefill graph alone
-        state.graphs[contract.BATCH_STEP] = build_batch_step_graph(state.graphs["decode"], state)
+        state.graphs[contract.BATCH_STEP] = build_batch_step_graph(decode, state)
         state.notes.append(f"batch_step_graph: {sched.slots} slots x {sched.stage_layers} layers per sequence, "
                            "dynamic sequence count")
+    state.graphs[contract.PREFILL] = decode
     return state

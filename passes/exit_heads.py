@@ -1,14 +1,5 @@
-r"""Pass `exit_heads` (phase lowering): early-exit and final heads, with argmax in-graph.
-
-    step graph (one LM-head Gemm serves both heads: its weight is read once per step):
-
-      hidden.{S-1} [P,H] --row P-1--> final RMSNorm --\
-                                                          Concat [1+R,H] -> Gemm(lm_head) -> [1+R,V] -> ArgMax
-      hidden.{exit-1} [P,H] --rows--> exit RMSNorm ----/                       |               |
-                                                                     final_logits = row 0    final_token = [0]
-                                                                                             exit_tokens = [1:]
-      step.onnx:        R = 1 (slot 0's exit: the speculation for the next position)
-      step_flush.onnx:  R = P (every slot's exit: the early-flush check reads the deeper ones)
+r"""Pass `exit_heads` (phase lowering): the prefill graph's final head, with argmax in-graph (the batch
+step graph emits its own heads: passes/batch_step_graph.py).
 
     prefill graph:
       hidden.{N-1} [B*L,H] --each row's last real token (chunk_lengths)--> final RMSNorm -> Gemm -> logits [B,V]
@@ -46,9 +37,9 @@ def emit_rms_norm(graph: gs.Graph, x: gs.Tensor, weight: gs.Constant, eps: float
     -> Div -> Mul, the pattern ONNX Runtime fuses into one SimplifiedLayerNormalization (x * x is not).
     The exponent is a [1] tensor, not the traced layers' scalar: where a head reads the same token rows
     as the next layer's norm (an exit tap inside a stage), equal constants would let ONNX Runtime's
-    common-subexpression pass merge the two Pow/ReduceMean, then fuse neither norm, so the step and
-    step_flush graphs (one exit row vs all) computed that layer differently (measured: last-bit
-    differences in hidden_out, which SPEED's losslessness forbids)."""
+    common-subexpression pass merge the two Pow/ReduceMean, then fuse neither norm, so two step graphs
+    running different head rows computed that layer differently (measured: last-bit differences in
+    hidden_out, which SPEED's losslessness forbids)."""
     two = gs.Constant(f"{prefix}.two", np.array([2.0], dtype=np.float32))  # [1], not a scalar: see below
     squared = add_layer(graph, op="Pow", inputs=[x, two], outputs=[f"{prefix}.sq"], name=f"{prefix}/Pow_sq")[0]
     mean = add_layer(graph, op="ReduceMean", inputs=[squared], outputs=[f"{prefix}.mean"], attrs={"axes": [-1], "keepdims": 1},
@@ -95,35 +86,6 @@ def _logits_and_tokens(graph: gs.Graph, state: CompileState, normed: gs.Tensor, 
     return logits, token
 
 
-def _take(graph: gs.Graph, x: gs.Tensor, start: int, end: int, name: str) -> gs.Tensor:
-    """x[start:end] along axis 0."""
-    consts = [gs.Constant(f"{name}.{k}", np.array([v], dtype=np.int64)) for k, v in (("starts", start), ("ends", end), ("axes", 0))]
-    return add_layer(graph, op="Slice", inputs=[x, *consts], outputs=[name], name=f"{name}/Slice")[0]
-
-
-def add_step_heads(graph: gs.Graph, state: CompileState, all_exit_rows: bool) -> None:
-    cfg, sched = state.cfg, state.schedule
-    slots = sched.slots
-    stage_out = tensor(graph, f"hidden.{sched.stage_layers - 1}")
-    exit_tap = tensor(graph, f"hidden.{state.exit_layer - 1}")
-    oldest = _take(graph, stage_out, slots - 1, slots, "oldest_hidden")  # [1, H]
-    final_normed = maybe_norm(graph, state, oldest, final_norm_weight(state), "final_head")  # [1, H]
-    exit_source = exit_tap if all_exit_rows else _take(graph, exit_tap, 0, 1, "youngest_hidden")
-    exit_normed = maybe_norm(graph, state, exit_source, state.exit_norm, "exit_head")  # [R, H]
-    both = add_layer(graph, op="Concat", inputs=[final_normed, exit_normed], outputs=["head_rows"], attrs={"axis": 0},
-                            name="heads/Concat_rows")[0]  # [1 + R, H]
-    logits, tokens = _logits_and_tokens(graph, state, both, "heads", "head_logits", "head_tokens")
-    final_logits = _take(graph, logits, 0, 1, contract.FINAL_LOGITS)
-    final_token = _take(graph, tokens, 0, 1, contract.FINAL_TOKEN)
-    exit_tokens = _take(graph, tokens, 1, slots + 1, contract.EXIT_TOKENS)
-    final_logits.dtype, final_token.dtype, exit_tokens.dtype = np.float32, np.int64, np.int64
-    final_token.shape, final_logits.shape = [1], [1, cfg.vocab_size]
-    exit_tokens.shape = [slots if all_exit_rows else 1]
-    hidden_out = hidden_output(graph, stage_out, [slots, 1, cfg.hidden_size])
-    presents = [t for t in graph.outputs if t.name.startswith("present.")]
-    graph.outputs = [final_token, final_logits, exit_tokens, hidden_out, *presents]
-
-
 def hidden_output(graph: gs.Graph, rows: gs.Tensor, shape: list) -> gs.Tensor:
     """The token rows [R, H] a stage ends with as the contract's hidden_out [R, 1, H]."""
     out = reshape(graph, rows, [-1, 1, shape[-1]], contract.HIDDEN_OUT)
@@ -167,20 +129,13 @@ def add_prefill_head(graph: gs.Graph, state: CompileState) -> None:
 
 @register_pass("exit_heads", phase="lowering", requires=("programs", "layer_presents"), provides=("heads",))
 def exit_heads(state: CompileState) -> CompileState:
-    """Attach the early-exit and final heads (norm, LM head, argmax) to the step and prefill graphs."""
-    if contract.STEP in state.graphs:
-        state.graphs[contract.STEP_FLUSH] = state.graphs[contract.STEP].copy()
-    builders = {contract.STEP: lambda g, st: add_step_heads(g, st, all_exit_rows=False),
-                contract.STEP_FLUSH: lambda g, st: add_step_heads(g, st, all_exit_rows=True),
-                contract.PREFILL: add_prefill_head}
-    for name, add in builders.items():
-        if name in state.graphs:
-            graph = state.graphs[name]
-            # The traced heads (logits / exit_logits at the traced exit point) are replaced.
-            graph.outputs = [t for t in graph.outputs if t.name not in TRACED_HEADS]
-            for t in graph.tensors().values():
-                if t.name in TRACED_HEADS and not isinstance(t, gs.Constant):
-                    t.name = f"traced_{t.name}"
-            add(graph, state)
-            state.graphs[name] = graph.cleanup(remove_unused_graph_inputs=True).toposort()
+    """Attach the final head (norm, LM head, argmax) to the prefill graph."""
+    graph = state.graphs[contract.PREFILL]
+    # The traced heads (logits / exit_logits at the traced exit point) are replaced.
+    graph.outputs = [t for t in graph.outputs if t.name not in TRACED_HEADS]
+    for t in graph.tensors().values():
+        if t.name in TRACED_HEADS and not isinstance(t, gs.Constant):
+            t.name = f"traced_{t.name}"
+    add_prefill_head(graph, state)
+    state.graphs[contract.PREFILL] = graph.cleanup(remove_unused_graph_inputs=True).toposort()
     return state

@@ -14,7 +14,7 @@ Why: the standard-op attention (rotary, two masks, split softmax, slices) is ~35
 on a CPU most of a step's time outside the weight Gemms is those nodes and their dispatch. GQA does
 the same math in one kernel, per row at its own position (row r reads cache rows 0..positions[r]+i),
 exactly the slot semantics of a SPEED step, and writes the new K/V rows into the cache when the
-runtime binds past and present to one buffer (IO binding; the `onnx` backend, runtimes/onnx_bound.py).
+runtime binds past and present to one buffer (IO binding; the `onnx` backend, runtimes/batch_backend.py).
 
 The standard batch step reads one cache slab per (stage layer, slot); its fused variant reads each stage
 layer's whole pool as one buffer and runs one GroupQueryAttention a layer over it, and computes only the
@@ -27,7 +27,7 @@ score scale), the rotary frequencies against rope_theta's, and the shared nodes 
 one-line BuildError naming the node and the layer, never silently dropped (LAYER_ATTENTION_OPS below).
 
 The standard graphs stay in the artifact (TensorRT, the numpy-fed backend); these are added as
-`step.gqa`, `step_flush.gqa`, `prefill.gqa`, `batch_step.gqa`. Only for --target onnx: TensorRT has no such op.
+`prefill.gqa` and `batch_step.gqa`. Only for --target onnx: TensorRT has no such op.
 """
 
 from __future__ import annotations
@@ -369,7 +369,7 @@ def gqa_attention(state: CompileState) -> CompileState:
         state.notes.append(f"gqa_attention: skipped (ONNX Runtime's GroupQueryAttention needs head_dim % "
                            f"{GQA_HEAD_DIM_MULTIPLE} == 0, this model has {cfg.head_dim})")
         return state
-    for name in [n for n in (*contract.PROGRAMS, contract.BATCH_STEP) if n in state.graphs]:
+    for name in [n for n in contract.PROGRAMS if n in state.graphs]:
         state.graphs[contract.fused(name)] = lower_to_gqa(
             state.graphs[name], heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim, theta=cfg.rope_theta, max_context=cfg.max_position_embeddings)

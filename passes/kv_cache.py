@@ -1,13 +1,11 @@
 """Pass `kv_cache` (phase lowering): cache inputs and new-row outputs in the runtime's layout.
 
-The runtime owns one buffer per K and V laid out [S, P, kvh, T, hd] (stage layer, slot, ...), so slot
-s's rows for stage layer j, logical layer s*S + j, are one contiguous [kvh, T, hd] slab:
+The runtime owns one pool per K and V laid out [S, P, W, kvh, T, hd] (stage layer, slot, sequence slot,
+...), so slot s's rows for stage layer j, logical layer s*S + j, over sequences b..b+B are one contiguous
+slab (runtimes/batch_backend.py):
 
-    step graph     cache.key.{j}  = buffer[j]     [P, kvh, T, hd]   (a view, no copy)
-                   new_key        [S, P, kvh, 1, hd]  one output; the runtime writes row positions[s]
-                                                       of valid slots only (bubbles never write)
-    prefill graph  cache.key.{l}  = buffer[j, s][None] for l = s*S + j   [1, kvh, T, hd]
-                   new_key        [N, 1, kvh, L, hd]   rows start .. start+L-1
+    prefill graph  cache.key.{l}  = pool[j, s, b:b+B] for l = s*S + j   [B, kvh, T, hd]
+                   new_key        [N, B, kvh, L, hd]   rows start .. start+L-1
     batch step     cache inputs named by passes/batch_step_graph.py; new_key [S, R, kvh, 1, hd]
 
 Which slab each entry is lives in speedc/cache_layout.py (a depth plan's prelude / coda included: its
@@ -67,10 +65,8 @@ def kv_cache(state: CompileState) -> CompileState:
     """Name cache inputs per (stage) layer and stack the new K/V rows into one output each."""
     cfg, sched = state.cfg, state.schedule
     layout = CacheLayout.from_plan(sched.depth_plan, sched.slots)  # prefill: one entry a logical layer (+ readout codas)
-    step_shape = (sched.stage_layers, sched.slots, 1)
-    shapes = {contract.STEP: step_shape, contract.STEP_FLUSH: step_shape, contract.PREFILL: (len(layout.entries), "batch", "chunk"),
-              contract.BATCH_STEP: (layout.stage_layers, "rows", 1)}
-    for name in [n for n in shapes if n in state.graphs]:  # the programs only (not the cache writers)
+    shapes = {contract.PREFILL: (len(layout.entries), "batch", "chunk"), contract.BATCH_STEP: (layout.stage_layers, "rows", 1)}
+    for name in [n for n in shapes if n in state.graphs]:  # a plain engine (P = 1) has no batch step
         graph = state.graphs[name]
         rename_cache_inputs(graph)
         if name == contract.PREFILL:  # the plain engine reads no draft-readout coda the trace may have run

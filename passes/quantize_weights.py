@@ -19,14 +19,13 @@ Why the extra row for int4: SPEED's losslessness rests on each row of a step bei
 as plain decoding computes it alone. ONNX Runtime's MatMulNBits is row-invariant for every row count
 M >= 2, and at int8 also for M = 1, but 4-bit weights with M = 1 take a separate kernel whose sums
 differ in the last bits (measured on onnxruntime 1.32, every accuracy level). Plain decoding runs one
-row (M = 1), the step graph P rows; one zero row appended to every 4-bit product puts both on the
+row (M = 1), a speed step several; one zero row appended to every 4-bit product puts both on the
 M >= 2 kernel. It costs plain decoding the faster single-row kernel (zoo:small: 3.0 -> 5.0 ms/token on a
 loaded host, measured when every graph was padded; README, Quantized weights); without it SPEED's ids differed from plain
 decoding's in 3 of 12 runs there.
 
-The step graphs' products always run several rows (P >= 2 per layer, 1 + R >= 2 per head), so they are
-left unpadded: SPEED's step pays nothing. Prefill (chunks of any length, plain decoding) and the batch
-step (its head rows vary down to one) are padded.
+Every graph is padded: prefill runs chunks of any length (plain decoding one row), and the batch step's
+layers run as few rows as hold a token and its heads as few as one.
 
 Weights used any other way (none in the traced programs) stay float; the notes count them.
 """
@@ -36,7 +35,6 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from speedc import contract
 from speedc.artifact import is_weight_name
 from speedc.errors import BuildError
 from speedc.passes.base import CompileState, register_pass
@@ -169,10 +167,6 @@ def quantize_gather(graph: gs.Graph, node: gs.Node, quantizer: Quantizer, consta
     graph.nodes.append(gs.Node("Slice", f"{node.name}/unpad", inputs=[padded, *bounds], outputs=[y]))  # [*ids, H]
 
 
-# Graphs whose every product runs at least two rows (the kernel for M >= 2 is row-invariant).
-ALWAYS_SEVERAL_ROWS = {contract.STEP, contract.STEP_FLUSH, contract.fused(contract.STEP), contract.fused(contract.STEP_FLUSH)}
-
-
 def quantize_graph(graph: gs.Graph, quantizer: Quantizer, *, pad: bool = True) -> tuple[int, int]:
     """Rewrite GRAPH's weight Gemms and Gathers; returns (products, gathers) rewritten. PAD: append the
     zero row to 4-bit products (graphs whose products may run a single row)."""
@@ -208,7 +202,7 @@ def quantize_weights(state: CompileState) -> CompileState:
     quantizer = Quantizer(state)
     products = gathers = 0
     for name, graph in state.graphs.items():
-        p, g = quantize_graph(graph, quantizer, pad=name not in ALWAYS_SEVERAL_ROWS)
+        p, g = quantize_graph(graph, quantizer)
         products, gathers = products + p, gathers + g
     left = float_weights_left(state.graphs)
     state.notes.append(

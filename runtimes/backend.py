@@ -1,18 +1,19 @@
-"""What a backend provides to the decode loop, and the KV-cache layout they share.
+"""What a batch backend provides to the scheduler (runtimes/batch.py), and the thread setting every
+backend reads. runtimes/batch_backend.py (ONNX Runtime) implements it; so does the PyTorch backend.
 
-The decode loop (runtimes/decode.py) is backend-agnostic: it asks a backend to prefill a chunk of
-tokens through all N layers, or to run one pipelined step over the P slots, and keeps all
-bookkeeping (which slot holds which token, what to flush) itself.
+The scheduler keeps all bookkeeping (which slot holds which token, what to flush, who holds which
+sequence slot); a backend owns the KV-cache pool [S, P, W, kvh, T+1, hd] (stage layer j, pipeline
+slot s, sequence slot b, ...: logical layer s*S + j of sequence b is pool[j, s, b]) and runs graphs:
 
-Cache layout (both backends): K and V are [S, P, kv_heads, T, head_dim]: stage layer j, slot s holds
-logical layer s*S + j. A step reads cache[j] ([P, kvh, T, hd], one contiguous slab per stage layer)
-and writes row positions[s] of each valid slot; prefill writes rows start..start+L-1 of every layer.
+    prefill(first, chunks, start, want_logits)   prompt chunks of sequence slots first.. through all N layers
+    plain_step(tokens, positions, valid, ...)    one token of each of sequences 0..n-1 through all N layers
+    speed_step(entering, positions, valid, heads, ...)
+                                                 one pipelined step of sequences 0..n-1 ([P, n] slot-major)
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -37,28 +38,41 @@ def resolve_threads(threads: int | None) -> int:
     return threads or int(given) or (os.cpu_count() or 1)
 
 
-@dataclass
-class StepResult:
-    final_token: int  # argmax of the oldest slot's final logits (meaningful when that slot is valid)
-    final_logits: np.ndarray | None  # [V], only when asked for (sampling)
-    exit_tokens: np.ndarray  # early-exit argmax: [1] (slot 0, the speculation) or [P] (all slots, when asked)
-
-
-class Backend(Protocol):
-    name: str
+class BatchBackendProtocol(Protocol):
     slots: int  # P (1 for a plain engine)
     stage_layers: int  # S
     vocab_size: int
     max_context: int
+    max_batch: int  # sequence slots the pool may grow to
+    capacity: int  # positions a sequence slot may grow to
+    length: int  # positions T the pool holds now (row T: the scratch row bubbles may write)
+    width: int  # sequence slots W the pool holds now
+    check_width: int  # K: candidate ids an early-flush check scores
 
-    def reset(self, capacity: int) -> None:
-        """Allocate (or clear) the cache for a request of at most `capacity` positions."""
+    @property
+    def speculative(self) -> bool:
+        """P > 1: the backend runs speed steps."""
 
-    def prefill(self, ids: list[int], start: int, want_logits: bool) -> tuple[int, np.ndarray | None]:
-        """Run ids at positions start.. through all N layers; return (argmax next token, logits [V] or None)."""
+    def reserve(self, positions: int, sequences: int | None = None) -> None:
+        """Make the pool hold POSITIONS positions for SEQUENCES sequence slots (OutOfMemory when it cannot)."""
 
-    def step(self, token: int, positions: np.ndarray, valid: np.ndarray, want_logits: bool,
-             all_exits: bool = False) -> StepResult:
-        """One pipelined step: `token` enters slot 0; slot s is at positions[s]; invalid slots are bubbles.
-        all_exits: return every slot's exit token (the early-flush check), not only slot 0's."""
+    def would_grow(self, positions: int, sequences: int) -> bool:
+        """Whether reserve(POSITIONS, SEQUENCES) allocates a larger pool."""
 
+    def free_pool(self) -> None:
+        """Drop the pool while no sequence holds a slot."""
+
+    def move(self, source: int, target: int, length: int | None = None) -> None:
+        """Sequence slot SOURCE's cache (its first LENGTH positions) and pipeline state now live in TARGET."""
+
+    def prefill(self, first: int, chunks: list[list[int]], start: int,
+                want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """-> (argmax next tokens [B], logits [B, V] or None) after each chunk's last token."""
+
+    def plain_step(self, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray,
+                   want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """-> (argmax next tokens [n], logits [n, V] or None)."""
+
+    def speed_step(self, entering: np.ndarray, positions: np.ndarray, valid: np.ndarray, heads,
+                   want_logits: bool):
+        """-> SpeedStepResult (runtimes/batch_backend.py) for the HeadRows HEADS."""

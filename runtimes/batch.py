@@ -13,7 +13,7 @@ One scheduler iteration (`BatchScheduler.step`):
        a sequence's last chunk yields its first token
     3. decode: ONE graph run for every decoding sequence, speed or plain: the acceptance policy weighs
        each sequence's own acceptance (runtimes/acceptance_policy.py), the row policy the step's rows:
-         speed: P*n rows; each sequence's pipeline exactly as runtimes/decode.py decode_speed runs it
+         speed: P*n rows; each sequence's pipeline by runtimes/decode.py Pipeline's rules
                 (enter, verify at the last slot, flush on a miss, optional early flush); an early-flush
                 check scores only the top K ids its token's first exit gave (HeadRows.check)
          plain: n rows; each sequence's last confirmed token through all N layers
@@ -102,8 +102,13 @@ class BatchScheduler:
     """Owns a BatchBackend's pool; `submit` and `cancel` may be called from any thread, `step` from one."""
 
     def __init__(self, backend: BatchBackend, *, policy: RowPolicy | None = None,
-                 acceptance: AcceptancePolicy | AlwaysSpeculate | None = None, prefill_chunk: int = 128) -> None:
+                 acceptance: AcceptancePolicy | AlwaysSpeculate | None = None, prefill_chunk: int = 128,
+                 first_token_alone: bool = False) -> None:
+        """FIRST_TOKEN_ALONE: an iteration whose prefill confirms a first token returns before decoding, so
+        a stream of one sequence shows that token before the next graph run (a batch keeps its decode
+        in the same iteration: the others are waiting for it)."""
         self.backend = backend
+        self.first_token_alone = first_token_alone
         self.policy = policy or RowPolicy()
         self.acceptance = acceptance or AlwaysSpeculate()
         self.prefill_chunk = prefill_chunk
@@ -147,17 +152,20 @@ class BatchScheduler:
         events: list[Event] = []
         for sequence in [s for s in self.occupied if s.cancelled]:
             self._finish(sequence, "cancelled", events)
-        with self._lock:
-            for sequence in [s for s in self.waiting if s.cancelled]:
-                self.waiting.remove(sequence)
-                sequence.stats.stop_reason, sequence.state = "cancelled", DONE
-                events.append((sequence, None))
-        self._admit(events)
+        if self.waiting:  # (checked without the lock first: a step of a full batch takes it not at all)
+            with self._lock:
+                for sequence in [s for s in self.waiting if s.cancelled]:
+                    self.waiting.remove(sequence)
+                    sequence.stats.stop_reason, sequence.state = "cancelled", DONE
+                    events.append((sequence, None))
+            self._admit(events)
         if self.occupied:  # the pool's width and length follow its requests (BatchBackend.reserve)
             self.backend.reserve(max(s.positions for s in self.occupied), len(self.occupied))
-        self._prefill_chunk(events)
+        if any(s.state == PREFILL for s in self.occupied):
+            self._prefill_chunk(events)
+        first_token = any(token is not None for _, token in events)  # only a prefill confirms one so far
         decoding = [s for s in self.occupied if s.state == DECODE]
-        if decoding:
+        if decoding and not (first_token and self.first_token_alone):
             speculate = self._speculate(decoding)
             if speculate != self.speculating:
                 self.mode_switches += 1
@@ -414,7 +422,7 @@ class BatchScheduler:
 
     def _absorb(self, sequence: Sequence, final: tuple[int, np.ndarray | None] | None, guesses: dict[int, int],
                 events: list[Event]) -> None:
-        """decode_speed's bookkeeping after one step, for one sequence (decode.Pipeline's rules)."""
+        """The bookkeeping after one step, for one sequence (decode.Pipeline's rules)."""
         pipeline = sequence.pipeline
         oldest = pipeline.slots[-1]
         if oldest is not None:

@@ -1,5 +1,6 @@
-"""ONNX Runtime (CPU) backend for continuous batching: a KV-cache pool of sequence slots and the three
-graph runs the batch scheduler (runtimes/batch.py) needs. Imports numpy and onnxruntime only.
+"""The ONNX Runtime (CPU) backend: a KV-cache pool of sequence slots and the three graph runs the scheduler
+(runtimes/batch.py) needs, for one sequence (Engine.generate / stream: a batch of one) and for continuous
+batching alike. Imports numpy and onnxruntime only.
 
     pool K, V [S, P, W, kvh, T+1, hd]  (stage layer j, pipeline slot s, sequence slot b, ...)
     (a depth plan with a prelude / coda adds their pools beside it; speedc/cache_layout.py addresses all)
@@ -164,9 +165,10 @@ class BatchBackend:
 
     def __init__(self, directory: Path, manifest: Manifest, max_batch: int, capacity: int, threads: int | None = None,
                  fused: bool | None = None, min_length: int = MIN_POOL_POSITIONS, shrink_after: int = SHRINK_AFTER_STEPS,
-                 sessions: dict | None = None) -> None:
+                 sessions: dict | None = None, profile_prefix: str | None = None) -> None:
         """SESSIONS: another BatchBackend's sessions of this artifact (same fused choice), shared instead of
-        opened again (a session is stateless between runs; the pool and its bindings stay this backend's)."""
+        opened again (a session is stateless between runs; the pool and its bindings stay this backend's).
+        PROFILE_PREFIX: open them profiling every run per op (end_profiling() names the files)."""
         if not batch_ready(manifest):
             raise ArtifactError(f"{directory}: built before continuous batching (no batch_step graph); rebuild it with "
                                 "this speedc (speedc build ... --force)")
@@ -179,7 +181,7 @@ class BatchBackend:
         self.fused = fused
         self.graph = {name: contract.fused(name) if fused else name for name in programs}
         self.sessions = sessions if sessions is not None else open_sessions(
-            directory, manifest, tuple(self.graph.values()), ["CPUExecutionProvider"], threads)
+            directory, manifest, tuple(self.graph.values()), ["CPUExecutionProvider"], threads, profile_prefix)
         missing = [g for g in self.graph.values() if g not in self.sessions]
         if missing:
             raise ArtifactError(f"{directory}: has no {missing[0]} graph")
@@ -200,6 +202,10 @@ class BatchBackend:
     @property
     def speculative(self) -> bool:
         return self.slots > 1
+
+    def end_profiling(self) -> dict[str, str]:
+        """Role (prefill, batch_step) -> the profile file of the graph playing it (a profiled backend)."""
+        return {role: self.sessions[graph].end_profiling() for role, graph in self.graph.items()}
 
     def reserve(self, positions: int, sequences: int | None = None) -> None:
         """Make the pool hold POSITIONS (<= capacity) positions for each of SEQUENCES (<= max_batch; None:
@@ -467,12 +473,13 @@ class BatchBackend:
         return layout
 
 
-BATCHING_BACKENDS = ("onnx", "onnx-numpy")  # Engine backends whose artifacts batch (on their own ONNX Runtime sessions)
+BATCHING_BACKENDS = ("onnx", "onnx-numpy")  # Engine backends that batch many sequences (on the engine's sessions)
 
 
 def make_batch_backend(directory: Path, manifest: Manifest, max_batch: int, capacity: int, device: str = "cpu",
                        threads: int | None = None, fused: bool | None = None, sessions: dict | None = None) -> BatchBackend:
     if device != "cpu":
-        raise SpeedcError(f"device {device!r}: continuous batching runs on the CPU in this version")
+        raise SpeedcError(f"device {device!r}: the ONNX Runtime backends run on the CPU in this version "
+                          "(--backend torch runs on CUDA)")
     onnxruntime_module()
     return BatchBackend(directory, manifest, max_batch, capacity, threads=threads, fused=fused, sessions=sessions)

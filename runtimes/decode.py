@@ -1,10 +1,11 @@
-"""The decode loops: plain autoregressive, and SPEED's pipelined speculation.
+"""SPEED's per-sequence bookkeeping, run by the scheduler (runtimes/batch.py) for every sequence, a
+single-sequence call being a batch of one.
 
-SPEED loop, one step (P slots, slot 0 youngest; each slot holds (token, position) or a bubble):
+One step of one sequence's pipeline (P slots, slot 0 youngest; each slot holds (token, position) or a bubble):
 
     1. the pending token enters slot 0; every other slot moved one deeper after the last step
-    2. backend.step: every slot runs one stage; the oldest slot's final head gives the true token y
-       for position q = oldest.pos + 1, every slot's exit head gives a guess for its successor
+    2. the step: every slot runs one stage; the oldest slot's final head gives the true token y for
+       position q = oldest.pos + 1, slot 0's exit head a guess for its successor
     3. emit y (the full model's token, exactly as plain decoding picks it)
     4. verify: the in-flight token for position q must equal y, else flush every slot at >= q and
        let y enter next (the pipeline refills: P-1 steps without emission)
@@ -18,13 +19,11 @@ the output equals plain decoding; speculation only decides which work is reused.
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Generator
 
 import numpy as np
 
-from speedc.runtimes.backend import Backend
 from speedc.models.sampling import TokenPicker
 
 
@@ -85,8 +84,8 @@ class Slot:
 
 
 class Pipeline:
-    """P in-flight tokens (slot 0 youngest) and the rules that keep SPEED lossless, for one sequence:
-    decode_speed and the continuous-batching scheduler (runtimes/batch.py) both run them.
+    """P in-flight tokens (slot 0 youngest) and the rules that keep SPEED lossless, for one sequence
+    (the scheduler, runtimes/batch.py, keeps one per sequence).
 
         shift(last_useful)  the pending token enters slot 0, every other slot goes one stage deeper
         confirm(q, y)       y, confirmed at the last layer for position q, is checked against the
@@ -180,78 +179,3 @@ def emit_token(request: Request, out: list[int], token: int, stats: DecodeStats)
         stats.stop_reason = reason
         return True
     return False
-
-
-def _prefill(backend: Backend, request: Request, stats: DecodeStats) -> int:
-    start = time.perf_counter()
-    backend.reset(len(request.prompt) + request.max_new_tokens)
-    want = request.picker.params.needs_logits
-    argmax, logits = backend.prefill(request.prompt, 0, want)
-    request.history = list(request.prompt)
-    token = request.picker.pick(logits, argmax, request.history)
-    stats.prompt_tokens = len(request.prompt)
-    stats.prefill_seconds = time.perf_counter() - start
-    return token
-
-
-def decode_autoregressive(backend: Backend, request: Request) -> Decoding:
-    """One token through all N layers per step (the prefill graph with a chunk of one)."""
-    stats = DecodeStats("autoregressive")
-    out: list[int] = []
-    token = _prefill(backend, request, stats)
-    start = time.perf_counter()
-    want = request.picker.params.needs_logits
-    while True:
-        done = emit_token(request, out, token, stats)
-        yield token
-        if done:
-            break
-        position = len(request.prompt) + len(out) - 1
-        argmax, logits = backend.prefill([token], position, want)
-        stats.steps += 1
-        token = request.picker.pick(logits, argmax, request.history)
-    stats.decode_seconds = time.perf_counter() - start
-    return out, stats
-
-
-def decode_speed(backend: Backend, request: Request, *, early_flush: bool = False) -> Decoding:
-    """SPEED: P tokens in flight, one stage each per step, verified at the last layer."""
-    slots_n = backend.slots
-    if slots_n == 1:
-        out, stats = yield from decode_autoregressive(backend, request)
-        stats.mode = "speed (plain engine: P=1)"
-        return out, stats
-    stats = DecodeStats("speed" + (" +early-flush" if early_flush else ""))
-    out: list[int] = []
-    first = _prefill(backend, request, stats)
-    start = time.perf_counter()
-    done = emit_token(request, out, first, stats)
-    yield first
-    if done:
-        stats.decode_seconds = time.perf_counter() - start
-        return out, stats
-    want = request.picker.params.needs_logits
-    last_useful = len(request.prompt) + request.max_new_tokens - 2
-    pipeline = Pipeline(slots_n, stats, Slot(first, len(request.prompt)))
-    positions = np.zeros(slots_n, dtype=np.int64)
-    valid = np.zeros(slots_n, dtype=bool)
-    while True:
-        enter = pipeline.shift(last_useful)
-        if pipeline.empty:
-            break  # nothing left that could lead to another emission
-        for i, slot in enumerate(pipeline.slots):
-            valid[i] = slot is not None
-            positions[i] = slot.pos if slot is not None else 0
-        result = backend.step(enter.token if enter else 0, positions, valid, want, all_exits=early_flush)
-        stats.steps += 1
-        oldest = pipeline.slots[-1]
-        if oldest is not None:
-            y = request.picker.pick(result.final_logits, result.final_token, request.history)
-            done = emit_token(request, out, y, stats)
-            yield y
-            if done:
-                break
-            pipeline.confirm(oldest.pos + 1, y)
-        pipeline.speculate(lambda depth: int(result.exit_tokens[depth]), early_flush)
-    stats.decode_seconds = time.perf_counter() - start
-    return out, stats

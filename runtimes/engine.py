@@ -9,12 +9,16 @@
 
 An engine is safe to share between threads: it owns one cache, so calls run one at a time (a call
 waits for the one before it to finish; a stream holds the engine from its first piece to its last).
-With the ONNX Runtime backend this imports numpy, onnxruntime and tokenizers only.
+Every call runs on the continuous-batching scheduler (runtimes/batch.py): generate and stream as a
+batch of one on the engine's own backend, generate_batch and batch_scheduler on pools of their own
+over the same sessions (each graph is opened once). With the ONNX Runtime backend this imports numpy,
+onnxruntime and tokenizers only.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -22,7 +26,7 @@ from typing import Callable, Iterator
 from speedc.artifact import TOKENIZER, Manifest, read_manifest
 from speedc.errors import ArtifactError, BatchError, GenerationError, SpeedcError
 from speedc.models.sampling import SamplingParams, TokenPicker, is_integer, require
-from speedc.runtimes.decode import DecodeStats, Decoding, Request, decode_autoregressive, decode_speed, run_to_end
+from speedc.runtimes.decode import DecodeStats, Decoding, Request, run_to_end
 from speedc.runtimes.detokenize import DecodeRule, IncrementalText, StopStrings, cut_at_stop, decode_rule, not_unicode
 
 MODES = ("speed", "autoregressive")
@@ -38,49 +42,69 @@ class GenerationResult:
         return {"ids": self.ids, "text": self.text, "stats": self.stats.to_json()}
 
 
-def _onnx_bound(directory: Path, manifest: Manifest, device: str, threads: int | None):
-    from speedc.runtimes.onnx_bound import OnnxBoundBackend, io_binding_graphs
+def _onnx(directory: Path, manifest: Manifest, max_batch: int, capacity: int, device: str, threads: int | None):
+    from speedc.runtimes.batch_backend import make_batch_backend
 
-    if io_binding_graphs(manifest) or device != "cpu":
-        return OnnxBoundBackend(directory, manifest, device=device, threads=threads)
-    return _onnx_numpy(directory, manifest, device, threads)  # an artifact from before the IO-binding graphs
+    return make_batch_backend(directory, manifest, max_batch, capacity, device=device, threads=threads)  # fused when built
 
 
-def _onnx_numpy(directory: Path, manifest: Manifest, device: str, threads: int | None):
-    from speedc.runtimes.onnx_numpy import OnnxNumpyBackend
+def _onnx_numpy(directory: Path, manifest: Manifest, max_batch: int, capacity: int, device: str, threads: int | None):
+    from speedc.runtimes.batch_backend import make_batch_backend
 
-    return OnnxNumpyBackend(directory, manifest, device=device, threads=threads)
+    return make_batch_backend(directory, manifest, max_batch, capacity, device=device, threads=threads, fused=False)
 
 
-def _torch(directory: Path, manifest: Manifest, device: str, threads: int | None):
+def _torch(directory: Path, manifest: Manifest, max_batch: int, capacity: int, device: str, threads: int | None):
     try:
         from speedc.runtimes.torch_backend import TorchBackend
     except ImportError as missing:
+        if (missing.name or "").startswith("speedc"):  # our own import broke: not a missing extra
+            raise
         raise SpeedcError(f"the PyTorch backend needs the compiler extra: pip install 'speedc[compiler]' "
                           f"({missing.name} is missing)") from None
-    return TorchBackend(directory, manifest, device=device, threads=threads)
+    return TorchBackend(directory, manifest, max_batch=max_batch, capacity=capacity, device=device, threads=threads)
 
 
 @dataclass(frozen=True)
 class BackendEntry:
-    make: Callable
+    make: Callable  # (directory, manifest, max_batch, capacity, device, threads) -> a batch backend
     help: str
 
 
-# --backend NAME -> how to make it; the CLI's choices and help come from here.
+# --backend NAME -> how to make its batch backend (runtimes/backend.py); the CLI's choices and help come from here.
 BACKENDS: dict[str, BackendEntry] = {
-    "onnx": BackendEntry(_onnx_bound, "ONNX Runtime with IO binding, cache in device buffers (fused attention on CPU)"),
-    "onnx-numpy": BackendEntry(_onnx_numpy, "ONNX Runtime fed numpy views (CPU; the simplest path)"),
-    "torch": BackendEntry(_torch, "PyTorch (needs the compiler extra)"),
+    "onnx": BackendEntry(_onnx, "ONNX Runtime on the CPU, IO binding, fused attention writing the cache in place"),
+    "onnx-numpy": BackendEntry(_onnx_numpy, "ONNX Runtime on the CPU fed numpy views (standard graphs; the simplest path)"),
+    "torch": BackendEntry(_torch, "PyTorch, CPU or CUDA (needs the compiler extra)"),
 }
 DEFAULT_BACKEND = "onnx"
 
 
-def make_backend(directory: Path, manifest: Manifest, backend: str, device: str, threads: int | None):
+def make_backend(directory: Path, manifest: Manifest, backend: str, device: str, threads: int | None, *,
+                 max_batch: int = 1, capacity: int | None = None):
+    """The batch backend BACKEND names, of MAX_BATCH sequence slots of CAPACITY positions (None: the context)."""
     entry = BACKENDS.get(backend)
     if entry is None:
         raise SpeedcError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
-    return entry.make(directory, manifest, device, threads)
+    capacity = manifest.model["max_context"] if capacity is None else capacity
+    return entry.make(directory, manifest, max_batch, capacity, device, threads)
+
+
+def scheduled(scheduler, sequence) -> Decoding:
+    """SEQUENCE's confirmed tokens as SCHEDULER (which runs it alone) confirms them; returns (ids, stats).
+    Steps run only while the consumer asks for the next token, so a stream left early stops stepping."""
+    from speedc.runtimes.batch import DONE
+
+    start = time.perf_counter()
+    while sequence.state != DONE:
+        for _, token in scheduler.step():  # one sequence: every event is its own
+            if token is not None:
+                yield token
+    if sequence.error is not None:  # refused at admission (its cache could not be allocated)
+        raise sequence.error
+    stats = sequence.stats
+    stats.decode_seconds = max(time.perf_counter() - start - stats.prefill_seconds, 0.0)  # as plain decoding counted it
+    return sequence.out, stats
 
 
 def check_text(text: str, what: str) -> None:
@@ -193,11 +217,13 @@ class TextStream:
 
 class Engine:
     def __init__(self, directory: Path, manifest: Manifest, backend, tokenizer, *, device: str = "cpu",
-                 make_backend: Callable[[], object] | None = None, backend_name: str = DEFAULT_BACKEND) -> None:
-        """BACKEND: the single-sequence backend, or None to have MAKE_BACKEND make it on first use.
-        BACKEND_NAME: its name in BACKENDS (continuous batching runs on some only)."""
+                 make_backend: Callable[[], object] | None = None, backend_name: str = DEFAULT_BACKEND,
+                 threads: int | None = None) -> None:
+        """BACKEND: the engine's batch backend (one sequence slot; its sessions serve every call, batched
+        ones too), or None to have MAKE_BACKEND make it on first use. BACKEND_NAME: its name in BACKENDS
+        (continuous batching runs on some only); THREADS: the intra-op threads its sessions were opened with."""
         self.directory, self.manifest, self.tokenizer, self.device = directory, manifest, tokenizer, device
-        self.backend_name = backend_name
+        self.backend_name, self.threads = backend_name, threads
         self._backend, self._make_backend = backend, make_backend
         self._backend_lock = threading.Lock()
         self.eos_token_id = manifest.model.get("eos_token_id")
@@ -211,7 +237,8 @@ class Engine:
 
     @property
     def backend(self):
-        """The single-sequence backend (its sessions and cache); a lazy engine opens it here, once."""
+        """The engine's batch backend (its sessions, and the pool single-sequence calls run in); a lazy
+        engine opens it here, once."""
         if self._backend is None:
             with self._backend_lock:
                 if self._backend is None:
@@ -229,8 +256,7 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path, *, backend: str = "onnx", device: str = "cpu", threads: int | None = None,
              verify: bool = False, lazy: bool = False) -> "Engine":
-        """LAZY: open the single-sequence backend only when a single-sequence call first needs it, so a
-        caller that only batches (batch_scheduler opens its own sessions) holds one set of sessions."""
+        """LAZY: open the backend (its sessions) only when a call first needs it."""
         directory = Path(path)
         manifest = read_manifest(directory, verify_hashes=verify)
         tokenizer = None
@@ -249,7 +275,7 @@ class Engine:
             return make_backend(directory, manifest, backend, device, threads)
 
         return cls(directory, manifest, None if lazy else make(), tokenizer, device=device, make_backend=make,
-                   backend_name=backend)
+                   backend_name=backend, threads=threads)
 
     # ---- helpers ---------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -286,14 +312,36 @@ class Engine:
         if mode not in MODES:
             raise GenerationError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
         request = self.make_request(prompt, max_new_tokens, sampling, stop, stop_at_eos)
+        early_flush = self.flush_setting(early_flush)
+        scheduler = self._single_scheduler(mode)
+        sequence = scheduler.submit(request, early_flush=early_flush)
+        sequence.stats.mode = self._mode_label(mode, early_flush)
+        return scheduled(scheduler, sequence)
+
+    def _single_scheduler(self, mode: str):
+        """A scheduler of one sequence on the engine's backend: speed always speculates (P > 1), as
+        SPEED's promise is stated; autoregressive only ever runs plain steps. The whole prompt is one
+        prefill chunk. Cheap: the backend keeps its pool and step bindings between calls."""
+        from speedc.runtimes.acceptance_policy import AlwaysSpeculate
+        from speedc.runtimes.batch import BatchScheduler, RowPolicy
+
+        policy = RowPolicy(row_budget=None if mode == "speed" else 0)
+        return BatchScheduler(self.backend, policy=policy, acceptance=AlwaysSpeculate(),
+                              prefill_chunk=self.manifest.model["max_context"], first_token_alone=True)
+
+    def _mode_label(self, mode: str, early_flush: bool) -> str:
+        """DecodeStats.mode of a single-sequence call."""
         if mode == "autoregressive":
-            return decode_autoregressive(self.backend, request)
-        return decode_speed(self.backend, request, early_flush=self.flush_setting(early_flush))
+            return mode
+        if self.manifest.slots == 1:
+            return "speed (plain engine: P=1)"
+        return "speed" + (" +early-flush" if early_flush else "")
 
     def make_request(self, prompt, max_new_tokens: int, sampling: SamplingParams, stop: list[str] | None,
                      stop_at_eos: bool) -> Request:
         """A checked request (GenerationError on bad input): ids, limits, its own TokenPicker, stop rule."""
         require(max_new_tokens, "max new tokens", "an integer")
+        max_new_tokens = int(max_new_tokens)  # a numpy integer would reach the pool's sizes (int.bit_length)
         if max_new_tokens < 1:
             raise GenerationError("max new tokens must be at least 1")
         if not isinstance(stop_at_eos, bool):
@@ -337,12 +385,13 @@ class Engine:
         at most the model's context; None: the full context). ROW_BUDGET: the per-step speed/plain policy
         (-1: the default, None: always speculate, 0: always plain). PER_SEQUENCE: a sequence whose own
         acceptance makes speculation a loss decodes plainly (runtimes/acceptance_policy.py). The pool is
-        its own: single-sequence calls on this engine are unaffected. BACKEND: run on this BatchBackend (its
-        sessions and pool; max_batch, kv_cache_mb, fused and threads then come from it) instead of opening
-        one, for schedulers that take turns on one pool, never at once (the concurrency bench's policies)."""
+        its own: single-sequence calls on this engine are unaffected; its sessions are the engine's (unless
+        FUSED or THREADS ask for others). BACKEND: run on this BatchBackend (its sessions and pool;
+        max_batch, kv_cache_mb, fused and threads then come from it) instead of making one, for schedulers
+        that take turns on one pool, never at once (the concurrency bench's policies)."""
         from speedc.runtimes.acceptance_policy import AcceptancePolicy, AlwaysSpeculate
         from speedc.runtimes.batch import BatchScheduler, RowPolicy
-        from speedc.runtimes.batch_backend import make_batch_backend, slot_capacity
+        from speedc.runtimes.batch_backend import slot_capacity
 
         self._check_batching()
         require(max_batch, "max_batch", "an integer")  # 2.0 slots or a float chunk would fail deep inside a step
@@ -353,8 +402,7 @@ class Engine:
             raise GenerationError("prefill_chunk must be at least 1")
         if backend is None:
             capacity = slot_capacity(self.manifest, max_batch, kv_cache_mb)
-            backend = make_batch_backend(self.directory, self.manifest, max_batch, capacity, device=self.device,
-                                         threads=threads, fused=fused)
+            backend = self._pool_backend(max_batch, capacity, fused, threads)
         policy = RowPolicy() if row_budget == -1 else RowPolicy(row_budget=row_budget)
         acceptance = AcceptancePolicy.for_manifest(self.manifest) if per_sequence else AlwaysSpeculate()
         return BatchScheduler(backend, policy=policy, acceptance=acceptance, prefill_chunk=prefill_chunk)
@@ -403,6 +451,18 @@ class Engine:
             raise BatchError(f"prompt {numbers}: {failed[0][1]}" if len(failed) == 1 else
                              f"prompts {numbers}: {failed[0][1]}", results)
         return results
+
+    def _pool_backend(self, max_batch: int, capacity: int, fused: bool | None, threads: int | None):
+        """A batch backend with a pool of its own on the engine's sessions (each graph opened once per
+        process); new sessions only where FUSED or THREADS differ from the engine's."""
+        from speedc.runtimes.batch_backend import make_batch_backend
+
+        own = self.backend
+        if fused in (None, own.fused) and threads in (None, self.threads):
+            return make_batch_backend(self.directory, self.manifest, max_batch, capacity, device=self.device,
+                                      fused=own.fused, sessions=own.sessions)
+        return make_batch_backend(self.directory, self.manifest, max_batch, capacity, device=self.device,
+                                  threads=threads, fused=fused)
 
     def _check_batching(self) -> None:
         from speedc.runtimes.batch_backend import BATCHING_BACKENDS

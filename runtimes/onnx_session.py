@@ -1,5 +1,5 @@
-"""ONNX Runtime plumbing both ONNX Runtime backends share: the import, providers, sessions, and
-the model dimensions they read from the manifest. Imports numpy and onnxruntime only."""
+"""ONNX Runtime plumbing of the ONNX Runtime backend (runtimes/batch_backend.py) and the benchmarks:
+the import, sessions, and the model dimensions read from the manifest. Imports numpy and onnxruntime only."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def session_options(threads: int | None):
     options.inter_op_num_threads = 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
-    # An engine runs several sessions (prefill, step, step_flush, ...), each with its own thread pool.
+    # An engine runs several sessions (prefill, batch_step, ...), each with its own thread pool.
     # By default a pool's workers keep spinning after a run ends; on a 2-core machine the next
     # session's run then shares its cores with the last one's spinning workers (measured: a step
     # 35 ms instead of 16, a plain token 91 ms instead of 45). Spin during a run, stop at its end.
@@ -69,7 +69,7 @@ def session_options(threads: int | None):
 
 def open_sessions(directory: Path, manifest: Manifest, names: tuple[str, ...], providers: list, threads: int | None,
                   profile_prefix: str | None = None) -> dict:
-    """ONNX Runtime sessions for the artifact graphs in NAMES that it has (a plain engine has no step).
+    """ONNX Runtime sessions for the artifact graphs in NAMES that it has (a plain engine has no batch step).
     PROFILE_PREFIX: ONNX Runtime profiles each session's runs into PROFILE_PREFIX<graph>_<time>.json."""
     ort = onnxruntime_module()
     options = session_options(threads)
@@ -102,18 +102,3 @@ def check_session_io(directory: Path, name: str, spec: dict, session) -> None:
         for extra in sorted(present - recorded):
             raise ArtifactError(f"{directory / spec['file']}: graph {name} has an {side} {extra} the manifest does not "
                                 "record; rebuild the artifact")
-
-
-def providers_for(device: str) -> tuple[list, str, int]:
-    """(ORT providers, ORT device name, device id) for "cpu", "cuda" or "cuda:N"."""
-    ort = onnxruntime_module()
-    if device == "cpu":
-        return ["CPUExecutionProvider"], "cpu", 0
-    kind, _, index = device.partition(":")
-    if kind != "cuda" or (index and not index.isdigit()):
-        raise SpeedcError(f"device {device!r}: use cpu, cuda or cuda:N")
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        raise SpeedcError(f"device {device!r}: this onnxruntime has no CUDA provider "
-                          "(pip install 'speedc[gpu]', i.e. onnxruntime-gpu, on a machine with an NVIDIA GPU)")
-    device_id = int(index or 0)
-    return [("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"], "cuda", device_id

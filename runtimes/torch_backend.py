@@ -98,6 +98,10 @@ class TorchBackend:
         if is_quantized(manifest):
             raise SpeedcError(f"{directory}: the PyTorch backend runs float artifacts; this one stores {manifest.dtype} "
                               "weights for ONNX Runtime's MatMulNBits: use --backend onnx, or build with --weights fp32/fp16/bf16")
+        plan = manifest.schedule.get("depth_plan") or {}
+        if manifest.slots > 1 and (plan.get("prelude") or plan.get("coda")):  # its stages are one cycle's layers
+            raise SpeedcError(f"{directory}: the PyTorch backend pipelines one repeated cycle; this artifact's depth plan "
+                              "has a prelude / coda: use --backend onnx-numpy")
         self._setup(load_model_from_artifact(directory, manifest), manifest.slots, max_batch, capacity, device, threads,
                     min_length=min_length, shrink_after=shrink_after, cuda_graphs=cuda_graphs, exact=exact)
 

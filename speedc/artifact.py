@@ -3,13 +3,11 @@
     OUT/
       manifest.json     format version, versions, source hash, model dims, schedule, graph I/O,
                         weight index, file hashes
-      step.onnx         P-slot speculative step graph            (absent for a plain engine)
-      step_flush.onnx   the same step with every slot's exit head (for early flush)
-      prefill.onnx      plain N-layer graph: prompt chunks, and autoregressive decoding
-      step.gqa.onnx, step_flush.gqa.onnx, prefill.gqa.onnx
+      prefill.onnx      plain N-layer graph, B rows: prompt chunks, and plain (autoregressive) decoding
+      batch_step.onnx   one SPEED step of n sequences' P-slot pipelines (absent for a plain engine);
+                        a single sequence runs it with n = 1
+      prefill.gqa.onnx, batch_step.gqa.onnx
                         ONNX Runtime variants: fused GroupQueryAttention writes the cache in place
-      cache_write_step.onnx, cache_write_prefill.onnx
-                        in-place K/V row writers for device-resident caches (IO binding)
       weights.bin       every unique weight once, shared by all graphs as ONNX external data
       config.json       the model config (for the PyTorch backend and inspection)
       tokenizer.json    (when the checkpoint has one)
@@ -41,7 +39,7 @@ import numpy as np
 from speedc import contract
 from speedc.errors import ArtifactError, BuildError, CheckpointError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the single-sequence step, step_flush and cache-writer graphs are gone
 WEIGHT_PREFIXES = ("model.", "lm_head.")  # checkpoint tensor names (native or Hugging Face layout)
 MANIFEST = "manifest.json"
 GRAPH_FILES = {name: f"{name}.onnx" for name in contract.GRAPHS}  # graph name -> file

@@ -68,7 +68,7 @@ def generate(artifact, prompt, prompt_ids, prompts_file, max_batch, kv_cache_mb,
         if stream:
             raise GenerationError("--stream prints one sequence; with --prompts-file use --json or plain output")
         prompts = _read_prompts(prompts_file)
-        engine = Engine.load(artifact, backend=backend, device=device, threads=threads, lazy=True)  # batching only
+        engine = Engine.load(artifact, backend=backend, device=device, threads=threads, lazy=True)  # opened when the batch starts
         budget = 0 if options.pop("mode") == "autoregressive" else (-1 if row_budget is None else row_budget)
         failure = None
         try:

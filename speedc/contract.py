@@ -10,16 +10,6 @@ and tensor, not a failure deep inside a run.
                    (row b: its first chunk_lengths[b] tokens are real, the rest right padding; next_token and
                    logits are its last real token's. B sequences at once: first prompt chunks arriving
                    together, or batched plain decoding; a chunk with past context runs alone)
-    step           input_ids [1, 1]  positions [P]  hidden_in [P-1, 1, H]  cache.{key,value}.{j} [P, kvh, T, hd]  (j < S)
-                   -> final_token [1]  final_logits [1, V]  exit_tokens [1]  hidden_out [P, 1, H]
-                      new_{key,value} [S, P, kvh, 1, hd]
-    step_flush     as step, exit_tokens [P] (every slot's exit: the early-flush check)
-    *.gqa          as the graph it varies, new_{key,value} replaced by cache.{key,value}.{i}.out (the
-                   cache written in place: each output is bound to the buffer of its input)
-    batch_step.gqa as batch_step, but its cache is the whole pool of each stage layer, one buffer
-                   cache.{key,value}.{j} [P*W, kvh, T, hd] (row s*W + b; W sequence slots >= n), and only
-                   the rows in computed_rows [C] (slot-major row numbers, those holding a token) run:
-                   final_rows / exit_rows / check_rows are positions among them, hidden_out is [C, 1, H]
     batch_step     n sequences x P slots = R rows, row r = s*n + b (slot-major: the slots' rows are contiguous)
                    input_ids [n, 1] (slot 0 of each sequence)  positions [R]  hidden_in [(P-1)n, 1, H]
                    final_rows [F]  exit_rows [E] (rows whose final / exit head is wanted)
@@ -35,9 +25,14 @@ and tensor, not a failure deep inside a run.
                    -> also new_{key,value}.prelude [Lp, n, kvh, 1, hd]  new_{key,value}.coda [Lc, 2, n, kvh, 1, hd];
                    its prefill reads the N logical layers' slabs and returns E = N + Lc entries' new rows (the draft
                    readout's coda last: its K/V of the chunk's rows, computed from the draft tap)
-    cache_write_step     cache.{key,value} [S, P, kvh, T, hd]  new_{key,value} [S, P, kvh, L, hd]  write_start [P]
-                         -> cache.{key,value}.out (bound to the same buffers: ScatterND in place)
-    cache_write_prefill  the same with new_{key,value} slot-major [P, S, kvh, L, hd]
+    *.gqa          as the graph it varies, new_{key,value} replaced by cache.{key,value}.{i}.out (the
+                   cache written in place: each output is bound to the buffer of its input)
+    batch_step.gqa as batch_step, but its cache is the whole pool of each stage layer, one buffer
+                   cache.{key,value}.{j} [P*W, kvh, T, hd] (row s*W + b; W sequence slots >= n), and only
+                   the rows in computed_rows [C] (slot-major row numbers, those holding a token) run:
+                   final_rows / exit_rows / check_rows are positions among them, hidden_out is [C, 1, H]
+
+A single sequence is a batch of one (n = 1): every decode, single-sequence or batched, runs these graphs.
 
 Standard library only: every layer (passes, runtimes, bench) imports it.
 """
@@ -49,13 +44,11 @@ from dataclasses import dataclass
 from speedc.errors import ArtifactError
 
 # ---- graphs --------------------------------------------------------------------------------------
-PREFILL, STEP, STEP_FLUSH = "prefill", "step", "step_flush"
-CACHE_WRITE_STEP, CACHE_WRITE_PREFILL = "cache_write_step", "cache_write_prefill"
-PROGRAMS = (PREFILL, STEP, STEP_FLUSH)  # the model programs (a plain engine has only prefill)
-BATCH_STEP = "batch_step"  # many sequences' pipelines in one step (runtimes/batch_backend.py)
+PREFILL = "prefill"
+BATCH_STEP = "batch_step"  # one step of n sequences' pipelines (runtimes/batch_backend.py)
+PROGRAMS = (PREFILL, BATCH_STEP)  # the model programs (a plain engine has only prefill)
 FUSED_SUFFIX = ".gqa"  # graph names (and files) of the ONNX Runtime variants with fused attention
-GRAPHS = (*PROGRAMS, BATCH_STEP, CACHE_WRITE_STEP, CACHE_WRITE_PREFILL,
-          *(name + FUSED_SUFFIX for name in (*PROGRAMS, BATCH_STEP)))
+GRAPHS = (*PROGRAMS, *(name + FUSED_SUFFIX for name in PROGRAMS))
 
 
 def fused(graph: str) -> str:
@@ -67,7 +60,6 @@ INPUT_IDS, POSITIONS = "input_ids", "positions"
 HIDDEN_IN, HIDDEN_OUT = "hidden_in", "hidden_out"
 FINAL_TOKEN, FINAL_LOGITS, EXIT_TOKENS = "final_token", "final_logits", "exit_tokens"
 NEXT_TOKEN, LOGITS = "next_token", "logits"
-WRITE_START = "write_start"
 FINAL_ROWS, EXIT_ROWS = "final_rows", "exit_rows"
 COMPUTED_ROWS = "computed_rows"  # the fused batch step's rows that run (slot-major indices; bubbles do not)
 # prefill: row b's real tokens are input_ids[b, :chunk_lengths[b]], the rest right padding (so prompts of
@@ -89,7 +81,7 @@ KV_KINDS = ("key", "value")
 
 
 def cache_input(kind: str, index: int) -> str:
-    """The cache slab a program reads: stage layer `index` (step) or logical layer `index` (prefill)."""
+    """The cache a program reads: logical layer `index` (prefill) or stage layer `index`'s pool (batch_step.gqa)."""
     return f"cache.{kind}.{index}"
 
 
@@ -116,15 +108,6 @@ def cache_output(kind: str, index: int) -> str:
 def new_rows(kind: str) -> str:
     """The stacked new K or V rows a standard program returns."""
     return f"new_{kind}"
-
-
-def cache_buffer(kind: str) -> str:
-    """The whole cache buffer a cache writer takes (and returns as cache_buffer_out)."""
-    return f"cache.{kind}"
-
-
-def cache_buffer_out(kind: str) -> str:
-    return f"cache.{kind}.out"
 
 
 # ---- expected I/O --------------------------------------------------------------------------------
@@ -163,44 +146,41 @@ Shape = tuple  # ints for fixed sizes, None where the size is dynamic
 TensorSpec = tuple[str, str, Shape]  # (name, numpy dtype name, shape)
 
 
-def _program_io(graph: str, d: Dims) -> tuple[list[TensorSpec], list[TensorSpec]]:
+def _prefill_io(d: Dims) -> tuple[list[TensorSpec], list[TensorSpec]]:
     i64, f32 = "int64", "float32"
-    if graph == PREFILL:
-        caches = range(d.num_layers)  # it reads the trip's layers; it writes every entry (the draft coda's too)
-        inputs = [(INPUT_IDS, i64, (None, None)), (POSITIONS, i64, (None,)), (CHUNK_LENGTHS, i64, (None,))]
-        cache_shape = (None, d.kv_heads, None, d.head_dim)
-        outputs = [(NEXT_TOKEN, i64, (None,)), (LOGITS, f32, (None, d.vocab_size))]
-        rows = (d.cache_entries, None, d.kv_heads, None, d.head_dim)
-    elif graph == BATCH_STEP:
-        inputs = [(INPUT_IDS, i64, (None, 1)), (POSITIONS, i64, (None,)), (HIDDEN_IN, f32, (None, 1, d.hidden_size)),
-                  (FINAL_ROWS, i64, (None,)), (EXIT_ROWS, i64, (None,)), (CHECK_ROWS, i64, (None,)),
-                  (CHECK_CANDIDATES, i64, (None, d.candidates))]
-        inputs += [(batch_cache_input(kind, j, s), f32, (None, d.kv_heads, None, d.head_dim))
-                   for j in range(d.stage_layers) for s in range(d.slots) for kind in KV_KINDS]
-        outputs = [(FINAL_TOKEN, i64, (None,)), (FINAL_LOGITS, f32, (None, d.vocab_size)), (EXIT_TOKENS, i64, (None,)),
-                   (EXIT_CANDIDATES, i64, (None, d.candidates)), (CHECK_TOKENS, i64, (None,)),
-                   (HIDDEN_OUT, f32, (None, 1, d.hidden_size))]
-        rows = (d.stage_layers, None, d.kv_heads, 1, d.head_dim)
-        slab = (None, d.kv_heads, None, d.head_dim)
-        if d.prelude_layers or d.coda_layers:  # a depth plan's phases beside the slots
-            inputs += [(phase_cache_input(kind, "prelude", i), f32, slab) for i in range(d.prelude_layers) for kind in KV_KINDS]
-            inputs += [(phase_cache_input(kind, "coda", i, depth), f32, slab) for i in range(d.coda_layers)
-                       for depth in range(2) for kind in KV_KINDS]
-            outputs += [(phase_new_rows(kind, "prelude"), f32, (d.prelude_layers, None, d.kv_heads, 1, d.head_dim))
-                        for kind in KV_KINDS]
-            outputs += [(phase_new_rows(kind, "coda"), f32, (d.coda_layers, 2, None, d.kv_heads, 1, d.head_dim))
-                        for kind in KV_KINDS]
-        return inputs, outputs + [(new_rows(kind), f32, rows) for kind in KV_KINDS]
-    else:
-        caches = range(d.stage_layers)
-        inputs = [(INPUT_IDS, i64, (1, 1)), (POSITIONS, i64, (d.slots,)), (HIDDEN_IN, f32, (d.slots - 1, 1, d.hidden_size))]
-        cache_shape = (d.slots, d.kv_heads, None, d.head_dim)
-        exits = d.slots if graph == STEP_FLUSH else 1
-        outputs = [(FINAL_TOKEN, i64, (1,)), (FINAL_LOGITS, f32, (1, d.vocab_size)), (EXIT_TOKENS, i64, (exits,)),
-                   (HIDDEN_OUT, f32, (d.slots, 1, d.hidden_size))]
-        rows = (d.stage_layers, d.slots, d.kv_heads, 1, d.head_dim)
-    inputs += [(cache_input(kind, i), f32, cache_shape) for i in caches for kind in KV_KINDS]
+    inputs = [(INPUT_IDS, i64, (None, None)), (POSITIONS, i64, (None,)), (CHUNK_LENGTHS, i64, (None,))]
+    inputs += [(cache_input(kind, layer), f32, (None, d.kv_heads, None, d.head_dim))
+               for layer in range(d.num_layers) for kind in KV_KINDS]
+    outputs = [(NEXT_TOKEN, i64, (None,)), (LOGITS, f32, (None, d.vocab_size))]
+    rows = (d.cache_entries, None, d.kv_heads, None, d.head_dim)  # it writes every entry (a depth plan's draft coda too)
     return inputs, outputs + [(new_rows(kind), f32, rows) for kind in KV_KINDS]
+
+
+def _batch_step_io(d: Dims) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    i64, f32 = "int64", "float32"
+    inputs = [(INPUT_IDS, i64, (None, 1)), (POSITIONS, i64, (None,)), (HIDDEN_IN, f32, (None, 1, d.hidden_size)),
+              (FINAL_ROWS, i64, (None,)), (EXIT_ROWS, i64, (None,)), (CHECK_ROWS, i64, (None,)),
+              (CHECK_CANDIDATES, i64, (None, d.candidates))]
+    inputs += [(batch_cache_input(kind, j, s), f32, (None, d.kv_heads, None, d.head_dim))
+               for j in range(d.stage_layers) for s in range(d.slots) for kind in KV_KINDS]
+    outputs = [(FINAL_TOKEN, i64, (None,)), (FINAL_LOGITS, f32, (None, d.vocab_size)), (EXIT_TOKENS, i64, (None,)),
+               (EXIT_CANDIDATES, i64, (None, d.candidates)), (CHECK_TOKENS, i64, (None,)),
+               (HIDDEN_OUT, f32, (None, 1, d.hidden_size))]
+    rows = (d.stage_layers, None, d.kv_heads, 1, d.head_dim)
+    slab = (None, d.kv_heads, None, d.head_dim)
+    if d.prelude_layers or d.coda_layers:  # a depth plan's phases beside the slots
+        inputs += [(phase_cache_input(kind, "prelude", i), f32, slab) for i in range(d.prelude_layers) for kind in KV_KINDS]
+        inputs += [(phase_cache_input(kind, "coda", i, depth), f32, slab) for i in range(d.coda_layers)
+                   for depth in range(2) for kind in KV_KINDS]
+        outputs += [(phase_new_rows(kind, "prelude"), f32, (d.prelude_layers, None, d.kv_heads, 1, d.head_dim))
+                    for kind in KV_KINDS]
+        outputs += [(phase_new_rows(kind, "coda"), f32, (d.coda_layers, 2, None, d.kv_heads, 1, d.head_dim))
+                    for kind in KV_KINDS]
+    return inputs, outputs + [(new_rows(kind), f32, rows) for kind in KV_KINDS]
+
+
+def _program_io(graph: str, d: Dims) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    return _prefill_io(d) if graph == PREFILL else _batch_step_io(d)
 
 
 def expected_io(graph: str, d: Dims) -> tuple[list[TensorSpec], list[TensorSpec]]:
@@ -214,13 +194,7 @@ def expected_io(graph: str, d: Dims) -> tuple[list[TensorSpec], list[TensorSpec]
         caches = [spec for spec in inputs if spec[0].startswith("cache.")]
         outputs = [spec for spec in outputs if not spec[0].startswith("new_")]
         return inputs, outputs + [(name + ".out", dtype, shape) for name, dtype, shape in caches]
-    if graph in (CACHE_WRITE_STEP, CACHE_WRITE_PREFILL):
-        full = (d.stage_layers, d.slots, d.kv_heads, None, d.head_dim)
-        rows = full if graph == CACHE_WRITE_STEP else (d.slots, d.stage_layers, d.kv_heads, None, d.head_dim)
-        inputs = [(cache_buffer(kind), "float32", full) for kind in KV_KINDS]
-        inputs += [(new_rows(kind), "float32", rows) for kind in KV_KINDS] + [(WRITE_START, "int64", (d.slots,))]
-        return inputs, [(cache_buffer_out(kind), "float32", full) for kind in KV_KINDS]
-    if graph in PROGRAMS or graph == BATCH_STEP:
+    if graph in PROGRAMS:
         return _program_io(graph, d)
     raise ArtifactError(f"graph {graph!r} is not part of the artifact contract (known: {', '.join(GRAPHS)})")
 

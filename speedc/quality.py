@@ -59,13 +59,13 @@ def validation_ids(engine, tokens: int, text: str | None = None) -> list[int]:
 def teacher_forced(engine, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """(argmax [T], log-probability of the true next token [T]) at each position of IDS, by plain decoding."""
     backend = engine.backend
-    backend.reset(len(ids) + 1)
+    backend.reserve(len(ids) + 1, 1)
     argmax, true_logprob = [], []
     for position, token in enumerate(ids[:-1]):
-        top, logits = backend.prefill([token], position, True)
-        row = np.asarray(logits, np.float64).reshape(-1)
+        top, logits = backend.prefill(0, [[token]], position, True)  # sequence slot 0: [1], [1, V]
+        row = np.asarray(logits[0], np.float64)
         shifted = row - row.max()
-        argmax.append(int(top))
+        argmax.append(int(top[0]))
         true_logprob.append(shifted[ids[position + 1]] - np.log(np.exp(shifted).sum()))
     return np.array(argmax), np.array(true_logprob)
 

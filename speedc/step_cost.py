@@ -42,6 +42,6 @@ def measure_artifact(directory: Path, *, backend: str = "onnx", threads: int | N
         return None
     context = min(context, engine.manifest.model["max_context"])
     cost = measure_step_cost(engine, context=context, repeats=repeats)
-    return {"slots": slots, "step_cost": round(cost, 3), "context": context, "backend": engine.backend.name,
+    return {"slots": slots, "step_cost": round(cost, 3), "context": context, "backend": engine.backend_name,
             "threads": resolve_threads(threads), "machine": machine_description(),
             "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}

@@ -223,27 +223,29 @@ def test_a_request_that_fails_admission_ends_alone(engine, monkeypatch):
 
 
 def test_a_failed_cache_allocation_does_not_poison_the_next_request(tiny_artifact, monkeypatch):
-    """The IO-binding backend set its capacity before allocating: after one failure, the next request of
-    that length skipped allocation and failed too (no buffers, or stale ones of another length)."""
-    from speedc.runtimes.onnx_bound import OnnxBoundBackend
+    """A pool that cannot grow for a request (out of memory, twice: the retry after freeing the pool
+    too) fails that request in one line; the engine's next requests run as before, that length too."""
+    from speedc.errors import OutOfMemory
+    from speedc.runtimes import batch_backend
 
     engine = Engine.load(tiny_artifact)
-    assert isinstance(engine.backend, OnnxBoundBackend)
-    expected = engine.generate(PROMPT, max_new_tokens=40).ids
-    engine.generate(PROMPT, max_new_tokens=3)  # buffers of another length in place
-    real = OnnxBoundBackend._device_zeros
-    calls = {"n": 0}
+    long = 300  # past the pool's first 256 positions: the pool must grow
+    expected = engine.generate(PROMPT, max_new_tokens=long, stop_at_eos=False).ids
+    engine = Engine.load(tiny_artifact)
+    engine.generate(PROMPT, max_new_tokens=3)  # a pool of another length in place
+    real = batch_backend.np.zeros
+    failures = {"left": 2}
 
-    def failing_once(self, shape):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise MemoryError("a stand-in allocation failure")
-        return real(self, shape)
+    def failing_twice(shape, *args, **kwargs):
+        if isinstance(shape, tuple) and len(shape) == 6 and failures["left"]:  # [S, P, W, kvh, T + 1, hd]
+            failures["left"] -= 1
+            raise MemoryError
+        return real(shape, *args, **kwargs)
 
-    monkeypatch.setattr(OnnxBoundBackend, "_device_zeros", failing_once)
-    with pytest.raises(MemoryError):
-        engine.generate(PROMPT, max_new_tokens=40)
-    assert engine.generate(PROMPT, max_new_tokens=40).ids == expected
+    monkeypatch.setattr(batch_backend.np, "zeros", failing_twice)
+    with pytest.raises(OutOfMemory, match="cannot grow to 512 positions"):
+        engine.generate(PROMPT, max_new_tokens=long, stop_at_eos=False)
+    assert engine.generate(PROMPT, max_new_tokens=long, stop_at_eos=False).ids == expected
 
 
 def test_a_manifest_without_the_models_context_is_one_line(tiny_artifact, tmp_path):

@@ -24,16 +24,17 @@ from speedc.serve.chat_template import load_chat_template
 
 def test_artifact_layout_and_weight_bytes(tiny_artifact):
     m = read_manifest(tiny_artifact)
-    assert {"manifest.json", "step.onnx", "step_flush.onnx", "prefill.onnx", "weights.bin", "tokenizer.json",
+    assert {"manifest.json", "batch_step.onnx", "prefill.onnx", "weights.bin", "tokenizer.json",
             "config.json"} <= {p.name for p in tiny_artifact.iterdir()}
-    for graph in ("step.onnx", "step_flush.onnx", "prefill.onnx"):
+    for graph in ("batch_step.onnx", "prefill.onnx"):
         onnx.checker.check_model(str(tiny_artifact / graph), full_check=True)
-    # ONNX Runtime variants (fused GroupQueryAttention) and the cache writers for IO binding.
-    assert {"step.gqa", "step_flush.gqa", "prefill.gqa", "cache_write_step", "cache_write_prefill"} <= set(m.graphs)
+    # The two programs and their ONNX Runtime variants (fused GroupQueryAttention), nothing else: every
+    # decode, single-sequence or batched, runs the batch step.
+    assert set(m.graphs) == {"batch_step", "prefill", "batch_step.gqa", "prefill.gqa"}
     # Each unique weight stored once, shared by both graphs.
     assert m.weights["stored_bytes"] <= 1.02 * m.weights["unique_bytes_fp32"]
     assert (tiny_artifact / "weights.bin").stat().st_size <= 1.02 * m.weights["unique_bytes_fp32"]
-    for graph in ("step.onnx", "step_flush.onnx", "prefill.onnx"):
+    for graph in ("batch_step.onnx", "prefill.onnx"):
         model = onnx.load(str(tiny_artifact / graph), load_external_data=False)
         assert all(init.data_location == onnx.TensorProto.EXTERNAL for init in model.graph.initializer if init.name in m.weights["index"])
     assert m.layer_map == [0, 1] * 4 and m.slots == 4 and m.stage_layers == 2
@@ -45,9 +46,9 @@ def test_artifact_layout_and_weight_bytes(tiny_artifact):
         rows = [read_weight(tiny_artifact, m, part) for part in index[name]["parts"]]
         assert all(index[part]["within"] == name for part in index[name]["parts"])
         np.testing.assert_array_equal(np.concatenate(rows), read_weight(tiny_artifact, m, name))
-    assert m.source_checkpoint_sha256 and m.onnx_opset == 17 and m.format_version == 1
-    assert [p["name"] for p in m.build["passes"]] == ["trace", "share", "schedule", "batch_step_graph", "step_graph", "exit_heads",
-                                                      "kv_cache", "cache_writer", "gqa_attention", "fuse_projections", "cleanup",
+    assert m.source_checkpoint_sha256 and m.onnx_opset == 17 and m.format_version == 2
+    assert [p["name"] for p in m.build["passes"]] == ["trace", "share", "schedule", "batch_step_graph", "exit_heads",
+                                                      "kv_cache", "gqa_attention", "fuse_projections", "cleanup",
                                                       "fuse_skip_norm", "quantize_weights", "untie_head", "trt_lint"]
 
 
@@ -101,11 +102,11 @@ def test_fp16_storage_halves_the_weights(tmp_path, tiny_artifact):
 
 def test_cli_build_verbose_dump_and_inspect(tmp_path):
     out = tmp_path / "art"
-    result = run_cli("build", ZOO / "tiny", "-o", out, "-v", "--dump-after", "step_graph", "--slots", "2")
+    result = run_cli("build", ZOO / "tiny", "-o", out, "-v", "--dump-after", "batch_step_graph", "--slots", "2")
     assert result.returncode == 0, result.stderr
-    for name in ("trace", "share", "schedule", "step_graph", "exit_heads", "kv_cache", "cleanup", "trt_lint"):
+    for name in ("trace", "share", "schedule", "batch_step_graph", "exit_heads", "kv_cache", "cleanup", "trt_lint"):
         assert name in result.stderr
-    assert (tmp_path / "art.dumps" / "after-step_graph-step.onnx").exists()
+    assert (tmp_path / "art.dumps" / "after-batch_step_graph-batch_step.onnx").exists()
     manifest = read_manifest(out)
     assert manifest.slots == 2
     # The CLI measured c(P) on this machine and stored it; inspect predicts from it and says so.

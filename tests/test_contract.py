@@ -40,9 +40,9 @@ def test_every_built_graph_matches_the_contract(tiny_artifact):
 
 
 @pytest.mark.parametrize("graph, side, index, fragment", [
-    ("step", "outputs", 2, "graph step: output exit_tokens is missing"),
+    ("batch_step", "outputs", 2, "graph batch_step: output exit_tokens is missing"),
     ("prefill.gqa", "inputs", 3, "graph prefill.gqa: input cache.value.0 is missing"),
-    ("cache_write_step", "inputs", 4, "graph cache_write_step: input write_start is missing"),
+    ("batch_step", "inputs", 6, "graph batch_step: input check_candidates is missing"),
 ])
 def test_manifest_that_breaks_the_contract_is_refused(tiny_artifact, tmp_path, graph, side, index, fragment):
     art = _copy(tiny_artifact, tmp_path)
@@ -56,8 +56,9 @@ def test_manifest_that_breaks_the_contract_is_refused(tiny_artifact, tmp_path, g
 
 def test_wrong_shape_and_dtype_are_named(tiny_artifact, tmp_path):
     art = _copy(tiny_artifact, tmp_path)
-    _edit_manifest(art, lambda m: m["graphs"]["step"]["inputs"][1].update(shape=[3]))
-    with pytest.raises(ArtifactError, match=r"graph step: input positions has shape \[3\], expected \[4\]"):
+    _edit_manifest(art, lambda m: m["graphs"]["batch_step"]["inputs"][2].update(shape=["rows_behind", 1, 3]))
+    with pytest.raises(ArtifactError, match=r"graph batch_step: input hidden_in has shape \['rows_behind', 1, 3\], "
+                                            r"expected \['\*', 1, \d+\]"):
         read_manifest(art)
     art2 = Path(shutil.copytree(tiny_artifact, tmp_path / "art2"))
     _edit_manifest(art2, lambda m: m["graphs"]["prefill"]["outputs"][0].update(dtype="int32"))
@@ -69,25 +70,29 @@ def test_graph_file_that_differs_from_its_manifest_is_refused(tiny_artifact, tmp
     """A file edited behind the manifest (hash updated to pass the integrity check) still cannot be
     run: ONNX Runtime's view of its I/O is checked against the manifest at load."""
     art = _copy(tiny_artifact, tmp_path)
-    path = art / "step.onnx"
+    path = art / "batch_step.onnx"
     model = onnx.load(str(path), load_external_data=False)
     old = model.graph.output[2].name  # exit_tokens
     model.graph.output[2].name = "exit_guess"
     for node in model.graph.node:
         node.output[:] = ["exit_guess" if o == old else o for o in node.output]
     onnx.save(model, str(path))
-    _edit_manifest(art, lambda m: m["files"].update({"step.onnx": sha256_file(path)}))
-    with pytest.raises(ArtifactError, match="graph step has no output exit_tokens"):
+    _edit_manifest(art, lambda m: m["files"].update({"batch_step.onnx": sha256_file(path)}))
+    with pytest.raises(ArtifactError, match="graph batch_step has no output exit_tokens"):
         Engine.load(art, backend="onnx-numpy")
 
 
 def test_previous_format_versions(tiny_artifact, tmp_path):
-    """An artifact from an older format is refused with a message that says to rebuild; one of this
-    format written before optional fields existed (no measured step cost) loads and runs."""
-    art = _copy(tiny_artifact, tmp_path)
-    _edit_manifest(art, lambda m: m.update(format_version=0))
-    result = run_cli("generate", art, "--prompt-ids", "1,2", "--max-new-tokens", "2")
-    assert_one_line_error(result, "format version 0", "rebuild")
+    """An artifact from an older format (1: with the single-sequence step graphs) is refused with a
+    message that says to rebuild; one of this format written before optional fields existed (no
+    measured step cost) loads and runs."""
+    for version in (0, 1):
+        art = _copy(tiny_artifact, tmp_path / f"v{version}")
+        _edit_manifest(art, lambda m: m.update(format_version=version))
+        result = run_cli("generate", art, "--prompt-ids", "1,2", "--max-new-tokens", "2")
+        assert_one_line_error(result, f"format version {version} but this speedc reads version 2", "rebuild")
+        with pytest.raises(ArtifactError, match=f"format version {version} but this speedc reads version 2"):
+            Engine.load(art)
     art2 = Path(shutil.copytree(tiny_artifact, tmp_path / "art2"))
     _edit_manifest(art2, lambda m: m["build"].pop("step_cost_measured", None))
     assert Engine.load(art2).generate([1, 2, 3], max_new_tokens=4).stats.new_tokens == 4

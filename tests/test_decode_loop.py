@@ -1,10 +1,13 @@
-"""The SPEED decode loop's bookkeeping against a scripted backend whose speculation outcomes we choose.
+"""SPEED's bookkeeping, as the engine runs one sequence (the scheduler, runtimes/batch.py, driven by
+engine.scheduled), against a scripted batch backend whose speculation outcomes we choose.
 
 The backend knows a fixed "true" continuation TRUTH and models the KV cache honestly: each pass (slot
 index) records whether the row it wrote at a position came from a correct token with a clean context.
 A head predicts the truth only from a clean context, so a speculation the loop fails to flush (or a
 stale row it lets a valid slot read) turns into wrong output. Exit guesses of clean slots are scripted
 per (depth, position); unclean slots always guess wrong(pos), so wrong chains never contradict themselves.
+An early-flush check scores only the candidates the token's own draft gave (as the batch step does):
+a draft's candidates hold both the truth and wrong(pos), so a check returns its scripted guess.
 """
 
 from __future__ import annotations
@@ -13,13 +16,17 @@ import numpy as np
 import pytest
 
 from speedc.models.sampling import SamplingParams, TokenPicker
-from speedc.runtimes.backend import StepResult
-from speedc.runtimes.decode import Request, decode_autoregressive, decode_speed, run_to_end
+from speedc.runtimes.acceptance_policy import AlwaysSpeculate
+from speedc.runtimes.batch import BatchScheduler, RowPolicy
+from speedc.runtimes.batch_backend import SpeedStepResult
+from speedc.runtimes.decode import Request, run_to_end
+from speedc.runtimes.engine import scheduled
 
 V = 64
 TRUTH = [int(t) for t in np.random.default_rng(7).permutation(V)]  # distinct tokens: an eos id occurs once
 L = 3  # prompt = TRUTH[:L]; the prefill emits TRUTH[L]
 PS = [2, 3, 4, 5]
+K = 4  # candidate ids a draft gives (contract.CHECK_CANDIDATES)
 
 
 def wrong(pos: int) -> int:
@@ -35,27 +42,49 @@ NO_MISS = misses(set())
 ALL_MISS = misses(range(V), catch_depth=1)
 
 
+def draft_candidates(guess: int, pos: int) -> np.ndarray:
+    """The top K a draft of position POS gives: its guess first, then the truth and wrong(pos), then fillers."""
+    ranked = list(dict.fromkeys([guess, TRUTH[pos], wrong(pos)]))
+    ranked += [t for t in range(V) if t not in ranked][:K - len(ranked)]
+    return np.asarray(ranked, np.int64)
+
+
 class ScriptedBackend:
-    name, stage_layers, vocab_size, max_context = "scripted", 1, V, V
+    """A batch backend of one sequence slot (the scheduler's interface, runtimes/backend.py)."""
+    stage_layers, vocab_size, max_context, max_batch, width, check_width = 1, V, V, 1, 1, K
 
     def __init__(self, slots: int, wrong_guess=NO_MISS):
         self.slots, self.wrong_guess = slots, wrong_guess
-        self.calls: list[tuple] = []  # ("prefill", ids, start) | ("step", token, positions, valid)
+        self.capacity = self.length = V
+        self.calls: list[tuple] = []  # ("prefill" | "plain", ids, start) | ("step", token, positions, valid)
         self.deepest_wrong = -1  # deepest slot a wrong (unclean) token ever ran in
-
-    def reset(self, capacity: int) -> None:
-        self.capacity = capacity
         self.rows = [dict() for _ in range(self.slots)]  # pass -> {pos: row written cleanly?}
         self.inflight = [None] * self.slots  # per slot [token, pos, clean], tracked here, not trusted
+
+    @property
+    def speculative(self) -> bool:
+        return self.slots > 1
+
+    def reserve(self, positions: int, sequences: int | None = None) -> None:
+        assert positions <= self.capacity and sequences in (None, 1)
+
+    def would_grow(self, positions: int, sequences: int) -> bool:
+        return False
+
+    def free_pool(self) -> None:
+        pass
+
+    def move(self, source: int, target: int, length: int | None = None) -> None:
+        raise AssertionError("one sequence never moves")
 
     def _clean_before(self, passes, pos: int) -> bool:
         return all(self.rows[s].get(i, False) for s in passes for i in range(pos))
 
-    def _logits(self, token: int, want: bool):
-        return np.where(np.arange(V) == token, 10.0, 0.0) if want else None
+    def _logits(self, tokens: list[int], want: bool):
+        return np.where(np.arange(V)[None] == np.asarray(tokens)[:, None], 10.0, 0.0) if want else None  # [R, V]
 
-    def prefill(self, ids, start, want_logits):
-        self.calls.append(("prefill", list(ids), start))
+    def _through_all_layers(self, kind: str, ids: list[int], start: int, want: bool):
+        self.calls.append((kind, list(ids), start))
         assert start + len(ids) <= self.capacity
         for j, tok in enumerate(ids):  # every layer at every position: rows of all passes
             clean = tok == TRUTH[start + j] and self._clean_before(range(self.slots), start + j)
@@ -63,12 +92,25 @@ class ScriptedBackend:
                 self.rows[s][start + j] = clean
         nxt = start + len(ids)
         token = TRUTH[nxt] if clean else wrong(nxt)
-        return token, self._logits(token, want_logits)
+        return np.asarray([token]), self._logits([token], want)
 
-    def step(self, token, positions, valid, want_logits, all_exits=False):
-        positions, valid = positions.copy(), valid.copy()  # the loop reuses its arrays
-        self.calls.append(("step", int(token), positions, valid))
-        shifted = [[int(token), int(positions[0]), True] if valid[0] else None] + self.inflight[:-1]
+    def prefill(self, first, chunks, start, want_logits):
+        assert first == 0 and len(chunks) == 1
+        return self._through_all_layers("prefill", chunks[0], start, want_logits)
+
+    def plain_step(self, tokens, positions, valid, want_logits):
+        assert len(tokens) == 1 and valid[0]
+        return self._through_all_layers("plain", [int(tokens[0])], int(positions[0]), want_logits)
+
+    def speed_step(self, entering, positions, valid, heads, want_logits):
+        assert positions.shape == valid.shape == (self.slots, 1)
+        positions, valid = positions[:, 0].copy(), valid[:, 0].copy()  # the loop reuses its arrays
+        token = int(entering[0])
+        self.calls.append(("step", token, positions, valid))
+        # Heads run for tokens only: the oldest slot's final, slot 0's draft, deeper slots' checks.
+        assert heads.final == ([self.slots - 1] if valid[-1] else []) and heads.exit == ([0] if valid[0] else [])
+        assert all(valid[row] and 0 < row < self.slots - 1 for row in heads.check)
+        shifted = [[token, int(positions[0]), True] if valid[0] else None] + self.inflight[:-1]
         exits = np.full(self.slots, -1, dtype=np.int64)  # bubbles guess -1: using it would break output
         final = -1
         for s in range(self.slots):
@@ -87,7 +129,16 @@ class ScriptedBackend:
             if s == self.slots - 1:
                 final = TRUTH[pos + 1] if clean else wrong(pos + 1)
         self.inflight = shifted
-        return StepResult(final, self._logits(final, want_logits), exits if all_exits else exits[:1])
+        checks = []
+        for row, candidates in zip(heads.check, heads.candidates):
+            assert exits[row] in candidates  # the check scores its token's own draft's candidates
+            checks.append(int(exits[row]))
+        finals = [final] if heads.final else []
+        drafts = [int(exits[0])] if heads.exit else []
+        candidates = [draft_candidates(g, int(positions[0]) + 1) for g in drafts]
+        return SpeedStepResult(np.asarray(finals, np.int64), self._logits(finals, want_logits) if finals else None,
+                               np.asarray(drafts, np.int64), np.asarray(candidates, np.int64).reshape(len(drafts), K),
+                               np.asarray(checks, np.int64))
 
     @property
     def steps(self):
@@ -106,23 +157,26 @@ def _recorded(decoding, backend, steps_at_yield):
 
 
 def run(P, n, script=NO_MISS, *, early=False, stop=None, mode="speed", params=SamplingParams()):
+    """One sequence as Engine.generate runs it: a scheduler of one, speed always speculating (or plain only)."""
     backend = ScriptedBackend(P, script)
     request = Request(list(TRUTH[:L]), n, TokenPicker(params), stop or (lambda out: None))
-    if mode == "speed":
-        decoding = decode_speed(backend, request, early_flush=early)
-    else:
-        decoding = decode_autoregressive(backend, request)
+    policy = RowPolicy(row_budget=None if mode == "speed" else 0)
+    scheduler = BatchScheduler(backend, policy=policy, acceptance=AlwaysSpeculate(), prefill_chunk=V, first_token_alone=True)
+    decoding = scheduled(scheduler, scheduler.submit(request, early_flush=early))
     steps_at_yield: list[int] = []
     out, stats = run_to_end(_recorded(decoding, backend, steps_at_yield))
     assert stats.steps == (len(backend.steps) if mode == "speed" else len(backend.calls) - 1)
     backend.steps_at_yield = steps_at_yield
     if mode == "speed":
+        assert all(c[0] != "plain" for c in backend.calls)  # speed mode always speculates
         # Positions that cannot lead to an emission never enter: last useful = L + n - 2.
         entered = [c[2][0] for c in backend.steps if c[3][0]]
         assert all(p <= L + n - 2 for p in entered), entered
         # Emissions happen exactly at the steps whose oldest slot was valid (plus the prefill's).
         oldest_valid = [i + 1 for i, c in enumerate(backend.steps) if c[3][-1]]
         assert steps_at_yield == [0] + oldest_valid  # and the loop stops right after its last one
+    else:
+        assert not backend.steps
     return out, stats, backend
 
 

@@ -72,7 +72,7 @@ def test_which_swaps_are_refused(checkpoint, tmp_path):
 @pytest.mark.parametrize("removed, fragment", [
     ("exit_heads", "pass gqa_attention needs the final and early-exit heads"),
     ("kv_cache", "pass gqa_attention needs cache inputs"),
-    ("step_graph", "pass exit_heads needs the step and prefill graphs"),
+    ("batch_step_graph", "pass exit_heads needs the prefill graph and"),
     ("cleanup", "pass fuse_skip_norm needs folded"),
     ("trace", "pass share needs the traced N-layer decode program"),
 ])
@@ -86,7 +86,7 @@ def test_removed_pass_is_named(removed, fragment, checkpoint, tmp_path):
 def test_optional_passes_can_be_left_out(checkpoint, tmp_path):
     """gqa_attention and fuse_projections are optimisations: without them the artifact still builds."""
     result = build(checkpoint, tmp_path / "art", passes=[p for p in PASS_ORDER if p not in ("gqa_attention", "fuse_projections")])
-    assert "prefill.gqa" not in result.manifest.graphs and "step" in result.manifest.graphs
+    assert "prefill.gqa" not in result.manifest.graphs and "batch_step" in result.manifest.graphs
 
 
 def test_unknown_pass_and_fact_are_refused(checkpoint, tmp_path):

@@ -120,30 +120,32 @@ def test_schedule_valid_slots_and_choice():
         make_schedule(cycle, 4, alpha=0.8, requested=3)
 
 
-def test_step_graph_before_after(model):
+def test_batch_step_graph_before_after(model):
     before = _through(_state(model), "schedule")
     decode_gemms = _ops(before.graphs["decode"], "Gemm")
-    after = run_passes(before, ["step_graph"])[0]
-    step = after.graphs["step"]
-    # After: one stage (S=2 layers) with P=3 rows; layers 2..5 are gone, each weight read once per step.
-    assert _ops(step, "Gemm") == 2 * 7 and decode_gemms == 6 * 7 + 2  # heads come back in exit_heads
+    after = run_passes(before, ["batch_step_graph"])[0]
+    assert set(after.graphs) == {"batch_step", "prefill"} and "decode_program" not in after.facts
+    step = after.graphs["batch_step"]
+    # After: one stage (S=2 layers) over P=3 slots of n sequences; layers 2..5 are gone, each weight read
+    # once per step; one LM-head Gemm serves the final and exit rows (the prefill's head: exit_heads).
+    assert _ops(step, "Gemm") == 2 * 7 + 1 and decode_gemms == 6 * 7 + 2
     inputs = {t.name: t.shape for t in step.inputs}
-    assert inputs["input_ids"] == [1, 1] and inputs["positions"] == [3] and inputs["hidden_in"] == [2, 1, 32]
-    assert sorted(n for n in inputs if n.startswith("past.")) == ["past.key.0", "past.key.1", "past.value.0", "past.value.1"]
+    assert inputs["input_ids"] == ["sequences", 1] and inputs["positions"] == ["rows"] and inputs["hidden_in"] == ["rows_behind", 1, 32]
+    assert sorted(n for n in inputs if n.startswith("cache.")) == [
+        f"cache.{kind}.{j}.{s}" for kind in ("key", "value") for j in range(2) for s in range(3)]
     gemm_weights = [n.inputs[1].name for n in step.nodes if n.op == "Gemm"]
     assert len(gemm_weights) == len(set(gemm_weights))  # no weight loaded twice in a step
 
 
 def test_exit_heads_and_kv_cache_outputs(model):
     state = _through(_state(model), "kv_cache")
-    expected = {"final_token": [1], "final_logits": [1, 97], "exit_tokens": [1], "hidden_out": [3, 1, 32],
-                "new_key": [2, 3, 2, 1, 8], "new_value": [2, 3, 2, 1, 8]}
-    assert {t.name: t.shape for t in state.graphs["step"].outputs} == expected
-    assert {t.name: t.shape for t in state.graphs["step_flush"].outputs} == {**expected, "exit_tokens": [3]}
-    # One LM-head Gemm per step graph serves the final and the exit rows.
-    for name in ("step", "step_flush"):
-        heads = [n for n in state.graphs[name].nodes if n.op == "Gemm" and n.inputs[1].name == "model.embed_tokens.weight"]
-        assert len(heads) == 1
+    expected = {"final_token": ["final_rows"], "final_logits": ["final_rows", 97], "exit_tokens": ["exit_rows"],
+                "exit_candidates": ["exit_rows", 8], "check_tokens": ["check_rows"], "hidden_out": ["rows", 1, 32],
+                "new_key": [2, "rows", 2, 1, 8], "new_value": [2, "rows", 2, 1, 8]}
+    assert {t.name: t.shape for t in state.graphs["batch_step"].outputs} == expected
+    # One LM-head Gemm in the batch step serves the final and the exit rows.
+    heads = [n for n in state.graphs["batch_step"].nodes if n.op == "Gemm" and n.inputs[1].name == "model.embed_tokens.weight"]
+    assert len(heads) == 1
     prefill = {t.name: t.shape for t in state.graphs["prefill"].outputs}
     assert prefill == {"next_token": ["batch"], "logits": ["batch", 97], "new_key": [6, "batch", 2, "chunk", 8],
                        "new_value": [6, "batch", 2, "chunk", 8]}  # one row per sequence (batched plain decoding)
@@ -153,29 +155,33 @@ def test_exit_heads_and_kv_cache_outputs(model):
                for name, g in state.graphs.items() for t in g.inputs)
 
 
-def _random_feeds(graph: gs.Graph, context: int = 6) -> dict[str, np.ndarray]:
+def _step_feeds(graph: gs.Graph, slots: int = 3, context: int = 6) -> dict[str, np.ndarray]:
+    """Feeds of a batch step graph (standard or fused) for one sequence with every slot filled: the
+    oldest slot's final head, every slot's exit head, no early-flush check."""
     rng = np.random.default_rng(0)
-    feeds = {}
-    for t in graph.inputs:
-        shape = [context if isinstance(d, str) else d for d in t.shape]
-        if t.name == "input_ids":
-            feeds[t.name] = rng.integers(0, 97, size=shape)
-        elif t.name == "positions":
-            feeds[t.name] = rng.integers(1, context, size=shape)
-        else:
-            feeds[t.name] = rng.standard_normal(shape).astype(np.float32)
-    return feeds
+    shapes = {t.name: t.shape for t in graph.inputs}
+    hidden, width = shapes["hidden_in"][-1], shapes["check_candidates"][-1]
+    feeds = {"input_ids": rng.integers(0, 97, size=(1, 1)), "positions": rng.choice(np.arange(1, context - 1), slots, replace=False),
+             "hidden_in": rng.standard_normal((slots - 1, 1, hidden)).astype(np.float32), "final_rows": np.array([slots - 1]),
+             "exit_rows": np.arange(slots), "check_rows": np.zeros(0, np.int64), "check_candidates": np.zeros((0, width), np.int64)}
+    if "computed_rows" in shapes:  # fused: every row holds a token; the pool [P*W, ...] with W = 1
+        feeds["computed_rows"] = np.arange(slots)
+    for name, shape in shapes.items():
+        if name.startswith("cache."):
+            rows = slots if "computed_rows" in shapes else 1  # fused pool rows, else one slab's sequences
+            feeds[name] = rng.standard_normal((rows, shape[1], context, shape[3])).astype(np.float32)
+    return {name: value for name, value in feeds.items() if name in shapes}
 
 
 def test_fuse_projections_before_after(model):
     before = _through(_state(model), "kv_cache")
-    step = before.graphs["step"]
-    feeds = _random_feeds(step)
+    step = before.graphs["batch_step"]
+    feeds = _step_feeds(step)
     names = [t.name for t in step.outputs]
     expected = ort.InferenceSession(gs.export_onnx(step.copy()).SerializeToString()).run(names, feeds)
     assert _ops(step, "Gemm") == 2 * 7 + 1  # before: 7 projections x 2 layers + the shared LM head
     after = run_passes(before, ["fuse_projections"])[0]
-    step = after.graphs["step"]
+    step = after.graphs["batch_step"]
     # After: q/k/v and gate/up read their input once each: 4 Gemms a layer (qkv, o, gate+up, down) + head.
     assert _ops(step, "Gemm") == 2 * 4 + 1 and _ops(step, "Split") >= 2 * 2
     weights = [n.inputs[1].name for n in step.nodes if n.op == "Gemm"]
@@ -198,10 +204,10 @@ def test_fuse_projections_feeds_packed_qkv_to_attention():
     and value inputs stay empty (the packed form). (Its numbers: the engine tests against the oracle.)"""
     model = randomize(SharedLlama(random_config(blocks=2, layers=6, heads=4, kv_heads=2, hidden=64)), seed=12)
     before = _through(_state(model), "gqa_attention")
-    fused_before = before.graphs["step.gqa"]
+    fused_before = before.graphs["batch_step.gqa"]
     assert _ops(fused_before, "Concat") >= 2  # the packing, before the Gemms are stacked
     after = run_passes(before, ["fuse_projections"])[0]
-    for name in ("step.gqa", "prefill.gqa", "batch_step.gqa"):
+    for name in ("prefill.gqa", "batch_step.gqa"):
         graph = after.graphs[name]
         for node in (n for n in graph.nodes if n.op == "GroupQueryAttention"):
             assert node.inputs[1].name == "" and node.inputs[2].name == ""  # packed: no key / value input
@@ -211,17 +217,18 @@ def test_fuse_projections_feeds_packed_qkv_to_attention():
                 source = node.inputs[2] if node.op == "ScatterND" else node.inputs[0]
             producer = source.inputs[0]
             assert producer.op == "Gemm" and producer.inputs[1].name.count("+") == 2, name  # the stacked q|k|v weight
-    fused = after.graphs["step.gqa"]
-    assert _ops(fused, "Split") == 2  # gate|up only; the q|k|v Split fell away with the Concat
+    fused = after.graphs["prefill.gqa"]
+    assert _ops(fused, "Split") == 6  # gate|up only; the q|k|v Split fell away with the Concat
 
 
 def test_gqa_attention_before_after():
     model = randomize(SharedLlama(random_config(blocks=2, layers=6, heads=4, kv_heads=2, hidden=64)), seed=12)  # head_dim 16
-    before = _through(_state(model), "cache_writer")
-    assert set(before.graphs) == {"step", "step_flush", "prefill", "batch_step", "cache_write_step", "cache_write_prefill"}
-    assert _ops(before.graphs["step"], "Softmax") == 2  # standard attention: one softmax per stage layer
+    before = _through(_state(model), "kv_cache")
+    assert set(before.graphs) == {"prefill", "batch_step"}
+    assert _ops(before.graphs["batch_step"], "Softmax") == 2  # standard attention: one softmax per stage layer
     after = run_passes(before, ["gqa_attention"])[0]
-    for name, layers in (("step", 2), ("step_flush", 2), ("prefill", 6)):
+    assert set(after.graphs) == {"prefill", "batch_step", "prefill.gqa", "batch_step.gqa"}
+    for name, layers in (("prefill", 6),):
         fused, standard = after.graphs[f"{name}.gqa"], after.graphs[name]
         assert _ops(fused, "GroupQueryAttention") == layers and _ops(fused, "Softmax") == 0
         assert len(fused.nodes) < len(standard.nodes) / 2  # rotary, masks, split softmax: gone
@@ -240,11 +247,11 @@ def test_gqa_attention_before_after():
     assert [n.inputs[1].name for n in fused.nodes if n.op == "Gather" and n.inputs[0].name == "slot_inputs.every_row"] == [
         "computed_rows"]
     # The standard graphs are untouched (TensorRT and the numpy-fed backend use them).
-    assert _ops(after.graphs["step"], "GroupQueryAttention") == 0
-    trt = run_passes(_through(_state(model, target="trt"), "cache_writer"), ["gqa_attention"])[0]
+    assert _ops(after.graphs["batch_step"], "GroupQueryAttention") == 0
+    trt = run_passes(_through(_state(model, target="trt"), "kv_cache"), ["gqa_attention"])[0]
     assert not any(name.endswith(".gqa") for name in trt.graphs)  # TensorRT has no such op
     narrow = randomize(SharedLlama(random_config(blocks=2, layers=6, heads=4, kv_heads=2)), seed=12)  # head_dim 8
-    skipped = run_passes(_through(_state(narrow), "cache_writer"), ["gqa_attention"])[0]
+    skipped = run_passes(_through(_state(narrow), "kv_cache"), ["gqa_attention"])[0]
     assert not any(name.endswith(".gqa") for name in skipped.graphs) and "head_dim % 16" in skipped.notes[-1]
 
 
@@ -262,7 +269,7 @@ def test_cleanup_folds_and_fp16_halves_weights(model):
 def test_trt_lint_passes_our_graphs_and_fails_unsupported_ops(model):
     state = _through(_state(model, target="trt"), "cleanup")
     assert all(lint_graph(g) == [] for g in state.graphs.values())
-    step = state.graphs["step"]
+    step = state.graphs["batch_step"]
     bad_out = gs.Variable("nz", np.int64)
     step.nodes.append(gs.Node("NonZero", "inject/NonZero", inputs=[step.inputs[1]], outputs=[bad_out]))
     step.outputs.append(bad_out)
@@ -282,17 +289,18 @@ def test_fuse_skip_norm_before_after():
     and a row computes the same bits alone (prefill, one row) as among a step's P rows."""
     model = randomize(SharedLlama(random_config(blocks=2, layers=6, heads=4, kv_heads=2, hidden=64)), seed=12)
     before = _through(_state(model), "cleanup")
-    plain_graphs = {name: before.graphs[name].copy() for name in ("step.gqa", "prefill.gqa")}  # the pass edits in place
+    plain_graphs = {name: before.graphs[name].copy() for name in ("batch_step.gqa", "prefill.gqa")}  # the pass edits in place
     after = run_passes(before, ["fuse_skip_norm"])[0]
-    for name, layers in (("step.gqa", 2), ("prefill.gqa", 6)):
+    for name, layers in (("batch_step.gqa", 2), ("prefill.gqa", 6)):
         fused, plain = after.graphs[name], plain_graphs[name]
         assert _ops(plain, "SkipSimplifiedLayerNormalization") == 0
         assert _ops(fused, "SkipSimplifiedLayerNormalization") == 2 * layers  # input + post-attention norm a layer
-        assert _ops(fused, "ConstantOfShape") == 1  # the first layer's input norm: no Add before it
+        # the first layer's input norm: no Add before it, a zero skip (the batch step has one already: the pool's rows)
+        assert _ops(fused, "ConstantOfShape") - _ops(plain, "ConstantOfShape") == 1
         # gone: every residual Add but the stage's last, and each layer norm's Add(eps)
         assert _ops(plain, "Add") - _ops(fused, "Add") == (2 * layers - 1) + 2 * layers
         assert _ops(fused, "Pow") == _ops(plain, "Pow") - 2 * layers  # head norms kept as they were
-        feeds = _random_feeds(plain) if name == "step.gqa" else _decode_rows_feeds(plain, 2)
+        feeds = _step_feeds(plain) if name == "batch_step.gqa" else _decode_rows_feeds(plain, 2)
         want, got = _run_graph(plain, feeds), _run_graph(fused, feeds)
         for key in want:
             np.testing.assert_allclose(got[key], want[key], atol=1e-5, rtol=1e-5, err_msg=f"{name} {key}")

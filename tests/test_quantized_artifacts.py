@@ -22,7 +22,7 @@ from speedc.models.checkpoint import open_checkpoint
 from speedc.models.llama import SharedLlama
 from test_properties import _engines, _perturb_exit_head
 
-PATHS = ("onnx-numpy", "onnx", "onnx writer graphs")
+PATHS = ("onnx-numpy", "onnx")
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ level's pool is held at once: the bench's memory is their sum):
                        speculating sequences take at most row_budget rows (runtimes/batch.py RowPolicy)
     speed-always       SPEED steps for every sequence at every concurrency (no budget, no per-sequence rule)
     plain-batched      plain decoding of all sequences in one graph run per token (the baseline)
-    speed-unbatched    (concurrency 1 only) the single-sequence engine, Engine.generate in speed mode: what
-                       one client got before continuous batching, so a regression there shows
+    speed-unbatched    (concurrency 1 only) the single-sequence engine, Engine.generate in speed mode (a
+                       batch of one on the engine's own pool, always speculating), so a regression there shows
     onnxruntime-genai  (peers, when onnxruntime-genai and torch are installed) ORT GenAI's own batching,
                        og.Engine, on its builder's fp32 export of the unrolled weights (bench/peers.py)
 
@@ -92,8 +92,8 @@ def _run_once(scheduler, engine: Engine, prompts: list[str], clients: int, new_t
 
 
 def _run_unbatched(engine: Engine, prompt: str, new_tokens: int) -> dict:
-    """One request through the single-sequence engine (no scheduler, no pool), timed as _run_once times
-    (after the same kind of untimed warm-up)."""
+    """One request through the single-sequence engine (its own scheduler of one, on its own pool), timed as
+    _run_once times (after the same kind of untimed warm-up)."""
     engine.generate(prompt, max_new_tokens=8, stop_at_eos=False)
     start = time.perf_counter()
     times = []
@@ -163,14 +163,13 @@ def _measure(engine, prompts, prompt_ids, alone, levels, new_tokens, repeats, th
     from speedc.runtimes.batch_backend import make_batch_backend, slot_capacity
 
     systems: dict[int, dict[str, object]] = {}
-    sessions = None
+    own = engine.backend  # its sessions serve every level (and the single-sequence engine)
     for clients in dict.fromkeys(levels):
         # Per level one backend (pool, step bindings) for every batched system, and one set of sessions
         # for all levels: two sessions of one graph ran 2-4% apart here, steadily, which would read as a
         # difference between policies or between client counts.
         backend = make_batch_backend(engine.directory, engine.manifest, clients, slot_capacity(engine.manifest, clients, None),
-                                     device=engine.device, threads=threads, sessions=sessions)
-        sessions = backend.sessions
+                                     device=engine.device, threads=threads, fused=own.fused, sessions=own.sessions)
         level = {}
         for name, options in SYSTEMS.items():
             progress(f"concurrency {clients}: {name}, warm-up")
@@ -185,9 +184,9 @@ def _measure(engine, prompts, prompt_ids, alone, levels, new_tokens, repeats, th
     for repeat in range(repeats):
         for clients, level in systems.items():  # the levels interleaved too: a ratio between them is not host drift
             # A new order each repeat (seeded): a rotation would keep each system behind the same one, and the
-            # one before matters: a batched system after the single-sequence engine (its own sessions, its
-            # own copy of the weights) starts with a cold cache (speed-adaptive ran 4-20% below speed-always at
-            # one client, both the same steps, when it followed the engine in 5 repeats of 7).
+            # one before matters: a batched system after the single-sequence engine (then on sessions of its
+            # own, its own copy of the weights) started with a cold cache (speed-adaptive ran 4-20% below
+            # speed-always at one client, both the same steps, when it followed the engine in 5 repeats of 7).
             names = list(level)
             random.Random(repeat * 1009 + clients).shuffle(names)
             for name in names:  # interleaved: machine noise hits every system alike

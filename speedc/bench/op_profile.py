@@ -1,5 +1,5 @@
-"""Where a step's time goes, per op type: ONNX Runtime's profiler over the P-slot step and the plain
-token it replaces, run as `measure_step_times` runs them. Each op's step time is shown beside its
+"""Where a step's time goes, per op type: ONNX Runtime's profiler over the P-slot step (the batch step
+graph, one sequence) and the plain token it replaces, run as `measure_step_times` runs them. Each op's step time is shown beside its
 share of a plain token (token time / P), so the difference is what that op adds to c(P) - 1.
 
 Profiled runs are slower than plain ones (the profiler records every kernel); the breakdown is for
@@ -29,14 +29,16 @@ def kernel_ms_per_run(profile_file: str) -> dict[str, float]:
 def step_op_profile(directory: Path, manifest, *, threads: int | None, context: int, repeats: int = 30) -> list[dict]:
     """[{op, step_ms, token_share_ms}] sorted by step time: the step's kernel time per op type, and
     the plain token's divided by P."""
-    from speedc.runtimes.onnx_bound import OnnxBoundBackend
+    from speedc import contract
+    from speedc.runtimes.batch_backend import BatchBackend
 
     with tempfile.TemporaryDirectory() as tmp:
-        backend = OnnxBoundBackend(directory, manifest, threads=threads, profile_prefix=f"{tmp}/")
+        backend = BatchBackend(directory, manifest, 1, manifest.model["max_context"], threads=threads,
+                               profile_prefix=f"{tmp}/")
         measure_step_times(backend, context, repeats)
         files = backend.end_profiling()
-        step = kernel_ms_per_run(files["step"])
-        token = kernel_ms_per_run(files["prefill"])
+        step = kernel_ms_per_run(files[contract.BATCH_STEP])
+        token = kernel_ms_per_run(files[contract.PREFILL])
     # the warm-up runs are profiled too: per-run averages include them on both sides alike
     rows = [{"op": op, "step_ms": round(step.get(op, 0.0), 3), "token_share_ms": round(token.get(op, 0.0) / backend.slots, 3)}
             for op in set(step) | set(token)]

@@ -120,15 +120,20 @@ def interleaved_medians(first, second, repeats: int, warmup: int) -> tuple[float
 
 
 def measure_step_times(backend, context: int, repeats: int = 200) -> tuple[float, float]:
-    """(seconds of one P-slot step, seconds of one plain token), both at a cache of `context` rows
-    with the newest position in the middle, interleaved, medians."""
+    """(seconds of one full P-slot step, seconds of one plain token) of one sequence on BACKEND (a batch
+    backend), both at a cache of `context` rows with the newest position in the middle, interleaved, medians."""
+    from speedc.runtimes.batch_backend import HeadRows
+
     slots = backend.slots
     context = max(context, 2 * slots)  # the oldest slot's position is >= 0 (a 5-token bench went negative)
-    backend.reset(context)
-    positions = np.arange(context // 2, context // 2 - slots, -1)  # newest first: [P]
-    valid = np.ones(slots, dtype=bool)
-    return interleaved_medians(lambda: backend.step(1, positions, valid, False),
-                               lambda: backend.prefill([1], context // 2, False), repeats, warmup=5)
+    backend.reserve(context, 1)
+    newest = context // 2
+    positions = np.arange(newest, newest - slots, -1).reshape(slots, 1)  # [P, 1]: newest first
+    filled = np.ones((slots, 1), dtype=bool)  # [P, 1]
+    heads = HeadRows(final=[slots - 1], exit=[0])  # the oldest slot's final head, slot 0's draft
+    token = np.ones(1, np.int64)  # [1]
+    return interleaved_medians(lambda: backend.speed_step(token, positions, filled, heads, False),
+                               lambda: backend.plain_step(token, positions[0], filled[0], False), repeats, warmup=5)
 
 
 def measure_step_cost(engine_or_backend, context: int, repeats: int = 200) -> float:
@@ -192,7 +197,7 @@ def run_bench(engine: Engine, *, prompts: list[str] | None = None, new_tokens: i
     speedup = ms["autoregressive"]["p50"] / ms["speed"]["p50"]
     e2e_ms = {name: _percentiles(samples) for name, samples in e2e.items()}
     return BenchReport(
-        artifact=str(engine.directory), backend=engine.backend.name, slots=slots, new_tokens=new_tokens,
+        artifact=str(engine.directory), backend=engine.backend_name, slots=slots, new_tokens=new_tokens,
         repeats=repeats * len(prompts), identical_ids=identical, ms_per_token=ms,
         early_flush=engine.early_flush_default if early_flush is None else early_flush,
         tokens_per_second={mode: round(1000 / v["p50"], 1) for mode, v in ms.items()},

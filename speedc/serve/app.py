@@ -57,20 +57,18 @@ class ServeSettings:
 
 
 def make_adapter(settings: ServeSettings):
-    """The engine behind its adapter: batched (one set of ONNX Runtime sessions, the batch scheduler's;
-    the single-sequence backend is never opened), or one request at a time when max_batch is 1."""
+    """The engine behind its adapter: batched (the batch scheduler's pool on the engine's one set of
+    sessions), or one request at a time when max_batch is 1."""
     from speedc.runtimes.engine import Engine
 
     batched = settings.max_batch > 1
-    engine = Engine.load(settings.artifact, backend=settings.backend, device=settings.device, threads=settings.threads,
-                         lazy=batched)
+    engine = Engine.load(settings.artifact, backend=settings.backend, device=settings.device, threads=settings.threads)
     if engine.tokenizer is None:
         raise SpeedcError(f"{settings.artifact}: the server needs an artifact with a tokenizer.json")
     if not batched:
         return ThreadedEngine(engine, max_queue=settings.max_queue, mode=settings.mode)
     return BatchedEngine(engine, max_queue=settings.max_queue, max_batch=settings.max_batch,
-                         kv_cache_mb=settings.kv_cache_mb, mode=settings.mode, threads=settings.threads,
-                         fused=False if settings.backend == "onnx-numpy" else None)  # onnx: fused graphs when built
+                         kv_cache_mb=settings.kv_cache_mb, mode=settings.mode)  # the engine's sessions
 
 
 class Service:
