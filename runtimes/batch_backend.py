@@ -98,6 +98,28 @@ def _power_of_two_size(need: int, low: int, high: int) -> int:
     return min(high, max(low, 1 << max(need - 1, 0).bit_length()))
 
 
+def next_pool_size(pool, positions: int, sequences: int | None) -> tuple[int, int, bool] | None:
+    """(length T, width W, whether it grows) a pool (BatchBackend, TorchBackend) is to take for POSITIONS
+    x SEQUENCES (None: its width now), or None where it stays as it is: it grows at once, and shrinks only
+    once POOL.shrink_after calls in a row asked for less (counted in POOL._shrink_pending)."""
+    if positions > pool.capacity:
+        raise GenerationError(f"{positions} positions exceed the KV-cache slot of {pool.capacity}")
+    sequences = pool.width if sequences is None else sequences
+    if not 0 < sequences <= pool.max_batch:
+        raise GenerationError(f"internal: {sequences} sequences for a pool of {pool.max_batch}")
+    length = _power_of_two_size(positions, pool.min_length, pool.capacity)
+    width = _power_of_two_size(sequences, 1, pool.max_batch)
+    grow = length > pool.length or width > pool.width
+    if not grow and (length, width) == (pool.length, pool.width):
+        pool._shrink_pending = 0
+        return None
+    if not grow:  # a shrink waits until the need has stayed low for shrink_after calls
+        pool._shrink_pending += 1
+        if pool._shrink_pending < pool.shrink_after:
+            return None
+    return length, width, grow
+
+
 def pool_binding(session, slabs: dict[str, np.ndarray]):
     """A new IO binding of SESSION with each cache input of SLABS (name -> pool view) bound to its view,
     as past and as present: the same pool memory, written in place by GroupQueryAttention."""
@@ -214,21 +236,10 @@ class BatchBackend:
         step: a burst of requests ending together does not shrink the pool just before the next burst
         grows it again, each time copying it and remaking every step binding). The occupied slots (a
         prefix) keep every position below min(old T, new T) (the scratch row T never matters)."""
-        if positions > self.capacity:
-            raise GenerationError(f"{positions} positions exceed the KV-cache slot of {self.capacity}")
-        sequences = self.width if sequences is None else sequences
-        if not 0 < sequences <= self.max_batch:
-            raise GenerationError(f"internal: {sequences} sequences for a pool of {self.max_batch}")
-        length = _power_of_two_size(positions, self.min_length, self.capacity)
-        width = _power_of_two_size(sequences, 1, self.max_batch)
-        grow = length > self.length or width > self.width
-        if not grow and (length, width) == (self.length, self.width):
-            self._shrink_pending = 0
+        size = next_pool_size(self, positions, sequences)
+        if size is None:
             return
-        if not grow:  # a shrink waits until the need has stayed low for shrink_after calls
-            self._shrink_pending += 1
-            if self._shrink_pending < self.shrink_after:
-                return
+        length, width, grow = size
         shapes = {phase: self.layout.pool_shape(phase, width, self.kv_heads, length, self.head_dim)
                   for phase in self.layout.phases}
         try:  # every new buffer first: if they do not fit, the pool stays as it was

@@ -42,7 +42,7 @@ from speedc.models.row_layer import RowContext, layer_over_rows, loop_boundary, 
 from speedc.models.sampling import is_integer
 from speedc.runtimes.backend import cache_slab, resolve_threads
 from speedc.runtimes.batch_backend import (MIN_POOL_POSITIONS, SHRINK_AFTER_STEPS, HeadRows, SpeedStepResult,
-                                           _power_of_two_size)
+                                           _power_of_two_size, next_pool_size)
 
 
 def load_model_from_artifact(directory: Path, manifest: Manifest) -> SharedLlama:
@@ -165,21 +165,10 @@ class TorchBackend:
         """BatchBackend.reserve's rules: the pool holds POSITIONS for each of SEQUENCES (None: as now)
         sequence slots, grown at once, shrunk only after shrink_after calls in a row asked for less; the
         occupied slots (a prefix) keep every position below min(old T, new T)."""
-        if positions > self.capacity:
-            raise GenerationError(f"{positions} positions exceed the KV-cache slot of {self.capacity}")
-        sequences = self.width if sequences is None else sequences
-        if not 0 < sequences <= self.max_batch:
-            raise GenerationError(f"internal: {sequences} sequences for a pool of {self.max_batch}")
-        length = _power_of_two_size(positions, self.min_length, self.capacity)
-        width = _power_of_two_size(sequences, 1, self.max_batch)
-        grow = length > self.length or width > self.width
-        if not grow and (length, width) == (self.length, self.width):
-            self._shrink_pending = 0
+        size = next_pool_size(self, positions, sequences)
+        if size is None:
             return
-        if not grow:  # a shrink waits until the need has stayed low for shrink_after calls
-            self._shrink_pending += 1
-            if self._shrink_pending < self.shrink_after:
-                return
+        length, width, grow = size
         shape = (self.stage_layers, self.slots, width, self.kv_heads, length + 1, self.head_dim)
         try:  # both new buffers first: if they do not fit, the pool stays as it was
             key, value = self._zeros(shape), self._zeros(shape)
