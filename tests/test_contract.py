@@ -77,7 +77,8 @@ def test_graph_file_that_differs_from_its_manifest_is_refused(tiny_artifact, tmp
     for node in model.graph.node:
         node.output[:] = ["exit_guess" if o == old else o for o in node.output]
     onnx.save(model, str(path))
-    _edit_manifest(art, lambda m: m["files"].update({"batch_step.onnx": sha256_file(path)}))
+    _edit_manifest(art, lambda m: (m["files"].update({"batch_step.onnx": sha256_file(path)}),
+                                   m["file_bytes"].update({"batch_step.onnx": path.stat().st_size})))
     with pytest.raises(ArtifactError, match="graph batch_step has no output exit_tokens"):
         Engine.load(art, backend="onnx-numpy")
 

@@ -59,7 +59,7 @@ def _refusal(state: CompileState) -> str:
 
 
 def _step_layer(state: CompileState, layer: int = 0):
-    graph = state.graphs["step"]
+    graph = state.graphs["batch_step"]
     return graph, _layers(graph)[layer]
 
 
@@ -75,7 +75,7 @@ def _set_constant_node_value(tensor: gs.Tensor, values: np.ndarray) -> None:
 def test_the_standard_graph_still_fuses(before_gqa):
     """Before: the standard step graph, its attention in plain ops; after: one GroupQueryAttention a layer."""
     after = run_passes(_fork(before_gqa), ["gqa_attention"])[0]
-    standard, fused = _ops(after.graphs["step"]), _ops(after.graphs["step.gqa"])
+    standard, fused = _ops(after.graphs["batch_step"]), _ops(after.graphs["batch_step.gqa"])
     assert standard["Softmax"] == 2 and standard["GroupQueryAttention"] == 0 and standard["Cos"] == 1
     assert fused["GroupQueryAttention"] == 2 and fused["Softmax"] == 0 and fused["Neg"] == 0
     assert sum(fused.values()) < sum(standard.values()) / 2  # rotary, masks, split softmax: gone
@@ -91,7 +91,7 @@ def test_a_q_norm_is_refused_by_name(before_gqa):
     _insert_after(graph, mean, "Sqrt", name="q_norm/Sqrt")  # (enough of the norm to show the refusal)
     graph.toposort()
     message = _refusal(state)
-    assert "ReduceMean node 'q_norm/ReduceMean'" in message and "layer 0 (model.blocks.0.self_attn) of graph speedc_step" in message
+    assert "ReduceMean node 'q_norm/ReduceMean'" in message and "layer 0 (model.blocks.0.self_attn) of graph speedc_batch_step" in message
 
 
 def test_a_q_norm_weight_alone_is_refused_by_count(before_gqa):
@@ -127,21 +127,21 @@ def test_another_score_scale_is_refused(before_gqa):
 def test_a_scaled_rope_is_refused(before_gqa):
     """Linear rope scaling divides the frequencies: same ops, other values."""
     state = _fork(before_gqa)
-    graph = state.graphs["step"]
+    graph = state.graphs["batch_step"]
     freqs_mul = next(n for n in graph.nodes if n.op == "Cos")
     while freqs_mul.op != "Mul":  # Cos <- Unsqueeze <- Concat(freqs, freqs) <- Mul(positions, inv_freq)
         freqs_mul = freqs_mul.inputs[0].inputs[0]
     frequencies = _constant_node_value(freqs_mul.inputs[1])
     assert frequencies.shape == (8,)  # head_dim / 2
     _set_constant_node_value(freqs_mul.inputs[1], (frequencies / 8).astype(np.float32))
-    assert "graph speedc_step rotates by other frequencies than rope_theta's" in _refusal(state)
+    assert "graph speedc_batch_step rotates by other frequencies than rope_theta's" in _refusal(state)
 
 
 def test_a_sliding_window_mask_is_refused_by_name(before_gqa):
     """A window narrows the causal mask with one more comparison (here: an And into the mask's Where)."""
     state = _fork(before_gqa)
-    graph = state.graphs["step"]
+    graph = state.graphs["batch_step"]
     causal = next(n for n in graph.nodes if n.op == "LessOrEqual")
     _insert_after(graph, causal.outputs[0], "And", causal.outputs[0], name="window/And")
     graph.toposort()
-    assert "And node 'window/And' feeds the attention of graph speedc_step" in _refusal(state)
+    assert "And node 'window/And' feeds the attention of graph speedc_batch_step" in _refusal(state)

@@ -1,4 +1,5 @@
-"""Sharing maps with no weight-sharing pipeline build the plain engine, which still runs (P=1)."""
+"""Sharing maps with no weight-sharing pipeline build the plain engine, which still runs (P=1). (A middle
+cycle pipelines on its depth plan: tests/test_depth_plan.py, tests/test_family_looped_llama.py.)"""
 
 from __future__ import annotations
 
@@ -13,15 +14,14 @@ from speedc.models.llama import SharedLlama
 
 @pytest.mark.parametrize("shape, reason", [
     (dict(layer_map=list(range(4)), layers=4, blocks=4), "unshared"),
-    (dict(layer_map={"pattern": "sequence", "num_blocks": 2}, layers=6, blocks=2, exit_layer=3), "no stage partition"),
-    (dict(layer_map={"pattern": "middle-cycle", "num_blocks": 4}, layers=8, blocks=4, exit_layer=3), "no stage partition"),
+    (dict(layer_map={"pattern": "sequence", "num_blocks": 2}, layers=6, blocks=2, exit_layer=3), "plain engine"),
 ])
 def test_plain_engine(shape, reason, tmp_path):
     model = randomize(SharedLlama(random_config(**shape)), seed=4)
     art = build_artifact(model, tmp_path / "art")
     manifest = read_manifest(art)
     assert manifest.slots == 1 and reason in manifest.schedule["reason"]
-    assert not (art / "step.onnx").exists()
+    assert not (art / "batch_step.onnx").exists()
     engine = Engine.load(art)
     result = engine.generate([3, 1, 4], max_new_tokens=10, stop_at_eos=False)
     assert result.ids == reference_generate(model, [3, 1, 4], 10)
