@@ -72,7 +72,7 @@ def test_peer_ids_refused_or_compared(tiny_artifact, capsys, monkeypatch):
         "stand-in": {"same_weights": False, "identical_ids": False, "agreement": round(7 / 8, 4), "prefix_agreement": 5 / 8},
         "echo": {"same_weights": True, "identical_ids": True, "agreement": 1.0, "prefix_agreement": 1.0}}
     # The table says which ids were required equal and shows the others' agreement.
-    from speedc.commands_bench import print_report
+    from speedc.cli.bench import print_report
 
     monkeypatch.setenv("COLUMNS", "200")
     print_report(report, tiny_artifact, new_tokens)

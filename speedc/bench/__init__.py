@@ -1,4 +1,4 @@
-"""`speedc bench`'s measurements (the CLI command itself is speedc/commands_bench.py).
+"""`speedc bench`'s measurements (the CLI command itself is speedc/cli/bench.py).
 
     run        SPEED against plain decoding (and peers), interleaved, ids checked first: run_bench,
                BenchReport, measure_step_cost (c(P)); the bound is speedc.schedule.analytic_bound

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from speedc.cli_options import FiniteFloat, backend_options, flag, given_options
+from speedc.cli.options import FiniteFloat, backend_options, flag, given_options
 from speedc.errors import SpeedcError
 from speedc.runtimes.detokenize import not_unicode
 
