@@ -37,9 +37,9 @@ from collections import Counter
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from speedc import contract
+from speedc.format import contract
 from speedc.errors import BuildError
-from speedc.cache_layout import CacheLayout
+from speedc.format.cache_layout import CacheLayout
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.graph_utils import add_layer, ancestors, descendants, import_microsoft_domain, reshape
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from speedc.artifact import TOKENIZER, Manifest, read_manifest
+from speedc.format.artifact import TOKENIZER, Manifest, read_manifest
 from speedc.errors import ArtifactError, BatchError, GenerationError, SpeedcError
 from speedc.models.sampling import SamplingParams, TokenPicker, is_integer, require
 from speedc.runtimes.decode import DecodeStats, Decoding, Request, run_to_end

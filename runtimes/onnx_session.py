@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from speedc.artifact import Manifest
+from speedc.format.artifact import Manifest
 from speedc.errors import ArtifactError, SpeedcError
 from speedc.runtimes.backend import resolve_threads
 

@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from speedc import contract
-from speedc.artifact import (CONFIG, Manifest, checkpoint_tensor_names, dequantized_weights, exit_norm_kind, is_quantized,
+from speedc.format import contract
+from speedc.format.artifact import (CONFIG, Manifest, checkpoint_tensor_names, dequantized_weights, exit_norm_kind, is_quantized,
                              read_weight)
 from speedc.errors import GenerationError, OutOfMemory, SpeedcError
 from speedc.models.config import ModelConfig

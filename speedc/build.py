@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from speedc import __version__
-from speedc.artifact import (CHAT_TEMPLATE, CONFIG, FORMAT_VERSION, TOKENIZER, TOKENIZER_CONFIG, WEIGHTS, Manifest,
+from speedc.format.artifact import (CHAT_TEMPLATE, CONFIG, FORMAT_VERSION, TOKENIZER, TOKENIZER_CONFIG, WEIGHTS, Manifest,
                              stored_entries, weight_bytes, write_graphs, write_manifest)
 from speedc.build_output import check_output, install
 from speedc.errors import BuildError, SpeedcError

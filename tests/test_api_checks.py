@@ -17,7 +17,7 @@ import threading
 import numpy as np
 import pytest
 
-from speedc.artifact import read_manifest
+from speedc.format.artifact import read_manifest
 from speedc.errors import ArtifactError, GenerationError, SpeedcError
 from speedc.runtimes.engine import Engine
 from speedc.runtimes.engine_loop import EngineLoop

@@ -15,7 +15,7 @@ import onnx
 import pytest
 
 from conftest import ZOO, assert_one_line_error, build_artifact, random_config, randomize, run_cli
-from speedc.artifact import read_manifest, read_weight
+from speedc.format.artifact import read_manifest, read_weight
 from speedc.errors import ArtifactError
 from speedc.models.checkpoint import load_model, save_unrolled_hf
 from speedc.models.llama import SharedLlama

@@ -10,8 +10,9 @@ import json
 import pytest
 
 from conftest import assert_one_line_error, run_cli
-from speedc import Engine, contract
-from speedc.artifact import read_manifest
+from speedc import Engine
+from speedc.format import contract
+from speedc.format.artifact import read_manifest
 from speedc.errors import ArtifactError, GenerationError
 from speedc.runtimes.acceptance_policy import AlwaysSpeculate
 from speedc.runtimes.batch_backend import BatchBackend, HeadRows

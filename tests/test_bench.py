@@ -87,7 +87,7 @@ def test_which_peers_must_match(tiny_artifact):
     re-quantizes: agreement reported, never required."""
     import dataclasses
 
-    from speedc.artifact import read_manifest
+    from speedc.format.artifact import read_manifest
     from speedc.bench.peers import PEERS
 
     manifest = read_manifest(tiny_artifact)
@@ -172,7 +172,7 @@ def test_memory_bound_step_cost_rows(tiny_artifact):
 
 def test_step_op_profile(tiny_artifact):
     """--profile's table: the step's kernel time per op type beside the plain token's share."""
-    from speedc.artifact import read_manifest
+    from speedc.format.artifact import read_manifest
     from speedc.bench.op_profile import step_op_profile
 
     rows = step_op_profile(tiny_artifact, read_manifest(tiny_artifact), threads=1, context=64, repeats=5)

@@ -417,7 +417,7 @@ def test_untie_head_gives_a_tied_head_its_own_view():
 def test_untie_head_in_an_artifact_stores_no_bytes_twice(tiny_artifact):
     import onnx
 
-    from speedc.artifact import read_manifest
+    from speedc.format.artifact import read_manifest
 
     index = read_manifest(tiny_artifact).weights["index"]
     view, embedding = index["tied_head.model.embed_tokens.weight"], index["model.embed_tokens.weight"]

@@ -15,7 +15,7 @@ from speedc.models.checkpoint import open_checkpoint, save_unrolled_hf, sources_
 from speedc.models.llama import SharedLlama
 from speedc.passes.base import BuildOptions, CompileState, run_passes
 from speedc.models.layer_map import valid_slot_counts
-from speedc.schedule import make_schedule
+from speedc.cost_model import make_schedule
 from speedc.passes.share import merge_identical_constants
 from speedc.passes.trt_lint import lint_graph
 

@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import ZOO, build_artifact, random_config, randomize
-from speedc import Engine, contract
+from speedc import Engine
+from speedc.format import contract
 from speedc.models.checkpoint import load_model
 from speedc.models.generate import generate as reference_generate
 from speedc.models.llama import SharedLlama

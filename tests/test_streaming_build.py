@@ -18,7 +18,7 @@ import onnx
 import pytest
 
 from looped_checkpoints import write_nanbeige, write_ouro
-from speedc.artifact import GRAPH_FILES, read_manifest, read_weight
+from speedc.format.artifact import GRAPH_FILES, read_manifest, read_weight
 from speedc.build import build
 from speedc.models.checkpoint import open_checkpoint
 from speedc.passes.base import BuildOptions
@@ -129,7 +129,7 @@ def test_merged_equal_norms_are_listed_for_the_model(tmp_path):
     PyTorch backend, peers) with the checkpoint's values."""
     import torch
 
-    from speedc.artifact import read_manifest
+    from speedc.format.artifact import read_manifest
     from speedc.bench.synthetic import random_model_of, shape_config, zoo_shape
     from speedc.build import build
     from speedc.models.checkpoint import save_checkpoint

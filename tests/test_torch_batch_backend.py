@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conftest import build_artifact, random_config, randomize
-from speedc import contract
-from speedc.artifact import read_manifest
+from speedc.format import contract
+from speedc.format.artifact import read_manifest
 from speedc.errors import GenerationError, OutOfMemory, SpeedcError
 from speedc.models.generate import generate as reference_generate
 from speedc.models.llama import SharedLlama

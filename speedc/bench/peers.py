@@ -38,7 +38,7 @@ class PeerSpec:
 
     def same_weights(self, manifest) -> bool:
         """True when the peer computes with the artifact's own numbers, so its ids must equal SPEED's."""
-        from speedc.artifact import is_quantized
+        from speedc.format.artifact import is_quantized
 
         return self.precision == "fp32" and not is_quantized(manifest)
 
@@ -227,7 +227,7 @@ def prepare_peers(directory: Path, manifest, threads: int | None, workdir: Path,
     weights each peer's export stores."""
     if not peers_available():
         raise SpeedcError("peer systems need torch and transformers: pip install 'speedc[dev]'")
-    from speedc.artifact import TOKENIZER
+    from speedc.format.artifact import TOKENIZER
     from speedc.models.checkpoint import save_unrolled_hf
     from speedc.runtimes.torch_backend import load_model_from_artifact
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from speedc.artifact import TOKENIZER
+from speedc.format.artifact import TOKENIZER
 from speedc.bench.run import DEFAULT_PROMPTS, run_bench
 from speedc.errors import SpeedcError
 from speedc.runtimes.engine import Engine

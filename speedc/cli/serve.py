@@ -15,7 +15,7 @@ from speedc.runtimes.detokenize import not_unicode
 def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_queue: int, timeout: float,
                     max_batch: int, kv_cache_mb: float | None, backend: str, device: str) -> None:
     """What can be refused in one line before anything starts (the engine itself loads in the background)."""
-    from speedc.artifact import read_manifest
+    from speedc.format.artifact import read_manifest
     from speedc.serve.chat_template import load_chat_template
 
     if not 0 <= port <= 65535:
