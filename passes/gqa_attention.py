@@ -14,7 +14,7 @@ Why: the standard-op attention (rotary, two masks, split softmax, slices) is ~35
 on a CPU most of a step's time outside the weight Gemms is those nodes and their dispatch. GQA does
 the same math in one kernel, per row at its own position (row r reads cache rows 0..positions[r]+i),
 exactly the slot semantics of a SPEED step, and writes the new K/V rows into the cache when the
-runtime binds past and present to one buffer (IO binding; the `onnx` backend, runtimes/batch_backend.py).
+runtime binds past and present to one buffer (IO binding; the `onnx` backend, runtimes/backends/onnx.py).
 
 The standard batch step reads one cache slab per (stage layer, slot); its fused variant reads each stage
 layer's whole pool as one buffer and runs one GroupQueryAttention a layer over it, and computes only the
@@ -188,7 +188,7 @@ def batch_slots(graph: gs.Graph) -> int:
 
 
 class BatchPool:
-    r"""The batch step's attention over the runtime's cache pool (runtimes/batch_backend.py): stage layer
+    r"""The batch step's attention over the runtime's cache pool (runtimes/backends/onnx.py): stage layer
     j's slabs of every slot and every sequence slot are one buffer [P*W, kvh, T, hd] (row s*W + b), so
     ONE GroupQueryAttention per layer serves the P slots of all n sequences, as in the single-sequence
     step (a GroupQueryAttention per slot group cost each step about 40% more, measured at n = 1).

@@ -2,7 +2,7 @@
 
 The runtime owns one pool per K and V laid out [S, P, W, kvh, T, hd] (stage layer, slot, sequence slot,
 ...), so slot s's rows for stage layer j, logical layer s*S + j, over sequences b..b+B are one contiguous
-slab (runtimes/batch_backend.py):
+slab (runtimes/backends/onnx.py):
 
     prefill graph  cache.key.{l}  = pool[j, s, b:b+B] for l = s*S + j   [B, kvh, T, hd]
                    new_key        [N, B, kvh, L, hd]   rows start .. start+L-1

@@ -91,7 +91,7 @@ def memory_for_256_positions(monkeypatch):
     """A stand-in memory limit: the OS refuses any KV-cache pool longer than 256 positions."""
     import numpy as np
 
-    from speedc.runtimes import batch_backend
+    from speedc.runtimes.backends import onnx as batch_backend
 
     real_zeros = np.zeros
 

@@ -151,7 +151,7 @@ def test_batched_sequences_equal_plain_decoding_alone(pool, data, which, fused, 
     decoding of it alone on the same graphs (greedy or seeded sampling), a cancelled one's are a prefix."""
     from speedc.runtimes.acceptance_policy import AcceptancePolicy
     from speedc.runtimes.batch import BatchScheduler, RowPolicy
-    from speedc.runtimes.batch_backend import BatchBackend
+    from speedc.runtimes.backends.onnx import BatchBackend
 
     model, engines = pool[which]
     engine = engines["onnx"]

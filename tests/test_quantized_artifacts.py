@@ -74,7 +74,7 @@ def test_both_outcomes_happen_and_logits_are_bitwise_plain_logits(quantized, sam
 
 def test_batched_sequences_equal_plain_decoding_alone(quantized):
     from speedc.runtimes.batch import BatchScheduler, RowPolicy
-    from speedc.runtimes.batch_backend import BatchBackend
+    from speedc.runtimes.backends.onnx import BatchBackend
 
     for which, fused in (("random-int4", True), ("tiny-int8", False)):
         engines = quantized[which][1]

@@ -133,7 +133,7 @@ def test_merged_equal_norms_are_listed_for_the_model(tmp_path):
     from speedc.bench.synthetic import random_model_of, shape_config, zoo_shape
     from speedc.build import build
     from speedc.models.checkpoint import save_checkpoint
-    from speedc.runtimes.torch_backend import load_model_from_artifact
+    from speedc.runtimes.backends.torch_backend import load_model_from_artifact
 
     model = random_model_of(shape_config(zoo_shape(64, blocks=2, passes=2), 2))
     out = build(save_checkpoint(model, tmp_path / "ckpt"), tmp_path / "art", measure_step_cost=False).out

@@ -96,7 +96,7 @@ def _genai_config(model_dir: Path, threads: int | None, overlay: dict | None = N
     ORT's default, every core) and OVERLAY merged in."""
     import onnxruntime_genai as og
 
-    from speedc.runtimes.backend import resolve_threads
+    from speedc.runtimes.backends.protocol import resolve_threads
 
     config = og.Config(str(model_dir))
     config.overlay(json.dumps({**(overlay or {}),
@@ -173,14 +173,14 @@ def genai_batched(model_dir: Path, max_batch: int, threads: int | None):
 def _set_threads(threads: int | None) -> None:
     import torch
 
-    from speedc.runtimes.backend import resolve_threads
+    from speedc.runtimes.backends.protocol import resolve_threads
 
     torch.set_num_threads(resolve_threads(threads))
 
 
 def _load_reference(spec: PeerSpec, directory: Path, manifest, workdir: Path, threads: int | None) -> Peer:
     from speedc.models.generate import generate
-    from speedc.runtimes.torch_backend import load_model_from_artifact
+    from speedc.runtimes.backends.torch_backend import load_model_from_artifact
 
     _set_threads(threads)
     model = load_model_from_artifact(directory, manifest)
@@ -229,7 +229,7 @@ def prepare_peers(directory: Path, manifest, threads: int | None, workdir: Path,
         raise SpeedcError("peer systems need torch and transformers: pip install 'speedc[dev]'")
     from speedc.format.artifact import TOKENIZER
     from speedc.models.checkpoint import save_unrolled_hf
-    from speedc.runtimes.torch_backend import load_model_from_artifact
+    from speedc.runtimes.backends.torch_backend import load_model_from_artifact
 
     _set_threads(threads)
     if manifest.model.get("architecture", "llama") != "llama":

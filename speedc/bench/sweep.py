@@ -39,7 +39,7 @@ def sweep_slots(engine: Engine, *, prompts: list[str] | None, new_tokens: int, r
         from speedc.build import build
         from speedc.models.checkpoint import save_checkpoint
         from speedc.passes.base import BuildOptions
-        from speedc.runtimes.torch_backend import load_model_from_artifact
+        from speedc.runtimes.backends.torch_backend import load_model_from_artifact
     except ImportError:
         raise SpeedcError("--sweep slots recompiles the model: pip install 'speedc[compiler]'") from None
     manifest = engine.manifest

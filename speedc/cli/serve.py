@@ -32,7 +32,7 @@ def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_q
         if kv_cache_mb is not None:
             raise SpeedcError("--kv-cache-mb sizes the batching pool; with --max-batch 1 there is none")
         return
-    from speedc.runtimes.batch_backend import BATCHING_BACKENDS, batch_ready, slot_capacity
+    from speedc.runtimes.backends.onnx import BATCHING_BACKENDS, batch_ready, slot_capacity
 
     if backend not in BATCHING_BACKENDS or device != "cpu":
         raise SpeedcError(f"continuous batching runs on ONNX Runtime on the CPU (not --backend {backend} --device "

@@ -45,7 +45,7 @@ from speedc.errors import ArtifactError
 
 # ---- graphs --------------------------------------------------------------------------------------
 PREFILL = "prefill"
-BATCH_STEP = "batch_step"  # one step of n sequences' pipelines (runtimes/batch_backend.py)
+BATCH_STEP = "batch_step"  # one step of n sequences' pipelines (runtimes/backends/onnx.py)
 PROGRAMS = (PREFILL, BATCH_STEP)  # the model programs (a plain engine has only prefill)
 FUSED_SUFFIX = ".gqa"  # graph names (and files) of the ONNX Runtime variants with fused attention
 GRAPHS = (*PROGRAMS, *(name + FUSED_SUFFIX for name in PROGRAMS))

@@ -1,5 +1,5 @@
 """PyTorch backend for the continuous-batching scheduler (runtimes/batch.py): the same contract as
-runtimes/batch_backend.py BatchBackend (a KV-cache pool of sequence slots; prefill, plain_step,
+runtimes/backends/onnx.py BatchBackend (a KV-cache pool of sequence slots; prefill, plain_step,
 speed_step), computed with the model code itself (models/row_layer.py, the heads of models/llama.py)
 from the artifact's weights or an in-memory model, on CPU or CUDA. Needs torch (the compiler extra).
 
@@ -40,8 +40,8 @@ from speedc.models.layer_map import valid_slot_counts
 from speedc.models.llama import SharedLlama
 from speedc.models.row_layer import RowContext, layer_over_rows, loop_boundary, rotary_inv_freq, row_context
 from speedc.models.sampling import is_integer
-from speedc.runtimes.backend import cache_slab, resolve_threads
-from speedc.runtimes.batch_backend import (MIN_POOL_POSITIONS, SHRINK_AFTER_STEPS, HeadRows, SpeedStepResult,
+from speedc.runtimes.backends.protocol import cache_slab, resolve_threads
+from speedc.runtimes.backends.onnx import (MIN_POOL_POSITIONS, SHRINK_AFTER_STEPS, HeadRows, SpeedStepResult,
                                            _power_of_two_size, next_pool_size)
 
 

@@ -49,7 +49,7 @@ from speedc.format import contract
 from speedc.format.artifact import Manifest
 from speedc.format.cache_layout import CORE, CacheLayout
 from speedc.errors import ArtifactError, GenerationError, OutOfMemory, SpeedcError
-from speedc.runtimes.onnx_session import bound_address, onnxruntime_module, open_sessions, take_dimensions
+from speedc.runtimes.backends.onnx_session import bound_address, onnxruntime_module, open_sessions, take_dimensions
 
 F32 = np.float32
 MIN_POOL_POSITIONS = 256  # the pool's smallest length T (a regrow copies the pool: not for every request)
