@@ -16,7 +16,7 @@ also runs the prelude for the token entering it. The draft reads out inside slot
 deeper slot's state at the draft's tap. A readout's coda needs K/V of earlier positions at the same
 depth, so each readout depth owns its coda K/V (speedc/format/cache_layout.py).
 
-A family (models/family_*.py) emits its plan; a plan is also derived from a bare layer map (a Hugging
+A family (models/families/*.py) emits its plan; a plan is also derived from a bare layer map (a Hugging
 Face checkpoint whose sharing the compiler finds in the weights): the decomposition with the most core
 repeats. Standard library only.
 """

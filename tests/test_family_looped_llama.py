@@ -1,4 +1,4 @@
-"""Family `looped_llama` (models/family_looped_llama.py): one file, its depth plan the only thing the
+"""Family `looped_llama` (models/families/looped_llama.py): one file, its depth plan the only thing the
 rest of speedc sees. Checked against an independent oracle: transformers' LlamaForCausalLM with the
 loops unrolled (layer l gets the stored layer the published description assigns: prelude, then the
 core num_loops times, then the coda), recomputing the whole sequence per token.
