@@ -13,13 +13,13 @@ from pathlib import Path
 
 from speedc.format.artifact import MANIFEST, read_manifest
 from speedc.errors import ArtifactError, SpeedcError
-from speedc.models.checkpoint_files import CONFIG_FILE, TRAINING_FILE
+from speedc.models.checkpoint.files import CONFIG_FILE, TRAINING_FILE
 from speedc.cost_model import ALPHA_GRID, DEFAULT_ALPHA, analytic_bound, assumed_step_cost, describe_assumed_step_cost
 
 
 def _from_checkpoint(path: Path, alpha: float | None) -> dict:
-    from speedc.models.checkpoint import open_checkpoint
-    from speedc.models.checkpoint_files import acceptance_hint_from_training, has_speedc_section, token_id_sources
+    from speedc.models.checkpoint.torch_io import open_checkpoint
+    from speedc.models.checkpoint.files import acceptance_hint_from_training, has_speedc_section, token_id_sources
     from speedc.passes import schedule, share, trace  # noqa: F401  (importing registers the passes)
     from speedc.models.families import family_of
     from speedc.passes.base import BuildOptions, CompileState, graph_stats, run_passes

@@ -75,7 +75,7 @@ def pytest_report_header(config):
 def build_artifact(model_or_dir, out: Path, **options) -> Path:
     """Save a model (if given one) as a checkpoint beside `out` and compile it."""
     from speedc.build import build
-    from speedc.models.checkpoint import save_checkpoint
+    from speedc.models.checkpoint.torch_io import save_checkpoint
     from speedc.passes.base import BuildOptions
 
     if isinstance(model_or_dir, (str, Path)):

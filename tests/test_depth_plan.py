@@ -97,7 +97,7 @@ def test_schedule_records_the_plan_and_the_layout_follows_it():
 def test_passes_fit_the_plan_to_the_weights(tmp_path):
     """The share pass derives the layer map from the weights of an Ouro checkpoint and keeps its loops;
     the schedule pass reads the plan."""
-    from speedc.models.checkpoint import open_checkpoint
+    from speedc.models.checkpoint.torch_io import open_checkpoint
     from speedc.passes import schedule, share, trace  # noqa: F401  (registers)
 
     directory = write_ouro(tmp_path / "ouro", layers=2, loops=3)

@@ -32,7 +32,7 @@ from speedc.format import contract
 from speedc.format.artifact import read_manifest
 from speedc.build import build
 from speedc.errors import CheckpointError
-from speedc.models.checkpoint import load_model
+from speedc.models.checkpoint.torch_io import load_model
 from speedc.models.config import ModelConfig
 from speedc.models.depth_plan import DepthPlan
 from speedc.passes.base import BuildOptions

@@ -38,7 +38,7 @@ from looped_checkpoints import (INDEX, NANBEIGE_SHARDS, OURO_CONFIG_EOS, OURO_GE
 from speedc.format.artifact import read_manifest
 from speedc.build import build
 from speedc.errors import CheckpointError
-from speedc.models.checkpoint import load_checkpoint, load_model
+from speedc.models.checkpoint.torch_io import load_checkpoint, load_model
 from speedc.passes.base import BuildOptions
 from speedc.runtimes.engine import Engine
 

@@ -22,7 +22,7 @@ from conftest import random_config, randomize
 from speedc.build import PASS_ORDER
 from speedc.errors import BuildError
 from speedc.models.llama import SharedLlama
-from speedc.models.checkpoint import sources_from_state
+from speedc.models.checkpoint.torch_io import sources_from_state
 from speedc.passes.base import BuildOptions, CompileState, run_passes
 
 P, S, N = 3, 2, 6  # slots, stage layers, logical layers

@@ -11,7 +11,7 @@ import torch
 from conftest import random_config, randomize
 from speedc.build import PASS_ORDER
 from speedc.errors import BuildError
-from speedc.models.checkpoint import open_checkpoint, save_unrolled_hf, sources_from_state
+from speedc.models.checkpoint.torch_io import open_checkpoint, save_unrolled_hf, sources_from_state
 from speedc.models.llama import SharedLlama
 from speedc.passes.base import BuildOptions, CompileState, run_passes
 from speedc.models.layer_map import valid_slot_counts

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from conftest import ZOO, build_artifact, random_config, randomize
 from speedc import Engine
 from speedc.format import contract
-from speedc.models.checkpoint import load_model
+from speedc.models.checkpoint.torch_io import load_model
 from speedc.models.generate import generate as reference_generate
 from speedc.models.llama import SharedLlama
 

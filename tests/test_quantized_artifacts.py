@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from conftest import ZOO, build_artifact, random_config, randomize
 from speedc import Engine
 from speedc.format.artifact import GRAPH_FILES, dequantized_weights, is_weight_name, stored_entries
-from speedc.models.checkpoint import open_checkpoint
+from speedc.models.checkpoint.torch_io import open_checkpoint
 from speedc.models.llama import SharedLlama
 from test_properties import _engines, _perturb_exit_head
 

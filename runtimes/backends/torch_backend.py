@@ -47,7 +47,7 @@ from speedc.runtimes.backends.onnx import (MIN_POOL_POSITIONS, SHRINK_AFTER_STEP
 
 def load_model_from_artifact(directory: Path, manifest: Manifest) -> SharedLlama:
     """The artifact's weights as a PyTorch SharedLlama, with the layer map and exit the compiler chose."""
-    from speedc.models.checkpoint import model_from_state  # imports safetensors: not needed by from_model
+    from speedc.models.checkpoint.torch_io import model_from_state  # imports safetensors: not needed by from_model
 
     base = ModelConfig.load(directory / CONFIG)
     # The artifact's layer map is the one the share pass derived from the weights.

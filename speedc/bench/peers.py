@@ -228,7 +228,7 @@ def prepare_peers(directory: Path, manifest, threads: int | None, workdir: Path,
     if not peers_available():
         raise SpeedcError("peer systems need torch and transformers: pip install 'speedc[dev]'")
     from speedc.format.artifact import TOKENIZER
-    from speedc.models.checkpoint import save_unrolled_hf
+    from speedc.models.checkpoint.torch_io import save_unrolled_hf
     from speedc.runtimes.backends.torch_backend import load_model_from_artifact
 
     _set_threads(threads)

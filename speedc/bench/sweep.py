@@ -37,7 +37,7 @@ def sweep_slots(engine: Engine, *, prompts: list[str] | None, new_tokens: int, r
     """One row per pipeline depth the layer map allows; the rest are listed as skipped, with why."""
     try:
         from speedc.build import build
-        from speedc.models.checkpoint import save_checkpoint
+        from speedc.models.checkpoint.torch_io import save_checkpoint
         from speedc.passes.base import BuildOptions
         from speedc.runtimes.backends.torch_backend import load_model_from_artifact
     except ImportError:
