@@ -78,6 +78,3 @@ def _register_commands() -> None:
 
 
 _register_commands()
-
-if __name__ == "__main__":
-    main()
