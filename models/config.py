@@ -2,7 +2,7 @@
 loop description every consumer (reference model, trace pass, PyTorch backend) reads.
 
 Which checkpoint families can be read, and how their config.json maps onto this, is the family
-registry's business (models/families.py): ModelConfig.from_json_dict dispatches there.
+registry's business (models/families/__init__.py): ModelConfig.from_json_dict dispatches there.
 
 config.json example (the speedc section is what a plain Llama config lacks):
 
@@ -54,7 +54,7 @@ class ModelConfig:
     bos_token_id: int = 0
     eos_token_id: int = 0
     eos_token_ids: tuple[int, ...] = ()  # every end-of-text id, eos_token_id first (() : just eos_token_id)
-    architecture: str = "llama"  # the family (models/families.py) the checkpoint was read as
+    architecture: str = "llama"  # the family (models/families/__init__.py) the checkpoint was read as
     sandwich_norms: bool = False  # Ouro: h = x + norm2(attn(norm1(x))); out = h + norm4(mlp(norm3(h)))
     loop_norm: bool = False  # looped models: state = model.norm(state) after every pass over the blocks
     final_norm: bool = True  # the final head normalizes (False: the last loop-boundary norm already did)
@@ -146,7 +146,7 @@ class ModelConfig:
 
     @classmethod
     def from_json_dict(cls, data: dict[str, Any]) -> "ModelConfig":
-        """Read a config.json of any registered family (models/families.py)."""
+        """Read a config.json of any registered family (models/families/__init__.py)."""
         from speedc.models.families import read_config
 
         return read_config(data)

@@ -14,9 +14,9 @@ The pipeline (SlotPlan): P slots, each running K = R/P consecutive core repeats 
 also runs the prelude for the token entering it. The draft reads out inside slot 0 (after
 `draft_layer` logical layers), the verified token after slot P-1, and an early-flush check reads a
 deeper slot's state at the draft's tap. A readout's coda needs K/V of earlier positions at the same
-depth, so each readout depth owns its coda K/V (speedc/cache_layout.py).
+depth, so each readout depth owns its coda K/V (speedc/format/cache_layout.py).
 
-A family (models/family_*.py) emits its plan; a plan is also derived from a bare layer map (a Hugging
+A family (models/families/*.py) emits its plan; a plan is also derived from a bare layer map (a Hugging
 Face checkpoint whose sharing the compiler finds in the weights): the decomposition with the most core
 repeats. Standard library only.
 """

@@ -28,8 +28,8 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from speedc.errors import SpeedcError
-from speedc.models.checkpoint import load_checkpoint, model_from_state, write_atomic, write_checkpoint_files
-from speedc.models.checkpoint_files import TOKENIZER_FILE, TRAINING_FILE
+from speedc.models.checkpoint.torch_io import load_checkpoint, model_from_state, write_atomic, write_checkpoint_files
+from speedc.models.checkpoint.files import TOKENIZER_FILE, TRAINING_FILE
 from speedc.models.config import ModelConfig
 from speedc.models.corpus import corpus_hash, load_documents
 from speedc.models.llama import SharedLlama

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from speedc.errors import CheckpointError
-from speedc.models.checkpoint_files import CONFIG_FILE
+from speedc.models.checkpoint.files import CONFIG_FILE
 
 PREFIX = "zoo:"
 ZOO_DIR = Path(__file__).resolve().parent / "zoo"

@@ -22,9 +22,9 @@ import onnx_graphsurgeon as gs
 from speedc.errors import BuildError
 from speedc.models.config import ModelConfig
 from speedc.models.depth_plan import DepthPlan
-from speedc.models.tensor_source import TensorSource
+from speedc.models.checkpoint.tensor_source import TensorSource
 from speedc.passes.source_weights import constant_nbytes
-from speedc.schedule import Schedule
+from speedc.cost_model import Schedule
 
 PassFn = Callable[["CompileState"], "CompileState"]
 

@@ -36,8 +36,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from speedc import contract
-from speedc.cache_layout import CORE, CacheLayout
+from speedc.format import contract
+from speedc.format.cache_layout import CORE, CacheLayout
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.exit_heads import final_norm_weight, hidden_output, maybe_norm, weight
 from speedc.passes.graph_utils import add_layer, linear_to_gemm, replace_uses, reshape, tensor

@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from speedc.artifact import is_weight_name
+from speedc.format.artifact import is_weight_name
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.source_weights import SourceWeight, source_weight
 

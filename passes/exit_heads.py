@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from speedc import contract
+from speedc.format import contract
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.graph_utils import add_layer, reshape, tensor
 from speedc.passes.source_weights import weight_constant

@@ -14,7 +14,7 @@ Why: the standard-op attention (rotary, two masks, split softmax, slices) is ~35
 on a CPU most of a step's time outside the weight Gemms is those nodes and their dispatch. GQA does
 the same math in one kernel, per row at its own position (row r reads cache rows 0..positions[r]+i),
 exactly the slot semantics of a SPEED step, and writes the new K/V rows into the cache when the
-runtime binds past and present to one buffer (IO binding; the `onnx` backend, runtimes/batch_backend.py).
+runtime binds past and present to one buffer (IO binding; the `onnx` backend, runtimes/backends/onnx.py).
 
 The standard batch step reads one cache slab per (stage layer, slot); its fused variant reads each stage
 layer's whole pool as one buffer and runs one GroupQueryAttention a layer over it, and computes only the
@@ -37,9 +37,9 @@ from collections import Counter
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from speedc import contract
+from speedc.format import contract
 from speedc.errors import BuildError
-from speedc.cache_layout import CacheLayout
+from speedc.format.cache_layout import CacheLayout
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.graph_utils import add_layer, ancestors, descendants, import_microsoft_domain, reshape
 
@@ -188,7 +188,7 @@ def batch_slots(graph: gs.Graph) -> int:
 
 
 class BatchPool:
-    r"""The batch step's attention over the runtime's cache pool (runtimes/batch_backend.py): stage layer
+    r"""The batch step's attention over the runtime's cache pool (runtimes/backends/onnx.py): stage layer
     j's slabs of every slot and every sequence slot are one buffer [P*W, kvh, T, hd] (row s*W + b), so
     ONE GroupQueryAttention per layer serves the P slots of all n sequences, as in the single-sequence
     step (a GroupQueryAttention per slot group cost each step about 40% more, measured at n = 1).

@@ -2,13 +2,13 @@
 
 The runtime owns one pool per K and V laid out [S, P, W, kvh, T, hd] (stage layer, slot, sequence slot,
 ...), so slot s's rows for stage layer j, logical layer s*S + j, over sequences b..b+B are one contiguous
-slab (runtimes/batch_backend.py):
+slab (runtimes/backends/onnx.py):
 
     prefill graph  cache.key.{l}  = pool[j, s, b:b+B] for l = s*S + j   [B, kvh, T, hd]
                    new_key        [N, B, kvh, L, hd]   rows start .. start+L-1
     batch step     cache inputs named by passes/batch_step_graph.py; new_key [S, R, kvh, 1, hd]
 
-Which slab each entry is lives in speedc/cache_layout.py (a depth plan's prelude / coda included: its
+Which slab each entry is lives in speedc/format/cache_layout.py (a depth plan's prelude / coda included: its
 prefill writes N + Lc entries, the draft readout's coda last).
 
 The graphs only read the cache; new rows leave as one small tensor each for K and V, so a step
@@ -20,8 +20,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from speedc import contract
-from speedc.cache_layout import CacheLayout
+from speedc.format import contract
+from speedc.format.cache_layout import CacheLayout
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.graph_utils import add_layer
 

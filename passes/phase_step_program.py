@@ -2,7 +2,7 @@ r"""The batch step of a depth plan with a prelude or a coda (models/depth_plan.p
 
 n sequences x P slots = R rows, slot-major (row s*n + b), as the cycle's batch step (passes/batch_step_graph.py);
 what differs is that slot 0's rows run the prelude first and each readout runs the coda on its own rows
-with its own coda K/V (speedc/cache_layout.py: the final readout's coda only ever sees final-depth states):
+with its own coda K/V (speedc/format/cache_layout.py: the final readout's coda only ever sees final-depth states):
 
     input_ids [n,1] -> embed [n,H] -> prelude layers (positions of slot 0; cache.{kind}.prelude.{i}) -> e [n,H]
     hidden_in [(P-1)n,1,H] -> [(P-1)n,H] ----------------------------------------------------\
@@ -29,8 +29,8 @@ import onnx_graphsurgeon as gs
 import torch
 from torch import nn
 
-from speedc import contract
-from speedc.cache_layout import CacheLayout
+from speedc.format import contract
+from speedc.format.cache_layout import CacheLayout
 from speedc.errors import BuildError
 from speedc.models.config import ModelConfig
 from speedc.models.depth_plan import SlotPlan

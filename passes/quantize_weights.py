@@ -35,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from speedc.artifact import is_weight_name
+from speedc.format.artifact import is_weight_name
 from speedc.errors import BuildError
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.graph_utils import import_microsoft_domain

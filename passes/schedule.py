@@ -4,7 +4,7 @@ depth plan the share pass fitted (P divides its core repeats; slot 0 also runs t
     cycle M=4, N=16:  stage blocks 0 1 2 3 | 0 1 2 3 | 0 1 2 3 | 0 1 2 3   -> P=4 (or P=2, S=8)
     sequence M=4:     stage blocks 0 0 0 0 | 1 1 1 1 | ...                 -> no P>1 shares weights
 
-The rule and the cost model live in speedc/schedule.py (torch-free: bench and inspect use them too);
+The rule and the cost model live in speedc/cost_model.py (torch-free: bench and inspect use them too);
 this pass applies them to the layer map and exit point the share pass derived, at the expected
 acceptance (the option, else the checkpoint's measured exit/final agreement, else a default).
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.trace import draft_coda
-from speedc.schedule import DEFAULT_ALPHA, make_schedule
+from speedc.cost_model import DEFAULT_ALPHA, make_schedule
 
 
 def phases_pipeline(state: CompileState) -> bool:

@@ -24,7 +24,7 @@ from speedc.errors import BuildError
 from speedc.models.depth_plan import fit_plan
 from speedc.models.layer_map import describe_layer_map, first_pass_length
 from speedc.passes.base import CompileState, register_pass
-from speedc.models.tensor_source import same_values
+from speedc.models.checkpoint.tensor_source import same_values
 from speedc.passes.graph_utils import ancestors, replace_uses, tensor, weight_constants
 from speedc.passes.source_weights import source_weight
 
@@ -111,7 +111,7 @@ def model_tensor_aliases(cfg, layer_map: list[int], merged_into: dict[str, gs.Co
     An unrolled checkpoint's later layers are not tensors of the compiled model and get none."""
     import dataclasses
 
-    from speedc.models.checkpoint import expected_shapes
+    from speedc.models.checkpoint.torch_io import expected_shapes
 
     tensors = expected_shapes(dataclasses.replace(cfg, layer_map=list(layer_map)))
     return {name: twin.name for name, twin in merged_into.items() if name in tensors and name != twin.name}

@@ -28,7 +28,7 @@ from onnx import numpy_helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from speedc.errors import CheckpointError
-from speedc.models.tensor_source import TensorSource
+from speedc.models.checkpoint.tensor_source import TensorSource
 
 # Exponent bits of the 16-bit float formats: all ones is inf or nan.
 EXPONENT_MASK = {"float16": 0x7C00, "bfloat16": 0x7F80}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import onnx_graphsurgeon as gs
 
-from speedc import contract
+from speedc.format import contract
 from speedc.errors import BuildError
 from speedc.passes.base import CompileState, register_pass
 

@@ -2,7 +2,7 @@
 
 RowPolicy (batch.py) decides per step from the row count; this decides per sequence from how well its
 speculation has been doing. SPEED beats plain decoding of the same sequence only while the analytic
-bound (speedc/schedule.py) is above 1:
+bound (speedc/cost_model.py) is above 1:
 
     P / (c(P) (1 + (1 - alpha)(P - 1))) > 1   <=>   alpha > alpha* = 1 - (P / c(P) - 1) / (P - 1)
 
@@ -10,7 +10,7 @@ alpha is the sequence's average of its speculation outcomes (confirmed = 1, fail
 by an early flush = 0): a plain mean over the first 1/weight outcomes, then an exponential average, so it
 follows a text that changes character. c(P) is the step cost
 measured at build time (manifest build.step_cost_measured), else the cost model's assumption
-(speedc/schedule.py assumed_step_cost, the one the compiler chose P with; said so in `describe`). The state machine of one sequence:
+(speedc/cost_model.py assumed_step_cost, the one the compiler chose P with; said so in `describe`). The state machine of one sequence:
 
     speculating --(>= min_outcomes outcomes and bound < 1 - margin)--> plain
     plain --(probe_after tokens decoded plainly)--> speculating (a probe: its average starts afresh)
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from speedc.schedule import analytic_bound, assumed_step_cost, describe_assumed_step_cost
+from speedc.cost_model import analytic_bound, assumed_step_cost, describe_assumed_step_cost
 
 
 @dataclass

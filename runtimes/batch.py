@@ -1,5 +1,5 @@
 """Continuous batching: many sequences, each with its own P-slot SPEED pipeline and sampling stream,
-advanced together one step at a time (the backend is runtimes/batch_backend.py).
+advanced together one step at a time (the backend is runtimes/backends/onnx.py).
 
 One scheduler iteration (`BatchScheduler.step`):
 
@@ -37,7 +37,7 @@ import numpy as np
 
 from speedc.errors import GenerationError, OutOfMemory
 from speedc.runtimes.acceptance_policy import AcceptancePolicy, AlwaysSpeculate
-from speedc.runtimes.batch_backend import BatchBackend, HeadRows
+from speedc.runtimes.backends.onnx import BatchBackend, HeadRows
 from speedc.runtimes.decode import DecodeStats, Pipeline, Request, Slot, emit_token
 
 WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"

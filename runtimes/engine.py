@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from speedc.artifact import TOKENIZER, Manifest, read_manifest
+from speedc.format.artifact import TOKENIZER, Manifest, read_manifest
 from speedc.errors import ArtifactError, BatchError, GenerationError, SpeedcError
 from speedc.models.sampling import SamplingParams, TokenPicker, is_integer, require
 from speedc.runtimes.decode import DecodeStats, Decoding, Request, run_to_end
@@ -43,20 +43,20 @@ class GenerationResult:
 
 
 def _onnx(directory: Path, manifest: Manifest, max_batch: int, capacity: int, device: str, threads: int | None):
-    from speedc.runtimes.batch_backend import make_batch_backend
+    from speedc.runtimes.backends.onnx import make_batch_backend
 
     return make_batch_backend(directory, manifest, max_batch, capacity, device=device, threads=threads)  # fused when built
 
 
 def _onnx_numpy(directory: Path, manifest: Manifest, max_batch: int, capacity: int, device: str, threads: int | None):
-    from speedc.runtimes.batch_backend import make_batch_backend
+    from speedc.runtimes.backends.onnx import make_batch_backend
 
     return make_batch_backend(directory, manifest, max_batch, capacity, device=device, threads=threads, fused=False)
 
 
 def _torch(directory: Path, manifest: Manifest, max_batch: int, capacity: int, device: str, threads: int | None):
     try:
-        from speedc.runtimes.torch_backend import TorchBackend
+        from speedc.runtimes.backends.torch_backend import TorchBackend
     except ImportError as missing:
         if (missing.name or "").startswith("speedc"):  # our own import broke: not a missing extra
             raise
@@ -71,7 +71,7 @@ class BackendEntry:
     help: str
 
 
-# --backend NAME -> how to make its batch backend (runtimes/backend.py); the CLI's choices and help come from here.
+# --backend NAME -> how to make its batch backend (runtimes/backends/protocol.py); the CLI's choices and help come from here.
 BACKENDS: dict[str, BackendEntry] = {
     "onnx": BackendEntry(_onnx, "ONNX Runtime on the CPU, IO binding, fused attention writing the cache in place"),
     "onnx-numpy": BackendEntry(_onnx_numpy, "ONNX Runtime on the CPU fed numpy views (standard graphs; the simplest path)"),
@@ -391,7 +391,7 @@ class Engine:
         that take turns on one pool, never at once (the concurrency bench's policies)."""
         from speedc.runtimes.acceptance_policy import AcceptancePolicy, AlwaysSpeculate
         from speedc.runtimes.batch import BatchScheduler, RowPolicy
-        from speedc.runtimes.batch_backend import slot_capacity
+        from speedc.runtimes.backends.onnx import slot_capacity
 
         self._check_batching()
         require(max_batch, "max_batch", "an integer")  # 2.0 slots or a float chunk would fail deep inside a step
@@ -455,7 +455,7 @@ class Engine:
     def _pool_backend(self, max_batch: int, capacity: int, fused: bool | None, threads: int | None):
         """A batch backend with a pool of its own on the engine's sessions (each graph opened once per
         process); new sessions only where FUSED or THREADS differ from the engine's."""
-        from speedc.runtimes.batch_backend import make_batch_backend
+        from speedc.runtimes.backends.onnx import make_batch_backend
 
         own = self.backend
         if fused in (None, own.fused) and threads in (None, self.threads):
@@ -465,7 +465,7 @@ class Engine:
                                   threads=threads, fused=fused)
 
     def _check_batching(self) -> None:
-        from speedc.runtimes.batch_backend import BATCHING_BACKENDS
+        from speedc.runtimes.backends.onnx import BATCHING_BACKENDS
 
         if self.backend_name not in BATCHING_BACKENDS:
             raise GenerationError(f"continuous batching runs on ONNX Runtime on the CPU, not --backend {self.backend_name}")

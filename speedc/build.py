@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Callable
 
 from speedc import __version__
-from speedc.artifact import (CHAT_TEMPLATE, CONFIG, FORMAT_VERSION, TOKENIZER, TOKENIZER_CONFIG, WEIGHTS, Manifest,
+from speedc.format.artifact import (CHAT_TEMPLATE, CONFIG, FORMAT_VERSION, TOKENIZER, TOKENIZER_CONFIG, WEIGHTS, Manifest,
                              stored_entries, weight_bytes, write_graphs, write_manifest)
 from speedc.build_output import check_output, install
 from speedc.errors import BuildError, SpeedcError
-from speedc.models.checkpoint import checkpoint_hash, open_checkpoint, read_tokenizer_json
-from speedc.models.checkpoint_files import acceptance_hint_from_training, declared_tensor_bytes, has_speedc_section
+from speedc.models.checkpoint.torch_io import checkpoint_hash, open_checkpoint, read_tokenizer_json
+from speedc.models.checkpoint.files import acceptance_hint_from_training, declared_tensor_bytes, has_speedc_section
 from speedc.passes import (batch_step_graph, cleanup, exit_heads, fuse_projections, fuse_skip_norm,  # noqa: F401
                            gqa_attention, kv_cache,
                            quantize_weights, schedule, share, trace, trt_lint, untie_head)  # (importing registers the passes)

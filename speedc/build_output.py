@@ -20,7 +20,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from speedc.artifact import MANIFEST
+from speedc.format.artifact import MANIFEST
 from speedc.errors import BuildError
 
 

@@ -1,4 +1,4 @@
-"""GPU check: the PyTorch backend (runtimes/torch_backend.py) on the device, decoding through the
+"""GPU check: the PyTorch backend (runtimes/backends/torch_backend.py) on the device, decoding through the
 continuous-batching scheduler (runtimes/batch.py) with one sequence: the lossless check and the `speed`
 vs `autoregressive` benchmark on a memory-bound configuration, written to one JSON report.
 
@@ -55,7 +55,7 @@ def measure_step_cost(backend, context: int, repeats: int = 50) -> float:
     import numpy as np
 
     from speedc.bench.run import interleaved_medians
-    from speedc.runtimes.batch_backend import HeadRows
+    from speedc.runtimes.backends.onnx import HeadRows
 
     slots = backend.slots
     if slots == 1:
@@ -108,7 +108,7 @@ def _graphed_row(model, passes: int, device: str, exact: bool, reference_ids, pr
                  repeats: int) -> dict:
     """check_backend on TorchBackend with each step's layers replayed from a captured CUDA graph; a
     capture or replay failure is the row's error (reported beside the eager row), not the check's end."""
-    from speedc.runtimes.torch_backend import TorchBackend
+    from speedc.runtimes.backends.torch_backend import TorchBackend
 
     try:
         backend = TorchBackend.from_model(model, passes, device=device, cuda_graphs=True, exact=exact)
@@ -124,7 +124,7 @@ def run_check(*, device: str, hidden: int, blocks: int, passes: int, residual_sc
 
     from speedc.bench.synthetic import random_model
     from speedc.models.generate import generate
-    from speedc.runtimes.torch_backend import TorchBackend
+    from speedc.runtimes.backends.torch_backend import TorchBackend
 
     if dtype not in DTYPES:
         raise SystemExit(f"gpu_check: --dtype {dtype!r}: choose from {', '.join(DTYPES)}")
@@ -158,7 +158,7 @@ def run_check(*, device: str, hidden: int, blocks: int, passes: int, residual_sc
         progress("torch backend with CUDA graphs: lossless + timing")
         report["backends"]["torch+cuda-graphs"] = _graphed_row(model, passes, device, exact, reference_ids, prompts,
                                                                new_tokens, repeats)
-        report["backends"]["onnxruntime-cuda"] = {"skipped": "the batch backend (runtimes/batch_backend.py) runs ONNX "
+        report["backends"]["onnxruntime-cuda"] = {"skipped": "the batch backend (runtimes/backends/onnx.py) runs ONNX "
                                                              "Runtime on the CPU only in this version"}
         try:
             import tensorrt  # noqa: F401

@@ -1,6 +1,6 @@
 """`speedc inspect`: what a checkpoint or artifact is, and what SPEED will do with it.
 
-The predicted speedup is the analytic bound P / (c(P) (1 + (1 - alpha)(P - 1))) (speedc/schedule.py).
+The predicted speedup is the analytic bound P / (c(P) (1 + (1 - alpha)(P - 1))) (speedc/cost_model.py).
 Each input is labelled with where it comes from: c(P) measured on a machine (stored at build, or
 measured now with --measure) or the cost model's assumption; alpha from training metrics, the
 --alpha option, or the default assumption.
@@ -11,15 +11,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from speedc.artifact import MANIFEST, read_manifest
+from speedc.format.artifact import MANIFEST, read_manifest
 from speedc.errors import ArtifactError, SpeedcError
-from speedc.models.checkpoint_files import CONFIG_FILE, TRAINING_FILE
-from speedc.schedule import ALPHA_GRID, DEFAULT_ALPHA, analytic_bound, assumed_step_cost, describe_assumed_step_cost
+from speedc.models.checkpoint.files import CONFIG_FILE, TRAINING_FILE
+from speedc.cost_model import ALPHA_GRID, DEFAULT_ALPHA, analytic_bound, assumed_step_cost, describe_assumed_step_cost
 
 
 def _from_checkpoint(path: Path, alpha: float | None) -> dict:
-    from speedc.models.checkpoint import open_checkpoint
-    from speedc.models.checkpoint_files import acceptance_hint_from_training, has_speedc_section, token_id_sources
+    from speedc.models.checkpoint.torch_io import open_checkpoint
+    from speedc.models.checkpoint.files import acceptance_hint_from_training, has_speedc_section, token_id_sources
     from speedc.passes import schedule, share, trace  # noqa: F401  (importing registers the passes)
     from speedc.models.families import family_of
     from speedc.passes.base import BuildOptions, CompileState, graph_stats, run_passes

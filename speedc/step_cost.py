@@ -12,7 +12,7 @@ import platform
 import time
 from pathlib import Path
 
-from speedc.runtimes.backend import resolve_threads
+from speedc.runtimes.backends.protocol import resolve_threads
 
 MEASURE_CONTEXT = 256  # cache rows of the measured step (prompt + generation of a short request)
 MEASURE_REPEATS = 100

@@ -75,7 +75,7 @@ def pytest_report_header(config):
 def build_artifact(model_or_dir, out: Path, **options) -> Path:
     """Save a model (if given one) as a checkpoint beside `out` and compile it."""
     from speedc.build import build
-    from speedc.models.checkpoint import save_checkpoint
+    from speedc.models.checkpoint.torch_io import save_checkpoint
     from speedc.passes.base import BuildOptions
 
     if isinstance(model_or_dir, (str, Path)):
@@ -91,7 +91,7 @@ def memory_for_256_positions(monkeypatch):
     """A stand-in memory limit: the OS refuses any KV-cache pool longer than 256 positions."""
     import numpy as np
 
-    from speedc.runtimes import batch_backend
+    from speedc.runtimes.backends import onnx as batch_backend
 
     real_zeros = np.zeros
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from speedc.runtimes.acceptance_policy import AcceptancePolicy
-from speedc.schedule import analytic_bound, assumed_step_cost
+from speedc.cost_model import analytic_bound, assumed_step_cost
 
 
 def _steps(policy: AcceptancePolicy, state, script: str) -> str:

@@ -17,7 +17,7 @@ import threading
 import numpy as np
 import pytest
 
-from speedc.artifact import read_manifest
+from speedc.format.artifact import read_manifest
 from speedc.errors import ArtifactError, GenerationError, SpeedcError
 from speedc.runtimes.engine import Engine
 from speedc.runtimes.engine_loop import EngineLoop
@@ -226,7 +226,7 @@ def test_a_failed_cache_allocation_does_not_poison_the_next_request(tiny_artifac
     """A pool that cannot grow for a request (out of memory, twice: the retry after freeing the pool
     too) fails that request in one line; the engine's next requests run as before, that length too."""
     from speedc.errors import OutOfMemory
-    from speedc.runtimes import batch_backend
+    from speedc.runtimes.backends import onnx as batch_backend
 
     engine = Engine.load(tiny_artifact)
     long = 300  # past the pool's first 256 positions: the pool must grow

@@ -15,9 +15,9 @@ import onnx
 import pytest
 
 from conftest import ZOO, assert_one_line_error, build_artifact, random_config, randomize, run_cli
-from speedc.artifact import read_manifest, read_weight
+from speedc.format.artifact import read_manifest, read_weight
 from speedc.errors import ArtifactError
-from speedc.models.checkpoint import load_model, save_unrolled_hf
+from speedc.models.checkpoint.torch_io import load_model, save_unrolled_hf
 from speedc.models.llama import SharedLlama
 from speedc.serve.chat_template import load_chat_template
 
@@ -215,7 +215,7 @@ def test_16_bit_checkpoints_keep_their_precision(tmp_path):
     import torch
 
     from speedc.build import build
-    from speedc.models.checkpoint import save_checkpoint
+    from speedc.models.checkpoint.torch_io import save_checkpoint
     from speedc.passes.base import BuildOptions
     from speedc.runtimes.engine import Engine
 

@@ -10,11 +10,12 @@ import json
 import pytest
 
 from conftest import assert_one_line_error, run_cli
-from speedc import Engine, contract
-from speedc.artifact import read_manifest
+from speedc import Engine
+from speedc.format import contract
+from speedc.format.artifact import read_manifest
 from speedc.errors import ArtifactError, GenerationError
 from speedc.runtimes.acceptance_policy import AlwaysSpeculate
-from speedc.runtimes.batch_backend import BatchBackend, HeadRows
+from speedc.runtimes.backends.onnx import BatchBackend, HeadRows
 from speedc.runtimes.engine_loop import EngineLoop
 
 PROMPTS = ["ROMEO:", "JULIET: O", "KING HENRY:", "First Citizen:\nBefore"]
@@ -255,7 +256,7 @@ def test_per_sequence_decisions_turn_the_batch_plain_and_back_losslessly(engine)
     speed and plain steps as their sum decides, and every sequence equals plain decoding of it alone."""
     from speedc.runtimes.acceptance_policy import AcceptancePolicy
     from speedc.runtimes.batch import BatchScheduler, RowPolicy
-    from speedc.runtimes.batch_backend import make_batch_backend
+    from speedc.runtimes.backends.onnx import make_batch_backend
 
     policy = AcceptancePolicy(engine.manifest.slots, step_cost=1.6, min_outcomes=2, probe_after=3, margin=0.0)
     backend = make_batch_backend(engine.directory, engine.manifest, max_batch=3, capacity=80)
@@ -287,7 +288,7 @@ def test_a_batch_the_acceptance_rule_turned_plain_speculates_again_at_the_row_bu
     rows sit above the row rule's resume mark (each rule's hysteresis follows its own verdict); it had
     stayed plain to the end. Both equal plain decoding alone."""
     from speedc.runtimes.batch import BatchScheduler, RowPolicy
-    from speedc.runtimes.batch_backend import make_batch_backend
+    from speedc.runtimes.backends.onnx import make_batch_backend
 
     backend = make_batch_backend(engine.directory, engine.manifest, max_batch=2, capacity=64)
     scheduler = BatchScheduler(backend, policy=RowPolicy(row_budget=2 * engine.manifest.slots),
@@ -306,7 +307,7 @@ def test_pool_shrink_that_cannot_allocate_keeps_the_pool_and_fused_rows_stay_ins
     graph writes K/V in place through raw pointers): it is refused in one line instead."""
     import numpy as np
 
-    from speedc.runtimes import batch_backend
+    from speedc.runtimes.backends import onnx as batch_backend
 
     backend = BatchBackend(engine.directory, engine.manifest, max_batch=2, capacity=512, shrink_after=1)
     backend.reserve(300, 2)

@@ -13,7 +13,7 @@ import pytest
 from speedc import Engine
 from speedc.errors import BatchError, GenerationError, OutOfMemory
 from speedc.runtimes.batch import DONE, BatchScheduler
-from speedc.runtimes.batch_backend import BatchBackend
+from speedc.runtimes.backends.onnx import BatchBackend
 from speedc.runtimes.engine_loop import EngineLoop
 
 PROMPTS = ["ROMEO:", "JULIET: O", "KING HENRY:", "First Citizen:\nBefore"]

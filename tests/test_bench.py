@@ -72,7 +72,7 @@ def test_peer_ids_refused_or_compared(tiny_artifact, capsys, monkeypatch):
         "stand-in": {"same_weights": False, "identical_ids": False, "agreement": round(7 / 8, 4), "prefix_agreement": 5 / 8},
         "echo": {"same_weights": True, "identical_ids": True, "agreement": 1.0, "prefix_agreement": 1.0}}
     # The table says which ids were required equal and shows the others' agreement.
-    from speedc.commands_bench import print_report
+    from speedc.cli.bench import print_report
 
     monkeypatch.setenv("COLUMNS", "200")
     print_report(report, tiny_artifact, new_tokens)
@@ -87,7 +87,7 @@ def test_which_peers_must_match(tiny_artifact):
     re-quantizes: agreement reported, never required."""
     import dataclasses
 
-    from speedc.artifact import read_manifest
+    from speedc.format.artifact import read_manifest
     from speedc.bench.peers import PEERS
 
     manifest = read_manifest(tiny_artifact)
@@ -172,7 +172,7 @@ def test_memory_bound_step_cost_rows(tiny_artifact):
 
 def test_step_op_profile(tiny_artifact):
     """--profile's table: the step's kernel time per op type beside the plain token's share."""
-    from speedc.artifact import read_manifest
+    from speedc.format.artifact import read_manifest
     from speedc.bench.op_profile import step_op_profile
 
     rows = step_op_profile(tiny_artifact, read_manifest(tiny_artifact), threads=1, context=64, repeats=5)

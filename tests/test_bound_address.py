@@ -14,8 +14,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from speedc.errors import SpeedcError
-from speedc.runtimes.batch_backend import StepBinding, pool_binding
-from speedc.runtimes.onnx_session import bound_address, onnxruntime_module
+from speedc.runtimes.backends.onnx import StepBinding, pool_binding
+from speedc.runtimes.backends.onnx_session import bound_address, onnxruntime_module
 
 
 @pytest.fixture(scope="module")

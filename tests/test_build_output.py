@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 from conftest import ZOO, assert_one_line_error, run_cli
-from speedc.artifact import MANIFEST
+from speedc.format.artifact import MANIFEST
 from speedc.build_output import check_output, install
 from speedc.errors import BuildError
 

@@ -1,4 +1,4 @@
-"""speedc/cache_layout.py: every cache entry has one address, the slabs a graph names are views of
+"""speedc/format/cache_layout.py: every cache entry has one address, the slabs a graph names are views of
 the pool at that address, and new rows land where a later read finds them (checked against loops
 written from the layout's description, not from its code)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from speedc import contract
-from speedc.cache_layout import CODA, CORE, PRELUDE, Address, CacheLayout
+from speedc.format import contract
+from speedc.format.cache_layout import CODA, CORE, PRELUDE, Address, CacheLayout
 from speedc.errors import ArtifactError
 
 KVH, T, HD, W = 2, 6, 4, 3

@@ -10,7 +10,7 @@ import torch
 
 from conftest import ZOO, assert_one_line_error, random_config, randomize, run_cli
 from speedc.errors import CheckpointError
-from speedc.models.checkpoint import load_checkpoint, load_model, save_checkpoint, save_unrolled_hf
+from speedc.models.checkpoint.torch_io import load_checkpoint, load_model, save_checkpoint, save_unrolled_hf
 from speedc.models.llama import SharedLlama
 
 
@@ -100,7 +100,7 @@ def _duplicate_in_second_file(path):
 def test_config_and_weight_values_are_refused_in_one_line(checkpoint, damage, message):
     """Before: a traceback (AttributeError, ZeroDivisionError), a silent coercion (4.7 layers -> 4, "false" ->
     true), or an artifact that built and then generated nothing useful. Now each is a CheckpointError."""
-    from speedc.models.checkpoint_files import acceptance_hint_from_training
+    from speedc.models.checkpoint.files import acceptance_hint_from_training
 
     path, _ = checkpoint
     damage(path)
@@ -138,7 +138,7 @@ def test_those_options_switched_off_still_load(checkpoint):
 
 
 def test_tokenizers_that_cannot_serve_the_model_are_refused(tmp_path):
-    from speedc.models.checkpoint import read_tokenizer_json
+    from speedc.models.checkpoint.torch_io import read_tokenizer_json
 
     shutil.copy(ZOO / "small" / "tokenizer.json", tmp_path / "tokenizer.json")  # 4,096 tokens
     assert read_tokenizer_json(tmp_path, 4096)

@@ -1,4 +1,4 @@
-"""The compiler/runtime contract (speedc/contract.py): built graphs match it, and a runtime refuses an
+"""The compiler/runtime contract (speedc/format/contract.py): built graphs match it, and a runtime refuses an
 artifact that does not, in one line naming the graph and the tensor."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import onnx
 import pytest
 
 from conftest import assert_one_line_error, run_cli
-from speedc import contract
-from speedc.artifact import read_manifest, sha256_file
+from speedc.format import contract
+from speedc.format.artifact import read_manifest, sha256_file
 from speedc.errors import ArtifactError
 from speedc.runtimes.engine import Engine
 

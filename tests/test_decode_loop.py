@@ -18,7 +18,7 @@ import pytest
 from speedc.models.sampling import SamplingParams, TokenPicker
 from speedc.runtimes.acceptance_policy import AlwaysSpeculate
 from speedc.runtimes.batch import BatchScheduler, RowPolicy
-from speedc.runtimes.batch_backend import SpeedStepResult
+from speedc.runtimes.backends.onnx import SpeedStepResult
 from speedc.runtimes.decode import Request, run_to_end
 from speedc.runtimes.engine import scheduled
 
@@ -50,7 +50,7 @@ def draft_candidates(guess: int, pos: int) -> np.ndarray:
 
 
 class ScriptedBackend:
-    """A batch backend of one sequence slot (the scheduler's interface, runtimes/backend.py)."""
+    """A batch backend of one sequence slot (the scheduler's interface, runtimes/backends/protocol.py)."""
     stage_layers, vocab_size, max_context, max_batch, width, check_width = 1, V, V, 1, 1, K
 
     def __init__(self, slots: int, wrong_guess=NO_MISS):

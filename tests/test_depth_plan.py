@@ -11,12 +11,12 @@ import pytest
 
 from conftest import random_config
 from looped_checkpoints import write_nanbeige, write_ouro
-from speedc.cache_layout import CacheLayout
+from speedc.format.cache_layout import CacheLayout
 from speedc.errors import CheckpointError
 from speedc.models.config import ModelConfig
 from speedc.models.depth_plan import CODA, CORE, PRELUDE, DepthPlan, derive_plan
 from speedc.passes.base import BuildOptions, CompileState, run_passes
-from speedc.schedule import make_schedule
+from speedc.cost_model import make_schedule
 
 MIDDLE = [0, 1, 2, 1, 2, 1, 2, 3]  # one layer, a 2-block core x 3, one layer
 
@@ -97,7 +97,7 @@ def test_schedule_records_the_plan_and_the_layout_follows_it():
 def test_passes_fit_the_plan_to_the_weights(tmp_path):
     """The share pass derives the layer map from the weights of an Ouro checkpoint and keeps its loops;
     the schedule pass reads the plan."""
-    from speedc.models.checkpoint import open_checkpoint
+    from speedc.models.checkpoint.torch_io import open_checkpoint
     from speedc.passes import schedule, share, trace  # noqa: F401  (registers)
 
     directory = write_ouro(tmp_path / "ouro", layers=2, loops=3)
@@ -140,7 +140,7 @@ def test_speedc_middle_cycle_checkpoint_pipelines_losslessly(tmp_path):
 
     from conftest import build_artifact, randomize
     from speedc import Engine
-    from speedc.artifact import read_manifest
+    from speedc.format.artifact import read_manifest
     from speedc.models.generate import generate as reference_generate
     from speedc.models.llama import SharedLlama
 

@@ -1,4 +1,4 @@
-"""Family `looped_llama` (models/family_looped_llama.py): one file, its depth plan the only thing the
+"""Family `looped_llama` (models/families/looped_llama.py): one file, its depth plan the only thing the
 rest of speedc sees. Checked against an independent oracle: transformers' LlamaForCausalLM with the
 loops unrolled (layer l gets the stored layer the published description assigns: prelude, then the
 core num_loops times, then the coda), recomputing the whole sequence per token.
@@ -27,11 +27,12 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import run_cli
-from speedc import Engine, contract
-from speedc.artifact import read_manifest
+from speedc import Engine
+from speedc.format import contract
+from speedc.format.artifact import read_manifest
 from speedc.build import build
 from speedc.errors import CheckpointError
-from speedc.models.checkpoint import load_model
+from speedc.models.checkpoint.torch_io import load_model
 from speedc.models.config import ModelConfig
 from speedc.models.depth_plan import DepthPlan
 from speedc.passes.base import BuildOptions
@@ -169,7 +170,7 @@ def test_greedy_and_sampled_ids(case):
 def test_final_readout_coda_holds_final_depth_states(case):
     """After SPEED the final readout's coda K/V of every position equal plain decoding's: only tokens
     leaving the last slot (verified, final depth) wrote them; the draft readout's are its own."""
-    from speedc.cache_layout import CODA
+    from speedc.format.cache_layout import CODA
 
     name, shape, _, _, artifact = case
     if not shape["coda"]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import assert_one_line_error, run_cli
-from speedc.artifact import FORMAT_VERSION, MANIFEST
+from speedc.format.artifact import FORMAT_VERSION, MANIFEST
 from speedc.errors import ArtifactError
 from speedc.runtimes.engine import Engine
 

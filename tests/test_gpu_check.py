@@ -16,7 +16,7 @@ import torch
 from speedc import Engine
 from speedc.errors import SpeedcError
 from speedc.bench.synthetic import random_model
-from speedc.runtimes.torch_backend import TorchBackend
+from speedc.runtimes.backends.torch_backend import TorchBackend
 
 CUDA = torch.cuda.is_available()
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,7 +19,7 @@ import pytest
 from conftest import random_config, randomize
 from speedc.build import PASS_ORDER
 from speedc.errors import BuildError
-from speedc.models.checkpoint import sources_from_state
+from speedc.models.checkpoint.torch_io import sources_from_state
 from speedc.models.llama import SharedLlama
 from speedc.passes.base import BuildOptions, CompileState, run_passes
 from speedc.passes.gqa_attention import _layers, attention_path

@@ -35,10 +35,10 @@ from conftest import assert_one_line_error, run_cli
 from looped_checkpoints import (INDEX, NANBEIGE_SHARDS, OURO_CONFIG_EOS, OURO_GENERATION_EOS, nanbeige_token_ids,
                                 perturb, read_tensors, rewrite_tensors, write_nanbeige, write_ouro,
                                 write_sparse_safetensors)
-from speedc.artifact import read_manifest
+from speedc.format.artifact import read_manifest
 from speedc.build import build
 from speedc.errors import CheckpointError
-from speedc.models.checkpoint import load_checkpoint, load_model
+from speedc.models.checkpoint.torch_io import load_checkpoint, load_model
 from speedc.passes.base import BuildOptions
 from speedc.runtimes.engine import Engine
 

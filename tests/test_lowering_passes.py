@@ -22,7 +22,7 @@ from conftest import random_config, randomize
 from speedc.build import PASS_ORDER
 from speedc.errors import BuildError
 from speedc.models.llama import SharedLlama
-from speedc.models.checkpoint import sources_from_state
+from speedc.models.checkpoint.torch_io import sources_from_state
 from speedc.passes.base import BuildOptions, CompileState, run_passes
 
 P, S, N = 3, 2, 6  # slots, stage layers, logical layers
@@ -417,7 +417,7 @@ def test_untie_head_gives_a_tied_head_its_own_view():
 def test_untie_head_in_an_artifact_stores_no_bytes_twice(tiny_artifact):
     import onnx
 
-    from speedc.artifact import read_manifest
+    from speedc.format.artifact import read_manifest
 
     index = read_manifest(tiny_artifact).weights["index"]
     view, embedding = index["tied_head.model.embed_tokens.weight"], index["model.embed_tokens.weight"]

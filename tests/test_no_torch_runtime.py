@@ -65,7 +65,7 @@ def test_artifact_runs_without_torch(tmp_path, tiny_artifact):
 def test_pass_infrastructure_and_cost_model_import_no_torch():
     """The pass runner, the schedule / cost model and inspect's artifact view load without torch
     (only the passes that trace a checkpoint need it), so bench and inspect can share the cost model."""
-    code = ("import sys, speedc.passes.base, speedc.schedule, speedc.contract, speedc.artifact, speedc.inspect; "
+    code = ("import sys, speedc.passes.base, speedc.cost_model, speedc.format.contract, speedc.format.artifact, speedc.inspect; "
             "print(sorted(m for m in ('torch', 'safetensors') if m in sys.modules))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert run.returncode == 0, run.stderr

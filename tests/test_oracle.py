@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from conftest import random_config, randomize
-from speedc.models.checkpoint import load_model, save_unrolled_hf
+from speedc.models.checkpoint.torch_io import load_model, save_unrolled_hf
 from speedc.models.generate import generate
 from speedc.models.llama import SharedLlama
 

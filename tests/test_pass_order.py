@@ -13,7 +13,7 @@ import pytest
 from conftest import random_config, randomize
 from speedc.build import PASS_ORDER, PIPELINE, build
 from speedc.errors import BuildError
-from speedc.models.checkpoint import save_checkpoint
+from speedc.models.checkpoint.torch_io import save_checkpoint
 from speedc.models.llama import SharedLlama
 from speedc.passes.base import FACTS, PASSES, register_pass
 

@@ -11,11 +11,11 @@ import torch
 from conftest import random_config, randomize
 from speedc.build import PASS_ORDER
 from speedc.errors import BuildError
-from speedc.models.checkpoint import open_checkpoint, save_unrolled_hf, sources_from_state
+from speedc.models.checkpoint.torch_io import open_checkpoint, save_unrolled_hf, sources_from_state
 from speedc.models.llama import SharedLlama
 from speedc.passes.base import BuildOptions, CompileState, run_passes
 from speedc.models.layer_map import valid_slot_counts
-from speedc.schedule import make_schedule
+from speedc.cost_model import make_schedule
 from speedc.passes.share import merge_identical_constants
 from speedc.passes.trt_lint import lint_graph
 

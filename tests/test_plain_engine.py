@@ -7,7 +7,7 @@ import pytest
 
 from conftest import build_artifact, random_config, randomize
 from speedc import Engine
-from speedc.artifact import read_manifest
+from speedc.format.artifact import read_manifest
 from speedc.models.generate import generate as reference_generate
 from speedc.models.llama import SharedLlama
 

@@ -13,8 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import ZOO, build_artifact, random_config, randomize
-from speedc import Engine, contract
-from speedc.models.checkpoint import load_model
+from speedc import Engine
+from speedc.format import contract
+from speedc.models.checkpoint.torch_io import load_model
 from speedc.models.generate import generate as reference_generate
 from speedc.models.llama import SharedLlama
 
@@ -150,7 +151,7 @@ def test_batched_sequences_equal_plain_decoding_alone(pool, data, which, fused, 
     decoding of it alone on the same graphs (greedy or seeded sampling), a cancelled one's are a prefix."""
     from speedc.runtimes.acceptance_policy import AcceptancePolicy
     from speedc.runtimes.batch import BatchScheduler, RowPolicy
-    from speedc.runtimes.batch_backend import BatchBackend
+    from speedc.runtimes.backends.onnx import BatchBackend
 
     model, engines = pool[which]
     engine = engines["onnx"]

@@ -14,7 +14,7 @@ import onnxruntime as ort
 import pytest
 from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
 
-from speedc.artifact import dequantize_blocks
+from speedc.format.artifact import dequantize_blocks
 from speedc.passes.base import BuildOptions, CompileState
 from speedc.passes.block_quant import quantize_rows
 from speedc.passes.quantize_weights import quantize_graph, Quantizer

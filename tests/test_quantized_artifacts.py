@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from conftest import ZOO, build_artifact, random_config, randomize
 from speedc import Engine
-from speedc.artifact import GRAPH_FILES, dequantized_weights, is_weight_name, stored_entries
-from speedc.models.checkpoint import open_checkpoint
+from speedc.format.artifact import GRAPH_FILES, dequantized_weights, is_weight_name, stored_entries
+from speedc.models.checkpoint.torch_io import open_checkpoint
 from speedc.models.llama import SharedLlama
 from test_properties import _engines, _perturb_exit_head
 
@@ -74,7 +74,7 @@ def test_both_outcomes_happen_and_logits_are_bitwise_plain_logits(quantized, sam
 
 def test_batched_sequences_equal_plain_decoding_alone(quantized):
     from speedc.runtimes.batch import BatchScheduler, RowPolicy
-    from speedc.runtimes.batch_backend import BatchBackend
+    from speedc.runtimes.backends.onnx import BatchBackend
 
     for which, fused in (("random-int4", True), ("tiny-int8", False)):
         engines = quantized[which][1]

@@ -10,7 +10,7 @@ from transformers import LlamaForCausalLM
 from conftest import ZOO, ZOO_MODELS
 from speedc import Engine
 from speedc.errors import GenerationError
-from speedc.models.checkpoint import load_model, save_unrolled_hf
+from speedc.models.checkpoint.torch_io import load_model, save_unrolled_hf
 from speedc.models.corpus import load_documents
 from speedc.models.generate import generate as reference_generate
 

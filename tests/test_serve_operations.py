@@ -19,7 +19,7 @@ import pytest
 from conftest import assert_one_line_error, run_cli
 from serve_server import server_in_this_process, start_server
 from speedc import Engine
-from speedc.commands_serve import _check_up_front
+from speedc.cli.serve import _check_up_front
 from speedc.errors import SpeedcError
 from speedc.serve.app import ServeSettings, make_adapter
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from conftest import build_artifact, random_config, randomize
-from speedc import contract
-from speedc.artifact import read_manifest
+from speedc.format import contract
+from speedc.format.artifact import read_manifest
 from speedc.models.llama import LayerCache, SharedLlama, rope_cos_sin
 
 ATOL = RTOL = 1e-4

@@ -18,9 +18,9 @@ import onnx
 import pytest
 
 from looped_checkpoints import write_nanbeige, write_ouro
-from speedc.artifact import GRAPH_FILES, read_manifest, read_weight
+from speedc.format.artifact import GRAPH_FILES, read_manifest, read_weight
 from speedc.build import build
-from speedc.models.checkpoint import open_checkpoint
+from speedc.models.checkpoint.torch_io import open_checkpoint
 from speedc.passes.base import BuildOptions
 
 EXTERNAL_MIN_BYTES = 1024
@@ -129,11 +129,11 @@ def test_merged_equal_norms_are_listed_for_the_model(tmp_path):
     PyTorch backend, peers) with the checkpoint's values."""
     import torch
 
-    from speedc.artifact import read_manifest
+    from speedc.format.artifact import read_manifest
     from speedc.bench.synthetic import random_model_of, shape_config, zoo_shape
     from speedc.build import build
-    from speedc.models.checkpoint import save_checkpoint
-    from speedc.runtimes.torch_backend import load_model_from_artifact
+    from speedc.models.checkpoint.torch_io import save_checkpoint
+    from speedc.runtimes.backends.torch_backend import load_model_from_artifact
 
     model = random_model_of(shape_config(zoo_shape(64, blocks=2, passes=2), 2))
     out = build(save_checkpoint(model, tmp_path / "ckpt"), tmp_path / "art", measure_step_cost=False).out

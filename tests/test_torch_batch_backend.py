@@ -1,4 +1,4 @@
-"""The PyTorch batch backend (runtimes/torch_backend.py) under the continuous-batching scheduler: on
+"""The PyTorch batch backend (runtimes/backends/torch_backend.py) under the continuous-batching scheduler: on
 random models (several layer maps, P = 2, 3, 4, grouped-query and multi-query attention, a looped
 model with sandwich norms), its ids equal ONNX Runtime's batch backend (fused and standard graphs) and
 plain decoding with the PyTorch reference, for one and three sequences, greedy and seeded sampling,
@@ -14,17 +14,17 @@ import pytest
 import torch
 
 from conftest import build_artifact, random_config, randomize
-from speedc import contract
-from speedc.artifact import read_manifest
+from speedc.format import contract
+from speedc.format.artifact import read_manifest
 from speedc.errors import GenerationError, OutOfMemory, SpeedcError
 from speedc.models.generate import generate as reference_generate
 from speedc.models.llama import SharedLlama
 from speedc.models.sampling import SamplingParams, TokenPicker
-from speedc.runtimes import torch_backend
+from speedc.runtimes.backends import torch_backend
 from speedc.runtimes.batch import BatchScheduler, RowPolicy
-from speedc.runtimes.batch_backend import BatchBackend, HeadRows
+from speedc.runtimes.backends.onnx import BatchBackend, HeadRows
 from speedc.runtimes.decode import Request
-from speedc.runtimes.torch_backend import TorchBackend, best_candidate, top_candidates
+from speedc.runtimes.backends.torch_backend import TorchBackend, best_candidate, top_candidates
 
 CAPACITY = 64
 PROMPTS = [[5, 9, 2, 14], [1, 2, 3, 4, 5, 6, 7, 8, 9], [40]]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from conftest import assert_one_line_error, run_cli
-from speedc.models.checkpoint import load_model
+from speedc.models.checkpoint.torch_io import load_model
 from speedc.models.corpus import load_documents
 from speedc.models.generate import generate
 

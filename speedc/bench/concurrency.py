@@ -160,7 +160,7 @@ def concurrency_bench(engine: Engine, prompts: list[str], levels: list[int], new
 
 def _measure(engine, prompts, prompt_ids, alone, levels, new_tokens, repeats, threads, genai_dir, progress) -> list[dict]:
     from speedc.bench.peers import genai_batched
-    from speedc.runtimes.batch_backend import make_batch_backend, slot_capacity
+    from speedc.runtimes.backends.onnx import make_batch_backend, slot_capacity
 
     systems: dict[int, dict[str, object]] = {}
     own = engine.backend  # its sessions serve every level (and the single-sequence engine)

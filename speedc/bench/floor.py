@@ -73,7 +73,7 @@ def floor_graph(shape, layers: int, passes: int, head_rows: int, seed: int = 0):
 def _session(model_and_weights, threads: int | None):
     import onnxruntime as ort
 
-    from speedc.runtimes.onnx_session import session_options
+    from speedc.runtimes.backends.onnx_session import session_options
 
     model, weights = model_and_weights
     options = session_options(threads)

@@ -41,7 +41,7 @@ def _probe(system: str, artifact: Path, workdir: Path, new_tokens: int, threads:
         engine = Engine.load(artifact, backend=backend, device=device, threads=threads)
         engine.generate(PROBE_PROMPT, max_new_tokens=new_tokens, stop_at_eos=False, mode=system)
     else:
-        from speedc.artifact import TOKENIZER, read_manifest
+        from speedc.format.artifact import TOKENIZER, read_manifest
         from speedc.bench.peers import load_peer
 
         peer = load_peer(system, artifact, read_manifest(artifact), threads, workdir)

@@ -29,8 +29,8 @@ def kernel_ms_per_run(profile_file: str) -> dict[str, float]:
 def step_op_profile(directory: Path, manifest, *, threads: int | None, context: int, repeats: int = 30) -> list[dict]:
     """[{op, step_ms, token_share_ms}] sorted by step time: the step's kernel time per op type, and
     the plain token's divided by P."""
-    from speedc import contract
-    from speedc.runtimes.batch_backend import BatchBackend
+    from speedc.format import contract
+    from speedc.runtimes.backends.onnx import BatchBackend
 
     with tempfile.TemporaryDirectory() as tmp:
         backend = BatchBackend(directory, manifest, 1, manifest.model["max_context"], threads=threads,

@@ -38,7 +38,7 @@ class PeerSpec:
 
     def same_weights(self, manifest) -> bool:
         """True when the peer computes with the artifact's own numbers, so its ids must equal SPEED's."""
-        from speedc.artifact import is_quantized
+        from speedc.format.artifact import is_quantized
 
         return self.precision == "fp32" and not is_quantized(manifest)
 
@@ -96,7 +96,7 @@ def _genai_config(model_dir: Path, threads: int | None, overlay: dict | None = N
     ORT's default, every core) and OVERLAY merged in."""
     import onnxruntime_genai as og
 
-    from speedc.runtimes.backend import resolve_threads
+    from speedc.runtimes.backends.protocol import resolve_threads
 
     config = og.Config(str(model_dir))
     config.overlay(json.dumps({**(overlay or {}),
@@ -173,14 +173,14 @@ def genai_batched(model_dir: Path, max_batch: int, threads: int | None):
 def _set_threads(threads: int | None) -> None:
     import torch
 
-    from speedc.runtimes.backend import resolve_threads
+    from speedc.runtimes.backends.protocol import resolve_threads
 
     torch.set_num_threads(resolve_threads(threads))
 
 
 def _load_reference(spec: PeerSpec, directory: Path, manifest, workdir: Path, threads: int | None) -> Peer:
     from speedc.models.generate import generate
-    from speedc.runtimes.torch_backend import load_model_from_artifact
+    from speedc.runtimes.backends.torch_backend import load_model_from_artifact
 
     _set_threads(threads)
     model = load_model_from_artifact(directory, manifest)
@@ -227,9 +227,9 @@ def prepare_peers(directory: Path, manifest, threads: int | None, workdir: Path,
     weights each peer's export stores."""
     if not peers_available():
         raise SpeedcError("peer systems need torch and transformers: pip install 'speedc[dev]'")
-    from speedc.artifact import TOKENIZER
-    from speedc.models.checkpoint import save_unrolled_hf
-    from speedc.runtimes.torch_backend import load_model_from_artifact
+    from speedc.format.artifact import TOKENIZER
+    from speedc.models.checkpoint.torch_io import save_unrolled_hf
+    from speedc.runtimes.backends.torch_backend import load_model_from_artifact
 
     _set_threads(threads)
     if manifest.model.get("architecture", "llama") != "llama":

@@ -11,7 +11,7 @@ block-quantized artifact) is compared instead: peer_agreement reports, pooled ov
 
 Also measures the step cost c(P) = (time of one P-slot step) / (time of one plain token / P), i.e.
 a full step against the single-slot stage passes plain decoding does per token, and compares the
-achieved speedup with the analytic bound P / (c(P) (1 + (1 - alpha)(P - 1))) of speedc.schedule.
+achieved speedup with the analytic bound P / (c(P) (1 + (1 - alpha)(P - 1))) of speedc.cost_model.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 from speedc.errors import SpeedcError
 from speedc.runtimes.decode import pooled_acceptance
 from speedc.runtimes.engine import Engine
-from speedc.schedule import analytic_bound
+from speedc.cost_model import analytic_bound
 
 DEFAULT_PROMPTS = ["ROMEO:\n", "First Citizen:\nBefore we proceed any further, hear me speak.\n", "KING HENRY:\n",
                    "To be, or not to be, that is the question:\n", "JULIET:\nO Romeo, Romeo!"]
@@ -122,7 +122,7 @@ def interleaved_medians(first, second, repeats: int, warmup: int) -> tuple[float
 def measure_step_times(backend, context: int, repeats: int = 200) -> tuple[float, float]:
     """(seconds of one full P-slot step, seconds of one plain token) of one sequence on BACKEND (a batch
     backend), both at a cache of `context` rows with the newest position in the middle, interleaved, medians."""
-    from speedc.runtimes.batch_backend import HeadRows
+    from speedc.runtimes.backends.onnx import HeadRows
 
     slots = backend.slots
     context = max(context, 2 * slots)  # the oldest slot's position is >= 0 (a 5-token bench went negative)

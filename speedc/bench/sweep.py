@@ -14,7 +14,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from speedc.artifact import TOKENIZER
+from speedc.format.artifact import TOKENIZER
 from speedc.bench.run import DEFAULT_PROMPTS, run_bench
 from speedc.errors import SpeedcError
 from speedc.runtimes.engine import Engine
@@ -37,9 +37,9 @@ def sweep_slots(engine: Engine, *, prompts: list[str] | None, new_tokens: int, r
     """One row per pipeline depth the layer map allows; the rest are listed as skipped, with why."""
     try:
         from speedc.build import build
-        from speedc.models.checkpoint import save_checkpoint
+        from speedc.models.checkpoint.torch_io import save_checkpoint
         from speedc.passes.base import BuildOptions
-        from speedc.runtimes.torch_backend import load_model_from_artifact
+        from speedc.runtimes.backends.torch_backend import load_model_from_artifact
     except ImportError:
         raise SpeedcError("--sweep slots recompiles the model: pip install 'speedc[compiler]'") from None
     manifest = engine.manifest

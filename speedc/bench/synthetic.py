@@ -135,7 +135,7 @@ def synthetic_checkpoint(shape: Shape, layers: int, directory: Path, residual_sc
         from speedc.bench.random_checkpoint import write_random_checkpoint
 
         return write_random_checkpoint(shape, layers, directory, residual_scale=residual_scale)
-    from speedc.models.checkpoint import save_checkpoint
+    from speedc.models.checkpoint.torch_io import save_checkpoint
 
     return save_checkpoint(random_model_of(shape_config(shape, layers), residual_scale), directory)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from speedc.artifact import CHAT_TEMPLATE, TOKENIZER_CONFIG
+from speedc.format.artifact import CHAT_TEMPLATE, TOKENIZER_CONFIG
 from speedc.errors import SpeedcError
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")

@@ -16,7 +16,7 @@ With P = 1 (a plain engine) the whole trip is one stage: one "core" pool [N, 1, 
 else. A cycle model (no prelude, no coda) has the "core" pool alone: slot s's rows of stage layer j
 are pool[j, s], logical layer s*S + j, contiguous for the sequences 0..n-1 (no gather).
 
-The graphs name the slabs they read (speedc/contract.py): the prefill graph one per cache entry
+The graphs name the slabs they read (speedc/format/contract.py): the prefill graph one per cache entry
 (cache.{kind}.{e}, entry e in `entries` order), the batch step one per (stage layer, slot)
 (cache.{kind}.{j}.{s}), its fused variant one per stage layer (cache.{kind}.{j}, the slots and
 sequences of pool[j] as one [P*W, ...] buffer).
@@ -31,7 +31,7 @@ from functools import cached_property
 
 import numpy as np
 
-from speedc import contract
+from speedc.format import contract
 from speedc.errors import ArtifactError
 
 CORE, PRELUDE, CODA = "core", "prelude", "coda"

@@ -22,7 +22,7 @@ from speedc.models.families import Family, common_fields, positive_int, refuse_o
 from speedc.models.depth_plan import looped_plan
 
 # Options that would change the computation; None / False is what the checkpoints ship (sliding window and
-# layer types: models/families.py UNIMPLEMENTED_ATTENTION, for every family).
+# layer types: models/families/__init__.py UNIMPLEMENTED_ATTENTION, for every family).
 REFUSED = {
     "rope_scaling": lambda v: v is None,
     "exit_at_step": lambda v: v is None,

@@ -29,12 +29,12 @@ import numpy as np
 from safetensors.torch import save_file
 
 from speedc.errors import CheckpointError
-from speedc.models.checkpoint_files import (CONFIG_FILE, INDEX_FILE, TOKENIZER_FILE, WEIGHTS_FILE, generation_eos_ids,
+from speedc.models.checkpoint.files import (CONFIG_FILE, INDEX_FILE, TOKENIZER_FILE, WEIGHTS_FILE, generation_eos_ids,
                                            token_ids)
 from speedc.models.config import ModelConfig
 from speedc.models.families import FAMILIES
 from speedc.models.llama import SharedLlama
-from speedc.models.tensor_source import TensorSource, safetensors_sources, same_values
+from speedc.models.checkpoint.tensor_source import TensorSource, safetensors_sources, same_values
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")  # TensorSource dtype names a checkpoint weight may have
@@ -160,7 +160,7 @@ def load_checkpoint(path: str | Path, *, allow_pickle: bool = False) -> tuple[Mo
 
 
 def with_generation_token_ids(cfg: ModelConfig, directory: Path) -> ModelConfig:
-    """The checkpoint's generation token ids (checkpoint_files.token_ids) over config.json's; every
+    """The checkpoint's generation token ids (checkpoint.files.token_ids) over config.json's; every
     end-of-text id generation_config.json lists (Llama-3-style chat models end on several)."""
     found = {key: value for key, (value, _) in token_ids(directory).items()}
     if "eos_token_id" in found:

@@ -1,5 +1,5 @@
 """PyTorch backend for the continuous-batching scheduler (runtimes/batch.py): the same contract as
-runtimes/batch_backend.py BatchBackend (a KV-cache pool of sequence slots; prefill, plain_step,
+runtimes/backends/onnx.py BatchBackend (a KV-cache pool of sequence slots; prefill, plain_step,
 speed_step), computed with the model code itself (models/row_layer.py, the heads of models/llama.py)
 from the artifact's weights or an in-memory model, on CPU or CUDA. Needs torch (the compiler extra).
 
@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from speedc import contract
-from speedc.artifact import (CONFIG, Manifest, checkpoint_tensor_names, dequantized_weights, exit_norm_kind, is_quantized,
+from speedc.format import contract
+from speedc.format.artifact import (CONFIG, Manifest, checkpoint_tensor_names, dequantized_weights, exit_norm_kind, is_quantized,
                              read_weight)
 from speedc.errors import GenerationError, OutOfMemory, SpeedcError
 from speedc.models.config import ModelConfig
@@ -40,14 +40,14 @@ from speedc.models.layer_map import valid_slot_counts
 from speedc.models.llama import SharedLlama
 from speedc.models.row_layer import RowContext, layer_over_rows, loop_boundary, rotary_inv_freq, row_context
 from speedc.models.sampling import is_integer
-from speedc.runtimes.backend import cache_slab, resolve_threads
-from speedc.runtimes.batch_backend import (MIN_POOL_POSITIONS, SHRINK_AFTER_STEPS, HeadRows, SpeedStepResult,
+from speedc.runtimes.backends.protocol import cache_slab, resolve_threads
+from speedc.runtimes.backends.onnx import (MIN_POOL_POSITIONS, SHRINK_AFTER_STEPS, HeadRows, SpeedStepResult,
                                            _power_of_two_size, next_pool_size)
 
 
 def load_model_from_artifact(directory: Path, manifest: Manifest) -> SharedLlama:
     """The artifact's weights as a PyTorch SharedLlama, with the layer map and exit the compiler chose."""
-    from speedc.models.checkpoint import model_from_state  # imports safetensors: not needed by from_model
+    from speedc.models.checkpoint.torch_io import model_from_state  # imports safetensors: not needed by from_model
 
     base = ModelConfig.load(directory / CONFIG)
     # The artifact's layer map is the one the share pass derived from the weights.

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from speedc.cli_options import FiniteFloat, given_options
+from speedc.cli.options import FiniteFloat, given_options
 from speedc.models.presets import PRESETS
 
 

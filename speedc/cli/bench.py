@@ -11,7 +11,7 @@ import click
 
 from speedc.bench.peers import PEER_NAMES
 from speedc.bench.synthetic import SHAPES
-from speedc.cli_options import FiniteFloat, backend_options
+from speedc.cli.options import FiniteFloat, backend_options
 from speedc.errors import GenerationError
 
 

@@ -1,4 +1,4 @@
-"""ONNX Runtime plumbing of the ONNX Runtime backend (runtimes/batch_backend.py) and the benchmarks:
+"""ONNX Runtime plumbing of the ONNX Runtime backend (runtimes/backends/onnx.py) and the benchmarks:
 the import, sessions, and the model dimensions read from the manifest. Imports numpy and onnxruntime only."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from speedc.artifact import Manifest
+from speedc.format.artifact import Manifest
 from speedc.errors import ArtifactError, SpeedcError
-from speedc.runtimes.backend import resolve_threads
+from speedc.runtimes.backends.protocol import resolve_threads
 
 
 def onnxruntime_module():

@@ -1,5 +1,5 @@
 """What a batch backend provides to the scheduler (runtimes/batch.py), and the thread setting every
-backend reads. runtimes/batch_backend.py (ONNX Runtime) implements it; so does the PyTorch backend.
+backend reads. runtimes/backends/onnx.py (ONNX Runtime) implements it; so does the PyTorch backend.
 
 The scheduler keeps all bookkeeping (which slot holds which token, what to flush, who holds which
 sequence slot); a backend owns the KV-cache pool [S, P, W, kvh, T+1, hd] (stage layer j, pipeline
@@ -75,4 +75,4 @@ class BatchBackendProtocol(Protocol):
 
     def speed_step(self, entering: np.ndarray, positions: np.ndarray, valid: np.ndarray, heads,
                    want_logits: bool):
-        """-> SpeedStepResult (runtimes/batch_backend.py) for the HeadRows HEADS."""
+        """-> SpeedStepResult (runtimes/backends/onnx.py) for the HeadRows HEADS."""

@@ -19,7 +19,7 @@ and tensor, not a failure deep inside a run.
                    -> final_token [F]  final_logits [F, V]  exit_tokens [E]  exit_candidates [E, K] (their top K)
                       check_tokens [K'] (each check's best candidate)  hidden_out [R, 1, H]
                       new_{key,value} [S, R, kvh, 1, hd]
-    batch_step of a depth plan with a prelude / coda (speedc/cache_layout.py; standard graph only):
+    batch_step of a depth plan with a prelude / coda (speedc/format/cache_layout.py; standard graph only):
                    as batch_step, plus cache.{key,value}.prelude.{i} [n, kvh, T, hd] (i < Lp) and
                    cache.{key,value}.coda.{i}.{d} [n, kvh, T, hd] (i < Lc, readout depth d: 0 draft, 1 final)
                    -> also new_{key,value}.prelude [Lp, n, kvh, 1, hd]  new_{key,value}.coda [Lc, 2, n, kvh, 1, hd];
@@ -45,7 +45,7 @@ from speedc.errors import ArtifactError
 
 # ---- graphs --------------------------------------------------------------------------------------
 PREFILL = "prefill"
-BATCH_STEP = "batch_step"  # one step of n sequences' pipelines (runtimes/batch_backend.py)
+BATCH_STEP = "batch_step"  # one step of n sequences' pipelines (runtimes/backends/onnx.py)
 PROGRAMS = (PREFILL, BATCH_STEP)  # the model programs (a plain engine has only prefill)
 FUSED_SUFFIX = ".gqa"  # graph names (and files) of the ONNX Runtime variants with fused attention
 GRAPHS = (*PROGRAMS, *(name + FUSED_SUFFIX for name in PROGRAMS))

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from speedc.errors import CheckpointError
-from speedc.models.checkpoint_files import read_safetensors_header
+from speedc.models.checkpoint.files import read_safetensors_header
 
 # safetensors dtype code -> numpy dtype name (bfloat16 is registered by ml_dtypes)
 SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from speedc.cli_options import FiniteFloat
+from speedc.cli.options import FiniteFloat
 from speedc.errors import SpeedcError
 from speedc.models import zoo
 

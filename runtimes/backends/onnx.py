@@ -3,7 +3,7 @@
 batching alike. Imports numpy and onnxruntime only.
 
     pool K, V [S, P, W, kvh, T+1, hd]  (stage layer j, pipeline slot s, sequence slot b, ...)
-    (a depth plan with a prelude / coda adds their pools beside it; speedc/cache_layout.py addresses all)
+    (a depth plan with a prelude / coda adds their pools beside it; speedc/format/cache_layout.py addresses all)
 
 The pool's width W (sequence slots) and length T (positions) follow the sequences in it (`reserve`):
 W the smallest power of two >= the occupied sequence slots, up to max_batch; T the smallest power of
@@ -45,11 +45,11 @@ from typing import Callable
 
 import numpy as np
 
-from speedc import contract
-from speedc.artifact import Manifest
-from speedc.cache_layout import CORE, CacheLayout
+from speedc.format import contract
+from speedc.format.artifact import Manifest
+from speedc.format.cache_layout import CORE, CacheLayout
 from speedc.errors import ArtifactError, GenerationError, OutOfMemory, SpeedcError
-from speedc.runtimes.onnx_session import bound_address, onnxruntime_module, open_sessions, take_dimensions
+from speedc.runtimes.backends.onnx_session import bound_address, onnxruntime_module, open_sessions, take_dimensions
 
 F32 = np.float32
 MIN_POOL_POSITIONS = 256  # the pool's smallest length T (a regrow copies the pool: not for every request)

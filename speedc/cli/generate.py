@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from speedc.cli_options import FiniteFloat, backend_options, flag, given_options
+from speedc.cli.options import FiniteFloat, backend_options, flag, given_options
 from speedc.errors import BatchError, GenerationError
 
 

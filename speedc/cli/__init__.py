@@ -67,17 +67,14 @@ def main() -> None:
 
 
 def _register_commands() -> None:
-    # Each command lives in its own module under speedc/commands_*; importing them here keeps
+    # Each command lives in its own module under speedc/cli/*; importing them here keeps
     # `speedc --help` fast (heavy imports happen inside the commands).
-    from speedc import commands_bench, commands_build, commands_generate, commands_model, commands_quality, commands_serve
+    from speedc.cli import bench, build, generate, model, quality, serve
 
-    for command in (commands_model.train, commands_build.build, commands_build.inspect, commands_generate.generate,
-                    commands_bench.bench, commands_quality.quality, commands_serve.serve):
+    for command in (model.train, build.build, build.inspect, generate.generate,
+                    bench.bench, quality.quality, serve.serve):
         command.callback = user_errors(command.callback)
         main.add_command(command)
 
 
 _register_commands()
-
-if __name__ == "__main__":
-    main()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from speedc.cli_options import FiniteFloat, backend_options, flag, given_options
+from speedc.cli.options import FiniteFloat, backend_options, flag, given_options
 from speedc.errors import SpeedcError
 from speedc.runtimes.detokenize import not_unicode
 
@@ -15,7 +15,7 @@ from speedc.runtimes.detokenize import not_unicode
 def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_queue: int, timeout: float,
                     max_batch: int, kv_cache_mb: float | None, backend: str, device: str) -> None:
     """What can be refused in one line before anything starts (the engine itself loads in the background)."""
-    from speedc.artifact import read_manifest
+    from speedc.format.artifact import read_manifest
     from speedc.serve.chat_template import load_chat_template
 
     if not 0 <= port <= 65535:
@@ -32,7 +32,7 @@ def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_q
         if kv_cache_mb is not None:
             raise SpeedcError("--kv-cache-mb sizes the batching pool; with --max-batch 1 there is none")
         return
-    from speedc.runtimes.batch_backend import BATCHING_BACKENDS, batch_ready, slot_capacity
+    from speedc.runtimes.backends.onnx import BATCHING_BACKENDS, batch_ready, slot_capacity
 
     if backend not in BATCHING_BACKENDS or device != "cpu":
         raise SpeedcError(f"continuous batching runs on ONNX Runtime on the CPU (not --backend {backend} --device "

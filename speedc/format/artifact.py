@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from speedc import contract
+from speedc.format import contract
 from speedc.errors import ArtifactError, BuildError, CheckpointError
 
 FORMAT_VERSION = 2  # 2: the single-sequence step, step_flush and cache-writer graphs are gone

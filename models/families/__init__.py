@@ -1,6 +1,6 @@
 """Checkpoint families: which config.json / weight layouts speedc reads, as a registry.
 
-A family module (models/family_*.py) says how its config maps onto ModelConfig (what its block is,
+A family module (models/families/*.py) says how its config maps onto ModelConfig (what its block is,
 what happens at a loop boundary, which options it validates and refuses) and how its tensor names map
 onto speedc's (`model.layers.{i}.*` -> `model.blocks.{i}.*`, tensors read and ignored). Everything
 downstream (the reference model, the trace pass, the PyTorch backend) reads only ModelConfig, so no
@@ -40,14 +40,12 @@ def register_family(family: Family) -> Family:
 
 
 def _load_families() -> None:
-    """Import every models/family_*.py (each registers itself): a new family is one file."""
+    """Import every models/families/*.py (each registers itself): a new family is one file."""
     import importlib
     import pkgutil
 
-    from speedc import models
-
-    for module in sorted(m.name for m in pkgutil.iter_modules(models.__path__) if m.name.startswith("family_")):
-        importlib.import_module(f"speedc.models.{module}")
+    for module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
+        importlib.import_module(f"{__name__}.{module}")
 
 
 def supported() -> str:
