@@ -132,8 +132,7 @@ class BatchScheduler:
                                   f"exceeds the KV-cache slot of {self.backend.capacity} positions (a larger KV-cache "
                                   "budget or fewer sequences: kv_cache_mb / max_batch, --kv-cache-mb / --max-batch)")
         mode = "batch speed" if self.backend.speculative and self.policy.row_budget != 0 else "batch autoregressive"
-        checks = getattr(self.backend, "early_checks", self.backend.speculative)  # a plan's coda reads out at two depths only
-        sequence = Sequence(next(self._ids), request, early_flush and checks, DecodeStats(mode),
+        sequence = Sequence(next(self._ids), request, early_flush and self.backend.early_checks, DecodeStats(mode),
                             acceptance=self.acceptance.start())
         with self._lock:
             self.waiting.append(sequence)

@@ -65,6 +65,10 @@ class ScriptedBackend:
     def speculative(self) -> bool:
         return self.slots > 1
 
+    @property
+    def early_checks(self) -> bool:
+        return self.speculative
+
     def reserve(self, positions: int, sequences: int | None = None) -> None:
         assert positions <= self.capacity and sequences in (None, 1)
 

@@ -53,6 +53,10 @@ class BatchBackendProtocol(Protocol):
     def speculative(self) -> bool:
         """P > 1: the backend runs speed steps."""
 
+    @property
+    def early_checks(self) -> bool:
+        """Whether a speed step can check a deeper slot's draft (early flush)."""
+
     def reserve(self, positions: int, sequences: int | None = None) -> None:
         """Make the pool hold POSITIONS positions for SEQUENCES sequence slots (OutOfMemory when it cannot)."""
 

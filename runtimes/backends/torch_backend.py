@@ -160,6 +160,10 @@ class TorchBackend:
     def speculative(self) -> bool:
         return self.slots > 1
 
+    @property
+    def early_checks(self) -> bool:  # every slot of a cycle reads out at the same tap (depth plans are refused)
+        return self.speculative
+
     # ---- the pool --------------------------------------------------------------------------------
     def reserve(self, positions: int, sequences: int | None = None) -> None:
         """BatchBackend.reserve's rules: the pool holds POSITIONS for each of SEQUENCES (None: as now)
