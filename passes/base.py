@@ -42,6 +42,7 @@ FACTS: dict[str, str] = {
     "fused_projections": "sibling projections stacked into one Gemm",
     "clean": "folded, dead-code-free, toposorted graphs in their storage precision",
     "quantized_weights": "weights stored block-quantized for --weights int8/int4 (MatMulNBits, GatherBlockQuantized)",
+    "engine_graph": "one engine graph per variant holding the programs as If branches (the artifact's graphs)",
 }
 
 
@@ -132,13 +133,15 @@ class PassReport:
 
 
 def graph_stats(graph: gs.Graph) -> tuple[int, int]:
-    """(node count, bytes of distinct initializers)."""
-    seen, total = set(), 0
-    for tensor in graph.tensors().values():
-        if isinstance(tensor, gs.Constant) and tensor.name not in seen:
-            seen.add(tensor.name)
-            total += constant_nbytes(tensor)
-    return len(graph.nodes), total
+    """(node count, bytes of distinct initializers), subgraphs (an engine graph's branches) included."""
+    seen, total, nodes = set(), 0, 0
+    for part in (graph, *graph.subgraphs(recursive=True)):
+        nodes += len(part.nodes)
+        for tensor in part.tensors().values():
+            if isinstance(tensor, gs.Constant) and tensor.name not in seen:
+                seen.add(tensor.name)
+                total += constant_nbytes(tensor)
+    return nodes, total
 
 
 def run_passes(state: CompileState, names: list[str], *, dump_after: set[str] | None = None,

@@ -18,7 +18,7 @@ runtime binds past and present to one buffer (IO binding; the `onnx` backend, ru
 
 The standard batch step reads one cache slab per (stage layer, slot); its fused variant reads each stage
 layer's whole pool as one buffer and runs one GroupQueryAttention a layer over it, and computes only the
-rows the runtime names (computed_rows: bubbles skipped; BatchPool below).
+rows the runtime names (computed_rows: bubbles skipped; BatchPool below): pool.key.{j} / pool.value.{j}.
 
 What the fusion drops must be exactly what GroupQueryAttention computes: each layer's nodes between its
 projections and o_proj are checked against the attention models/row_layer.py writes (op by op, and its
@@ -26,8 +26,8 @@ score scale), the rotary frequencies against rope_theta's, and the shared nodes 
 (masks, tables) by op type. Anything else (a q/k norm, a soft-cap, a scaled rope, a sliding window) is a
 one-line BuildError naming the node and the layer, never silently dropped (LAYER_ATTENTION_OPS below).
 
-The standard graphs stay in the artifact (TensorRT, the numpy-fed backend); these are added as
-`prefill.gqa` and `batch_step.gqa`. Only for --target onnx: TensorRT has no such op.
+The standard programs stay (TensorRT, the numpy-fed backend); these are added as `prefill.gqa` and
+`batch_step.gqa` (merge_programs then makes each variant one engine graph). Only for --target onnx: TensorRT has no such op.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def batch_slots(graph: gs.Graph) -> int:
 
 class BatchPool:
     r"""The batch step's attention over the runtime's cache pool (runtimes/backends/onnx.py): stage layer
-    j's slabs of every slot and every sequence slot are one buffer [P*W, kvh, T, hd] (row s*W + b), so
+    j's slabs of every slot and every pool row are one buffer [P*W, kvh, T, hd] (row s*W + b), so
     ONE GroupQueryAttention per layer serves the P slots of all n sequences, as in the single-sequence
     step (a GroupQueryAttention per slot group cost each step about 40% more, measured at n = 1).
 
@@ -229,7 +229,7 @@ class BatchPool:
         return gs.Constant(f"gqa.pool.{name}", np.array(values, np.int64))
 
     def _pool_seqlens(self, seqlens: gs.Tensor) -> gs.Tensor:
-        """seqlens_k [P*n] (slot-major) -> [P*W], the free sequence slots n..W-1 at 0."""
+        """seqlens_k [P*n] (slot-major) -> [P*W], the free pool rows n..W-1 at 0."""
         graph = self.graph
         missing = add_layer(graph, op="Sub", inputs=[self.width, self.n], outputs=["gqa.pool.free"])[0]  # [1] W - n
         pads = add_layer(graph, op="Concat", inputs=[self._const("pads.head", [0, 0, 0]), missing], outputs=["gqa.pool.pads"],
@@ -313,7 +313,7 @@ def lower_to_gqa(graph: gs.Graph, *, heads: int, kv_heads: int, head_dim: int, t
         written in place (key and value inputs left empty: GroupQueryAttention's packed form)."""
         past_key, past_value = (known[name] for name in cache_names)
         out = gs.Variable(f"{prefix}.out", np.float32)
-        presents = [gs.Variable(name + ".out", np.float32, past.shape) for name, past in zip(cache_names, (past_key, past_value))]
+        presents = [gs.Variable(contract.in_place_output(name), np.float32, past.shape) for name, past in zip(cache_names, (past_key, past_value))]
         graph.nodes.append(gs.Node(
             "GroupQueryAttention", f"{prefix}/GroupQueryAttention", domain="com.microsoft",
             attrs={"num_heads": heads, "kv_num_heads": kv_heads, "do_rotary": 1, "rotary_interleaved": 0},
@@ -328,14 +328,15 @@ def lower_to_gqa(graph: gs.Graph, *, heads: int, kv_heads: int, head_dim: int, t
     if slots:  # the pool inputs replace the per-slot slabs (their Concats fall away with the old attention)
         for layer in range(len(layers)):
             for kind in contract.KV_KINDS:
-                name = contract.cache_input(kind, layer)
+                name = contract.pool_input(kind, layer)
                 known[name] = gs.Variable(name, np.float32, ["pool_rows", kv_heads, "context", head_dim])
                 graph.inputs.append(known[name])
-        pool = BatchPool(graph, ids_shape, seqlens, slots, known[contract.cache_input("key", 0)], known["slot_inputs"], width)
+        pool = BatchPool(graph, ids_shape, seqlens, slots, known[contract.pool_input("key", 0)], known["slot_inputs"], width)
+    cache_name = contract.pool_input if slots else contract.cache_input
     cache_outputs = []
     for layer, (q2d, k2d, v2d, o_proj) in enumerate(layers):
         prefix = f"gqa.{layer}"
-        caches = [contract.cache_input(kind, layer) for kind in contract.KV_KINDS]
+        caches = [cache_name(kind, layer) for kind in contract.KV_KINDS]
         # Packed q|k|v rows: fuse_projections then stacks the three Gemms into one whose output is exactly
         # this Concat (and drops the Split + Concat), so each layer reshapes (and pads) one tensor, not three.
         packed = add_layer(graph, op="Concat", inputs=[q2d, k2d, v2d], outputs=[f"{prefix}.qkv"], attrs={"axis": 1})[0]

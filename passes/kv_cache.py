@@ -1,6 +1,6 @@
 """Pass `kv_cache` (phase lowering): cache inputs and new-row outputs in the runtime's layout.
 
-The runtime owns one pool per K and V laid out [S, P, W, kvh, T, hd] (stage layer, slot, sequence slot,
+The runtime owns one pool per K and V laid out [S, P, W, kvh, T, hd] (stage layer, slot, pool row,
 ...), so slot s's rows for stage layer j, logical layer s*S + j, over sequences b..b+B are one contiguous
 slab (runtimes/backends/onnx.py):
 

@@ -3,9 +3,9 @@ advanced together one step at a time (the backend is runtimes/backends/onnx.py).
 
 One scheduler iteration (`BatchScheduler.step`):
 
-    1. cancelled sequences leave; waiting requests take free sequence slots (FIFO; a request waits
+    1. cancelled sequences leave; waiting requests take free pool rows (FIFO; a request waits
        while none is free or the pool cannot grow to hold it (out of memory) beside the running ones,
-       one longer than a slot's capacity is refused at submit, never cut); the pool's width follows
+       one longer than a pool row's capacity is refused at submit, never cut); the pool's width follows
        the occupied slots, its length the longest request (BatchBackend.reserve)
     2. prefill: one chunk (<= prefill_chunk tokens) of the sequence in the lowest slot still prefilling;
        when that chunk starts its prompt, batched with the first chunks of the sequences in the slots
@@ -17,7 +17,7 @@ One scheduler iteration (`BatchScheduler.step`):
                 (enter, verify at the last slot, flush on a miss, optional early flush); an early-flush
                 check scores only the top K ids its token's first exit gave (HeadRows.check)
          plain: n rows; each sequence's last confirmed token through all N layers
-    4. finished sequences (EOS, stop string, max tokens, cancelled) free their slot at once; the last
+    4. finished sequences (EOS, stop string, max tokens, cancelled) free their pool row at once; the last
        occupied slot moves into the hole so the occupied slots stay a prefix (contiguous cache views)
 
 Lossless: every emitted token of a sequence is picked by its own TokenPicker from the final logits of
@@ -45,16 +45,16 @@ WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
 
 @dataclass
 class Sequence:
-    """One request in the batch: its sequence slot, pipeline, output and stats."""
+    """One request in the batch: its pool row, pipeline, output and stats."""
     id: int
     request: Request
     early_flush: bool
     stats: DecodeStats
     state: str = WAITING
-    slot: int = -1  # sequence slot in the cache pool (-1: none yet)
+    row: int = -1  # its row in the KV-cache pool (-1: none yet)
     prefilled: int = 0
     out: list[int] = field(default_factory=list)
-    pipeline: Pipeline | None = None  # its in-flight tokens (decode.py's rules), set when it gets a slot
+    pipeline: Pipeline | None = None  # its in-flight tokens (decode.py's rules), set when it gets a pool row
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
     first_token_seconds: float | None = None  # submit -> first confirmed token
@@ -113,7 +113,7 @@ class BatchScheduler:
         self.acceptance = acceptance or AlwaysSpeculate()
         self.prefill_chunk = prefill_chunk
         self.waiting: deque[Sequence] = deque()
-        self.occupied: list[Sequence] = []  # index = sequence slot
+        self.occupied: list[Sequence] = []  # index = pool row
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self.speculating = backend.speculative
@@ -129,7 +129,7 @@ class BatchScheduler:
         need = len(request.prompt) + request.max_new_tokens
         if need > self.backend.capacity:
             raise GenerationError(f"prompt ({len(request.prompt)} tokens) + max new tokens ({request.max_new_tokens}) "
-                                  f"exceeds the KV-cache slot of {self.backend.capacity} positions (a larger KV-cache "
+                                  f"exceeds the KV-cache row of {self.backend.capacity} positions (a larger KV-cache "
                                   "budget or fewer sequences: kv_cache_mb / max_batch, --kv-cache-mb / --max-batch)")
         mode = "batch speed" if self.backend.speculative and self.policy.row_budget != 0 else "batch autoregressive"
         sequence = Sequence(next(self._ids), request, early_flush and self.backend.early_checks, DecodeStats(mode),
@@ -139,7 +139,7 @@ class BatchScheduler:
         return sequence
 
     def cancel(self, sequence: Sequence) -> None:
-        """Stop SEQUENCE at the next step boundary (its slot is freed then)."""
+        """Stop SEQUENCE at the next step boundary (its pool row is freed then)."""
         sequence.cancelled = True
 
     @property
@@ -180,7 +180,7 @@ class BatchScheduler:
         return events
 
     def _admit(self, events: list[Event]) -> None:
-        """Waiting requests take free sequence slots, first come first served, while the pool can grow to
+        """Waiting requests take free pool rows, first come first served, while the pool can grow to
         hold them. One whose cache the pool cannot grow to hold (out of memory) waits, and the requests
         behind it too, until running sequences leave; when none is left and it still does not fit, it
         ends alone with that error (Sequence.error), never cut short and never failing the others."""
@@ -201,7 +201,7 @@ class BatchScheduler:
                 continue
             with self._lock:
                 self.waiting.popleft()
-            sequence.slot, sequence.state = len(self.occupied), PREFILL
+            sequence.row, sequence.state = len(self.occupied), PREFILL
             sequence.pipeline = Pipeline(self.backend.slots, sequence.stats)
             self.occupied.append(sequence)
 
@@ -231,14 +231,14 @@ class BatchScheduler:
             self.step()
 
     def drop_running(self) -> list[Sequence]:
-        """Forget every sequence holding a slot and return them: after a step failed part way their state
+        """Forget every sequence holding a pool row and return them: after a step failed part way their state
         is unknown. Their slots are free for new requests (a prefill overwrites the cache); the waiting
         requests have not started and stay queued."""
         with self._lock:
             dropped = list(self.occupied)
             self.occupied.clear()
         for sequence in dropped:
-            sequence.state, sequence.slot = DONE, -1
+            sequence.state, sequence.row = DONE, -1
         return dropped
 
     # ---- parts -----------------------------------------------------------------------------------
@@ -258,17 +258,17 @@ class BatchScheduler:
         self._release(sequence)
 
     def _release(self, sequence: Sequence) -> None:
-        """Free SEQUENCE's slot now; the last occupied slot moves into the hole."""
+        """Free SEQUENCE's pool row now; the last occupied row moves into the hole."""
         if sequence not in self.occupied:
             return
-        hole, last = sequence.slot, len(self.occupied) - 1
+        hole, last = sequence.row, len(self.occupied) - 1
         if hole != last:
             mover = self.occupied[last]
             self.backend.move(last, hole, self._cached(mover))  # positions beyond are never read
-            mover.slot = hole
+            mover.row = hole
             self.occupied[hole] = mover
         self.occupied.pop()
-        sequence.slot = -1
+        sequence.row = -1
 
     def _speculate(self, decoding: list[Sequence]) -> bool:
         """Speed or plain step: each sequence's own choice (advancing its fall-back / probe state), the
@@ -289,16 +289,16 @@ class BatchScheduler:
         return min(self.backend.capacity, len(sequence.request.prompt) + len(sequence.out) + self.backend.slots)
 
     def _bubble_positions(self) -> list[int]:
-        """Where each occupied sequence's bubbles run (index: sequence slot): just past what it may read
+        """Where each occupied sequence's bubbles run (index: pool row): just past what it may read
         (_cached), at most the pool's scratch row T. A bubble attends to every key below its position,
-        so at T each cost an attention over the whole slot (measured: the batch step's attention 3.5x
-        the single-sequence step's at zoo:small, whose slot holds its 1,024-token context); what it
+        so at T each cost an attention over the whole row (measured: the batch step's attention 3.5x
+        the single-sequence step's at zoo:small, whose row holds its 1,024-token context); what it
         writes there is overwritten before any row reads it (every position a row reads is below _cached)."""
         return [min(self._cached(sequence), self.backend.length) for sequence in self.occupied]
 
     def _prefill_group(self) -> list[Sequence]:
-        """The sequences prefilled in this iteration: the one in the lowest slot still prefilling, and when it starts
-        its prompt, the sequences in the slots after it that start theirs too, while the padded batch
+        """The sequences prefilled in this iteration: the one in the lowest pool row still prefilling, and when it starts
+        its prompt, the sequences in the rows after it that start theirs too, while the padded batch
         (sequences x longest first chunk) stays within prefill_chunk tokens: requests arriving together
         share each weight read of their prefill (one run), and a decode step still waits for at most
         prefill_chunk tokens of prefill. Only first chunks batch (BatchBackend.prefill says why)."""
@@ -308,7 +308,7 @@ class BatchScheduler:
         group = [head]
         if head.prefilled == 0:
             longest = min(len(head.request.prompt), self.prefill_chunk)
-            for sequence in self.occupied[head.slot + 1:]:
+            for sequence in self.occupied[head.row + 1:]:
                 if sequence.state != PREFILL or sequence.prefilled:
                     break
                 length = max(longest, min(len(sequence.request.prompt), self.prefill_chunk))
@@ -326,7 +326,7 @@ class BatchScheduler:
         chunks = [s.request.prompt[s.prefilled:s.prefilled + self.prefill_chunk] for s in group]
         last = [s.prefilled + len(chunk) == len(s.request.prompt) for s, chunk in zip(group, chunks)]
         want = any(done and s.request.picker.params.needs_logits for s, done in zip(group, last))
-        argmax, logits = self.backend.prefill(group[0].slot, chunks, group[0].prefilled, want)
+        argmax, logits = self.backend.prefill(group[0].row, chunks, group[0].prefilled, want)
         self.steps["prefill"] += 1
         elapsed = time.perf_counter() - start
         for row, (sequence, chunk, done) in enumerate(zip(group, chunks, last)):
@@ -345,14 +345,14 @@ class BatchScheduler:
         tokens, positions, valid = np.zeros(n, np.int64), np.asarray(self._bubble_positions(), np.int64), np.zeros(n, bool)
         for sequence in decoding:
             frontier = sequence.frontier()
-            tokens[sequence.slot], positions[sequence.slot], valid[sequence.slot] = frontier.token, frontier.pos, True
+            tokens[sequence.row], positions[sequence.row], valid[sequence.row] = frontier.token, frontier.pos, True
         want = any(s.request.picker.params.needs_logits for s in decoding)
         start = time.perf_counter()
         argmax, logits = self.backend.plain_step(tokens, positions, valid, want)
         self.steps["plain"] += 1
         for sequence in decoding:
             sequence.stats.steps += 1
-            b = sequence.slot
+            b = sequence.row
             token = sequence.request.picker.pick(logits[b] if want else None, int(argmax[b]), sequence.request.history)
             self.acceptance.waited(sequence.acceptance)
             self._emit(sequence, token, events)
@@ -378,7 +378,7 @@ class BatchScheduler:
                 events.append((sequence, None))
                 continue
             stepping.append(sequence)
-            b = sequence.slot
+            b = sequence.row
             entering[b] = enter.token if enter is not None else 0
             for s, slot in enumerate(pipeline.slots):
                 if slot is not None:

@@ -11,7 +11,7 @@ An engine is safe to share between threads: it owns one cache, so calls run one 
 waits for the one before it to finish; a stream holds the engine from its first piece to its last).
 Every call runs on the continuous-batching scheduler (runtimes/batch.py): generate and stream as a
 batch of one on the engine's own backend, generate_batch and batch_scheduler on pools of their own
-over the same sessions (each graph is opened once). With the ONNX Runtime backend this imports numpy,
+over the same session (the engine graph is opened once: one copy of the weights per process). With the ONNX Runtime backend this imports numpy,
 onnxruntime and tokenizers only.
 """
 
@@ -82,7 +82,7 @@ DEFAULT_BACKEND = "onnx"
 
 def make_backend(directory: Path, manifest: Manifest, backend: str, device: str, threads: int | None, *,
                  max_batch: int = 1, capacity: int | None = None):
-    """The batch backend BACKEND names, of MAX_BATCH sequence slots of CAPACITY positions (None: the context)."""
+    """The batch backend BACKEND names, of MAX_BATCH pool rows of CAPACITY positions (None: the context)."""
     entry = BACKENDS.get(backend)
     if entry is None:
         raise SpeedcError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
@@ -219,7 +219,7 @@ class Engine:
     def __init__(self, directory: Path, manifest: Manifest, backend, tokenizer, *, device: str = "cpu",
                  make_backend: Callable[[], object] | None = None, backend_name: str = DEFAULT_BACKEND,
                  threads: int | None = None) -> None:
-        """BACKEND: the engine's batch backend (one sequence slot; its sessions serve every call, batched
+        """BACKEND: the engine's batch backend (one pool row; its sessions serve every call, batched
         ones too), or None to have MAKE_BACKEND make it on first use. BACKEND_NAME: its name in BACKENDS
         (continuous batching runs on some only); THREADS: the intra-op threads its sessions were opened with."""
         self.directory, self.manifest, self.tokenizer, self.device = directory, manifest, tokenizer, device
@@ -381,7 +381,7 @@ class Engine:
     def batch_scheduler(self, *, max_batch: int = 8, kv_cache_mb: float | None = None, row_budget: int | None = -1,
                         per_sequence: bool = True, prefill_chunk: int = 128, fused: bool | None = None,
                         threads: int | None = None, backend=None):
-        """A scheduler over a new KV-cache pool of MAX_BATCH sequence slots (each of kv_cache_mb / max_batch,
+        """A scheduler over a new KV-cache pool of MAX_BATCH rows (each of kv_cache_mb / max_batch,
         at most the model's context; None: the full context). ROW_BUDGET: the per-step speed/plain policy
         (-1: the default, None: always speculate, 0: always plain). PER_SEQUENCE: a sequence whose own
         acceptance makes speculation a loss decodes plainly (runtimes/acceptance_policy.py). The pool is
@@ -391,7 +391,7 @@ class Engine:
         that take turns on one pool, never at once (the concurrency bench's policies)."""
         from speedc.runtimes.acceptance_policy import AcceptancePolicy, AlwaysSpeculate
         from speedc.runtimes.batch import BatchScheduler, RowPolicy
-        from speedc.runtimes.backends.onnx import slot_capacity
+        from speedc.runtimes.backends.onnx import row_capacity
 
         self._check_batching()
         require(max_batch, "max_batch", "an integer")  # 2.0 slots or a float chunk would fail deep inside a step
@@ -401,7 +401,7 @@ class Engine:
         if prefill_chunk < 1:
             raise GenerationError("prefill_chunk must be at least 1")
         if backend is None:
-            capacity = slot_capacity(self.manifest, max_batch, kv_cache_mb)
+            capacity = row_capacity(self.manifest, max_batch, kv_cache_mb)
             backend = self._pool_backend(max_batch, capacity, fused, threads)
         policy = RowPolicy() if row_budget == -1 else RowPolicy(row_budget=row_budget)
         acceptance = AcceptancePolicy.for_manifest(self.manifest) if per_sequence else AlwaysSpeculate()
@@ -453,7 +453,7 @@ class Engine:
         return results
 
     def _pool_backend(self, max_batch: int, capacity: int, fused: bool | None, threads: int | None):
-        """A batch backend with a pool of its own on the engine's sessions (each graph opened once per
+        """A batch backend with a pool of its own on the engine's session (its graph opened once per
         process); new sessions only where FUSED or THREADS differ from the engine's."""
         from speedc.runtimes.backends.onnx import make_batch_backend
 

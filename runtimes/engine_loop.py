@@ -127,12 +127,12 @@ class EngineLoop:
 
     @property
     def running(self) -> int:
-        """Requests holding a sequence slot (prefilling or decoding)."""
+        """Requests holding a pool row (prefilling or decoding)."""
         return len(self.scheduler.occupied)
 
     @property
     def waiting(self) -> int:
-        """Requests waiting for a free sequence slot."""
+        """Requests waiting for a free pool row."""
         return len(self.scheduler.waiting)
 
     def cancel(self, submitted: Submitted) -> None:

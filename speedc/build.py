@@ -24,7 +24,7 @@ from speedc.models.checkpoint.torch_io import checkpoint_hash, open_checkpoint, 
 from speedc.models.checkpoint.files import acceptance_hint_from_training, declared_tensor_bytes, has_speedc_section
 from speedc.passes import (batch_step_graph, cleanup, exit_heads, fuse_projections, fuse_skip_norm,  # noqa: F401
                            gqa_attention, kv_cache,
-                           quantize_weights, schedule, share, trace, trt_lint, untie_head)  # (importing registers the passes)
+                           merge_programs, quantize_weights, schedule, share, trace, trt_lint, untie_head)  # (importing registers the passes)
 from speedc.passes.base import BuildOptions, CompileState, PassReport, require_facts, run_passes
 from speedc.passes.block_quant import ACCURACY_LEVEL, BITS, BLOCK_SIZES, quantized_bytes_per_element
 from speedc.passes.trace import OPSET
@@ -33,11 +33,11 @@ PIPELINE: list[tuple[str, list[str]]] = [
     ("import", ["trace"]),
     ("analysis", ["share", "schedule"]),
     ("lowering", ["batch_step_graph", "exit_heads", "kv_cache", "gqa_attention", "fuse_projections"]),
-    ("finalize", ["cleanup", "fuse_skip_norm", "quantize_weights", "untie_head", "trt_lint"]),
+    ("finalize", ["cleanup", "fuse_skip_norm", "quantize_weights", "untie_head", "trt_lint", "merge_programs"]),
 ]
 PASS_ORDER = [name for _, names in PIPELINE for name in names]
 # What the artifact writer needs the pipeline to have produced (passes/base.py FACTS).
-ARTIFACT_REQUIRES = ("programs", "heads", "cache_io", "clean")
+ARTIFACT_REQUIRES = ("engine_graph", "heads", "cache_io", "clean")
 
 
 @dataclass

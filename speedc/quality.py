@@ -62,7 +62,7 @@ def teacher_forced(engine, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
     backend.reserve(len(ids) + 1, 1)
     argmax, true_logprob = [], []
     for position, token in enumerate(ids[:-1]):
-        top, logits = backend.prefill(0, [[token]], position, True)  # sequence slot 0: [1], [1, V]
+        top, logits = backend.prefill(0, [[token]], position, True)  # pool row 0: [1], [1, V]
         row = np.asarray(logits[0], np.float64)
         shifted = row - row.max()
         argmax.append(int(top[0]))

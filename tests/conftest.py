@@ -131,3 +131,38 @@ def assert_one_line_error(result, *fragments: str) -> None:
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
+
+
+def onnx_graphs(graph):
+    """An ONNX GraphProto and every subgraph in it (an engine graph's If branches), outermost first."""
+    found, stack = [], [graph]
+    while stack:
+        part = stack.pop(0)
+        found.append(part)
+        for node in part.node:
+            for attribute in node.attribute:
+                stack += ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs)
+    return found
+
+
+def onnx_nodes(graph) -> list:
+    """Every node of an ONNX GraphProto, its subgraphs' included."""
+    return [node for part in onnx_graphs(graph) for node in part.node]
+
+
+def run_engine_program(session, program: str, feeds: dict) -> dict:
+    """Run one program (contract.PREFILL / BATCH_STEP) of an engine graph's ONNX Runtime SESSION on FEEDS:
+    the branch selector set, every input of the other program fed a small placeholder. -> outputs by name."""
+    import numpy as np
+
+    from speedc.format import contract
+
+    filled = dict(feeds)
+    for tensor in session.get_inputs():
+        if tensor.name == contract.RUN_STEP:
+            filled[tensor.name] = np.array(program == contract.BATCH_STEP)
+        elif tensor.name not in filled:
+            dtype = np.int64 if tensor.type == "tensor(int64)" else np.float32
+            filled[tensor.name] = np.zeros([d if isinstance(d, int) else 1 for d in tensor.shape], dtype)
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(names, filled)))

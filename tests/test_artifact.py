@@ -14,7 +14,8 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import ZOO, assert_one_line_error, build_artifact, random_config, randomize, run_cli
+from conftest import (ZOO, assert_one_line_error, build_artifact, onnx_graphs, onnx_nodes, random_config, randomize,
+                      run_cli)
 from speedc.format.artifact import read_manifest, read_weight
 from speedc.errors import ArtifactError
 from speedc.models.checkpoint.torch_io import load_model, save_unrolled_hf
@@ -24,19 +25,20 @@ from speedc.serve.chat_template import load_chat_template
 
 def test_artifact_layout_and_weight_bytes(tiny_artifact):
     m = read_manifest(tiny_artifact)
-    assert {"manifest.json", "batch_step.onnx", "prefill.onnx", "weights.bin", "tokenizer.json",
-            "config.json"} <= {p.name for p in tiny_artifact.iterdir()}
-    for graph in ("batch_step.onnx", "prefill.onnx"):
+    assert {"manifest.json", "engine.onnx", "engine.gqa.onnx", "weights.bin", "tokenizer.json",
+            "config.json"} == {p.name for p in tiny_artifact.iterdir()}
+    for graph in ("engine.onnx", "engine.gqa.onnx"):
         onnx.checker.check_model(str(tiny_artifact / graph), full_check=True)
-    # The two programs and their ONNX Runtime variants (fused GroupQueryAttention), nothing else: every
-    # decode, single-sequence or batched, runs the batch step.
-    assert set(m.graphs) == {"batch_step", "prefill", "batch_step.gqa", "prefill.gqa"}
+    # One engine graph per variant (standard, fused GroupQueryAttention), each holding the prefill and the
+    # batch step as If branches, nothing else: every decode, single-sequence or batched, runs them.
+    assert set(m.graphs) == {"engine", "engine.gqa"}
     # Each unique weight stored once, shared by both graphs.
     assert m.weights["stored_bytes"] <= 1.02 * m.weights["unique_bytes_fp32"]
     assert (tiny_artifact / "weights.bin").stat().st_size <= 1.02 * m.weights["unique_bytes_fp32"]
-    for graph in ("batch_step.onnx", "prefill.onnx"):
+    for graph in ("engine.onnx", "engine.gqa.onnx"):
         model = onnx.load(str(tiny_artifact / graph), load_external_data=False)
-        assert all(init.data_location == onnx.TensorProto.EXTERNAL for init in model.graph.initializer if init.name in m.weights["index"])
+        assert all(init.data_location == onnx.TensorProto.EXTERNAL for part in onnx_graphs(model.graph)
+                   for init in part.initializer if init.name in m.weights["index"])
     assert m.layer_map == [0, 1] * 4 and m.slots == 4 and m.stage_layers == 2
     # Stacked projections (fuse_projections): checkpoint tensors are byte ranges of the stacked weight.
     index = m.weights["index"]
@@ -46,7 +48,7 @@ def test_artifact_layout_and_weight_bytes(tiny_artifact):
         rows = [read_weight(tiny_artifact, m, part) for part in index[name]["parts"]]
         assert all(index[part]["within"] == name for part in index[name]["parts"])
         np.testing.assert_array_equal(np.concatenate(rows), read_weight(tiny_artifact, m, name))
-    assert m.source_checkpoint_sha256 and m.onnx_opset == 17 and m.format_version == 2
+    assert m.source_checkpoint_sha256 and m.onnx_opset == 17 and m.format_version == 3
     assert [p["name"] for p in m.build["passes"]] == ["trace", "share", "schedule", "batch_step_graph", "exit_heads",
                                                       "kv_cache", "gqa_attention", "fuse_projections", "cleanup",
                                                       "fuse_skip_norm", "quantize_weights", "untie_head", "trt_lint"]
@@ -87,9 +89,10 @@ def test_fp16_storage_halves_the_weights(tmp_path, tiny_artifact):
     lookups = 0
     for spec in m.graphs.values():
         graph = onnx.load(str(art / spec["file"]), load_external_data=False).graph
-        stored = {t.name: t.data_type for t in graph.initializer}
-        readers = {name: [n for n in graph.node if name in n.input] for n in graph.node for name in n.output}
-        for node in (n for n in graph.node if n.op_type == "Gather" and n.input[0].startswith("model.")):
+        stored = {t.name: t.data_type for part in onnx_graphs(graph) for t in part.initializer}
+        nodes = onnx_nodes(graph)
+        readers = {name: [n for n in nodes if name in n.input] for n in nodes for name in n.output}
+        for node in (n for n in nodes if n.op_type == "Gather" and n.input[0].startswith("model.")):
             assert stored.get(node.input[0]) == onnx.TensorProto.FLOAT16, (spec["file"], node.input[0])
             assert [r.op_type for r in readers[node.output[0]]] == ["Cast"], spec["file"]
             lookups += 1
@@ -135,10 +138,10 @@ def test_inspect_checks_the_files_and_verify_their_hashes(tmp_path, tiny_artifac
     shutil.copytree(tiny_artifact, art)
     assert "every one present and its sha256" in run_cli("inspect", art, "--verify").stdout
     assert json.loads(run_cli("inspect", art, "--json").stdout)["files_verified"] is False
-    graph = art / "prefill.onnx"
+    graph = art / "engine.onnx"
     graph.write_bytes(graph.read_bytes()[:-1] + bytes([graph.read_bytes()[-1] ^ 1]))  # one bit of a small file
-    assert_one_line_error(run_cli("inspect", art), "prefill.onnx", "sha256 does not match")
-    shutil.copy(tiny_artifact / "prefill.onnx", graph)
+    assert_one_line_error(run_cli("inspect", art), "engine.onnx", "sha256 does not match")
+    shutil.copy(tiny_artifact / "engine.onnx", graph)
     weights = art / "weights.bin"
     blob = bytearray(weights.read_bytes())
     blob[7] ^= 1  # one bit of weights.bin: not hashed at load, by --verify

@@ -137,7 +137,7 @@ def test_pool_limits_are_refused_in_one_line_not_truncated(engine):
     scheduler = engine.batch_scheduler(max_batch=2, kv_cache_mb=0.1)
     capacity = scheduler.backend.capacity
     assert capacity < engine.manifest.model["max_context"]
-    with pytest.raises(GenerationError, match="exceeds the KV-cache slot"):
+    with pytest.raises(GenerationError, match="exceeds the KV-cache row"):
         scheduler.submit(engine.request_from([1, 2, 3], dict(max_new_tokens=capacity)))
     with pytest.raises(GenerationError, match="leaves no room"):
         engine.batch_scheduler(max_batch=8, kv_cache_mb=0.001)
@@ -179,7 +179,7 @@ def test_pool_length_follows_the_longest_request_losslessly(engine):
 
 
 def test_pool_width_follows_the_occupied_slots_losslessly(engine):
-    """The pool's width W (sequence slots its attention runs over) follows the occupied slots: one
+    """The pool's width W (pool rows its attention runs over) follows the occupied slots: one
     request in a pool of 4 runs alone (W = 1, no padding rows), two joining it mid-decode grow W to 4
     (the first one's K/V copied over), and a few steps after they leave W shrinks back to 1 (keeping the
     first one's K/V); each sequence equals plain decoding of it alone."""
@@ -205,10 +205,12 @@ def test_pool_width_follows_the_occupied_slots_losslessly(engine):
         assert sequence.out == _alone(engine, prompt, {}, new).ids
 
 
-def test_artifact_without_batch_graph_asks_for_a_rebuild(tiny_artifact):
+def test_artifact_without_engine_graph_asks_for_a_rebuild(tiny_artifact):
     manifest = read_manifest(tiny_artifact)
-    del manifest.graphs[contract.BATCH_STEP]
-    with pytest.raises(ArtifactError, match="rebuild"):
+    del manifest.graphs[contract.fused(contract.ENGINE)]  # the standard engine graph serves then
+    assert not BatchBackend(tiny_artifact, manifest, max_batch=1, capacity=8).fused
+    del manifest.graphs[contract.ENGINE]
+    with pytest.raises(ArtifactError, match="no engine graph; rebuild"):
         BatchBackend(tiny_artifact, manifest, max_batch=1, capacity=8)
 
 

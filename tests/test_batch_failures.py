@@ -39,7 +39,7 @@ def test_pool_allocates_what_requests_need_and_refuses_growth_that_does_not_fit(
     holds what they need. Growing past memory is a one-line OutOfMemory that leaves the pool as it was."""
     backend = BatchBackend(engine.directory, engine.manifest, max_batch=2, capacity=HUGE)
     assert backend.length == 256 and backend.key.nbytes < (64 << 20)
-    with pytest.raises(OutOfMemory, match=r"cannot grow to \d+ positions x 1 sequence slots .*out of memory"):
+    with pytest.raises(OutOfMemory, match=r"cannot grow to \d+ positions x 1 pool rows .*out of memory"):
         backend.reserve(HUGE - 1)
     assert backend.length == 256
     scheduler = BatchScheduler(backend)

@@ -40,7 +40,7 @@ def test_step_slabs_standard_and_fused():
     fused = layout.step_slabs(pools, 2, fused=True)
     assert len(standard) == 2 * 2 * 3 and len(fused) == 2 * 2
     for j in range(2):
-        whole = fused[contract.cache_input("value", j)]  # [P*W, kvh, T+1, hd], row s*W + b
+        whole = fused[contract.pool_input("value", j)]  # [P*W, kvh, T+1, hd], row s*W + b
         assert whole.shape == (3 * W, KVH, T + 1, HD) and np.shares_memory(whole, pools[CORE][1])
         for s in range(3):
             slab = standard[contract.batch_cache_input("value", j, s)]
@@ -70,7 +70,7 @@ def test_token_and_step_rows():
     pools = pools_for(layout)
     expected = {kind: pool.copy() for kind, pool in zip(contract.KV_KINDS, pools[CORE])}
     rng = np.random.default_rng(2)
-    # plain decoding: one token per sequence slot, rows 0 and 2 valid
+    # plain decoding: one token per pool row, rows 0 and 2 valid
     rows, positions = np.array([0, 2]), np.array([4, 0, 1])
     new = {kind: rng.standard_normal((6, 3, KVH, 1, HD)).astype(np.float32) for kind in contract.KV_KINDS}
     layout.write_token_rows(pools, new, rows, positions)

@@ -57,9 +57,9 @@ def test_damaged_artifacts(tiny_artifact, tmp_path):
     blob[100] ^= 0xFF  # same size, other bytes: weights.bin is hashed by inspect --verify, not at every load
     (corrupt / "weights.bin").write_bytes(bytes(blob))
     assert_one_line_error(run_cli("inspect", corrupt, "--verify"), "weights.bin", "sha256 does not match")
-    graph = corrupt / "prefill.onnx"  # a small file is hashed at every load
+    graph = corrupt / "engine.onnx"  # a small file is hashed at every load
     graph.write_bytes(graph.read_bytes()[:-1] + b"\0")
-    assert_one_line_error(run_cli("generate", corrupt, "--prompt", "hi"), "prefill.onnx", "sha256 does not match")
+    assert_one_line_error(run_cli("generate", corrupt, "--prompt", "hi"), "engine.onnx", "sha256 does not match")
 
     old = tmp_path / "old"
     shutil.copytree(tiny_artifact, old)

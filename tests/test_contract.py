@@ -39,14 +39,21 @@ def test_every_built_graph_matches_the_contract(tiny_artifact):
         assert {t["name"] for t in spec["outputs"]} == {n for n, _, _ in outputs}
 
 
-@pytest.mark.parametrize("graph, side, index, fragment", [
-    ("batch_step", "outputs", 2, "graph batch_step: output exit_tokens is missing"),
-    ("prefill.gqa", "inputs", 3, "graph prefill.gqa: input cache.value.0 is missing"),
-    ("batch_step", "inputs", 6, "graph batch_step: input check_candidates is missing"),
+def _tensor(manifest: dict, graph: str, side: str, name: str) -> dict:
+    return next(t for t in manifest["graphs"][graph][side] if t["name"] == name)
+
+
+@pytest.mark.parametrize("graph, side, name", [
+    ("engine", "outputs", "exit_tokens"),  # the batch step's
+    ("engine.gqa", "inputs", "cache.value.0"),  # the prefill's
+    ("engine", "inputs", "check_candidates"),
+    ("engine.gqa", "inputs", "pool.key.1"),  # the fused batch step's
+    ("engine", "inputs", "run_step"),  # the branch selector
 ])
-def test_manifest_that_breaks_the_contract_is_refused(tiny_artifact, tmp_path, graph, side, index, fragment):
+def test_manifest_that_breaks_the_contract_is_refused(tiny_artifact, tmp_path, graph, side, name):
     art = _copy(tiny_artifact, tmp_path)
-    _edit_manifest(art, lambda m: m["graphs"][graph][side][index].update(name="renamed"))
+    fragment = f"graph {graph}: {side[:-1]} {name} is missing"
+    _edit_manifest(art, lambda m: _tensor(m, graph, side, name).update(name="renamed"))
     with pytest.raises(ArtifactError, match=fragment) as refused:
         read_manifest(art)
     assert "rebuild" in str(refused.value) and "\n" not in str(refused.value)
@@ -56,13 +63,13 @@ def test_manifest_that_breaks_the_contract_is_refused(tiny_artifact, tmp_path, g
 
 def test_wrong_shape_and_dtype_are_named(tiny_artifact, tmp_path):
     art = _copy(tiny_artifact, tmp_path)
-    _edit_manifest(art, lambda m: m["graphs"]["batch_step"]["inputs"][2].update(shape=["rows_behind", 1, 3]))
-    with pytest.raises(ArtifactError, match=r"graph batch_step: input hidden_in has shape \['rows_behind', 1, 3\], "
+    _edit_manifest(art, lambda m: _tensor(m, "engine", "inputs", "hidden_in").update(shape=["rows_behind", 1, 3]))
+    with pytest.raises(ArtifactError, match=r"graph engine: input hidden_in has shape \['rows_behind', 1, 3\], "
                                             r"expected \['\*', 1, \d+\]"):
         read_manifest(art)
     art2 = Path(shutil.copytree(tiny_artifact, tmp_path / "art2"))
-    _edit_manifest(art2, lambda m: m["graphs"]["prefill"]["outputs"][0].update(dtype="int32"))
-    with pytest.raises(ArtifactError, match="graph prefill: output next_token is int32, expected int64"):
+    _edit_manifest(art2, lambda m: _tensor(m, "engine.gqa", "outputs", "next_token").update(dtype="int32"))
+    with pytest.raises(ArtifactError, match="graph engine.gqa: output next_token is int32, expected int64"):
         read_manifest(art2)
 
 
@@ -70,29 +77,30 @@ def test_graph_file_that_differs_from_its_manifest_is_refused(tiny_artifact, tmp
     """A file edited behind the manifest (hash updated to pass the integrity check) still cannot be
     run: ONNX Runtime's view of its I/O is checked against the manifest at load."""
     art = _copy(tiny_artifact, tmp_path)
-    path = art / "batch_step.onnx"
+    path = art / "engine.onnx"
     model = onnx.load(str(path), load_external_data=False)
-    old = model.graph.output[2].name  # exit_tokens
-    model.graph.output[2].name = "exit_guess"
+    for value in model.graph.output:
+        if value.name == "exit_tokens":
+            value.name = "exit_guess"
     for node in model.graph.node:
-        node.output[:] = ["exit_guess" if o == old else o for o in node.output]
+        node.output[:] = ["exit_guess" if o == "exit_tokens" else o for o in node.output]
     onnx.save(model, str(path))
-    _edit_manifest(art, lambda m: (m["files"].update({"batch_step.onnx": sha256_file(path)}),
-                                   m["file_bytes"].update({"batch_step.onnx": path.stat().st_size})))
-    with pytest.raises(ArtifactError, match="graph batch_step has no output exit_tokens"):
+    _edit_manifest(art, lambda m: (m["files"].update({"engine.onnx": sha256_file(path)}),
+                                   m["file_bytes"].update({"engine.onnx": path.stat().st_size})))
+    with pytest.raises(ArtifactError, match="graph engine has no output exit_tokens"):
         Engine.load(art, backend="onnx-numpy")
 
 
 def test_previous_format_versions(tiny_artifact, tmp_path):
-    """An artifact from an older format (1: with the single-sequence step graphs) is refused with a
-    message that says to rebuild; one of this format written before optional fields existed (no
-    measured step cost) loads and runs."""
-    for version in (0, 1):
+    """An artifact from an older format (1: with the single-sequence step graphs; 2: a graph file per
+    program) is refused with a message that says to rebuild; one of this format written before optional
+    fields existed (no measured step cost) loads and runs."""
+    for version in (0, 1, 2):
         art = _copy(tiny_artifact, tmp_path / f"v{version}")
         _edit_manifest(art, lambda m: m.update(format_version=version))
         result = run_cli("generate", art, "--prompt-ids", "1,2", "--max-new-tokens", "2")
-        assert_one_line_error(result, f"format version {version} but this speedc reads version 2", "rebuild")
-        with pytest.raises(ArtifactError, match=f"format version {version} but this speedc reads version 2"):
+        assert_one_line_error(result, f"format version {version} but this speedc reads version 3", "rebuild")
+        with pytest.raises(ArtifactError, match=f"format version {version} but this speedc reads version 3"):
             Engine.load(art)
     art2 = Path(shutil.copytree(tiny_artifact, tmp_path / "art2"))
     _edit_manifest(art2, lambda m: m["build"].pop("step_cost_measured", None))

@@ -50,7 +50,7 @@ def draft_candidates(guess: int, pos: int) -> np.ndarray:
 
 
 class ScriptedBackend:
-    """A batch backend of one sequence slot (the scheduler's interface, runtimes/backends/protocol.py)."""
+    """A batch backend of one pool row (the scheduler's interface, runtimes/backends/protocol.py)."""
     stage_layers, vocab_size, max_context, max_batch, width, check_width = 1, V, V, 1, 1, K
 
     def __init__(self, slots: int, wrong_guess=NO_MISS):

@@ -142,7 +142,7 @@ def test_manifest_records_the_plan(case):
     assert manifest.slots == shape["loops"] and manifest.schedule["readouts"]["final"]["slot"] == 2
     assert manifest.schedule["slot_layers"][0][:shape["prelude"] + 1] == list(range(shape["prelude"] + 1))  # prelude first
     assert manifest.schedule["readouts"]["draft"]["coda"] == bool(shape["coda"])
-    assert (contract.fused(contract.BATCH_STEP) in manifest.graphs) == (not shape["coda"])  # fused: cycles only
+    assert (contract.fused(contract.ENGINE) in manifest.graphs) == (not shape["coda"])  # fused: cycles only
     shown = run_cli("inspect", artifact)
     assert shown.returncode == 0, shown.stderr
     assert f"depth plan: {DepthPlan.from_json(plan).describe()}" in shown.stdout

@@ -422,9 +422,10 @@ def test_untie_head_in_an_artifact_stores_no_bytes_twice(tiny_artifact):
     index = read_manifest(tiny_artifact).weights["index"]
     view, embedding = index["tied_head.model.embed_tokens.weight"], index["model.embed_tokens.weight"]
     assert view["within"] == "model.embed_tokens.weight" and view["offset"] == embedding["offset"]
-    step = onnx.load(str(tiny_artifact / "batch_step.gqa.onnx"), load_external_data=False)
-    readers = sorted((node.op_type, list(node.input)) for node in step.graph.node if node.op_type in ("Gather", "Gemm")
+    engine = onnx.load(str(tiny_artifact / "engine.gqa.onnx"), load_external_data=False)
+    step = next(a.g for node in engine.graph.node if node.op_type == "If" for a in node.attribute if a.name == "then_branch")
+    readers = sorted((node.op_type, list(node.input)) for node in step.node if node.op_type in ("Gather", "Gemm")
                      and "embed_tokens" in " ".join(node.input))
     assert readers == [("Gather", ["model.embed_tokens.weight", "check_candidates"]),  # the check rows' candidates
                        ("Gather", ["model.embed_tokens.weight", "input_ids"]),
-                       ("Gemm", ["batch_head_rows", "tied_head.model.embed_tokens.weight"])]
+                       ("Gemm", ["batch_step/batch_head_rows", "tied_head.model.embed_tokens.weight"])]

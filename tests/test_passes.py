@@ -167,7 +167,7 @@ def _step_feeds(graph: gs.Graph, slots: int = 3, context: int = 6) -> dict[str, 
     if "computed_rows" in shapes:  # fused: every row holds a token; the pool [P*W, ...] with W = 1
         feeds["computed_rows"] = np.arange(slots)
     for name, shape in shapes.items():
-        if name.startswith("cache."):
+        if name.startswith(("cache.", "pool.")):
             rows = slots if "computed_rows" in shapes else 1  # fused pool rows, else one slab's sequences
             feeds[name] = rng.standard_normal((rows, shape[1], context, shape[3])).astype(np.float32)
     return {name: value for name, value in feeds.items() if name in shapes}
@@ -235,14 +235,14 @@ def test_gqa_attention_before_after():
         outputs = {t.name for t in fused.outputs}
         assert "new_key" not in outputs and {f"cache.key.{i}.out" for i in range(layers)} <= outputs
         assert {t.name for t in fused.inputs} == {t.name for t in standard.inputs}  # same feeds, same buffers
-    # The batch step: one attention per stage layer over the pool (every slot's and sequence slot's rows,
+    # The batch step: one attention per stage layer over the pool (every slot's and pool row's rows,
     # the free ones padded in), not one per slot group; its P slabs per layer become one pool buffer.
     fused, standard = after.graphs["batch_step.gqa"], after.graphs["batch_step"]
     assert _ops(fused, "GroupQueryAttention") == 2 and _ops(fused, "Softmax") == 0
     slabs = {t.name for t in standard.inputs if t.name.startswith("cache.")}
     assert len(slabs) == 2 * 2 * 3  # key/value x stage layers x slots
     assert {t.name for t in fused.inputs} == ({t.name for t in standard.inputs} - slabs) | {
-        f"cache.{kind}.{j}" for kind in ("key", "value") for j in range(2)} | {"computed_rows"}
+        f"pool.{kind}.{j}" for kind in ("key", "value") for j in range(2)} | {"computed_rows"}
     # Only the computed rows run the stage layers: one Gather of the slot inputs, every Gemm after it.
     assert [n.inputs[1].name for n in fused.nodes if n.op == "Gather" and n.inputs[0].name == "slot_inputs.every_row"] == [
         "computed_rows"]

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import ZOO, build_artifact, random_config, randomize
+from conftest import ZOO, build_artifact, onnx_graphs, onnx_nodes, random_config, randomize
 from speedc import Engine
 from speedc.format.artifact import GRAPH_FILES, dequantized_weights, is_weight_name, stored_entries
 from speedc.models.checkpoint.torch_io import open_checkpoint
@@ -117,8 +117,9 @@ def test_each_weight_is_stored_once_as_codes_and_scales(quantized):
     ops, referenced = set(), set()
     for graph_name, spec in m.graphs.items():
         model = onnx.load(str(directory / GRAPH_FILES[graph_name]), load_external_data=False)
-        ops |= {node.op_type for node in model.graph.node}
-        referenced |= {t.name for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
+        ops |= {node.op_type for node in onnx_nodes(model.graph)}
+        referenced |= {t.name for part in onnx_graphs(model.graph) for t in part.initializer
+                       if t.data_location == onnx.TensorProto.EXTERNAL}
     assert {"MatMulNBits", "GatherBlockQuantized"} <= ops and "Gemm" not in ops and referenced <= set(index)
     unique = sum(checkpoint[n].numel for n in matrices)
     expected = unique * (1 + 4 / 32) + sum(e["length"] for e in stored.values() if "quantized" not in e) + 64 * len(stored)

@@ -15,7 +15,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from conftest import build_artifact, random_config, randomize
+from conftest import build_artifact, random_config, randomize, run_engine_program
 from speedc.format import contract
 from speedc.format.artifact import read_manifest
 from speedc.models.llama import LayerCache, SharedLlama, rope_cos_sin
@@ -36,7 +36,7 @@ def test_batch_step_graph_matches_reference(shape, tmp_path):
     manifest = read_manifest(art)
     slots, stage = manifest.slots, manifest.stage_layers
     assert slots == cfg.num_hidden_layers // cfg.num_blocks and stage == cfg.num_blocks
-    session = ort.InferenceSession(str(art / "batch_step.onnx"))
+    session = ort.InferenceSession(str(art / "engine.onnx"))
     rng = np.random.default_rng(0)
     context = 24
     width = contract.candidate_count(cfg.vocab_size)
@@ -53,7 +53,7 @@ def test_batch_step_graph_matches_reference(shape, tmp_path):
         for j in range(stage):
             for s in range(slots):
                 feeds[f"cache.key.{j}.{s}"], feeds[f"cache.value.{j}.{s}"] = key[j, s][None], value[j, s][None]
-        out = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+        out = run_engine_program(session, contract.BATCH_STEP, feeds)
 
         with torch.no_grad():
             for slot in range(slots):

@@ -129,7 +129,7 @@ def test_forced_mispredictions_with_staggered_arrivals_and_a_growing_pool(sampli
     def watch(scheduler):
         sizes.append((backend.length, backend.width))
         for sequence in scheduler.occupied:
-            slots.setdefault(sequence.id, set()).add(sequence.slot)
+            slots.setdefault(sequence.id, set()).add(sequence.row)
 
     sequences = _decode(backend, prompts, lengths, params, arrive_every=2, watch=watch)
     assert [s.out for s in sequences] == [reference_generate(model, p, n, params) for p, n in zip(prompts, lengths)]
@@ -236,7 +236,7 @@ def test_pool_sizes_follow_the_onnx_batch_backend(case):
     mine.key[:, :, 2] = 1.5
     mine.move(2, 0, 10)
     assert torch.all(mine.key[:, :, 0, :, :10] == 1.5) and not torch.any(mine.key[:, :, 0, :, 10:] == 1.5)
-    with pytest.raises(GenerationError, match="exceed the KV-cache slot of 64"):
+    with pytest.raises(GenerationError, match="exceed the KV-cache row of 64"):
         mine.reserve(65, 1)
 
 

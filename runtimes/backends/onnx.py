@@ -1,17 +1,17 @@
-"""The ONNX Runtime (CPU) backend: a KV-cache pool of sequence slots and the three graph runs the scheduler
+"""The ONNX Runtime (CPU) backend: a KV-cache pool (a row per sequence) and the three graph runs the scheduler
 (runtimes/batch.py) needs, for one sequence (Engine.generate / stream: a batch of one) and for continuous
 batching alike. Imports numpy and onnxruntime only.
 
-    pool K, V [S, P, W, kvh, T+1, hd]  (stage layer j, pipeline slot s, sequence slot b, ...)
+    pool K, V [S, P, W, kvh, T+1, hd]  (stage layer j, pipeline slot s, pool row b, ...)
     (a depth plan with a prelude / coda adds their pools beside it; speedc/format/cache_layout.py addresses all)
 
-The pool's width W (sequence slots) and length T (positions) follow the sequences in it (`reserve`):
-W the smallest power of two >= the occupied sequence slots, up to max_batch; T the smallest power of
+The pool's width W (pool rows) and length T (positions) follow the sequences in it (`reserve`):
+W the smallest power of two >= the occupied pool rows, up to max_batch; T the smallest power of
 two >= the longest prompt + max new tokens in it, at least MIN_POOL_POSITIONS, up to `capacity`
 (--kv-cache-mb, else the context). The pool grows at once (and then takes the other axis's current need
 too), and shrinks only after SHRINK_AFTER_STEPS steps in a row needed less (a burst of requests ending
 together does not shrink it just before the next burst grows it again); an idle pool keeps its size.
-- W: the fused batch step runs attention over all W sequence slots, the free ones as padding rows; one
+- W: the fused batch step runs attention over all W pool rows, the free ones as padding rows; one
   client in a pool of 8 slots paid 8-16% more a step for them than in a pool of 1 (zoo:small).
 - T: an Ouro-1.4B-shaped model keeps 1.5 MiB per position per sequence (96 logical layers = 24 blocks x
   4 loops, 16 KV heads x 128, K and V, fp32), so 8 slots of a 32K context would be 384 GiB before the
@@ -24,7 +24,7 @@ A pool that cannot grow is a one-line GenerationError, the old pool intact.
                         fused: stage layer j's whole pool[j] as one [P*W, ...] buffer (one attention a layer)
 
 Every slab a graph reads is a contiguous view of the pool (sequences 0..n-1: the scheduler keeps the
-occupied sequence slots a prefix by moving the last one into a hole). Bubbles (empty pipeline slots,
+occupied pool rows a prefix by moving the last one into a hole). Bubbles (empty pipeline slots,
 sequences still prefilling) sit where the scheduler says: just past what their sequence may read
 (runtimes/batch.py _bubble_positions), at most row T (`length`), the scratch row each slab has. With the
 fused graphs (GroupQueryAttention writes the cache in place, bound through IO binding) that is where
@@ -49,7 +49,8 @@ from speedc.format import contract
 from speedc.format.artifact import Manifest
 from speedc.format.cache_layout import CORE, CacheLayout
 from speedc.errors import ArtifactError, GenerationError, OutOfMemory, SpeedcError
-from speedc.runtimes.backends.onnx_session import bound_address, onnxruntime_module, open_sessions, take_dimensions
+from speedc.runtimes.backends.onnx_session import (bound_address, onnxruntime_module, open_sessions, program_sessions,
+                                                    take_dimensions)
 
 F32 = np.float32
 MIN_POOL_POSITIONS = 256  # the pool's smallest length T (a regrow copies the pool: not for every request)
@@ -58,24 +59,16 @@ MAX_STEP_BINDINGS = 1024  # fused step bindings kept (shapes seen: 54 at 8 seque
 MAX_LAYOUTS = 4096  # valid-row patterns remembered (_layout); a few KB each at most
 
 
-def batch_ready(manifest: Manifest) -> bool:
-    """Whether the artifact can batch: its prefill graph takes many rows, and (P > 1) it has the batch step."""
-    spec = manifest.graphs.get(contract.PREFILL, {})
-    token = next((t for t in spec.get("outputs", []) if t["name"] == contract.NEXT_TOKEN), None)
-    rows_dynamic = token is not None and not isinstance(token["shape"][0], int)
-    return rows_dynamic and (manifest.slots == 1 or contract.BATCH_STEP in manifest.graphs)
-
-
 def pool_bytes_per_position(manifest: Manifest) -> int:
-    """K and V bytes one sequence slot needs per position (every cache entry: each logical layer, and a
+    """K and V bytes one pool row needs per position (every cache entry: each logical layer, and a
     pipelined coda's second readout depth)."""
     model = manifest.model
     entries = len(CacheLayout.from_manifest(manifest).entries)
     return 2 * entries * model["num_kv_heads"] * model["head_dim"] * np.dtype(F32).itemsize
 
 
-def slot_capacity(manifest: Manifest, max_batch: int, kv_cache_mb: float | None) -> int:
-    """Positions each of MAX_BATCH sequence slots holds: KV_CACHE_MB shared among them (None: the model's
+def row_capacity(manifest: Manifest, max_batch: int, kv_cache_mb: float | None) -> int:
+    """Positions each of MAX_BATCH pool rows holds: KV_CACHE_MB shared among them (None: the model's
     whole context each), at most the context. GenerationError when that leaves no room."""
     if max_batch < 1:
         raise GenerationError("max batch must be at least 1")
@@ -103,7 +96,7 @@ def next_pool_size(pool, positions: int, sequences: int | None) -> tuple[int, in
     x SEQUENCES (None: its width now), or None where it stays as it is: it grows at once, and shrinks only
     once POOL.shrink_after calls in a row asked for less (counted in POOL._shrink_pending)."""
     if positions > pool.capacity:
-        raise GenerationError(f"{positions} positions exceed the KV-cache slot of {pool.capacity}")
+        raise GenerationError(f"{positions} positions exceed the KV-cache row of {pool.capacity}")
     sequences = pool.width if sequences is None else sequences
     if not 0 < sequences <= pool.max_batch:
         raise GenerationError(f"internal: {sequences} sequences for a pool of {pool.max_batch}")
@@ -126,7 +119,7 @@ def pool_binding(session, slabs: dict[str, np.ndarray]):
     binding = session.io_binding()
     for name, view in slabs.items():
         binding.bind_input(name, "cpu", 0, F32, list(view.shape), bound_address(binding, name, view, F32))
-        present = name + ".out"  # contract.cache_output
+        present = contract.in_place_output(name)
         binding.bind_output(present, "cpu", 0, F32, list(view.shape), bound_address(binding, present, view, F32))
     return binding
 
@@ -190,33 +183,31 @@ class BatchBackend:
                  sessions: dict | None = None, profile_prefix: str | None = None) -> None:
         """SESSIONS: another BatchBackend's sessions of this artifact (same fused choice), shared instead of
         opened again (a session is stateless between runs; the pool and its bindings stay this backend's).
-        PROFILE_PREFIX: open them profiling every run per op (end_profiling() names the files)."""
-        if not batch_ready(manifest):
-            raise ArtifactError(f"{directory}: built before continuous batching (no batch_step graph); rebuild it with "
-                                "this speedc (speedc build ... --force)")
+        PROFILE_PREFIX: open the session profiling every run per op (end_profiling() names the file)."""
         take_dimensions(self, manifest, phases=True)
         self.layout = CacheLayout.from_manifest(manifest)  # which pool slab each graph's cache input is
         self.check_width = contract.candidate_count(self.vocab_size)  # K of an early-flush check's candidates
-        programs = (contract.PREFILL, contract.BATCH_STEP) if self.slots > 1 else (contract.PREFILL,)
+        engine = contract.ENGINE
         if fused is None:
-            fused = all(contract.fused(name) in manifest.graphs for name in programs)
+            fused = contract.fused(engine) in manifest.graphs
         self.fused = fused
-        self.graph = {name: contract.fused(name) if fused else name for name in programs}
+        self.graph_name = contract.fused(engine) if fused else engine  # the one graph (and session) it runs
         self.sessions = sessions if sessions is not None else open_sessions(
-            directory, manifest, tuple(self.graph.values()), ["CPUExecutionProvider"], threads, profile_prefix)
-        missing = [g for g in self.graph.values() if g not in self.sessions]
-        if missing:
-            raise ArtifactError(f"{directory}: has no {missing[0]} graph")
+            directory, manifest, (self.graph_name,), ["CPUExecutionProvider"], threads, profile_prefix)
+        if self.graph_name not in self.sessions:
+            raise ArtifactError(f"{directory}: has no {self.graph_name} graph; rebuild it with this speedc "
+                                "(speedc build CHECKPOINT -o OUT --force)")
+        self.programs = program_sessions(self.sessions, manifest, fused)  # role -> its branch of the session
         self.max_batch, self.capacity = max_batch, capacity
         self.hidden = np.zeros((self.slots, max_batch, self.hidden_size), F32)  # last hidden_out, [slot, sequence]
-        self._prefill_bindings: dict[tuple, object] = {}  # fused: (first sequence slot, count) -> its prefill binding
+        self._prefill_bindings: dict[tuple, object] = {}  # fused: (first pool row, count) -> its prefill binding
         self._steps: dict[tuple, StepBinding] = {}  # fused steps: (role, shape of the step) -> StepBinding, oldest first
         self._buffers: dict[tuple, np.ndarray] = {}  # (name, shape) -> the buffer every StepBinding binds NAME of SHAPE to
-        self._layouts: dict[tuple, tuple] = {}  # (n, valid pattern) -> _layout's arrays
+        self._layouts: dict[tuple, StepLayout] = {}  # (n, valid pattern, head rows) -> _layout's
         self.min_length, self.shrink_after = min_length, shrink_after
         self._shrink_pending = 0  # reserve calls in a row that asked for a smaller pool
-        self.length = 0  # positions T the pool holds per sequence slot now (reserve), at most capacity
-        self.width = 0  # sequence slots W the pool holds now (reserve), at most max_batch
+        self.length = 0  # positions T the pool holds per pool row now (reserve), at most capacity
+        self.width = 0  # pool rows W the pool holds now (reserve), at most max_batch
         self.key = self.value = None  # the core pool (every layer of a cycle)
         self.phase_pools: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # a depth plan's prelude / coda pools
         self.reserve(0, 1)
@@ -225,13 +216,14 @@ class BatchBackend:
     def speculative(self) -> bool:
         return self.slots > 1
 
-    def end_profiling(self) -> dict[str, str]:
-        """Role (prefill, batch_step) -> the profile file of the graph playing it (a profiled backend)."""
-        return {role: self.sessions[graph].end_profiling() for role, graph in self.graph.items()}
+    def end_profiling(self) -> str:
+        """The profile file of the engine session (a profiled backend): both programs' runs, their
+        nodes named by program (speedc/bench/op_profile.py)."""
+        return self.sessions[self.graph_name].end_profiling()
 
     def reserve(self, positions: int, sequences: int | None = None) -> None:
         """Make the pool hold POSITIONS (<= capacity) positions for each of SEQUENCES (<= max_batch; None:
-        as now) sequence slots, sized by _power_of_two_size (T at least min_length): at once where it must
+        as now) pool rows, sized by _power_of_two_size (T at least min_length): at once where it must
         grow, and where it may only shrink, once SHRINK_AFTER calls in a row asked for less (called once a
         step: a burst of requests ending together does not shrink the pool just before the next burst
         grows it again, each time copying it and remaking every step binding). The occupied slots (a
@@ -249,7 +241,7 @@ class BatchBackend:
                 self._shrink_pending = 0
                 return
             mib = sum(2 * np.prod(shape, dtype=np.float64) for shape in shapes.values()) * np.dtype(F32).itemsize / (1 << 20)
-            raise OutOfMemory(f"the KV-cache pool cannot grow to {length} positions x {width} sequence slots "
+            raise OutOfMemory(f"the KV-cache pool cannot grow to {length} positions x {width} pool rows "
                               f"({mib:,.0f} MiB): out of memory; a smaller KV-cache budget or fewer sequences "
                               "(kv_cache_mb / max_batch, --kv-cache-mb / --max-batch)") from None
         keep, kept = min(self.length, length), min(self.width, width)
@@ -283,7 +275,7 @@ class BatchBackend:
         self._steps.clear()
 
     def move(self, source: int, target: int, length: int | None = None) -> None:
-        """Sequence slot SOURCE's cache (its first LENGTH positions; None: all) and pipeline state now live
+        """Pool row SOURCE's cache (its first LENGTH positions; None: all) and pipeline state now live
         in slot TARGET."""
         cut = slice(None, length)
         for pair in self._pools.values():
@@ -304,7 +296,7 @@ class BatchBackend:
         return self.speculative and not self.layout.pipelined_phases
 
     def _logical_slabs(self, rows: slice) -> dict[str, np.ndarray]:
-        """Prefill-graph cache inputs over sequence slots ROWS (CacheLayout.prefill_slabs)."""
+        """Prefill-graph cache inputs over pool rows ROWS (CacheLayout.prefill_slabs)."""
         return self.layout.prefill_slabs(self._pools, rows)
 
     def _stage_slabs(self, n: int) -> dict[str, np.ndarray]:
@@ -334,7 +326,7 @@ class BatchBackend:
                 bound[name] = (buffer, dtype, output)
             if len(self._steps) >= MAX_STEP_BINDINGS:
                 del self._steps[next(iter(self._steps))]
-            step = self._steps[role, shape] = StepBinding(self.sessions[self.graph[role]], slabs(), bound)
+            step = self._steps[role, shape] = StepBinding(self.programs[role], slabs(), bound)
         return step
 
     def _check_positions(self, positions: np.ndarray) -> None:
@@ -348,10 +340,10 @@ class BatchBackend:
         names = outputs + [contract.new_rows(kind) for kind in contract.KV_KINDS]
         if role == contract.BATCH_STEP:  # a depth plan's phases return their own new rows
             names += [contract.phase_new_rows(kind, phase) for phase in self.phase_pools for kind in contract.KV_KINDS]
-        return dict(zip(names, self.sessions[self.graph[role]].run(names, {**feeds, **slabs})))
+        return dict(zip(names, self.programs[role].run(names, {**feeds, **slabs})))
 
     def prefill(self, first: int, chunks: list[list[int]], start: int, want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
-        """Run prompt chunks through all N layers: chunk i belongs to sequence slot first + i and starts at
+        """Run prompt chunks through all N layers: chunk i belongs to pool row first + i and starts at
         position START. Several chunks only as first chunks (START 0): ONNX Runtime's GroupQueryAttention
         takes a batch of multi-token rows only without past context. They run as one [B, L] batch, right
         padded to the longest (chunk_lengths), so the B prompts share each weight read: on zoo:small one
@@ -378,7 +370,7 @@ class BatchBackend:
         # (a padded token writes its K/V past its row's end, where nothing is read before it is rewritten).
         binding = self._prefill_bindings.get((first, count))
         if binding is None:
-            binding = self._prefill_bindings[first, count] = pool_binding(self.sessions[self.graph[contract.PREFILL]],
+            binding = self._prefill_bindings[first, count] = pool_binding(self.programs[contract.PREFILL],
                                                                           self._logical_slabs(sequences))
         for name, value in feeds.items():
             binding.bind_cpu_input(name, value)
@@ -387,7 +379,7 @@ class BatchBackend:
                             bound_address(binding, contract.NEXT_TOKEN, token, np.int64))
         binding.bind_output(contract.LOGITS, "cpu", 0, F32, list(logits.shape),
                             bound_address(binding, contract.LOGITS, logits, F32))
-        self.sessions[self.graph[contract.PREFILL]].run_with_iobinding(binding)
+        self.programs[contract.PREFILL].run_with_iobinding(binding)
         return token, (logits if want_logits else None)
 
     def plain_step(self, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray,
@@ -424,8 +416,8 @@ class BatchBackend:
         slots, n = positions.shape
         rows, finals, exits, checks = slots * n, len(heads.final), len(heads.exit), len(heads.check)
         width = self.check_width
-        candidates = np.asarray(heads.candidates, np.int64).reshape(checks, width)
         if not self.fused:  # every row runs, bubbles too
+            candidates = np.asarray(heads.candidates, np.int64).reshape(checks, width)
             feeds = {contract.INPUT_IDS: np.asarray(entering, np.int64).reshape(n, 1),
                      contract.POSITIONS: np.where(valid, positions, 0).astype(np.int64).reshape(rows),
                      contract.HIDDEN_IN: np.ascontiguousarray(self.hidden[:slots - 1, :n]).reshape((slots - 1) * n, 1, -1),
@@ -440,8 +432,8 @@ class BatchBackend:
         # Fused: only the valid rows run (computed_rows, slot-major indices); the head rows are given as
         # indices among them, and hidden_out comes back for them alone.
         self._check_positions(positions)
-        computed, among, slot, sequence = self._layout(valid)
-        count = len(computed)
+        layout = self._layout(valid, heads)
+        count = len(layout.computed)
 
         def tensors():
             return {contract.INPUT_IDS: ((n, 1), np.int64, False), contract.POSITIONS: ((rows,), np.int64, False),
@@ -458,30 +450,44 @@ class BatchBackend:
 
         step = self._step(contract.BATCH_STEP, (n, count, finals, exits, checks, want_logits), lambda: self._stage_slabs(n),
                           tensors)
-        step.inputs[contract.INPUT_IDS][:, 0] = entering
-        step.inputs[contract.POSITIONS].reshape(slots, n)[:] = positions
-        step.inputs[contract.HIDDEN_IN].reshape(slots - 1, n, -1)[:] = self.hidden[:slots - 1, :n]
-        step.inputs[contract.COMPUTED_ROWS][:] = computed
-        step.inputs[contract.FINAL_ROWS][:] = among[heads.final]
-        step.inputs[contract.EXIT_ROWS][:] = among[heads.exit]
-        step.inputs[contract.CHECK_ROWS][:] = among[heads.check]
-        step.inputs[contract.CHECK_CANDIDATES][:] = candidates
+        inputs = step.inputs
+        inputs[contract.INPUT_IDS][:, 0] = entering
+        inputs[contract.POSITIONS].reshape(slots, n)[:] = positions
+        inputs[contract.HIDDEN_IN].reshape(slots - 1, n, -1)[:] = self.hidden[:slots - 1, :n]
+        inputs[contract.COMPUTED_ROWS][:] = layout.computed
+        inputs[contract.FINAL_ROWS][:] = layout.final
+        inputs[contract.EXIT_ROWS][:] = layout.exit
+        inputs[contract.CHECK_ROWS][:] = layout.check
+        if checks:
+            inputs[contract.CHECK_CANDIDATES][:] = heads.candidates
         result = step.run()
-        self.hidden[slot, sequence] = result[contract.HIDDEN_OUT][:, 0]
+        self.hidden[layout.slot, layout.sequence] = result[contract.HIDDEN_OUT][:, 0]
         return SpeedStepResult.of(result, want_logits)
 
-    def _layout(self, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """VALID [P, n] -> (computed rows [R] s*n + b ascending, each slot-major row's index among them [P*n],
-        their slots [R], their sequences [R]); remembered per pattern: a pipeline's occupancy repeats (16
-        patterns at one sequence), and these four numpy calls were a tenth of a step's Python."""
-        key = (valid.shape[1], valid.tobytes())
+    def _layout(self, valid: np.ndarray, heads: HeadRows) -> "StepLayout":
+        """The StepLayout of VALID [P, n] and HEADS' rows, remembered per pattern: a pipeline's occupancy
+        repeats (16 patterns at one sequence), and these numpy calls were a third of a step's Python."""
+        key = (valid.shape[1], valid.tobytes(), tuple(heads.final), tuple(heads.exit), tuple(heads.check))
         layout = self._layouts.get(key)
         if layout is None:
             if len(self._layouts) >= MAX_LAYOUTS:
                 self._layouts.clear()
             slot, sequence = np.nonzero(valid)  # row-major: slot-major rows, ascending
-            layout = self._layouts[key] = (slot * valid.shape[1] + sequence, np.cumsum(valid) - 1, slot, sequence)
+            among = np.cumsum(valid) - 1  # each slot-major row's index among the computed ones
+            layout = self._layouts[key] = StepLayout(slot * valid.shape[1] + sequence, among[heads.final],
+                                                    among[heads.exit], among[heads.check], slot, sequence)
         return layout
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """The row indices of one fused speed step's pattern (valid rows, head rows)."""
+    computed: np.ndarray  # [C] slot-major rows s*n + b that hold a token, ascending
+    final: np.ndarray  # the final head's rows, as indices among the computed ones
+    exit: np.ndarray
+    check: np.ndarray
+    slot: np.ndarray  # [C] each computed row's pipeline slot
+    sequence: np.ndarray  # [C] and its pool row
 
 
 BATCHING_BACKENDS = ("onnx", "onnx-numpy")  # Engine backends that batch many sequences (on the engine's sessions)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from speedc.format import contract
 from speedc.format.artifact import Manifest
 from speedc.errors import ArtifactError, SpeedcError
 from speedc.runtimes.backends.protocol import resolve_threads
@@ -59,17 +60,18 @@ def session_options(threads: int | None):
     options.inter_op_num_threads = 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
-    # An engine runs several sessions (prefill, batch_step, ...), each with its own thread pool.
-    # By default a pool's workers keep spinning after a run ends; on a 2-core machine the next
-    # session's run then shares its cores with the last one's spinning workers (measured: a step
-    # 35 ms instead of 16, a plain token 91 ms instead of 45). Spin during a run, stop at its end.
+    # A process may run several sessions (a pool of another fusion choice, the benchmarks' floor), each
+    # with its own thread pool. By default a pool's workers keep spinning after a run ends; on a 2-core
+    # machine the next session's run then shares its cores with the last one's spinning workers
+    # (measured with two sessions: a step 35 ms instead of 16, a plain token 91 ms instead of 45).
+    # Spin during a run, stop at its end.
     options.add_session_config_entry("session.force_spinning_stop", "1")
     return options
 
 
 def open_sessions(directory: Path, manifest: Manifest, names: tuple[str, ...], providers: list, threads: int | None,
                   profile_prefix: str | None = None) -> dict:
-    """ONNX Runtime sessions for the artifact graphs in NAMES that it has (a plain engine has no batch step).
+    """ONNX Runtime sessions for the artifact graphs in NAMES that it has.
     PROFILE_PREFIX: ONNX Runtime profiles each session's runs into PROFILE_PREFIX<graph>_<time>.json."""
     ort = onnxruntime_module()
     options = session_options(threads)
@@ -102,3 +104,44 @@ def check_session_io(directory: Path, name: str, spec: dict, session) -> None:
         for extra in sorted(present - recorded):
             raise ArtifactError(f"{directory / spec['file']}: graph {name} has an {side} {extra} the manifest does not "
                                 "record; rebuild the artifact")
+
+
+class ProgramSession:
+    """One program (prefill, or the batch step) of an engine graph's session (speedc/format/contract.py):
+    every binding and run also feeds the branch selector and a small placeholder for each input of the
+    other program, which the graph takes but the branch not taken never reads."""
+
+    def __init__(self, session, program: str, spec: dict, manifest: Manifest) -> None:
+        """SPEC: the engine graph's manifest entry (its inputs, which load checked against the contract)."""
+        self.session, self.program = session, program
+        own = {name for name, _, _ in contract.program_io(program, contract.Dims.from_manifest(manifest))[0]}
+        is_step = program.removesuffix(contract.FUSED_SUFFIX) == contract.BATCH_STEP
+        self.fixed_feeds: dict[str, np.ndarray] = {}
+        for tensor in spec["inputs"]:
+            name = tensor["name"]
+            if name == contract.RUN_STEP:
+                self.fixed_feeds[name] = np.array(is_step)
+            elif name not in own:
+                self.fixed_feeds[name] = np.zeros([d if isinstance(d, int) else 1 for d in tensor["shape"]], tensor["dtype"])
+
+    def io_binding(self):
+        """A new IO binding with the selector and the placeholders bound (the caller binds the rest)."""
+        binding = self.session.io_binding()
+        for name, value in self.fixed_feeds.items():
+            binding.bind_cpu_input(name, value)
+        return binding
+
+    def run_with_iobinding(self, binding) -> None:
+        self.session.run_with_iobinding(binding)
+
+    def run(self, names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return self.session.run(names, {**self.fixed_feeds, **feeds})
+
+
+def program_sessions(sessions: dict, manifest: Manifest, fused: bool) -> dict[str, ProgramSession]:
+    """Program role (contract.PREFILL, contract.BATCH_STEP) -> its ProgramSession, over SESSIONS (graph
+    name -> an ONNX Runtime session of that engine graph)."""
+    graph = contract.fused(contract.ENGINE) if fused else contract.ENGINE
+    programs = contract.engine_programs(graph, manifest.slots)
+    return {program.removesuffix(contract.FUSED_SUFFIX): ProgramSession(sessions[graph], program, manifest.graphs[graph], manifest)
+            for program in programs}

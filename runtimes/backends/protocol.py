@@ -2,10 +2,10 @@
 backend reads. runtimes/backends/onnx.py (ONNX Runtime) implements it; so does the PyTorch backend.
 
 The scheduler keeps all bookkeeping (which slot holds which token, what to flush, who holds which
-sequence slot); a backend owns the KV-cache pool [S, P, W, kvh, T+1, hd] (stage layer j, pipeline
-slot s, sequence slot b, ...: logical layer s*S + j of sequence b is pool[j, s, b]) and runs graphs:
+pool row); a backend owns the KV-cache pool [S, P, W, kvh, T+1, hd] (stage layer j, pipeline
+slot s, pool row b, ...: logical layer s*S + j of sequence b is pool[j, s, b]) and runs graphs:
 
-    prefill(first, chunks, start, want_logits)   prompt chunks of sequence slots first.. through all N layers
+    prefill(first, chunks, start, want_logits)   prompt chunks of pool rows first.. through all N layers
     plain_step(tokens, positions, valid, ...)    one token of each of sequences 0..n-1 through all N layers
     speed_step(entering, positions, valid, heads, ...)
                                                  one pipelined step of sequences 0..n-1 ([P, n] slot-major)
@@ -43,10 +43,10 @@ class BatchBackendProtocol(Protocol):
     stage_layers: int  # S
     vocab_size: int
     max_context: int
-    max_batch: int  # sequence slots the pool may grow to
-    capacity: int  # positions a sequence slot may grow to
+    max_batch: int  # pool rows the pool may grow to
+    capacity: int  # positions a pool row may grow to
     length: int  # positions T the pool holds now (row T: the scratch row bubbles may write)
-    width: int  # sequence slots W the pool holds now
+    width: int  # pool rows W the pool holds now
     check_width: int  # K: candidate ids an early-flush check scores
 
     @property
@@ -58,7 +58,7 @@ class BatchBackendProtocol(Protocol):
         """Whether a speed step can check a deeper slot's draft (early flush)."""
 
     def reserve(self, positions: int, sequences: int | None = None) -> None:
-        """Make the pool hold POSITIONS positions for SEQUENCES sequence slots (OutOfMemory when it cannot)."""
+        """Make the pool hold POSITIONS positions for SEQUENCES pool rows (OutOfMemory when it cannot)."""
 
     def would_grow(self, positions: int, sequences: int) -> bool:
         """Whether reserve(POSITIONS, SEQUENCES) allocates a larger pool."""
@@ -67,7 +67,7 @@ class BatchBackendProtocol(Protocol):
         """Drop the pool while no sequence holds a slot."""
 
     def move(self, source: int, target: int, length: int | None = None) -> None:
-        """Sequence slot SOURCE's cache (its first LENGTH positions) and pipeline state now live in TARGET."""
+        """Pool row SOURCE's cache (its first LENGTH positions) and pipeline state now live in TARGET."""
 
     def prefill(self, first: int, chunks: list[list[int]], start: int,
                 want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:

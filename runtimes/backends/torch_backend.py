@@ -1,16 +1,16 @@
 """PyTorch backend for the continuous-batching scheduler (runtimes/batch.py): the same contract as
-runtimes/backends/onnx.py BatchBackend (a KV-cache pool of sequence slots; prefill, plain_step,
+runtimes/backends/onnx.py BatchBackend (a KV-cache pool with a row per sequence; prefill, plain_step,
 speed_step), computed with the model code itself (models/row_layer.py, the heads of models/llama.py)
 from the artifact's weights or an in-memory model, on CPU or CUDA. Needs torch (the compiler extra).
 
-    pool K, V [S, P, W, kvh, T+1, hd]  (stage layer j, pipeline slot s, sequence slot b, ...)
+    pool K, V [S, P, W, kvh, T+1, hd]  (stage layer j, pipeline slot s, pool row b, ...)
 
     prefill(b, chunks)  B chunks at START: logical layer l = s*S + j reads pool[j, s, b:b+B, :, :START]
     plain_step(n)       n rows, one token per sequence: logical layer l reads pool[j, s, :n]
     speed_step(n)       P*W rows, row s*W + b: stage layer j reads pool[j] as one [P*W, kvh, T+1, hd] view
-                        (the W - n free sequence slots run as bubbles: a contiguous view, never a copy)
+                        (the W - n free pool rows run as bubbles: a contiguous view, never a copy)
 
-Bubbles (empty pipeline slots, sequences not decoding, free sequence slots) run at position 0 and
+Bubbles (empty pipeline slots, sequences not decoding, free pool rows) run at position 0 and
 write their K/V into the scratch row T, which no row reads (every valid position is below T), so every
 write has a fixed shape. Eagerly, every past is cut to the largest position a row attends below; with
 cuda_graphs (CUDA), each step's layers replay a graph captured once per row count and pool, attending
@@ -92,7 +92,7 @@ class TorchBackend:
     def __init__(self, directory: Path, manifest: Manifest, max_batch: int = 1, capacity: int | None = None,
                  device: str = "cpu", threads: int | None = None, min_length: int = MIN_POOL_POSITIONS,
                  shrink_after: int = SHRINK_AFTER_STEPS, cuda_graphs: bool = False, exact: bool = False) -> None:
-        """CAPACITY: positions each of MAX_BATCH sequence slots may hold (None: the model's context).
+        """CAPACITY: positions each of MAX_BATCH pool rows may hold (None: the model's context).
         CUDA_GRAPHS (device cuda): each step's layers replay a captured CUDA graph (see _run).
         EXACT: batch-invariant decoding, SPEED's logits bitwise plain decoding's (see plain_step)."""
         if is_quantized(manifest):
@@ -137,7 +137,7 @@ class TorchBackend:
         context = cfg.max_position_embeddings
         capacity = context if capacity is None else capacity
         if not is_integer(capacity) or not 2 <= capacity <= context:
-            raise GenerationError(f"a KV-cache slot of {capacity!r:.20} positions: it must be 2..{context} (the context)")
+            raise GenerationError(f"a KV-cache row of {capacity!r:.20} positions: it must be 2..{context} (the context)")
         self.model = model.to(self.device).eval()
         self.cfg = cfg
         self.dtype = next(self.model.parameters()).dtype  # the pool and every product in the weights' precision
@@ -151,8 +151,8 @@ class TorchBackend:
         self.hidden = torch.zeros(slots, max_batch, cfg.hidden_size, dtype=self.dtype, device=self.device)  # [P, B, H]
         self.min_length, self.shrink_after = min_length, shrink_after
         self._shrink_pending = 0  # reserve calls in a row that asked for a smaller pool
-        self.length = 0  # positions T the pool holds per sequence slot now (reserve), at most capacity
-        self.width = 0  # sequence slots W the pool holds now (reserve), at most max_batch
+        self.length = 0  # positions T the pool holds per pool row now (reserve), at most capacity
+        self.width = 0  # pool rows W the pool holds now (reserve), at most max_batch
         self.key = self.value = None
         self.reserve(0, 1)
 
@@ -167,7 +167,7 @@ class TorchBackend:
     # ---- the pool --------------------------------------------------------------------------------
     def reserve(self, positions: int, sequences: int | None = None) -> None:
         """BatchBackend.reserve's rules: the pool holds POSITIONS for each of SEQUENCES (None: as now)
-        sequence slots, grown at once, shrunk only after shrink_after calls in a row asked for less; the
+        pool rows, grown at once, shrunk only after shrink_after calls in a row asked for less; the
         occupied slots (a prefix) keep every position below min(old T, new T)."""
         size = next_pool_size(self, positions, sequences)
         if size is None:
@@ -181,7 +181,7 @@ class TorchBackend:
                 self._shrink_pending = 0
                 return
             mib = 2 * np.prod(shape, dtype=np.float64) * self.hidden.element_size() / (1 << 20)
-            raise OutOfMemory(f"the KV-cache pool cannot grow to {length} positions x {width} sequence slots "
+            raise OutOfMemory(f"the KV-cache pool cannot grow to {length} positions x {width} pool rows "
                               f"({mib:,.0f} MiB on {self.device}): out of memory; a smaller KV-cache budget or fewer "
                               "sequences (kv_cache_mb / max_batch, --kv-cache-mb / --max-batch)") from None
         keep, kept = min(self.length, length), min(self.width, width)
@@ -217,7 +217,7 @@ class TorchBackend:
             torch.cuda.empty_cache()  # hand the blocks back, so the next allocation may take them whole
 
     def move(self, source: int, target: int, length: int | None = None) -> None:
-        """Sequence slot SOURCE's cache (its first LENGTH positions; None: all) and pipeline state now live
+        """Pool row SOURCE's cache (its first LENGTH positions; None: all) and pipeline state now live
         in slot TARGET."""
         cut = slice(None, length)
         for pool in (self.key, self.value):
@@ -254,7 +254,7 @@ class TorchBackend:
     @torch.no_grad()
     def prefill(self, first: int, chunks: list[list[int]], start: int,
                 want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
-        """Prompt chunks through all N layers: chunk i belongs to sequence slot first + i and starts at
+        """Prompt chunks through all N layers: chunk i belongs to pool row first + i and starts at
         position START; several run as one [B, L] batch, right padded to the longest.
         -> (argmax next tokens [B], logits [B, V] or None) after each chunk's last token."""
         cfg, model = self.cfg, self.model
@@ -330,7 +330,7 @@ class TorchBackend:
         return self.model.final_head(x[first:])[rows - first]  # [W, V] -> [F, V]
 
     def _plain_layers(self, tokens: torch.Tensor, starts: torch.Tensor, written: torch.Tensor, past: int) -> torch.Tensor:
-        """The N layers over n rows of one token (row b: sequence slot b) at STARTS, attending to the first
+        """The N layers over n rows of one token (row b: pool row b) at STARTS, attending to the first
         PAST positions; row b's K/V land at WRITTEN[b]. -> hidden [n, H] (pure but for the pool writes, so
         a CUDA graph's warm-up run may repeat it)."""
         cfg, model = self.cfg, self.model
@@ -381,7 +381,7 @@ class TorchBackend:
 
     def _speed_layers(self, entering: torch.Tensor, starts: torch.Tensor, written: torch.Tensor,
                       past: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The S stage layers over P*W rows (row s*W + b: slot s of sequence slot b; slot 0 enters ENTERING,
+        """The S stage layers over P*W rows (row s*W + b: slot s of pool row b; slot 0 enters ENTERING,
         slots 1..P-1 carry on from self.hidden) at STARTS, attending to the first PAST positions; each
         row's K/V land at WRITTEN. -> (hidden [P*W, H], exit tap [P*W, H]); self.hidden is left as it was
         (the caller moves it on), so a CUDA graph's warm-up run may repeat it."""
@@ -438,7 +438,7 @@ class StepGraph:
 
 
 def _on_grid(rows: list[int], n: int, width: int) -> np.ndarray:
-    """Rows numbered s*n + b (the scheduler's) -> s*W + b (the step's rows over all W sequence slots)."""
+    """Rows numbered s*n + b (the scheduler's) -> s*W + b (the step's rows over all W pool rows)."""
     rows = np.asarray(rows, np.int64)
     return rows // n * width + rows % n
 

@@ -160,7 +160,7 @@ def concurrency_bench(engine: Engine, prompts: list[str], levels: list[int], new
 
 def _measure(engine, prompts, prompt_ids, alone, levels, new_tokens, repeats, threads, genai_dir, progress) -> list[dict]:
     from speedc.bench.peers import genai_batched
-    from speedc.runtimes.backends.onnx import make_batch_backend, slot_capacity
+    from speedc.runtimes.backends.onnx import make_batch_backend, row_capacity
 
     systems: dict[int, dict[str, object]] = {}
     own = engine.backend  # its sessions serve every level (and the single-sequence engine)
@@ -168,7 +168,7 @@ def _measure(engine, prompts, prompt_ids, alone, levels, new_tokens, repeats, th
         # Per level one backend (pool, step bindings) for every batched system, and one set of sessions
         # for all levels: two sessions of one graph ran 2-4% apart here, steadily, which would read as a
         # difference between policies or between client counts.
-        backend = make_batch_backend(engine.directory, engine.manifest, clients, slot_capacity(engine.manifest, clients, None),
+        backend = make_batch_backend(engine.directory, engine.manifest, clients, row_capacity(engine.manifest, clients, None),
                                      device=engine.device, threads=threads, fused=own.fused, sessions=own.sessions)
         level = {}
         for name, options in SYSTEMS.items():

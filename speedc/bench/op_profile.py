@@ -15,15 +15,20 @@ from pathlib import Path
 from speedc.bench.run import measure_step_times
 
 
-def kernel_ms_per_run(profile_file: str) -> dict[str, float]:
-    """Op type -> kernel milliseconds per run, from one session's ONNX Runtime profile."""
+def kernel_ms_per_run(profile_file: str, program: str) -> dict[str, float]:
+    """Op type -> kernel milliseconds per run of PROGRAM (contract.PREFILL / BATCH_STEP), from the engine
+    session's ONNX Runtime profile: its branch's nodes are named PROGRAM/... (passes/merge_programs.py);
+    a run of it is one run of each of its nodes. The If around a branch is not counted (it holds it)."""
     events = json.loads(Path(profile_file).read_text())
-    runs = sum(1 for event in events if event.get("cat") == "Session" and event.get("name") == "model_run")
     totals: dict[str, float] = defaultdict(float)
+    runs: dict[str, int] = defaultdict(int)  # node -> its runs
     for event in events:
-        if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time"):
+        name = event.get("name", "")
+        if event.get("cat") == "Node" and name.startswith(program + "/") and name.endswith("_kernel_time"):
             totals[event["args"]["op_name"]] += event["dur"] / 1000
-    return {op: total / max(runs, 1) for op, total in totals.items()}
+            runs[name] += 1
+    count = max(runs.values(), default=1)
+    return {op: total / count for op, total in totals.items()}
 
 
 def step_op_profile(directory: Path, manifest, *, threads: int | None, context: int, repeats: int = 30) -> list[dict]:
@@ -36,9 +41,9 @@ def step_op_profile(directory: Path, manifest, *, threads: int | None, context: 
         backend = BatchBackend(directory, manifest, 1, manifest.model["max_context"], threads=threads,
                                profile_prefix=f"{tmp}/")
         measure_step_times(backend, context, repeats)
-        files = backend.end_profiling()
-        step = kernel_ms_per_run(files[contract.BATCH_STEP])
-        token = kernel_ms_per_run(files[contract.PREFILL])
+        profile = backend.end_profiling()
+        step = kernel_ms_per_run(profile, contract.BATCH_STEP)
+        token = kernel_ms_per_run(profile, contract.PREFILL)
     # the warm-up runs are profiled too: per-run averages include them on both sides alike
     rows = [{"op": op, "step_ms": round(step.get(op, 0.0), 3), "token_share_ms": round(token.get(op, 0.0) / backend.slots, 3)}
             for op in set(step) | set(token)]

@@ -174,7 +174,7 @@ def print_memory_bound(report: dict) -> None:
                            f"{op['step_ms'] - op['token_share_ms']:>+15.3f}")
 
 
-MAX_CLIENTS = 1024  # --concurrency: a level's pool holds a sequence slot per client
+MAX_CLIENTS = 1024  # --concurrency: a level's pool holds a pool row per client
 
 
 def concurrency_command(artifact: Path, levels: str, prompts, new_tokens: int, repeats: int, threads, peers, plot,

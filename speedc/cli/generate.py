@@ -34,7 +34,7 @@ def _refuse_batch_options_without_file() -> None:
               help="One prompt per line, decoded together (continuous batching); output in input order.")
 @click.option("--max-batch", type=int, default=8, show_default=True, help="With --prompts-file: sequences in flight.")
 @click.option("--kv-cache-mb", type=FiniteFloat(), default=None,
-              help="With --prompts-file: most memory for the KV-cache pool (default: every sequence slot may hold the full "
+              help="With --prompts-file: most memory for the KV-cache pool (default: every pool row may hold the full "
                    "context; the pool holds only what its sequences need: their number, the longest prompt + --max-new-tokens).")
 @click.option("--row-budget", type=click.IntRange(min=0), default=None,
               help="With --prompts-file: speculate while a step has at most this many rows (default: the measured rule; "

@@ -32,17 +32,14 @@ def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_q
         if kv_cache_mb is not None:
             raise SpeedcError("--kv-cache-mb sizes the batching pool; with --max-batch 1 there is none")
         return
-    from speedc.runtimes.backends.onnx import BATCHING_BACKENDS, batch_ready, slot_capacity
+    from speedc.runtimes.backends.onnx import BATCHING_BACKENDS, row_capacity
 
     if backend not in BATCHING_BACKENDS or device != "cpu":
         raise SpeedcError(f"continuous batching runs on ONNX Runtime on the CPU (not --backend {backend} --device "
                           f"{device}); serve one request at a time with --max-batch 1")
-    if not batch_ready(manifest):
-        raise SpeedcError(f"{artifact}: built before continuous batching; rebuild it with this speedc (speedc build "
-                          "... --force) or serve one request at a time with --max-batch 1")
     if kv_cache_mb is not None and kv_cache_mb <= 0:
         raise SpeedcError("--kv-cache-mb must be > 0")
-    slot_capacity(manifest, max_batch, kv_cache_mb)  # a pool too small for MAX_BATCH requests fails here
+    row_capacity(manifest, max_batch, kv_cache_mb)  # a pool too small for MAX_BATCH requests fails here
 
 
 @click.command()

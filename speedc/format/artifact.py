@@ -39,7 +39,7 @@ import numpy as np
 from speedc.format import contract
 from speedc.errors import ArtifactError, BuildError, CheckpointError
 
-FORMAT_VERSION = 2  # 2: the single-sequence step, step_flush and cache-writer graphs are gone
+FORMAT_VERSION = 3  # 2: the single-sequence step, step_flush and cache-writer graphs are gone; 3: one engine graph per variant
 WEIGHT_PREFIXES = ("model.", "lm_head.")  # checkpoint tensor names (native or Hugging Face layout)
 MANIFEST = "manifest.json"
 GRAPH_FILES = {name: f"{name}.onnx" for name in contract.GRAPHS}  # graph name -> file
@@ -278,7 +278,9 @@ def _stored_constants(graphs: dict, ordered: list[str], weight_names: set[str]) 
 
     stored: dict[str, list] = {}
     for graph_name in ordered:
-        for tensor in graphs[graph_name].tensors().values():
+        top = graphs[graph_name]
+        tensors = [t for part in (top, *top.subgraphs(recursive=True)) for t in part.tensors().values()]
+        for tensor in tensors:
             if not isinstance(tensor, gs.Constant):
                 continue
             if (constant_nbytes(tensor) >= EXTERNAL_MIN_BYTES or tensor.name in weight_names or is_weight_name(tensor.name)
@@ -346,6 +348,28 @@ def _reference(index: dict[str, dict], name: str, uses: list, weight_parts: dict
         constant.values = WrittenWeight(proto, entry["shape"], dtype)
 
 
+def lift_stored_initializers(graph) -> None:
+    """Move the weights.bin initializers of GRAPH's subgraphs (an engine graph's If branches; an
+    exporter writes a constant into the graph whose node reads it) up to GRAPH itself, one per name: the
+    branches then read one outer-scope tensor, loaded once, instead of one copy each."""
+    lifted = {t.name for t in graph.initializer}
+    stack = list(graph.node)
+    while stack:
+        node = stack.pop()
+        for attribute in node.attribute:
+            for branch in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+                kept = []
+                for tensor in branch.initializer:
+                    if tensor.data_location != tensor.EXTERNAL:
+                        kept.append(tensor)
+                    elif tensor.name not in lifted:
+                        lifted.add(tensor.name)
+                        graph.initializer.append(tensor)
+                del branch.initializer[:]
+                branch.initializer.extend(kept)
+                stack.extend(branch.node)
+
+
 def write_graphs(graphs: dict, directory: Path, weight_names: set[str], weight_parts: dict[str, list] | None = None,
                  on_bytes: Callable[[int, int], None] | None = None, aliases: dict[str, str] | None = None) -> tuple[dict, dict]:
     """Write every graph as ONNX with its weights in ONE shared external-data file, weights.bin.
@@ -402,6 +426,7 @@ def write_graphs(graphs: dict, directory: Path, weight_names: set[str], weight_p
     specs: dict[str, dict] = {}
     for name in ordered:
         model = gs.export_onnx(graphs[name], do_type_check=True)
+        lift_stored_initializers(model.graph)
         model.ir_version = min(model.ir_version, 10)
         onnx.save(model, str(directory / GRAPH_FILES[name]))
         specs[name] = {"file": GRAPH_FILES[name], "inputs": _io_spec(model.graph.input),

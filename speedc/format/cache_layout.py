@@ -128,7 +128,7 @@ class CacheLayout:
         return [phase for phase in (CORE, PRELUDE, CODA) if self.pool_layers(phase)[0]]
 
     def pool_shape(self, phase: str, width: int, kv_heads: int, length: int, head_dim: int) -> tuple[int, ...]:
-        """PHASE's pool for WIDTH sequence slots of LENGTH positions (+1: the scratch row bubbles write)."""
+        """PHASE's pool for WIDTH pool rows of LENGTH positions (+1: the scratch row bubbles write)."""
         layers, depths = self.pool_layers(phase)
         return (layers, depths, width, kv_heads, length + 1, head_dim)
 
@@ -139,7 +139,7 @@ class CacheLayout:
 
     # ---- the slabs a graph input names -------------------------------------------------------
     def prefill_slabs(self, pools: dict[str, tuple[np.ndarray, np.ndarray]], rows: slice) -> dict[str, np.ndarray]:
-        """Prefill-graph cache inputs over sequence slots ROWS: logical layer l reads its pool[layer, depth, rows].
+        """Prefill-graph cache inputs over pool rows ROWS: logical layer l reads its pool[layer, depth, rows].
         (The draft readout's coda entries are written, never read, by the prefill: its rows only need their K/V.)"""
         slabs = {}
         for index, at in enumerate(self.entries[:self.num_layers]):
@@ -164,7 +164,7 @@ class CacheLayout:
         for j in range(self.stage_layers):
             for kind, pool in zip(contract.KV_KINDS, pools[CORE]):
                 if fused:
-                    views[contract.cache_input(kind, j)] = pool[j].reshape(-1, *pool.shape[3:])  # [P*W, kvh, T+1, hd]
+                    views[contract.pool_input(kind, j)] = pool[j].reshape(-1, *pool.shape[3:])  # [P*W, kvh, T+1, hd]
                 else:
                     for s in range(self.slots):
                         views[contract.batch_cache_input(kind, j, s)] = pool[j, s, :n]  # [n, kvh, T+1, hd]
@@ -174,7 +174,7 @@ class CacheLayout:
     def write_prefill_rows(self, pools: dict[str, tuple[np.ndarray, np.ndarray]], new: dict[str, np.ndarray],
                            first: int, start: int, lengths) -> None:
         """Prefill's new rows NEW[kind] [E, B, kvh, L, hd] (entry e, chunk row b) into the pools: row b is
-        sequence slot first + b at positions start .. start + lengths[b] - 1 (its padding dropped)."""
+        pool row first + b at positions start .. start + lengths[b] - 1 (its padding dropped)."""
         for phase, (indices, layers, depths) in self._by_phase.items():
             for kind, pool in zip(contract.KV_KINDS, pools[phase]):
                 rows = new[kind][indices]  # [e, B, kvh, L, hd]
@@ -183,7 +183,7 @@ class CacheLayout:
 
     def write_token_rows(self, pools: dict[str, tuple[np.ndarray, np.ndarray]], new: dict[str, np.ndarray],
                          rows: np.ndarray, positions: np.ndarray) -> None:
-        """Plain decoding's new rows NEW[kind] [E, n, kvh, 1, hd]: sequence slot b of ROWS at positions[b]."""
+        """Plain decoding's new rows NEW[kind] [E, n, kvh, 1, hd]: pool row b of ROWS at positions[b]."""
         for phase, (indices, layers, depths) in self._by_phase.items():
             for kind, pool in zip(contract.KV_KINDS, pools[phase]):
                 part = new[kind][indices][:, rows][:, :, :, 0]  # [e, k, kvh, hd]

@@ -25,12 +25,22 @@ and tensor, not a failure deep inside a run.
                    -> also new_{key,value}.prelude [Lp, n, kvh, 1, hd]  new_{key,value}.coda [Lc, 2, n, kvh, 1, hd];
                    its prefill reads the N logical layers' slabs and returns E = N + Lc entries' new rows (the draft
                    readout's coda last: its K/V of the chunk's rows, computed from the draft tap)
-    *.gqa          as the graph it varies, new_{key,value} replaced by cache.{key,value}.{i}.out (the
-                   cache written in place: each output is bound to the buffer of its input)
+    *.gqa          as the program it varies, new_{key,value} replaced by <cache input>.out (the cache
+                   written in place: each output is bound to the buffer of its input)
     batch_step.gqa as batch_step, but its cache is the whole pool of each stage layer, one buffer
-                   cache.{key,value}.{j} [P*W, kvh, T, hd] (row s*W + b; W sequence slots >= n), and only
+                   pool.{key,value}.{j} [P*W, kvh, T, hd] (row s*W + b; W pool rows >= n), and only
                    the rows in computed_rows [C] (slot-major row numbers, those holding a token) run:
                    final_rows / exit_rows / check_rows are positions among them, hidden_out is [C, 1, H]
+
+The artifact holds the programs as ONE graph per variant, `engine` (standard) and `engine.gqa` (fused),
+so a process that runs them opens one ONNX Runtime session and holds one copy of the weights:
+
+    engine         P = 1: the prefill program itself
+                   P > 1: run_step [] (bool) -> If(run_step: batch_step, else: prefill)
+                   inputs: run_step, then the union of both programs' inputs (input_ids and positions are
+                   shared; the program not run ignores its own, which are still fed: any small tensor);
+                   outputs: the union of both programs' outputs (new_{key,value} shared; the other
+                   program's come back empty); a name both use takes None where their shapes differ
 
 A single sequence is a batch of one (n = 1): every decode, single-sequence or batched, runs these graphs.
 
@@ -46,13 +56,20 @@ from speedc.errors import ArtifactError
 # ---- graphs --------------------------------------------------------------------------------------
 PREFILL = "prefill"
 BATCH_STEP = "batch_step"  # one step of n sequences' pipelines (runtimes/backends/onnx.py)
-PROGRAMS = (PREFILL, BATCH_STEP)  # the model programs (a plain engine has only prefill)
-FUSED_SUFFIX = ".gqa"  # graph names (and files) of the ONNX Runtime variants with fused attention
-GRAPHS = (*PROGRAMS, *(name + FUSED_SUFFIX for name in PROGRAMS))
+PROGRAMS = (PREFILL, BATCH_STEP)  # the model programs (a plain engine has only prefill); the passes build them
+FUSED_SUFFIX = ".gqa"  # names of the ONNX Runtime variants with fused attention (programs and graphs)
+ENGINE = "engine"  # the artifact's graph: the programs as the branches of one If (passes/merge_programs.py)
+GRAPHS = (ENGINE, ENGINE + FUSED_SUFFIX)  # what an artifact holds, one file each
+RUN_STEP = "run_step"  # the engine graph's branch: true runs the batch step, false the prefill (P > 1 only)
 
 
 def fused(graph: str) -> str:
     return graph + FUSED_SUFFIX
+
+
+def variant(graph: str) -> str:
+    """The variant suffix of a program or graph name ("" or FUSED_SUFFIX)."""
+    return FUSED_SUFFIX if graph.endswith(FUSED_SUFFIX) else ""
 
 
 # ---- tensors -------------------------------------------------------------------------------------
@@ -81,8 +98,13 @@ KV_KINDS = ("key", "value")
 
 
 def cache_input(kind: str, index: int) -> str:
-    """The cache a program reads: logical layer `index` (prefill) or stage layer `index`'s pool (batch_step.gqa)."""
+    """The prefill program's cache slab of logical layer `index`."""
     return f"cache.{kind}.{index}"
+
+
+def pool_input(kind: str, stage_layer: int) -> str:
+    """The fused batch step's whole pool of one stage layer (every pipeline slot's sequence rows)."""
+    return f"pool.{kind}.{stage_layer}"
 
 
 def batch_cache_input(kind: str, stage_layer: int, slot: int) -> str:
@@ -102,7 +124,16 @@ def phase_new_rows(kind: str, phase: str) -> str:
 
 def cache_output(kind: str, index: int) -> str:
     """A fused graph's in-place cache output (bound to the buffer of cache_input(kind, index))."""
-    return f"cache.{kind}.{index}.out"
+    return in_place_output(cache_input(kind, index))
+
+
+def in_place_output(cache: str) -> str:
+    """A fused graph's output that is its cache input CACHE written in place (bound to the same buffer)."""
+    return cache + ".out"
+
+
+def is_cache_input(name: str) -> bool:
+    return name.startswith(("cache.", "pool."))
 
 
 def new_rows(kind: str) -> str:
@@ -179,24 +210,53 @@ def _batch_step_io(d: Dims) -> tuple[list[TensorSpec], list[TensorSpec]]:
     return inputs, outputs + [(new_rows(kind), f32, rows) for kind in KV_KINDS]
 
 
-def _program_io(graph: str, d: Dims) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    return _prefill_io(d) if graph == PREFILL else _batch_step_io(d)
+def program_io(program: str, d: Dims) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """(inputs, outputs) of one program (PROGRAMS, or its fused variant)."""
+    base = program[:-len(FUSED_SUFFIX)] if program.endswith(FUSED_SUFFIX) else program
+    if base not in PROGRAMS:
+        raise ArtifactError(f"program {program!r} is not part of the artifact contract (known: {', '.join(PROGRAMS)})")
+    inputs, outputs = _prefill_io(d) if base == PREFILL else _batch_step_io(d)
+    if base == program:
+        return inputs, outputs
+    if base == BATCH_STEP:  # one pool buffer per stage layer instead of P slabs; bubbles skipped
+        inputs = [spec for spec in inputs if not is_cache_input(spec[0])] + [(COMPUTED_ROWS, "int64", (None,))]
+        inputs += [(pool_input(kind, j), "float32", (None, d.kv_heads, None, d.head_dim))
+                   for j in range(d.stage_layers) for kind in KV_KINDS]
+    caches = [spec for spec in inputs if is_cache_input(spec[0])]
+    outputs = [spec for spec in outputs if not spec[0].startswith("new_")]
+    return inputs, outputs + [(in_place_output(name), dtype, shape) for name, dtype, shape in caches]
+
+
+def engine_programs(graph: str, slots: int) -> tuple[str, ...]:
+    """The programs engine graph GRAPH holds, in branch order (else, then): prefill, and the batch step when P > 1."""
+    names = PROGRAMS if slots > 1 else PROGRAMS[:1]
+    return tuple(name + variant(graph) for name in names)
+
+
+def merged_specs(sides: list[list[TensorSpec]]) -> list[TensorSpec]:
+    """The union of several programs' tensors by name, in first-seen order: a name they share keeps its
+    dtype and rank (ArtifactError otherwise) and takes None where their sizes differ."""
+    merged: dict[str, TensorSpec] = {}
+    for side in sides:
+        for name, dtype, shape in side:
+            if name not in merged:
+                merged[name] = (name, dtype, tuple(shape))
+                continue
+            _, known_dtype, known_shape = merged[name]
+            if known_dtype != dtype or len(known_shape) != len(shape):
+                raise ArtifactError(f"tensor {name} is {known_dtype} {list(known_shape)} in one program and {dtype} "
+                                    f"{list(shape)} in another")
+            merged[name] = (name, dtype, tuple(a if a == b else None for a, b in zip(known_shape, shape)))
+    return list(merged.values())
 
 
 def expected_io(graph: str, d: Dims) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """(inputs, outputs) the runtime expects of GRAPH."""
-    if graph.endswith(FUSED_SUFFIX):
-        inputs, outputs = _program_io(graph[:-len(FUSED_SUFFIX)], d)
-        if graph == fused(BATCH_STEP):  # one pool buffer per stage layer instead of P slabs; bubbles skipped
-            inputs = [spec for spec in inputs if not spec[0].startswith("cache.")] + [(COMPUTED_ROWS, "int64", (None,))]
-            inputs += [(cache_input(kind, j), "float32", (None, d.kv_heads, None, d.head_dim))
-                       for j in range(d.stage_layers) for kind in KV_KINDS]
-        caches = [spec for spec in inputs if spec[0].startswith("cache.")]
-        outputs = [spec for spec in outputs if not spec[0].startswith("new_")]
-        return inputs, outputs + [(name + ".out", dtype, shape) for name, dtype, shape in caches]
-    if graph in PROGRAMS:
-        return _program_io(graph, d)
-    raise ArtifactError(f"graph {graph!r} is not part of the artifact contract (known: {', '.join(GRAPHS)})")
+    """(inputs, outputs) the runtime expects of GRAPH (an engine graph of GRAPHS)."""
+    if graph not in GRAPHS:
+        raise ArtifactError(f"graph {graph!r} is not part of the artifact contract (known: {', '.join(GRAPHS)})")
+    ios = [program_io(program, d) for program in engine_programs(graph, d.slots)]
+    selector = [(RUN_STEP, "bool", ())] if len(ios) > 1 else []
+    return selector + merged_specs([i for i, _ in ios]), merged_specs([o for _, o in ios])
 
 
 def _check_side(graph: str, side: str, expected: list[TensorSpec], recorded: list[dict]) -> None:

@@ -102,7 +102,7 @@ class Service:
 
     def generation_request(self, parsed: ParsedRequest, ids: list[int]) -> GenerationRequest:
         context, param = self.adapter.max_context, "messages" if parsed.kind == "chat" else "prompt"
-        # a request's KV-cache slot is the model's context unless --kv-cache-mb made it smaller
+        # a request's KV-cache row is the model's context unless --kv-cache-mb made it smaller
         limit = (f"the model's context of {context} tokens" if context == self.adapter.engine.manifest.model["max_context"]
                  else f"a request's share of the server's KV-cache pool ({context} tokens, --kv-cache-mb)")
         if len(ids) >= context:

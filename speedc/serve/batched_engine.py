@@ -6,7 +6,7 @@
                                                               (up to max_batch) decodes in that step
 
 Same shape as ThreadedEngine (engine_adapter.py), so nothing else in the server knows which runs. A
-request holds one of MAX_BATCH sequence slots of the KV-cache pool from its prefill to its end; up
+request holds one of MAX_BATCH pool rows of the KV-cache pool from its prefill to its end; up
 to MAX_QUEUE more wait for a slot (FIFO) and beyond that submit() raises QueueFull. Cancelling marks
 the sequence; the scheduler frees its slot at the next step boundary. Each sequence's output equals
 what it produces alone (the scheduler's lossless promise), so the server's answers equal
@@ -78,7 +78,7 @@ class BatchedEngine:
     # ---- what the server asks of the model and the metrics ---------------------------------------
     @property
     def max_context(self) -> int:
-        """Prompt + completion tokens one request may hold: its KV-cache slot (at most the model's context)."""
+        """Prompt + completion tokens one request may hold: its KV-cache row (at most the model's context)."""
         return self.loop.scheduler.backend.capacity
 
     def encode(self, text: str, *, special_tokens: bool = True) -> list[int]:
