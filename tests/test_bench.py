@@ -157,7 +157,7 @@ def test_bench_plot_needs_png(tiny_artifact, tmp_path):
 def test_memory_bound_step_cost_rows(tiny_artifact):
     """The memory-bound mode (here shrunk to hidden 64 so CI stays fast) reports c(P) rows, each beside
     the weight floor's c(P) measured in the same run."""
-    result = run_cli("bench", "--memory-bound", "--memory-bound-hidden", "64", "--memory-bound-repeats", "10", "--json")
+    result = run_cli("bench", "--memory-bound", "--memory-bound-hidden", "64", "--memory-bound-repeats", "5", "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["label"].startswith("step cost only") and report["weights"] == "fp32"

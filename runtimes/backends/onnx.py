@@ -12,9 +12,9 @@ two >= the longest prompt + max new tokens in it, at least MIN_POOL_POSITIONS, u
 too), and shrinks only after SHRINK_AFTER_STEPS steps in a row needed less (a burst of requests ending
 together does not shrink it just before the next burst grows it again); an idle pool keeps its size.
 - W: the fused batch step runs attention over all W pool rows, the free ones as padding rows; one
-  client in a pool of 8 slots paid 8-16% more a step for them than in a pool of 1 (zoo:small).
+  client in a pool of 8 rows paid 8-16% more a step for them than in a pool of 1 (zoo:small).
 - T: an Ouro-1.4B-shaped model keeps 1.5 MiB per position per sequence (96 logical layers = 24 blocks x
-  4 loops, 16 KV heads x 128, K and V, fp32), so 8 slots of a 32K context would be 384 GiB before the
+  4 loops, 16 KV heads x 128, K and V, fp32), so 8 rows of a 32K context would be 384 GiB before the
   first request; numpy refuses such an allocation on this machine (32 GiB of zeros raised MemoryError).
 A pool that cannot grow is a one-line GenerationError, the old pool intact.
 
