@@ -204,8 +204,8 @@ class BatchPool:
         [R, 1, w'] ◄── Gather(pool_index) ◄── out [P*W, 1, w'] ◄──────────────────────────────┘
 
     The rows not computed attend with zero q|k|v and write zero K/V at their own position: a bubble
-    at the position the runtime gives it (where no valid row reads before rewriting), a free sequence
-    slot (n..W-1, the scheduler keeps the occupied ones a prefix) at position 0 of a slot no sequence holds."""
+    at the position the runtime gives it (where no valid row reads before rewriting), a free pool row
+    (n..W-1, the scheduler keeps the occupied ones a prefix) at position 0 of a row no sequence holds."""
 
     def __init__(self, graph: gs.Graph, ids_shape: gs.Tensor, seqlens: gs.Tensor, slots: int, pool_input: gs.Tensor,
                  slot_inputs: gs.Tensor, qkv_width: int) -> None:

@@ -49,7 +49,7 @@ def _merged_shape(name: str, known: gs.Variable, other: gs.Variable) -> list | N
                          f"{other.dtype} {other.shape} in another")
     if known.shape is None or other.shape is None:
         return None
-    return [a if a == b else None for a, b in zip(known.shape, other.shape)]
+    return list(contract.merged_shape(known.shape, other.shape))
 
 
 def _replace_input(tensor: gs.Tensor, replacement: gs.Tensor) -> None:
@@ -145,8 +145,6 @@ def merge_variant(programs: list[tuple[str, gs.Graph]], name: str) -> gs.Graph:
         graph = programs[0][1]
         graph.name = name
         return graph
-    if [contract.PROGRAMS.index(p.removesuffix(contract.FUSED_SUFFIX)) for p, _ in programs] != [0, 1]:
-        raise BuildError(f"internal: merge_programs takes prefill and batch_step, not {[p for p, _ in programs]}")
     outer = _Outer()
     for program, graph in programs:
         outer.take_inputs(graph)

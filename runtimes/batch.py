@@ -406,9 +406,10 @@ class BatchScheduler:
         self.steps["speed"] += 1
         final = {id(s): (int(result.final_tokens[i]), result.final_logits[i] if want else None) for i, s in enumerate(final_of)}
         guesses: dict[int, dict[int, int]] = {}
+        candidates = result.exit_candidates.copy() if exit_of else None  # the buffer is the next step's output too
         for i, (sequence, drafting) in enumerate(exit_of):
             guesses.setdefault(id(sequence), {})[0] = int(result.exit_tokens[i])
-            drafting.candidates = result.exit_candidates[i].copy()  # the buffer is the next step's output too
+            drafting.candidates = candidates[i]
         for i, (sequence, depth) in enumerate(check_of):
             guesses.setdefault(id(sequence), {})[depth] = int(result.check_tokens[i])
         for sequence in stepping:

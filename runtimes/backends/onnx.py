@@ -18,9 +18,9 @@ together does not shrink it just before the next burst grows it again); an idle 
   first request; numpy refuses such an allocation on this machine (32 GiB of zeros raised MemoryError).
 A pool that cannot grow is a one-line GenerationError, the old pool intact.
 
-    prefill(b, chunks)  prefill graph, B rows: logical layer l = s*S + j reads pool[j, s, b:b+B]
-    plain_step(n)       prefill graph, n rows (one token per sequence): pool[j, s, :n]
-    speed_step(n)       batch_step graph, P*n rows, slot-major (row s*n + b): slab (j, s) = pool[j, s, :n];
+    prefill(b, chunks)  the engine graph's prefill, B rows: logical layer l = s*S + j reads pool[j, s, b:b+B]
+    plain_step(n)       its prefill, n rows (one token per sequence): pool[j, s, :n]
+    speed_step(n)       its batch step, P*n rows, slot-major (row s*n + b): slab (j, s) = pool[j, s, :n];
                         fused: stage layer j's whole pool[j] as one [P*W, ...] buffer (one attention a layer)
 
 Every slab a graph reads is a contiguous view of the pool (sequences 0..n-1: the scheduler keeps the
@@ -113,6 +113,12 @@ def next_pool_size(pool, positions: int, sequences: int | None) -> tuple[int, in
     return length, width, grow
 
 
+def pool_would_grow(pool, positions: int, sequences: int) -> bool:
+    """Whether POOL (BatchBackend, TorchBackend) has to allocate a larger pool for POSITIONS x SEQUENCES."""
+    return (_power_of_two_size(positions, pool.min_length, pool.capacity) > pool.length
+            or _power_of_two_size(sequences, 1, pool.max_batch) > pool.width)
+
+
 def pool_binding(session, slabs: dict[str, np.ndarray]):
     """A new IO binding of SESSION with each cache input of SLABS (name -> pool view) bound to its view,
     as past and as present: the same pool memory, written in place by GroupQueryAttention."""
@@ -184,7 +190,7 @@ class BatchBackend:
         """SESSIONS: another BatchBackend's sessions of this artifact (same fused choice), shared instead of
         opened again (a session is stateless between runs; the pool and its bindings stay this backend's).
         PROFILE_PREFIX: open the session profiling every run per op (end_profiling() names the file)."""
-        take_dimensions(self, manifest, phases=True)
+        take_dimensions(self, manifest)
         self.layout = CacheLayout.from_manifest(manifest)  # which pool slab each graph's cache input is
         self.check_width = contract.candidate_count(self.vocab_size)  # K of an early-flush check's candidates
         engine = contract.ENGINE
@@ -197,7 +203,7 @@ class BatchBackend:
         if self.graph_name not in self.sessions:
             raise ArtifactError(f"{directory}: has no {self.graph_name} graph; rebuild it with this speedc "
                                 "(speedc build CHECKPOINT -o OUT --force)")
-        self.programs = program_sessions(self.sessions, manifest, fused)  # role -> its branch of the session
+        self.programs = program_sessions(self.sessions[self.graph_name], self.graph_name, manifest)  # role -> its branch
         self.max_batch, self.capacity = max_batch, capacity
         self.hidden = np.zeros((self.slots, max_batch, self.hidden_size), F32)  # last hidden_out, [slot, sequence]
         self._prefill_bindings: dict[tuple, object] = {}  # fused: (first pool row, count) -> its prefill binding
@@ -257,11 +263,10 @@ class BatchBackend:
 
     def would_grow(self, positions: int, sequences: int) -> bool:
         """Whether reserve(POSITIONS, SEQUENCES) has to allocate a larger pool."""
-        return (_power_of_two_size(positions, self.min_length, self.capacity) > self.length
-                or _power_of_two_size(sequences, 1, self.max_batch) > self.width)
+        return pool_would_grow(self, positions, sequences)
 
     def free_pool(self) -> None:
-        """Drop the pool's buffers while no sequence holds a slot: reserve then allocates the new pool
+        """Drop the pool's buffers while no sequence holds a pool row: reserve then allocates the new pool
         without the old one beside it (a grow copies the old pool, so both are held at once)."""
         self.key = self.value = None
         self.phase_pools = {}
@@ -276,7 +281,7 @@ class BatchBackend:
 
     def move(self, source: int, target: int, length: int | None = None) -> None:
         """Pool row SOURCE's cache (its first LENGTH positions; None: all) and pipeline state now live
-        in slot TARGET."""
+        in pool row TARGET."""
         cut = slice(None, length)
         for pair in self._pools.values():
             for pool in pair:
@@ -366,7 +371,7 @@ class BatchBackend:
             self.layout.write_prefill_rows(self._pools, self._new_rows(result), first, start, lengths)
             return result[contract.NEXT_TOKEN], (result[contract.LOGITS] if want_logits else None)
         self._check_positions(np.asarray([start + longest - 1]))
-        # The chunk length varies, so the ids are bound per call; the slabs' binding is kept per slot range
+        # The chunk length varies, so the ids are bound per call; the slabs' binding is kept per range of pool rows
         # (a padded token writes its K/V past its row's end, where nothing is read before it is rewritten).
         binding = self._prefill_bindings.get((first, count))
         if binding is None:

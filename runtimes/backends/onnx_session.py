@@ -37,14 +37,8 @@ def bound_address(binding, name: str, array: np.ndarray, dtype) -> int:
     return array.ctypes.data
 
 
-def take_dimensions(backend, manifest: Manifest, phases: bool = False) -> None:
-    """The sizes every ONNX Runtime backend reads from the manifest, as attributes of BACKEND. PHASES: the
-    backend runs a depth plan's pipelined prelude / coda (the batch backend); others refuse such artifacts."""
-    plan = manifest.schedule.get("depth_plan") or {}
-    if not phases and manifest.slots > 1 and (plan.get("prelude") or plan.get("coda")):
-        raise ArtifactError(f"this artifact pipelines a depth plan with a prelude / coda, which only the batch path "
-                            f"runs (Engine.generate_batch / --prompts-file); the {getattr(backend, 'name', 'single-sequence')} "
-                            "backend does not")
+def take_dimensions(backend, manifest: Manifest) -> None:
+    """The sizes the ONNX Runtime backend reads from the manifest, as attributes of BACKEND."""
     model = manifest.model
     backend.slots, backend.stage_layers = manifest.slots, manifest.stage_layers
     backend.num_layers = model["num_layers"]
@@ -113,7 +107,7 @@ class ProgramSession:
 
     def __init__(self, session, program: str, spec: dict, manifest: Manifest) -> None:
         """SPEC: the engine graph's manifest entry (its inputs, which load checked against the contract)."""
-        self.session, self.program = session, program
+        self.session = session
         own = {name for name, _, _ in contract.program_io(program, contract.Dims.from_manifest(manifest))[0]}
         is_step = program.removesuffix(contract.FUSED_SUFFIX) == contract.BATCH_STEP
         self.fixed_feeds: dict[str, np.ndarray] = {}
@@ -138,10 +132,8 @@ class ProgramSession:
         return self.session.run(names, {**self.fixed_feeds, **feeds})
 
 
-def program_sessions(sessions: dict, manifest: Manifest, fused: bool) -> dict[str, ProgramSession]:
-    """Program role (contract.PREFILL, contract.BATCH_STEP) -> its ProgramSession, over SESSIONS (graph
-    name -> an ONNX Runtime session of that engine graph)."""
-    graph = contract.fused(contract.ENGINE) if fused else contract.ENGINE
-    programs = contract.engine_programs(graph, manifest.slots)
-    return {program.removesuffix(contract.FUSED_SUFFIX): ProgramSession(sessions[graph], program, manifest.graphs[graph], manifest)
-            for program in programs}
+def program_sessions(session, graph: str, manifest: Manifest) -> dict[str, ProgramSession]:
+    """Program role (contract.PREFILL, contract.BATCH_STEP) -> its ProgramSession over SESSION, an ONNX
+    Runtime session of engine graph GRAPH."""
+    return {program.removesuffix(contract.FUSED_SUFFIX): ProgramSession(session, program, manifest.graphs[graph], manifest)
+            for program in contract.engine_programs(graph, manifest.slots)}

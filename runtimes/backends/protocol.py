@@ -64,7 +64,7 @@ class BatchBackendProtocol(Protocol):
         """Whether reserve(POSITIONS, SEQUENCES) allocates a larger pool."""
 
     def free_pool(self) -> None:
-        """Drop the pool while no sequence holds a slot."""
+        """Drop the pool while no sequence holds a pool row."""
 
     def move(self, source: int, target: int, length: int | None = None) -> None:
         """Pool row SOURCE's cache (its first LENGTH positions) and pipeline state now live in TARGET."""

@@ -42,7 +42,7 @@ from speedc.models.row_layer import RowContext, layer_over_rows, loop_boundary, 
 from speedc.models.sampling import is_integer
 from speedc.runtimes.backends.protocol import cache_slab, resolve_threads
 from speedc.runtimes.backends.onnx import (MIN_POOL_POSITIONS, SHRINK_AFTER_STEPS, HeadRows, SpeedStepResult,
-                                           _power_of_two_size, next_pool_size)
+                                           next_pool_size, pool_would_grow)
 
 
 def load_model_from_artifact(directory: Path, manifest: Manifest) -> SharedLlama:
@@ -204,11 +204,10 @@ class TorchBackend:
 
     def would_grow(self, positions: int, sequences: int) -> bool:
         """Whether reserve(POSITIONS, SEQUENCES) has to allocate a larger pool."""
-        return (_power_of_two_size(positions, self.min_length, self.capacity) > self.length
-                or _power_of_two_size(sequences, 1, self.max_batch) > self.width)
+        return pool_would_grow(self, positions, sequences)
 
     def free_pool(self) -> None:
-        """Drop the pool while no sequence holds a slot (reserve then allocates without the old one beside it)."""
+        """Drop the pool while no sequence holds a pool row (reserve then allocates without the old one beside it)."""
         self.key = self.value = None
         self.length = self.width = 0
         self._shrink_pending = 0
@@ -355,7 +354,7 @@ class TorchBackend:
         slots (row s*W + b); bubbles run at 0 and write the scratch row T."""
         model, slots, width = self.model, self.slots, self.width
         n = positions.shape[1]
-        grid = np.zeros((slots, width), np.int64)  # [P, W] each row's position, bubbles (and free slots) at 0
+        grid = np.zeros((slots, width), np.int64)  # [P, W] each row's position, bubbles (and free pool rows) at 0
         grid[:, :n] = np.where(valid, positions, 0)
         self._check_positions(positions[valid])
         if self.exact and min(heads.final, default=slots * n) < (slots - 1) * n:

@@ -3,12 +3,11 @@
     OUT/
       manifest.json     format version, versions, source hash, model dims, schedule, graph I/O,
                         weight index, file hashes
-      prefill.onnx      plain N-layer graph, B rows: prompt chunks, and plain (autoregressive) decoding
-      batch_step.onnx   one SPEED step of n sequences' P-slot pipelines (absent for a plain engine);
-                        a single sequence runs it with n = 1
-      prefill.gqa.onnx, batch_step.gqa.onnx
-                        ONNX Runtime variants: fused GroupQueryAttention writes the cache in place
-      weights.bin       every unique weight once, shared by all graphs as ONNX external data
+      engine.onnx       the engine graph: an If over the prefill (plain N-layer program, B rows: prompt
+                        chunks and plain decoding) and the batch step (one SPEED step of n sequences'
+                        P-slot pipelines; a single sequence runs it with n = 1); a plain engine: the prefill
+      engine.gqa.onnx   its ONNX Runtime variant: fused GroupQueryAttention writes the cache in place
+      weights.bin       every unique weight once, shared by both graphs as ONNX external data
       config.json       the model config (for the PyTorch backend and inspection)
       tokenizer.json    (when the checkpoint has one)
       tokenizer_config.json, chat_template.jinja

@@ -16,9 +16,9 @@ With P = 1 (a plain engine) the whole trip is one stage: one "core" pool [N, 1, 
 else. A cycle model (no prelude, no coda) has the "core" pool alone: slot s's rows of stage layer j
 are pool[j, s], logical layer s*S + j, contiguous for the sequences 0..n-1 (no gather).
 
-The graphs name the slabs they read (speedc/format/contract.py): the prefill graph one per cache entry
-(cache.{kind}.{e}, entry e in `entries` order), the batch step one per (stage layer, slot)
-(cache.{kind}.{j}.{s}), its fused variant one per stage layer (cache.{kind}.{j}, the slots and
+The programs name the slabs they read (speedc/format/contract.py): the prefill one per logical layer
+(cache.{kind}.{e}, entry e < N in `entries` order), the batch step one per (stage layer, slot)
+(cache.{kind}.{j}.{s}), its fused variant one per stage layer (pool.{kind}.{j}, the slots and
 sequences of pool[j] as one [P*W, ...] buffer).
 
 Standard library + numpy: the passes and the runtimes both read it.
@@ -104,12 +104,15 @@ class CacheLayout:
         return tuple(out)
 
     @cached_property
-    def _by_phase(self) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """phase -> (entry indices, their pool layers, their pool depths) [e] each."""
+    def _by_phase(self) -> dict[str, tuple[slice, np.ndarray, np.ndarray]]:
+        """phase -> (its entries' span, their pool layers, their pool depths [e]): a phase's entries are
+        contiguous (`entries`), so NEW[kind][span] is a view, not a copy of the new rows."""
         grouped = {}
         for phase in self.phases:
             picked = [(i, at.layer, at.depth) for i, at in enumerate(self.entries) if at.phase == phase]
-            grouped[phase] = tuple(np.asarray(column, np.int64) for column in zip(*picked))
+            indices, layers, depths = (np.asarray(column, np.int64) for column in zip(*picked))
+            assert (np.diff(indices) == 1).all(), f"{phase} entries are not contiguous"
+            grouped[phase] = (slice(int(indices[0]), int(indices[-1]) + 1), layers, depths)
         return grouped
 
     def locate(self, layer: int) -> Address:
@@ -175,18 +178,18 @@ class CacheLayout:
                            first: int, start: int, lengths) -> None:
         """Prefill's new rows NEW[kind] [E, B, kvh, L, hd] (entry e, chunk row b) into the pools: row b is
         pool row first + b at positions start .. start + lengths[b] - 1 (its padding dropped)."""
-        for phase, (indices, layers, depths) in self._by_phase.items():
+        for phase, (span, layers, depths) in self._by_phase.items():
             for kind, pool in zip(contract.KV_KINDS, pools[phase]):
-                rows = new[kind][indices]  # [e, B, kvh, L, hd]
+                rows = new[kind][span]  # [e, B, kvh, L, hd] (a view)
                 for row, length in enumerate(lengths):  # advanced (layers, depths, slot) first: [e, kvh, length, hd]
                     pool[layers, depths, first + row, :, start:start + length] = rows[:, row, :, :length]
 
     def write_token_rows(self, pools: dict[str, tuple[np.ndarray, np.ndarray]], new: dict[str, np.ndarray],
                          rows: np.ndarray, positions: np.ndarray) -> None:
         """Plain decoding's new rows NEW[kind] [E, n, kvh, 1, hd]: pool row b of ROWS at positions[b]."""
-        for phase, (indices, layers, depths) in self._by_phase.items():
+        for phase, (span, layers, depths) in self._by_phase.items():
             for kind, pool in zip(contract.KV_KINDS, pools[phase]):
-                part = new[kind][indices][:, rows][:, :, :, 0]  # [e, k, kvh, hd]
+                part = new[kind][span][:, rows][:, :, :, 0]  # [e, k, kvh, hd]: the span a view, the rows one copy
                 # advanced indices (entries x rows, positions) split by a slice: the target is [e, k, kvh, hd]
                 pool[layers[:, None], depths[:, None], rows[None], :, positions[rows][None]] = part
 

@@ -122,11 +122,6 @@ def phase_new_rows(kind: str, phase: str) -> str:
     return f"new_{kind}.{phase}"
 
 
-def cache_output(kind: str, index: int) -> str:
-    """A fused graph's in-place cache output (bound to the buffer of cache_input(kind, index))."""
-    return in_place_output(cache_input(kind, index))
-
-
 def in_place_output(cache: str) -> str:
     """A fused graph's output that is its cache input CACHE written in place (bound to the same buffer)."""
     return cache + ".out"
@@ -212,7 +207,7 @@ def _batch_step_io(d: Dims) -> tuple[list[TensorSpec], list[TensorSpec]]:
 
 def program_io(program: str, d: Dims) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """(inputs, outputs) of one program (PROGRAMS, or its fused variant)."""
-    base = program[:-len(FUSED_SUFFIX)] if program.endswith(FUSED_SUFFIX) else program
+    base = program.removesuffix(FUSED_SUFFIX)
     if base not in PROGRAMS:
         raise ArtifactError(f"program {program!r} is not part of the artifact contract (known: {', '.join(PROGRAMS)})")
     inputs, outputs = _prefill_io(d) if base == PREFILL else _batch_step_io(d)
@@ -233,6 +228,11 @@ def engine_programs(graph: str, slots: int) -> tuple[str, ...]:
     return tuple(name + variant(graph) for name in names)
 
 
+def merged_shape(known, other) -> tuple:
+    """Where two programs' shapes of one tensor (same rank) differ, the merged one is dynamic (None)."""
+    return tuple(a if a == b else None for a, b in zip(known, other))
+
+
 def merged_specs(sides: list[list[TensorSpec]]) -> list[TensorSpec]:
     """The union of several programs' tensors by name, in first-seen order: a name they share keeps its
     dtype and rank (ArtifactError otherwise) and takes None where their sizes differ."""
@@ -246,7 +246,7 @@ def merged_specs(sides: list[list[TensorSpec]]) -> list[TensorSpec]:
             if known_dtype != dtype or len(known_shape) != len(shape):
                 raise ArtifactError(f"tensor {name} is {known_dtype} {list(known_shape)} in one program and {dtype} "
                                     f"{list(shape)} in another")
-            merged[name] = (name, dtype, tuple(a if a == b else None for a, b in zip(known_shape, shape)))
+            merged[name] = (name, dtype, merged_shape(known_shape, shape))
     return list(merged.values())
 
 
