@@ -219,9 +219,9 @@ class Engine:
     def __init__(self, directory: Path, manifest: Manifest, backend, tokenizer, *, device: str = "cpu",
                  make_backend: Callable[[], object] | None = None, backend_name: str = DEFAULT_BACKEND,
                  threads: int | None = None) -> None:
-        """BACKEND: the engine's batch backend (one pool row; its sessions serve every call, batched
+        """BACKEND: the engine's batch backend (one pool row; its session serves every call, batched
         ones too), or None to have MAKE_BACKEND make it on first use. BACKEND_NAME: its name in BACKENDS
-        (continuous batching runs on some only); THREADS: the intra-op threads its sessions were opened with."""
+        (continuous batching runs on some only); THREADS: the intra-op threads its session was opened with."""
         self.directory, self.manifest, self.tokenizer, self.device = directory, manifest, tokenizer, device
         self.backend_name, self.threads = backend_name, threads
         self._backend, self._make_backend = backend, make_backend
@@ -237,7 +237,7 @@ class Engine:
 
     @property
     def backend(self):
-        """The engine's batch backend (its sessions, and the pool single-sequence calls run in); a lazy
+        """The engine's batch backend (its session, and the pool single-sequence calls run in); a lazy
         engine opens it here, once."""
         if self._backend is None:
             with self._backend_lock:
@@ -256,7 +256,7 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path, *, backend: str = "onnx", device: str = "cpu", threads: int | None = None,
              verify: bool = False, lazy: bool = False) -> "Engine":
-        """LAZY: open the backend (its sessions) only when a call first needs it."""
+        """LAZY: open the backend (its session) only when a call first needs it."""
         directory = Path(path)
         manifest = read_manifest(directory, verify_hashes=verify)
         tokenizer = None
@@ -385,8 +385,8 @@ class Engine:
         at most the model's context; None: the full context). ROW_BUDGET: the per-step speed/plain policy
         (-1: the default, None: always speculate, 0: always plain). PER_SEQUENCE: a sequence whose own
         acceptance makes speculation a loss decodes plainly (runtimes/acceptance_policy.py). The pool is
-        its own: single-sequence calls on this engine are unaffected; its sessions are the engine's (unless
-        FUSED or THREADS ask for others). BACKEND: run on this BatchBackend (its sessions and pool;
+        its own: single-sequence calls on this engine are unaffected; its session is the engine's (unless
+        FUSED or THREADS ask for others). BACKEND: run on this BatchBackend (its session and pool;
         max_batch, kv_cache_mb, fused and threads then come from it) instead of making one, for schedulers
         that take turns on one pool, never at once (the concurrency bench's policies)."""
         from speedc.runtimes.acceptance_policy import AcceptancePolicy, AlwaysSpeculate
@@ -454,13 +454,13 @@ class Engine:
 
     def _pool_backend(self, max_batch: int, capacity: int, fused: bool | None, threads: int | None):
         """A batch backend with a pool of its own on the engine's session (its graph opened once per
-        process); new sessions only where FUSED or THREADS differ from the engine's."""
+        process); a new session only where FUSED or THREADS differ from the engine's."""
         from speedc.runtimes.backends.onnx import make_batch_backend
 
         own = self.backend
         if fused in (None, own.fused) and threads in (None, self.threads):
             return make_batch_backend(self.directory, self.manifest, max_batch, capacity, device=self.device,
-                                      fused=own.fused, sessions=own.sessions)
+                                      fused=own.fused, session=own.session)
         return make_batch_backend(self.directory, self.manifest, max_batch, capacity, device=self.device,
                                   threads=threads, fused=fused)
 

@@ -119,18 +119,18 @@ def test_engine_loop_holds_back_text_that_may_begin_a_stop_string(engine):
     assert "".join(engine.stream(PROMPTS[0], max_new_tokens=24, stop=[stop])) == before  # the same rule
 
 
-def test_one_set_of_sessions_serves_single_and_batched_calls(tiny_artifact, engine):
+def test_one_session_serves_single_and_batched_calls(tiny_artifact, engine):
     """Engine.load(lazy=True) opens its backend on first use, once; batching then runs a pool of its own
-    on the engine's sessions (each graph opened once per process)."""
+    on the engine's session (its graph opened once per process)."""
     lazy = Engine.load(tiny_artifact, lazy=True)
     assert not lazy.backend_loaded
     batched = lazy.generate_batch(PROMPTS[:2], max_new_tokens=8, max_batch=2)
     assert lazy.backend_loaded
     scheduler = lazy.batch_scheduler(max_batch=2)
-    assert scheduler.backend is not lazy.backend and scheduler.backend.sessions is lazy.backend.sessions
+    assert scheduler.backend is not lazy.backend and scheduler.backend.session is lazy.backend.session
     assert lazy.generate(PROMPTS[0], max_new_tokens=8).ids == batched[0].ids == _alone(engine, PROMPTS[0], {}, 8).ids
-    other = lazy.batch_scheduler(max_batch=2, fused=not lazy.backend.fused)  # other graphs: their own sessions
-    assert other.backend.sessions is not lazy.backend.sessions
+    other = lazy.batch_scheduler(max_batch=2, fused=not lazy.backend.fused)  # another graph: its own session
+    assert other.backend.session is not lazy.backend.session
 
 
 def test_pool_limits_are_refused_in_one_line_not_truncated(engine):

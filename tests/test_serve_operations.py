@@ -180,11 +180,11 @@ def test_single_sequence_engine_still_serves(tiny_artifact):
         assert "speedc_requests_running 0.0" in metrics and 'speedc_engine_steps_total{sequences="1"}' in metrics
 
 
-def test_batched_server_opens_one_set_of_sessions(tiny_artifact):
-    """Serving batched, the batch scheduler's pool runs on the engine's sessions: each graph is opened once."""
+def test_batched_server_opens_one_session(tiny_artifact):
+    """Serving batched, the batch scheduler's pool runs on the engine's session: its graph is opened once."""
     adapter = make_adapter(ServeSettings(artifact=tiny_artifact, model_name="tiny", threads=1, max_batch=3))
     try:
-        assert adapter.slots == 3 and adapter.loop.scheduler.backend.sessions is adapter.engine.backend.sessions
+        assert adapter.slots == 3 and adapter.loop.scheduler.backend.session is adapter.engine.backend.session
     finally:
         asyncio.run(adapter.aclose())
 

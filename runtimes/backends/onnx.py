@@ -6,8 +6,8 @@ batching alike. Imports numpy and onnxruntime only.
     (a depth plan with a prelude / coda adds their pools beside it; speedc/format/cache_layout.py addresses all)
 
 The pool's width W (pool rows) and length T (positions) follow the sequences in it (`reserve`):
-W the smallest power of two >= the occupied pool rows, up to max_batch; T the smallest power of
-two >= the longest prompt + max new tokens in it, at least MIN_POOL_POSITIONS, up to `capacity`
+W the smallest power of two >= the occupied pool rows, up to max_batch; T the smallest of 4, 5, 6 or 7 x
+2^k >= the longest prompt + max new tokens in it, at least MIN_POOL_POSITIONS, up to `capacity`
 (--kv-cache-mb, else the context). The pool grows at once (and then takes the other axis's current need
 too), and shrinks only after SHRINK_AFTER_STEPS steps in a row needed less (a burst of requests ending
 together does not shrink it just before the next burst grows it again); an idle pool keeps its size.
@@ -49,11 +49,11 @@ from speedc.format import contract
 from speedc.format.artifact import Manifest
 from speedc.format.cache_layout import CORE, CacheLayout
 from speedc.errors import ArtifactError, GenerationError, OutOfMemory, SpeedcError
-from speedc.runtimes.backends.onnx_session import (bound_address, onnxruntime_module, open_sessions, program_sessions,
+from speedc.runtimes.backends.onnx_session import (bound_address, onnxruntime_module, open_session, program_sessions,
                                                     take_dimensions)
 
 F32 = np.float32
-MIN_POOL_POSITIONS = 256  # the pool's smallest length T (a regrow copies the pool: not for every request)
+MIN_POOL_POSITIONS = 64  # the pool's smallest length T (a regrow copies the pool: not for every short request)
 SHRINK_AFTER_STEPS = 64  # see reserve
 MAX_STEP_BINDINGS = 1024  # fused step bindings kept (shapes seen: 54 at 8 sequences, 7 at one)
 MAX_LAYOUTS = 4096  # valid-row patterns remembered (_layout); a few KB each at most
@@ -85,10 +85,20 @@ def row_capacity(manifest: Manifest, max_batch: int, kv_cache_mb: float | None) 
     return capacity
 
 
-def _power_of_two_size(need: int, low: int, high: int) -> int:
-    """The size an axis of the pool takes for NEED: the smallest power of two >= need, at least LOW, at
-    most HIGH (powers of two: a pool swinging around one size is not copied back and forth)."""
+def _pool_width(need: int, low: int, high: int) -> int:
+    """The pool width for NEED pool rows: the smallest power of two >= need, at least LOW, at most HIGH
+    (a pool swinging around one width is not copied back and forth)."""
     return min(high, max(low, 1 << max(need - 1, 0).bit_length()))
+
+
+def _pool_length(need: int, low: int, high: int) -> int:
+    """The pool length T for NEED positions: the smallest of 4, 5, 6, 7 x 2^k >= need (at most a quarter
+    more than asked), at least LOW, at most HIGH. Attention costs by T, not by the positions in use
+    (ONNX Runtime's GroupQueryAttention runs over the whole bound buffer: zoo:small's step 2.66 ms at
+    T = 256 and 3.32 at T = 512 for the same 128 positions), so a 131-position request takes 160, not 256."""
+    need = max(need, low, 1)
+    step = 1 << max(need.bit_length() - 3, 0)  # a quarter of the power of two at or below need
+    return min(high, -(-need // step) * step)
 
 
 def next_pool_size(pool, positions: int, sequences: int | None) -> tuple[int, int, bool] | None:
@@ -100,8 +110,8 @@ def next_pool_size(pool, positions: int, sequences: int | None) -> tuple[int, in
     sequences = pool.width if sequences is None else sequences
     if not 0 < sequences <= pool.max_batch:
         raise GenerationError(f"internal: {sequences} sequences for a pool of {pool.max_batch}")
-    length = _power_of_two_size(positions, pool.min_length, pool.capacity)
-    width = _power_of_two_size(sequences, 1, pool.max_batch)
+    length = _pool_length(positions, pool.min_length, pool.capacity)
+    width = _pool_width(sequences, 1, pool.max_batch)
     grow = length > pool.length or width > pool.width
     if not grow and (length, width) == (pool.length, pool.width):
         pool._shrink_pending = 0
@@ -115,8 +125,8 @@ def next_pool_size(pool, positions: int, sequences: int | None) -> tuple[int, in
 
 def pool_would_grow(pool, positions: int, sequences: int) -> bool:
     """Whether POOL (BatchBackend, TorchBackend) has to allocate a larger pool for POSITIONS x SEQUENCES."""
-    return (_power_of_two_size(positions, pool.min_length, pool.capacity) > pool.length
-            or _power_of_two_size(sequences, 1, pool.max_batch) > pool.width)
+    return (_pool_length(positions, pool.min_length, pool.capacity) > pool.length
+            or _pool_width(sequences, 1, pool.max_batch) > pool.width)
 
 
 def pool_binding(session, slabs: dict[str, np.ndarray]):
@@ -186,8 +196,8 @@ class BatchBackend:
 
     def __init__(self, directory: Path, manifest: Manifest, max_batch: int, capacity: int, threads: int | None = None,
                  fused: bool | None = None, min_length: int = MIN_POOL_POSITIONS, shrink_after: int = SHRINK_AFTER_STEPS,
-                 sessions: dict | None = None, profile_prefix: str | None = None) -> None:
-        """SESSIONS: another BatchBackend's sessions of this artifact (same fused choice), shared instead of
+                 session=None, profile_prefix: str | None = None) -> None:
+        """SESSION: another BatchBackend's session of this artifact (same fused choice), shared instead of
         opened again (a session is stateless between runs; the pool and its bindings stay this backend's).
         PROFILE_PREFIX: open the session profiling every run per op (end_profiling() names the file)."""
         take_dimensions(self, manifest)
@@ -198,12 +208,9 @@ class BatchBackend:
             fused = contract.fused(engine) in manifest.graphs
         self.fused = fused
         self.graph_name = contract.fused(engine) if fused else engine  # the one graph (and session) it runs
-        self.sessions = sessions if sessions is not None else open_sessions(
-            directory, manifest, (self.graph_name,), ["CPUExecutionProvider"], threads, profile_prefix)
-        if self.graph_name not in self.sessions:
-            raise ArtifactError(f"{directory}: has no {self.graph_name} graph; rebuild it with this speedc "
-                                "(speedc build CHECKPOINT -o OUT --force)")
-        self.programs = program_sessions(self.sessions[self.graph_name], self.graph_name, manifest)  # role -> its branch
+        self.session = session if session is not None else open_session(
+            directory, manifest, self.graph_name, ["CPUExecutionProvider"], threads, profile_prefix)
+        self.programs = program_sessions(self.session, self.graph_name, manifest)  # role -> its branch
         self.max_batch, self.capacity = max_batch, capacity
         self.hidden = np.zeros((self.slots, max_batch, self.hidden_size), F32)  # last hidden_out, [slot, sequence]
         self._prefill_bindings: dict[tuple, object] = {}  # fused: (first pool row, count) -> its prefill binding
@@ -225,11 +232,11 @@ class BatchBackend:
     def end_profiling(self) -> str:
         """The profile file of the engine session (a profiled backend): both programs' runs, their
         nodes named by program (speedc/bench/op_profile.py)."""
-        return self.sessions[self.graph_name].end_profiling()
+        return self.session.end_profiling()
 
     def reserve(self, positions: int, sequences: int | None = None) -> None:
         """Make the pool hold POSITIONS (<= capacity) positions for each of SEQUENCES (<= max_batch; None:
-        as now) pool rows, sized by _power_of_two_size (T at least min_length): at once where it must
+        as now) pool rows, sized by _pool_length and _pool_width: at once where it must
         grow, and where it may only shrink, once SHRINK_AFTER calls in a row asked for less (called once a
         step: a burst of requests ending together does not shrink the pool just before the next burst
         grows it again, each time copying it and remaking every step binding). The occupied slots (a
@@ -499,9 +506,9 @@ BATCHING_BACKENDS = ("onnx", "onnx-numpy")  # Engine backends that batch many se
 
 
 def make_batch_backend(directory: Path, manifest: Manifest, max_batch: int, capacity: int, device: str = "cpu",
-                       threads: int | None = None, fused: bool | None = None, sessions: dict | None = None) -> BatchBackend:
+                       threads: int | None = None, fused: bool | None = None, session=None) -> BatchBackend:
     if device != "cpu":
         raise SpeedcError(f"device {device!r}: the ONNX Runtime backends run on the CPU in this version "
                           "(--backend torch runs on CUDA)")
     onnxruntime_module()
-    return BatchBackend(directory, manifest, max_batch, capacity, threads=threads, fused=fused, sessions=sessions)
+    return BatchBackend(directory, manifest, max_batch, capacity, threads=threads, fused=fused, session=session)

@@ -46,44 +46,46 @@ def take_dimensions(backend, manifest: Manifest) -> None:
     backend.kv_heads, backend.head_dim, backend.hidden_size = model["num_kv_heads"], model["head_dim"], model["hidden_size"]
 
 
-def session_options(threads: int | None):
-    """The options every speedc session runs with (the benchmarks' weight floor too)."""
+def session_options(threads: int | None, *, spin_between_runs: bool):
+    """The options every speedc session runs with (the benchmarks' weight floor too).
+
+    SPIN_BETWEEN_RUNS: whether the session's workers keep spinning after a run ends (ONNX Runtime's
+    default), ready for the next one. That pays where one session runs back to back, as an engine's
+    does (it opens one session per process): zoo:small's SPEED step 3.70 ms instead of 4.05. Where
+    sessions alternate (the benchmarks' weight floor, two sessions run in turns), the next session would
+    share a 2-core machine with the last one's spinning workers (measured: a step 35 ms instead of 16),
+    so those stop spinning at the end of each run."""
     ort = onnxruntime_module()
     options = ort.SessionOptions()
     options.intra_op_num_threads = resolve_threads(threads)
     options.inter_op_num_threads = 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
-    # A process may run several sessions (a pool of another fusion choice, the benchmarks' floor), each
-    # with its own thread pool. By default a pool's workers keep spinning after a run ends; on a 2-core
-    # machine the next session's run then shares its cores with the last one's spinning workers
-    # (measured with two sessions: a step 35 ms instead of 16, a plain token 91 ms instead of 45).
-    # Spin during a run, stop at its end.
-    options.add_session_config_entry("session.force_spinning_stop", "1")
+    if not spin_between_runs:
+        options.add_session_config_entry("session.force_spinning_stop", "1")
     return options
 
 
-def open_sessions(directory: Path, manifest: Manifest, names: tuple[str, ...], providers: list, threads: int | None,
-                  profile_prefix: str | None = None) -> dict:
-    """ONNX Runtime sessions for the artifact graphs in NAMES that it has.
-    PROFILE_PREFIX: ONNX Runtime profiles each session's runs into PROFILE_PREFIX<graph>_<time>.json."""
+def open_session(directory: Path, manifest: Manifest, name: str, providers: list, threads: int | None,
+                 profile_prefix: str | None = None):
+    """The ONNX Runtime session of artifact graph NAME (ArtifactError when the artifact lacks it), its
+    workers spinning between runs (the one session an engine runs, see session_options).
+    PROFILE_PREFIX: ONNX Runtime profiles its runs into PROFILE_PREFIX<graph>_<time>.json."""
     ort = onnxruntime_module()
-    options = session_options(threads)
-    sessions = {}
-    for name in names:
-        spec = manifest.graphs.get(name)
-        if spec is None:
-            continue
-        if profile_prefix is not None:
-            options.enable_profiling = True
-            options.profile_file_prefix = f"{profile_prefix}{name}"
-        try:
-            session = ort.InferenceSession(str(directory / spec["file"]), options, providers=providers)
-        except Exception as bad:  # ORT raises its own exception types
-            raise ArtifactError(f"{directory / spec['file']}: ONNX Runtime cannot load it ({str(bad).splitlines()[0]})") from None
-        check_session_io(directory, name, spec, session)
-        sessions[name] = session
-    return sessions
+    spec = manifest.graphs.get(name)
+    if spec is None:
+        raise ArtifactError(f"{directory}: has no {name} graph; rebuild it with this speedc "
+                            "(speedc build CHECKPOINT -o OUT --force)")
+    options = session_options(threads, spin_between_runs=True)
+    if profile_prefix is not None:
+        options.enable_profiling = True
+        options.profile_file_prefix = f"{profile_prefix}{name}"
+    try:
+        session = ort.InferenceSession(str(directory / spec["file"]), options, providers=providers)
+    except Exception as bad:  # ORT raises its own exception types
+        raise ArtifactError(f"{directory / spec['file']}: ONNX Runtime cannot load it ({str(bad).splitlines()[0]})") from None
+    check_session_io(directory, name, spec, session)
+    return session
 
 
 def check_session_io(directory: Path, name: str, spec: dict, session) -> None:

@@ -163,13 +163,13 @@ def _measure(engine, prompts, prompt_ids, alone, levels, new_tokens, repeats, th
     from speedc.runtimes.backends.onnx import make_batch_backend, row_capacity
 
     systems: dict[int, dict[str, object]] = {}
-    own = engine.backend  # its sessions serve every level (and the single-sequence engine)
+    own = engine.backend  # its session serves every level (and the single-sequence engine)
     for clients in dict.fromkeys(levels):
         # Per level one backend (pool, step bindings) for every batched system, and one set of sessions
         # for all levels: two sessions of one graph ran 2-4% apart here, steadily, which would read as a
         # difference between policies or between client counts.
         backend = make_batch_backend(engine.directory, engine.manifest, clients, row_capacity(engine.manifest, clients, None),
-                                     device=engine.device, threads=threads, fused=own.fused, sessions=own.sessions)
+                                     device=engine.device, threads=threads, fused=own.fused, session=own.session)
         level = {}
         for name, options in SYSTEMS.items():
             progress(f"concurrency {clients}: {name}, warm-up")

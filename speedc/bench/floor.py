@@ -76,7 +76,7 @@ def _session(model_and_weights, threads: int | None):
     from speedc.runtimes.backends.onnx_session import session_options
 
     model, weights = model_and_weights
-    options = session_options(threads)
+    options = session_options(threads, spin_between_runs=False)  # the two floor sessions run in turns
     options.add_external_initializers(list(weights), [ort.OrtValue.ortvalue_from_numpy(a) for a in weights.values()])
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 

@@ -68,7 +68,7 @@ def make_adapter(settings: ServeSettings):
     if not batched:
         return ThreadedEngine(engine, max_queue=settings.max_queue, mode=settings.mode)
     return BatchedEngine(engine, max_queue=settings.max_queue, max_batch=settings.max_batch,
-                         kv_cache_mb=settings.kv_cache_mb, mode=settings.mode)  # the engine's sessions
+                         kv_cache_mb=settings.kv_cache_mb, mode=settings.mode)  # the engine's session
 
 
 class Service:
