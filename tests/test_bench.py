@@ -229,15 +229,41 @@ def test_memory_bound_on_a_looped_shape():
     from speedc.bench.synthetic import Shape, synthetic_step_costs
 
     tiny = Shape("ouro-tiny", 64, 4, 4, 16, 96, 128, 2, 4, looped=True, sandwich_norms=True)
-    report = synthetic_step_costs(shape=tiny, context=64, repeats=5, end_to_end=True, new_tokens=12, prompts=2)
+    report = synthetic_step_costs(shape=tiny, context=64, repeats=5, end_to_end=True, new_tokens=12, prompts=2, peers=False)
     assert report["passes"] == 4 and [row["slots"] for row in report["rows"]] == [2, 4]
     assert all(row["step_cost"] > 0 for row in report["rows"]) and report["note"] == ""
-    assert report["residual_scale"] == 0.1 and report["label"].startswith("SPEED vs plain decoding")
+    assert report["residual_scale"] == round(0.025 / 6 ** 0.5, 5) and report["label"].startswith("SPEED vs plain decoding")
     for row in report["rows"]:
         assert row["ids_identical"] and 0 <= row["acceptance"] <= 1 and row["speedup_decode"] > 0
     summary = report["end_to_end"]  # the deepest pipeline, as other tools read it
     assert summary["slots"] == 4 and summary["identical_ids"] and summary["speedup"] == report["rows"][-1]["speedup_decode"]
-    assert summary["acceptance_rate"] == report["rows"][-1]["acceptance"]
+    assert summary["acceptance_rate"] == report["rows"][-1]["acceptance"] and summary["peers"] == {}
+
+
+def test_memory_bound_peers_say_what_is_missing(monkeypatch, tmp_path):
+    """Without llama-cpp-python the end-to-end report names the install in one line (asked for explicitly:
+    a one-line refusal); the zoo shape has no llama.cpp peer."""
+    import speedc.bench.peers as peers
+    from speedc.bench.synthetic import SHAPES, memory_bound_peers, zoo_shape
+    from speedc.errors import SpeedcError
+
+    monkeypatch.setattr(peers, "llama_cpp_installed", lambda: False)
+    args = (tmp_path, tmp_path, "int4", 1, 8)
+    assert memory_bound_peers(SHAPES["ouro-1.4b"], *args, None, print) == ({}, {"llama.cpp": peers.LLAMA_CPP_INSTALL})
+    assert memory_bound_peers(SHAPES["ouro-1.4b"], *args, False, print) == ({}, {})
+    with pytest.raises(SpeedcError, match="llama.cpp peer needs llama-cpp-python: pip install 'speedc.peers.'"):
+        memory_bound_peers(SHAPES["nanbeige-3b"], *args, True, print)
+    assert memory_bound_peers(zoo_shape(256), *args, None, print) == ({}, {})
+    with pytest.raises(SpeedcError, match="runs the looped shapes"):
+        memory_bound_peers(zoo_shape(256), *args, True, print)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--memory-bound", "--peer", "transformers"], "--peer names an artifact's peers"),
+    (["--memory-bound", "--peers"], "--peers with --memory-bound needs --end-to-end"),
+])
+def test_memory_bound_refuses_peer_options_it_cannot_use(args, message):
+    assert_one_line_error(run_cli("bench", *args), message)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -70,6 +70,46 @@ def genai_installed() -> bool:
     return True
 
 
+LLAMA_CPP_INSTALL = ("pip install 'speedc[peers]' (llama-cpp-python has no wheels on the registry: "
+                     "its install compiles llama.cpp, about 25 minutes on 2 cores)")
+
+
+def llama_cpp_installed() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def llama_cpp_peer(gguf: Path, threads: int | None, context: int):
+    """llama.cpp (through llama-cpp-python) decoding greedily on GGUF file GGUF (speedc/bench/gguf_export.py).
+    Returns generate(prompt ids, new tokens) -> (new ids, decode seconds per token after the first):
+    the prompt is evaluated in one batch, then one token a call, as speedc's plain decoding runs."""
+    import time
+
+    import llama_cpp
+    import numpy as np
+
+    from speedc.runtimes.backends.protocol import resolve_threads
+
+    threads = resolve_threads(threads)
+    model = llama_cpp.Llama(model_path=str(gguf), n_ctx=context, n_batch=min(512, context), n_threads=threads,
+                            n_threads_batch=threads, logits_all=False, verbose=False)
+
+    def generate(prompt: list[int], new_tokens: int) -> tuple[list[int], float]:
+        model.reset()
+        model.eval(prompt)
+        ids = [int(np.argmax(model.scores[model.n_tokens - 1]))]
+        start = time.perf_counter()
+        while len(ids) < new_tokens:
+            model.eval([ids[-1]])
+            ids.append(int(np.argmax(model.scores[model.n_tokens - 1])))
+        return ids, (time.perf_counter() - start) / max(1, new_tokens - 1)
+
+    return generate
+
+
 # The builder's command line, run once per export in ONE interpreter: its imports (torch, transformers,
 # onnx: about 7 s of CPU) are paid once for both exports, not once each.
 _BUILDER_DRIVER = """

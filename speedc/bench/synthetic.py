@@ -14,6 +14,7 @@ the acceptance measured in the same run (ids checked identical)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import shutil
 import statistics
 import tempfile
@@ -22,13 +23,22 @@ from pathlib import Path
 
 from speedc.bench.floor import measure_floor
 from speedc.bench.run import measure_step_times
+from speedc.errors import SpeedcError
 
 # Residual scale for --end-to-end on random weights: each block then adds little to the residual
-# stream, so the state after the first pass predicts the last (as in a trained looped model). Chosen
-# for an exit/final agreement near 0.8, measured along greedy continuations of random prompts
-# (teacher-forced, torch reference): zoo-1024 untied 0.001 -> 0.91, 0.002 -> 0.69; the looped
-# shapes' loop norms renormalise the state each loop, so they take a larger scale.
-DEFAULT_RESIDUAL_SCALE = {"zoo": 0.0015, "looped": 0.1}
+# stream, so the state after the first pass predicts the last (as in a trained looped model). The zoo
+# shape's was chosen for an exit/final agreement near 0.8 along greedy continuations of random prompts
+# (teacher-forced, torch reference): zoo-1024 untied 0.001 -> 0.91, 0.002 -> 0.69.
+ZOO_RESIDUAL_SCALE = 0.0015
+# A looped shape's loop norm renormalises the state each loop; what loops 2..R then add grows as the
+# square root of the sublayers they run, so the scale is a budget over sqrt(layers x (loops - 1)).
+# Chosen for agreement near 0.9 at full depth (teacher-forced exit vs final head on random prompts,
+# torch reference, 2026-12-02): Ouro-1.4B (24 x 4, sandwich norms: each sublayer's update RMS-normed,
+# then scaled) 0.004 -> 0.85, 0.002 -> 0.99; Nanbeige-3B (22 x 2, Llama blocks: o_proj and down_proj
+# scaled) 0.004 -> 0.83, 0.002 -> 0.95.
+LOOPED_RESIDUAL_BUDGET = {"sandwich": 0.025, "llama": 0.015}
+PROMPT_IDS = 8  # --end-to-end's random prompts: this many ids each
+MAX_DEPTH = 8  # the deepest pipeline measured
 
 
 @dataclass(frozen=True)
@@ -75,8 +85,12 @@ def end_to_end_shape(shape: Shape) -> Shape:
     return shape if shape.looped else dataclasses.replace(shape, tied=False, name=f"{shape.name}-untied")
 
 
-def default_residual_scale(shape: Shape) -> float:
-    return DEFAULT_RESIDUAL_SCALE["looped" if shape.looped else "zoo"]
+def default_residual_scale(shape: Shape, layers: int) -> float:
+    """--end-to-end's residual scale for SHAPE at LAYERS unique layers (see LOOPED_RESIDUAL_BUDGET)."""
+    if not shape.looped:
+        return ZOO_RESIDUAL_SCALE
+    budget = LOOPED_RESIDUAL_BUDGET["sandwich" if shape.sandwich_norms else "llama"]
+    return round(budget / math.sqrt(layers * max(shape.loops - 1, 1)), 5)
 
 
 def layers_that_fit(shape: Shape, requested: int | None = None) -> int:
@@ -140,19 +154,25 @@ def synthetic_checkpoint(shape: Shape, layers: int, directory: Path, residual_sc
     return save_checkpoint(random_model_of(shape_config(shape, layers), residual_scale), directory)
 
 
-def end_to_end_row(engine, *, prompts: int, new_tokens: int, seed: int = 0) -> dict:
-    """SPEED vs plain decoding on random prompt ids, interleaved, greedy; ids must be identical."""
+def end_to_end_row(engine, *, prompts: int, new_tokens: int, seed: int = 0, peers: dict | None = None) -> dict:
+    """SPEED vs plain decoding on random prompt ids, interleaved, greedy; ids must be identical. PEERS:
+    name -> (generate(prompt ids, new tokens) -> (ids, decode seconds per token), what it ran), timed
+    in the same rounds (after SPEED and plain decoding, per prompt); their ids' agreement with SPEED's
+    is reported (another precision or architecture: not required equal)."""
     import numpy as np
 
+    from speedc.bench.run import Agreement
     from speedc.errors import GenerationError
     from speedc.runtimes.decode import pooled_acceptance
 
+    peers = peers or {}
     vocab = engine.manifest.model["vocab_size"]
     rng = np.random.default_rng(seed)
-    ms = {"speed": [], "autoregressive": []}
+    ms = {"speed": [], "autoregressive": [], **{name: [] for name in peers}}
+    agreement = {name: Agreement(same_weights=False) for name in peers}
     speed_runs = []
     for _ in range(prompts):
-        prompt = [int(i) for i in rng.integers(0, vocab, size=8)]
+        prompt = [int(i) for i in rng.integers(0, vocab, size=PROMPT_IDS)]
         results = {mode: engine.generate(prompt, max_new_tokens=new_tokens, mode=mode, stop_at_eos=False)
                    for mode in ("speed", "autoregressive")}
         if results["speed"].ids != results["autoregressive"].ids:
@@ -160,23 +180,36 @@ def end_to_end_row(engine, *, prompts: int, new_tokens: int, seed: int = 0) -> d
         for mode, result in results.items():
             ms[mode].append(1000 * result.stats.decode_seconds / max(1, result.stats.new_tokens - 1))
         speed_runs.append(results["speed"].stats)
+        for name, (generate, _) in peers.items():
+            ids, seconds = generate(prompt, new_tokens)
+            ms[name].append(1000 * seconds)
+            agreement[name].add(ids, results["speed"].ids)
     speed, plain = statistics.median(ms["speed"]), statistics.median(ms["autoregressive"])
-    return {"acceptance": round(pooled_acceptance(speed_runs), 3), "speed_ms_per_token": round(speed, 2),
-            "autoregressive_ms_per_token": round(plain, 2), "speedup_decode": round(plain / speed, 3),
-            "ids_identical": True}
+    row = {"acceptance": round(pooled_acceptance(speed_runs), 3), "speed_ms_per_token": round(speed, 2),
+           "autoregressive_ms_per_token": round(plain, 2), "speedup_decode": round(plain / speed, 3),
+           "ids_identical": True}
+    if peers:
+        row["peers"] = {name: {"ms_per_token": round(statistics.median(ms[name]), 2),
+                               "speed_speedup": round(statistics.median(ms[name]) / speed, 3), "ran": ran,
+                               **agreement[name].to_json()}
+                        for name, (_, ran) in peers.items()}
+    return row
 
 
 def synthetic_step_costs(*, hidden: int = 1024, blocks: int = 4, passes: int = 4, context: int = 512,
                          threads: int | None = None, repeats: int = 100, backend: str = "onnx",
                          shape: Shape | None = None, layers: int | None = None, end_to_end: bool = False,
                          residual_scale: float | None = None, new_tokens: int = 64, prompts: int = 4,
-                         weights: str | None = None, profile: bool = False, progress=lambda message: None) -> dict:
-    """c(P) rows for SHAPE (default: the zoo shape at HIDDEN) at every valid depth in (2, 4, 8), each
+                         weights: str | None = None, profile: bool = False, peers: bool | None = None,
+                         progress=lambda message: None) -> dict:
+    """c(P) rows for SHAPE (default: the zoo shape at HIDDEN) at every valid depth 2..MAX_DEPTH, each
     beside the weight floor's c(P) (speedc/bench/floor.py: the same weight products and nothing else),
     measured in the same run; WEIGHTS: the artifact's weight storage (the floor stays fp32); PROFILE:
     also the step's kernel time per op type beside the plain token's share. With END_TO_END also
     SPEED vs plain decoding per depth, on weights whose blocks' residual updates are scaled by
-    RESIDUAL_SCALE so the early exit agrees often (the measured acceptance is reported)."""
+    RESIDUAL_SCALE so the early exit agrees often (the measured acceptance is reported); and, for a
+    looped shape, PEERS (None: those installed): llama.cpp on a GGUF of the same checkpoint at the
+    artifact's precision (Q4_0 for int4, Q8_0 for int8, else F16), timed beside the deepest pipeline."""
     from speedc.build import build
     from speedc.models.layer_map import valid_slot_counts
     from speedc.passes.base import BuildOptions
@@ -186,13 +219,18 @@ def synthetic_step_costs(*, hidden: int = 1024, blocks: int = 4, passes: int = 4
     if end_to_end:
         shape = end_to_end_shape(shape)
     used = layers_that_fit(shape, layers)
-    scale = residual_scale if residual_scale is not None else (default_residual_scale(shape) if end_to_end else 1.0)
+    scale = residual_scale if residual_scale is not None else (default_residual_scale(shape, used) if end_to_end else 1.0)
     cfg = shape_config(shape, used)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         progress(f"{shape.name}: writing random weights, {used} of {shape.layers} layers x {shape.loops} loops")
         checkpoint = synthetic_checkpoint(shape, used, Path(tmp) / "ckpt", scale)
-        for slots in [p for p in valid_slot_counts(cfg.layer_map, cfg.exit_layer) if p in (2, 4, 8)]:
+        depths = [p for p in valid_slot_counts(cfg.layer_map, cfg.exit_layer) if 1 < p <= MAX_DEPTH]
+        if not depths:
+            raise SpeedcError(f"{shape.name}: {shape.loops} loop(s) leave no pipeline depth to measure")
+        peer_fns, missing = (memory_bound_peers(shape, checkpoint, Path(tmp), weights, threads, new_tokens, peers, progress)
+                             if end_to_end else ({}, {}))
+        for slots in depths:
             progress(f"{shape.name}: compiling P={slots}")
             art = build(checkpoint, Path(tmp) / f"p{slots}", BuildOptions(slots=slots, dtype=weights), force=True).out
             engine = Engine.load(art, backend=backend, threads=threads, verify=False)
@@ -206,12 +244,14 @@ def synthetic_step_costs(*, hidden: int = 1024, blocks: int = 4, passes: int = 4
                 progress(f"{shape.name}: profiling P={slots} per op")
                 row["profile"] = step_op_profile(art, engine.manifest, threads=threads, context=context)
             if end_to_end:
-                row.update(end_to_end_row(engine, prompts=prompts, new_tokens=new_tokens))
+                row.update(end_to_end_row(engine, prompts=prompts, new_tokens=new_tokens,
+                                          peers=peer_fns if slots == depths[-1] else None))
             rows.append(row)
             stored, storage = engine.manifest.weights["stored_bytes"], engine.manifest.dtype
             unique_fp32 = engine.manifest.weights["unique_bytes_fp32"]
             del engine
             shutil.rmtree(art)  # one artifact on disk at a time
+        peer_fns.clear()  # (llama.cpp's model and context freed before the temporary files go)
     note = "" if used == shape.layers else f"{used} of the real {shape.layers} layers (--layers)"
     label = ("SPEED vs plain decoding on random weights" + ("" if shape.looped else ", LM head untied") + ", residual updates scaled by "
              f"{scale} (acceptance measured)" if end_to_end else "step cost only (random weights)")
@@ -224,5 +264,32 @@ def synthetic_step_costs(*, hidden: int = 1024, blocks: int = 4, passes: int = 4
         report["end_to_end"] = {"slots": deepest["slots"], "speedup": deepest["speedup_decode"],
                                 "acceptance_rate": deepest["acceptance"], "identical_ids": deepest["ids_identical"],
                                 "speed_ms_per_token": deepest["speed_ms_per_token"],
-                                "autoregressive_ms_per_token": deepest["autoregressive_ms_per_token"]}
+                                "autoregressive_ms_per_token": deepest["autoregressive_ms_per_token"],
+                                "peers": deepest.get("peers", {})}
+        if missing:
+            report["end_to_end"]["peers_missing"] = missing
     return report
+
+
+def memory_bound_peers(shape: Shape, checkpoint: Path, workdir: Path, weights: str | None, threads: int | None,
+                       new_tokens: int, wanted: bool | None, progress) -> tuple[dict, dict]:
+    """({name: (generate, what it ran)}, {name: how to install it}) for --end-to-end: llama.cpp on a GGUF
+    of CHECKPOINT (looped shapes). WANTED None: the peers installed; True: refuse when one is missing."""
+    from speedc.bench.peers import LLAMA_CPP_INSTALL, llama_cpp_installed, llama_cpp_peer
+
+    if wanted is False:
+        return {}, {}
+    if not shape.looped:
+        if wanted:
+            raise SpeedcError("the llama.cpp peer runs the looped shapes' checkpoints (--shape ouro-1.4b, ouro-2.6b, nanbeige-3b)")
+        return {}, {}
+    if not llama_cpp_installed():
+        if wanted:
+            raise SpeedcError(f"the llama.cpp peer needs llama-cpp-python: {LLAMA_CPP_INSTALL}")
+        return {}, {"llama.cpp": LLAMA_CPP_INSTALL}
+    from speedc.bench.gguf_export import GGUF_TYPE_FOR_WEIGHTS, write_gguf
+
+    gguf_type = GGUF_TYPE_FOR_WEIGHTS.get(weights or "", "f16")
+    written = write_gguf(checkpoint, workdir / f"peer.{gguf_type}.gguf", gguf_type, progress=progress)
+    generate = llama_cpp_peer(Path(written["path"]), threads, context=PROMPT_IDS + new_tokens + 8)
+    return {"llama.cpp": (generate, f"{written['ran']}, {gguf_type.upper()} ({written['bytes'] / 1e6:.0f} MB)")}, {}

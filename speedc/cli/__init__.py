@@ -23,6 +23,7 @@ EXTRA_FOR_MODULE = {
     "tensorrt": "trt",
     "fastapi": "serve", "uvicorn": "serve", "prometheus_client": "serve", "jinja2": "serve",
     "ray": "ray",
+    "llama_cpp": "peers", "gguf": "peers",
     "transformers": "dev", "pytest": "dev", "xdist": "dev", "hypothesis": "dev", "openai": "dev", "httpx": "dev",
 }
 

@@ -30,7 +30,8 @@ from speedc.errors import GenerationError
                    "scaled so the early exit agrees often (acceptance measured and reported; ids checked identical).")
 @click.option("--residual-scale", type=FiniteFloat(0, 1, min_open=True), default=None,
               help="With --end-to-end: scale of each block's residual update (default 0.0015 for the zoo shape, untied, "
-                   "0.1 for a looped shape: an acceptance near 0.8; smaller: higher acceptance).")
+                   "an acceptance near 0.8; for a looped shape 0.025 / sqrt(layers x (loops - 1)) with sandwich norms, "
+                   "0.015 / ... without: near 0.9 at full depth; smaller: higher acceptance).")
 @click.option("--weights", type=click.Choice(["fp32", "fp16", "bf16", "int8", "int4"]), default=None,
               help="With --memory-bound: the artifact's weight storage (default fp32 for the zoo shape, bf16 for a looped "
                    "shape's checkpoint); the weight floor beside it stays fp32.")
@@ -44,7 +45,8 @@ from speedc.errors import GenerationError
 @backend_options
 @click.option("--peers/--no-peers", default=None,
               help="Also time the PyTorch reference, transformers generate and ORT GenAI fp32 / int4 "
-                   "(default: when installed); with --concurrency: ORT GenAI's own batching.")
+                   "(default: when installed); with --concurrency: ORT GenAI's own batching; with --memory-bound "
+                   "--end-to-end at a looped --shape: llama.cpp on a GGUF of the same checkpoint.")
 @click.option("--peer", "only_peers", multiple=True, type=click.Choice(list(PEER_NAMES)),
               help="Run only these peers (repeatable; implies --peers).")
 @click.option("--sweep", "sweeps", multiple=True, type=click.Choice(["slots", "length"]),
@@ -82,13 +84,19 @@ def bench(artifact, memory_bound, memory_bound_hidden, memory_bound_repeats, sha
     if memory_bound:
         from rich.console import Console
 
+        if only_peers:
+            raise GenerationError("--peer names an artifact's peers; with --memory-bound --end-to-end the peer is "
+                                  "llama.cpp (--peers/--no-peers)")
+        if peers and not end_to_end:
+            raise GenerationError("--peers with --memory-bound needs --end-to-end (the peers decode; c(P) has none)")
+
         from speedc.bench.synthetic import synthetic_step_costs
 
         with Console(stderr=True).status("memory-bound step cost") as spinner:
             report = synthetic_step_costs(hidden=memory_bound_hidden, repeats=memory_bound_repeats, threads=threads, backend=backend,
                                           shape=SHAPES.get(shape), layers=layers, end_to_end=end_to_end,
                                           residual_scale=residual_scale, new_tokens=new_tokens, weights=weights,
-                                          profile=profile, progress=spinner.update)
+                                          profile=profile, peers=peers, progress=spinner.update)
         if as_json:
             click.echo(json.dumps(report))
         else:
@@ -157,6 +165,8 @@ def print_memory_bound(report: dict) -> None:
                f"fp32 weights ({report['stored_weight_mb']} MB stored as {report['weights']}), context {report['context']}")
     if report["note"]:
         click.echo(f"  note: {report['note']}")
+    for name, install in report.get("end_to_end", {}).get("peers_missing", {}).items():
+        click.echo(f"  {name} peer not installed: {install}")
     click.echo("  floor: the same weight products in fp32 with nothing else (speedc/bench/floor.py), same run")
     for row in report["rows"]:
         line = (f"  c(P={row['slots']}) = {row['step_cost']:.2f}  (step {row['step_ms']:.1f} ms, plain token "
@@ -167,6 +177,9 @@ def print_memory_bound(report: dict) -> None:
                      f"{row['autoregressive_ms_per_token']:.1f} ms/token, speedup {row['speedup_decode']:.2f}x "
                      "(decode only, ids identical)")
         click.echo(line)
+        for name, peer in row.get("peers", {}).items():
+            click.echo(f"      {name}: {peer['ms_per_token']:.1f} ms/token, SPEED {peer['speed_speedup']:.2f}x faster; "
+                       f"ids agree at {peer['agreement']:.0%} of positions; ran {peer['ran']}")
         if "profile" in row:
             click.echo(f"      {'op (kernel ms, profiled)':<30} {'step':>8} {'token/P':>8} {'step - token/P':>15}")
             for op in row["profile"][:12]:
