@@ -182,26 +182,48 @@ def test_step_op_profile(tiny_artifact):
     assert [row["step_ms"] for row in rows] == sorted((row["step_ms"] for row in rows), reverse=True)
 
 
-def test_weight_floor_graph_computes_the_chain():
+@pytest.mark.parametrize("weights", [None, "int8", "int4"])
+def test_weight_floor_graph_computes_the_chain(weights):
     """The floor graph is the blocks' weight products in order (each reading the columns the next
-    projection would), P passes, then the head on the first rows: checked against numpy."""
+    projection would), P passes, then the head on the first rows: checked against numpy on the values
+    its weights hold (quantized: the dequantized codes; MatMulNBits quantizes activations per block too,
+    so to a tolerance). An int4 floor runs the artifact's extra zero row."""
     import numpy as np
 
-    from speedc.bench.floor import block_products, floor_graph, _session
+    from speedc.bench.floor import block_products, floor_graph, floor_weights, _session
     from speedc.bench.synthetic import Shape
+    from speedc.passes.block_quant import quantize_rows
 
     shape = Shape("t", 32, 4, 2, 8, 48, 50, 2, 3, looped=False)
-    model, weights = floor_graph(shape, layers=2, passes=3, head_rows=2)
-    x = np.random.default_rng(1).standard_normal((3, 32)).astype(np.float32)
+    floor = floor_weights(shape, 2, weights)
+    model = floor_graph(shape, layers=2, passes=3, head_rows=2, weights=floor)
+
+    def matrix(name):  # what the product multiplies by
+        if floor.bits is None:
+            return floor.arrays[name]
+        codes, scales = floor.arrays[f"{name}.codes"], floor.arrays[f"{name}.scales"]
+        if floor.bits == 4:
+            codes = np.stack([codes & 15, codes >> 4], -1).reshape(*codes.shape[:2], -1)
+        values = (codes.astype(np.float32) - (1 << (floor.bits - 1))) * scales[..., None]
+        return values.reshape(values.shape[0], -1)[:, :floor.products[name][1]]
+
+    x = np.random.default_rng(1).standard_normal((3 + floor.pad_rows, 32)).astype(np.float32)
+    if floor.pad_rows:
+        x[-1] = 0
     expected = x
     for _ in range(3):
         for layer in range(2):
             for index, (_, _, passed_on) in enumerate(block_products(shape)):
-                expected = (expected @ weights[f"w{layer}.{index}"].T)[:, :passed_on]
-    expected = expected[:2] @ weights["head"].T
-    actual = _session((model, weights), threads=1).run(None, {"x": x})[0]
-    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-6)
-    assert sum(node.op_type == "Gemm" for node in model.graph.node) == 3 * 2 * 4 + 1
+                expected = (expected @ matrix(f"w{layer}.{index}").T)[:, :passed_on]
+    expected = expected[:2 + floor.pad_rows] @ matrix("head").T
+    actual = _session(model, floor, threads=1).run(None, {"x": x})[0]
+    assert actual.shape == (2 + floor.pad_rows, shape.vocab)
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-6 if floor.bits is None else 0.03 * scale)
+    op = "Gemm" if floor.bits is None else "MatMulNBits"
+    assert sum(node.op_type == op for node in model.graph.node) == 3 * 2 * 4 + 1
+    if floor.bits:  # the codes are what the artifact's writer makes of the same values
+        assert quantize_rows(matrix("head"), floor.bits, 32)[0].tobytes() == floor.arrays["head.codes"].tobytes()
 
 
 def test_real_shapes():

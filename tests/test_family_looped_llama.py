@@ -196,3 +196,18 @@ def test_bad_shape_is_one_line(tmp_path):
     with pytest.raises(CheckpointError) as error:
         ModelConfig.load(path)
     assert "\n" not in str(error.value) and "leave no core" in str(error.value)
+
+
+def test_pytorch_backend_runs_cycles_and_refuses_a_pipelined_prelude_or_coda(case):
+    """The PyTorch backend's stages are one cycle's layers: it runs the cycle artifact and refuses the
+    middle one (prelude / coda pipelined into the slots) by name."""
+    from speedc.errors import SpeedcError
+    from speedc.runtimes.backends.torch_backend import TorchBackend
+
+    name, _, _, _, artifact = case
+    manifest = read_manifest(artifact)
+    if name == "cycle":
+        TorchBackend(artifact, manifest)
+        return
+    with pytest.raises(SpeedcError, match="pipelines one repeated cycle; this artifact's depth plan has a prelude / coda"):
+        TorchBackend(artifact, manifest)

@@ -22,12 +22,6 @@ from speedc.errors import SpeedcError
 from speedc.models.sampling import is_integer
 
 
-def cache_slab(layer: int, stage_layers: int) -> tuple[int, int]:
-    """(stage layer j, slot s) of the cache slab holding logical layer `layer` = s * S + j."""
-    slot, stage_layer = divmod(layer, stage_layers)
-    return stage_layer, slot
-
-
 def resolve_threads(threads: int | None) -> int:
     """Intra-op threads: the argument, else $SPEEDC_THREADS, else every core (None or 0: not given)."""
     if threads is not None and (not is_integer(threads) or threads < 0):

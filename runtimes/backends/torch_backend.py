@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from speedc.format import contract
+from speedc.format.cache_layout import CacheLayout
 from speedc.format.artifact import (CONFIG, Manifest, checkpoint_tensor_names, dequantized_weights, exit_norm_kind, is_quantized,
                              read_weight)
 from speedc.errors import GenerationError, OutOfMemory, SpeedcError
@@ -40,7 +41,7 @@ from speedc.models.layer_map import valid_slot_counts
 from speedc.models.llama import SharedLlama
 from speedc.models.row_layer import RowContext, layer_over_rows, loop_boundary, rotary_inv_freq, row_context
 from speedc.models.sampling import is_integer
-from speedc.runtimes.backends.protocol import cache_slab, resolve_threads
+from speedc.runtimes.backends.protocol import resolve_threads
 from speedc.runtimes.backends.onnx import (MIN_POOL_POSITIONS, SHRINK_AFTER_STEPS, HeadRows, SpeedStepResult,
                                            next_pool_size, pool_would_grow)
 
@@ -98,8 +99,7 @@ class TorchBackend:
         if is_quantized(manifest):
             raise SpeedcError(f"{directory}: the PyTorch backend runs float artifacts; this one stores {manifest.dtype} "
                               "weights for ONNX Runtime's MatMulNBits: use --backend onnx, or build with --weights fp32/fp16/bf16")
-        plan = manifest.schedule.get("depth_plan") or {}
-        if manifest.slots > 1 and (plan.get("prelude") or plan.get("coda")):  # its stages are one cycle's layers
+        if CacheLayout.from_manifest(manifest).pipelined_phases:  # its stages are one cycle's layers
             raise SpeedcError(f"{directory}: the PyTorch backend pipelines one repeated cycle; this artifact's depth plan "
                               "has a prelude / coda: use --backend onnx-numpy")
         self._setup(load_model_from_artifact(directory, manifest), manifest.slots, max_batch, capacity, device, threads,
@@ -142,6 +142,7 @@ class TorchBackend:
         self.cfg = cfg
         self.dtype = next(self.model.parameters()).dtype  # the pool and every product in the weights' precision
         self.slots, self.stage_layers, self.num_layers = slots, cfg.num_hidden_layers // slots, cfg.num_hidden_layers
+        self.layout = CacheLayout.cycle(self.stage_layers, slots)  # logical layer -> its [stage layer, slot] slab
         self.vocab_size, self.max_context = cfg.vocab_size, context
         self.kv_heads, self.head_dim, self.hidden_size = cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
         self.check_width = contract.candidate_count(self.vocab_size)  # K of an early-flush check's candidates
@@ -271,8 +272,8 @@ class TorchBackend:
         ctx = self._context(starts, longest, start)
         sequences = slice(first, first + count)
         for layer, block in enumerate(cfg.layer_map):
-            j, slot = cache_slab(layer, self.stage_layers)
-            key, value = self.key[j, slot, sequences], self.value[j, slot, sequences]  # [B, kvh, T+1, hd]
+            slab = self.layout.locate(layer)
+            key, value = self.key[slab.layer, slab.depth, sequences], self.value[slab.layer, slab.depth, sequences]  # [B, kvh, T+1, hd]
             x, k, v = layer_over_rows(model.model.blocks[block], x, ctx, key[:, :, :start], value[:, :, :start], cfg)
             x = loop_boundary(x, model.model.norm.weight, cfg, layer)
             # A padded token's K/V land past its chunk's end, where its own token writes before anything reads.
@@ -338,8 +339,8 @@ class TorchBackend:
         x = model.model.embed_tokens(tokens)  # [n, H]
         ctx = self._context(starts, 1, past)
         for layer, block in enumerate(cfg.layer_map):
-            j, slot = cache_slab(layer, self.stage_layers)
-            key, value = self.key[j, slot, :n], self.value[j, slot, :n]  # [n, kvh, T+1, hd]
+            slab = self.layout.locate(layer)
+            key, value = self.key[slab.layer, slab.depth, :n], self.value[slab.layer, slab.depth, :n]  # [n, kvh, T+1, hd]
             x, k, v = layer_over_rows(model.model.blocks[block], x, ctx, key[:, :, :past], value[:, :, :past], cfg)
             x = loop_boundary(x, model.model.norm.weight, cfg, layer)
             # the indexed target is [n, kvh, hd] (rows, positions split by a slice)

@@ -6,17 +6,37 @@ nothing else (no attention, norms, rotary, elementwise ops, cache), timed like t
     floor c(P) = floor step / (floor token / P)
 
 A block is its four weight products as the compiled graphs run them (fused q/k/v and gate/up, weights
-[out, in] under Gemm transB=1, fp32). Measured in the same run as the step's c(P), the gap between the
-two is what the rest of the step costs: whatever the graphs do besides streaming weights.
+[out, in]): Gemm transB=1 in fp32 for a float artifact (ONNX Runtime widens 16-bit weights to fp32 at
+load), MatMulNBits at the artifact's bits (block 32, accuracy level 4) for a quantized one, int4 with
+the zero row the artifact's graphs append (passes/quantize_weights.py). Measured in the same run as
+the step's c(P), the gap between the two is what the rest of the step costs: whatever the graphs do
+besides streaming weights. The two floor sessions share one copy of the weights.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from speedc.bench.run import interleaved_medians
 
 WEIGHT_SCALE = 0.02
+QUANTIZED_BITS = {"int8": 8, "int4": 4}
+BLOCK_SIZE, ACCURACY_LEVEL = 32, 4  # what `speedc build --weights int4|int8` writes (passes/block_quant.py)
+PAD_ROW_BITS = (4,)  # the artifact's int4 products run one extra zero row (passes/quantize_weights.py ROW_PAD_BITS)
+
+
+@dataclass
+class FloorWeights:
+    """The random weights of a floor: name -> fp32 [out, in], or codes and scales at BITS."""
+    bits: int | None  # None: fp32 Gemm
+    arrays: dict[str, np.ndarray]  # every initializer, by name
+    products: dict[str, tuple[int, int]]  # weight name -> (out, in)
+
+    @property
+    def pad_rows(self) -> int:
+        return 1 if self.bits in PAD_ROW_BITS else 0
 
 
 def block_products(shape) -> list[tuple[int, int, int]]:
@@ -28,66 +48,93 @@ def block_products(shape) -> list[tuple[int, int, int]]:
             (shape.hidden, 2 * shape.intermediate, shape.intermediate), (shape.intermediate, shape.hidden, shape.hidden)]
 
 
-def floor_graph(shape, layers: int, passes: int, head_rows: int, seed: int = 0):
-    """(ONNX model, {weight name: fp32 array}): x [rows, H] through LAYERS random blocks PASSES times,
-    then the LM head on the first HEAD_ROWS rows. Passes share the blocks' weights, as the plain
-    graph's loops do. The weights stay outside the model (declared external, handed to the session
-    in memory): a real shape's fp32 weights exceed protobuf's 2 GB.
+def floor_weights(shape, layers: int, weights: str | None = None, seed: int = 0) -> FloorWeights:
+    """Random N(0, WEIGHT_SCALE) weights for LAYERS blocks and the LM head, fp32 or quantized as WEIGHTS
+    (the artifact's storage: "int4" / "int8" quantized, anything else fp32), a matrix at a time."""
+    bits = QUANTIZED_BITS.get(weights or "")
+    rng = np.random.default_rng(seed)
+    arrays, products = {}, {}
+    names = [(f"w{layer}.{index}", width_out, width_in) for layer in range(layers)
+             for index, (width_in, width_out, _) in enumerate(block_products(shape))]
+    for name, rows, columns in [*names, ("head", shape.vocab, shape.hidden)]:
+        matrix = rng.standard_normal((rows, columns), dtype=np.float32) * np.float32(WEIGHT_SCALE)
+        products[name] = (rows, columns)
+        if bits is None:
+            arrays[name] = matrix
+        else:
+            from speedc.passes.block_quant import quantize_rows
 
-        x -> Gemm(qkv) -> Slice(:attn) -> Gemm(o) -> Gemm(gate_up) -> Slice(:I) -> Gemm(down) -> ... -> Slice(rows) -> Gemm(head)
+            arrays[f"{name}.codes"], arrays[f"{name}.scales"] = quantize_rows(matrix, bits, BLOCK_SIZE)
+    return FloorWeights(bits, arrays, products)
+
+
+def floor_graph(shape, layers: int, passes: int, head_rows: int, weights: FloorWeights):
+    """The ONNX model: x [rows, H] through LAYERS blocks PASSES times, then the LM head on the first
+    HEAD_ROWS rows. Passes share the blocks' weights, as the plain graph's loops do. The weights stay
+    outside the model (declared external, handed to the session in memory): a real shape's fp32
+    weights exceed protobuf's 2 GB.
+
+        x -> W(qkv) -> Slice(:attn) -> W(o) -> W(gate_up) -> Slice(:I) -> W(down) -> ... -> Slice(rows) -> W(head)
+        W: Gemm(transB=1) over [out, in] fp32, or MatMulNBits over its codes and scales
     """
     from onnx import TensorProto, helper, numpy_helper
 
-    rng = np.random.default_rng(seed)
-    weights: dict[str, np.ndarray] = {}
-    for layer in range(layers):
-        for index, (width_in, width_out, _) in enumerate(block_products(shape)):
-            weights[f"w{layer}.{index}"] = rng.standard_normal((width_out, width_in), dtype=np.float32) * np.float32(WEIGHT_SCALE)
-    weights["head"] = rng.standard_normal((shape.vocab, shape.hidden), dtype=np.float32) * np.float32(WEIGHT_SCALE)
     constants = {}
 
     def constant(value: int) -> str:
         return constants.setdefault(value, f"const.{value}")
+
+    def product(source: str, weight: str, out: str):
+        if weights.bits is None:
+            return helper.make_node("Gemm", [source, weight], [out], transB=1)  # [rows, out]
+        rows, columns = weights.products[weight]
+        return helper.make_node("MatMulNBits", [source, f"{weight}.codes", f"{weight}.scales"], [out], domain="com.microsoft",
+                                K=columns, N=rows, bits=weights.bits, block_size=BLOCK_SIZE, accuracy_level=ACCURACY_LEVEL)
 
     nodes, current = [], "x"
     for loop in range(passes):
         for layer in range(layers):
             for index, (_, _, passed_on) in enumerate(block_products(shape)):
                 name = f"p{loop}.l{layer}.{index}"
-                nodes.append(helper.make_node("Gemm", [current, f"w{layer}.{index}"], [name], transB=1))  # [rows, out]
+                nodes.append(product(current, f"w{layer}.{index}", name))
                 # the next product reads the first `passed_on` columns (q of q/k/v, gate of gate/up)
                 nodes.append(helper.make_node("Slice", [name, constant(0), constant(passed_on), constant(1)], [f"{name}.cols"]))
                 current = f"{name}.cols"  # [rows, passed_on]
-    nodes.append(helper.make_node("Slice", [current, constant(0), constant(head_rows), constant(0)], ["head_in"]))
-    nodes.append(helper.make_node("Gemm", ["head_in", "head"], ["logits"], transB=1))  # [head_rows, V]
+    nodes.append(helper.make_node("Slice", [current, constant(0), constant(head_rows + weights.pad_rows), constant(0)], ["head_in"]))
+    nodes.append(product("head_in", "head", "logits"))  # [head_rows (+ pad), V]
     initializers = [numpy_helper.from_array(np.asarray([value], np.int64), name) for value, name in constants.items()]
-    for name, array in weights.items():
-        declared = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=array.shape, data_location=TensorProto.EXTERNAL)
+    for name, array in weights.arrays.items():
+        declared = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype), dims=array.shape,
+                               data_location=TensorProto.EXTERNAL)
         declared.external_data.add(key="location", value="in-memory")
         initializers.append(declared)
     graph = helper.make_graph(nodes, "weight_floor", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", shape.hidden])],
                               [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)], initializers)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), weights
+    opsets = [helper.make_opsetid("", 17)] + ([helper.make_opsetid("com.microsoft", 1)] if weights.bits else [])
+    return helper.make_model(graph, opset_imports=opsets)
 
 
-def _session(model_and_weights, threads: int | None):
+def _session(model, weights: FloorWeights, threads: int | None):
     import onnxruntime as ort
 
     from speedc.runtimes.backends.onnx_session import session_options
 
-    model, weights = model_and_weights
     options = session_options(threads, spin_between_runs=False)  # the two floor sessions run in turns
-    options.add_external_initializers(list(weights), [ort.OrtValue.ortvalue_from_numpy(a) for a in weights.values()])
+    options.add_external_initializers(list(weights.arrays),
+                                      [ort.OrtValue.ortvalue_from_numpy(a) for a in weights.arrays.values()])
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def measure_floor(shape, layers: int, slots: int, *, threads: int | None = None, repeats: int = 50) -> dict:
-    """{floor_step_cost, floor_step_ms, floor_token_ms} for SLOTS = P: interleaved medians."""
-    step_session = _session(floor_graph(shape, layers, 1, head_rows=min(2, slots)), threads)
-    token_session = _session(floor_graph(shape, layers, slots, head_rows=1), threads)
-    step_x = {"x": np.ones((slots, shape.hidden), np.float32)}
-    token_x = {"x": np.ones((1, shape.hidden), np.float32)}
+def measure_floor(shape, layers: int, slots: int, *, weights: str | None = None, threads: int | None = None,
+                  repeats: int = 50) -> dict:
+    """{floor_step_cost, floor_step_ms, floor_token_ms} for SLOTS = P at the artifact's WEIGHTS storage:
+    interleaved medians."""
+    floor = floor_weights(shape, layers, weights)
+    step_session = _session(floor_graph(shape, layers, 1, head_rows=min(2, slots), weights=floor), floor, threads)
+    token_session = _session(floor_graph(shape, layers, slots, head_rows=1, weights=floor), floor, threads)
+    step_x = {"x": np.ones((slots + floor.pad_rows, shape.hidden), np.float32)}
+    token_x = {"x": np.ones((1 + floor.pad_rows, shape.hidden), np.float32)}
     step, token = interleaved_medians(lambda: step_session.run(None, step_x), lambda: token_session.run(None, token_x),
                                       repeats, warmup=3)
     return {"floor_step_cost": round(step / (token / slots), 3), "floor_step_ms": round(1000 * step, 3),
-            "floor_token_ms": round(1000 * token, 3)}
+            "floor_token_ms": round(1000 * token, 3), "floor_weights": "fp32" if floor.bits is None else f"int{floor.bits}"}

@@ -18,6 +18,7 @@ import math
 import shutil
 import statistics
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -233,11 +234,14 @@ def synthetic_step_costs(*, hidden: int = 1024, blocks: int = 4, passes: int = 4
         for slots in depths:
             progress(f"{shape.name}: compiling P={slots}")
             art = build(checkpoint, Path(tmp) / f"p{slots}", BuildOptions(slots=slots, dtype=weights), force=True).out
+            opened = time.perf_counter()
             engine = Engine.load(art, backend=backend, threads=threads, verify=False)
+            load_seconds = time.perf_counter() - opened
             progress(f"{shape.name}: measuring P={slots} and its weight floor")
             step, token = measure_step_times(engine.backend, context, repeats)
             row = {"slots": slots, "step_cost": round(step / (token / slots), 3), "step_ms": round(1000 * step, 3),
-                   "token_ms": round(1000 * token, 3), **measure_floor(shape, used, slots, threads=threads, repeats=max(20, repeats // 2))}
+                   "token_ms": round(1000 * token, 3), "load_seconds": round(load_seconds, 2),
+                   **measure_floor(shape, used, slots, weights=weights, threads=threads, repeats=max(20, repeats // 2))}
             if profile:
                 from speedc.bench.op_profile import step_op_profile
 

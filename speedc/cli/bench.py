@@ -167,11 +167,12 @@ def print_memory_bound(report: dict) -> None:
         click.echo(f"  note: {report['note']}")
     for name, install in report.get("end_to_end", {}).get("peers_missing", {}).items():
         click.echo(f"  {name} peer not installed: {install}")
-    click.echo("  floor: the same weight products in fp32 with nothing else (speedc/bench/floor.py), same run")
+    floor = report["rows"][0].get("floor_weights", "fp32") if report["rows"] else "fp32"
+    click.echo(f"  floor: the same weight products ({floor}) with nothing else (speedc/bench/floor.py), same run")
     for row in report["rows"]:
         line = (f"  c(P={row['slots']}) = {row['step_cost']:.2f}  (step {row['step_ms']:.1f} ms, plain token "
                 f"{row['token_ms']:.1f} ms)   floor c(P) = {row['floor_step_cost']:.2f}  (step {row['floor_step_ms']:.1f} ms, "
-                f"token {row['floor_token_ms']:.1f} ms)")
+                f"token {row['floor_token_ms']:.1f} ms)   load {row['load_seconds']:.1f} s")
         if "speedup_decode" in row:
             line += (f"\n      acceptance {row['acceptance']:.2f}: SPEED {row['speed_ms_per_token']:.1f} ms/token, plain "
                      f"{row['autoregressive_ms_per_token']:.1f} ms/token, speedup {row['speedup_decode']:.2f}x "
