@@ -51,6 +51,8 @@ def block_products(shape) -> list[tuple[int, int, int]]:
 def floor_weights(shape, layers: int, weights: str | None = None, seed: int = 0) -> FloorWeights:
     """Random N(0, WEIGHT_SCALE) weights for LAYERS blocks and the LM head, fp32 or quantized as WEIGHTS
     (the artifact's storage: "int4" / "int8" quantized, anything else fp32), a matrix at a time."""
+    from speedc.passes.block_quant import quantize_rows
+
     bits = QUANTIZED_BITS.get(weights or "")
     rng = np.random.default_rng(seed)
     arrays, products = {}, {}
@@ -62,8 +64,6 @@ def floor_weights(shape, layers: int, weights: str | None = None, seed: int = 0)
         if bits is None:
             arrays[name] = matrix
         else:
-            from speedc.passes.block_quant import quantize_rows
-
             arrays[f"{name}.codes"], arrays[f"{name}.scales"] = quantize_rows(matrix, bits, BLOCK_SIZE)
     return FloorWeights(bits, arrays, products)
 
