@@ -16,7 +16,9 @@ config.json example (the speedc section is what a plain Llama config lacks):
 (the state is already normed: a looped model's loop-boundary norm). A `speedc.block` section carries
 what a family's block and loop do: `sandwich_norms` (each sublayer's output is RMS-normed before the
 residual add: input_layernorm_2 / post_attention_layernorm_2), `loop_norm` (model.norm replaces the
-state after every pass through the unique blocks), `final_norm` (the final head applies model.norm).
+state after every pass through the unique blocks), `final_norm` (the final head applies model.norm),
+`post_norms` (with sandwich norms: each second norm takes the residual sum, Huginn's order), `qk_bias`
+(q_bias / k_bias added to q and k before rotary), `embed_scale` (the embedding's multiplier).
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()  # every end-of-text id, eos_token_id first (() : just eos_token_id)
     architecture: str = "llama"  # the family (models/families/__init__.py) the checkpoint was read as
     sandwich_norms: bool = False  # Ouro: h = x + norm2(attn(norm1(x))); out = h + norm4(mlp(norm3(h)))
+    post_norms: bool = False  # with sandwich_norms, Huginn's order: h = norm2(x + attn(norm1(x))); out = norm4(h + mlp(norm3(h)))
+    qk_bias: bool = False  # a bias added to q and k before rotary (Huginn's qk_bias)
+    embed_scale: float = 1.0  # the embedding is multiplied by this on entry (Huginn: sqrt(hidden_size))
     loop_norm: bool = False  # looped models: state = model.norm(state) after every pass over the blocks
     final_norm: bool = True  # the final head normalizes (False: the last loop-boundary norm already did)
     # The phases of a token's trip (models/depth_plan.py): a family's declared loops, else derived from
@@ -75,6 +80,32 @@ class ModelConfig:
     @property
     def num_blocks(self) -> int:
         return max(self.layer_map) + 1
+
+    @property
+    def state_width(self) -> int:
+        """Floats a pipeline slot carries per token between steps: the state, and e with an injection."""
+        return self.hidden_size * self.depth_plan.carried_vectors
+
+    def with_recurrence(self, repeats: int) -> "ModelConfig":
+        """This model with its recurrent core run REPEATS times (the draft tap and every weight unchanged)."""
+        from speedc.models.depth_plan import with_repeats
+
+        plan = self.depth_plan
+        if not plan.injection:  # a loop count of Ouro / Nanbeige is what it was trained at: only recurrent depth varies
+            raise CheckpointError(f"--recurrence: this {self.architecture} model's depth ({plan.describe()}) is not a "
+                                  "recurrent core with an injection (Huginn); its loop count is fixed")
+        plan = with_repeats(plan, repeats)
+        if self.exit_layer > plan.num_layers - len(plan.coda):
+            raise CheckpointError(f"--recurrence {repeats}: the draft tap after layer {self.exit_layer} lies past the core")
+        return dataclasses.replace(self, num_hidden_layers=plan.num_layers, layer_map=plan.layer_map, depth_plan=plan)
+
+    def with_state_init(self, kind: str, seed: int = 0) -> "ModelConfig":
+        """This model with its recurrent core started from KIND ("zero", or "random" under SEED)."""
+        plan = self.depth_plan
+        if not plan.injection:
+            raise CheckpointError(f"--state-init: this {self.architecture} model's depth ({plan.describe()}) has no "
+                                  "recurrent core with an injection (Huginn) whose start state could be chosen")
+        return dataclasses.replace(self, depth_plan=dataclasses.replace(plan, state_init=kind, state_seed=seed))
 
     def ends_loop(self, layer: int) -> bool:
         """Whether logical layer LAYER is followed by the loop-boundary norm (the end of a core repeat)."""
@@ -100,6 +131,8 @@ class ModelConfig:
         need(0 < self.rope_theta < math.inf, f"rope_theta must be a finite number > 0, got {self.rope_theta!r}")
         need(self.max_position_embeddings <= MAX_CONTEXT,  # the graphs hold [context, head_dim / 2] rotary tables
              f"max_position_embeddings {self.max_position_embeddings:,} is beyond what this build supports ({MAX_CONTEXT:,})")
+        need(not self.post_norms or self.sandwich_norms, "speedc.block.post_norms needs sandwich_norms (its second norms)")
+        need(0 < self.embed_scale < math.inf, f"speedc.block.embed_scale must be a finite number > 0, got {self.embed_scale!r}")
         need(self.exit_norm in ("own", "final", "none"),
              f"speedc.exit.norm must be 'own', 'final' or 'none', got {self.exit_norm!r}")
         need(1 <= self.exit_layer <= self.num_hidden_layers,
@@ -139,6 +172,7 @@ class ModelConfig:
                 "layer_map": self.layer_map,
                 "exit": {"layer": self.exit_layer, "norm": self.exit_norm},
                 "block": {"architecture": self.architecture, "sandwich_norms": self.sandwich_norms,
+                          "post_norms": self.post_norms, "qk_bias": self.qk_bias, "embed_scale": self.embed_scale,
                           "loop_norm": self.loop_norm, "final_norm": self.final_norm},
                 "depth": self.depth_plan.to_json(),
             },

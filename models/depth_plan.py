@@ -3,12 +3,14 @@ pipeline spreads them over P slots.
 
     embed -> prelude (once) -> e ---> core repeat 0 -> [norm] -> core repeat 1 -> ... -> core repeat R-1 -> [norm]
                                  \__ injection (Huginn: every repeat reads adapter(cat[state, e]))    |
-                                                                 readout: coda -> [final norm] -> head
+                                                  readout: [readout norm] -> coda -> [final norm] -> head
 
     Llama cycle  [0 1 2 3]*4         prelude ()   core (0 1 2 3) R=4  coda ()
     Ouro         L layers x loops    prelude ()   core (0..L-1)  R=loops, model.norm after each repeat
     Nanbeige     the same; model.norm after each repeat, or once at the end (skip_loop_final_norm)
     middle-cycle [0 1 2 1 2 1 2 3]   prelude (0)  core (1 2)     R=3      coda (3)
+    Huginn       prelude (0 1), core (2 3 4 5) R=32 reading adapter(cat[state, e]) each repeat, the state
+                 starting at zero; coda (6 7) behind model.norm (ln_f) at every readout, ln_f again at the head
 
 The pipeline (SlotPlan): P slots, each running K = R/P consecutive core repeats of one token; slot 0
 also runs the prelude for the token entering it. The draft reads out inside slot 0 (after
@@ -30,16 +32,18 @@ from speedc.errors import CheckpointError
 
 PRELUDE, CORE, CODA = "prelude", "core", "coda"
 INJECTIONS = (None, "adapter-concat")  # how a repeat reads the entry state e (None: it does not)
+STATE_INITS = ("zero", "random")  # the core's start state (random: drawn per position, see DepthPlan)
 
 
 @dataclass(frozen=True)
 class LayerStep:
-    """One logical layer of the trip: its block, where it sits, and whether model.norm follows it."""
+    """One logical layer of the trip: its block, where it sits, and what wraps it."""
     layer: int
     block: int
     phase: str
     repeat: int  # core repeat (0 outside the core)
-    norm_after: bool
+    norm_after: bool  # model.norm replaces the state after it (the end of a normed repeat)
+    injects: bool = False  # the state entering it is adapter(cat[state, e]) first (a repeat's first layer)
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,14 @@ class DepthPlan:
     coda: tuple[int, ...] = ()  # blocks run at each readout
     repeat_norm: bool = False  # model.norm replaces the state after every core repeat (Ouro, Nanbeige)
     final_norm: bool = True  # the final readout's head applies model.norm
-    injection: str | None = None  # each repeat reads adapter(cat[state, entry state]) (Huginn); no family uses it yet
+    injection: str | None = None  # each repeat reads adapter(cat[state, entry state e]) (Huginn)
+    readout_norm: bool = False  # model.norm on the core's state at every readout, before the coda (Huginn's ln_f)
+    # With an injection a slot carries two vectors per token, the state and e ([state | e], 2H wide). The
+    # core's state starts at zero, or ("random") at STATE_STD x a truncated normal drawn per position
+    # under STATE_SEED (speedc/format/initial_state.py), the same in plain decoding and SPEED.
+    state_init: str = "zero"
+    state_seed: int = 0
+    state_std: float = 0.0  # the family's scale of a random start (Huginn: sqrt(2 / (5 H)) * sqrt(H))
 
     def __post_init__(self) -> None:
         if not self.core or self.repeats < 1:
@@ -58,6 +69,16 @@ class DepthPlan:
                                   f"{list(self.core)} x {self.repeats}")
         if self.injection not in INJECTIONS:
             raise CheckpointError(f"depth plan: unknown injection {self.injection!r} (known: {INJECTIONS[1:]})")
+        if self.state_init not in STATE_INITS or (self.state_init == "random" and not self.injection):
+            raise CheckpointError(f"depth plan: state_init {self.state_init!r} (known: {STATE_INITS}; 'random' needs an "
+                                  "injection's recurrent core)")
+        if self.injection and not self.prelude:
+            raise CheckpointError("depth plan: an injection reads the prelude's output e; this plan has no prelude")
+
+    @property
+    def carried_vectors(self) -> int:
+        """Vectors a slot carries per token between steps: the state, and e where each repeat reads it."""
+        return 2 if self.injection else 1
 
     # ---- shape ---------------------------------------------------------------------------------
     @property
@@ -81,7 +102,8 @@ class DepthPlan:
             layer += 1
         for repeat in range(self.repeats):
             for index, block in enumerate(self.core):
-                yield LayerStep(layer, block, CORE, repeat, self.repeat_norm and index == len(self.core) - 1)
+                yield LayerStep(layer, block, CORE, repeat, self.repeat_norm and index == len(self.core) - 1,
+                                bool(self.injection) and index == 0)
                 layer += 1
         for block in self.coda:
             yield LayerStep(layer, block, CODA, 0, False)
@@ -92,6 +114,12 @@ class DepthPlan:
         core_at = layer - len(self.prelude)
         return (self.repeat_norm and 0 <= core_at < len(self.core) * self.repeats
                 and (core_at + 1) % len(self.core) == 0)
+
+    def injects_before(self, layer: int) -> bool:
+        """Whether logical layer LAYER starts a core repeat that reads adapter(cat[state, e])."""
+        core_at = layer - len(self.prelude)
+        return (bool(self.injection) and 0 <= core_at < len(self.core) * self.repeats
+                and core_at % len(self.core) == 0)
 
     def first_repeat_end(self) -> int:
         """Logical layers up to the end of the first core repeat (the default draft tap)."""
@@ -131,13 +159,17 @@ class DepthPlan:
 
     def to_json(self) -> dict:
         return {"prelude": list(self.prelude), "core": list(self.core), "repeats": self.repeats, "coda": list(self.coda),
-                "repeat_norm": self.repeat_norm, "final_norm": self.final_norm, "injection": self.injection}
+                "repeat_norm": self.repeat_norm, "final_norm": self.final_norm, "injection": self.injection,
+                "readout_norm": self.readout_norm, "state_init": self.state_init, "state_seed": self.state_seed,
+                "state_std": self.state_std}
 
     @classmethod
     def from_json(cls, data: dict) -> "DepthPlan":
         try:
             return cls(tuple(data["prelude"]), tuple(data["core"]), int(data["repeats"]), tuple(data.get("coda", ())),
-                       bool(data.get("repeat_norm", False)), bool(data.get("final_norm", True)), data.get("injection"))
+                       bool(data.get("repeat_norm", False)), bool(data.get("final_norm", True)), data.get("injection"),
+                       bool(data.get("readout_norm", False)), str(data.get("state_init", "zero")),
+                       int(data.get("state_seed", 0)), float(data.get("state_std", 0.0)))
         except (KeyError, TypeError, ValueError) as bad:
             raise CheckpointError(f"depth plan: malformed ({bad!r})") from None
 
@@ -147,7 +179,10 @@ class DepthPlan:
         if self.coda:
             parts.append(f"coda {list(self.coda)}")
         if self.injection:
-            parts.append(f"injection {self.injection}")
+            start = "from zero" if self.state_init == "zero" else f"random, seed {self.state_seed}, std {self.state_std:.4g}"
+            parts.append(f"injection {self.injection} (state {start})")
+        if self.readout_norm:
+            parts.append("norm at each readout")
         return ", ".join(parts)
 
 
@@ -237,9 +272,20 @@ def derive_plan(layer_map: list[int], repeat_norm: bool = False, final_norm: boo
 def fit_plan(layer_map: list[int], declared: DepthPlan | None, repeat_norm: bool, final_norm: bool) -> DepthPlan:
     """The plan of LAYER_MAP: the DECLARED one (a family's loops, where its norms sit) relabelled when it
     repeats and fits, else derived from the map. The norms are the caller's (ModelConfig's flags)."""
+    if declared is not None and (declared.injection or declared.readout_norm):  # not derivable from a map: it must fit
+        if not declared.fits(layer_map):
+            raise CheckpointError(f"depth plan ({declared.describe()}) does not fit the layer map {layer_map}")
+        return replace(declared.relabel(layer_map), repeat_norm=repeat_norm, final_norm=final_norm)
     if declared is not None and declared.repeats > 1 and declared.fits(layer_map):
         return replace(declared.relabel(layer_map), repeat_norm=repeat_norm, final_norm=final_norm)
     return derive_plan(layer_map, repeat_norm, final_norm)
+
+
+def with_repeats(plan: DepthPlan, repeats: int) -> DepthPlan:
+    """PLAN with its core run REPEATS times (a recurrent-depth model's recurrence, chosen at build)."""
+    if repeats < 1:
+        raise CheckpointError(f"depth plan: the core must run at least once, got {repeats} repeats")
+    return replace(plan, repeats=repeats)
 
 
 def looped_plan(layers: int, loops: int, *, repeat_norm: bool, final_norm: bool) -> DepthPlan:

@@ -59,12 +59,19 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.qk_bias = cfg.qk_bias
+        if cfg.qk_bias:  # added before rotary (Huginn)
+            self.q_bias = nn.Parameter(torch.zeros(self.num_heads * self.head_dim))
+            self.k_bias = nn.Parameter(torch.zeros(self.num_kv_heads * self.head_dim))
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B, L, H] -> q [B, h, L, hd], k/v [B, kvh, L, hd] with RoPE applied to q and k."""
         b, length, _ = x.shape
-        q = self.q_proj(x).view(b, length, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.qk_bias:
+            q, k = q + self.q_bias, k + self.k_bias
+        q = q.view(b, length, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
@@ -111,10 +118,13 @@ class Block(nn.Module):
         if cfg.sandwich_norms:  # names as Ouro's checkpoints have them
             self.input_layernorm_2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_attention_layernorm_2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.sandwich = cfg.sandwich_norms
+        self.sandwich, self.post = cfg.sandwich_norms, cfg.post_norms
 
     def forward(self, x, cos, sin, cache=None, start_pos: int = 0) -> torch.Tensor:
         attended = self.self_attn(self.input_layernorm(x), cos, sin, cache, start_pos)
+        if self.post:  # Huginn: the second norms take the residual sums
+            x = self.input_layernorm_2(x + attended)
+            return self.post_attention_layernorm_2(x + self.mlp(self.post_attention_layernorm(x)))
         x = x + (self.input_layernorm_2(attended) if self.sandwich else attended)
         mixed = self.mlp(self.post_attention_layernorm(x))
         return x + (self.post_attention_layernorm_2(mixed) if self.sandwich else mixed)
@@ -143,6 +153,8 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.exit_norm == "own":
             self.exit_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.depth_plan.injection:  # each core repeat reads adapter(cat[state, e]) [H, 2H]
+            self.adapter = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
 
 
 @dataclass
@@ -172,17 +184,41 @@ class SharedLlama(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, *, cache: list[LayerCache] | None = None, start_pos: int = 0,
                 with_exit: bool = False) -> ForwardOutput:
-        """input_ids [B, L] at positions start_pos.. ; writes K/V into `cache` when given."""
-        cfg = self.cfg
+        """input_ids [B, L] at positions start_pos.. ; writes K/V into `cache` when given (one per logical layer).
+
+        The trip is the depth plan's (models/depth_plan.py): prelude, core repeats (a repeat injecting e
+        reads adapter(cat[state, e]), the state starting at zero), [readout norm], coda, head. The exit
+        head reads after exit_layer layers; with a coda it reads through the coda (full sequences only:
+        over a cache the draft readout's coda would need K/V of its own)."""
+        cfg, plan = self.cfg, self.cfg.depth_plan
         b, length = input_ids.shape
         positions = torch.arange(start_pos, start_pos + length, device=input_ids.device).expand(b, length)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
-        x = self.model.embed_tokens(input_ids)  # [B, L, H]
-        exit_logits = None
-        for layer, block_index in enumerate(cfg.layer_map):
-            x = self.model.blocks[block_index](x, cos, sin, None if cache is None else cache[layer], start_pos)
-            if cfg.ends_loop(layer):
+        x = self.model.embed_tokens(input_ids) * cfg.embed_scale  # [B, L, H]
+        core_end = len(plan.prelude) + len(plan.core) * plan.repeats
+        exit_logits = entry = None
+        for step in plan.trip():
+            layer = step.layer
+            if plan.injection and layer == len(plan.prelude):  # entering the core: e, and a zero state
+                entry, x = x, torch.zeros_like(x)
+            if step.injects:
+                x = self.model.adapter(torch.cat((x, entry), dim=-1))
+            x = self.model.blocks[step.block](x, cos, sin, None if cache is None else cache[layer], start_pos)
+            if step.norm_after:
+                x = self.model.norm(x)
+            if layer + 1 == core_end and plan.readout_norm:
                 x = self.model.norm(x)
             if with_exit and layer + 1 == cfg.exit_layer:
-                exit_logits = self.exit_head(x)
+                exit_logits = self._exit_readout(x, cos, sin, cache)
         return ForwardOutput(self.final_head(x), exit_logits)
+
+    def _exit_readout(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
+        plan = self.cfg.depth_plan
+        if not plan.coda:
+            return self.exit_head(x)
+        if cache is not None:
+            raise ValueError("the exit readout of a plan with a coda runs over full sequences only (no cache)")
+        x = self.model.norm(x) if plan.readout_norm else x
+        for block in plan.coda:
+            x = self.model.blocks[block](x, cos, sin)
+        return self.final_head(x)

@@ -4,7 +4,8 @@ cache it only reads: the semantics of a SPEED step (row s = slot s) and of a pre
     x [R*L, H] ── rms_norm ── q/k/v projections ── rotary ──┐
     past_k/v [R, kvh, T, hd] (keys below the row's start) ───┼─ softmax over [past | chunk (causal)] ── o_proj ── + x
                                                              └─ new k/v [R, kvh, L, hd] (returned; the caller writes them)
-    then x + mlp(rms_norm(x))        (with sandwich norms each sublayer's output is normed before its add)
+    then x + mlp(rms_norm(x))        (with sandwich norms each sublayer's output is normed before its add;
+                                      with post norms, Huginn's, the second norms take the sums instead)
 
 The residual stream stays 2-D, [R*L, H] (token rows), between and inside layers: every projection is
 F.linear on it (ONNX Gemm, transB=1) and every norm and residual add runs on it, so the exported layer
@@ -82,8 +83,11 @@ def layer_over_rows(block: Block, x: torch.Tensor, ctx: RowContext, past_k: torc
         return v * ctx.cos + torch.cat((-v[..., half:], v[..., :half]), dim=-1) * ctx.sin
 
     xn = rms_norm(x, block.input_layernorm.weight, eps)  # [R*L, H]
-    q = F.linear(xn, attn.q_proj.weight).reshape(rows, length, h, hd).transpose(1, 2)  # [R, h, L, hd]
-    k = F.linear(xn, attn.k_proj.weight).reshape(rows, length, kvh, hd).transpose(1, 2)  # [R, kvh, L, hd]
+    q2d, k2d = F.linear(xn, attn.q_proj.weight), F.linear(xn, attn.k_proj.weight)  # [R*L, h*hd], [R*L, kvh*hd]
+    if cfg.qk_bias:  # an Add after the Gemm (the weight passes read bias-free Gemms)
+        q2d, k2d = q2d + attn.q_bias, k2d + attn.k_bias
+    q = q2d.reshape(rows, length, h, hd).transpose(1, 2)  # [R, h, L, hd]
+    k = k2d.reshape(rows, length, kvh, hd).transpose(1, 2)  # [R, kvh, L, hd]
     v = F.linear(xn, attn.v_proj.weight).reshape(rows, length, kvh, hd).transpose(1, 2)
     q, k = rope(q), rope(k)
     qg = (q * (1.0 / math.sqrt(hd))).reshape(rows, kvh, g * length, hd)  # [R, kvh, g*L, hd]
@@ -94,6 +98,11 @@ def layer_over_rows(block: Block, x: torch.Tensor, ctx: RowContext, past_k: torc
     attended = w[..., :t] @ past_v + w[..., t:] @ v  # [R, kvh, g*L, hd]
     attended = attended.reshape(rows, h, length, hd).transpose(1, 2).reshape(rows * length, h * hd)
     attn_out = F.linear(attended, attn.o_proj.weight)  # [R*L, H]
+    if cfg.post_norms:  # Huginn: norm2(x + attn), then norm4(h + mlp(norm3(h)))
+        x = rms_norm(x + attn_out, block.input_layernorm_2.weight, eps)
+        xn = rms_norm(x, block.post_attention_layernorm.weight, eps)
+        act = F.silu(F.linear(xn, mlp.gate_proj.weight)) * F.linear(xn, mlp.up_proj.weight)
+        return rms_norm(x + F.linear(act, mlp.down_proj.weight), block.post_attention_layernorm_2.weight, eps), k, v
     if cfg.sandwich_norms:
         attn_out = rms_norm(attn_out, block.input_layernorm_2.weight, eps)
     x = x + attn_out
@@ -103,6 +112,11 @@ def layer_over_rows(block: Block, x: torch.Tensor, ctx: RowContext, past_k: torc
     if cfg.sandwich_norms:
         mlp_out = rms_norm(mlp_out, block.post_attention_layernorm_2.weight, eps)
     return x + mlp_out, k, v
+
+
+def inject(x: torch.Tensor, entry: torch.Tensor, adapter_weight: torch.Tensor) -> torch.Tensor:
+    """A core repeat's input: adapter(cat[state, e]), x and entry [r, H], weight [H, 2H] -> [r, H]."""
+    return F.linear(torch.cat((x, entry), dim=-1), adapter_weight)
 
 
 def loop_boundary(x: torch.Tensor, norm_weight: torch.Tensor, cfg: ModelConfig, layer: int) -> torch.Tensor:

@@ -56,6 +56,9 @@ class BuildOptions:
     exit_layer: int | None = None  # override the checkpoint's exit point
     alpha: float | None = None  # expected acceptance for the schedule's cost model; None: from training metrics
     eos_token_id: int | None = None  # override the checkpoint's end-of-text id
+    recurrence: int | None = None  # the core's repeat count R (a recurrent-depth model, e.g. Huginn); None: the checkpoint's
+    state_init: str | None = None  # a recurrent core's start state: "zero" | "random" (drawn per position); None: zero
+    state_seed: int = 0  # with state_init "random": the draws' seed
 
 
 @dataclass

@@ -40,7 +40,7 @@ from speedc.format import contract
 from speedc.format.cache_layout import CORE, CacheLayout
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.exit_heads import final_norm_weight, hidden_output, maybe_norm, weight
-from speedc.passes.graph_utils import add_layer, linear_to_gemm, replace_uses, reshape, tensor
+from speedc.passes.graph_utils import add_layer, linear_to_gemm, replace_uses, reshape, tensor, weight_constants
 
 
 def enter_slots(graph: gs.Graph, entering: str | int, behind: str | int, rows: str | int, hidden_size: int) -> gs.Tensor:
@@ -119,7 +119,7 @@ def add_batch_heads(graph: gs.Graph, state: CompileState, final_rows: gs.Tensor,
     exit_tokens = add_layer(graph, op="Gather", inputs=[exit_candidates, gs.Constant("batch_heads.first", np.array(0, np.int64))],
                             outputs=[contract.EXIT_TOKENS], attrs={"axis": 1}, name="batch_heads/Gather_top")[0]  # [E]
     exit_tokens.dtype, exit_tokens.shape = np.int64, ["exit_rows"]
-    hidden_out = hidden_output(graph, stage_out, ["rows", 1, cfg.hidden_size])
+    hidden_out = hidden_output(graph, stage_out, ["rows", 1, cfg.state_width])
     return [final_token, final_logits, exit_tokens, exit_candidates,
             add_check_head(graph, state, exit_tap, lm_head, check_rows, check_candidates), hidden_out]
 
@@ -162,23 +162,47 @@ def head_inputs(cfg) -> list[gs.Variable]:
             gs.Variable(contract.CHECK_CANDIDATES, np.int64, ["check_rows", contract.candidate_count(cfg.vocab_size)])]
 
 
-def build_phase_batch_step_graph(state: CompileState) -> gs.Graph:
+def bind_as_decoded(graph: gs.Graph, decode: gs.Graph, state: CompileState, program_inputs: list[str]) -> None:
+    """GRAPH's parameter inputs -> constants over the same checkpoint tensors, under the same names, as
+    the (shared) DECODE graph's: where the share pass merged equal weights (say every norm all ones) or
+    renamed a block, the traced step reads the one stored copy the decode graph kept."""
+    from speedc.passes.source_weights import source_weight, weight_constant
+    from speedc.passes.trace import bind_weights
+
+    decoded = {}
+    for constant in weight_constants(decode.nodes):
+        source = source_weight(constant)
+        if source is not None and len(source.parts) == 1:
+            decoded[constant.name] = source.parts[0]
+    made: dict[str, gs.Constant] = {}
+    for inp in [i for i in graph.inputs if i.name not in set(program_inputs)]:
+        name = state.weight_aliases.get(inp.name, inp.name)
+        if name in decoded:
+            if name not in made:
+                made[name] = weight_constant(name, decoded[name])
+            replace_uses(inp, made[name])
+            graph.inputs.remove(inp)
+    bind_weights(graph, state, program_inputs)  # the rest (none where the decode graph reads every weight)
+
+
+def build_phase_batch_step_graph(state: CompileState, decode: gs.Graph) -> gs.Graph:
     """The batch step of a depth plan with a prelude / coda: traced from phase_step_program (its diagram),
     the heads reading its readouts."""
     from speedc.passes.phase_step_program import READOUT_DRAFT, READOUT_FINAL, import_phase_step, slab_names
-    from speedc.passes.trace import bind_weights
+    from speedc.passes.trace import random_state
 
     cfg, sched = state.cfg, state.schedule
     # The family's plan: its block numbers are the checkpoint's (the decode program was traced with them).
     graph, layout = import_phase_step(cfg, cfg.depth_plan.pipeline(sched.slots, state.exit_layer))
     slabs = slab_names(layout)
-    bind_weights(graph, state, [contract.INPUT_IDS, contract.POSITIONS, contract.HIDDEN_IN, *slabs])
+    initial = [contract.INITIAL_STATE] if random_state(cfg) else []
+    bind_as_decoded(graph, decode, state, [contract.INPUT_IDS, contract.POSITIONS, contract.HIDDEN_IN, *initial, *slabs])
     linear_to_gemm(graph)
     graph.name = "speedc_batch_step"
     heads = head_inputs(cfg)
     known = graph.tensors()
     graph.inputs = [known[contract.INPUT_IDS], known[contract.POSITIONS], known[contract.HIDDEN_IN], *heads,
-                    *(known[name] for name in slabs)]
+                    *(known[name] for name in initial), *(known[name] for name in slabs)]
     phase_rows = [t for t in graph.outputs if t.name.startswith("new_")]
     presents = [t for t in graph.outputs if t.name.startswith("present.")]
     outputs = add_batch_heads(graph, state, *heads, taps=(READOUT_FINAL, READOUT_DRAFT))
@@ -190,7 +214,7 @@ def build_batch_step_graph(decode: gs.Graph, state: CompileState) -> gs.Graph:
     cfg, sched = state.cfg, state.schedule
     layout = CacheLayout.from_plan(sched.depth_plan, sched.slots)
     if layout.pipelined_phases:
-        return build_phase_batch_step_graph(state)
+        return build_phase_batch_step_graph(state, decode)
     slots, stage_layers, hidden_size = layout.slots, layout.stage_layers, cfg.hidden_size
     graph = decode.copy()
     graph.name = "speedc_batch_step"

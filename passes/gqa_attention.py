@@ -366,6 +366,9 @@ def gqa_attention(state: CompileState) -> CompileState:
     if CacheLayout.from_plan(state.schedule.depth_plan, state.schedule.slots).pipelined_phases:
         state.notes.append("gqa_attention: skipped (the fused batch step runs a cycle; this plan pipelines a prelude / coda)")
         return state
+    if cfg.qk_bias:  # an Add on q and k before rotary: not what the fusion's packed q|k|v input computes
+        state.notes.append("gqa_attention: skipped (q/k biases before rotary, e.g. Huginn's qk_bias)")
+        return state
     if cfg.head_dim % GQA_HEAD_DIM_MULTIPLE:
         state.notes.append(f"gqa_attention: skipped (ONNX Runtime's GroupQueryAttention needs head_dim % "
                            f"{GQA_HEAD_DIM_MULTIPLE} == 0, this model has {cfg.head_dim})")

@@ -14,6 +14,10 @@ with its own coda K/V (speedc/format/cache_layout.py: the final readout's coda o
           |                                                                                     |
       readout.draft = Concat(draft [n,H], zeros [(P-1)n,H]) [R,H]      readout.final = Concat(zeros, final) [R,H]
 
+With an injection (Huginn) a slot carries [state | e] (2H wide: hidden_in, hidden.{S-1}): slot 0's state
+starts at zero beside e = the prelude's output, every repeat first reads adapter(cat[state, e]), and each
+readout applies model.norm before its coda where the plan says (readout_norm).
+
 The heads (passes/batch_step_graph.add_batch_heads) gather their rows from the readouts: exit rows are
 slot 0's, final rows slot P-1's (runtimes/batch.py). New K/V: present.{kind}.{j} per stage layer (the
 kv_cache pass stacks them), new_{kind}.prelude [Lp, n, kvh, 1, hd], new_{kind}.coda [Lc, 2, n, kvh, 1, hd].
@@ -35,7 +39,7 @@ from speedc.errors import BuildError
 from speedc.models.config import ModelConfig
 from speedc.models.depth_plan import SlotPlan
 from speedc.models.llama import SharedLlama
-from speedc.models.row_layer import layer_over_rows, rms_norm, row_context, rotary_inv_freq
+from speedc.models.row_layer import inject, layer_over_rows, rms_norm, row_context, rotary_inv_freq
 from speedc.passes.trace import OPSET, WeightsAsInputs
 
 STAGE_OUT_PREFIX = "hidden."  # hidden.{S-1}: the stage output (hidden_out)
@@ -77,8 +81,18 @@ class PhaseStepProgram(nn.Module):
             values.append(v)
         return x, keys, values
 
+    def _readout(self, x, ctx, slabs):
+        """x [n, H]: a readout's state -> [readout norm] -> coda (its own K/V) -> (x, [k], [v])."""
+        plan = self.pipeline.plan
+        if plan.readout_norm:
+            x = rms_norm(x, self.model.norm.weight, self.cfg.rms_norm_eps)
+        return self._run(plan.coda, x, ctx, slabs, plan.num_layers)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_in: torch.Tensor, *slabs: torch.Tensor):
         cfg, layout, plan = self.cfg, self.layout, self.pipeline.plan
+        initial = None
+        if plan.state_init == "random":  # [n, H]: the entering tokens' drawn start states
+            initial, slabs = slabs[0], slabs[1:]
         p, hidden = layout.slots, cfg.hidden_size
         groups = cfg.num_attention_heads // cfg.num_key_value_heads
         core_count = 2 * layout.stage_layers * p
@@ -89,9 +103,17 @@ class PhaseStepProgram(nn.Module):
         first_ctx = row_context(by_slot[0], 1, past_len, self.inv_freq, groups)  # slot 0's rows
         last_ctx = row_context(by_slot[p - 1], 1, past_len, self.inv_freq, groups)  # slot P-1's rows
         x = self.model.embed_tokens(input_ids).reshape(-1, hidden)  # [n, H]
+        if cfg.embed_scale != 1.0:
+            x = x * cfg.embed_scale
         pairs = [(prelude[2 * i], prelude[2 * i + 1]) for i in range(layout.prelude_layers)]
         x, prelude_k, prelude_v = self._run(plan.prelude, x, first_ctx, pairs, 0)
-        x = torch.cat((x, hidden_in.reshape(-1, hidden)), dim=0)  # [R, H]
+        behind = hidden_in.reshape(-1, hidden * plan.carried_vectors)  # [(P-1)n, H] or [(P-1)n, 2H] = [state | e]
+        entry = None
+        if plan.injection:  # slot 0: e = the prelude's output, the state from zero (or its draw)
+            entry = torch.cat((x, behind[:, hidden:]), dim=0)  # [R, H]
+            x = torch.cat((torch.zeros_like(x) if initial is None else initial, behind[:, :hidden]), dim=0)  # [R, H]
+        else:
+            x = torch.cat((x, behind), dim=0)  # [R, H]
         ctx = row_context(positions, 1, past_len, self.inv_freq, groups)
         stage_blocks, taps, core_k, core_v = self.pipeline.stage_blocks, [], [], []
         tap = self.pipeline.draft_layer - layout.prelude_layers - 1  # stage layer after which the draft reads out
@@ -99,6 +121,8 @@ class PhaseStepProgram(nn.Module):
             step = 2 * j * p  # core slabs: (j, s) for s < P, key then value
             past_k = torch.cat([core[step + 2 * s] for s in range(p)], dim=0)  # [R, kvh, T, hd]
             past_v = torch.cat([core[step + 2 * s + 1] for s in range(p)], dim=0)
+            if plan.injects_before(layout.prelude_layers + j):  # every slot's stage layer j starts a repeat alike
+                x = inject(x, entry, self.model.adapter.weight)
             x, (k,), (v,) = self._run([block], x, ctx, [(past_k, past_v)], layout.prelude_layers + j)
             core_k.append(k)
             core_v.append(v)
@@ -107,11 +131,12 @@ class PhaseStepProgram(nn.Module):
         out = x.reshape(p, -1, hidden)  # [P, n, H]
         draft_pairs = [(coda[2 * (i * 2)], coda[2 * (i * 2) + 1]) for i in range(layout.coda_layers)]
         final_pairs = [(coda[2 * (i * 2 + 1)], coda[2 * (i * 2 + 1) + 1]) for i in range(layout.coda_layers)]
-        draft, draft_k, draft_v = self._run(plan.coda, rows[0], first_ctx, draft_pairs, plan.num_layers)
-        final, final_k, final_v = self._run(plan.coda, out[p - 1], last_ctx, final_pairs, plan.num_layers)
-        zeros = torch.zeros_like(hidden_in.reshape(-1, hidden))  # [(P-1)n, H]: rows no readout reads
+        draft, draft_k, draft_v = self._readout(rows[0], first_ctx, draft_pairs)
+        final, final_k, final_v = self._readout(out[p - 1], last_ctx, final_pairs)
+        zeros = torch.zeros_like(behind[:, :hidden])  # [(P-1)n, H]: rows no readout reads
         readout_draft = torch.cat((draft, zeros), dim=0)  # [R, H]
         readout_final = torch.cat((zeros, final), dim=0)  # [R, H]
+        carried = torch.cat((x, entry), dim=-1) if plan.injection else x  # [R, 2H] or [R, H]
 
         def stacked(parts):  # [k, n, kvh, 1, hd] (an empty phase: [0, ...])
             return torch.stack(parts) if parts else torch.zeros((0, *core_k[0].shape), dtype=x.dtype)
@@ -119,7 +144,7 @@ class PhaseStepProgram(nn.Module):
         coda_k = torch.stack((stacked(draft_k), stacked(final_k)), dim=1)  # [Lc, 2, n, kvh, 1, hd]
         coda_v = torch.stack((stacked(draft_v), stacked(final_v)), dim=1)
         presents = [t for pair in zip(core_k, core_v) for t in pair]
-        return (readout_draft, readout_final, x, stacked(prelude_k), stacked(prelude_v), coda_k, coda_v, *presents)
+        return (readout_draft, readout_final, carried, stacked(prelude_k), stacked(prelude_v), coda_k, coda_v, *presents)
 
 
 def output_names(layout: CacheLayout) -> list[str]:
@@ -144,11 +169,14 @@ def trace_phase_step(cfg: ModelConfig, pipeline: SlotPlan) -> tuple[onnx.ModelPr
     n, past = 2, 5  # non-1 sizes so nothing specialises on them
     kv = (n, cfg.num_key_value_heads, past, cfg.head_dim)
     slabs = slab_names(layout)
-    args = (torch.zeros(n, 1, dtype=torch.long), torch.arange(layout.slots * n), torch.zeros((layout.slots - 1) * n, 1, cfg.hidden_size),
-            *[torch.zeros(kv) for _ in slabs], *weights)
-    inputs = [contract.INPUT_IDS, contract.POSITIONS, contract.HIDDEN_IN, *slabs]
+    width = cfg.hidden_size * pipeline.plan.carried_vectors  # a slot's carried state: [state | e] with an injection
+    initial = [torch.zeros(n, cfg.hidden_size)] if pipeline.plan.state_init == "random" else []  # [n, H]
+    args = (torch.zeros(n, 1, dtype=torch.long), torch.arange(layout.slots * n), torch.zeros((layout.slots - 1) * n, 1, width),
+            *initial, *[torch.zeros(kv) for _ in slabs], *weights)
+    inputs = [contract.INPUT_IDS, contract.POSITIONS, contract.HIDDEN_IN, *([contract.INITIAL_STATE] if initial else []), *slabs]
     outputs = output_names(layout)
-    dynamic = {contract.INPUT_IDS: {0: "sequences"}, contract.POSITIONS: {0: "rows"}, contract.HIDDEN_IN: {0: "rows_behind"}}
+    dynamic = {contract.INPUT_IDS: {0: "sequences"}, contract.POSITIONS: {0: "rows"}, contract.HIDDEN_IN: {0: "rows_behind"},
+               **({contract.INITIAL_STATE: {0: "sequences"}} if initial else {})}
     dynamic.update({name: {0: "sequences", 2: "context"} for name in slabs})
     dynamic.update({name: {0: "rows"} for name in outputs[:3]})
     dynamic.update({name: {1: "sequences"} for name in outputs[3:5]})

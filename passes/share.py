@@ -77,7 +77,8 @@ def merge_identical_constants(graph: gs.Graph, merged_into: dict[str, gs.Constan
 
 
 def derive_layer_map(graph: gs.Graph, num_layers: int) -> tuple[list[int], list[list[gs.Constant]]]:
-    """Layer l's weights are those read by nodes that hidden.{l} needs but hidden.{l-1} does not."""
+    """Layer l's weights are those read by nodes that hidden.{l} needs but hidden.{l-1} does not; two
+    layers are one block when their model.blocks.* weights are the same."""
     previous = ancestors([tensor(graph, "embeddings")])
     block_of: dict[tuple[str, ...], int] = {}
     layer_map, block_weights = [], []
@@ -85,7 +86,8 @@ def derive_layer_map(graph: gs.Graph, num_layers: int) -> tuple[list[int], list[
     for layer in range(num_layers):
         reached = ancestors([tensor(graph, f"hidden.{layer}")])
         weights = weight_constants(n for n in nodes if id(n) in reached and id(n) not in previous)
-        key = tuple(sorted(w.name for w in weights if not w.name.startswith("inv_freq")))
+        # A block is its block weights: model.norm after a repeat, an injection's adapter, are the plan's.
+        key = tuple(sorted(w.name for w in weights if _BLOCK_NAME.match(w.name)))
         if key not in block_of:
             block_of[key] = len(block_of)
             block_weights.append(weights)

@@ -40,7 +40,7 @@ from speedc.format import contract
 from speedc.errors import BuildError
 from speedc.models.config import ModelConfig
 from speedc.models.llama import SharedLlama
-from speedc.models.row_layer import layer_over_rows, rms_norm, row_context, rotary_inv_freq
+from speedc.models.row_layer import inject, layer_over_rows, rms_norm, row_context, rotary_inv_freq
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.graph_utils import linear_to_gemm, replace_uses
 from speedc.passes.source_weights import weight_constant
@@ -66,18 +66,30 @@ class DecodeProgram(nn.Module):
         return F.linear(normed, weight)  # [B*L, V]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *past: torch.Tensor):
-        cfg = self.cfg
+        cfg, plan = self.cfg, self.cfg.depth_plan
         b, length = positions.shape[0], input_ids.shape[1]
+        initial = None
+        if random_state(cfg):  # [B*L, H]: each token row's drawn start state
+            initial, past = past[0], past[1:]
         x = self.model.embed_tokens(input_ids).reshape(-1, cfg.hidden_size)  # [B*L, H]: token rows (-1: a step embeds fewer rows than it runs)
+        if cfg.embed_scale != 1.0:
+            x = x * cfg.embed_scale
         embeddings = x
         ctx = row_context(positions, length, past[0].shape[2], self.inv_freq,
                           cfg.num_attention_heads // cfg.num_key_value_heads)
+        core_end = len(plan.prelude) + len(plan.core) * plan.repeats
         hidden_out, present = [], []
-        exit_logits = tap = None
-        for step in cfg.depth_plan.trip():  # prelude, core repeats (model.norm after each where the plan says), coda
+        exit_logits = tap = entry = None
+        for step in plan.trip():  # prelude, core repeats (model.norm after each where the plan says), coda
             layer = step.layer
+            if plan.injection and layer == len(plan.prelude):  # entering the core: e, and the start state
+                entry, x = x, (torch.zeros_like(x) if initial is None else initial)
+            if step.injects:
+                x = inject(x, entry, self.model.adapter.weight)
             x, k, v = layer_over_rows(self.model.blocks[step.block], x, ctx, past[2 * layer], past[2 * layer + 1], cfg)
             if step.norm_after:
+                x = rms_norm(x, self.model.norm.weight, cfg.rms_norm_eps)
+            if layer + 1 == core_end and plan.readout_norm:  # the readout's norm, before the coda
                 x = rms_norm(x, self.model.norm.weight, cfg.rms_norm_eps)
             hidden_out.append(x)
             present += [k, v]
@@ -88,12 +100,19 @@ class DecodeProgram(nn.Module):
         final_norm = self.model.norm.weight if cfg.final_norm else None
         logits = self._head(x, final_norm).reshape(b, length, -1)
         if draft_coda(cfg):  # the draft readout's own coda over the tap (cache entries N..N+Lc-1)
-            for index, block in enumerate(cfg.depth_plan.coda):
-                entry = cfg.num_hidden_layers + index
-                tap, k, v = layer_over_rows(self.model.blocks[block], tap, ctx, past[2 * entry], past[2 * entry + 1], cfg)
+            if plan.readout_norm:
+                tap = rms_norm(tap, self.model.norm.weight, cfg.rms_norm_eps)
+            for index, block in enumerate(plan.coda):
+                entry_index = cfg.num_hidden_layers + index
+                tap, k, v = layer_over_rows(self.model.blocks[block], tap, ctx, past[2 * entry_index], past[2 * entry_index + 1], cfg)
                 present += [k, v]
             exit_logits = self._head(tap, final_norm).reshape(b, length, -1)
         return (logits, exit_logits, embeddings, *hidden_out, *present)
+
+
+def random_state(cfg: ModelConfig) -> bool:
+    """Whether the programs take contract.INITIAL_STATE (a recurrent core started from a random draw)."""
+    return cfg.depth_plan.state_init == "random"
 
 
 def draft_coda(cfg: ModelConfig) -> bool:
@@ -108,9 +127,9 @@ def cache_entries(cfg: ModelConfig) -> int:
     return cfg.num_hidden_layers + (len(cfg.depth_plan.coda) if draft_coda(cfg) else 0)
 
 
-def io_names(num_layers: int, entries: int | None = None) -> tuple[list[str], list[str]]:
+def io_names(num_layers: int, entries: int | None = None, initial_state: bool = False) -> tuple[list[str], list[str]]:
     entries = num_layers if entries is None else entries
-    inputs = [contract.INPUT_IDS, contract.POSITIONS]
+    inputs = [contract.INPUT_IDS, contract.POSITIONS] + ([contract.INITIAL_STATE] if initial_state else [])
     for layer in range(entries):
         inputs += [f"past.key.{layer}", f"past.value.{layer}"]
     outputs = [*TRACED_HEADS, "embeddings"] + [f"hidden.{layer}" for layer in range(num_layers)]
@@ -146,11 +165,13 @@ def trace_decode_program(cfg: ModelConfig) -> onnx.ModelProto:
     weights = [torch.empty(p.shape) for _, p in program.program.named_parameters()]
     batch, length, past_len = 2, 3, 5  # non-1 sizes so nothing specialises on them
     kv_shape = (batch, cfg.num_key_value_heads, past_len, cfg.head_dim)
-    args = (torch.zeros(batch, length, dtype=torch.long), torch.tensor([5, 2]),
+    initial = [torch.zeros(batch * length, cfg.hidden_size)] if random_state(cfg) else []
+    args = (torch.zeros(batch, length, dtype=torch.long), torch.tensor([5, 2]), *initial,
             *[torch.zeros(kv_shape) for _ in range(2 * cache_entries(cfg))], *weights)
-    inputs, outputs = io_names(cfg.num_hidden_layers, cache_entries(cfg))
-    dynamic = {contract.INPUT_IDS: {0: "batch", 1: "chunk"}, contract.POSITIONS: {0: "batch"}}
-    for name in inputs[2:]:
+    inputs, outputs = io_names(cfg.num_hidden_layers, cache_entries(cfg), random_state(cfg))
+    dynamic = {contract.INPUT_IDS: {0: "batch", 1: "chunk"}, contract.POSITIONS: {0: "batch"},
+               **({contract.INITIAL_STATE: {0: "rows"}} if initial else {})}
+    for name in inputs[2 + len(initial):]:
         dynamic[name] = {0: "batch", 2: "context"}
     for name in outputs:
         if name.startswith("present"):
@@ -170,7 +191,8 @@ def trace_decode_program(cfg: ModelConfig) -> onnx.ModelProto:
 def bind_weights(graph: gs.Graph, state: CompileState, program_inputs: list[str] | None = None) -> int:
     """Each parameter input (every input not in PROGRAM_INPUTS; None: the decode program's) -> a constant
     over the checkpoint tensor of that name (nothing is read)."""
-    program_inputs = set(program_inputs or io_names(state.cfg.num_hidden_layers, cache_entries(state.cfg))[0])
+    program_inputs = set(program_inputs or io_names(state.cfg.num_hidden_layers, cache_entries(state.cfg),
+                                                    random_state(state.cfg))[0])
     bound = 0
     for inp in [i for i in graph.inputs if i.name not in program_inputs]:
         source = state.weights.get(inp.name)

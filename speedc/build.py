@@ -126,6 +126,10 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
         if not 0 <= options.eos_token_id < cfg.vocab_size:
             raise BuildError(f"--eos-token-id {options.eos_token_id} is outside the vocabulary (0..{cfg.vocab_size - 1})")
         cfg = dataclasses.replace(cfg, eos_token_id=options.eos_token_id, eos_token_ids=(options.eos_token_id,))
+    if options.recurrence is not None:
+        cfg = cfg.with_recurrence(options.recurrence)
+    if options.state_init is not None:
+        cfg = cfg.with_state_init(options.state_init, options.state_seed)
     tokenizer = read_tokenizer_json(checkpoint, cfg.vocab_size) if checkpoint.is_dir() else None  # checked before compiling
     state = CompileState(cfg, weights, options, has_speedc_section=has_speedc_section(checkpoint),
                          acceptance_hint=acceptance_hint_from_training(checkpoint))
@@ -157,7 +161,10 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
         manifest = Manifest(
             format_version=FORMAT_VERSION, speedc_version=__version__, onnx_opset=OPSET,
             source_checkpoint_sha256=checkpoint_hash(checkpoint),
-            model={"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_layers": cfg.num_hidden_layers,
+            model={"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "state_width": cfg.state_width,
+                   **({"initial_state": {"seed": cfg.depth_plan.state_seed, "std": cfg.depth_plan.state_std}}
+                      if cfg.depth_plan.state_init == "random" else {}),
+                   "num_layers": cfg.num_hidden_layers,
                    "num_kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
                    "max_context": cfg.max_position_embeddings, "eos_token_id": cfg.eos_token_id,
                    "eos_token_ids": list(cfg.eos_token_ids),

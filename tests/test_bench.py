@@ -262,6 +262,29 @@ def test_memory_bound_on_a_looped_shape():
     assert summary["acceptance_rate"] == report["rows"][-1]["acceptance"] and summary["peers"] == {}
 
 
+def test_memory_bound_on_a_recurrent_shape():
+    """Huginn's recurrent depth (tiny): its published layout written and built like a real checkpoint,
+    every depth P dividing R measured, the floor passing R / P times over the core per step; ids
+    checked identical inside (a mismatch raises); llama.cpp named as missing (no such architecture)."""
+    from speedc.bench.synthetic import SHAPES, Shape, pipeline_depths, synthetic_step_costs
+
+    tiny = Shape("huginn-tiny", 64, 4, 4, 16, 96, 128, 2, 4, looped=False, tied=True, prelude=1, coda=1, recurrent=True)
+    assert pipeline_depths(tiny, 2) == [2, 4] and pipeline_depths(SHAPES["huginn-3.5b"], 4) == [2, 4, 8]
+    report = synthetic_step_costs(shape=tiny, context=64, repeats=5, end_to_end=True, new_tokens=10, prompts=2)
+    assert report["passes"] == 4 and [row["slots"] for row in report["rows"]] == [2, 4]
+    assert report["residual_scale"] == round(0.0085 / 6 ** 0.5, 5)
+    for row in report["rows"]:
+        assert row["ids_identical"] and 0 <= row["acceptance"] <= 1 and row["floor_step_cost"] > 0
+    assert report["end_to_end"]["peers_missing"] == {"llama.cpp": "no Huginn (RavenForCausalLM) architecture in llama.cpp"}
+    huginn = SHAPES["huginn-3.5b"]  # the published shape: 3.5 B parameters with the embedding stored once
+    params = (huginn.prelude + huginn.layers + huginn.coda) * huginn.block_params() + huginn.fixed_params() + 2 * huginn.hidden ** 2
+    assert 3.4e9 < params < 3.7e9
+
+
+def test_recurrence_goes_with_a_recurrent_shape():
+    assert_one_line_error(run_cli("bench", "--memory-bound", "--recurrence", "8"), "--recurrence goes with a recurrent-depth shape")
+
+
 def test_memory_bound_peers_say_what_is_missing(monkeypatch, tmp_path):
     """Without llama-cpp-python the end-to-end report names the install in one line (asked for explicitly:
     a one-line refusal); the zoo shape has no llama.cpp peer."""

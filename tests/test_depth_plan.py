@@ -119,11 +119,11 @@ def test_config_round_trip_and_bad_plan(tmp_path):
     with pytest.raises(CheckpointError) as error:
         ModelConfig.load(path)
     assert "\n" not in str(error.value) and "does not fit the layer map" in str(error.value)
-    data["speedc"]["depth"] = dict(cfg.depth_plan.to_json(), injection="adapter-concat")  # represented, not run
+    data["speedc"]["depth"] = dict(cfg.depth_plan.to_json(), injection="gated")
     path.write_text(json.dumps(data))
     with pytest.raises(CheckpointError) as error:
         ModelConfig.load(path)
-    assert "\n" not in str(error.value) and "injection 'adapter-concat' is not supported" in str(error.value)
+    assert "\n" not in str(error.value) and "unknown injection 'gated'" in str(error.value)
     data["speedc"]["depth"] = {"prelude": [], "core": [], "repeats": 1}
     path.write_text(json.dumps(data))
     with pytest.raises(CheckpointError) as error:

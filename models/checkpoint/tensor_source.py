@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +47,9 @@ class TensorSource:
     offset: int = 0
     length: int = 0
     array: np.ndarray | None = field(default=None, repr=False)
+    # Stored row i of this tensor is row row_order[i] of the byte range (a permutation read on demand: a
+    # family's layout change, e.g. Huginn's q/k rows from adjacent rotary pairs to half-split ones).
+    row_order: np.ndarray | None = field(default=None, repr=False)
 
     @classmethod
     def from_array(cls, array: np.ndarray) -> "TensorSource":
@@ -64,6 +67,11 @@ class TensorSource:
     def read(self, first_row: int = 0, rows: int | None = None) -> np.ndarray:
         """Rows [first_row, first_row + rows) as an array in the stored dtype (a fresh copy for files)."""
         rows = (self.shape[0] if self.shape else 1) - first_row if rows is None else rows
+        if self.row_order is not None:  # the span of the wanted rows, then picked (a permutation stays local)
+            wanted = self.row_order[first_row:first_row + rows]
+            low = int(wanted.min()) if rows else 0
+            span = replace(self, row_order=None).read(low, int(wanted.max()) + 1 - low if rows else 0)
+            return span[wanted - low]
         if self.array is not None:
             return self.array[first_row:first_row + rows] if self.shape else self.array
         dtype = numpy_dtype(self.dtype)
@@ -74,6 +82,33 @@ class TensorSource:
             if handle.readinto(data) != len(data):
                 raise CheckpointError(f"{self.file}: truncated (a tensor's bytes end past the file)")
         return np.frombuffer(data, dtype=dtype).reshape(shape)
+
+    def rows(self, first: int, count: int) -> "TensorSource":
+        """Rows [first, first + count) as a tensor of their own (no bytes read: a narrower byte range)."""
+        if self.row_order is not None or not 0 <= first <= first + count <= self.shape[0]:
+            raise CheckpointError(f"internal: rows {first}..{first + count} of a {list(self.shape)} tensor")
+        shape = (count, *self.shape[1:])
+        if self.array is not None:
+            return TensorSource.from_array(self.array[first:first + count])
+        return TensorSource(self.dtype, shape, file=self.file, offset=self.offset + first * self.row_bytes,
+                            length=count * self.row_bytes)
+
+    def reshaped(self, shape: tuple[int, ...]) -> "TensorSource":
+        """The same bytes as SHAPE (row-major: same element count)."""
+        if math.prod(shape) != self.numel or self.row_order is not None:
+            raise CheckpointError(f"internal: a {list(self.shape)} tensor read as {list(shape)}")
+        if self.array is not None:
+            return TensorSource.from_array(self.array.reshape(shape))
+        return replace(self, shape=tuple(shape))
+
+    def reordered(self, order: np.ndarray) -> "TensorSource":
+        """Row i of the result is row ORDER[i] of this tensor (read on demand)."""
+        order = np.asarray(order, dtype=np.int64)
+        if self.row_order is not None or sorted(order.tolist()) != list(range(self.shape[0])):
+            raise CheckpointError(f"internal: a row order that is not a permutation of {self.shape[0]} rows")
+        if self.array is not None:
+            return TensorSource.from_array(self.array[order])
+        return replace(self, row_order=order)
 
     def row_blocks(self, chunk_bytes: int = READ_CHUNK_BYTES):
         """(first row, rows) blocks of about CHUNK_BYTES covering the tensor (one block for a scalar)."""
@@ -120,7 +155,8 @@ def same_values(a: TensorSource, b: TensorSource) -> bool:
     """Exact comparison, a row block at a time (none when both name the same bytes)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    if a is b or (a.file is not None and a.file == b.file and a.offset == b.offset):
+    if a is b or (a.file is not None and a.file == b.file and a.offset == b.offset
+                  and a.row_order is None and b.row_order is None):
         return True
     return all(np.ascontiguousarray(a.read(first, rows)).tobytes() == np.ascontiguousarray(b.read(first, rows)).tobytes()
                for first, rows in a.row_blocks())

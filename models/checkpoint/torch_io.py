@@ -125,8 +125,11 @@ def open_checkpoint(path: str | Path, *, allow_pickle: bool = False) -> tuple[Mo
     raw_config_path = directory / CONFIG_FILE
     cfg = with_generation_token_ids(ModelConfig.load(raw_config_path), directory)
     sources, weights_path = _read_weights(directory, allow_pickle)
-    ignored = FAMILIES[cfg.architecture].ignored_tensors
+    family = FAMILIES[cfg.architecture]
+    ignored = family.ignored_tensors
     sources = {name: s for name, s in sources.items() if not name.startswith(ignored)} if ignored else sources
+    if family.map_tensors is not None and "speedc" not in json.loads(raw_config_path.read_text()):
+        sources = family.map_tensors(sources, cfg)
     if any(_HF_LAYER.match(name) for name in sources):
         sources = _unrolled_to_blocks(sources)
         if "speedc" in json.loads(raw_config_path.read_text()):

@@ -29,6 +29,9 @@ class Family:
     ignored_tensors: tuple[str, ...] = ()  # tensor-name prefixes read and dropped (e.g. exit gates)
     description: str = ""
     notes: Callable[[dict], list[str]] = lambda data: []  # what inspect says about a config (e.g. ignored options)
+    # The family's tensor names and fused layouts -> speedc's: {name: TensorSource}, ModelConfig -> the same
+    # (row ranges and row orders of the stored bytes; nothing read). None: the names are speedc's or Hugging Face Llama's.
+    map_tensors: Callable[[dict, Any], dict] | None = None
 
 
 FAMILIES: dict[str, Family] = {}

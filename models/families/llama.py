@@ -26,8 +26,6 @@ def read_config(data: dict[str, Any]) -> ModelConfig:
     layer_map = resolve_layer_map(speedc["layer_map"], num_layers) if "layer_map" in speedc else list(range(num_layers))
     # speedc.depth: the depth plan a build recorded (models/depth_plan.py); else derived from the layer map
     plan = DepthPlan.from_json(section(data, "speedc", "depth")) if speedc.get("depth") else None
-    if plan is not None and plan.injection:  # represented in the plan, not run by any graph yet
-        raise CheckpointError(f"config.json: speedc.depth injection {plan.injection!r} is not supported by this speedc build")
     if plan is not None and not plan.fits(layer_map):
         raise CheckpointError(f"config.json: speedc.depth ({plan.describe()}) does not fit the layer map {layer_map}")
     exit_section, block = section(data, "speedc", "exit"), section(data, "speedc", "block")
@@ -38,6 +36,9 @@ def read_config(data: dict[str, Any]) -> ModelConfig:
             exit_norm=exit_section.get("norm", "final"),
             architecture=str(block.get("architecture", "llama")),
             sandwich_norms=boolean("speedc.block.sandwich_norms", block.get("sandwich_norms", False)),
+            post_norms=boolean("speedc.block.post_norms", block.get("post_norms", False)),
+            qk_bias=boolean("speedc.block.qk_bias", block.get("qk_bias", False)),
+            embed_scale=float(block.get("embed_scale", 1.0)),
             loop_norm=boolean("speedc.block.loop_norm", block.get("loop_norm", False)),
             final_norm=boolean("speedc.block.final_norm", block.get("final_norm", True)),
             depth_plan=plan, **common_fields(data))

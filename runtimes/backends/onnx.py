@@ -46,6 +46,7 @@ from typing import Callable
 import numpy as np
 
 from speedc.format import contract
+from speedc.format.initial_state import initial_states
 from speedc.format.artifact import Manifest
 from speedc.format.cache_layout import CORE, CacheLayout
 from speedc.errors import ArtifactError, GenerationError, OutOfMemory, SpeedcError
@@ -212,7 +213,7 @@ class BatchBackend:
             directory, manifest, self.graph_name, ["CPUExecutionProvider"], threads, profile_prefix)
         self.programs = program_sessions(self.session, self.graph_name, manifest)  # role -> its branch
         self.max_batch, self.capacity = max_batch, capacity
-        self.hidden = np.zeros((self.slots, max_batch, self.hidden_size), F32)  # last hidden_out, [slot, sequence]
+        self.hidden = np.zeros((self.slots, max_batch, self.state_width), F32)  # last hidden_out, [slot, sequence]
         self._prefill_bindings: dict[tuple, object] = {}  # fused: (first pool row, count) -> its prefill binding
         self._steps: dict[tuple, StepBinding] = {}  # fused steps: (role, shape of the step) -> StepBinding, oldest first
         self._buffers: dict[tuple, np.ndarray] = {}  # (name, shape) -> the buffer every StepBinding binds NAME of SHAPE to
@@ -341,6 +342,12 @@ class BatchBackend:
             step = self._steps[role, shape] = StepBinding(self.programs[role], slabs(), bound)
         return step
 
+    def _initial_states(self, positions: np.ndarray, valid: np.ndarray) -> np.ndarray:
+        """[rows, H]: the drawn start state of each valid row's position (speedc/format/initial_state.py)."""
+        if self.fused:  # no fused graph takes it (plans with an injection build standard graphs only)
+            raise GenerationError("internal: a fused graph with a drawn initial state")
+        return initial_states(self.initial_state, positions, self.model_width, valid)
+
     def _check_positions(self, positions: np.ndarray) -> None:
         """Fused graphs write K/V in place through raw pointers: a position past the scratch row T would
         write outside the pool, so it is refused, not run."""
@@ -371,6 +378,10 @@ class BatchBackend:
         for row, chunk in enumerate(chunks):
             ids[row, :len(chunk)] = chunk
         feeds = {contract.INPUT_IDS: ids, contract.POSITIONS: np.full(count, start, np.int64), contract.CHUNK_LENGTHS: lengths}
+        if self.initial_state is not None:  # token (row, t) at position start + t; padding gets zeros
+            token_positions = np.broadcast_to(start + np.arange(longest), (count, longest)).reshape(-1)
+            real = (np.arange(longest)[None, :] < lengths[:, None]).reshape(-1)
+            feeds[contract.INITIAL_STATE] = self._initial_states(token_positions, real)
         outputs = [contract.NEXT_TOKEN] + ([contract.LOGITS] if want_logits else [])
         sequences = slice(first, first + count)
         if not self.fused:
@@ -403,6 +414,8 @@ class BatchBackend:
         if not self.fused:
             feeds = {contract.INPUT_IDS: np.asarray(tokens, np.int64).reshape(n, 1),
                      contract.POSITIONS: np.where(valid, positions, 0).astype(np.int64), contract.CHUNK_LENGTHS: np.ones(n, np.int64)}
+            if self.initial_state is not None:
+                feeds[contract.INITIAL_STATE] = self._initial_states(positions, valid)
             outputs = [contract.NEXT_TOKEN] + ([contract.LOGITS] if want_logits else [])
             result = self._run_standard(contract.PREFILL, feeds, self._logical_slabs(slice(0, n)), outputs)
             self.layout.write_token_rows(self._pools, self._new_rows(result), np.flatnonzero(valid), positions)
@@ -435,11 +448,13 @@ class BatchBackend:
                      contract.HIDDEN_IN: np.ascontiguousarray(self.hidden[:slots - 1, :n]).reshape((slots - 1) * n, 1, -1),
                      contract.FINAL_ROWS: np.asarray(heads.final, np.int64), contract.EXIT_ROWS: np.asarray(heads.exit, np.int64),
                      contract.CHECK_ROWS: np.asarray(heads.check, np.int64), contract.CHECK_CANDIDATES: candidates}
+            if self.initial_state is not None:  # the entering tokens: slot 0's rows
+                feeds[contract.INITIAL_STATE] = self._initial_states(positions[0], valid[0])
             outputs = [contract.FINAL_TOKEN, contract.EXIT_TOKENS, contract.EXIT_CANDIDATES, contract.CHECK_TOKENS,
                        contract.HIDDEN_OUT] + ([contract.FINAL_LOGITS] if want_logits else [])
             result = self._run_standard(contract.BATCH_STEP, feeds, self._stage_slabs(n), outputs)
             self.layout.write_step_rows(self._pools, self._new_rows(result), slots, n, valid, positions)
-            self.hidden[:, :n] = result[contract.HIDDEN_OUT].reshape(slots, n, self.hidden_size)
+            self.hidden[:, :n] = result[contract.HIDDEN_OUT].reshape(slots, n, self.state_width)
             return SpeedStepResult.of(result, want_logits)
         # Fused: only the valid rows run (computed_rows, slot-major indices); the head rows are given as
         # indices among them, and hidden_out comes back for them alone.
@@ -449,7 +464,7 @@ class BatchBackend:
 
         def tensors():
             return {contract.INPUT_IDS: ((n, 1), np.int64, False), contract.POSITIONS: ((rows,), np.int64, False),
-                    contract.HIDDEN_IN: (((slots - 1) * n, 1, self.hidden_size), F32, False),
+                    contract.HIDDEN_IN: (((slots - 1) * n, 1, self.state_width), F32, False),
                     contract.COMPUTED_ROWS: ((count,), np.int64, False),
                     contract.FINAL_ROWS: ((finals,), np.int64, False), contract.EXIT_ROWS: ((exits,), np.int64, False),
                     contract.CHECK_ROWS: ((checks,), np.int64, False),
@@ -457,7 +472,7 @@ class BatchBackend:
                     contract.FINAL_TOKEN: ((finals,), np.int64, True), contract.EXIT_TOKENS: ((exits,), np.int64, True),
                     contract.EXIT_CANDIDATES: ((exits, width), np.int64, True),
                     contract.CHECK_TOKENS: ((checks,), np.int64, True),
-                    contract.HIDDEN_OUT: ((count, 1, self.hidden_size), F32, True),
+                    contract.HIDDEN_OUT: ((count, 1, self.state_width), F32, True),
                     **({contract.FINAL_LOGITS: ((finals, self.vocab_size), F32, True)} if want_logits else {})}
 
         step = self._step(contract.BATCH_STEP, (n, count, finals, exits, checks, want_logits), lambda: self._stage_slabs(n),

@@ -43,7 +43,10 @@ def take_dimensions(backend, manifest: Manifest) -> None:
     backend.slots, backend.stage_layers = manifest.slots, manifest.stage_layers
     backend.num_layers = model["num_layers"]
     backend.vocab_size, backend.max_context = model["vocab_size"], model["max_context"]
-    backend.kv_heads, backend.head_dim, backend.hidden_size = model["num_kv_heads"], model["head_dim"], model["hidden_size"]
+    backend.kv_heads, backend.head_dim = model["num_kv_heads"], model["head_dim"]
+    backend.state_width = model.get("state_width", model["hidden_size"])  # [state | e] with an injection
+    backend.initial_state = model.get("initial_state")  # {seed, std}: a recurrent core's drawn start (else None)
+    backend.model_width = model["hidden_size"]
 
 
 def session_options(threads: int | None, *, spin_between_runs: bool):

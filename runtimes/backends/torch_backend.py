@@ -122,6 +122,10 @@ class TorchBackend:
     def _setup(self, model: SharedLlama, slots: int, max_batch: int, capacity: int | None, device: str,
                threads: int | None, *, min_length: int, shrink_after: int, cuda_graphs: bool, exact: bool) -> None:
         cfg = model.cfg
+        plan = cfg.depth_plan
+        if plan.injection or plan.readout_norm or cfg.embed_scale != 1.0:  # its trip loop is the layer map's alone
+            raise SpeedcError(f"the PyTorch backend runs a layer map's layers in order; this model's depth plan "
+                              f"({plan.describe()}) injects its entry state or norms at the readout: use --backend onnx")
         self.device = _device(device)
         if cuda_graphs and self.device.type != "cuda":
             raise SpeedcError(f"CUDA graphs need a CUDA device, not {device!r}")

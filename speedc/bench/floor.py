@@ -3,6 +3,7 @@ nothing else (no attention, norms, rotary, elementwise ops, cache), timed like t
 
     floor step:   x [P, H] -> blocks once -> head on 2 rows    (a SPEED step: each weight read once)
     floor token:  x [1, H] -> blocks P times -> head on 1 row   (a plain token: each weight read P times)
+    (a recurrent core of R repeats: the step passes R / P times over the core, the token R times)
     floor c(P) = floor step / (floor token / P)
 
 A block is its four weight products as the compiled graphs run them (fused q/k/v and gate/up, weights
@@ -126,12 +127,13 @@ def _session(model, weights: FloorWeights, threads: int | None):
 
 
 def measure_floor(shape, layers: int, slots: int, *, weights: str | None = None, threads: int | None = None,
-                  repeats: int = 50) -> dict:
+                  repeats: int = 50, step_passes: int = 1) -> dict:
     """{floor_step_cost, floor_step_ms, floor_token_ms} for SLOTS = P at the artifact's WEIGHTS storage:
-    interleaved medians."""
+    interleaved medians. STEP_PASSES: passes over the LAYERS blocks a step makes (a recurrent core's
+    R / P repeats per slot; a token then makes P times as many)."""
     floor = floor_weights(shape, layers, weights)
-    step_session = _session(floor_graph(shape, layers, 1, head_rows=min(2, slots), weights=floor), floor, threads)
-    token_session = _session(floor_graph(shape, layers, slots, head_rows=1, weights=floor), floor, threads)
+    step_session = _session(floor_graph(shape, layers, step_passes, head_rows=min(2, slots), weights=floor), floor, threads)
+    token_session = _session(floor_graph(shape, layers, slots * step_passes, head_rows=1, weights=floor), floor, threads)
     step_x = {"x": np.ones((slots + floor.pad_rows, shape.hidden), np.float32)}
     token_x = {"x": np.ones((1 + floor.pad_rows, shape.hidden), np.float32)}
     step, token = interleaved_medians(lambda: step_session.run(None, step_x), lambda: token_session.run(None, token_x),

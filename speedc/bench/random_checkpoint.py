@@ -11,6 +11,10 @@ A safetensors file is an 8-byte little-endian header length, a JSON header (name
 byte range; padded to 8 bytes) and the tensors' bytes in header order, which is what lets the header
 be written first and the bytes streamed after it.
 
+Huginn's shape (RavenForCausalLM) is written in its own layout: transformer.prelude / core_block / coda
+blocks with fused Wqkv and fc, qk_bias, the adapter (its state half near the identity), ln_f; its
+proj weights carry RESIDUAL_SCALE.
+
 Values: matrices N(0, 0.02), norms 1. RESIDUAL_SCALE < 1 shrinks what each block adds to the residual
 stream so the state after loop 1 predicts what the last loop does (speculation gets accepted, as in a
 trained looped model): o_proj and down_proj in a Llama block; in Ouro's sandwich block the sublayer
@@ -31,10 +35,29 @@ MATRIX_STD = 0.02
 BLOCK_BYTES = 32 << 20
 SCALED_LLAMA = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 SCALED_SANDWICH = ("input_layernorm_2.weight", "post_attention_layernorm_2.weight")
+SCALED_HUGINN = ("attn.proj.weight", "mlp.proj.weight", "adapter.weight")  # what each block and repeat adds
+HUGINN_ADAPTER = "transformer.adapter.weight"  # [I | noise] (see _values): each repeat keeps the state's direction
+
+
+def huginn_layout(shape, layers: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Huginn's published layout: SHAPE's prelude and coda blocks around LAYERS core blocks, the lm_head
+    tied to the embedding (not stored: the loader accepts either)."""
+    h, hd, i = shape.hidden, shape.head_dim, shape.intermediate
+    out = [("transformer.wte.weight", (shape.vocab, h))]
+    for group, count in (("prelude", shape.prelude), ("core_block", layers), ("coda", shape.coda)):
+        for index in range(count):
+            p = f"transformer.{group}.{index}"
+            out += [(f"{p}.attn.Wqkv.weight", (3 * shape.heads * hd, h)), (f"{p}.attn.qk_bias", (2, 1, shape.heads, hd)),
+                    (f"{p}.attn.proj.weight", (h, shape.heads * hd)), (f"{p}.mlp.fc.weight", (2 * i, h)),
+                    (f"{p}.mlp.proj.weight", (h, i))]
+            out += [(f"{p}.norm_{n}.weight", (h,)) for n in (1, 2, 3, 4)]
+    return out + [("transformer.adapter.weight", (h, 2 * h)), ("transformer.ln_f.weight", (h,))]
 
 
 def tensor_layout(shape, layers: int) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of every tensor of SHAPE's family layout with LAYERS layers, in file order."""
+    if shape.recurrent:
+        return huginn_layout(shape, layers)
     h, hd, i = shape.hidden, shape.head_dim, shape.intermediate
     out = [("model.embed_tokens.weight", (shape.vocab, h))]
     for layer in range(layers):
@@ -58,6 +81,14 @@ def tensor_layout(shape, layers: int) -> list[tuple[str, tuple[int, ...]]]:
 
 def family_config(shape, layers: int, max_positions: int) -> dict:
     """config.json of SHAPE's family (the keys speedc's family readers and the published code use)."""
+    if shape.recurrent:
+        return {"architectures": ["RavenForCausalLM"], "model_type": "huginn_raven", "n_embd": shape.hidden,
+                "n_heads": shape.heads, "num_key_value_heads": shape.kv_heads, "n_layers_in_prelude": shape.prelude,
+                "n_layers_in_recurrent_block": layers, "n_layers_in_coda": shape.coda, "mean_recurrence": shape.loops,
+                "intermediate_size": shape.intermediate, "vocab_size": shape.vocab, "padded_vocab_size": shape.vocab,
+                "block_size": max_positions, "rope_base": 50000, "norm_eps": 1e-6, "qk_bias": True,
+                "tie_embeddings": True, "bias": False, "injection_type": "linear", "state_init": "like-init",
+                "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
     common = {"hidden_size": shape.hidden, "intermediate_size": shape.intermediate, "num_hidden_layers": layers,
               "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim,
               "hidden_act": "silu", "vocab_size": shape.vocab, "max_position_embeddings": max_positions,
@@ -86,6 +117,9 @@ def _values(rng: np.random.Generator, name: str, dims: tuple[int, ...], scaled: 
     """Row blocks of tensor NAME as bfloat16."""
     import ml_dtypes
 
+    if name.endswith("qk_bias"):  # [2, 1, heads, hd]: small, the rotary still sees the projections
+        yield (0.02 * rng.standard_normal(dims, dtype=np.float32)).astype(ml_dtypes.bfloat16)
+        return
     if len(dims) == 1 or name.endswith("early_exit_gate.bias"):
         norm = scale if name.endswith(scaled) else 1.0
         yield np.full(dims, norm, dtype=ml_dtypes.bfloat16)
@@ -95,6 +129,8 @@ def _values(rng: np.random.Generator, name: str, dims: tuple[int, ...], scaled: 
     for first in range(0, dims[0], rows):
         block = rng.standard_normal((min(rows, dims[0] - first), dims[1]), dtype=np.float32)
         block *= std
+        if name == HUGINN_ADAPTER:  # the state's half near the identity: a repeat refines, it does not scramble
+            block[np.arange(block.shape[0]), first + np.arange(block.shape[0])] += 1.0
         yield block.astype(ml_dtypes.bfloat16)
 
 
@@ -108,7 +144,7 @@ def write_random_checkpoint(shape, layers: int, directory: Path, *, residual_sca
     shards = _shards(layout, shard_bytes)
     total = sum(2 * math.prod(dims) for _, dims in layout)
     rng = np.random.default_rng(seed)
-    scaled = SCALED_SANDWICH if shape.sandwich_norms else SCALED_LLAMA
+    scaled = SCALED_HUGINN if shape.recurrent else SCALED_SANDWICH if shape.sandwich_norms else SCALED_LLAMA
     names = ["model.safetensors"] if len(shards) == 1 else \
         [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
     done = 0

@@ -36,8 +36,11 @@ ZOO_RESIDUAL_SCALE = 0.0015
 # Chosen for agreement near 0.9 at full depth (teacher-forced exit vs final head on random prompts,
 # torch reference, 2026-12-02): Ouro-1.4B (24 x 4, sandwich norms: each sublayer's update RMS-normed,
 # then scaled) 0.004 -> 0.85, 0.002 -> 0.99; Nanbeige-3B (22 x 2, Llama blocks: o_proj and down_proj
-# scaled) 0.004 -> 0.83, 0.002 -> 0.95.
-LOOPED_RESIDUAL_BUDGET = {"sandwich": 0.025, "llama": 0.015}
+# scaled) 0.004 -> 0.83, 0.002 -> 0.95. Huginn (4 core layers x 32 repeats, post-norm blocks: attn.proj,
+# mlp.proj and the adapter's noise scaled, its state half near the identity) at hidden 1056: 0.002 -> 0.94,
+# 0.005 -> 0.79; at hidden 2112: 0.0012 -> 0.92, 0.002 -> 0.79 (the update grows as sqrt(hidden)): its
+# budget is that extrapolated to 5280.
+LOOPED_RESIDUAL_BUDGET = {"sandwich": 0.025, "llama": 0.015, "huginn": 0.0085}
 PROMPT_IDS = 8  # --end-to-end's random prompts: this many ids each
 MAX_DEPTH = 8  # the deepest pipeline measured
 
@@ -56,6 +59,14 @@ class Shape:
     looped: bool  # loop-boundary norm, heads read the loop-normed state (Ouro, Nanbeige)
     sandwich_norms: bool = False
     tied: bool = False
+    prelude: int = 0  # recurrent depth (Huginn): blocks run once on entry,
+    coda: int = 0  # blocks run at every readout,
+    recurrent: bool = False  # and the LAYERS core blocks repeat LOOPS times reading adapter(cat[state, e])
+
+    @property
+    def published(self) -> bool:
+        """A published architecture's layout (a looped or recurrent checkpoint), not the zoo family."""
+        return self.looped or self.recurrent
 
     def block_params(self) -> int:
         attention = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
@@ -69,6 +80,8 @@ SHAPES = {
     "ouro-1.4b": Shape("ouro-1.4b", 2048, 16, 16, 128, 5632, 49152, 24, 4, looped=True, sandwich_norms=True),
     "ouro-2.6b": Shape("ouro-2.6b", 2048, 16, 16, 128, 5632, 49152, 48, 4, looped=True, sandwich_norms=True),
     "nanbeige-3b": Shape("nanbeige-3b", 3072, 48, 8, 128, 10752, 166144, 22, 2, looped=True),
+    "huginn-3.5b": Shape("huginn-3.5b", 5280, 55, 55, 96, 17920, 65536, 4, 32, looped=False, tied=True,
+                         prelude=2, coda=2, recurrent=True),
 }
 
 
@@ -83,14 +96,14 @@ def end_to_end_shape(shape: Shape) -> Shape:
     """The shape --end-to-end decodes: the zoo family with an untied LM head. Tied, a random model
     whose residual updates are small predicts the token it just read (its embedding row matches
     itself best), greedy text collapses to one repeated token and acceptance is a trivial 0.99."""
-    return shape if shape.looped else dataclasses.replace(shape, tied=False, name=f"{shape.name}-untied")
+    return shape if shape.published else dataclasses.replace(shape, tied=False, name=f"{shape.name}-untied")
 
 
 def default_residual_scale(shape: Shape, layers: int) -> float:
     """--end-to-end's residual scale for SHAPE at LAYERS unique layers (see LOOPED_RESIDUAL_BUDGET)."""
-    if not shape.looped:
+    if not shape.published:
         return ZOO_RESIDUAL_SCALE
-    budget = LOOPED_RESIDUAL_BUDGET["sandwich" if shape.sandwich_norms else "llama"]
+    budget = LOOPED_RESIDUAL_BUDGET["huginn" if shape.recurrent else "sandwich" if shape.sandwich_norms else "llama"]
     return round(budget / math.sqrt(layers * max(shape.loops - 1, 1)), 5)
 
 
@@ -112,6 +125,16 @@ def shape_config(shape: Shape, layers: int):
                        tie_word_embeddings=shape.tied, sandwich_norms=shape.sandwich_norms, loop_norm=shape.looped,
                        final_norm=not shape.looped,
                        architecture=shape.name.split("-")[0] if shape.looped else "llama")
+
+
+def pipeline_depths(shape: Shape, layers: int) -> list[int]:
+    """The pipeline depths P measured: valid for SHAPE at LAYERS unique (core) layers, 2..MAX_DEPTH."""
+    if shape.recurrent:  # P slots of R / P core repeats each
+        return [p for p in range(2, MAX_DEPTH + 1) if shape.loops % p == 0]
+    from speedc.models.layer_map import valid_slot_counts
+
+    cfg = shape_config(shape, layers)
+    return [p for p in valid_slot_counts(cfg.layer_map, cfg.exit_layer) if 1 < p <= MAX_DEPTH]
 
 
 def synthetic_config(hidden: int, blocks: int, passes: int):
@@ -146,7 +169,7 @@ def random_model_of(cfg, residual_scale: float = 1.0, seed: int = 0):
 def synthetic_checkpoint(shape: Shape, layers: int, directory: Path, residual_scale: float = 1.0) -> Path:
     """A random-weight checkpoint of SHAPE: a looped shape in its family's published layout, streamed
     to disk (bf16, any size); the zoo shape as a speedc checkpoint (fp32, built in memory: it is small)."""
-    if shape.looped:
+    if shape.published:
         from speedc.bench.random_checkpoint import write_random_checkpoint
 
         return write_random_checkpoint(shape, layers, directory, residual_scale=residual_scale)
@@ -212,7 +235,6 @@ def synthetic_step_costs(*, hidden: int = 1024, blocks: int = 4, passes: int = 4
     looped shape, PEERS (None: those installed): llama.cpp on a GGUF of the same checkpoint at the
     artifact's precision (Q4_0 for int4, Q8_0 for int8, else F16), timed beside the deepest pipeline."""
     from speedc.build import build
-    from speedc.models.layer_map import valid_slot_counts
     from speedc.passes.base import BuildOptions
     from speedc.runtimes.engine import Engine
 
@@ -221,12 +243,11 @@ def synthetic_step_costs(*, hidden: int = 1024, blocks: int = 4, passes: int = 4
         shape = end_to_end_shape(shape)
     used = layers_that_fit(shape, layers)
     scale = residual_scale if residual_scale is not None else (default_residual_scale(shape, used) if end_to_end else 1.0)
-    cfg = shape_config(shape, used)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         progress(f"{shape.name}: writing random weights, {used} of {shape.layers} layers x {shape.loops} loops")
         checkpoint = synthetic_checkpoint(shape, used, Path(tmp) / "ckpt", scale)
-        depths = [p for p in valid_slot_counts(cfg.layer_map, cfg.exit_layer) if 1 < p <= MAX_DEPTH]
+        depths = pipeline_depths(shape, used)
         if not depths:
             raise SpeedcError(f"{shape.name}: {shape.loops} loop(s) leave no pipeline depth to measure")
         peer_fns, missing = (memory_bound_peers(shape, checkpoint, Path(tmp), weights, threads, new_tokens, peers, progress)
@@ -241,7 +262,8 @@ def synthetic_step_costs(*, hidden: int = 1024, blocks: int = 4, passes: int = 4
             step, token = measure_step_times(engine.backend, context, repeats)
             row = {"slots": slots, "step_cost": round(step / (token / slots), 3), "step_ms": round(1000 * step, 3),
                    "token_ms": round(1000 * token, 3), "load_seconds": round(load_seconds, 2),
-                   **measure_floor(shape, used, slots, weights=weights, threads=threads, repeats=max(20, repeats // 2))}
+                   **measure_floor(shape, used, slots, weights=weights, threads=threads, repeats=max(20, repeats // 2),
+                                   step_passes=shape.loops // slots if shape.recurrent else 1)}
             if profile:
                 from speedc.bench.op_profile import step_op_profile
 
@@ -257,7 +279,7 @@ def synthetic_step_costs(*, hidden: int = 1024, blocks: int = 4, passes: int = 4
             shutil.rmtree(art)  # one artifact on disk at a time
         peer_fns.clear()  # (llama.cpp's model and context freed before the temporary files go)
     note = "" if used == shape.layers else f"{used} of the real {shape.layers} layers (--layers)"
-    label = ("SPEED vs plain decoding on random weights" + ("" if shape.looped else ", LM head untied") + ", residual updates scaled by "
+    label = ("SPEED vs plain decoding on random weights" + ("" if shape.published else ", LM head untied") + ", residual updates scaled by "
              f"{scale} (acceptance measured)" if end_to_end else "step cost only (random weights)")
     report = {"label": label, "backend": backend, "shape": shape.name, "weights": storage, "hidden": shape.hidden,
               "blocks": used, "passes": shape.loops, "real_layers": shape.layers, "note": note,
@@ -283,6 +305,10 @@ def memory_bound_peers(shape: Shape, checkpoint: Path, workdir: Path, weights: s
 
     if wanted is False:
         return {}, {}
+    if shape.recurrent:  # no CPU engine but speedc runs Huginn (llama.cpp has no RavenForCausalLM)
+        if wanted:
+            raise SpeedcError(f"{shape.name}: llama.cpp has no Huginn (RavenForCausalLM) architecture; no peer to run")
+        return {}, {"llama.cpp": "no Huginn (RavenForCausalLM) architecture in llama.cpp"}
     if not shape.looped:
         if wanted:
             raise SpeedcError("the llama.cpp peer runs the looped shapes' checkpoints (--shape ouro-1.4b, ouro-2.6b, nanbeige-3b)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -25,6 +26,8 @@ from speedc.errors import GenerationError
               help="With --memory-bound: the zoo family at hidden 1024, or a looped checkpoint's real shapes (bf16, "
                    "its published layout, every layer unless --layers).")
 @click.option("--layers", type=click.IntRange(1), default=None, help="With --memory-bound --shape: use at most this many layers.")
+@click.option("--recurrence", type=click.IntRange(1), default=None,
+              help="With --memory-bound --shape huginn-3.5b: the core's repeats R (default 32, mean_recurrence).")
 @click.option("--end-to-end", is_flag=True,
               help="With --memory-bound: also SPEED vs plain decoding per depth, on weights whose residual updates are "
                    "scaled so the early exit agrees often (acceptance measured and reported; ids checked identical).")
@@ -60,7 +63,8 @@ from speedc.errors import GenerationError
               help="Instead: continuous batching at these client counts, e.g. 1,2,4,8,16 (SPEED adaptive / always / "
                    "batched plain decoding: aggregate tokens/s, per-sequence ms/token p50/p99, TTFT).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def bench(artifact, memory_bound, memory_bound_hidden, memory_bound_repeats, shape, layers, end_to_end, residual_scale, weights, profile, new_tokens,
+def bench(artifact, memory_bound, memory_bound_hidden, memory_bound_repeats, shape, layers, recurrence, end_to_end, residual_scale,
+          weights, profile, new_tokens,
           repeats, prompts,
           early_flush, backend, device, threads, peers, only_peers, sweeps, memory, plot, concurrency, as_json):
     """Measure SPEED against plain decoding (and peers) on ARTIFACT: interleaved runs, identical ids checked first
@@ -92,9 +96,14 @@ def bench(artifact, memory_bound, memory_bound_hidden, memory_bound_repeats, sha
 
         from speedc.bench.synthetic import synthetic_step_costs
 
+        chosen = SHAPES.get(shape)
+        if recurrence is not None:
+            if chosen is None or not chosen.recurrent:
+                raise GenerationError("--recurrence goes with a recurrent-depth shape (--shape huginn-3.5b)")
+            chosen = dataclasses.replace(chosen, loops=recurrence)
         with Console(stderr=True).status("memory-bound step cost") as spinner:
             report = synthetic_step_costs(hidden=memory_bound_hidden, repeats=memory_bound_repeats, threads=threads, backend=backend,
-                                          shape=SHAPES.get(shape), layers=layers, end_to_end=end_to_end,
+                                          shape=chosen, layers=layers, end_to_end=end_to_end,
                                           residual_scale=residual_scale, new_tokens=new_tokens, weights=weights,
                                           profile=profile, peers=peers, progress=spinner.update)
         if as_json:
@@ -102,8 +111,8 @@ def bench(artifact, memory_bound, memory_bound_hidden, memory_bound_repeats, sha
         else:
             print_memory_bound(report)
         return
-    if end_to_end or residual_scale is not None or weights or profile:
-        raise GenerationError("--end-to-end, --residual-scale, --weights and --profile go with --memory-bound")
+    if end_to_end or residual_scale is not None or weights or profile or recurrence is not None:
+        raise GenerationError("--end-to-end, --residual-scale, --weights, --profile and --recurrence go with --memory-bound")
     if artifact is None:
         raise GenerationError("give an ARTIFACT to benchmark (or --memory-bound)")
     if concurrency is not None:

@@ -39,6 +39,13 @@ def weights_bar(done: int, total: int, width: int = 30) -> str:
               help="With --weights int8/int4: the embedding / LM head's precision (default: --weights').")
 @click.option("--target", type=click.Choice(["onnx", "trt"]), default="onnx", show_default=True)
 @click.option("--exit-layer", type=click.IntRange(1), default=None, help="Override the early-exit point (logical layers).")
+@click.option("--recurrence", type=click.IntRange(1), default=None,
+              help="A recurrent-depth model's (Huginn's) core repeats R (default: its mean_recurrence); the pipeline "
+                   "depth P must divide R.")
+@click.option("--state-init", type=click.Choice(["zero", "random"]), default=None,
+              help="A recurrent-depth model's start state: zero (default), or random as the published Huginn code "
+                   "draws it, per token position under --seed (the same in plain decoding and SPEED).")
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=None, help="With --state-init random: the draws' seed (default 0).")
 @click.option("--alpha", type=FiniteFloat(0, 1), default=None,
               help="Expected speculation acceptance for the schedule's cost model (default: measured in training, else 0.7).")
 @click.option("--eos-token-id", type=click.IntRange(0), default=None,
@@ -50,12 +57,14 @@ def weights_bar(done: int, total: int, width: int = 30) -> str:
               help="Time the step graph against plain decoding on this machine (a few seconds) and store c(P) in the "
                    "artifact, so `speedc inspect` predicts from a measurement.")
 @click.option("-v", "--verbose", is_flag=True, help="Print the pass pipeline with per-pass time, nodes and weight bytes.")
-def build(checkpoint, out, slots, weights, block_size, head_weights, target, exit_layer, alpha, eos_token_id, force, allow_pickle, dump_after,
-          measure, verbose):
+def build(checkpoint, out, slots, weights, block_size, head_weights, target, exit_layer, recurrence, state_init, seed, alpha,
+          eos_token_id, force, allow_pickle, dump_after, measure, verbose):
     """Compile CHECKPOINT (a directory, or zoo:NAME) into a SPEED artifact: a P-slot speculative
     step graph with weight reuse, the plain prefill graph, one shared weights file, the tokenizer
     and a manifest."""
     checkpoint = zoo.resolve(checkpoint)  # first: a bad name fails before the compiler loads
+    if seed is not None and state_init != "random":
+        raise SpeedcError("--seed goes with --state-init random")
     if block_size is not None and weights not in ("int8", "int4"):
         raise SpeedcError("--block-size goes with --weights int8 or int4")
     from rich.console import Console
@@ -95,7 +104,8 @@ def build(checkpoint, out, slots, weights, block_size, head_weights, target, exi
                 progress(weights_bar(done, total))
 
         result = run_build(checkpoint, out, BuildOptions(slots=slots, dtype=weights, target=target, exit_layer=exit_layer,
-                                                         alpha=alpha, eos_token_id=eos_token_id,
+                                                         alpha=alpha, eos_token_id=eos_token_id, recurrence=recurrence,
+                                                         state_init=state_init, state_seed=seed or 0,
                                                          block_size=int(block_size or DEFAULT_BLOCK_SIZE), head_dtype=head_weights),
                            force=force, allow_pickle=allow_pickle, dump_after=list(dump_after), on_pass=on_pass,
                            measure_step_cost=measure, progress=progress, on_weight_bytes=on_weight_bytes)

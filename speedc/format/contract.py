@@ -12,6 +12,7 @@ and tensor, not a failure deep inside a run.
                    together, or batched plain decoding; a chunk with past context runs alone)
     batch_step     n sequences x P slots = R rows, row r = s*n + b (slot-major: the slots' rows are contiguous)
                    input_ids [n, 1] (slot 0 of each sequence)  positions [R]  hidden_in [(P-1)n, 1, H]
+                   (H: the carried state's width, 2H = [state | e] for a plan with an injection)
                    final_rows [F]  exit_rows [E] (rows whose final / exit head is wanted)
                    check_rows [K']  check_candidates [K', K] (early-flush checks: the exit head scored over
                    K candidate ids only, K = candidate_count(V))
@@ -82,6 +83,10 @@ COMPUTED_ROWS = "computed_rows"  # the fused batch step's rows that run (slot-ma
 # prefill: row b's real tokens are input_ids[b, :chunk_lengths[b]], the rest right padding (so prompts of
 # different lengths prefill in one run; a padded token's K/V land past its row's end, its logits unread)
 CHUNK_LENGTHS = "chunk_lengths"
+# A recurrent core's start state per token row, where the plan draws it at random (Huginn's --state-init
+# random): [rows, H], the prefill's token rows (B*L) or the batch step's entering rows (n); the runtime
+# draws each from (seed, position) (speedc/format/initial_state.py), so plain decoding and SPEED agree.
+INITIAL_STATE = "initial_state"
 # batch step: an early-flush check (a token's exit head again, one or more stages deeper) scores only the
 # candidates its first exit gave (exit_candidates: that exit's top CHECK_CANDIDATES token ids), not the
 # whole vocabulary; check_tokens is the best of them (runtimes/batch.py)
@@ -149,6 +154,12 @@ class Dims:
     vocab_size: int
     prelude_layers: int = 0  # Lp of a pipelined depth plan (0: a cycle, or the plain engine)
     coda_layers: int = 0  # Lc of a pipelined depth plan: two readout depths own its K/V
+    state_width: int = 0  # floats a slot carries per token (hidden_in / hidden_out): H, or 2H = [state | e] (0: H)
+    random_state: bool = False  # the programs take INITIAL_STATE (a recurrent core started from a random draw)
+
+    @property
+    def carried(self) -> int:
+        return self.state_width or self.hidden_size
 
     @property
     def candidates(self) -> int:
@@ -165,7 +176,8 @@ class Dims:
         plan = manifest.schedule.get("depth_plan") if manifest.slots > 1 else None
         phases = (len(plan["prelude"]), len(plan["coda"])) if plan else (0, 0)
         return cls(manifest.slots, manifest.stage_layers, model["num_layers"], model["num_kv_heads"], model["head_dim"],
-                   model["hidden_size"], model["vocab_size"], *phases)
+                   model["hidden_size"], model["vocab_size"], *phases, model.get("state_width", model["hidden_size"]),
+                   bool(model.get("initial_state")))
 
 
 Shape = tuple  # ints for fixed sizes, None where the size is dynamic
@@ -175,6 +187,7 @@ TensorSpec = tuple[str, str, Shape]  # (name, numpy dtype name, shape)
 def _prefill_io(d: Dims) -> tuple[list[TensorSpec], list[TensorSpec]]:
     i64, f32 = "int64", "float32"
     inputs = [(INPUT_IDS, i64, (None, None)), (POSITIONS, i64, (None,)), (CHUNK_LENGTHS, i64, (None,))]
+    inputs += [(INITIAL_STATE, f32, (None, d.hidden_size))] if d.random_state else []
     inputs += [(cache_input(kind, layer), f32, (None, d.kv_heads, None, d.head_dim))
                for layer in range(d.num_layers) for kind in KV_KINDS]
     outputs = [(NEXT_TOKEN, i64, (None,)), (LOGITS, f32, (None, d.vocab_size))]
@@ -184,14 +197,15 @@ def _prefill_io(d: Dims) -> tuple[list[TensorSpec], list[TensorSpec]]:
 
 def _batch_step_io(d: Dims) -> tuple[list[TensorSpec], list[TensorSpec]]:
     i64, f32 = "int64", "float32"
-    inputs = [(INPUT_IDS, i64, (None, 1)), (POSITIONS, i64, (None,)), (HIDDEN_IN, f32, (None, 1, d.hidden_size)),
+    inputs = [(INPUT_IDS, i64, (None, 1)), (POSITIONS, i64, (None,)), (HIDDEN_IN, f32, (None, 1, d.carried)),
               (FINAL_ROWS, i64, (None,)), (EXIT_ROWS, i64, (None,)), (CHECK_ROWS, i64, (None,)),
               (CHECK_CANDIDATES, i64, (None, d.candidates))]
+    inputs += [(INITIAL_STATE, f32, (None, d.hidden_size))] if d.random_state else []
     inputs += [(batch_cache_input(kind, j, s), f32, (None, d.kv_heads, None, d.head_dim))
                for j in range(d.stage_layers) for s in range(d.slots) for kind in KV_KINDS]
     outputs = [(FINAL_TOKEN, i64, (None,)), (FINAL_LOGITS, f32, (None, d.vocab_size)), (EXIT_TOKENS, i64, (None,)),
                (EXIT_CANDIDATES, i64, (None, d.candidates)), (CHECK_TOKENS, i64, (None,)),
-               (HIDDEN_OUT, f32, (None, 1, d.hidden_size))]
+               (HIDDEN_OUT, f32, (None, 1, d.carried))]
     rows = (d.stage_layers, None, d.kv_heads, 1, d.head_dim)
     slab = (None, d.kv_heads, None, d.head_dim)
     if d.prelude_layers or d.coda_layers:  # a depth plan's phases beside the slots
