@@ -5,8 +5,11 @@ and fc, qk_bias, the adapter, the tied lm_head stored twice, the rotary buffer) 
 written from the published description (adjacent-pair rotary, post-norm sandwich blocks, the adapter
 injection, ln_f twice), which recomputes the whole sequence per token:
 
-    random   prelude 1, core 2 x 4, coda 1; random weights: drafts mostly wrong (flushes)
-    settled  the same, the adapter near [I | 0] and small layer weights: the state settles, drafts hold
+    random   prelude 2, core 2 x 4, coda 2 (the published phases' lengths but the core's); random weights:
+             drafts mostly wrong (flushes); the draft readout's second coda layer attends over its
+             own depth's past, in the prefill program too
+    settled  prelude 1, core 2 x 4, coda 1, the adapter near [I | 0] and small layer weights: the state
+             settles, drafts hold
 
 Each is built at P = 4 (one repeat per slot) and P = 2 (two repeats per slot): batched SPEED ids ==
 batched plain ids == the oracle's, single-sequence too; seeded sampling SPEED == plain; the final
@@ -37,7 +40,7 @@ from speedc.passes.base import BuildOptions
 
 NEW_TOKENS = 12
 PROMPTS = ([5, 7, 9, 11, 3, 40], [8, 1, 4], [60, 61, 62, 63, 64])
-CASES = {"random": dict(seed=5), "settled": dict(seed=6, layer_scale=0.03, adapter_identity=1.0)}
+CASES = {"random": dict(seed=5, prelude=2, coda=2), "settled": dict(seed=6, layer_scale=0.03, adapter_identity=1.0)}
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -51,12 +54,14 @@ def case(request, tmp_path_factory):
 
 
 def test_config_emits_the_recurrent_depth_plan(case):
-    _, directory, _, _ = case
+    name, directory, _, _ = case
+    p, c = CASES[name].get("prelude", 1), CASES[name].get("coda", 1)
     cfg = ModelConfig.load(directory / "config.json")
     assert cfg.architecture == "huginn" and cfg.post_norms and cfg.sandwich_norms and cfg.qk_bias
-    assert cfg.depth_plan == DepthPlan((0,), (1, 2), 4, (3,), repeat_norm=False, final_norm=True,
-                                       injection="adapter-concat", readout_norm=True, state_std=0.4 ** 0.5)
-    assert cfg.layer_map == [0, 1, 2, 1, 2, 1, 2, 1, 2, 3] and cfg.exit_layer == 3  # the draft: after one repeat
+    assert cfg.depth_plan == DepthPlan(tuple(range(p)), (p, p + 1), 4, tuple(range(p + 2, p + 2 + c)), repeat_norm=False,
+                                       final_norm=True, injection="adapter-concat", readout_norm=True, state_std=0.4 ** 0.5)
+    assert cfg.layer_map == [*range(p), *[p, p + 1] * 4, *range(p + 2, p + 2 + c)]
+    assert cfg.exit_layer == p + 2  # the draft: after the prelude and one repeat
     assert cfg.embed_scale == pytest.approx(HIDDEN ** 0.5) and cfg.state_width == 2 * HIDDEN
     shown = run_cli("inspect", directory, env={"COLUMNS": "400"})
     assert shown.returncode == 0, shown.stderr

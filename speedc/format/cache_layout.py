@@ -140,12 +140,19 @@ class CacheLayout:
         """Whether a pipeline step needs more than the core pool (a prelude or coda beside the slots)."""
         return self.phases != [CORE]
 
+    @property
+    def prefill_reads(self) -> int:
+        """Cache entries the prefill graph reads: the N logical layers, and where a draft readout runs a coda of
+        Lc > 1 layers its first Lc - 1 (each feeds the next coda layer, whose K/V the prefill writes; the
+        last one's attention feeds only the draft head, which the prefill does not have)."""
+        return self.num_layers + (self.coda_layers - 1 if self.readouts > 1 and self.coda_layers else 0)
+
     # ---- the slabs a graph input names -------------------------------------------------------
     def prefill_slabs(self, pools: dict[str, tuple[np.ndarray, np.ndarray]], rows: slice) -> dict[str, np.ndarray]:
-        """Prefill-graph cache inputs over pool rows ROWS: logical layer l reads its pool[layer, depth, rows].
-        (The draft readout's coda entries are written, never read, by the prefill: its rows only need their K/V.)"""
+        """Prefill-graph cache inputs over pool rows ROWS: entry e reads its pool[layer, depth, rows]: the N
+        logical layers, then the draft readout's coda layers but its last (prefill_reads)."""
         slabs = {}
-        for index, at in enumerate(self.entries[:self.num_layers]):
+        for index, at in enumerate(self.entries[:self.prefill_reads]):
             for kind, pool in zip(contract.KV_KINDS, pools[at.phase]):
                 slabs[contract.cache_input(kind, index)] = pool[at.layer, at.depth, rows]  # [B, kvh, T+1, hd]
         return slabs

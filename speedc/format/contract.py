@@ -24,8 +24,10 @@ and tensor, not a failure deep inside a run.
                    as batch_step, plus cache.{key,value}.prelude.{i} [n, kvh, T, hd] (i < Lp) and
                    cache.{key,value}.coda.{i}.{d} [n, kvh, T, hd] (i < Lc, readout depth d: 0 draft, 1 final)
                    -> also new_{key,value}.prelude [Lp, n, kvh, 1, hd]  new_{key,value}.coda [Lc, 2, n, kvh, 1, hd];
-                   its prefill reads the N logical layers' slabs and returns E = N + Lc entries' new rows (the draft
-                   readout's coda last: its K/V of the chunk's rows, computed from the draft tap)
+                   its prefill reads the N logical layers' slabs and the draft readout's coda slabs but the last
+                   (cache.{key,value}.{N+i}, i < Lc - 1: each coda layer attends over its own depth's past) and
+                   returns E = N + Lc entries' new rows (the draft readout's coda last: its K/V of the chunk's rows,
+                   computed from the draft tap)
     *.gqa          as the program it varies, new_{key,value} replaced by <cache input>.out (the cache
                    written in place: each output is bound to the buffer of its input)
     batch_step.gqa as batch_step, but its cache is the whole pool of each stage layer, one buffer
@@ -188,8 +190,9 @@ def _prefill_io(d: Dims) -> tuple[list[TensorSpec], list[TensorSpec]]:
     i64, f32 = "int64", "float32"
     inputs = [(INPUT_IDS, i64, (None, None)), (POSITIONS, i64, (None,)), (CHUNK_LENGTHS, i64, (None,))]
     inputs += [(INITIAL_STATE, f32, (None, d.hidden_size))] if d.random_state else []
+    reads = d.num_layers + max(d.coda_layers - 1, 0)  # a draft readout's coda but its last layer (CacheLayout.prefill_reads)
     inputs += [(cache_input(kind, layer), f32, (None, d.kv_heads, None, d.head_dim))
-               for layer in range(d.num_layers) for kind in KV_KINDS]
+               for layer in range(reads) for kind in KV_KINDS]
     outputs = [(NEXT_TOKEN, i64, (None,)), (LOGITS, f32, (None, d.vocab_size))]
     rows = (d.cache_entries, None, d.kv_heads, None, d.head_dim)  # it writes every entry (a depth plan's draft coda too)
     return inputs, outputs + [(new_rows(kind), f32, rows) for kind in KV_KINDS]
