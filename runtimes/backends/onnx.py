@@ -6,7 +6,7 @@ batching alike. Imports numpy and onnxruntime only.
     (a depth plan with a prelude / coda adds their pools beside it; speedc/format/cache_layout.py addresses all)
 
 The pool's width W (pool rows) and length T (positions) follow the sequences in it (`reserve`):
-W the smallest power of two >= the occupied pool rows, up to max_batch; T the smallest of 4, 5, 6 or 7 x
+W the smallest power of two >= the occupied pool rows, up to max_batch; T the smallest of 8, 9, ..., 15 x
 2^k >= the longest prompt + max new tokens in it, at least MIN_POOL_POSITIONS, up to `capacity`
 (--kv-cache-mb, else the context). The pool grows at once (and then takes the other axis's current need
 too), and shrinks only after SHRINK_AFTER_STEPS steps in a row needed less (a burst of requests ending
@@ -93,12 +93,12 @@ def _pool_width(need: int, low: int, high: int) -> int:
 
 
 def _pool_length(need: int, low: int, high: int) -> int:
-    """The pool length T for NEED positions: the smallest of 4, 5, 6, 7 x 2^k >= need (at most a quarter
+    """The pool length T for NEED positions: the smallest of 8, 9, ..., 15 x 2^k >= need (at most an eighth
     more than asked), at least LOW, at most HIGH. Attention costs by T, not by the positions in use
     (ONNX Runtime's GroupQueryAttention runs over the whole bound buffer: zoo:small's step 2.66 ms at
-    T = 256 and 3.32 at T = 512 for the same 128 positions), so a 131-position request takes 160, not 256."""
+    T = 256 and 3.32 at T = 512 for the same 128 positions), so a 131-position request takes 144, not 256."""
     need = max(need, low, 1)
-    step = 1 << max(need.bit_length() - 3, 0)  # a quarter of the power of two at or below need
+    step = 1 << max(need.bit_length() - 4, 0)  # an eighth of the power of two at or below need
     return min(high, -(-need // step) * step)
 
 
