@@ -1,0 +1,161 @@
+"""speedc's block-quantized product kernel (block_product.c): built on first use, loaded with ctypes.
+
+The runtime never needs it: where no C compiler is found or the build fails, `load()` returns None and
+says why (`unavailable_reason()`), and the ONNX Runtime sessions run their MatMulNBits products
+(runtimes/backends/onnx_session.py; SPEEDC_NATIVE_KERNEL=0 asks for that too). Imports numpy and the standard library only.
+
+The library is built once per source text, compiler and CPU family into $SPEEDC_KERNEL_CACHE (default
+~/.cache/speedc/kernels; 1-2 s with gcc -O3), written under a temporary name and renamed into place,
+so concurrent first uses never load a half-written file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+
+SOURCE = Path(__file__).with_name("block_product.c")
+FLAGS = ("-O3", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-std=gnu11")
+PATHS = {"auto": 0, "portable": 1, "avx2": 2}  # the kernel's paths (block_product.c PATH_*)
+PATH_NAMES = {v: k for k, v in PATHS.items()}
+
+_lock = threading.Lock()
+_loaded: "BlockProductKernel | None" = None
+_reason: str | None = None
+
+
+class KernelError(RuntimeError):
+    """The kernel refused its arguments (a bug of the caller: shapes are checked before)."""
+
+
+def cache_dir() -> Path:
+    given = os.environ.get("SPEEDC_KERNEL_CACHE")
+    if given:
+        return Path(given)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "speedc" / "kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _build(compiler: str) -> Path:
+    source = SOURCE.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(source + " ".join(FLAGS).encode() + version.encode()
+                         + platform.machine().encode()).hexdigest()[:16]
+    target = cache_dir() / f"block_product-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        partial = Path(tmp) / target.name
+        done = subprocess.run([compiler, *FLAGS, "-o", str(partial), str(SOURCE)], capture_output=True, text=True,
+                              timeout=300)
+        if done.returncode != 0:
+            first = (done.stderr.strip().splitlines() or ["no output"])[0]
+            raise OSError(f"{Path(compiler).name} failed on {SOURCE.name}: {first}")
+        os.replace(partial, target)
+    return target
+
+
+class BlockProductKernel:
+    """The loaded library: `product` runs y = x . dequant(W)^T over MatMulNBits codes and scales."""
+
+    def __init__(self, library: Path) -> None:
+        self.library = library
+        self._lib = ctypes.CDLL(str(library))
+        f = self._lib.speedc_block_product
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        f.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ctypes.c_int, ctypes.c_int, ptr, ctypes.c_int, ctypes.c_int]
+        f.restype = ctypes.c_int
+        self._product = f
+        self._lib.speedc_block_product_path.restype = ctypes.c_int
+        self._lib.speedc_stream_bytes.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64),
+                                                  ctypes.c_int, ctypes.c_int]
+        self._lib.speedc_stream_bytes.restype = ctypes.c_uint64
+        self.path = PATH_NAMES[self._lib.speedc_block_product_path()]  # what "auto" runs on this CPU
+
+    def product(self, x: np.ndarray, codes: np.ndarray, scales: np.ndarray, *, n: int, k: int, bits: int,
+                block_size: int, threads: int = 1, path: str = "auto", out: np.ndarray | None = None) -> np.ndarray:
+        """X [M, K] float32 (C-contiguous) times the weight [N, K] held as CODES [N, blocks, block_size*bits/8]
+        uint8 and SCALES [N, blocks] float32 (ONNX Runtime's MatMulNBits layout); returns [M, N] float32."""
+        m = x.shape[0]
+        blocks = -(-k // block_size)
+        if x.dtype != np.float32 or not x.flags.c_contiguous or x.shape != (m, k):
+            raise KernelError(f"x must be C-contiguous float32 [M, {k}], not {x.dtype} {x.shape}")
+        if codes.nbytes < n * blocks * block_size * bits // 8 or scales.size < n * blocks:
+            raise KernelError(f"codes/scales hold fewer bytes than [{n}, {blocks}] blocks of {block_size} at {bits} bits")
+        if out is None:
+            out = np.empty((m, n), np.float32)
+        rc = self._product(x.ctypes.data, m, k, codes.ctypes.data, scales.ctypes.data, n, blocks, block_size, bits,
+                           out.ctypes.data, threads, PATHS[path])
+        if rc != 0:
+            raise KernelError(f"block_product refused its arguments (code {rc}: bits {bits}, block {block_size}, path {path})")
+        return out
+
+
+    def bound(self, codes: np.ndarray, scales: np.ndarray, *, n: int, k: int, bits: int, block_size: int,
+              threads: int = 1, path: str = "auto"):
+        """`product` over one weight, its arguments checked once: a function x [M, K] -> y [M, N] for the
+        hot path (an operator's call: a few microseconds of Python around the kernel)."""
+        blocks = -(-k // block_size)
+        if codes.nbytes < n * blocks * block_size * bits // 8 or scales.size < n * blocks:
+            raise KernelError(f"codes/scales hold fewer bytes than [{n}, {blocks}] blocks of {block_size} at {bits} bits")
+        run, codes_at, scales_at, path_code = self._product, codes.ctypes.data, scales.ctypes.data, PATHS[path]
+        kept = (codes, scales)  # the memory the pointers point into stays alive with the function
+
+        def product(x: np.ndarray) -> np.ndarray:
+            if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != k or not x.flags.c_contiguous:
+                raise KernelError(f"x must be C-contiguous float32 [M, {k}], not {x.dtype} {x.shape}")
+            y = np.empty((x.shape[0], n), np.float32)
+            rc = run(x.ctypes.data, x.shape[0], k, codes_at, scales_at, n, blocks, block_size, bits, y.ctypes.data,
+                     threads, path_code)
+            if rc != 0:
+                raise KernelError(f"block_product refused its arguments (code {rc}: bits {bits}, block {block_size})")
+            return y
+
+        product.weights = kept
+        return product
+
+    def stream_bytes(self, arrays: list[np.ndarray], threads: int = 1) -> int:
+        """Read every byte of ARRAYS (C-contiguous) once on THREADS threads, split as the products split
+        their work: the memory floor of a product over the same weights. Returns a checksum."""
+        pointers = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
+        sizes = (ctypes.c_int64 * len(arrays))(*[a.nbytes for a in arrays])
+        return self._lib.speedc_stream_bytes(pointers, sizes, len(arrays), threads)
+
+
+def load() -> BlockProductKernel | None:
+    """The kernel, built on first use; None where it cannot be had (unavailable_reason() says why)."""
+    global _loaded, _reason
+    with _lock:
+        if _loaded is not None or _reason is not None:
+            return _loaded
+        compiler = _compiler()
+        if compiler is None:
+            _reason = "no C compiler found (cc, gcc or clang; or set CC)"
+            return None
+        try:
+            _loaded = BlockProductKernel(_build(compiler))
+        except (OSError, subprocess.SubprocessError) as e:
+            _reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return _loaded
+
+
+def unavailable_reason() -> str | None:
+    """Why load() returned None (None before a load, or when the kernel loaded)."""
+    return _reason
