@@ -43,6 +43,7 @@ FACTS: dict[str, str] = {
     "clean": "folded, dead-code-free, toposorted graphs in their storage precision",
     "quantized_weights": "weights stored block-quantized for --weights int8/int4 (MatMulNBits, GatherBlockQuantized)",
     "engine_graph": "one engine graph per variant holding the programs as If branches (the artifact's graphs)",
+    "native_graphs": "each engine graph's twin whose weight products run speedc's kernel (int8/int4)",
 }
 
 
@@ -69,6 +70,8 @@ class CompileState:
     has_speedc_section: bool = True  # False: plain HF checkpoint, sharing and exit come from analysis
     acceptance_hint: float | None = None  # exit/final top-1 agreement measured in training, if known
     graphs: dict[str, gs.Graph] = field(default_factory=dict)
+    native_graphs: dict[str, gs.Graph] = field(default_factory=dict)  # engine graph -> its native twin (native_products)
+    native_artifact_id: str | None = None  # the id the twins' products name this artifact's weights by
     layer_map: list[int] | None = None  # derived from the weights by the share pass
     exit_layer: int | None = None  # logical layers before the early-exit head (share pass decides)
     exit_norm: str | None = None  # initializer name of the exit head's RMSNorm weight

@@ -111,6 +111,11 @@ def linear_to_gemm(graph: gs.Graph) -> int:
 
 def import_microsoft_domain(graph: gs.Graph) -> None:
     """Let GRAPH use ONNX Runtime's com.microsoft contrib ops (MatMulNBits, GroupQueryAttention, ...)."""
-    if "com.microsoft" not in {d.domain for d in graph.import_domains or []}:
+    import_domain(graph, "com.microsoft")
+
+
+def import_domain(graph: gs.Graph, domain: str, version: int = 1) -> None:
+    """Let GRAPH use the operators of DOMAIN (com.microsoft; ai.onnx.contrib for speedc's native product)."""
+    if domain not in {d.domain for d in graph.import_domains or []}:
         graph.import_domains = [*(graph.import_domains or [onnx.helper.make_opsetid("", graph.opset)]),
-                                onnx.helper.make_opsetid("com.microsoft", 1)]
+                                onnx.helper.make_opsetid(domain, version)]

@@ -24,7 +24,8 @@ from speedc.models.checkpoint.torch_io import checkpoint_hash, open_checkpoint, 
 from speedc.models.checkpoint.files import acceptance_hint_from_training, declared_tensor_bytes, has_speedc_section
 from speedc.passes import (batch_step_graph, cleanup, exit_heads, fuse_projections, fuse_skip_norm,  # noqa: F401
                            gqa_attention, kv_cache,
-                           merge_programs, quantize_weights, schedule, share, trace, trt_lint, untie_head)  # (importing registers the passes)
+                           merge_programs, native_products, quantize_weights, schedule, share, trace, trt_lint,
+                           untie_head)  # (importing registers the passes)
 from speedc.passes.base import BuildOptions, CompileState, PassReport, require_facts, run_passes
 from speedc.passes.block_quant import ACCURACY_LEVEL, BITS, BLOCK_SIZES, quantized_bytes_per_element
 from speedc.passes.trace import OPSET
@@ -33,7 +34,8 @@ PIPELINE: list[tuple[str, list[str]]] = [
     ("import", ["trace"]),
     ("analysis", ["share", "schedule"]),
     ("lowering", ["batch_step_graph", "exit_heads", "kv_cache", "gqa_attention", "fuse_projections"]),
-    ("finalize", ["cleanup", "fuse_skip_norm", "quantize_weights", "untie_head", "trt_lint", "merge_programs"]),
+    ("finalize", ["cleanup", "fuse_skip_norm", "quantize_weights", "untie_head", "trt_lint", "merge_programs",
+                  "native_products"]),
 ]
 PASS_ORDER = [name for _, names in PIPELINE for name in names]
 # What the artifact writer needs the pipeline to have produced (passes/base.py FACTS).
@@ -148,7 +150,7 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
                              "(the TensorRT lint passed; build --target onnx to deploy with ONNX Runtime)")
         progress("writing the graphs and streaming the weights into the artifact")
         specs, index = write_graphs(state.graphs, tmp, set(weights), state.weight_parts, on_bytes=on_weight_bytes,
-                                    aliases=state.weight_aliases)
+                                    aliases=state.weight_aliases, native=state.native_graphs)
         cfg.save(tmp / CONFIG)
         if tokenizer is not None:
             (tmp / TOKENIZER).write_text(tokenizer)
@@ -174,6 +176,7 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
             target=options.target, graphs=specs,
             weights={"file": WEIGHTS, "unique_bytes_fp32": unique_bytes, "unrolled_bytes_fp32": unrolled_bytes,
                      "stored_bytes": stored, "index": index,
+                     **({"native_artifact": state.native_artifact_id} if state.native_graphs else {}),
                      **({"quantization": {"bits": BITS[options.dtype], "block_size": options.block_size,
                                           "head_bits": BITS[options.head_dtype or options.dtype],
                                           "accuracy_level": ACCURACY_LEVEL, "symmetric": True,

@@ -57,7 +57,9 @@ def _from_artifact(path: Path, alpha: float | None, verify: bool) -> dict:
             "alpha_source": "--alpha" if alpha is not None else "the schedule's expected acceptance",
             "dtype": m.dtype, "quantization": quantization, "target": m.target, "sizes": sizes,
             "step_cost_measured": m.build.get("step_cost_measured"),
-            "graphs": {name: {"inputs": len(g["inputs"]), "outputs": len(g["outputs"])} for name, g in m.graphs.items()},
+            "graphs": {name: {"inputs": len(g["inputs"]), "outputs": len(g["outputs"]),
+                              **({"native_file": g["native_file"]} if "native_file" in g else {})}
+                       for name, g in m.graphs.items()},
             "notes": m.build.get("notes", []), "files_verified": verify}
 
 
@@ -159,6 +161,10 @@ def render(info: dict) -> None:
                f"accuracy level {q['accuracy_level']} (MatMulNBits)" if q else "float")
         console.print(f"weights: {info['dtype']} ({how}): {_megabytes(stored)} stored once, "
                       f"{stored / max(unique, 1):.3f} x the unique fp32 bytes")
+        twins = [g["native_file"] for g in info["graphs"].values() if "native_file" in g]
+        if twins:
+            console.print(f"products: speedc's int8 kernel where it loads ({', '.join(twins)}: the same graphs with the "
+                          "products as SpeedcBlockProduct, reading weights.bin in place), else ONNX Runtime's MatMulNBits")
         console.print("files: every one present and its sha256 the manifest's" if info.get("files_verified") else
                       "files: every one present at its recorded size, the small ones by sha256, as every load checks "
                       "(--verify: every file's sha256, weights.bin too)")

@@ -20,9 +20,25 @@ from speedc import Engine
 from speedc.format.artifact import GRAPH_FILES, dequantized_weights, is_weight_name, stored_entries
 from speedc.models.checkpoint.torch_io import open_checkpoint
 from speedc.models.llama import SharedLlama
+from speedc.runtimes.kernels import ort_op
 from test_properties import _engines, _perturb_exit_head
 
-PATHS = ("onnx-numpy", "onnx")
+# Each ONNX Runtime path twice: the products on speedc's kernel (the native twin graphs, where the kernel
+# loads here) and on ONNX Runtime's MatMulNBits (the fallback, SPEEDC_NATIVE_KERNEL=0).
+NATIVE = ort_op.custom_ops_library() is not None
+PATHS = ("onnx-numpy", "onnx", "onnx-numpy/MatMulNBits", "onnx/MatMulNBits")
+
+
+def _engines_on_both_kernels(art) -> dict[str, Engine]:
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SPEEDC_NATIVE_KERNEL", "1")  # these models' products are small: asked for, not chosen
+        engines = _engines(art)
+        env.setenv("SPEEDC_NATIVE_KERNEL", "0")
+        engines.update({f"{path}/MatMulNBits": engine for path, engine in _engines(art).items()})
+    for path, engine in engines.items():
+        expected = "speedc kernel" if NATIVE and "MatMulNBits" not in path else "MatMulNBits"
+        assert engine.backend.session.speedc_products.startswith(expected), (path, engine.backend.session.speedc_products)
+    return engines
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +48,7 @@ def quantized(tmp_path_factory):
                                          seed=100), seed=0, strength=0.5)
     random_int4 = build_artifact(model, root / "random-int4", dtype="int4")
     zoo_int8 = build_artifact(ZOO / "tiny", root / "tiny-int8", dtype="int8")
-    return {"random-int4": (model, _engines(random_int4)), "tiny-int8": (None, _engines(zoo_int8))}
+    return {"random-int4": (model, _engines_on_both_kernels(random_int4)), "tiny-int8": (None, _engines_on_both_kernels(zoo_int8))}
 
 
 sampling = st.one_of(st.just({}), st.fixed_dictionaries(
@@ -76,10 +92,12 @@ def test_batched_sequences_equal_plain_decoding_alone(quantized):
     from speedc.runtimes.batch import BatchScheduler, RowPolicy
     from speedc.runtimes.backends.onnx import BatchBackend
 
-    for which, fused in (("random-int4", True), ("tiny-int8", False)):
+    for which, fused, kernel in (("random-int4", True, ""), ("tiny-int8", False, ""), ("random-int4", False, "/MatMulNBits")):
         engines = quantized[which][1]
         engine = engines["onnx"]
-        backend = BatchBackend(engine.directory, engine.manifest, max_batch=3, capacity=40, fused=fused)
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("SPEEDC_NATIVE_KERNEL", "0" if kernel else "1")
+            backend = BatchBackend(engine.directory, engine.manifest, max_batch=3, capacity=40, fused=fused)
         scheduler = BatchScheduler(backend, policy=RowPolicy(row_budget=None), prefill_chunk=4)
         prompts = [[1, 2, 3], [7], [4, 4, 9, 11, 2], [30, 1]]
         sequences = [scheduler.submit(engine.request_from(p, dict(max_new_tokens=12, stop_at_eos=False, temperature=0.7,
@@ -87,7 +105,7 @@ def test_batched_sequences_equal_plain_decoding_alone(quantized):
                      for i, p in enumerate(prompts)]
         while scheduler.busy:
             scheduler.step()
-        alone = engines["onnx" if fused else "onnx-numpy"]
+        alone = engines[("onnx" if fused else "onnx-numpy") + kernel]
         for i, (prompt, sequence) in enumerate(zip(prompts, sequences)):
             plain = alone.generate(prompt, max_new_tokens=12, stop_at_eos=False, mode="autoregressive", temperature=0.7, seed=i)
             assert sequence.out == plain.ids, (which, i)

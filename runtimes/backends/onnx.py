@@ -212,6 +212,7 @@ class BatchBackend:
         self.session = session if session is not None else open_session(
             directory, manifest, self.graph_name, ["CPUExecutionProvider"], threads, profile_prefix)
         self.programs = program_sessions(self.session, self.graph_name, manifest)  # role -> its branch
+        self.products = self.session.speedc_products
         self.max_batch, self.capacity = max_batch, capacity
         self.hidden = np.zeros((self.slots, max_batch, self.state_width), F32)  # last hidden_out, [slot, sequence]
         self._prefill_bindings: dict[tuple, object] = {}  # fused: (first pool row, count) -> its prefill binding

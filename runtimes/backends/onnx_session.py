@@ -3,6 +3,8 @@ the import, sessions, and the model dimensions read from the manifest. Imports n
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -73,22 +75,81 @@ def open_session(directory: Path, manifest: Manifest, name: str, providers: list
                  profile_prefix: str | None = None):
     """The ONNX Runtime session of artifact graph NAME (ArtifactError when the artifact lacks it), its
     workers spinning between runs (the one session an engine runs, see session_options).
-    PROFILE_PREFIX: ONNX Runtime profiles its runs into PROFILE_PREFIX<graph>_<time>.json."""
+    PROFILE_PREFIX: ONNX Runtime profiles its runs into PROFILE_PREFIX<graph>_<time>.json.
+
+    Where the graph has a native twin (an int8/int4 artifact, passes/native_products.py), its products
+    are large enough to pay for the operator (_native_products) and speedc's kernel loads, the session
+    runs the twin: its products on the kernel (with THREADS threads of its own), the weights read from
+    weights.bin in place. Otherwise it runs the graph's MatMulNBits; where the kernel was wanted but
+    cannot load, it says why once per process on standard error. `session.speedc_products` says which."""
     ort = onnxruntime_module()
     spec = manifest.graphs.get(name)
     if spec is None:
         raise ArtifactError(f"{directory}: has no {name} graph; rebuild it with this speedc "
                             "(speedc build CHECKPOINT -o OUT --force)")
     options = session_options(threads, spin_between_runs=True)
+    file, weight_map, products = spec["file"], None, "MatMulNBits" if "native_file" in spec else "ONNX Runtime"
+    if "native_file" in spec:
+        weight_map, products = _native_products(directory, manifest, threads, options)
+        if weight_map is not None:
+            file = spec["native_file"]
     if profile_prefix is not None:
         options.enable_profiling = True
         options.profile_file_prefix = f"{profile_prefix}{name}"
     try:
-        session = ort.InferenceSession(str(directory / spec["file"]), options, providers=providers)
+        session = ort.InferenceSession(str(directory / file), options, providers=providers)
     except Exception as bad:  # ORT raises its own exception types
-        raise ArtifactError(f"{directory / spec['file']}: ONNX Runtime cannot load it ({str(bad).splitlines()[0]})") from None
-    check_session_io(directory, name, spec, session)
+        raise ArtifactError(f"{directory / file}: ONNX Runtime cannot load it ({str(bad).splitlines()[0]})") from None
+    check_session_io(directory, name, {**spec, "file": file}, session)
+    session.speedc_products = products  # what runs the weight products (inspect, stats, bench)
+    session.speedc_weight_map = weight_map  # keeps the native products' weights registered while the session lives
     return session
+
+
+_said_unavailable = False
+# The native operator costs 15-20 us a call in Python around the kernel: worth it where products are
+# large, not on small models (zoo:small int4: SPEED 5.3 ms/token native against 3.3 on MatMulNBits, its
+# products ~0.1 MB; Ouro-1.4B's shape, 6 MB on average: native plain decoding 14% faster, same step).
+NATIVE_MIN_MEAN_PRODUCT_BYTES = 4 << 20
+
+
+def mean_product_bytes(manifest: Manifest) -> float:
+    """Mean bytes of codes per block-quantized weight of the artifact (0 where it has none)."""
+    sizes = [e["length"] for e in manifest.weights["index"].values()
+             if e.get("quantized", {}).get("role") == "codes" and "within" not in e]
+    return sum(sizes) / len(sizes) if sizes else 0.0
+
+
+def _native_products(directory: Path, manifest: Manifest, threads: int | None, options):
+    """(the weights registration, "speedc kernel (PATH)") where the native twin runs, with OPTIONS set
+    for it; else (None, "MatMulNBits (why)"). SPEEDC_NATIVE_KERNEL: unset, the twin where the kernel
+    loads and the products are large enough to pay for the operator's per-call cost; 1 (or portable,
+    its portable C path) wherever it loads; 0 never."""
+    global _said_unavailable
+    from speedc.runtimes.kernels import ort_op
+
+    setting = os.environ.get("SPEEDC_NATIVE_KERNEL", "").strip()
+    if setting == "0":
+        return None, "MatMulNBits (SPEEDC_NATIVE_KERNEL=0)"
+    if not setting and mean_product_bytes(manifest) < NATIVE_MIN_MEAN_PRODUCT_BYTES:
+        return None, (f"MatMulNBits (products of {mean_product_bytes(manifest) / 1e6:.2f} MB on average: below "
+                      f"{NATIVE_MIN_MEAN_PRODUCT_BYTES >> 20} MiB the native operator's per-call cost outweighs it)")
+    library = ort_op.custom_ops_library()
+    if library is None:
+        why = ort_op.unavailable_reason()
+        if not _said_unavailable:
+            _said_unavailable = True
+            print(f"speedc: the native int8/int4 kernel is unavailable ({why}); products run on ONNX Runtime's "
+                  "MatMulNBits", file=sys.stderr)
+        return None, f"MatMulNBits ({why})"
+    options.register_custom_ops_library(library)
+    kernel_threads = resolve_threads(threads)
+    # ONNX Runtime's workers sleep between its ops instead of spinning: during a product the kernel's own
+    # threads have the cores (spinning workers made a product 1.5-1.9x slower, measured)
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    weight_map = ort_op.register_weights(manifest.weights["native_artifact"], directory / manifest.weights["file"],
+                                         manifest.weights["index"], kernel_threads)
+    return weight_map, f"speedc kernel ({ort_op.kernel_path()}, {kernel_threads} threads)"
 
 
 def check_session_io(directory: Path, name: str, spec: dict, session) -> None:
@@ -113,6 +174,11 @@ class ProgramSession:
     def __init__(self, session, program: str, spec: dict, manifest: Manifest) -> None:
         """SPEC: the engine graph's manifest entry (its inputs, which load checked against the contract)."""
         self.session = session
+        self.raise_native_error = None  # a native twin's: raises what its operators met in the last run
+        if getattr(session, "speedc_weight_map", None) is not None:
+            from speedc.runtimes.kernels.ort_op import raise_pending
+
+            self.raise_native_error = raise_pending
         own = {name for name, _, _ in contract.program_io(program, contract.Dims.from_manifest(manifest))[0]}
         is_step = program.removesuffix(contract.FUSED_SUFFIX) == contract.BATCH_STEP
         self.fixed_feeds: dict[str, np.ndarray] = {}
@@ -131,10 +197,23 @@ class ProgramSession:
         return binding
 
     def run_with_iobinding(self, binding) -> None:
-        self.session.run_with_iobinding(binding)
+        self._checked(self.session.run_with_iobinding, binding)
 
     def run(self, names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        return self.session.run(names, {**self.fixed_feeds, **feeds})
+        return self._checked(self.session.run, names, {**self.fixed_feeds, **feeds})
+
+    def _checked(self, run, *args):
+        """RUN(*ARGS), then the first error a native product met in it (the operator returns an empty
+        result instead of raising; what ONNX Runtime then says about it is a consequence, not the cause)."""
+        if self.raise_native_error is None:
+            return run(*args)
+        try:
+            outputs = run(*args)
+        except Exception:  # ONNX Runtime's own exception types
+            self.raise_native_error()
+            raise
+        self.raise_native_error()
+        return outputs
 
 
 def program_sessions(session, graph: str, manifest: Manifest) -> dict[str, ProgramSession]:

@@ -42,6 +42,7 @@ class BatchBackendProtocol(Protocol):
     length: int  # positions T the pool holds now (row T: the scratch row bubbles may write)
     width: int  # pool rows W the pool holds now
     check_width: int  # K: candidate ids an early-flush check scores
+    products: str  # what runs the weight products ("speedc kernel (avx2, 2 threads)", "MatMulNBits (why)", ...)
 
     @property
     def speculative(self) -> bool:

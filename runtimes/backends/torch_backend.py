@@ -150,6 +150,7 @@ class TorchBackend:
         self.vocab_size, self.max_context = cfg.vocab_size, context
         self.kv_heads, self.head_dim, self.hidden_size = cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
         self.check_width = contract.candidate_count(self.vocab_size)  # K of an early-flush check's candidates
+        self.products = f"PyTorch ({self.device})"
         self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
         self.inv_freq = rotary_inv_freq(cfg, self.device)
         self.max_batch, self.capacity = max_batch, capacity

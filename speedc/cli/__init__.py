@@ -24,6 +24,7 @@ EXTRA_FOR_MODULE = {
     "fastapi": "serve", "uvicorn": "serve", "prometheus_client": "serve", "jinja2": "serve",
     "ray": "ray",
     "llama_cpp": "peers", "gguf": "peers",
+    "onnxruntime_extensions": "native",
     "transformers": "dev", "pytest": "dev", "xdist": "dev", "hypothesis": "dev", "openai": "dev", "httpx": "dev",
 }
 

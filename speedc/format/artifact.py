@@ -370,7 +370,8 @@ def lift_stored_initializers(graph) -> None:
 
 
 def write_graphs(graphs: dict, directory: Path, weight_names: set[str], weight_parts: dict[str, list] | None = None,
-                 on_bytes: Callable[[int, int], None] | None = None, aliases: dict[str, str] | None = None) -> tuple[dict, dict]:
+                 on_bytes: Callable[[int, int], None] | None = None, aliases: dict[str, str] | None = None,
+                 native: dict | None = None) -> tuple[dict, dict]:
     """Write every graph as ONNX with its weights in ONE shared external-data file, weights.bin.
 
     Weights are streamed: each is copied from where it is (checkpoint bytes, converted to its storage
@@ -393,7 +394,9 @@ def write_graphs(graphs: dict, directory: Path, weight_names: set[str], weight_p
         raise BuildError(f"internal: graph {unknown[0]!r} is not part of the artifact contract")
     weight_parts = weight_parts or {}
     ordered = [name for name in contract.GRAPHS if name in graphs]
-    stored = _stored_constants(graphs, ordered, weight_names)
+    native = {name: twin for name, twin in (native or {}).items() if name in graphs}
+    twins = {name + contract.NATIVE_SUFFIX: twin for name, twin in native.items()}
+    stored = _stored_constants({**graphs, **twins}, ordered + list(twins), weight_names)
     for name, uses in stored.items():
         if len({_identity(c) for c in uses}) > 1:
             raise BuildError(f"internal: weight {name} differs between graphs")
@@ -423,16 +426,29 @@ def write_graphs(graphs: dict, directory: Path, weight_names: set[str], weight_p
         if alias not in index and target in index:
             _within(index, alias, target).update(dtype=index[target]["dtype"], shape=index[target]["shape"])
     specs: dict[str, dict] = {}
+    written = []
     for name in ordered:
-        model = gs.export_onnx(graphs[name], do_type_check=True)
-        lift_stored_initializers(model.graph)
-        model.ir_version = min(model.ir_version, 10)
-        onnx.save(model, str(directory / GRAPH_FILES[name]))
-        specs[name] = {"file": GRAPH_FILES[name], "inputs": _io_spec(model.graph.input),
-                       "outputs": _io_spec(model.graph.output)}
-    for name in ordered:
-        onnx.checker.check_model(str(directory / GRAPH_FILES[name]), full_check=False)
+        for graph, file in [(graphs[name], GRAPH_FILES[name])] + ([(native[name], native_file(name))] if name in native else []):
+            model = gs.export_onnx(graph, do_type_check=True)
+            lift_stored_initializers(model.graph)
+            model.ir_version = min(model.ir_version, 10)
+            onnx.save(model, str(directory / file))
+            written.append(file)
+            io = {"inputs": _io_spec(model.graph.input), "outputs": _io_spec(model.graph.output)}
+            if name not in specs:
+                specs[name] = {"file": file, **io}
+            elif io != {"inputs": specs[name]["inputs"], "outputs": specs[name]["outputs"]}:
+                raise BuildError(f"internal: the native twin of {name} does not take and return what {name} does")
+            else:
+                specs[name]["native_file"] = file
+    for file in written:
+        onnx.checker.check_model(str(directory / file), full_check=False)
     return specs, index
+
+
+def native_file(graph: str) -> str:
+    """The file of GRAPH's native twin (its products on speedc's kernel)."""
+    return GRAPH_FILES[graph].removesuffix(".onnx") + contract.NATIVE_SUFFIX + ".onnx"
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:

@@ -75,6 +75,23 @@ def variant(graph: str) -> str:
     return FUSED_SUFFIX if graph.endswith(FUSED_SUFFIX) else ""
 
 
+# ---- native products (passes/native_products.py writes them, runtimes/kernels/ort_op.py runs them) ----
+# A block-quantized artifact's engine graphs each have a twin (the manifest's `native_file` of the graph)
+# that takes and returns the same tensors, its weight products run by speedc's kernel as this operator:
+#   x [M, K] -> NATIVE_PRODUCT(artifact, codes, scales, n, k, bits, block_size) -> y [M, N]
+# naming its codes and scales in the weight index of the artifact whose manifest records `artifact`.
+NATIVE_DOMAIN = "ai.onnx.contrib"  # onnxruntime-extensions' domain of Python operators
+NATIVE_PRODUCT = "SpeedcBlockProduct"
+NATIVE_PRODUCT_ATTRIBUTES = {"artifact": str, "codes": str, "scales": str, "n": int, "k": int, "bits": int,
+                             "block_size": int}
+NATIVE_SUFFIX = ".native"  # a twin's file: the graph's file name with this before ".onnx"
+
+
+def native_product_takes(bits: int, block_size: int) -> bool:
+    """Whether the kernel runs weights of BITS in blocks of BLOCK_SIZE (activations go per 32 values)."""
+    return bits in (4, 8) and block_size >= 32 and block_size % 32 == 0
+
+
 # ---- tensors -------------------------------------------------------------------------------------
 INPUT_IDS, POSITIONS = "input_ids", "positions"
 HIDDEN_IN, HIDDEN_OUT = "hidden_in", "hidden_out"

@@ -1,0 +1,178 @@
+"""speedc's block-quantized product (runtimes/kernels/block_product.c) as an ONNX Runtime operator.
+
+An artifact's native engine graphs (passes/native_products.py) run each weight product as
+
+    x [M, K] ── ai.onnx.contrib SpeedcBlockProduct(artifact, codes, scales, n, k, bits, block_size) ── y [M, N]
+
+a Python operator of onnxruntime-extensions whose body is one ctypes call into the kernel. The node
+names its weight by the artifact's id and the weight index names of its codes and scales; the
+operator reads them from a read-only memory map of the artifact's weights.bin (registered by the
+backend that opens the session, `register_weights`), so ONNX Runtime never holds a copy of them.
+
+Only onnxruntime-extensions' native module is loaded (its package __init__ imports transformers and
+torch), with our own result handler: its default turns every result into a Python list (3 ms for an
+[8, 5632] product). An exception must never leave an operator (ONNX Runtime would abort the
+process): a failing call records its error, returns an empty result, and the backend raises it after
+the run (`raise_pending`). Imports numpy and the standard library; onnxruntime-extensions on first use.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.machinery
+import importlib.util
+import os
+import threading
+import weakref
+from pathlib import Path
+
+import numpy as np
+
+from speedc.format import contract
+from speedc.runtimes.kernels import native
+
+ATTRIBUTES = contract.NATIVE_PRODUCT_ATTRIBUTES
+
+_lock = threading.Lock()
+_library: str | None = None  # the custom-ops library ONNX Runtime registers (onnxruntime-extensions' module)
+_reason: str | None = None
+_kernel: native.BlockProductKernel | None = None
+_path = "auto"
+_artifacts: "weakref.WeakValueDictionary[str, WeightMap]" = weakref.WeakValueDictionary()
+_errors: list[BaseException] = []
+_keep: list = []  # the operator definition, alive as long as the process
+
+
+class WeightMap:
+    """One artifact's weights.bin, memory-mapped read-only, and the products its native graphs run."""
+
+    def __init__(self, weights_file: Path, index: dict, threads: int) -> None:
+        self.data = np.memmap(weights_file, dtype=np.uint8, mode="r")
+        self.index, self.threads = index, threads
+        self.products: dict[tuple, object] = {}  # a node's attributes -> its bound kernel call
+
+    def product(self, attrs: tuple):
+        found = self.products.get(attrs)
+        if found is None:
+            found = self.products[attrs] = self._bind(dict(attrs))
+        return found
+
+    def tensor(self, name: str, dtype) -> np.ndarray:
+        entry = self.index.get(name)
+        if entry is None:
+            raise KeyError(f"the weight index has no {name}")
+        return np.frombuffer(self.data, dtype=dtype, count=entry["length"] // np.dtype(dtype).itemsize, offset=entry["offset"])
+
+    def _bind(self, attrs: dict):
+        """The kernel bound to one node's weight, its codes and scales checked against the node's shape."""
+        n, k, bits, block_size = (int(attrs[a]) for a in ("n", "k", "bits", "block_size"))
+        codes, scales = self.tensor(attrs["codes"], np.uint8), self.tensor(attrs["scales"], np.float32)
+        blocks = -(-k // block_size)
+        if codes.size != n * blocks * block_size * bits // 8 or scales.size != n * blocks:
+            raise ValueError(f"{attrs['codes']}: {codes.size} code bytes and {scales.size} scales do not make "
+                             f"[{n}, {k}] at {bits} bits in blocks of {block_size}")
+        return _kernel.bound(codes, scales, n=n, k=k, bits=bits, block_size=block_size, threads=self.threads, path=_path)
+
+
+def _load_extensions():
+    """onnxruntime-extensions' native module and its path, without running the package's __init__."""
+    spec = importlib.util.find_spec("onnxruntime_extensions")
+    if spec is None or not spec.submodule_search_locations:
+        return None, "onnxruntime-extensions is not installed (pip install onnxruntime-extensions)"
+    folder = spec.submodule_search_locations[0]
+    found = [path for suffix in importlib.machinery.EXTENSION_SUFFIXES
+             for path in glob.glob(os.path.join(folder, "_extensions_pydll" + suffix))]
+    if not found:
+        return None, "onnxruntime-extensions has no native module here"
+    module_spec = importlib.util.spec_from_file_location("_extensions_pydll", found[0])
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module, found[0]
+
+
+def _install(module) -> None:
+    definition = module.PyCustomOpDef()
+    casts = dict(ATTRIBUTES)
+    node_attrs: dict[tuple, dict] = {}
+
+    def handle(op_id, feed, raw):  # onnxruntime-extensions calls this for every run of every Python op
+        try:
+            key = tuple(raw.items())
+            node = node_attrs.get(key)
+            if node is None:  # (artifact id, the node's attributes as the weight map keys them)
+                attrs = {name: casts[name](value) for name, value in raw.items()}
+                node = node_attrs[key] = (attrs["artifact"], tuple(sorted(attrs.items())))
+            weights = _artifacts.get(node[0])
+            if weights is None:
+                raise RuntimeError(f"artifact {node[0]} has no registered weights (register_weights before the run)")
+            y = weights.product(node[1])(feed[0])
+            return op_id, y.shape, y
+        except BaseException as bad:  # noqa: BLE001 -- must not reach ONNX Runtime (it would abort)
+            _errors.append(bad)
+            return op_id, (0,), np.empty(0, np.float32)
+
+    module.PyCustomOpDef.install_hooker(handle)
+    definition.op_type = contract.NATIVE_PRODUCT
+    definition.obj_id = id(definition)
+    definition.input_types = [module.PyCustomOpDef.dt_float]
+    definition.output_types = [module.PyCustomOpDef.dt_float]
+    definition.attrs = {name: (module.PyCustomOpDef.dt_string if cast is str else module.PyCustomOpDef.dt_int64)
+                        for name, cast in ATTRIBUTES.items()}
+    module.add_custom_op(definition)
+    _keep.append(definition)
+
+
+def custom_ops_library() -> str | None:
+    """The library to register with SessionOptions.register_custom_ops_library, the operator and the
+    kernel loaded; None where they cannot be (unavailable_reason() says why)."""
+    global _library, _reason, _kernel, _path
+    with _lock:
+        if _library is not None or _reason is not None:
+            return _library
+        kernel = native.load()
+        if kernel is None:
+            _reason = native.unavailable_reason()
+            return None
+        forced = os.environ.get("SPEEDC_NATIVE_KERNEL", "").strip() == "portable"
+        if kernel.path == "portable" and not forced:  # several times slower than MatMulNBits
+            _reason = "this CPU has no AVX2 (the portable C path runs only with SPEEDC_NATIVE_KERNEL=portable)"
+            return None
+        _path = "portable" if forced else kernel.path
+        try:
+            module, found = _load_extensions()
+        except Exception as bad:  # noqa: BLE001 -- whatever the module raises, the MatMulNBits path still runs
+            module, found = None, f"onnxruntime-extensions cannot be loaded ({str(bad).splitlines()[0]})"
+        if module is None:
+            _reason = found
+            return None
+        _install(module)
+        _kernel, _library = kernel, found
+        return _library
+
+
+def unavailable_reason() -> str | None:
+    return _reason
+
+
+def kernel_path() -> str:
+    """The kernel path the operator runs ("avx2", or "portable" where SPEEDC_NATIVE_KERNEL=portable)."""
+    return _path
+
+
+def register_weights(artifact_id: str, weights_file: Path, index: dict, threads: int) -> WeightMap:
+    """Make ARTIFACT_ID's products readable by the operator; they stay so while the returned map lives
+    (the backend keeps it). A second registration of the same artifact shares the first's map."""
+    with _lock:
+        found = _artifacts.get(artifact_id)
+        if found is None or found.threads != threads:
+            found = WeightMap(weights_file, index, threads)
+            _artifacts[artifact_id] = found
+        return found
+
+
+def raise_pending() -> None:
+    """Raise the first error an operator met during the last run (the run's outputs are then wrong)."""
+    if _errors:
+        bad = _errors[0]
+        _errors.clear()
+        raise RuntimeError(f"the native product failed: {bad}") from bad

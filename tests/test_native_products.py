@@ -1,0 +1,156 @@
+"""Pass native_products: an int8/int4 artifact's engine graphs each get a native twin whose weight
+products run speedc's kernel (ai.onnx.contrib SpeedcBlockProduct) instead of MatMulNBits, without the
+zero rows; the twin takes and returns what its graph does, stores no product weight, and runs; the
+runtime uses it where the kernel loads and says in one line when it falls back."""
+
+from __future__ import annotations
+
+import collections
+import os
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+
+from conftest import ZOO, build_artifact, onnx_graphs, onnx_nodes, run_engine_program
+from speedc import Engine
+from speedc.format import contract
+from speedc.format.artifact import GRAPH_FILES, native_file, read_manifest
+from speedc.runtimes.backends.onnx_session import open_session
+from speedc.runtimes.kernels import ort_op
+
+NATIVE = ort_op.custom_ops_library() is not None
+
+
+@pytest.fixture(scope="module")
+def tiny_int4(tmp_path_factory):
+    return build_artifact(ZOO / "tiny", tmp_path_factory.mktemp("native") / "tiny-int4", dtype="int4")
+
+
+def _ops(path) -> collections.Counter:
+    model = onnx.load(str(path), load_external_data=False)
+    return collections.Counter(node.op_type for node in onnx_nodes(model.graph))
+
+
+def _zero_row_concats(path) -> int:
+    model = onnx.load(str(path), load_external_data=False)
+    zero_rows = {t.name for part in onnx_graphs(model.graph) for t in part.initializer if "zero_row" in t.name}
+    zero_rows |= {node.output[0] for node in onnx_nodes(model.graph) if node.op_type == "Constant" and "zero_row" in node.output[0]}
+    return sum(1 for node in onnx_nodes(model.graph) if node.op_type == "Concat" and set(node.input) & zero_rows)
+
+
+def test_before_and_after(tiny_int4):
+    """Before (the engine graph): MatMulNBits, the int4 ones padded with a zero row. After (its twin):
+    as many SpeedcBlockProducts naming their codes and scales, no MatMulNBits, no zero row, the same I/O,
+    and none of the products' weights among its initializers."""
+    manifest = read_manifest(tiny_int4)
+    artifact_id = manifest.weights["native_artifact"]
+    assert len(artifact_id) == 32
+    for name, spec in manifest.graphs.items():
+        graph_file, twin_file = tiny_int4 / GRAPH_FILES[name], tiny_int4 / spec["native_file"]
+        assert spec["native_file"] == native_file(name) == GRAPH_FILES[name].replace(".onnx", ".native.onnx")
+        before, after = _ops(graph_file), _ops(twin_file)
+        assert before["MatMulNBits"] > 0 and before[contract.NATIVE_PRODUCT] == 0
+        assert after["MatMulNBits"] == 0 and after[contract.NATIVE_PRODUCT] == before["MatMulNBits"]
+        assert after["GatherBlockQuantized"] == before["GatherBlockQuantized"] > 0
+        assert _zero_row_concats(graph_file) > 0 and _zero_row_concats(twin_file) == 0
+        graph, twin = (onnx.load(str(f), load_external_data=False).graph for f in (graph_file, twin_file))
+        assert [(v.name, v.type) for v in graph.input] == [(v.name, v.type) for v in twin.input]
+        assert [(v.name, v.type) for v in graph.output] == [(v.name, v.type) for v in twin.output]
+        products = [n for n in onnx_nodes(twin) if n.op_type == contract.NATIVE_PRODUCT]
+        attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in products]
+        assert {a["artifact"].decode() for a in attrs} == {artifact_id}
+        assert {a["bits"] for a in attrs} == {4} and {a["block_size"] for a in attrs} == {32}
+        named = {a["codes"].decode() for a in attrs} | {a["scales"].decode() for a in attrs}
+        index = manifest.weights["index"]
+        assert named <= set(index) and all(".q4" in n for n in named)
+        for a in attrs:  # each names a weight of the shape it computes
+            codes = index[a["codes"].decode()]
+            assert codes["quantized"]["shape"] == [a["n"], a["k"]] and codes["quantized"]["role"] == "codes"
+        initializers = {t.name for part in onnx_graphs(twin) for t in part.initializer}
+        lookups = {i for n in onnx_nodes(twin) if n.op_type == "GatherBlockQuantized" for i in n.input}
+        assert initializers & named <= lookups  # ONNX Runtime loads no product's weights (a tied table: its lookup's)
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native kernel or onnxruntime-extensions is not available here")
+def test_the_twin_computes_what_the_graph_does(tiny_int4):
+    """One prefill through each: the same logits within int8 rounding (two kernels: not bitwise), the
+    same next tokens here."""
+    manifest = read_manifest(tiny_int4)
+    outputs = {}
+    for setting in ("1", "0"):
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("SPEEDC_NATIVE_KERNEL", setting)
+            session = open_session(tiny_int4, manifest, "engine", ["CPUExecutionProvider"], 1)
+        assert session.speedc_products.startswith("speedc kernel" if setting == "1" else "MatMulNBits")
+        ids = np.array([[5, 17, 3, 99, 42, 7]], np.int64)
+        cache = {f"cache.{kind}.{i}": np.zeros((1, manifest.model["num_kv_heads"], 0, manifest.model["head_dim"]), np.float32)
+                 for kind in ("key", "value") for i in range(manifest.model["num_layers"])}
+        outputs[setting] = run_engine_program(session, contract.PREFILL, {
+            "input_ids": ids, "positions": np.zeros(1, np.int64), "chunk_lengths": np.array([6], np.int64), **cache})
+    native, matmulnbits = outputs["1"], outputs["0"]
+    scale = np.abs(matmulnbits["logits"]).max()
+    assert np.abs(native["logits"] - matmulnbits["logits"]).max() < 0.02 * scale
+    assert np.array_equal(native["next_token"], matmulnbits["next_token"])
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native kernel or onnxruntime-extensions is not available here")
+def test_an_operator_error_is_an_exception_not_an_abort(tiny_int4):
+    """A product that cannot find its weights fails the run with a Python exception (an exception
+    leaving a Python operator would make ONNX Runtime abort the process)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SPEEDC_NATIVE_KERNEL", "1")
+        engine = Engine.load(tiny_int4)
+    session = engine.backend.session
+    assert session.speedc_products.startswith("speedc kernel")
+    session.speedc_weight_map.products.clear()
+    session.speedc_weight_map.index = {}
+    with pytest.raises(RuntimeError, match="the native product failed: .*has no .*q4"):
+        engine.generate([1, 2, 3], max_new_tokens=2)
+
+
+def test_without_the_kernel_the_runtime_falls_back_and_says_so_once(tiny_int4, tmp_path):
+    """Asked for the kernel (SPEEDC_NATIVE_KERNEL=1) without a C compiler (and no cached build): `speedc
+    generate` runs MatMulNBits, the same ids as SPEEDC_NATIVE_KERNEL=0, and says why in one line on
+    standard error."""
+    speedc = [sys.executable, "-m", "speedc.cli", "generate", str(tiny_int4), "--prompt", "ROMEO:", "--max-new-tokens", "12",
+              "--json"]
+    no_compiler = {**os.environ, "CC": "", "PATH": str(tmp_path), "SPEEDC_KERNEL_CACHE": str(tmp_path / "cache"),
+                   "SPEEDC_NATIVE_KERNEL": "1"}
+    fallback = subprocess.run(speedc, env=no_compiler, capture_output=True, text=True, timeout=300)
+    chosen = subprocess.run(speedc, env={**os.environ, "SPEEDC_NATIVE_KERNEL": "0"}, capture_output=True, text=True,
+                            timeout=300)
+    assert fallback.returncode == 0 and chosen.returncode == 0, fallback.stderr + chosen.stderr
+    said = [line for line in fallback.stderr.splitlines() if line.strip()]
+    assert said == ["speedc: the native int8/int4 kernel is unavailable (no C compiler found (cc, gcc or clang; or set CC)); "
+                    "products run on ONNX Runtime's MatMulNBits"]
+    assert chosen.stderr.strip() == ""  # asked for: nothing to say
+    import json
+
+    assert json.loads(fallback.stdout)["ids"] == json.loads(chosen.stdout)["ids"]
+
+
+def test_float_artifacts_have_no_twin(tiny_artifact):
+    manifest = read_manifest(tiny_artifact)
+    assert "native_artifact" not in manifest.weights
+    assert all("native_file" not in spec for spec in manifest.graphs.values())
+    assert not list(tiny_artifact.glob("*.native.onnx"))
+
+
+def test_small_products_choose_matmulnbits_unless_asked(tiny_int4):
+    """Unset, SPEEDC_NATIVE_KERNEL lets the artifact's product size decide: zoo:tiny's are far below
+    NATIVE_MIN_MEAN_PRODUCT_BYTES (the operator's per-call cost would dominate), so MatMulNBits runs,
+    and says why; 1 asks for the kernel anyway."""
+    from speedc.runtimes.backends.onnx_session import NATIVE_MIN_MEAN_PRODUCT_BYTES, mean_product_bytes
+
+    manifest = read_manifest(tiny_int4)
+    assert 0 < mean_product_bytes(manifest) < NATIVE_MIN_MEAN_PRODUCT_BYTES
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("SPEEDC_NATIVE_KERNEL", raising=False)
+        chosen = open_session(tiny_int4, manifest, "engine", ["CPUExecutionProvider"], 1)
+        env.setenv("SPEEDC_NATIVE_KERNEL", "1")
+        asked = open_session(tiny_int4, manifest, "engine", ["CPUExecutionProvider"], 1)
+    assert chosen.speedc_products.startswith("MatMulNBits (products of 0.") and "per-call cost" in chosen.speedc_products
+    assert asked.speedc_products.startswith("speedc kernel" if NATIVE else "MatMulNBits")
