@@ -70,7 +70,7 @@ def measure_step_cost(backend, context: int, repeats: int = 50) -> float:
                      candidates=[np.arange(backend.check_width) for _ in checks])
     token, at, one = np.ones(1, np.int64), np.full(1, newest, np.int64), np.ones(1, bool)
     step, plain = interleaved_medians(lambda: backend.speed_step(token, positions, valid, heads, False),
-                                      lambda: backend.plain_step(token, at, one, False), repeats, warmup=5)
+                                      lambda: backend.plain_step(token, at, one, False), repeats=repeats, warmup=5)
     return step / (plain / slots)
 
 

@@ -226,6 +226,38 @@ def test_weight_floor_graph_computes_the_chain(weights):
         assert quantize_rows(matrix("head"), floor.bits, 32)[0].tobytes() == floor.arrays["head.codes"].tobytes()
 
 
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_kernel_measurement_reports_every_row_count_beside_matmulnbits(weights):
+    """The kernel part of `--memory-bound --weights int4|int8`: its fields (not its speed), and the
+    kernel chain computing what the MatMulNBits chain does (the same products, two int8 kernels)."""
+    import numpy as np
+
+    from speedc.bench.floor import FloorWeights, _session, floor_graph, floor_weights, measure_kernel
+    from speedc.bench.synthetic import Shape
+    from speedc.runtimes.kernels import native
+
+    shape = Shape("t", 64, 4, 2, 16, 96, 50, 2, 3, looped=False)
+    report = measure_kernel(shape, 2, weights=weights, threads=2, repeats=2)
+    if native.load() is None:
+        assert report == {"kernel": None, "why": native.unavailable_reason()}
+        return
+    assert report["kernel"] in ("avx2", "portable") and report["threads"] == 2
+    assert set(report["rows_ms"]) == set(report["matmulnbits_rows_ms"]) == {"1", "2", "4", "8"}
+    assert set(report["cost"]) == set(report["matmulnbits_cost"]) == {"2", "4", "8"}
+    assert all(v > 0 for v in [*report["rows_ms"].values(), *report["matmulnbits_rows_ms"].values(), report["stream_ms"]])
+    floor = floor_weights(shape, 2, weights)
+    blocks = FloorWeights(floor.bits, {n: a for n, a in floor.arrays.items() if not n.startswith("head.")}, floor.products)
+    x = np.random.default_rng(3).standard_normal((4, 64)).astype(np.float32)
+    expected = _session(floor_graph(shape, 2, 1, 0, blocks), blocks, threads=1).run(None, {"x": x})[0]
+    kernel, current = native.load(), x
+    for name, (n, k) in floor.products.items():
+        if name != "head":
+            current = kernel.product(np.ascontiguousarray(current[:, :k]), floor.arrays[f"{name}.codes"],
+                                     floor.arrays[f"{name}.scales"], n=n, k=k, bits=floor.bits, block_size=32)
+    assert current[:, :expected.shape[1]].shape == expected.shape
+    np.testing.assert_allclose(current[:, :expected.shape[1]], expected, rtol=0.05, atol=0.05 * np.abs(expected).max())
+
+
 def test_real_shapes():
     """The looped checkpoints' layer shapes (every layer: the build streams weights), or fewer on request."""
     from speedc.bench.synthetic import SHAPES, layers_that_fit, shape_config

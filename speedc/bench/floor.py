@@ -71,7 +71,7 @@ def floor_weights(shape, layers: int, weights: str | None = None, seed: int = 0)
 
 def floor_graph(shape, layers: int, passes: int, head_rows: int, weights: FloorWeights):
     """The ONNX model: x [rows, H] through LAYERS blocks PASSES times, then the LM head on the first
-    HEAD_ROWS rows. Passes share the blocks' weights, as the plain graph's loops do. The weights stay
+    HEAD_ROWS rows (0: no head, the blocks' products alone, no zero row). Passes share the blocks' weights, as the plain graph's loops do. The weights stay
     outside the model (declared external, handed to the session in memory): a real shape's fp32
     weights exceed protobuf's 2 GB.
 
@@ -101,8 +101,12 @@ def floor_graph(shape, layers: int, passes: int, head_rows: int, weights: FloorW
                 # the next product reads the first `passed_on` columns (q of q/k/v, gate of gate/up)
                 nodes.append(helper.make_node("Slice", [name, constant(0), constant(passed_on), constant(1)], [f"{name}.cols"]))
                 current = f"{name}.cols"  # [rows, passed_on]
-    nodes.append(helper.make_node("Slice", [current, constant(0), constant(head_rows + weights.pad_rows), constant(0)], ["head_in"]))
-    nodes.append(product("head_in", "head", "logits"))  # [head_rows (+ pad), V]
+    if head_rows:
+        nodes.append(helper.make_node("Slice", [current, constant(0), constant(head_rows + weights.pad_rows), constant(0)],
+                                      ["head_in"]))
+        nodes.append(product("head_in", "head", "logits"))  # [head_rows (+ pad), V]
+    else:
+        nodes.append(helper.make_node("Identity", [current], ["logits"]))
     initializers = [numpy_helper.from_array(np.asarray([value], np.int64), name) for value, name in constants.items()]
     for name, array in weights.arrays.items():
         declared = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype), dims=array.shape,
@@ -137,6 +141,52 @@ def measure_floor(shape, layers: int, slots: int, *, weights: str | None = None,
     step_x = {"x": np.ones((slots + floor.pad_rows, shape.hidden), np.float32)}
     token_x = {"x": np.ones((1 + floor.pad_rows, shape.hidden), np.float32)}
     step, token = interleaved_medians(lambda: step_session.run(None, step_x), lambda: token_session.run(None, token_x),
-                                      repeats, warmup=3)
+                                      repeats=repeats, warmup=3)
     return {"floor_step_cost": round(step / (token / slots), 3), "floor_step_ms": round(1000 * step, 3),
             "floor_token_ms": round(1000 * token, 3), "floor_weights": "fp32" if floor.bits is None else f"int{floor.bits}"}
+
+
+KERNEL_ROWS = (1, 2, 4, 8)
+
+
+def measure_kernel(shape, layers: int, *, weights: str, threads: int | None = None, repeats: int = 20) -> dict:
+    """speedc's own product kernel (runtimes/kernels/) over the floor's block products at WEIGHTS (int4 /
+    int8): ms for 1, 2, 4 and 8 rows, c(rows) against one row, beside the same products on ONNX Runtime's
+    MatMulNBits (no zero row: its own 1-row kernel) and the memory floor, the time to read the same
+    weight bytes once (`stream_ms`); interleaved medians. {"kernel": None, "why": ...} where the kernel
+    is not available here."""
+    from speedc.runtimes.backends.protocol import resolve_threads
+    from speedc.runtimes.kernels import native
+
+    kernel = native.load()
+    if kernel is None:
+        return {"kernel": None, "why": native.unavailable_reason()}
+    floor = floor_weights(shape, layers, weights)
+    threads = resolve_threads(threads)
+    chain = [(floor.arrays[f"{name}.codes"], floor.arrays[f"{name}.scales"], n, k)
+             for name, (n, k) in floor.products.items() if name != "head"]
+    rng = np.random.default_rng(1)
+    inputs = {(rows, k): rng.standard_normal((rows, k), dtype=np.float32) for rows in KERNEL_ROWS for _, _, _, k in chain}
+    outputs = {(rows, n): np.empty((rows, n), np.float32) for rows in KERNEL_ROWS for _, _, n, _ in chain}
+
+    def products(rows: int):
+        for codes, scales, n, k in chain:
+            kernel.product(inputs[rows, k], codes, scales, n=n, k=k, bits=floor.bits, block_size=BLOCK_SIZE,
+                           threads=threads, out=outputs[rows, n])
+
+    arrays = [a for codes, scales, _, _ in chain for a in (codes, scales)]
+    blocks = {name: array for name, array in floor.arrays.items() if not name.startswith("head.")}
+    ort_chain = _session(floor_graph(shape, layers, 1, 0, FloorWeights(floor.bits, blocks, floor.products)),
+                         FloorWeights(floor.bits, blocks, floor.products), threads)
+    ort_inputs = {rows: {"x": inputs[rows, shape.hidden]} for rows in KERNEL_ROWS}
+    runs = {rows: (lambda rows=rows: products(rows)) for rows in KERNEL_ROWS}
+    runs.update({("MatMulNBits", rows): (lambda rows=rows: ort_chain.run(None, ort_inputs[rows])) for rows in KERNEL_ROWS})
+    runs["stream"] = lambda: kernel.stream_bytes(arrays, threads)
+    times = interleaved_medians(*runs.values(), repeats=repeats, warmup=2)
+    ms = dict(zip(runs, (1000 * t for t in times)))
+    return {"kernel": kernel.path, "threads": threads, "weight_mb": round(sum(a.nbytes for a in arrays) / 1e6, 1),
+            "stream_ms": round(ms["stream"], 3), "rows_ms": {str(rows): round(ms[rows], 3) for rows in KERNEL_ROWS},
+            "cost": {str(rows): round(ms[rows] / ms[1], 3) for rows in KERNEL_ROWS[1:]},
+            "one_row_vs_stream": round(ms["stream"] / ms[1], 3),
+            "matmulnbits_rows_ms": {str(rows): round(ms["MatMulNBits", rows], 3) for rows in KERNEL_ROWS},
+            "matmulnbits_cost": {str(rows): round(ms["MatMulNBits", rows] / ms["MatMulNBits", 1], 3) for rows in KERNEL_ROWS[1:]}}

@@ -104,19 +104,17 @@ def _percentiles(samples: list[float]) -> dict[str, float]:
             "min": round(float(arr.min()), 4)}
 
 
-def interleaved_medians(first, second, repeats: int, warmup: int) -> tuple[float, float]:
-    """Median seconds of FIRST() and of SECOND(), run alternately (a slow stretch of a shared machine
-    hits both alike) after WARMUP untimed rounds."""
-    first_times, second_times = [], []
+def interleaved_medians(*runs, repeats: int, warmup: int) -> tuple[float, ...]:
+    """Median seconds of each of RUNS (callables), run in turn, round after round (a slow stretch of a
+    shared machine hits them alike), after WARMUP untimed rounds."""
+    times: list[list[float]] = [[] for _ in runs]
     for round_ in range(warmup + repeats):
-        start = time.perf_counter()
-        first()
-        middle = time.perf_counter()
-        second()
-        if round_ >= warmup:
-            first_times.append(middle - start)
-            second_times.append(time.perf_counter() - middle)
-    return statistics.median(first_times), statistics.median(second_times)
+        for run, kept in zip(runs, times):
+            start = time.perf_counter()
+            run()
+            if round_ >= warmup:
+                kept.append(time.perf_counter() - start)
+    return tuple(statistics.median(kept) for kept in times)
 
 
 def measure_step_times(backend, context: int, repeats: int = 200) -> tuple[float, float]:
@@ -133,7 +131,7 @@ def measure_step_times(backend, context: int, repeats: int = 200) -> tuple[float
     heads = HeadRows(final=[slots - 1], exit=[0])  # the oldest slot's final head, slot 0's draft
     token = np.ones(1, np.int64)  # [1]
     return interleaved_medians(lambda: backend.speed_step(token, positions, filled, heads, False),
-                               lambda: backend.plain_step(token, positions[0], filled[0], False), repeats, warmup=5)
+                               lambda: backend.plain_step(token, positions[0], filled[0], False), repeats=repeats, warmup=5)
 
 
 def measure_step_cost(engine_or_backend, context: int, repeats: int = 200) -> float:

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from speedc.bench.floor import measure_floor
+from speedc.bench.floor import measure_floor, measure_kernel
 from speedc.bench.run import measure_step_times
 from speedc.errors import SpeedcError
 
@@ -252,6 +252,10 @@ def synthetic_step_costs(*, hidden: int = 1024, blocks: int = 4, passes: int = 4
             raise SpeedcError(f"{shape.name}: {shape.loops} loop(s) leave no pipeline depth to measure")
         peer_fns, missing = (memory_bound_peers(shape, checkpoint, Path(tmp), weights, threads, new_tokens, peers, progress)
                              if end_to_end else ({}, {}))
+        kernel = None
+        if weights in ("int4", "int8"):
+            progress(f"{shape.name}: measuring speedc's product kernel at 1-8 rows beside the memory floor")
+            kernel = measure_kernel(shape, used, weights=weights, threads=threads, repeats=max(10, repeats // 10))
         for slots in depths:
             progress(f"{shape.name}: compiling P={slots}")
             art = build(checkpoint, Path(tmp) / f"p{slots}", BuildOptions(slots=slots, dtype=weights), force=True).out
@@ -262,6 +266,7 @@ def synthetic_step_costs(*, hidden: int = 1024, blocks: int = 4, passes: int = 4
             step, token = measure_step_times(engine.backend, context, repeats)
             row = {"slots": slots, "step_cost": round(step / (token / slots), 3), "step_ms": round(1000 * step, 3),
                    "token_ms": round(1000 * token, 3), "load_seconds": round(load_seconds, 2),
+                   "products": engine.backend.products,
                    **measure_floor(shape, used, slots, weights=weights, threads=threads, repeats=max(20, repeats // 2),
                                    step_passes=shape.loops // slots if shape.recurrent else 1)}
             if profile:
@@ -284,7 +289,8 @@ def synthetic_step_costs(*, hidden: int = 1024, blocks: int = 4, passes: int = 4
     report = {"label": label, "backend": backend, "shape": shape.name, "weights": storage, "hidden": shape.hidden,
               "blocks": used, "passes": shape.loops, "real_layers": shape.layers, "note": note,
               "residual_scale": scale, "unique_weight_mb": round(unique_fp32 / 1e6, 1),
-              "stored_weight_mb": round(stored / 1e6, 1), "context": context, "rows": rows}
+              "stored_weight_mb": round(stored / 1e6, 1), "context": context, "rows": rows,
+              **({"kernel": kernel} if kernel is not None else {})}
     if end_to_end:  # the deepest pipeline's row, under the names other tools read
         deepest = rows[-1]
         report["end_to_end"] = {"slots": deepest["slots"], "speedup": deepest["speedup_decode"],

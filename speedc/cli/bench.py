@@ -177,7 +177,22 @@ def print_memory_bound(report: dict) -> None:
     for name, install in report.get("end_to_end", {}).get("peers_missing", {}).items():
         click.echo(f"  {name} peer not installed: {install}")
     floor = report["rows"][0].get("floor_weights", "fp32") if report["rows"] else "fp32"
-    click.echo(f"  floor: the same weight products ({floor}) with nothing else (speedc/bench/floor.py), same run")
+    click.echo(f"  floor: the same weight products ({floor}, ONNX Runtime) with nothing else (speedc/bench/floor.py), same run")
+    kernel = report.get("kernel")
+    if kernel and kernel.get("kernel"):
+        rows = ", ".join(f"{rows} rows {ms:.1f} ms" for rows, ms in kernel["rows_ms"].items())
+        costs = ", ".join(f"c({rows}) = {cost:.2f}" for rows, cost in kernel["cost"].items())
+        click.echo(f"  speedc kernel ({kernel['kernel']}, {kernel['threads']} threads) over the blocks' {kernel['weight_mb']} MB: "
+                   f"{rows}; {costs}; reading the bytes alone {kernel['stream_ms']:.1f} ms "
+                   f"(1 row at {kernel['one_row_vs_stream']:.0%} of that floor)")
+        rows = ", ".join(f"{rows} rows {ms:.1f} ms" for rows, ms in kernel["matmulnbits_rows_ms"].items())
+        costs = ", ".join(f"c({rows}) = {cost:.2f}" for rows, cost in kernel["matmulnbits_cost"].items())
+        click.echo(f"  the same products on ONNX Runtime's MatMulNBits (no zero row): {rows}; {costs}")
+    elif kernel:
+        click.echo(f"  speedc kernel not measured: {kernel['why']}")
+    products = {row.get("products") for row in report["rows"]} - {None}
+    if products:
+        click.echo(f"  the artifacts' weight products ran on: {', '.join(sorted(products))}")
     for row in report["rows"]:
         line = (f"  c(P={row['slots']}) = {row['step_cost']:.2f}  (step {row['step_ms']:.1f} ms, plain token "
                 f"{row['token_ms']:.1f} ms)   floor c(P) = {row['floor_step_cost']:.2f}  (step {row['floor_step_ms']:.1f} ms, "
