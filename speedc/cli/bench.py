@@ -180,14 +180,15 @@ def print_memory_bound(report: dict) -> None:
     click.echo(f"  floor: the same weight products ({floor}, ONNX Runtime) with nothing else (speedc/bench/floor.py), same run")
     kernel = report.get("kernel")
     if kernel and kernel.get("kernel"):
-        rows = ", ".join(f"{rows} rows {ms:.1f} ms" for rows, ms in kernel["rows_ms"].items())
-        costs = ", ".join(f"c({rows}) = {cost:.2f}" for rows, cost in kernel["cost"].items())
+        def by_rows(ms: dict, cost: dict) -> str:
+            return (", ".join(f"{rows} rows {value:.1f} ms" for rows, value in ms.items()) + "; "
+                    + ", ".join(f"c({rows}) = {value:.2f}" for rows, value in cost.items()))
+
         click.echo(f"  speedc kernel ({kernel['kernel']}, {kernel['threads']} threads) over the blocks' {kernel['weight_mb']} MB: "
-                   f"{rows}; {costs}; reading the bytes alone {kernel['stream_ms']:.1f} ms "
+                   f"{by_rows(kernel['rows_ms'], kernel['cost'])}; reading the bytes alone {kernel['stream_ms']:.1f} ms "
                    f"(1 row at {kernel['one_row_vs_stream']:.0%} of that floor)")
-        rows = ", ".join(f"{rows} rows {ms:.1f} ms" for rows, ms in kernel["matmulnbits_rows_ms"].items())
-        costs = ", ".join(f"c({rows}) = {cost:.2f}" for rows, cost in kernel["matmulnbits_cost"].items())
-        click.echo(f"  the same products on ONNX Runtime's MatMulNBits (no zero row): {rows}; {costs}")
+        click.echo("  the same products on ONNX Runtime's MatMulNBits (no zero row): "
+                   f"{by_rows(kernel['matmulnbits_rows_ms'], kernel['matmulnbits_cost'])}")
     elif kernel:
         click.echo(f"  speedc kernel not measured: {kernel['why']}")
     products = {row.get("products") for row in report["rows"]} - {None}
