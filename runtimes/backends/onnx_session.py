@@ -197,23 +197,27 @@ class ProgramSession:
         return binding
 
     def run_with_iobinding(self, binding) -> None:
-        self._checked(self.session.run_with_iobinding, binding)
+        try:
+            self.session.run_with_iobinding(binding)
+        except Exception:  # ONNX Runtime's own types; a native product's error is the cause, raised first
+            self._raise_native_error()
+            raise
+        self._raise_native_error()
 
     def run(self, names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        return self._checked(self.session.run, names, {**self.fixed_feeds, **feeds})
-
-    def _checked(self, run, *args):
-        """RUN(*ARGS), then the first error a native product met in it (the operator returns an empty
-        result instead of raising; what ONNX Runtime then says about it is a consequence, not the cause)."""
-        if self.raise_native_error is None:
-            return run(*args)
         try:
-            outputs = run(*args)
-        except Exception:  # ONNX Runtime's own exception types
-            self.raise_native_error()
+            outputs = self.session.run(names, {**self.fixed_feeds, **feeds})
+        except Exception:
+            self._raise_native_error()
             raise
-        self.raise_native_error()
+        self._raise_native_error()
         return outputs
+
+    def _raise_native_error(self) -> None:
+        """The first error a native product met in the last run (its operator returns an empty result
+        instead of raising; what ONNX Runtime then says about it is a consequence, not the cause)."""
+        if self.raise_native_error is not None:
+            self.raise_native_error()
 
 
 def program_sessions(session, graph: str, manifest: Manifest) -> dict[str, ProgramSession]:

@@ -92,36 +92,24 @@ class BlockProductKernel:
     def product(self, x: np.ndarray, codes: np.ndarray, scales: np.ndarray, *, n: int, k: int, bits: int,
                 block_size: int, threads: int = 1, path: str = "auto", out: np.ndarray | None = None) -> np.ndarray:
         """X [M, K] float32 (C-contiguous) times the weight [N, K] held as CODES [N, blocks, block_size*bits/8]
-        uint8 and SCALES [N, blocks] float32 (ONNX Runtime's MatMulNBits layout); returns [M, N] float32."""
-        m = x.shape[0]
-        blocks = -(-k // block_size)
-        if x.dtype != np.float32 or not x.flags.c_contiguous or x.shape != (m, k):
-            raise KernelError(f"x must be C-contiguous float32 [M, {k}], not {x.dtype} {x.shape}")
-        if codes.nbytes < n * blocks * block_size * bits // 8 or scales.size < n * blocks:
-            raise KernelError(f"codes/scales hold fewer bytes than [{n}, {blocks}] blocks of {block_size} at {bits} bits")
-        if out is None:
-            out = np.empty((m, n), np.float32)
-        rc = self._product(x.ctypes.data, m, k, codes.ctypes.data, scales.ctypes.data, n, blocks, block_size, bits,
-                           out.ctypes.data, threads, PATHS[path])
-        if rc != 0:
-            raise KernelError(f"block_product refused its arguments (code {rc}: bits {bits}, block {block_size}, path {path})")
-        return out
-
+        uint8 and SCALES [N, blocks] float32 (ONNX Runtime's MatMulNBits layout); returns [M, N] float32
+        (into OUT when given)."""
+        return self.bound(codes, scales, n=n, k=k, bits=bits, block_size=block_size, threads=threads, path=path)(x, out)
 
     def bound(self, codes: np.ndarray, scales: np.ndarray, *, n: int, k: int, bits: int, block_size: int,
               threads: int = 1, path: str = "auto"):
-        """`product` over one weight, its arguments checked once: a function x [M, K] -> y [M, N] for the
-        hot path (an operator's call: a few microseconds of Python around the kernel)."""
+        """`product` over one weight, its arguments checked once: a function (x [M, K], out=None) -> y [M, N]
+        for the hot path (an operator's call: a few microseconds of Python around the kernel)."""
         blocks = -(-k // block_size)
         if codes.nbytes < n * blocks * block_size * bits // 8 or scales.size < n * blocks:
             raise KernelError(f"codes/scales hold fewer bytes than [{n}, {blocks}] blocks of {block_size} at {bits} bits")
         run, codes_at, scales_at, path_code = self._product, codes.ctypes.data, scales.ctypes.data, PATHS[path]
         kept = (codes, scales)  # the memory the pointers point into stays alive with the function
 
-        def product(x: np.ndarray) -> np.ndarray:
+        def product(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
             if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != k or not x.flags.c_contiguous:
                 raise KernelError(f"x must be C-contiguous float32 [M, {k}], not {x.dtype} {x.shape}")
-            y = np.empty((x.shape[0], n), np.float32)
+            y = np.empty((x.shape[0], n), np.float32) if out is None else out
             rc = run(x.ctypes.data, x.shape[0], k, codes_at, scales_at, n, blocks, block_size, bits, y.ctypes.data,
                      threads, path_code)
             if rc != 0:

@@ -31,7 +31,6 @@ import numpy as np
 from speedc.format import contract
 from speedc.runtimes.kernels import native
 
-ATTRIBUTES = contract.NATIVE_PRODUCT_ATTRIBUTES
 
 _lock = threading.Lock()
 _library: str | None = None  # the custom-ops library ONNX Runtime registers (onnxruntime-extensions' module)
@@ -92,7 +91,7 @@ def _load_extensions():
 
 def _install(module) -> None:
     definition = module.PyCustomOpDef()
-    casts = dict(ATTRIBUTES)
+    casts = contract.NATIVE_PRODUCT_ATTRIBUTES
     node_attrs: dict[tuple, dict] = {}
 
     def handle(op_id, feed, raw):  # onnxruntime-extensions calls this for every run of every Python op
@@ -117,7 +116,7 @@ def _install(module) -> None:
     definition.input_types = [module.PyCustomOpDef.dt_float]
     definition.output_types = [module.PyCustomOpDef.dt_float]
     definition.attrs = {name: (module.PyCustomOpDef.dt_string if cast is str else module.PyCustomOpDef.dt_int64)
-                        for name, cast in ATTRIBUTES.items()}
+                        for name, cast in casts.items()}
     module.add_custom_op(definition)
     _keep.append(definition)
 

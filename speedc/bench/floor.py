@@ -175,9 +175,9 @@ def measure_kernel(shape, layers: int, *, weights: str, threads: int | None = No
                            threads=threads, out=outputs[rows, n])
 
     arrays = [a for codes, scales, _, _ in chain for a in (codes, scales)]
-    blocks = {name: array for name, array in floor.arrays.items() if not name.startswith("head.")}
-    ort_chain = _session(floor_graph(shape, layers, 1, 0, FloorWeights(floor.bits, blocks, floor.products)),
-                         FloorWeights(floor.bits, blocks, floor.products), threads)
+    blocks = FloorWeights(floor.bits, {name: array for name, array in floor.arrays.items() if not name.startswith("head.")},
+                          floor.products)
+    ort_chain = _session(floor_graph(shape, layers, 1, 0, blocks), blocks, threads)
     ort_inputs = {rows: {"x": inputs[rows, shape.hidden]} for rows in KERNEL_ROWS}
     runs = {rows: (lambda rows=rows: products(rows)) for rows in KERNEL_ROWS}
     runs.update({("MatMulNBits", rows): (lambda rows=rows: ort_chain.run(None, ort_inputs[rows])) for rows in KERNEL_ROWS})
