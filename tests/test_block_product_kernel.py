@@ -1,9 +1,11 @@
 """speedc's block-quantized product kernel (runtimes/kernels/block_product.c) against a numpy reference
-written from its description: weights (code - 2^(bits-1)) x scale per block, activations quantized to
-int8 per 32 values (dx = max|x| / 127, q = rint(x * 127 / max|x|)), one integer dot per 32 values,
-scaled by scale x dx. Integer arithmetic is compared exactly, the float scaling within rounding; every
-row's sums are bitwise the same whatever the row count or thread count (what SPEED's losslessness
-needs), on both the AVX2 and the portable path."""
+written from its description: weights (code - 2^(bits-1)) x scale per block; the scales of each
+superblock (256 values at 4 bits, 64 at 8 bits) held as one float unit (largest |scale| / 2047) and
+integer steps rint(scale / unit); activations quantized to int8 per superblock (dx = max|x| / 127,
+q = rint(x * 127 / max|x|)); a superblock's sum of step x integer dot is exact, scaled once by unit x dx.
+Integer arithmetic is compared exactly, the float scaling within rounding; every row's sums are bitwise
+the same whatever the row count or thread count (what SPEED's losslessness needs), on both the AVX2 and
+the portable path."""
 
 from __future__ import annotations
 
@@ -35,24 +37,48 @@ def unpacked_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     return values.reshape(codes.shape[0], -1) - (1 << (bits - 1))
 
 
+def super_blocks(bits: int) -> int:
+    return 8 if bits == 4 else 2
+
+
+def prepared(scales: np.ndarray, k: int, bits: int, block_size: int):
+    """(steps [N, supers, super] int64, units [N, supers] float32): the weight's scales as the description says."""
+    sub_blocks, sup = -(-k // 32), super_blocks(bits)
+    supers = -(-sub_blocks // sup)
+    per_sub = np.zeros((scales.shape[0], supers * sup), np.float32)
+    per_sub[:, :sub_blocks] = np.repeat(scales, block_size // 32, axis=1)[:, :sub_blocks]
+    per_sub = per_sub.reshape(scales.shape[0], supers, sup)
+    units = (np.abs(per_sub).max(-1) / np.float32(2047)).astype(np.float32)
+    safe = np.where(units > 0, units, 1)[..., None]
+    steps = np.where(units[..., None] > 0, np.clip(np.rint(per_sub / safe), -2047, 2047), 0).astype(np.int64)
+    return steps, units
+
+
 def reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, bits: int, block_size: int):
-    """(y [M, N] float64, the integer dots [M, N, K/32] int64, sum of |every product| [M, N]) as the
-    description says."""
+    """(y [M, N] float64, each superblock's exact integer sum [M, N, supers] int64, a bound on the size of
+    every partial sum the kernel forms [M, N]) as the description says."""
     m, k = x.shape
-    subs = -(-k // 32)
-    padded = np.zeros((m, subs * 32), np.float32)
+    sup = super_blocks(bits)
+    steps, units = prepared(scales, k, bits, block_size)
+    supers = units.shape[1]
+    padded = np.zeros((m, supers * sup * 32), np.float32)
     padded[:, :k] = x
-    groups = padded.reshape(m, subs, 32)
-    largest = np.abs(groups).max(-1)  # [M, subs]
+    groups = padded.reshape(m, supers, sup * 32)
+    largest = np.abs(groups).max(-1)  # [M, supers]
     inverse = np.where(largest > 0, np.float32(127) / np.where(largest > 0, largest, 1), 0).astype(np.float32)
-    q = np.rint(groups * inverse[..., None]).astype(np.int64)  # [M, subs, 32]
+    q = np.rint(groups * inverse[..., None]).astype(np.int64).reshape(m, supers, sup, 32)
     dx = (largest / np.float32(127)).astype(np.float32)
-    w = unpacked_codes(codes, bits)[:, :subs * 32].reshape(codes.shape[0], subs, 32)  # [N, subs, 32]
-    dots = np.einsum("msi,nsi->mns", q, w)
-    w_scales = np.repeat(scales, block_size // 32, axis=1)[:, :subs].astype(np.float64)  # [N, subs]
-    scale = w_scales[None] * dx[:, None].astype(np.float64)  # [M, N, subs]
-    magnitude = (np.einsum("msi,nsi->mns", np.abs(q), np.abs(w)) * np.abs(scale)).sum(-1)  # bounds any partial sum
-    return (dots * scale).sum(-1), dots, magnitude
+    n = codes.shape[0]
+    w = np.zeros((n, supers * sup * 32), np.int64)
+    used = min(w.shape[1], -(-k // 32) * 32)
+    w[:, :used] = unpacked_codes(codes, bits)[:, :used]
+    w = w.reshape(n, supers, sup, 32)
+    totals = (np.einsum("msbi,nsbi->mnsb", q, w) * steps[None]).sum(-1)  # [M, N, supers]
+    scale = (units[None] * dx[:, None]).astype(np.float32).astype(np.float64)  # unit x dx, a float32 product
+    # 4 bits: the vector path adds q + 128 (unsigned) and takes 128 x sum(w) back: its lanes hold up to that
+    shifted = np.abs(q) + (128 if bits == 4 else 0)
+    magnitude = (np.einsum("msbi,nsbi->mnsb", shifted, np.abs(w)) * np.abs(steps[None])).sum(-1)
+    return (totals * scale).sum(-1), totals, (magnitude * np.abs(scale)).sum(-1)
 
 
 def weights(rng, n: int, k: int, bits: int, block_size: int):
@@ -65,27 +91,55 @@ def product(x, codes, scales, n, k, bits, block_size, **kw):
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("block_size,k", [(32, 256), (64, 320), (128, 300), (32, 70)])
-def test_integer_dots_are_exact(path, bits, block_size, k):
-    """Activations already on the int8 grid (each 32 values' largest magnitude 127: q = x) and weight
-    scales of 1: every float the kernel forms is an integer below 2^24, so y must equal the exact
-    integer sum bit for bit; a wrong code, nibble order, zero point or padding cannot hide in rounding."""
+@pytest.mark.parametrize("bits,block_size,k", [(4, 32, 256), (4, 64, 320), (4, 128, 300), (4, 32, 70), (8, 32, 256),
+                                               (8, 32, 70)])
+def test_integer_sums_are_exact(path, bits, block_size, k):
+    """Activations already on the int8 grid (each superblock's largest magnitude 127: q = x, dx = 1) and
+    scales that make every unit 2^-11 and every step a small integer (each superblock's first block
+    carries the largest scale, 2047 x 2^-11, over zero weights): every float the kernel forms is an
+    integer times 2^-11 below 2^24, so y must equal the exact sum bit for bit; a wrong code, nibble or
+    activation order, zero point, step, offset or padding cannot hide in rounding."""
     rng = np.random.default_rng(k + bits)
-    n, m = 37, 6
-    codes = rng.integers(0, 256, size=(n, -(-k // block_size), block_size * bits // 8), dtype=np.uint8)
-    if -(-k // block_size) * block_size > k:  # the padded tail holds zero weights, as the quantizer writes it
-        zero = 0x88 if bits == 4 else 0x80
+    n, m, sup = 37, 6, super_blocks(bits)
+    blocks = -(-k // block_size)
+    codes = rng.integers(0, 256, size=(n, blocks, block_size * bits // 8), dtype=np.uint8)
+    zero = 0x88 if bits == 4 else 0x80
+    if blocks * block_size > k:  # the padded tail holds zero weights, as the quantizer writes it
         flat = codes.reshape(n, -1)
-        first = k * bits // 8
-        flat[:, first:] = zero
-    scales = np.ones((n, -(-k // block_size)), np.float32)
+        flat[:, k * bits // 8:] = zero
+    scales = (rng.integers(1, 16, size=(n, blocks)) * 2.0 ** -11).astype(np.float32)
+    firsts = np.arange(0, blocks * block_size, sup * 32) // block_size  # the block opening each superblock
+    scales[:, firsts] = 2047 * 2.0 ** -11
+    codes[:, firsts] = zero
     x = rng.integers(-127, 128, size=(m, k)).astype(np.float32)
-    x[:, ::32] = 127  # each 32 values' largest magnitude: dx = 1
-    expected, dots, magnitude = reference(x, codes, scales, bits, block_size)
-    assert magnitude.max() < 2 ** 24
+    x[:, ::sup * 32] = 127
+    expected, totals, magnitude = reference(x, codes, scales, bits, block_size)
+    assert magnitude.max() < 2 ** 24 * 2.0 ** -11 and np.abs(totals).max() > 0
     y = product(x, codes, scales, n, k, bits, block_size, path=path)
     assert np.array_equal(y, expected.astype(np.float32))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_prepared_steps_and_units_follow_the_description(bits):
+    """The weight's prepared form: units largest |scale| / 2047 per superblock, steps rint(scale / unit)
+    (0 past the row), and at 4 bits the offsets 128 x sum over the superblock of step x (code - zp)."""
+    rng = np.random.default_rng(bits)
+    n, k, block_size = 19, 610, 64
+    codes, scales = weights(rng, n, k, bits, block_size)
+    scales[3] = 0  # a row of zero scales: unit 0, steps 0
+    bound = KERNEL.bound(codes, scales, n=n, k=k, bits=bits, block_size=block_size)
+    steps, units, offsets = bound.prepared
+    want_steps, want_units = prepared(scales, k, bits, block_size)
+    assert np.array_equal(units, want_units)
+    assert np.array_equal(steps.reshape(want_steps.shape), want_steps)
+    if bits == 4:
+        sup = super_blocks(bits)
+        w = np.zeros((n, want_units.shape[1] * sup * 32), np.int64)
+        w[:, :-(-k // 32) * 32] = unpacked_codes(codes, bits)[:, :-(-k // 32) * 32]
+        sums = w.reshape(n, -1, sup, 32).sum(-1)
+        assert np.array_equal(offsets, 128 * (sums * want_steps).sum(-1))
+    else:
+        assert not offsets.any()
 
 
 @settings(max_examples=60, deadline=None)
@@ -98,7 +152,7 @@ def test_fuzzed_shapes_match_the_reference(m, n, k, bits, block_size, seed, path
     x[rng.random((m, k)) < 0.1] = 0
     expected, _, magnitude = reference(x, codes, scales, bits, block_size)
     y = product(x, codes, scales, n, k, bits, block_size, path=path)
-    # float32 roundings of a few products and sums per 32 values, each within 2^-24 of a partial sum
+    # float32 roundings of a few conversions, products and sums per superblock, each within 2^-24 of a partial sum
     assert np.all(np.abs(y - expected) <= 1e-6 * magnitude + 1e-30)
 
 
@@ -108,7 +162,7 @@ def test_a_row_sums_the_same_alone_among_rows_and_on_any_thread_count(path, bits
     """Row invariance: rows computed alone, in any batch of 1..9 rows, on 1, 2 or 3 threads, are
     bitwise equal (plain decoding runs one row, a SPEED step P; nothing pads a row to make them agree)."""
     rng = np.random.default_rng(bits)
-    n, k = 203, 352  # 11 sub-blocks: a partial group of 4 at the end of every row
+    n, k = 203, 352  # 11 sub-blocks: a partial superblock at the end of every row (4 bits: 8 + 3; 8 bits: 2 x 5 + 1)
     codes, scales = weights(rng, n, k, bits, 32)
     x = rng.standard_normal((9, k)).astype(np.float32)
     alone = np.stack([product(x[i:i + 1], codes, scales, n, k, bits, 32, path=path)[0] for i in range(9)])

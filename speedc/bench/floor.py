@@ -169,10 +169,12 @@ def measure_kernel(shape, layers: int, *, weights: str, threads: int | None = No
     inputs = {(rows, k): rng.standard_normal((rows, k), dtype=np.float32) for rows in KERNEL_ROWS for _, _, _, k in chain}
     outputs = {(rows, n): np.empty((rows, n), np.float32) for rows in KERNEL_ROWS for _, _, n, _ in chain}
 
+    bound = [(kernel.bound(codes, scales, n=n, k=k, bits=floor.bits, block_size=BLOCK_SIZE, threads=threads), n, k)
+             for codes, scales, n, k in chain]  # each weight prepared once, as a session's operator does
+
     def products(rows: int):
-        for codes, scales, n, k in chain:
-            kernel.product(inputs[rows, k], codes, scales, n=n, k=k, bits=floor.bits, block_size=BLOCK_SIZE,
-                           threads=threads, out=outputs[rows, n])
+        for product, n, k in bound:
+            product(inputs[rows, k], outputs[rows, n])
 
     arrays = [a for codes, scales, _, _ in chain for a in (codes, scales)]
     blocks = FloorWeights(floor.bits, {name: array for name, array in floor.arrays.items() if not name.startswith("head.")},
