@@ -160,3 +160,23 @@ def test_memory_bound_end_to_end_times_llama_cpp_beside_speed():
     peer = report["end_to_end"]["peers"]["llama.cpp"]
     assert peer["ms_per_token"] > 0 and peer["speed_speedup"] > 0 and peer["ran"].startswith("llama.cpp nanbeige (native), F16")
     assert 0 <= peer["agreement"] <= 1 and peer["same_weights"] is False and "peers" in report["rows"][-1]
+
+
+@pytest.mark.skipif(not __import__("speedc.bench.peers", fromlist=["x"]).llama_cpp_installed(),
+                    reason="llama-cpp-python is the peers extra (it compiles llama.cpp)")
+def test_the_llama_cpp_peer_returns_llama_cpp_greedy_continuation(tmp_path):
+    """The peer's ids are llama.cpp's own greedy choices: each is the argmax of llama.cpp's logits after
+    the prompt and the ids before it, evaluated again in one batch by a separate context."""
+    import llama_cpp
+
+    from speedc.bench.peers import llama_cpp_peer
+
+    checkpoint = write_random_checkpoint(NANBEIGE_TINY, 2, tmp_path / "ckpt", max_positions=64)
+    written = write_gguf(checkpoint, tmp_path / "m.gguf", "bf16")
+    prompt = [5, 17, 3, 99, 42, 7, 1, 2]
+    ids, seconds = llama_cpp_peer(tmp_path / "m.gguf", 1, context=32)(prompt, 8)
+    assert len(ids) == 8 and seconds > 0
+    check = llama_cpp.Llama(model_path=written["path"], n_ctx=32, n_threads=1, logits_all=True, verbose=False)
+    check.eval(prompt + ids[:-1])
+    greedy = np.asarray(check.scores[len(prompt) - 1:len(prompt) + len(ids) - 1]).argmax(-1)
+    assert greedy.tolist() == ids and len(set(ids)) > 1

@@ -94,8 +94,10 @@ def llama_cpp_peer(gguf: Path, threads: int | None, context: int):
     from speedc.runtimes.backends.protocol import resolve_threads
 
     threads = resolve_threads(threads)
+    # logits_all: llama-cpp-python keeps `scores` only then (without it they stay zeros); the extra cost
+    # is the prompt's logits, outside the timed decode
     model = llama_cpp.Llama(model_path=str(gguf), n_ctx=context, n_batch=min(512, context), n_threads=threads,
-                            n_threads_batch=threads, logits_all=False, verbose=False)
+                            n_threads_batch=threads, logits_all=True, verbose=False)
 
     def generate(prompt: list[int], new_tokens: int) -> tuple[list[int], float]:
         model.reset()
