@@ -48,7 +48,7 @@
 
 #define SUB 32          /* values per sub-block: one weight step each */
 #define SUPER_MAX 8     /* sub-blocks per superblock (one activation scale and one weight unit each), see super_of */
-#define STEP_LIMIT 2047 /* the largest |step|: 8 sub-blocks of 4-row int32 lanes stay below 2^31 at 8 bits */
+#define STEP_LIMIT 2047 /* the largest |step|: a superblock's int32 lanes and 4-bit offset stay below 2^31 */
 #define MAX_THREADS 64
 
 enum { PATH_AUTO = 0, PATH_PORTABLE = 1, PATH_AVX2 = 2 };
