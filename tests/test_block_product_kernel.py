@@ -41,6 +41,16 @@ def super_blocks(bits: int) -> int:
     return 8 if bits == 4 else 2
 
 
+def superblock_weights(codes: np.ndarray, bits: int, k: int, supers: int) -> np.ndarray:
+    """[N, supers, super, 32] signed weights of the row's sub-blocks (every code of each, as the kernel
+    multiplies them), zeros past the row's last sub-block."""
+    sup, n = super_blocks(bits), codes.shape[0]
+    w = np.zeros((n, supers * sup * 32), np.int64)
+    used = min(w.shape[1], -(-k // 32) * 32)
+    w[:, :used] = unpacked_codes(codes, bits)[:, :used]
+    return w.reshape(n, supers, sup, 32)
+
+
 def prepared(scales: np.ndarray, k: int, bits: int, block_size: int):
     """(steps [N, supers, super] int64, units [N, supers] float32): the weight's scales as the description says."""
     sub_blocks, sup = -(-k // 32), super_blocks(bits)
@@ -68,11 +78,7 @@ def reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, bits: int, b
     inverse = np.where(largest > 0, np.float32(127) / np.where(largest > 0, largest, 1), 0).astype(np.float32)
     q = np.rint(groups * inverse[..., None]).astype(np.int64).reshape(m, supers, sup, 32)
     dx = (largest / np.float32(127)).astype(np.float32)
-    n = codes.shape[0]
-    w = np.zeros((n, supers * sup * 32), np.int64)
-    used = min(w.shape[1], -(-k // 32) * 32)
-    w[:, :used] = unpacked_codes(codes, bits)[:, :used]
-    w = w.reshape(n, supers, sup, 32)
+    w = superblock_weights(codes, bits, k, supers)
     totals = (np.einsum("msbi,nsbi->mnsb", q, w) * steps[None]).sum(-1)  # [M, N, supers]
     scale = (units[None] * dx[:, None]).astype(np.float32).astype(np.float64)  # unit x dx, a float32 product
     # 4 bits: the vector path adds q + 128 (unsigned) and takes 128 x sum(w) back: its lanes hold up to that
@@ -133,10 +139,7 @@ def test_prepared_steps_and_units_follow_the_description(bits):
     assert np.array_equal(units, want_units)
     assert np.array_equal(steps.reshape(want_steps.shape), want_steps)
     if bits == 4:
-        sup = super_blocks(bits)
-        w = np.zeros((n, want_units.shape[1] * sup * 32), np.int64)
-        w[:, :-(-k // 32) * 32] = unpacked_codes(codes, bits)[:, :-(-k // 32) * 32]
-        sums = w.reshape(n, -1, sup, 32).sum(-1)
+        sums = superblock_weights(codes, bits, k, want_units.shape[1]).sum(-1)
         assert np.array_equal(offsets, 128 * (sums * want_steps).sum(-1))
     else:
         assert not offsets.any()
