@@ -15,7 +15,6 @@ from speedc.models.corpus import load_documents
 from speedc.models.generate import generate as reference_generate
 
 NEW_TOKENS = 128
-ORACLE_EVERY = 6  # prompts 0 and 6 are also checked against both references (test_oracle.py covers random models)
 
 
 def held_out_prompts(engine: Engine, count: int = 20) -> list[list[int]]:
@@ -45,7 +44,7 @@ def test_greedy_lossless_against_two_references(zoo, tmp_path):
         speed = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
         plain = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False, mode="autoregressive")
         assert speed.ids == plain.ids
-        if index % ORACLE_EVERY == 0:  # the two PyTorch references cost ~30x speedc's time: every 6th prompt
+        if index == 0:  # both PyTorch references (~30x speedc's time) on one prompt; test_oracle.py covers more
             assert speed.ids == reference_generate(model, prompt, NEW_TOKENS)
             with torch.no_grad():
                 hf = oracle.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
