@@ -241,7 +241,9 @@ def test_kernel_measurement_reports_every_row_count_beside_matmulnbits(weights):
     if native.load() is None:
         assert report == {"kernel": None, "why": native.unavailable_reason()}
         return
-    assert report["kernel"] in ("avx2", "portable") and report["threads"] == 2
+    assert report["kernel"] == native.load().path and report["threads"] == 2
+    assert report["kernel"] in report["paths"] and "avx-vnni-standin" not in report["paths"]
+    assert all(set(p["rows_ms"]) == {"1", "2", "4", "8"} and p["one_row_vs_stream"] > 0 for p in report["paths"].values())
     assert set(report["rows_ms"]) == set(report["matmulnbits_rows_ms"]) == {"1", "2", "4", "8"}
     assert set(report["cost"]) == set(report["matmulnbits_cost"]) == {"2", "4", "8"}
     assert all(v > 0 for v in [*report["rows_ms"].values(), *report["matmulnbits_rows_ms"].values(), report["stream_ms"]])

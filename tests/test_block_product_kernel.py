@@ -24,7 +24,7 @@ from speedc.runtimes.kernels.native import KernelError
 
 KERNEL = native.load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason=f"no native kernel here: {native.unavailable_reason()}")
-PATHS = [p for p in ("portable", "avx2") if KERNEL is not None and (p == "portable" or KERNEL.path == "avx2")]
+PATHS = KERNEL.paths if KERNEL is not None else []  # every path this CPU runs, the AVX2 stand-in of avx-vnni included
 
 
 def unpacked_codes(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -96,17 +96,13 @@ def product(x, codes, scales, n, k, bits, block_size, **kw):
                           block_size=block_size, **kw)
 
 
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("bits,block_size,k", [(4, 32, 256), (4, 64, 320), (4, 128, 300), (4, 32, 70), (8, 32, 256),
-                                               (8, 32, 70)])
-def test_integer_sums_are_exact(path, bits, block_size, k):
-    """Activations already on the int8 grid (each superblock's largest magnitude 127: q = x, dx = 1) and
-    scales that make every unit 2^-11 and every step a small integer (each superblock's first block
-    carries the largest scale, 2047 x 2^-11, over zero weights): every float the kernel forms is an
-    integer times 2^-11 below 2^24, so y must equal the exact sum bit for bit; a wrong code, nibble or
-    activation order, zero point, step, offset or padding cannot hide in rounding."""
+def exact_case(k: int, bits: int, block_size: int, *, n: int, m: int):
+    """(x [M, K], codes, scales) on which every float the kernel forms is an integer times 2^-11 below
+    2^24: activations already on the int8 grid (each superblock's largest magnitude 127: q = x, dx = 1),
+    and scales that make every unit 2^-11 and every step a small integer (each superblock's first block
+    carries the largest scale, 2047 x 2^-11, over zero weights)."""
     rng = np.random.default_rng(k + bits)
-    n, m, sup = 37, 6, super_blocks(bits)
+    sup = super_blocks(bits)
     blocks = -(-k // block_size)
     codes = rng.integers(0, 256, size=(n, blocks, block_size * bits // 8), dtype=np.uint8)
     zero = 0x88 if bits == 4 else 0x80
@@ -119,6 +115,17 @@ def test_integer_sums_are_exact(path, bits, block_size, k):
     codes[:, firsts] = zero
     x = rng.integers(-127, 128, size=(m, k)).astype(np.float32)
     x[:, ::sup * 32] = 127
+    return x, codes, scales
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("bits,block_size,k", [(4, 32, 256), (4, 64, 320), (4, 128, 300), (4, 32, 70), (8, 32, 256),
+                                               (8, 32, 70)])
+def test_integer_sums_are_exact(path, bits, block_size, k):
+    """On exact_case's operands y must equal the exact sum bit for bit: a wrong code, nibble or
+    activation order, zero point, step, offset or padding cannot hide in rounding."""
+    n = 37
+    x, codes, scales = exact_case(k, bits, block_size, n=n, m=6)
     expected, totals, magnitude = reference(x, codes, scales, bits, block_size)
     assert magnitude.max() < 2 ** 24 * 2.0 ** -11 and np.abs(totals).max() > 0
     y = product(x, codes, scales, n, k, bits, block_size, path=path)
@@ -176,13 +183,28 @@ def test_a_row_sums_the_same_alone_among_rows_and_on_any_thread_count(path, bits
 
 
 def test_paths_agree_within_rounding():
-    if "avx2" not in PATHS:
-        pytest.skip("this CPU has no AVX2")
+    """Every path against the portable one: the same sums up to float rounding (how each path spreads a
+    superblock's integer over vector lanes before scaling it differs)."""
     rng = np.random.default_rng(7)
-    codes, scales = weights(rng, 64, 512, 4, 32)
-    x = rng.standard_normal((4, 512)).astype(np.float32)
-    a, b = (product(x, codes, scales, 64, 512, 4, 32, path=p) for p in ("avx2", "portable"))
-    assert np.allclose(a, b, rtol=1e-5, atol=1e-5)
+    for bits in (4, 8):
+        codes, scales = weights(rng, 64, 512, bits, 32)
+        x = rng.standard_normal((4, 512)).astype(np.float32)
+        portable = product(x, codes, scales, 64, 512, bits, 32, path="portable")
+        for path in PATHS:
+            assert np.allclose(product(x, codes, scales, 64, 512, bits, 32, path=path), portable, rtol=1e-5, atol=1e-5), path
+
+
+def test_the_avx2_stand_in_is_the_avx_vnni_path_bit_for_bit():
+    """avx-vnni-standin replaces each AVX-VNNI instruction by an exact AVX2 equivalent: on a CPU with
+    AVX-VNNI both give the same bits (so the stand-in's tests, which run on any AVX2 CPU, test that path)."""
+    if "avx-vnni" not in PATHS:
+        pytest.skip("this CPU has no AVX-VNNI")
+    rng = np.random.default_rng(11)
+    for bits in (4, 8):
+        codes, scales = weights(rng, 93, 1000, bits, 32)
+        x = (rng.standard_normal((5, 1000)) * 40).astype(np.float32)
+        real, stand_in = (product(x, codes, scales, 93, 1000, bits, 32, path=p) for p in ("avx-vnni", "avx-vnni-standin"))
+        assert np.array_equal(real, stand_in)
 
 
 def test_arguments_it_does_not_take_are_refused():
@@ -196,6 +218,8 @@ def test_arguments_it_does_not_take_are_refused():
         KERNEL.product(x, small_codes, small_scales, n=8, k=64, bits=4, block_size=16)
     with pytest.raises(KernelError, match="fewer bytes"):
         KERNEL.product(x, codes[:4], scales, n=8, k=64, bits=4, block_size=32)
+    with pytest.raises(KernelError, match="code -3"):  # a path of the other architecture
+        KERNEL.product(x, codes, scales, n=8, k=64, bits=4, block_size=32, path="dotprod" if "avx2" in PATHS else "avx2")
     with pytest.raises(KernelError, match="C-contiguous float32"):
         KERNEL.product(x[:, ::2].copy().astype(np.float64), codes, scales, n=8, k=32, bits=4, block_size=32)
 

@@ -20,13 +20,14 @@ from speedc import Engine
 from speedc.format.artifact import GRAPH_FILES, dequantized_weights, is_weight_name, stored_entries
 from speedc.models.checkpoint.torch_io import open_checkpoint
 from speedc.models.llama import SharedLlama
-from speedc.runtimes.kernels import ort_op
+from speedc.runtimes.kernels import native, ort_op
 from test_properties import _engines, _perturb_exit_head
 
 # Each ONNX Runtime path twice: the products on speedc's kernel (the native twin graphs, where the kernel
 # loads here) and on ONNX Runtime's MatMulNBits (the fallback, SPEEDC_NATIVE_KERNEL=0).
 NATIVE = ort_op.custom_ops_library() is not None
 PATHS = ("onnx-numpy", "onnx", "onnx-numpy/MatMulNBits", "onnx/MatMulNBits")
+KERNEL_PATHS = native.load().paths if NATIVE else []
 
 
 def _engines_on_both_kernels(art) -> dict[str, Engine]:
@@ -42,13 +43,17 @@ def _engines_on_both_kernels(art) -> dict[str, Engine]:
 
 
 @pytest.fixture(scope="module")
-def quantized(tmp_path_factory):
+def quantized_artifacts(tmp_path_factory):
     root = tmp_path_factory.mktemp("quantized")
     model = _perturb_exit_head(randomize(SharedLlama(random_config(blocks=2, layers=6, heads=4, kv_heads=2, hidden=64, tie=False)),
                                          seed=100), seed=0, strength=0.5)
-    random_int4 = build_artifact(model, root / "random-int4", dtype="int4")
-    zoo_int8 = build_artifact(ZOO / "tiny", root / "tiny-int8", dtype="int8")
-    return {"random-int4": (model, _engines_on_both_kernels(random_int4)), "tiny-int8": (None, _engines_on_both_kernels(zoo_int8))}
+    return {"random-int4": (model, build_artifact(model, root / "random-int4", dtype="int4")),
+            "tiny-int8": (None, build_artifact(ZOO / "tiny", root / "tiny-int8", dtype="int8"))}
+
+
+@pytest.fixture(scope="module")
+def quantized(quantized_artifacts):
+    return {which: (model, _engines_on_both_kernels(art)) for which, (model, art) in quantized_artifacts.items()}
 
 
 sampling = st.one_of(st.just({}), st.fixed_dictionaries(
@@ -86,6 +91,39 @@ def test_both_outcomes_happen_and_logits_are_bitwise_plain_logits(quantized, sam
                 assert np.array_equal(row, seen["autoregressive"][position]), (which, path, position)
             seen.clear()
     assert accepted > 10 and mispredicted > 10
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native kernel or onnxruntime-extensions is not available here")
+@pytest.mark.parametrize("kernel_path", KERNEL_PATHS)
+def test_every_kernel_path_keeps_speed_equal_to_plain_decoding(quantized_artifacts, kernel_path):
+    """Each path of speedc's kernel this CPU runs (SPEEDC_NATIVE_KERNEL names it; avx-vnni-standin runs the
+    avx-vnni path's logic on AVX2): SPEED == plain decoding of the same artifact, greedy and seeded,
+    through accepted and refused speculations."""
+    accepted = mispredicted = 0
+    for which, (_, art) in quantized_artifacts.items():
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("SPEEDC_NATIVE_KERNEL", kernel_path)
+            engine = Engine.load(art)
+        assert engine.backend.session.speedc_products.startswith(f"speedc kernel ({kernel_path}, "), which
+        for params in ({}, {"temperature": 0.8, "seed": 3}):
+            for prompt in ([5, 9, 2], [1, 40, 7, 7, 3, 12]):
+                speed = engine.generate(prompt, max_new_tokens=24, stop_at_eos=False, **params)
+                plain = engine.generate(prompt, max_new_tokens=24, stop_at_eos=False, mode="autoregressive", **params)
+                assert speed.ids == plain.ids, (which, params, prompt)
+                accepted, mispredicted = accepted + speed.stats.accepted, mispredicted + speed.stats.mispredicted
+    assert accepted > 10 and mispredicted > 10
+
+
+def test_a_kernel_path_this_cpu_lacks_falls_back_in_one_line(quantized_artifacts):
+    """SPEEDC_NATIVE_KERNEL naming a path this CPU does not run, or no path at all: MatMulNBits, and why."""
+    art = quantized_artifacts["random-int4"][1]
+    missing = next(p for p in ("dotprod", "avx2") if p not in KERNEL_PATHS)
+    for setting, why in ((missing, f"this CPU has no {missing} path"), ("avx3", "SPEEDC_NATIVE_KERNEL=avx3 is not 0, 1 or")):
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("SPEEDC_NATIVE_KERNEL", setting)
+            engine = Engine.load(art)
+        products = engine.backend.session.speedc_products
+        assert products.startswith("MatMulNBits") and (why in products or not NATIVE), products
 
 
 def test_batched_sequences_equal_plain_decoding_alone(quantized):

@@ -123,8 +123,9 @@ def mean_product_bytes(manifest: Manifest) -> float:
 def _native_products(directory: Path, manifest: Manifest, threads: int | None, options):
     """(the weights registration, "speedc kernel (PATH)") where the native twin runs, with OPTIONS set
     for it; else (None, "MatMulNBits (why)"). SPEEDC_NATIVE_KERNEL: unset, the twin where the kernel
-    loads and the products are large enough to pay for the operator's per-call cost; 1 (or portable,
-    its portable C path) wherever it loads; 0 never."""
+    loads and the products are large enough to pay for the operator's per-call cost; 1 wherever it
+    loads; a kernel path's name (portable, avx2, avx-vnni, avx512-vnni, avx-vnni-standin, dotprod, i8mm)
+    that path wherever this CPU runs it; 0 never."""
     global _said_unavailable
     from speedc.runtimes.kernels import ort_op
 
@@ -135,8 +136,8 @@ def _native_products(directory: Path, manifest: Manifest, threads: int | None, o
         return None, (f"MatMulNBits (products of {mean_product_bytes(manifest) / 1e6:.2f} MB on average: below "
                       f"{NATIVE_MIN_MEAN_PRODUCT_BYTES >> 20} MiB the native operator's per-call cost outweighs it)")
     library = ort_op.custom_ops_library()
-    if library is None:
-        why = ort_op.unavailable_reason()
+    path, why = ort_op.choose_path(setting) if library is not None else (None, ort_op.unavailable_reason())
+    if path is None:
         if not _said_unavailable:
             _said_unavailable = True
             print(f"speedc: the native int8/int4 kernel is unavailable ({why}); products run on ONNX Runtime's "
@@ -148,8 +149,8 @@ def _native_products(directory: Path, manifest: Manifest, threads: int | None, o
     # threads have the cores (spinning workers made a product 1.5-1.9x slower, measured)
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     weight_map = ort_op.register_weights(manifest.weights["native_artifact"], directory / manifest.weights["file"],
-                                         manifest.weights["index"], kernel_threads)
-    return weight_map, f"speedc kernel ({ort_op.kernel_path()}, {kernel_threads} threads)"
+                                         manifest.weights["index"], kernel_threads, path)
+    return weight_map, f"speedc kernel ({path}, {kernel_threads} threads)"
 
 
 def check_session_io(directory: Path, name: str, spec: dict, session) -> None:

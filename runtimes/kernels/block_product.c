@@ -27,8 +27,24 @@
    features only, so the thread count does not change a sum either. Each weight sub-block is unpacked
    once and applied to up to 4 rows; the codes are read in place (weights.bin mapped), never copied.
 
-   Paths: AVX2 (chosen at run time where the CPU has AVX2 and FMA) and portable C. Each is row-invariant
-   on its own; they may differ from each other in the last bits (one machine runs one path).
+   Paths, chosen at run time from the CPU's features (each compiled with its own target attributes, so
+   one build serves every CPU of its architecture); each is row-invariant on its own. Multiply
+   instructions per 64 weights per row (4 bits / 8 bits; the weights' unpacking is shared by the rows):
+
+       path          instructions per superblock per row                          4 bits   8 bits
+       avx2          maddubs x2 + madd per pair of sub-blocks (256-bit)              3        4
+       avx-vnni      dpbusd x4 + dpwssd per 4 sub-blocks (256-bit, AVX-VNNI)        2.5       4
+       avx512-vnni   dpbusd x4 + dpwssd per superblock (512-bit, AVX-512 VNNI)      1.25      2
+       dotprod       sdot x2 + mla per sub-block (128-bit, Arm dotprod)              6        6
+       i8mm          smmla x4 + mla per sub-block, 2 rows x 2 features (Arm i8mm)    2.5      2.5
+       portable      C, one value at a time
+
+   The x86 paths keep a superblock's integer sum spread over vector lanes (one conversion and one float
+   multiply-add per superblock for all lanes), so they may differ from each other in the last bits. The
+   Arm paths sum each superblock to one exact integer and scale it as the portable path does: they give
+   the portable path's bits exactly, whatever the row count. avx-vnni-standin is the avx-vnni path with
+   each dot-product instruction replaced by an exact AVX2 equivalent (u8 x s8 summed in int32, no
+   saturation): it tests that path's logic on CPUs without AVX-VNNI and is never chosen by itself.
    Built by runtimes/kernels/native.py with the system C compiler; speedc falls back to ONNX Runtime's
    MatMulNBits where it cannot build or load this file. */
 
@@ -44,6 +60,14 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define SPEEDC_X86 1
+/* AVX-VNNI and AVX-512 VNNI intrinsics: GCC 11 and clang 12 on */
+#if defined(__clang__) ? (__clang_major__ >= 12) : (defined(__GNUC__) && __GNUC__ >= 11)
+#define SPEEDC_VNNI 1
+#endif
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#define SPEEDC_ARM 1
 #endif
 
 #define SUB 32          /* values per sub-block: one weight step each */
@@ -51,20 +75,23 @@
 #define STEP_LIMIT 2047 /* the largest |step|: a superblock's int32 lanes and 4-bit offset stay below 2^31 */
 #define MAX_THREADS 64
 
-enum { PATH_AUTO = 0, PATH_PORTABLE = 1, PATH_AVX2 = 2 };
+/* The paths (runtimes/kernels/native.py PATHS names them). */
+enum { PATH_AUTO = 0, PATH_PORTABLE = 1, PATH_AVX2 = 2, PATH_AVX_VNNI = 3, PATH_AVX512_VNNI = 4, PATH_VNNI_STANDIN = 5,
+       PATH_DOTPROD = 6, PATH_I8MM = 7, PATH_COUNT = 8 };
 
 /* One call's operands. Activations, rows padded with zeros to whole superblocks:
-   q   [m, supers * 32 * super] bytes  4-bit weights: q + 128 as uint8, each pair of sub-blocks j, j + 1 as
-                                [j's even values | j + 1's even | j's odd | j + 1's odd] (16 bytes each: the
-                                order in which one 32-byte load of their codes unpacks, low nibbles then high
-                                nibbles); 8-bit: q as int8, in order
+   q   [m, supers * 32 * super] bytes  4-bit weights: q + 128 as uint8 (x86) or q as int8 (Arm, portable),
+                                each group of G sub-blocks j .. j + G - 1 as [j's even values | ... | j + G - 1's
+                                even | j's odd | ... | j + G - 1's odd] (16 bytes each: the order in which one
+                                load of their 16 G code bytes unpacks, low nibbles then high nibbles; G = 2 on
+                                avx2 / avx-vnni, 4 on avx512-vnni, 1 on Arm, group_of); 8-bit: q as int8, in order
    dx  [m, supers] float
    The prepared weight (speedc_block_prepare): steps [n, supers * super] int16 (0 past the row), units
    [n, supers] float, offsets [n, supers] int32 (4 bits: 128 * sum of step * (code - zp) over the
    superblock, what q + 128 adds; else 0). */
 typedef struct {
     int64_t m, n, k, blocks, sub_blocks, supers;
-    int block_size, bits, path;
+    int block_size, bits, path, group;
     const uint8_t *codes;
     const int16_t *steps;
     const float *units;
@@ -85,13 +112,29 @@ static inline const uint8_t *sub_block_codes(const product_t *p, int64_t n, int6
     return p->codes + (n * p->blocks) * (p->block_size * p->bits / 8) + b * (SUB * p->bits / 8);
 }
 
+/* Superblock S's codes of feature N; the last superblock of a row that does not fill it is copied into
+   TAIL with zero weights (whose step is 0) past the row, so a vector path reads whole superblocks. */
+static inline const uint8_t *superblock_codes(const product_t *p, int64_t n, int64_t s, int bits, uint8_t *tail) {
+    const int super = super_of(bits), sub_bytes = SUB * bits / 8;
+    const uint8_t *codes = sub_block_codes(p, n, s * super);
+    if (s < p->sub_blocks / super) return codes;
+    memset(tail, bits == 4 ? 0x88 : 0x80, SUPER_MAX * SUB);
+    memcpy(tail, codes, (size_t)(p->sub_blocks - s * super) * sub_bytes);
+    return tail;
+}
+
 /* ---------------------------------------------------------------- activations */
 
-/* Where value I of sub-block B of a superblock sits in its 4-bit activation bytes (see product_t). */
-static inline int q4_index(int b, int i) { return (b & ~1) * SUB + (i & 1) * SUB + (b & 1) * (SUB / 2) + i / 2; }
+/* Sub-blocks per 4-bit activation group on PATH (see product_t), and whether its 4-bit activations are
+   stored as q + 128 (unsigned, for x86's u8 x s8 products) or as q. */
+static inline int group_of(int path) { return path == PATH_AVX512_VNNI ? 4 : (path == PATH_DOTPROD || path == PATH_I8MM ? 1 : 2); }
+static inline int shifted_q4(int path) { return path != PATH_PORTABLE && path != PATH_DOTPROD && path != PATH_I8MM; }
+
+/* Where value I of sub-block B of a superblock sits in its 4-bit activation bytes, groups of G (see product_t). */
+static inline int q4_index(int b, int i, int g) { return (b / g) * g * SUB + (i & 1) * g * (SUB / 2) + (b % g) * (SUB / 2) + i / 2; }
 
 static void quantize_rows(const float *x, const product_t *p, uint8_t *q, float *dx) {
-    const int super = super_of(p->bits), values = SUB * super;
+    const int super = super_of(p->bits), values = SUB * super, shift = shifted_q4(p->path) ? 128 : 0;
     const int64_t width = p->supers * values;
     for (int64_t r = 0; r < p->m; r++) {
         const float *row = x + r * p->k;
@@ -109,7 +152,7 @@ static void quantize_rows(const float *x, const product_t *p, uint8_t *q, float 
                 for (int i = 0; i < SUB; i++) {
                     const int64_t at = b * SUB + i;
                     const int v = at < count ? (int)nearbyintf(row[start + at] * inverse) : 0;
-                    if (p->bits == 4) out[q4_index(b, i)] = (uint8_t)(v + 128);
+                    if (p->bits == 4) out[q4_index(b, i, p->group)] = (uint8_t)(v + shift);
                     else out[b * SUB + i] = (uint8_t)(int8_t)v;
                 }
             }
@@ -167,7 +210,7 @@ static void prepare_part(const void *job, int part, int parts) {
 /* Row-invariant on its own: each row sums each superblock exactly in integers, then one float
    multiply-add per superblock, in order. */
 static void features_portable(const product_t *p, int64_t n0, int64_t n1) {
-    const int zp = 1 << (p->bits - 1), shift = p->bits == 4 ? 128 : 0, super = super_of(p->bits);
+    const int zp = 1 << (p->bits - 1), super = super_of(p->bits);
     const int64_t width = p->supers * SUB * super;
     for (int64_t n = n0; n < n1; n++) {
         for (int64_t r = 0; r < p->m; r++) {
@@ -183,8 +226,8 @@ static void features_portable(const product_t *p, int64_t n0, int64_t n1) {
                     int32_t dot = 0;
                     if (p->bits == 4) {
                         for (int i = 0; i < SUB / 2; i++) {
-                            dot += ((int32_t)(c[i] & 15) - zp) * ((int32_t)q[q4_index(j, 2 * i)] - shift);
-                            dot += ((int32_t)(c[i] >> 4) - zp) * ((int32_t)q[q4_index(j, 2 * i + 1)] - shift);
+                            dot += ((int32_t)(c[i] & 15) - zp) * (int8_t)q[q4_index(j, 2 * i, p->group)];
+                            dot += ((int32_t)(c[i] >> 4) - zp) * (int8_t)q[q4_index(j, 2 * i + 1, p->group)];
                         }
                     } else {
                         for (int i = 0; i < SUB; i++) dot += ((int32_t)c[i] - zp) * (int8_t)q[j * SUB + i];
@@ -199,124 +242,12 @@ static void features_portable(const product_t *p, int64_t n0, int64_t n1) {
     }
 }
 
-/* ---------------------------------------------------------------- AVX2 path */
+/* ---------------------------------------------------------------- vector paths */
 #ifdef SPEEDC_X86
-#define AVX2 __attribute__((target("avx2,fma")))
-#define INLINE_AVX2 static inline __attribute__((always_inline, target("avx2,fma")))
-
-/* A pair of sub-blocks J, J + 1 of one row, added to the row's 8 int32 lanes: step * (code - zp) . q.
-   4 bits: one 32-byte load of their codes unpacks to LOW = [j's even values | j + 1's even] and HIGH
-   (the odd ones), as signed code - zp in [-8, 7]; the activations are laid out the same way, as q + 128
-   unsigned, so maddubs pairs are at most 2 * 255 * 8 = 4080 and the two halves' sum fits int16; one
-   multiply-add by STEPS = [j's step x 8 | j + 1's x 8] scales both (the 128 * (code - zp) that q + 128
-   adds is the prepared offset). 8 bits: per sub-block |code - zp| x q with the code's sign, a pair at
-   most 2 * 128 * 127 = 32512, times its step. |step| <= 2047 keeps 8 sub-blocks' lanes below 2^31. */
-INLINE_AVX2 __m256i pair4_dot(__m256i lanes, __m256i low, __m256i high, __m256i steps, const uint8_t *q) {
-    const __m256i evens = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)q), low);
-    const __m256i odds = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(q + SUB)), high);
-    return _mm256_add_epi32(lanes, _mm256_madd_epi16(_mm256_add_epi16(evens, odds), steps));
-}
-
-INLINE_AVX2 __m256i sub_block8_dot(__m256i lanes, __m256i w, __m256i magnitude, __m256i step, const uint8_t *q) {
-    const __m256i signed_q = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)q), w);
-    return _mm256_add_epi32(lanes, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_q), step));
-}
-
-INLINE_AVX2 float sum_lanes(__m256 v) {
-    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-    return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
-}
-
-/* Rows R0 .. R0 + ROWS - 1 of feature N (ROWS a constant after inlining): each row's lanes see the same
-   operations in the same order whatever ROWS is. */
-INLINE_AVX2 void feature_rows(const product_t *p, int64_t n, int64_t r0, const int rows, const int bits) {
-    const int super = super_of(bits);
-    const int64_t width = p->supers * SUB * super, whole = p->sub_blocks / super;
-    const int sub_bytes = SUB * bits / 8;
-    const uint8_t *q[4];
-    const float *dx[4];
-    for (int i = 0; i < 4; i++) {
-        const int64_t r = r0 + (i < rows ? i : 0);
-        q[i] = p->q + r * width;
-        dx[i] = p->dx + r * p->supers;
-    }
-    const int16_t *steps = p->steps + n * p->supers * super;
-    const float *units = p->units + n * p->supers;
-    const int32_t *offsets = p->offsets + n * p->supers;
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    uint8_t tail[SUPER_MAX * SUB];
-    const __m256i nibble = _mm256_set1_epi8(15), zp4 = _mm256_set1_epi8(8), flip = _mm256_set1_epi8((char)0x80);
-    const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
-                                            2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
-    for (int64_t s = 0; s < p->supers; s++) {
-        const uint8_t *codes = sub_block_codes(p, n, s * super);
-        if (s >= whole) {  /* the last superblock of a row that does not fill it: zero weights (step 0) past the row */
-            memset(tail, bits == 4 ? 0x88 : 0x80, sizeof tail);
-            memcpy(tail, codes, (size_t)(p->sub_blocks - s * super) * sub_bytes);
-            codes = tail;
-        }
-        __m256i lanes[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
-        for (int j = 0; j < super; j += 2) {
-            const int64_t at = (s * super + j) * SUB;  /* the pair's first activation byte in a row */
-            if (bits == 4) {
-                const __m256i packed = _mm256_loadu_si256((const __m256i *)(codes + j * 16));
-                const __m256i low = _mm256_sub_epi8(_mm256_and_si256(packed, nibble), zp4);
-                const __m256i high = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble), zp4);
-                int32_t two;  /* steps j and j + 1, adjacent int16 */
-                memcpy(&two, steps + s * super + j, sizeof two);
-                const __m256i pair_steps = _mm256_shuffle_epi8(_mm256_set1_epi32(two), spread);
-#pragma GCC unroll 4
-                for (int i = 0; i < rows; i++) lanes[i] = pair4_dot(lanes[i], low, high, pair_steps, q[i] + at);
-            } else {
-                const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(codes + j * SUB)), flip);
-                const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(codes + (j + 1) * SUB)), flip);
-                const __m256i m0 = _mm256_abs_epi8(w0), m1 = _mm256_abs_epi8(w1);
-                const __m256i step0 = _mm256_set1_epi16(steps[s * super + j]), step1 = _mm256_set1_epi16(steps[s * super + j + 1]);
-#pragma GCC unroll 4
-                for (int i = 0; i < rows; i++) {
-                    lanes[i] = sub_block8_dot(lanes[i], w0, m0, step0, q[i] + at);
-                    lanes[i] = sub_block8_dot(lanes[i], w1, m1, step1, q[i] + at + SUB);
-                }
-            }
-        }
-        const __m256i offset = _mm256_zextsi128_si256(_mm_cvtsi32_si128(offsets[s]));  /* lane 0 */
-#pragma GCC unroll 4
-        for (int i = 0; i < rows; i++) {
-            const __m256 scale = _mm256_set1_ps(units[s] * dx[i][s]);
-            const __m256i sums = bits == 4 ? _mm256_sub_epi32(lanes[i], offset) : lanes[i];
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[i]);
-        }
-    }
-#pragma GCC unroll 4
-    for (int i = 0; i < rows; i++) p->y[(r0 + i) * p->n + n] = sum_lanes(acc[i]);
-}
-
-INLINE_AVX2 void features_bits(const product_t *p, int64_t n0, int64_t n1, const int bits) {
-    for (int64_t n = n0; n < n1; n++) {
-        int64_t r = 0;
-        for (; r + 4 <= p->m; r += 4) feature_rows(p, n, r, 4, bits);
-        switch (p->m - r) {
-            case 3: feature_rows(p, n, r, 3, bits); break;
-            case 2: feature_rows(p, n, r, 2, bits); break;
-            case 1: feature_rows(p, n, r, 1, bits); break;
-            default: break;
-        }
-    }
-}
-
-static AVX2 void features_avx2(const product_t *p, int64_t n0, int64_t n1) {
-    if (p->bits == 4) features_bits(p, n0, n1, 4);
-    else features_bits(p, n0, n1, 8);
-}
-
-static int have_avx2(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-#else
-static int have_avx2(void) { return 0; }
-static void features_avx2(const product_t *p, int64_t n0, int64_t n1) { features_portable(p, n0, n1); }
+#include "block_product_x86.h"
+#endif
+#ifdef SPEEDC_ARM
+#include "block_product_arm.h"
 #endif
 
 /* ---------------------------------------------------------------- threads */
@@ -343,8 +274,21 @@ static pthread_mutex_t pool_start = PTHREAD_MUTEX_INITIALIZER;  /* one call at a
 static void product_part(const void *job, int part, int parts) {
     const product_t *p = job;
     const int64_t n0 = p->n * part / parts, n1 = p->n * (part + 1) / parts;
-    if (p->path == PATH_AVX2) features_avx2(p, n0, n1);
-    else features_portable(p, n0, n1);
+    switch (p->path) {
+#ifdef SPEEDC_X86
+        case PATH_AVX2: features_avx2(p, n0, n1); break;
+        case PATH_VNNI_STANDIN: features_vnni_standin(p, n0, n1); break;
+#ifdef SPEEDC_VNNI
+        case PATH_AVX_VNNI: features_avx_vnni(p, n0, n1); break;
+        case PATH_AVX512_VNNI: features_avx512_vnni(p, n0, n1); break;
+#endif
+#endif
+#ifdef SPEEDC_ARM
+        case PATH_DOTPROD: features_dotprod(p, n0, n1); break;
+        case PATH_I8MM: features_i8mm(p, n0, n1); break;
+#endif
+        default: features_portable(p, n0, n1); break;
+    }
 }
 
 static double seconds(void) {
@@ -415,8 +359,31 @@ static void run_parallel(void (*run)(const void *, int, int), const void *job, i
 
 /* ---------------------------------------------------------------- entry points */
 
-/* The path PATH_AUTO takes on this CPU. */
-int speedc_block_product_path(void) { return have_avx2() ? PATH_AVX2 : PATH_PORTABLE; }
+/* The paths this CPU runs, a bit per PATH_* (portable everywhere). */
+unsigned speedc_block_product_paths(void) {
+    static unsigned found = 0;
+    if (!found) {
+        unsigned paths = 1u << PATH_PORTABLE;
+#ifdef SPEEDC_X86
+        paths |= x86_paths();
+#endif
+#ifdef SPEEDC_ARM
+        paths |= arm_paths();
+#endif
+        found = paths;
+    }
+    return found;
+}
+
+/* The path PATH_AUTO takes on this CPU: the widest int8 dot products it has. */
+int speedc_block_product_path(void) {
+    static const int preferred[] = {PATH_AVX512_VNNI, PATH_AVX_VNNI, PATH_AVX2, PATH_I8MM, PATH_DOTPROD};
+    const unsigned paths = speedc_block_product_paths();
+    for (size_t i = 0; i < sizeof preferred / sizeof preferred[0]; i++) {
+        if (paths & 1u << preferred[i]) return preferred[i];
+    }
+    return PATH_PORTABLE;
+}
 
 /* The shape checks both entry points make: 0, or -1 bits not 4 / 8, -2 block size not 32 times a power
    of two up to 4096 (or blocks too few for k). Sets *SHIFT to log2(block_size / 32). */
@@ -456,11 +423,11 @@ int speedc_block_product(const float *x, int64_t m, int64_t k, const uint8_t *co
     const int bad = check_shape(k, blocks, block_size, bits, &shift);
     if (bad) return bad;
     if (path == PATH_AUTO) path = speedc_block_product_path();
-    if (path == PATH_AVX2 && !have_avx2()) return -3;
-    if (path != PATH_AVX2 && path != PATH_PORTABLE) return -3;
+    if (path <= PATH_AUTO || path >= PATH_COUNT || !(speedc_block_product_paths() & 1u << path)) return -3;
     if (m <= 0 || n <= 0) return 0;
     product_t p = {0};
     p.m = m; p.n = n; p.k = k; p.blocks = blocks; p.block_size = block_size; p.bits = bits; p.path = path;
+    p.group = group_of(path);
     p.sub_blocks = (k + SUB - 1) / SUB;
     p.supers = speedc_block_supers(k, bits);
     p.codes = codes; p.steps = steps; p.units = units; p.offsets = offsets; p.y = y;

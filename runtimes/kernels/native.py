@@ -24,8 +24,11 @@ from pathlib import Path
 import numpy as np
 
 SOURCE = Path(__file__).with_name("block_product.c")
+HEADERS = sorted(SOURCE.parent.glob("block_product_*.h"))  # the per-architecture paths it includes
 FLAGS = ("-O3", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-std=gnu11")
-PATHS = {"auto": 0, "portable": 1, "avx2": 2}  # the kernel's paths (block_product.c PATH_*)
+# The kernel's paths (block_product.c PATH_*). avx-vnni-standin runs only when asked for by name.
+PATHS = {"auto": 0, "portable": 1, "avx2": 2, "avx-vnni": 3, "avx512-vnni": 4, "avx-vnni-standin": 5, "dotprod": 6,
+         "i8mm": 7}
 PATH_NAMES = {v: k for k, v in PATHS.items()}
 
 _lock = threading.Lock()
@@ -53,7 +56,7 @@ def _compiler() -> str | None:
 
 
 def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in (SOURCE, *HEADERS))
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(source + " ".join(FLAGS).encode() + version.encode()
                          + platform.machine().encode()).hexdigest()[:16]
@@ -91,10 +94,13 @@ class BlockProductKernel:
         self._lib.speedc_block_super_steps.argtypes = [cint]
         self._lib.speedc_block_super_steps.restype = cint
         self._lib.speedc_block_product_path.restype = ctypes.c_int
+        self._lib.speedc_block_product_paths.restype = ctypes.c_uint
         self._lib.speedc_stream_bytes.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64),
                                                   ctypes.c_int, ctypes.c_int]
         self._lib.speedc_stream_bytes.restype = ctypes.c_uint64
         self.path = PATH_NAMES[self._lib.speedc_block_product_path()]  # what "auto" runs on this CPU
+        mask = self._lib.speedc_block_product_paths()
+        self.paths = [name for name, code in PATHS.items() if code and mask >> code & 1]  # what this CPU can run
 
     def product(self, x: np.ndarray, codes: np.ndarray, scales: np.ndarray, *, n: int, k: int, bits: int,
                 block_size: int, threads: int = 1, path: str = "auto", out: np.ndarray | None = None) -> np.ndarray:

@@ -36,7 +36,6 @@ _lock = threading.Lock()
 _library: str | None = None  # the custom-ops library ONNX Runtime registers (onnxruntime-extensions' module)
 _reason: str | None = None
 _kernel: native.BlockProductKernel | None = None
-_path = "auto"
 _artifacts: "weakref.WeakValueDictionary[str, WeightMap]" = weakref.WeakValueDictionary()
 _errors: list[BaseException] = []
 _keep: list = []  # the operator definition, alive as long as the process
@@ -45,9 +44,9 @@ _keep: list = []  # the operator definition, alive as long as the process
 class WeightMap:
     """One artifact's weights.bin, memory-mapped read-only, and the products its native graphs run."""
 
-    def __init__(self, weights_file: Path, index: dict, threads: int) -> None:
+    def __init__(self, weights_file: Path, index: dict, threads: int, path: str) -> None:
         self.data = np.memmap(weights_file, dtype=np.uint8, mode="r")
-        self.index, self.threads = index, threads
+        self.index, self.threads, self.path = index, threads, path
         self.products: dict[tuple, object] = {}  # a node's attributes -> its bound kernel call
 
     def product(self, attrs: tuple):
@@ -70,7 +69,7 @@ class WeightMap:
         if codes.size != n * blocks * block_size * bits // 8 or scales.size != n * blocks:
             raise ValueError(f"{attrs['codes']}: {codes.size} code bytes and {scales.size} scales do not make "
                              f"[{n}, {k}] at {bits} bits in blocks of {block_size}")
-        return _kernel.bound(codes, scales, n=n, k=k, bits=bits, block_size=block_size, threads=self.threads, path=_path)
+        return _kernel.bound(codes, scales, n=n, k=k, bits=bits, block_size=block_size, threads=self.threads, path=self.path)
 
 
 def _load_extensions():
@@ -124,7 +123,7 @@ def _install(module) -> None:
 def custom_ops_library() -> str | None:
     """The library to register with SessionOptions.register_custom_ops_library, the operator and the
     kernel loaded; None where they cannot be (unavailable_reason() says why)."""
-    global _library, _reason, _kernel, _path
+    global _library, _reason, _kernel
     with _lock:
         if _library is not None or _reason is not None:
             return _library
@@ -132,11 +131,6 @@ def custom_ops_library() -> str | None:
         if kernel is None:
             _reason = native.unavailable_reason()
             return None
-        forced = os.environ.get("SPEEDC_NATIVE_KERNEL", "").strip() == "portable"
-        if kernel.path == "portable" and not forced:  # several times slower than MatMulNBits
-            _reason = "this CPU has no AVX2 (the portable C path runs only with SPEEDC_NATIVE_KERNEL=portable)"
-            return None
-        _path = "portable" if forced else kernel.path
         try:
             module, found = _load_extensions()
         except Exception as bad:  # noqa: BLE001 -- whatever the module raises, the MatMulNBits path still runs
@@ -153,18 +147,32 @@ def unavailable_reason() -> str | None:
     return _reason
 
 
-def kernel_path() -> str:
-    """The kernel path the operator runs ("avx2", or "portable" where SPEEDC_NATIVE_KERNEL=portable)."""
-    return _path
+def choose_path(setting: str = "") -> tuple[str | None, str]:
+    """(the kernel path the operator runs, why) after custom_ops_library() loaded the kernel: SETTING (a
+    path's name from SPEEDC_NATIVE_KERNEL) where this CPU runs it, else the widest path it has; None
+    where that is only the portable C path (several times slower than MatMulNBits) or the named path is
+    not on this CPU."""
+    paths = _kernel.paths
+    if setting not in ("", "1", *native.PATHS) or setting == "auto":
+        return None, f"SPEEDC_NATIVE_KERNEL={setting} is not 0, 1 or one of the kernel's paths ({', '.join(paths)} here)"
+    if setting in native.PATHS:
+        if setting in paths:
+            return setting, f"SPEEDC_NATIVE_KERNEL={setting}"
+        return None, f"this CPU has no {setting} path (it runs {', '.join(paths)})"
+    if _kernel.path == "portable":
+        return None, ("this CPU has none of the kernel's vector paths (AVX2, AVX-VNNI, AVX-512 VNNI, Arm dotprod / "
+                      "i8mm); SPEEDC_NATIVE_KERNEL=portable runs its portable C path")
+    return _kernel.path, "the widest this CPU runs"
 
 
-def register_weights(artifact_id: str, weights_file: Path, index: dict, threads: int) -> WeightMap:
-    """Make ARTIFACT_ID's products readable by the operator; they stay so while the returned map lives
-    (the backend keeps it). A second registration of the same artifact shares the first's map."""
+def register_weights(artifact_id: str, weights_file: Path, index: dict, threads: int, path: str) -> WeightMap:
+    """Make ARTIFACT_ID's products readable by the operator, run on kernel PATH; they stay so while the
+    returned map lives (the backend keeps it). A second registration of the same artifact with the same
+    threads and path shares the first's map."""
     with _lock:
         found = _artifacts.get(artifact_id)
-        if found is None or found.threads != threads:
-            found = WeightMap(weights_file, index, threads)
+        if found is None or (found.threads, found.path) != (threads, path):
+            found = WeightMap(weights_file, index, threads, path)
             _artifacts[artifact_id] = found
         return found
 

@@ -151,10 +151,11 @@ KERNEL_ROWS = (1, 2, 4, 8)
 
 def measure_kernel(shape, layers: int, *, weights: str, threads: int | None = None, repeats: int = 20) -> dict:
     """speedc's own product kernel (runtimes/kernels/) over the floor's block products at WEIGHTS (int4 /
-    int8): ms for 1, 2, 4 and 8 rows, c(rows) against one row, beside the same products on ONNX Runtime's
-    MatMulNBits (no zero row: its own 1-row kernel) and the memory floor, the time to read the same
-    weight bytes once (`stream_ms`); interleaved medians. {"kernel": None, "why": ...} where the kernel
-    is not available here."""
+    int8): ms for 1, 2, 4 and 8 rows, c(rows) against one row, on each vector path this CPU runs
+    (`paths`; the top-level fields are the path the runtime takes, `kernel`), beside the same products
+    on ONNX Runtime's MatMulNBits (no zero row: its own 1-row kernel) and the memory floor, the time to
+    read the same weight bytes once (`stream_ms`); interleaved medians, all in one run. {"kernel": None,
+    "why": ...} where the kernel is not available here."""
     from speedc.runtimes.backends.protocol import resolve_threads
     from speedc.runtimes.kernels import native
 
@@ -169,11 +170,14 @@ def measure_kernel(shape, layers: int, *, weights: str, threads: int | None = No
     inputs = {(rows, k): rng.standard_normal((rows, k), dtype=np.float32) for rows in KERNEL_ROWS for _, _, _, k in chain}
     outputs = {(rows, n): np.empty((rows, n), np.float32) for rows in KERNEL_ROWS for _, _, n, _ in chain}
 
-    bound = [(kernel.bound(codes, scales, n=n, k=k, bits=floor.bits, block_size=BLOCK_SIZE, threads=threads), n, k)
-             for codes, scales, n, k in chain]  # each weight prepared once, as a session's operator does
+    # the paths a CPU would run: the portable one only where it has no other, never the AVX2 stand-in
+    paths = [p for p in kernel.paths if p not in ("portable", "avx-vnni-standin")] or ["portable"]
+    bound = {path: [(kernel.bound(codes, scales, n=n, k=k, bits=floor.bits, block_size=BLOCK_SIZE, threads=threads,
+                                  path=path), n, k) for codes, scales, n, k in chain]
+             for path in paths}  # each weight prepared once, as a session's operator does
 
-    def products(rows: int):
-        for product, n, k in bound:
+    def products(path: str, rows: int):
+        for product, n, k in bound[path]:
             product(inputs[rows, k], outputs[rows, n])
 
     arrays = [a for codes, scales, _, _ in chain for a in (codes, scales)]
@@ -181,14 +185,15 @@ def measure_kernel(shape, layers: int, *, weights: str, threads: int | None = No
                           floor.products)
     ort_chain = _session(floor_graph(shape, layers, 1, 0, blocks), blocks, threads)
     ort_inputs = {rows: {"x": inputs[rows, shape.hidden]} for rows in KERNEL_ROWS}
-    runs = {rows: (lambda rows=rows: products(rows)) for rows in KERNEL_ROWS}
+    runs = {(path, rows): (lambda path=path, rows=rows: products(path, rows)) for path in paths for rows in KERNEL_ROWS}
     runs.update({("MatMulNBits", rows): (lambda rows=rows: ort_chain.run(None, ort_inputs[rows])) for rows in KERNEL_ROWS})
     runs["stream"] = lambda: kernel.stream_bytes(arrays, threads)
     times = interleaved_medians(*runs.values(), repeats=repeats, warmup=2)
     ms = dict(zip(runs, (1000 * t for t in times)))
+    by_path = {path: {"rows_ms": {str(rows): round(ms[path, rows], 3) for rows in KERNEL_ROWS},
+                      "cost": {str(rows): round(ms[path, rows] / ms[path, 1], 3) for rows in KERNEL_ROWS[1:]},
+                      "one_row_vs_stream": round(ms["stream"] / ms[path, 1], 3)} for path in paths}
     return {"kernel": kernel.path, "threads": threads, "weight_mb": round(sum(a.nbytes for a in arrays) / 1e6, 1),
-            "stream_ms": round(ms["stream"], 3), "rows_ms": {str(rows): round(ms[rows], 3) for rows in KERNEL_ROWS},
-            "cost": {str(rows): round(ms[rows] / ms[1], 3) for rows in KERNEL_ROWS[1:]},
-            "one_row_vs_stream": round(ms["stream"] / ms[1], 3),
+            "stream_ms": round(ms["stream"], 3), **by_path[kernel.path], "paths": by_path,
             "matmulnbits_rows_ms": {str(rows): round(ms["MatMulNBits", rows], 3) for rows in KERNEL_ROWS},
             "matmulnbits_cost": {str(rows): round(ms["MatMulNBits", rows] / ms["MatMulNBits", 1], 3) for rows in KERNEL_ROWS[1:]}}

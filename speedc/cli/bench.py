@@ -184,9 +184,11 @@ def print_memory_bound(report: dict) -> None:
             return (", ".join(f"{rows} rows {value:.1f} ms" for rows, value in ms.items()) + "; "
                     + ", ".join(f"c({rows}) = {value:.2f}" for rows, value in cost.items()))
 
-        click.echo(f"  speedc kernel ({kernel['kernel']}, {kernel['threads']} threads) over the blocks' {kernel['weight_mb']} MB: "
-                   f"{by_rows(kernel['rows_ms'], kernel['cost'])}; reading the bytes alone {kernel['stream_ms']:.1f} ms "
-                   f"(1 row at {kernel['one_row_vs_stream']:.0%} of that floor)")
+        click.echo(f"  speedc kernel ({kernel['threads']} threads) over the blocks' {kernel['weight_mb']} MB; reading the "
+                   f"bytes alone {kernel['stream_ms']:.1f} ms; the runtime takes {kernel['kernel']}:")
+        for path, measured in kernel["paths"].items():
+            click.echo(f"    {path}: {by_rows(measured['rows_ms'], measured['cost'])} "
+                       f"(1 row at {measured['one_row_vs_stream']:.0%} of the floor)")
         click.echo("  the same products on ONNX Runtime's MatMulNBits (no zero row): "
                    f"{by_rows(kernel['matmulnbits_rows_ms'], kernel['matmulnbits_cost'])}")
     elif kernel:
