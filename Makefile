@@ -6,7 +6,7 @@ SPEEDC := $(VENV)/bin/speedc
 DEMO_MODEL ?= zoo:small
 DEMO_PROMPT ?= ROMEO:
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test clean arm-tools
 
 setup: $(VENV)/.installed
 
@@ -28,9 +28,21 @@ demo: setup
 	$(SPEEDC) generate out/demo --prompt "$(DEMO_PROMPT)" --max-new-tokens 128 --temperature 0.8 --top-k 40 --seed 1 --stream
 	$(SPEEDC) bench out/demo --repeats 1
 
+# The kernel's Arm paths are tested under emulation (tests/test_block_product_arm.py) with Debian's
+# cross compiler and qemu-user, installed here where apt-get runs as root (about 20 s); elsewhere
+# those tests are skipped with the reason.
+arm-tools:
+	@if ! command -v aarch64-linux-gnu-gcc >/dev/null || ! command -v qemu-aarch64 >/dev/null; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			echo "installing gcc-aarch64-linux-gnu and qemu-user for the kernel's Arm tests"; \
+			(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc-aarch64-linux-gnu \
+				libc6-dev-arm64-cross qemu-user >/dev/null) || echo "note: could not install them: the Arm tests will be skipped"; \
+		else echo "note: no aarch64-linux-gnu-gcc / qemu-aarch64 here: the kernel's Arm tests will be skipped"; fi; \
+	fi
+
 # Tests run single-threaded (tests/conftest.py), so two workers use both cores; a file's tests share
 # one worker (its module fixtures are built once).
-test: setup
+test: setup arm-tools
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
 clean:

@@ -60,7 +60,19 @@ def _from_artifact(path: Path, alpha: float | None, verify: bool) -> dict:
             "graphs": {name: {"inputs": len(g["inputs"]), "outputs": len(g["outputs"]),
                               **({"native_file": g["native_file"]} if "native_file" in g else {})}
                        for name, g in m.graphs.items()},
-            "notes": m.build.get("notes", []), "files_verified": verify}
+            "notes": m.build.get("notes", []), "files_verified": verify,
+            **({"kernel_here": _kernel_here()} if any("native_file" in g for g in m.graphs.values()) else {})}
+
+
+def _kernel_here() -> dict:
+    """The paths of speedc's product kernel on this CPU and the one the runtime takes (building the kernel
+    on first use), or why it cannot run here."""
+    from speedc.runtimes.kernels import native
+
+    kernel = native.load()
+    if kernel is None:
+        return {"path": None, "why": native.unavailable_reason()}
+    return {"path": kernel.path, "paths": [p for p in kernel.paths if p != "avx-vnni-standin"]}
 
 
 def prediction(info: dict, alpha: float | None, measured: dict | None) -> dict:
@@ -165,6 +177,9 @@ def render(info: dict) -> None:
         if twins:
             console.print(f"products: speedc's int8 kernel where it loads ({', '.join(twins)}: the same graphs with the "
                           "products as SpeedcBlockProduct, reading weights.bin in place), else ONNX Runtime's MatMulNBits")
+            here = info["kernel_here"]
+            console.print(f"  on this CPU: the kernel's {here['path']} path (it runs {', '.join(here['paths'])})" if here["path"]
+                          else f"  on this CPU: MatMulNBits (the kernel cannot load: {here['why']})")
         console.print("files: every one present and its sha256 the manifest's" if info.get("files_verified") else
                       "files: every one present at its recorded size, the small ones by sha256, as every load checks "
                       "(--verify: every file's sha256, weights.bin too)")

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import ZOO, build_artifact, onnx_graphs, onnx_nodes, random_config, randomize
+from conftest import ZOO, build_artifact, onnx_graphs, onnx_nodes, random_config, randomize, run_cli
 from speedc import Engine
 from speedc.format.artifact import GRAPH_FILES, dequantized_weights, is_weight_name, stored_entries
 from speedc.models.checkpoint.torch_io import open_checkpoint
@@ -204,6 +204,10 @@ def test_inspect_and_quality_report_the_precision(quantized, tiny_artifact):
     info = describe(int8)
     assert info["dtype"] == "int8" and info["quantization"]["block_size"] == 32
     assert info["sizes"]["weights stored (int8, block 32: codes + scales)"] < info["sizes"]["unique weights (fp32)"] / 3
+    assert info["kernel_here"] == ({"path": native.load().path, "paths": [p for p in KERNEL_PATHS if p != "avx-vnni-standin"]}
+                                   if native.load() else {"path": None, "why": native.unavailable_reason()})
+    shown = run_cli("inspect", int8)
+    assert shown.returncode == 0 and (f"on this CPU: the kernel's {native.load().path} path" in shown.stdout or not native.load())
     rows = compare(tiny_artifact, [int8], prompts=["ROMEO:", "JULIET:"], new_tokens=16, val_tokens=64, threads=1)
     reference, q = rows
     assert (reference.top1_agreement, reference.greedy_agreement, reference.identical_continuations) == (1.0, 1.0, 2)

@@ -122,8 +122,10 @@ def floor_graph(shape, layers: int, passes: int, head_rows: int, weights: FloorW
 def _session(model, weights: FloorWeights, threads: int | None):
     import onnxruntime as ort
 
+    from speedc.format.artifact import IR_VERSION
     from speedc.runtimes.backends.onnx_session import session_options
 
+    model.ir_version = min(model.ir_version, IR_VERSION)
     options = session_options(threads, spin_between_runs=False)  # the two floor sessions run in turns
     options.add_external_initializers(list(weights.arrays),
                                       [ort.OrtValue.ortvalue_from_numpy(a) for a in weights.arrays.values()])

@@ -41,6 +41,10 @@ from speedc.errors import ArtifactError, BuildError, CheckpointError
 FORMAT_VERSION = 3  # 2: the single-sequence step, step_flush and cache-writer graphs are gone; 3: one engine graph per variant
 WEIGHT_PREFIXES = ("model.", "lm_head.")  # checkpoint tensor names (native or Hugging Face layout)
 MANIFEST = "manifest.json"
+# The ONNX IR version graphs are written at: every ONNX Runtime speedc supports reads it (a newer onnx's
+# default may be past what an older ONNX Runtime reads).
+IR_VERSION = 10
+
 GRAPH_FILES = {name: f"{name}.onnx" for name in contract.GRAPHS}  # graph name -> file
 WEIGHTS = "weights.bin"
 CONFIG = "config.json"
@@ -431,7 +435,7 @@ def write_graphs(graphs: dict, directory: Path, weight_names: set[str], weight_p
         for graph, file in [(graphs[name], GRAPH_FILES[name])] + ([(native[name], native_file(name))] if name in native else []):
             model = gs.export_onnx(graph, do_type_check=True)
             lift_stored_initializers(model.graph)
-            model.ir_version = min(model.ir_version, 10)
+            model.ir_version = min(model.ir_version, IR_VERSION)
             onnx.save(model, str(directory / file))
             written.append(file)
             io = {"inputs": _io_spec(model.graph.input), "outputs": _io_spec(model.graph.output)}
