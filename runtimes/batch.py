@@ -12,7 +12,9 @@ One scheduler iteration (`BatchScheduler.step`):
        right after it that start theirs too (one run, right padded, within prefill_chunk tokens in all);
        a sequence's last chunk yields its first token
     3. decode: ONE graph run for every decoding sequence, speed or plain: the acceptance policy weighs
-       each sequence's own acceptance (runtimes/acceptance_policy.py), the row policy the step's rows:
+       each sequence's own acceptance (runtimes/acceptance_policy.py) at what a step costs on this host
+       (runtimes/step_costs.py: every decode step is timed, per batch size and context band), the row
+       policy the step's rows:
          speed: P*n rows; each sequence's pipeline by runtimes/decode.py Pipeline's rules
                 (enter, verify at the last slot, flush on a miss, optional early flush); an early-flush
                 check scores only the top K ids its token's first exit gave (HeadRows.check)
@@ -35,8 +37,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from speedc.cost_model import analytic_bound, assumed_step_cost, describe_assumed_step_cost
 from speedc.errors import GenerationError, OutOfMemory
 from speedc.runtimes.acceptance_policy import AcceptancePolicy, AlwaysSpeculate
+from speedc.runtimes.step_costs import StepCosts
 from speedc.runtimes.backends.onnx import BatchBackend, HeadRows
 from speedc.runtimes.decode import DecodeStats, Pipeline, Request, Slot, emit_token
 
@@ -103,14 +107,24 @@ class BatchScheduler:
 
     def __init__(self, backend: BatchBackend, *, policy: RowPolicy | None = None,
                  acceptance: AcceptancePolicy | AlwaysSpeculate | None = None, prefill_chunk: int = 128,
-                 first_token_alone: bool = False) -> None:
+                 first_token_alone: bool = False, costs: StepCosts | None = None) -> None:
         """FIRST_TOKEN_ALONE: an iteration whose prefill confirms a first token returns before decoding, so
         a stream of one sequence shows that token before the next graph run (a batch keeps its decode
-        in the same iteration: the others are waiting for it)."""
+        in the same iteration: the others are waiting for it). COSTS: where decode steps' times are kept
+        (the engine's, shared by its schedulers on one session; None: this scheduler's own, seeded with the
+        acceptance policy's c(P))."""
         self.backend = backend
         self.first_token_alone = first_token_alone
         self.policy = policy or RowPolicy()
         self.acceptance = acceptance or AlwaysSpeculate()
+        if costs is None:
+            seed = getattr(self.acceptance, "step_cost", None)
+            costs = (StepCosts(backend.slots, seed, self.acceptance.step_cost_source) if seed is not None else
+                     StepCosts(backend.slots, assumed_step_cost(backend.slots), describe_assumed_step_cost()))
+        self.costs = costs
+        # Plain steps are timed while speculating only where a rule decides with their cost.
+        self.samples_plain = isinstance(self.acceptance, AcceptancePolicy)
+        self._geometry = None  # the pool's (length, width) at the last decode step: a step after a change is no sample
         self.prefill_chunk = prefill_chunk
         self.waiting: deque[Sequence] = deque()
         self.occupied: list[Sequence] = []  # index = pool row
@@ -119,7 +133,7 @@ class BatchScheduler:
         self.speculating = backend.speculative
         self.acceptance_allows = self.rows_allow = backend.speculative  # each policy's last verdict (_speculate)
         self.mode_switches = 0
-        self.steps = {"speed": 0, "plain": 0, "prefill": 0}
+        self.steps = {"speed": 0, "plain": 0, "prefill": 0, "plain sample": 0}
         self.decode_steps: Counter[int] = Counter()  # sequences decoded together -> decode steps so far
 
     # ---- requests --------------------------------------------------------------------------------
@@ -133,7 +147,8 @@ class BatchScheduler:
                                   "budget or fewer sequences: kv_cache_mb / max_batch, --kv-cache-mb / --max-batch)")
         mode = "batch speed" if self.backend.speculative and self.policy.row_budget != 0 else "batch autoregressive"
         sequence = Sequence(next(self._ids), request, early_flush and self.backend.early_checks, DecodeStats(mode),
-                            acceptance=self.acceptance.start())
+                            acceptance=self.acceptance.start("sampled" if request.picker.params.temperature > 0 else "greedy"))
+        sequence.stats.policy = self.acceptance.describe()
         with self._lock:
             self.waiting.append(sequence)
         return sequence
@@ -173,7 +188,11 @@ class BatchScheduler:
                     for sequence in decoding:
                         sequence.pipeline.flush_from(0)
                         sequence.pipeline.pending = None
-            (self._speed_step if speculate else self._plain_step)(decoding, events)
+            if speculate and self.samples_plain and self.costs.needs_plain_sample(len(decoding), self.backend.length):
+                self._plain_sample(decoding)
+            start = time.perf_counter()
+            kind = self._speed_step(decoding, events) if speculate else self._plain_step(decoding, events)
+            self._record(kind, len(decoding), time.perf_counter() - start)
             self.decode_steps[len(decoding)] += 1
         for sequence in [s for s in self.occupied if s.state == DONE]:
             self._release(sequence)
@@ -269,20 +288,59 @@ class BatchScheduler:
             self.occupied[hole] = mover
         self.occupied.pop()
         sequence.row = -1
+        sequence.stats.host_costs = self.costs.report()
 
     def _speculate(self, decoding: list[Sequence]) -> bool:
         """Speed or plain step: each sequence's own choice (advancing its fall-back / probe state), the
-        batch's sum of them (acceptance policy), then the row budget (row policy)."""
-        if self.backend.slots == 1:
+        batch's sum of them (acceptance policy), both at the step cost measured on this host for this
+        many sequences in this context band, then the row budget (row policy)."""
+        slots = self.backend.slots
+        if slots == 1:
             return False
+        cost, source = self.costs.step_cost(len(decoding), self.backend.length)
         for sequence in decoding:  # each sequence's own rule first (it advances its fall-back / probe state)
-            self.acceptance.wants_speculation(sequence.acceptance)
+            self.acceptance.wants_speculation(sequence.acceptance, cost)
         # Each rule's hysteresis follows its own last verdict, not the batch's mode: a batch the acceptance
         # rule turned plain at the row budget (8 sequences at P = 4, budget 32) must speculate again when
         # its probes hold, though 32 rows is above the budget's resume mark (24).
-        self.acceptance_allows = self.acceptance.batch_speculates([s.acceptance for s in decoding], self.acceptance_allows)
-        self.rows_allow = self.policy.speculate(self.backend.slots, len(decoding), self.rows_allow)
+        self.acceptance_allows = self.acceptance.batch_speculates([s.acceptance for s in decoding], self.acceptance_allows,
+                                                                  cost)
+        self.rows_allow = self.policy.speculate(slots, len(decoding), self.rows_allow)
+        for sequence in decoding:  # what the decision rested on, in each sequence's stats
+            stats, state = sequence.stats, sequence.acceptance
+            alpha = state.alpha if state is not None else stats.acceptance_rate
+            stats.step_cost, stats.step_cost_source = round(cost, 3), source
+            stats.bound = round(analytic_bound(slots, alpha, cost), 3)
+            if state is not None:
+                stats.fallbacks, stats.probes = state.fallbacks, state.probes
         return self.acceptance_allows and self.rows_allow
+
+    def _record(self, kind: str | None, sequences: int, seconds: float) -> None:
+        """A decode step of KIND ("plain", "speed", "full"; None: nothing ran) took SECONDS: a sample of this
+        host's step costs, unless the pool was reallocated since the last one (new buffers, new bindings)."""
+        if kind is None:
+            return
+        geometry = (self.backend.length, self.backend.width)
+        if geometry != self._geometry:
+            self._geometry = geometry
+            self.costs.tick()
+            return
+        self.costs.record("speed" if kind == "full" else kind, sequences, self.backend.length, seconds)
+        if kind == "full":
+            self.costs.record("full", sequences, self.backend.length, seconds)
+
+    def _plain_sample(self, decoding: list[Sequence]) -> None:
+        """Time one plain step of DECODING's frontier tokens while they speculate, to know what plain decoding
+        costs here now (StepCosts.needs_plain_sample), its tokens discarded. Lossless: the frontier is a
+        verified token at its own position, so the K/V rows it writes are the ones its pipeline writes (or
+        wrote) for it, and nothing reads them in between; no token is picked (no sampling stream moves)."""
+        tokens, positions, valid, want = self._plain_rows(decoding)
+        start = time.perf_counter()
+        self.backend.plain_step(tokens, positions, valid, want)
+        self.costs.record("plain", len(decoding), self.backend.length, time.perf_counter() - start)
+        self.steps["plain sample"] += 1
+        for sequence in decoding:
+            sequence.stats.cost_samples += 1
 
     def _cached(self, sequence: Sequence) -> int:
         """Cache positions of SEQUENCE that may hold K/V it will read: prompt, emitted tokens, in-flight ones."""
@@ -340,25 +398,34 @@ class BatchScheduler:
                 self._emit(sequence, request.picker.pick(logits[row] if want else None, int(argmax[row]), request.history),
                            events)
 
-    def _plain_step(self, decoding: list[Sequence], events: list[Event]) -> None:
+    def _plain_rows(self, decoding: list[Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+        """A plain step's inputs: each decoding sequence's frontier token at its position, bubbles elsewhere;
+        whether any wants logits."""
         n = len(self.occupied)
         tokens, positions, valid = np.zeros(n, np.int64), np.asarray(self._bubble_positions(), np.int64), np.zeros(n, bool)
         for sequence in decoding:
             frontier = sequence.frontier()
             tokens[sequence.row], positions[sequence.row], valid[sequence.row] = frontier.token, frontier.pos, True
-        want = any(s.request.picker.params.needs_logits for s in decoding)
+        return tokens, positions, valid, any(s.request.picker.params.needs_logits for s in decoding)
+
+    def _plain_step(self, decoding: list[Sequence], events: list[Event]) -> str:
+        tokens, positions, valid, want = self._plain_rows(decoding)
         start = time.perf_counter()
         argmax, logits = self.backend.plain_step(tokens, positions, valid, want)
         self.steps["plain"] += 1
         for sequence in decoding:
             sequence.stats.steps += 1
+            sequence.stats.plain_steps += 1
             b = sequence.row
             token = sequence.request.picker.pick(logits[b] if want else None, int(argmax[b]), sequence.request.history)
             self.acceptance.waited(sequence.acceptance)
             self._emit(sequence, token, events)
             sequence.stats.decode_seconds += time.perf_counter() - start
+        return "plain"
 
-    def _speed_step(self, decoding: list[Sequence], events: list[Event]) -> None:
+    def _speed_step(self, decoding: list[Sequence], events: list[Event]) -> str | None:
+        """-> "full" when every slot of every stepping pipeline held a token, "speed" else, None when no
+        sequence stepped."""
         slots, n = self.backend.slots, len(self.occupied)
         entering = np.zeros(n, np.int64)
         positions = np.empty((slots, n), np.int64)
@@ -399,7 +466,8 @@ class BatchScheduler:
                     heads.candidates.append(slot.candidates)
                     check_of.append((sequence, depth))
         if not stepping:
-            return
+            return None
+        full = bool(valid[:, [s.row for s in stepping]].all())
         want = any(s.request.picker.params.needs_logits for s in final_of)
         start = time.perf_counter()
         result = self.backend.speed_step(entering, positions, valid, heads, want)
@@ -415,10 +483,12 @@ class BatchScheduler:
         for sequence in stepping:
             stats = sequence.stats
             stats.steps += 1
+            stats.speed_steps += 1
             accepted, failed = stats.accepted, stats.failed_speculations
             self._absorb(sequence, final.get(id(sequence)), guesses.get(id(sequence), {}), events)
             self.acceptance.stepped(sequence.acceptance, stats.accepted - accepted, stats.failed_speculations - failed)
             stats.decode_seconds += time.perf_counter() - start
+        return "full" if full else "speed"
 
     def _absorb(self, sequence: Sequence, final: tuple[int, np.ndarray | None] | None, guesses: dict[int, int],
                 events: list[Event]) -> None:

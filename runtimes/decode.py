@@ -40,6 +40,17 @@ class DecodeStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     stop_reason: str = ""
+    # The speculation policy's record of this sequence (runtimes/acceptance_policy.py, step_costs.py):
+    speed_steps: int = 0  # decode steps it ran speculating
+    plain_steps: int = 0  # decode steps it ran as plain tokens
+    fallbacks: int = 0  # times the policy turned it to plain decoding (speculation did not pay)
+    probes: int = 0  # times it speculated again after a fall-back, to measure its acceptance afresh
+    cost_samples: int = 0  # plain steps timed while it speculated (their token discarded: the pipeline emits it)
+    step_cost: float = 0.0  # c(P) of the policy's last decision (measured on this host, or the seed)
+    step_cost_source: str = ""
+    bound: float = 0.0  # the analytic bound at its acceptance and that c(P), at the last decision
+    policy: str = ""  # the rule that decided
+    host_costs: dict = field(default_factory=dict)  # step times measured on this host (StepCosts.report)
 
     @property
     def acceptance_rate(self) -> float:

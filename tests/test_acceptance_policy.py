@@ -100,3 +100,60 @@ def test_a_sequence_falls_back_only_where_speculation_loses_by_more_than_the_mar
     far.alpha, far.outcomes = policy.threshold - 0.15, 8
     assert analytic_bound(4, far.alpha, 1.6) < 1.0 - policy.margin
     assert not policy.wants_speculation(far) and far.fallbacks == 1
+
+
+def test_the_decision_follows_the_step_cost_it_is_given():
+    """The same acceptance wins at a cheap step and loses at a dear one (c passed per step: measured here)."""
+    policy = AcceptancePolicy(slots=4, step_cost=1.6, min_outcomes=4)
+    state = policy.start()
+    policy.observe(state, accepted=3, failed=1)  # alpha 0.75: alpha* is 0.5 at c 1.6, 0.86 at c 2.8
+    assert policy.wants_speculation(state, cost=1.6) and state.speculating
+    assert not policy.wants_speculation(state, cost=2.8) and state.fallbacks == 1  # bound 0.82: below 1 - margin
+    assert policy.batch_speculates([SimpleNamespace(alpha=0.75, outcomes=8)], cost=1.6)
+    assert not policy.batch_speculates([SimpleNamespace(alpha=0.75, outcomes=8)], speculating=False, cost=2.8)
+    assert policy.threshold_at(2.8) == pytest.approx(1 - (4 / 2.8 - 1) / 3)
+
+
+def test_a_new_sequence_starts_from_what_the_engine_learned():
+    """A checkpoint whose draft agrees rarely: the first sequence pays min_outcomes speculations to learn it,
+    the next starts plain at once and waits as long as the last failed probe said before probing."""
+    policy = AcceptancePolicy(slots=4, step_cost=1.6, min_outcomes=4, probe_after=3, max_probe_after=48)
+    first = policy.start()
+    assert _steps(policy, first, "ffff" + "---" + "ffff") == "SSSS" + "ppp" + "SSSS"
+    assert _steps(policy, first, "-") == "p" and first.probe_after == 6 == policy.learned_probe_after["greedy"]
+    assert policy.learned_alpha["greedy"] < policy.threshold
+    assert _steps(policy, policy.start("sampled"), "a") == "S"  # another kind of request learns on its own
+    second = policy.start()
+    assert _steps(policy, second, "------" + "ffff" + "-") == "pppppp" + "SSSS" + "p"  # plain from its first step
+    assert second.probes == 1 and second.probe_after == 12 == policy.learned_probe_after["greedy"]  # the probe failed
+    third = policy.start()  # a good text: the probe holds, and the wait the engine remembers resets
+    assert _steps(policy, third, "-" * 12 + "aaaaaaaa") == "p" * 12 + "S" * 8
+    assert third.probe_after == 3 and "greedy" not in policy.learned_probe_after
+
+
+def test_step_costs_measured_per_batch_size_and_band_after_a_warm_up():
+    """Scripted step times (no clock): the seed stands in until a band has min_samples of both kinds, then c =
+    P x speed / plain of that band (medians: one outlier moves nothing); a band without its own measurement
+    borrows the nearest measured one; a plain estimate goes stale after refresh_steps."""
+    from speedc.runtimes.step_costs import StepCosts, context_band
+
+    assert [context_band(t) for t in (1, 64, 65, 144, 1024, 1025)] == [64, 64, 128, 256, 1024, 2048]
+    costs = StepCosts(slots=4, seed=1.6, seed_source="seed", warmup=1, min_samples=3, refresh_steps=10)
+    assert costs.step_cost(1, 200) == (1.6, "seed") and costs.needs_plain_sample(1, 200)
+    for seconds in (9.0, 0.010, 0.010, 0.011, 0.5):  # the first is warm-up, 0.5 an outlier: the median holds
+        costs.record("plain", 1, 200, seconds)
+    for seconds in (9.0, 0.005, 0.005, 0.005):
+        costs.record("speed", 1, 200, seconds)
+    assert costs.step_cost(1, 200) == (pytest.approx(4 * 0.005 / 0.0105), "measured here")
+    assert costs.step_cost(1, 900)[0] == pytest.approx(4 * 0.005 / 0.0105)  # band 1024 borrows band 256
+    assert "none yet at 1024" in costs.step_cost(1, 900)[1]
+    assert costs.step_cost(2, 200) == (1.6, "seed")  # another batch size: nothing measured yet
+    assert not costs.needs_plain_sample(1, 200)
+    for _ in range(10):
+        costs.record("speed", 1, 200, 0.005)
+    assert costs.needs_plain_sample(1, 200)  # stale: more than refresh_steps decode steps since the newest plain
+    report = costs.report()
+    assert report["measured"][0]["mean_step_cost"] == pytest.approx(1.905, abs=1e-3) and "step_cost" not in report["measured"][0]
+    scripted = StepCosts(slots=4, seed=2.0, seed_source="scripted", measuring=False)
+    scripted.record("plain", 1, 200, 0.01)
+    assert scripted.step_cost(1, 200) == (2.0, "scripted") and not scripted.needs_plain_sample(1, 200)

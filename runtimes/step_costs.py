@@ -1,0 +1,138 @@
+"""What a decode step costs on the host the runtime runs on, measured as it runs (runtimes/batch.py times
+every decode step it takes and records it here; the acceptance policy decides with it).
+
+Whether SPEED pays is a fact about the machine and the moment: its compute per byte of memory, the pool
+length (attention runs over the whole bound cache, so a step's cost follows the pool's length T, not the
+positions in use), the batch size, the load of other processes. So the costs are kept per
+
+    (kind, sequences decoded together n, context band = the smallest power of two >= T, at least 64)
+
+kind "plain": a plain step of n tokens; "speed": a speed step of n pipelines, however full (refill steps
+after a flush run fewer rows and cost less: the mean over the steps taken is what a token costs at
+this acceptance, the analytic bound's 1 + (1 - alpha)(P - 1) steps a token times it); "full": a speed
+step with every slot of every pipeline filled, the step `speedc inspect --measure` times (c(P) as
+SPEED.md defines it). Each is the median of the last WINDOW samples (a shared host's outliers do not
+move it); the first WARMUP steps of each (kind, n) after the engine opened are not samples (first runs
+of a shape bind buffers and warm ONNX Runtime's kernels), nor is a step that ran right after the pool
+was reallocated (the scheduler skips those).
+
+    c(n, band) = P * speed seconds / plain seconds        (the cost the policy's bound uses)
+
+Before both kinds are measured in a band the nearest band (same n) where both are stands in, else the
+seed: the build host's c(P) stored in the manifest, or the cost model's assumption.
+Standard library only (the runtime path imports no torch).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+MIN_BAND = 64
+KINDS = ("plain", "speed", "full")
+
+
+def context_band(length: int) -> int:
+    """The band of a pool of LENGTH positions: the smallest power of two >= it, at least MIN_BAND."""
+    return max(MIN_BAND, 1 << max(int(length) - 1, 0).bit_length())
+
+
+@dataclass
+class _Samples:
+    seconds: deque  # the last WINDOW step times
+    newest: int = 0  # StepCosts.clock when the newest was taken
+
+
+@dataclass
+class StepCosts:
+    """Step times of one engine's session on this host (shared by every scheduler of the engine)."""
+    slots: int  # P
+    seed: float  # c(P) before anything is measured here
+    seed_source: str
+    window: int = 16
+    warmup: int = 1
+    min_samples: int = 3  # samples a (kind, n, band) needs before its median counts
+    # Decode steps (any n, any band) after which a plain estimate is stale: the scheduler then times one
+    # plain step while speculating (BatchScheduler._plain_sample; ~1 plain token per this many steps).
+    refresh_steps: int = 512
+    measuring: bool = True  # False: the seed stands for every step (a scripted cost, for tests of the rules)
+    clock: int = 0  # decode steps recorded or skipped so far
+    _samples: dict = field(default_factory=dict)  # (kind, n, band) -> _Samples
+    _seen: Counter = field(default_factory=Counter)  # (kind, n) -> steps seen (warm-up)
+
+    @classmethod
+    def for_manifest(cls, manifest, **knobs) -> "StepCosts":
+        """Seeded with c(P) from the manifest's build-time measurement when it was taken at this P, else the
+        cost model's assumption (the one the compiler chose P with)."""
+        from speedc.cost_model import assumed_step_cost, describe_assumed_step_cost
+
+        slots = manifest.slots
+        measured = (manifest.build or {}).get("step_cost_measured") or {}
+        if measured.get("slots") == slots and measured.get("step_cost"):
+            return cls(slots, float(measured["step_cost"]), "measured at build", **knobs)
+        return cls(slots, assumed_step_cost(slots), f"{describe_assumed_step_cost()}, not measured", **knobs)
+
+    def tick(self) -> None:
+        """A decode step ran that is not a sample (right after the pool was reallocated)."""
+        self.clock += 1
+
+    def record(self, kind: str, sequences: int, length: int, seconds: float) -> None:
+        """One KIND step of SEQUENCES sequences over a pool of LENGTH positions took SECONDS."""
+        if kind != "full":  # a full step is also a speed step: counted once
+            self.clock += 1
+        if not self.measuring:
+            return
+        self._seen[kind, sequences] += 1
+        if self._seen[kind, sequences] <= self.warmup:
+            return
+        key = (kind, sequences, context_band(length))
+        samples = self._samples.get(key)
+        if samples is None:
+            samples = self._samples[key] = _Samples(deque(maxlen=self.window))
+        samples.seconds.append(seconds)
+        samples.newest = self.clock
+
+    def seconds(self, kind: str, sequences: int, band: int) -> float | None:
+        """Median seconds of a KIND step of SEQUENCES sequences in BAND, None before min_samples."""
+        samples = self._samples.get((kind, sequences, band))
+        if samples is None or len(samples.seconds) < self.min_samples:
+            return None
+        return statistics.median(samples.seconds)
+
+    def needs_plain_sample(self, sequences: int, length: int) -> bool:
+        """Whether the plain cost of SEQUENCES sequences at a pool of LENGTH positions is unknown or stale."""
+        if not self.measuring:
+            return False
+        samples = self._samples.get(("plain", sequences, context_band(length)))
+        return (samples is None or len(samples.seconds) < self.min_samples
+                or self.clock - samples.newest > self.refresh_steps)
+
+    def step_cost(self, sequences: int, length: int, kind: str = "speed") -> tuple[float, str]:
+        """(c, where it comes from) for SEQUENCES sequences at a pool of LENGTH positions: P x a KIND step's
+        seconds / a plain step's, measured in this band, else the nearest band measured, else the seed."""
+        band = context_band(length)
+        measured = [(abs(b.bit_length() - band.bit_length()), b) for k, n, b in self._samples
+                    if k == kind and n == sequences]
+        for _, near in sorted(measured):
+            step, plain = self.seconds(kind, sequences, near), self.seconds("plain", sequences, near)
+            if step is not None and plain is not None:
+                where = "here" if near == band else f"at context band {near} (none yet at {band})"
+                return self.slots * step / plain, f"measured {where}"
+        return self.seed, self.seed_source
+
+    def report(self) -> dict:
+        """What was measured: per (n, band) the plain, mean speed and full step in ms, and c from each;
+        the seed beside them."""
+        rows = []
+        for n, band in sorted({(n, b) for _, n, b in self._samples}):
+            ms = {kind: self.seconds(kind, n, band) for kind in KINDS}
+            row = {"sequences": n, "context_band": band,
+                   **{f"{kind}_ms": round(1000 * value, 3) for kind, value in ms.items() if value is not None}}
+            if ms["plain"]:
+                for kind, name in (("speed", "mean_step_cost"), ("full", "step_cost")):
+                    if ms[kind]:
+                        row[name] = round(self.slots * ms[kind] / ms["plain"], 3)
+            rows.append(row)
+        return {"slots": self.slots, "seed_step_cost": round(self.seed, 3), "seed_source": self.seed_source,
+                "measured": rows}

@@ -1,0 +1,122 @@
+"""SPEED that adapts to its host (runtimes/acceptance_policy.py deciding at runtimes/step_costs.py's measured
+costs): whatever the policy decides, and whenever, the tokens are plain decoding's.
+
+A scripted cost (a stand-in for the clock: the decisions' logic, not this host's timing) turns the pipeline
+from speculation to plain decoding and back every few steps and asks for a timed plain step in the middle of
+speculation, so every switch (in-flight work dropped, the pipeline refilled from the frontier) and every
+discarded measurement step happens many times per sequence; each family's greedy and seeded-sampling
+outputs must equal plain decoding's. Then the real path: `mode="speed"` (the default) on an engine that
+measures its own steps equals plain decoding, reports its decisions and costs, and the CLI shows them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import ZOO, build_artifact, run_cli
+from speedc import Engine
+from speedc.runtimes.step_costs import StepCosts
+
+NEW_TOKENS = 40
+PROMPTS = ([5, 7, 9, 11, 3, 40], [8, 1, 4])
+SAMPLING = ({}, {"temperature": 0.9, "top_p": 0.95, "seed": 11})
+
+
+class ScriptedCosts(StepCosts):
+    """c(P) by decision: cheap for CHEAP decisions, then dearer than P (no acceptance wins) for DEAR ones, over
+    and over; a plain step is asked for every SAMPLE_EVERY-th speculating step."""
+
+    def __init__(self, slots: int, cheap: int = 5, dear: int = 3, sample_every: int = 4) -> None:
+        super().__init__(slots, 1.2, "scripted", measuring=False)
+        self.cheap, self.dear, self.sample_every = cheap, dear, sample_every
+        self.decisions = self.asked = 0
+
+    def step_cost(self, sequences: int, length: int, kind: str = "speed") -> tuple[float, str]:
+        self.decisions += 1
+        dear = self.decisions % (self.cheap + self.dear) >= self.cheap
+        return (2.0 * self.slots if dear else 1.2), "scripted"
+
+    def needs_plain_sample(self, sequences: int, length: int) -> bool:
+        self.asked += 1
+        return self.asked % self.sample_every == 0
+
+
+@pytest.fixture(scope="module")
+def family_engines(tmp_path_factory) -> dict[str, Engine]:
+    from huginn_checkpoints import write_checkpoint
+    from looped_checkpoints import write_nanbeige, write_ouro
+
+    root = tmp_path_factory.mktemp("adaptive")
+    checkpoints = {"zoo-tiny": ZOO / "tiny",
+                   "ouro": write_ouro(root / "ouro", residual_scale=0.3),
+                   "nanbeige": write_nanbeige(root / "nanbeige", residual_scale=0.3),
+                   "huginn": write_checkpoint(root / "huginn", seed=6, layer_scale=0.03, adapter_identity=1.0)}
+    return {name: Engine.load(build_artifact(checkpoint, root / f"{name}-art")) for name, checkpoint in checkpoints.items()}
+
+
+def _adaptive(engine: Engine, prompt: list[int], params: dict):
+    """One sequence on the engine's backend under the real acceptance rule (quick knobs) at scripted costs."""
+    from speedc.runtimes.acceptance_policy import AcceptancePolicy
+    from speedc.runtimes.batch import BatchScheduler, RowPolicy
+
+    slots = engine.manifest.slots
+    costs = ScriptedCosts(slots)
+    policy = AcceptancePolicy(slots, 1.2, "scripted", min_outcomes=2, probe_after=3, probe_outcomes=2)
+    scheduler = BatchScheduler(engine.backend, policy=RowPolicy(row_budget=None), acceptance=policy, costs=costs,
+                               prefill_chunk=64)
+    sequence = scheduler.submit(engine.request_from(prompt, dict(max_new_tokens=NEW_TOKENS, stop_at_eos=False, **params)))
+    scheduler.run()
+    return sequence, scheduler
+
+
+@pytest.mark.parametrize("family", ["zoo-tiny", "ouro", "nanbeige", "huginn"])
+def test_switching_mid_sequence_keeps_speed_equal_to_plain(family_engines, family):
+    engine = family_engines[family]
+    assert engine.manifest.slots > 1
+    switched = sampled = 0
+    for prompt in PROMPTS:
+        for params in SAMPLING:
+            sequence, scheduler = _adaptive(engine, prompt, params)
+            plain = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False, mode="autoregressive", **params)
+            assert sequence.out == plain.ids, (family, prompt, params)
+            stats = sequence.stats
+            assert stats.speed_steps + stats.plain_steps == stats.steps and stats.speed_steps and stats.plain_steps
+            switched += scheduler.mode_switches
+            sampled += stats.cost_samples
+    assert switched >= 8 and sampled >= 4  # every sequence switched both ways and timed plain steps mid-pipeline
+
+
+def test_default_mode_measures_decides_and_reports(family_engines):
+    """The default mode on the real clock: equal to plain and to speed-always, its decisions add up, and what it
+    measured is in the stats (per batch size and context band: the plain step and the speed step)."""
+    engine = family_engines["zoo-tiny"]
+    for prompt in PROMPTS:
+        for params in SAMPLING:
+            runs = {mode: engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False, mode=mode, **params)
+                    for mode in ("speed", "speed-always", "autoregressive")}
+            assert runs["speed"].ids == runs["speed-always"].ids == runs["autoregressive"].ids
+            stats = runs["speed"].stats
+            assert stats.speed_steps + stats.plain_steps == stats.steps
+            assert stats.step_cost > 0 and stats.step_cost_source and "measured on this host" in stats.policy
+            assert runs["speed-always"].stats.plain_steps == 0 and runs["autoregressive"].stats.speed_steps == 0
+    measured = runs["speed"].stats.host_costs["measured"]
+    assert any("plain_ms" in row and "speed_ms" in row for row in measured), measured
+    assert engine.step_costs().step_cost(1, engine.backend.length)[1].startswith("measured")
+
+
+def test_cli_modes_and_stats(family_engines, tmp_path):
+    artifact = family_engines["zoo-tiny"].directory
+    outputs = {}
+    for mode in ("speed", "speed-always", "autoregressive"):
+        result = run_cli("generate", artifact, "--prompt-ids", "5,7,9", "--max-new-tokens", "24", "--mode", mode,
+                         "--ignore-eos", "--json")
+        assert result.returncode == 0, result.stderr
+        outputs[mode] = json.loads(result.stdout)
+    assert outputs["speed"]["ids"] == outputs["speed-always"]["ids"] == outputs["autoregressive"]["ids"]
+    assert outputs["speed"]["stats"]["host_costs"]["seed_step_cost"] > 0
+    shown = run_cli("generate", artifact, "--prompt-ids", "5,7,9", "--max-new-tokens", "24", "--stats")
+    assert shown.returncode == 0 and "fallbacks" in shown.stderr and "step_cost" in shown.stderr
+    bad = run_cli("generate", artifact, "--prompt-ids", "5,7,9", "--mode", "speedy")
+    assert bad.returncode != 0 and "speedy" in bad.stderr
