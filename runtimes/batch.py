@@ -188,11 +188,14 @@ class BatchScheduler:
                     for sequence in decoding:
                         sequence.pipeline.flush_from(0)
                         sequence.pipeline.pending = None
+            geometry = (self.backend.length, self.backend.width)
+            fresh, self._geometry = geometry != self._geometry, geometry  # reallocated: the next run binds anew
             if speculate and self.samples_plain and self.costs.needs_plain_sample(len(decoding), self.backend.length):
-                self._plain_sample(decoding)
+                self._plain_sample(decoding, fresh)
+                fresh = False
             start = time.perf_counter()
             kind = self._speed_step(decoding, events) if speculate else self._plain_step(decoding, events)
-            self._record(kind, len(decoding), time.perf_counter() - start)
+            self._record(kind, len(decoding), time.perf_counter() - start, fresh)
             self.decode_steps[len(decoding)] += 1
         for sequence in [s for s in self.occupied if s.state == DONE]:
             self._release(sequence)
@@ -315,29 +318,34 @@ class BatchScheduler:
                 stats.fallbacks, stats.probes = state.fallbacks, state.probes
         return self.acceptance_allows and self.rows_allow
 
-    def _record(self, kind: str | None, sequences: int, seconds: float) -> None:
+    def _record(self, kind: str | None, sequences: int, seconds: float, fresh: bool) -> None:
         """A decode step of KIND ("plain", "speed", "full"; None: nothing ran) took SECONDS: a sample of this
-        host's step costs, unless the pool was reallocated since the last one (new buffers, new bindings)."""
+        host's step costs, unless it was the first run since the pool was reallocated (FRESH: new buffers,
+        new bindings)."""
         if kind is None:
             return
-        geometry = (self.backend.length, self.backend.width)
-        if geometry != self._geometry:
-            self._geometry = geometry
+        if fresh:
             self.costs.tick()
             return
-        self.costs.record("speed" if kind == "full" else kind, sequences, self.backend.length, seconds)
+        length, width = self.backend.length, self.backend.width
+        self.costs.record("speed" if kind == "full" else kind, sequences, length, seconds, width)
         if kind == "full":
-            self.costs.record("full", sequences, self.backend.length, seconds)
+            self.costs.record("full", sequences, length, seconds, width)
 
-    def _plain_sample(self, decoding: list[Sequence]) -> None:
+    def _plain_sample(self, decoding: list[Sequence], fresh: bool) -> None:
         """Time one plain step of DECODING's frontier tokens while they speculate, to know what plain decoding
         costs here now (StepCosts.needs_plain_sample), its tokens discarded. Lossless: the frontier is a
         verified token at its own position, so the K/V rows it writes are the ones its pipeline writes (or
-        wrote) for it, and nothing reads them in between; no token is picked (no sampling stream moves)."""
+        wrote) for it, and nothing reads them in between; no token is picked (no sampling stream moves).
+        FRESH: the first run since the pool was reallocated (timed, not a sample)."""
         tokens, positions, valid, want = self._plain_rows(decoding)
         start = time.perf_counter()
         self.backend.plain_step(tokens, positions, valid, want)
-        self.costs.record("plain", len(decoding), self.backend.length, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        if fresh:
+            self.costs.tick()
+        else:
+            self.costs.record("plain", len(decoding), self.backend.length, seconds, self.backend.width)
         self.steps["plain sample"] += 1
         for sequence in decoding:
             sequence.stats.cost_samples += 1

@@ -12,9 +12,10 @@ after a flush run fewer rows and cost less: the mean over the steps taken is wha
 this acceptance, the analytic bound's 1 + (1 - alpha)(P - 1) steps a token times it); "full": a speed
 step with every slot of every pipeline filled, the step `speedc inspect --measure` times (c(P) as
 SPEED.md defines it). Each is the median of the last WINDOW samples (a shared host's outliers do not
-move it); the first WARMUP steps of each (kind, n) after the engine opened are not samples (first runs
-of a shape bind buffers and warm ONNX Runtime's kernels), nor is a step that ran right after the pool
-was reallocated (the scheduler skips those).
+move it); the first WARMUP steps of each (kind, n) at each pool shape (length, width) are not samples
+(the first runs of a shape bind buffers and warm ONNX Runtime's kernels: measured, the first plain
+tokens over a new pool length of a 4-layer Ouro-1.4B-shaped int4 model took ~125 ms against 14), nor
+is the first decode step after the pool was reallocated (the scheduler skips it: new bindings).
 
     c(n, band) = P * speed seconds / plain seconds        (the cost the policy's bound uses)
 
@@ -51,7 +52,7 @@ class StepCosts:
     seed: float  # c(P) before anything is measured here
     seed_source: str
     window: int = 16
-    warmup: int = 1
+    warmup: int = 2
     min_samples: int = 3  # samples a (kind, n, band) needs before its median counts
     # Decode steps (any n, any band) after which a plain estimate is stale: the scheduler then times one
     # plain step while speculating (BatchScheduler._plain_sample; ~1 plain token per this many steps).
@@ -59,7 +60,7 @@ class StepCosts:
     measuring: bool = True  # False: the seed stands for every step (a scripted cost, for tests of the rules)
     clock: int = 0  # decode steps recorded or skipped so far
     _samples: dict = field(default_factory=dict)  # (kind, n, band) -> _Samples
-    _seen: Counter = field(default_factory=Counter)  # (kind, n) -> steps seen (warm-up)
+    _seen: Counter = field(default_factory=Counter)  # (kind, n, pool length, pool width) -> steps seen (warm-up)
 
     @classmethod
     def for_manifest(cls, manifest, **knobs) -> "StepCosts":
@@ -77,14 +78,14 @@ class StepCosts:
         """A decode step ran that is not a sample (right after the pool was reallocated)."""
         self.clock += 1
 
-    def record(self, kind: str, sequences: int, length: int, seconds: float) -> None:
-        """One KIND step of SEQUENCES sequences over a pool of LENGTH positions took SECONDS."""
+    def record(self, kind: str, sequences: int, length: int, seconds: float, width: int = 1) -> None:
+        """One KIND step of SEQUENCES sequences over a pool of LENGTH positions (WIDTH rows) took SECONDS."""
         if kind != "full":  # a full step is also a speed step: counted once
             self.clock += 1
         if not self.measuring:
             return
-        self._seen[kind, sequences] += 1
-        if self._seen[kind, sequences] <= self.warmup:
+        self._seen[kind, sequences, length, width] += 1
+        if self._seen[kind, sequences, length, width] <= self.warmup:
             return
         key = (kind, sequences, context_band(length))
         samples = self._samples.get(key)

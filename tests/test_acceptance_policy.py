@@ -145,6 +145,8 @@ def test_step_costs_measured_per_batch_size_and_band_after_a_warm_up():
     for seconds in (9.0, 0.005, 0.005, 0.005):
         costs.record("speed", 1, 200, seconds)
     assert costs.step_cost(1, 200) == (pytest.approx(4 * 0.005 / 0.0105), "measured here")
+    costs.record("plain", 1, 210, 5.0)  # the first step over a new pool length (same band): warm-up again
+    assert costs.seconds("plain", 1, 256) == pytest.approx(0.0105)
     assert costs.step_cost(1, 900)[0] == pytest.approx(4 * 0.005 / 0.0105)  # band 1024 borrows band 256
     assert "none yet at 1024" in costs.step_cost(1, 900)[1]
     assert costs.step_cost(2, 200) == (1.6, "seed")  # another batch size: nothing measured yet
