@@ -90,11 +90,29 @@ class AcceptancePolicy:
         """alpha* at the seed cost: below it the bound is under 1 (speculation loses). > 1: never speculate."""
         return self.threshold_at(self.step_cost)
 
-    def threshold_at(self, cost: float) -> float:
-        """alpha* where a step costs COST (c(P))."""
-        if self.slots == 1:
+    def threshold_at(self, cost: float, depth: int | None = None) -> float:
+        """alpha* of a pipeline of DEPTH (None: P) slots whose step costs COST (its c)."""
+        depth = self.slots if depth is None else depth
+        if depth == 1:
             return float("inf")
-        return 1.0 - (self.slots / cost - 1.0) / (self.slots - 1)
+        return 1.0 - (depth / cost - 1.0) / (depth - 1)
+
+    def depth_costs(self, cost: float | dict | None) -> dict[int, float]:
+        """COST as {depth: c}: None is the seed at P, a number c at P, a dict c per depth the runtime may run."""
+        if cost is None:
+            return {self.slots: self.step_cost}
+        return dict(cost) if isinstance(cost, dict) else {self.slots: cost}
+
+    def best_depth(self, states: list[SequenceAcceptance], costs: dict[int, float]) -> int:
+        """The pipeline depth d (of COSTS' keys) that emits the most tokens per unit of time for STATES:
+        the largest sum_i t_i(d) x d / c(d), t_i(d) = 1 / (1 + (1 - a_i)(d - 1)) (the bound's units, a plain
+        token costing 1). A shallower pipeline loses less to a miss (d - 1 steps' work) and its steps run
+        fewer rows; a deeper one shares each weight read among more. Ties go to the deeper."""
+        return max(costs, key=lambda d: (self.depth_score(states, d, costs[d]), d))
+
+    def depth_score(self, states: list[SequenceAcceptance], depth: int, cost: float) -> float:
+        """Expected tokens per plain token's time of STATES in a DEPTH-slot pipeline whose step costs COST."""
+        return sum(self.tokens_per_step(s, depth) for s in states) * depth / cost
 
     def describe(self) -> str:
         return (f"per sequence: speculate while the bound P/(c(1+(1-a)(P-1))) > 1 at c measured on this host as "
@@ -136,14 +154,16 @@ class AcceptancePolicy:
         if not state.speculating:
             state.plain_tokens += 1
 
-    def tokens_per_step(self, state: SequenceAcceptance) -> float:
-        """Tokens a speed step is expected to emit for STATE's sequence (the bound's 1 / (1 + (1-a)(P-1))),
-        at the prior until min_outcomes outcomes judge it (as its own rule waits for them)."""
+    def tokens_per_step(self, state: SequenceAcceptance, depth: int | None = None) -> float:
+        """Tokens a speed step of a DEPTH-slot pipeline (None: P) is expected to emit for STATE's sequence (the
+        bound's 1 / (1 + (1-a)(d-1))), at the prior until min_outcomes outcomes judge it (as its own rule
+        waits for them)."""
+        depth = self.slots if depth is None else depth
         alpha = state.alpha if state.outcomes >= self.min_outcomes else self.prior
-        return 1.0 / (1.0 + (1.0 - alpha) * (self.slots - 1))
+        return 1.0 / (1.0 + (1.0 - alpha) * (depth - 1))
 
     def batch_speculates(self, states: list[SequenceAcceptance], speculating: bool = True,
-                         cost: float | None = None) -> bool:
+                         cost: float | None = None, depth: int | None = None) -> bool:
         """Whether one iteration's decoding sequences (STATES) speculate together or all decode plainly.
         The bound's cost units (a plain run costs 1, a speed run c/P) and each sequence's expected
         tokens per speed step t_i = 1 / (1 + (1 - a_i)(P - 1)):
@@ -157,20 +177,23 @@ class AcceptancePolicy:
         sequences ride along in the speed run while the winners carry the batch; when the losers weigh
         more, everyone decodes plainly until probes (a sequence's average starting afresh) say otherwise.
         SPECULATING: this rule's last verdict (the scheduler keeps it apart from the row rule's); leaving
-        speculation needs the margin (see `margin`). COST: c of this step on this host (None: the seed)."""
+        speculation needs the margin (see `margin`). COST: c of this step on this host (None: the seed) for a
+        pipeline of DEPTH slots (None: P; the P slots run at a shallower depth: decode.Pipeline.shift)."""
         cost = self.step_cost if cost is None else cost
-        if self.threshold_at(cost) >= 1.0:
+        depth = self.slots if depth is None else depth
+        if self.threshold_at(cost, depth) >= 1.0:
             return False
-        tokens = sum(self.tokens_per_step(state) for state in states)
-        return tokens * self.slots / cost > len(states) * (1.0 - self.margin if speculating else 1.0)
+        tokens = sum(self.tokens_per_step(state, depth) for state in states)
+        return tokens * depth / cost > len(states) * (1.0 - self.margin if speculating else 1.0)
 
-    def wants_speculation(self, state: SequenceAcceptance, cost: float | None = None) -> bool:
-        """Advance STATE's state machine at step cost COST (None: the seed); whether its sequence should
-        speculate this step."""
-        cost = self.step_cost if cost is None else cost
+    def wants_speculation(self, state: SequenceAcceptance, cost: float | dict | None = None) -> bool:
+        """Advance STATE's state machine at step cost COST (None: the seed; a dict: c per pipeline depth the
+        runtime may run, the best of them judged); whether its sequence should speculate this step."""
+        costs = self.depth_costs(cost)
         if state.speculating:
             judged = state.outcomes >= (self.probe_outcomes if state.probing else self.min_outcomes)
-            if judged and analytic_bound(self.slots, state.alpha, cost) < 1.0 - self.margin:
+            best = max(analytic_bound(depth, state.alpha, c) for depth, c in costs.items())
+            if judged and best < 1.0 - self.margin:
                 if state.probing:  # the probe failed: wait longer next time
                     state.probe_after = min(2 * state.probe_after, self.max_probe_after)
                     self.learned_probe_after[state.kind] = state.probe_after
@@ -183,7 +206,7 @@ class AcceptancePolicy:
             state.speculating, state.probing = True, True
             state.alpha, state.outcomes = self.prior, 0
             state.probes += 1
-        return state.speculating and self.threshold_at(cost) < 1.0
+        return state.speculating and any(self.threshold_at(c, depth) < 1.0 for depth, c in costs.items())
 
 
 class AlwaysSpeculate:
@@ -201,7 +224,8 @@ class AlwaysSpeculate:
     def wants_speculation(self, state, cost: float | None = None) -> bool:
         return True
 
-    def batch_speculates(self, states, speculating: bool = True, cost: float | None = None) -> bool:
+    def batch_speculates(self, states, speculating: bool = True, cost: float | None = None,
+                         depth: int | None = None) -> bool:
         return True
 
     def describe(self) -> str:

@@ -45,6 +45,9 @@ from speedc.runtimes.backends.onnx import BatchBackend, HeadRows
 from speedc.runtimes.decode import DecodeStats, Pipeline, Request, Slot, emit_token
 
 WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
+# A shallower or deeper pipeline replaces the current one only when its expected tokens per unit of time
+# beat the current depth's by this much (the estimates move with every outcome; a change costs a refill).
+DEPTH_MARGIN = 0.05
 
 
 @dataclass
@@ -124,6 +127,13 @@ class BatchScheduler:
         self.costs = costs
         # Plain steps are timed while speculating only where a rule decides with their cost.
         self.samples_plain = isinstance(self.acceptance, AcceptancePolicy)
+        # The depths the P slots may run at (decode.Pipeline.shift's spacing P / d), where a rule chooses: P and
+        # its divisors above 1 (P = 4: 4 and 2); plain decoding is the rules' other choice.
+        slots = backend.slots
+        self.depths = [d for d in range(slots, 1, -1) if slots % d == 0] if self.samples_plain else [slots]
+        self.depth = slots  # the depth the policy chose
+        self.depth_now = slots  # the depth this step runs at (the chosen one, or one being timed)
+        self._exploring: list[int] | None = None  # [depth, steps left] while timing a depth it would not choose
         self._geometry = None  # the pool's (length, width) at the last decode step: a step after a change is no sample
         self.prefill_chunk = prefill_chunk
         self.waiting: deque[Sequence] = deque()
@@ -194,8 +204,9 @@ class BatchScheduler:
                 self._plain_sample(decoding, fresh)
                 fresh = False
             start = time.perf_counter()
-            kind = self._speed_step(decoding, events) if speculate else self._plain_step(decoding, events)
-            self._record(kind, len(decoding), time.perf_counter() - start, fresh)
+            depth = self.depth_now
+            kind = self._speed_step(decoding, events, depth) if speculate else self._plain_step(decoding, events)
+            self._record(kind, len(decoding), time.perf_counter() - start, fresh, depth)
             self.decode_steps[len(decoding)] += 1
         for sequence in [s for s in self.occupied if s.state == DONE]:
             self._release(sequence)
@@ -300,37 +311,64 @@ class BatchScheduler:
         slots = self.backend.slots
         if slots == 1:
             return False
-        cost, source = self.costs.step_cost(len(decoding), self.backend.length)
+        n, length = len(decoding), self.backend.length
+        measured = {d: self.costs.step_cost(n, length, depth=d) for d in self.depths}
+        costs = {d: cost for d, (cost, _) in measured.items()}
         for sequence in decoding:  # each sequence's own rule first (it advances its fall-back / probe state)
-            self.acceptance.wants_speculation(sequence.acceptance, cost)
+            self.acceptance.wants_speculation(sequence.acceptance, costs if len(costs) > 1 else costs[slots])
+        states = [s.acceptance for s in decoding]
+        depth = self.depth_now = self._choose_depth(states, costs, n, length)
         # Each rule's hysteresis follows its own last verdict, not the batch's mode: a batch the acceptance
         # rule turned plain at the row budget (8 sequences at P = 4, budget 32) must speculate again when
         # its probes hold, though 32 rows is above the budget's resume mark (24).
-        self.acceptance_allows = self.acceptance.batch_speculates([s.acceptance for s in decoding], self.acceptance_allows,
-                                                                  cost)
-        self.rows_allow = self.policy.speculate(slots, len(decoding), self.rows_allow)
+        self.acceptance_allows = self.acceptance.batch_speculates(states, self.acceptance_allows, costs[depth], depth)
+        self.rows_allow = self.policy.speculate(slots, n, self.rows_allow)
         for sequence in decoding:  # what the decision rested on, in each sequence's stats
             stats, state = sequence.stats, sequence.acceptance
             alpha = state.alpha if state is not None else stats.acceptance_rate
-            stats.step_cost, stats.step_cost_source = round(cost, 3), source
-            stats.bound = round(analytic_bound(slots, alpha, cost), 3)
+            stats.step_cost, stats.step_cost_source, stats.depth = round(costs[depth], 3), measured[depth][1], depth
+            stats.bound = round(analytic_bound(depth, alpha, costs[depth]), 3)
             if state is not None:
                 stats.fallbacks, stats.probes = state.fallbacks, state.probes
         return self.acceptance_allows and self.rows_allow
 
-    def _record(self, kind: str | None, sequences: int, seconds: float, fresh: bool) -> None:
+    def _choose_depth(self, states: list, costs: dict[int, float], sequences: int, length: int) -> int:
+        """The depth the next speed step runs at: the policy's best at these costs, kept unless another
+        beats it by DEPTH_MARGIN; while a depth's cost here is unknown or stale, that depth for a few steps
+        (its warm-up, samples and the pipeline's change of spacing) so the choice rests on measurements.
+        A change of depth drops nothing: decode.Pipeline.shift only spaces new entries."""
+        if len(self.depths) == 1:
+            return self.depths[0]
+        if self._exploring is not None:
+            self._exploring[1] -= 1
+            if self._exploring[1] > 0:
+                return self._exploring[0]
+            self._exploring = None
+        best = self.acceptance.best_depth(states, costs)
+        score = self.acceptance.depth_score
+        if score(states, best, costs[best]) > score(states, self.depth, costs[self.depth]) * (1 + DEPTH_MARGIN):
+            self.depth = best
+        if self.acceptance_allows:
+            stale = next((d for d in self.depths if d != self.depth and self.costs.needs_depth_sample(sequences, length, d)),
+                         None)
+            if stale is not None:
+                self._exploring = [stale, self.costs.warmup + self.costs.min_samples + self.backend.slots]
+                return stale
+        return self.depth
+
+    def _record(self, kind: str | None, sequences: int, seconds: float, fresh: bool, depth: int) -> None:
         """A decode step of KIND ("plain", "speed", "full"; None: nothing ran) took SECONDS: a sample of this
         host's step costs, unless it was the first run since the pool was reallocated (FRESH: new buffers,
-        new bindings)."""
+        new bindings). DEPTH: the pipeline depth a speed step ran at."""
         if kind is None:
             return
         if fresh:
             self.costs.tick()
             return
-        length, width = self.backend.length, self.backend.width
-        self.costs.record("speed" if kind == "full" else kind, sequences, length, seconds, width)
+        length, width, at = self.backend.length, self.backend.width, self.costs.kind_at
+        self.costs.record(kind if kind == "plain" else at("speed", depth), sequences, length, seconds, width)
         if kind == "full":
-            self.costs.record("full", sequences, length, seconds, width)
+            self.costs.record(at("full", depth), sequences, length, seconds, width)
 
     def _plain_sample(self, decoding: list[Sequence], fresh: bool) -> None:
         """Time one plain step of DECODING's frontier tokens while they speculate, to know what plain decoding
@@ -431,9 +469,11 @@ class BatchScheduler:
             sequence.stats.decode_seconds += time.perf_counter() - start
         return "plain"
 
-    def _speed_step(self, decoding: list[Sequence], events: list[Event]) -> str | None:
-        """-> "full" when every slot of every stepping pipeline held a token, "speed" else, None when no
-        sequence stepped."""
+    def _speed_step(self, decoding: list[Sequence], events: list[Event], pipeline_depth: int) -> str | None:
+        """One speed step with the P slots run as a pipeline of PIPELINE_DEPTH slots (slot spacing
+        P / PIPELINE_DEPTH: decode.Pipeline.shift). -> "full" when every stepping pipeline held PIPELINE_DEPTH
+        tokens, "speed" else, None when no sequence stepped."""
+        spacing = self.backend.slots // pipeline_depth
         slots, n = self.backend.slots, len(self.occupied)
         entering = np.zeros(n, np.int64)
         positions = np.empty((slots, n), np.int64)
@@ -446,7 +486,7 @@ class BatchScheduler:
             pipeline = sequence.pipeline
             if pipeline.pending is None and pipeline.empty:
                 pipeline.pending = sequence.frontier()  # (re)entering speculation after prefill or plain steps
-            enter = pipeline.shift(sequence.last_useful)
+            enter = pipeline.shift(sequence.last_useful, spacing)
             if pipeline.empty:  # nothing left that could lead to another emission
                 sequence.stats.stop_reason = sequence.stats.stop_reason or "max_new_tokens"
                 sequence.state = DONE  # released after the step, with the others that finished
@@ -475,7 +515,7 @@ class BatchScheduler:
                     check_of.append((sequence, depth))
         if not stepping:
             return None
-        full = bool(valid[:, [s.row for s in stepping]].all())
+        full = bool((valid[:, [s.row for s in stepping]].sum(axis=0) == pipeline_depth).all())
         want = any(s.request.picker.params.needs_logits for s in final_of)
         start = time.perf_counter()
         result = self.backend.speed_step(entering, positions, valid, heads, want)
@@ -492,6 +532,7 @@ class BatchScheduler:
             stats = sequence.stats
             stats.steps += 1
             stats.speed_steps += 1
+            stats.depth_steps[pipeline_depth] = stats.depth_steps.get(pipeline_depth, 0) + 1
             accepted, failed = stats.accepted, stats.failed_speculations
             self._absorb(sequence, final.get(id(sequence)), guesses.get(id(sequence), {}), events)
             self.acceptance.stepped(sequence.acceptance, stats.accepted - accepted, stats.failed_speculations - failed)

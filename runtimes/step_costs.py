@@ -11,7 +11,9 @@ kind "plain": a plain step of n tokens; "speed": a speed step of n pipelines, ho
 after a flush run fewer rows and cost less: the mean over the steps taken is what a token costs at
 this acceptance, the analytic bound's 1 + (1 - alpha)(P - 1) steps a token times it); "full": a speed
 step with every slot of every pipeline filled, the step `speedc inspect --measure` times (c(P) as
-SPEED.md defines it). Each is the median of the last WINDOW samples (a shared host's outliers do not
+SPEED.md defines it). A pipeline run at a shallower depth d = P / g (decode.Pipeline.shift's spacing g:
+at most d tokens in flight, d rows a step) keeps its speed steps as "speed@d" / "full@d"; its c(d) is
+P x its step / a plain step (g steps of d rows a token, against a plain token's d slots of N / d layers). Each is the median of the last WINDOW samples (a shared host's outliers do not
 move it); the first WARMUP steps of each (kind, n) at each pool shape (length, width) are not samples
 (the first runs of a shape bind buffers and warm ONNX Runtime's kernels: measured, the first plain
 tokens over a new pool length of a 4-layer Ouro-1.4B-shaped int4 model took ~125 ms against 14), nor
@@ -31,7 +33,6 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 MIN_BAND = 64
-KINDS = ("plain", "speed", "full")
 
 
 def context_band(length: int) -> int:
@@ -78,9 +79,13 @@ class StepCosts:
         """A decode step ran that is not a sample (right after the pool was reallocated)."""
         self.clock += 1
 
+    def kind_at(self, kind: str, depth: int | None) -> str:
+        """The key of a KIND ("speed", "full") step at pipeline DEPTH (None or P: the artifact's own)."""
+        return kind if depth in (None, self.slots) else f"{kind}@{depth}"
+
     def record(self, kind: str, sequences: int, length: int, seconds: float, width: int = 1) -> None:
         """One KIND step of SEQUENCES sequences over a pool of LENGTH positions (WIDTH rows) took SECONDS."""
-        if kind != "full":  # a full step is also a speed step: counted once
+        if not kind.startswith("full"):  # a full step is also a speed step: counted once
             self.clock += 1
         if not self.measuring:
             return
@@ -109,31 +114,73 @@ class StepCosts:
         return (samples is None or len(samples.seconds) < self.min_samples
                 or self.clock - samples.newest > self.refresh_steps)
 
-    def step_cost(self, sequences: int, length: int, kind: str = "speed") -> tuple[float, str]:
-        """(c, where it comes from) for SEQUENCES sequences at a pool of LENGTH positions: P x a KIND step's
-        seconds / a plain step's, measured in this band, else the nearest band measured, else the seed."""
-        band = context_band(length)
-        measured = [(abs(b.bit_length() - band.bit_length()), b) for k, n, b in self._samples
-                    if k == kind and n == sequences]
-        for _, near in sorted(measured):
+    def needs_depth_sample(self, sequences: int, length: int, depth: int) -> bool:
+        """Whether speed steps at DEPTH of SEQUENCES sequences at a pool of LENGTH positions are unknown or stale."""
+        if not self.measuring:
+            return False
+        samples = self._samples.get((self.kind_at("speed", depth), sequences, context_band(length)))
+        return (samples is None or len(samples.seconds) < self.min_samples
+                or self.clock - samples.newest > self.refresh_steps)
+
+    def _measured(self, kind: str, sequences: int, band: int) -> tuple[float, str] | None:
+        """P x KIND step / plain step in BAND, else in the nearest band where both were measured."""
+        near_first = sorted((abs(b.bit_length() - band.bit_length()), b) for k, n, b in self._samples
+                            if k == kind and n == sequences)
+        for _, near in near_first:
             step, plain = self.seconds(kind, sequences, near), self.seconds("plain", sequences, near)
             if step is not None and plain is not None:
                 where = "here" if near == band else f"at context band {near} (none yet at {band})"
                 return self.slots * step / plain, f"measured {where}"
-        return self.seed, self.seed_source
+        return None
+
+    def step_cost(self, sequences: int, length: int, kind: str = "speed", depth: int | None = None) -> tuple[float, str]:
+        """(c, where it comes from) for SEQUENCES sequences at a pool of LENGTH positions and pipeline DEPTH (None:
+        P): P x a KIND step's seconds / a plain step's, measured in this band, else the nearest band measured;
+        a depth not measured yet: another depth's c scaled along the cost model's c(d) = 1 + 0.2 (d - 1); else
+        the seed (scaled so too)."""
+        from speedc.cost_model import assumed_step_cost
+
+        depth = self.slots if depth is None else depth
+        band = context_band(length)
+        found = self._measured(self.kind_at(kind, depth), sequences, band)
+        if found is not None:
+            return found
+        for other in sorted({self.slots, *self.depths_seen()} - {depth}, reverse=True):
+            found = self._measured(self.kind_at(kind, other), sequences, band)
+            if found is not None:
+                scale = assumed_step_cost(depth) / assumed_step_cost(other)
+                return found[0] * scale, f"estimated from depth {other} ({found[1]})"
+        if depth == self.slots:
+            return self.seed, self.seed_source
+        return self.seed * assumed_step_cost(depth) / assumed_step_cost(self.slots), f"{self.seed_source}, scaled to depth {depth}"
+
+    def _depth_row(self, sequences: int, band: int, depth: int, plain: float | None) -> dict:
+        """The mean speed and full step at DEPTH in ms, and the c each gives over PLAIN seconds."""
+        row = {}
+        for kind, name in (("speed", "mean_step_cost"), ("full", "step_cost")):
+            seconds = self.seconds(self.kind_at(kind, depth), sequences, band)
+            if seconds is not None:
+                row[f"{kind}_ms"] = round(1000 * seconds, 3)
+                if plain:
+                    row[name] = round(self.slots * seconds / plain, 3)
+        return row
+
+    def depths_seen(self) -> set[int]:
+        return {int(k.split("@")[1]) for k, _, _ in self._samples if "@" in k}
 
     def report(self) -> dict:
-        """What was measured: per (n, band) the plain, mean speed and full step in ms, and c from each;
-        the seed beside them."""
+        """What was measured: per (n, band) the plain, mean speed and full step in ms, and c from each (the
+        artifact's depth P at the top, shallower depths run at run time under "depths"); the seed beside them."""
         rows = []
         for n, band in sorted({(n, b) for _, n, b in self._samples}):
-            ms = {kind: self.seconds(kind, n, band) for kind in KINDS}
-            row = {"sequences": n, "context_band": band,
-                   **{f"{kind}_ms": round(1000 * value, 3) for kind, value in ms.items() if value is not None}}
-            if ms["plain"]:
-                for kind, name in (("speed", "mean_step_cost"), ("full", "step_cost")):
-                    if ms[kind]:
-                        row[name] = round(self.slots * ms[kind] / ms["plain"], 3)
+            plain = self.seconds("plain", n, band)
+            row = {"sequences": n, "context_band": band, **self._depth_row(n, band, self.slots, plain)}
+            if plain is not None:
+                row["plain_ms"] = round(1000 * plain, 3)
+            shallower = {d: self._depth_row(n, band, d, plain) for d in sorted(self.depths_seen(), reverse=True)}
+            shallower = {d: values for d, values in shallower.items() if values}
+            if shallower:
+                row["depths"] = shallower
             rows.append(row)
         return {"slots": self.slots, "seed_step_cost": round(self.seed, 3), "seed_source": self.seed_source,
                 "measured": rows}

@@ -118,8 +118,11 @@ def depths_line(slots: int, measured: dict | None) -> str:
     runtime = (measured or {}).get("runtime") or {}
     cost = (f": a plain token {runtime['plain_ms']:.2f} ms, a full P={slots} step {runtime['full_ms']:.2f} ms here"
             if "plain_ms" in runtime and "full_ms" in runtime else " (--measure: what each costs here)")
+    shallower = [d for d in range(slots - 1, 1, -1) if slots % d == 0]
+    spaced = (f"; its slots also run as a pipeline of depth {', '.join(map(str, shallower))} (entries spaced, "
+              "same program)" if shallower else "")
     return (f"depths held: P = {slots} (the batch step program) and P = 1 (plain tokens: the prefill program), "
-            f"over one copy of the weights; `--mode speed` runs whichever pays on the host{cost}")
+            f"over one copy of the weights{spaced}; `--mode speed` runs whichever pays on the host{cost}")
 
 
 def schedule_diagram(slots: int, steps: int) -> list[str]:

@@ -159,3 +159,21 @@ def test_step_costs_measured_per_batch_size_and_band_after_a_warm_up():
     scripted = StepCosts(slots=4, seed=2.0, seed_source="scripted", measuring=False)
     scripted.record("plain", 1, 200, 0.01)
     assert scripted.step_cost(1, 200) == (2.0, "scripted") and not scripted.needs_plain_sample(1, 200)
+
+
+def test_the_depth_that_emits_most_per_unit_of_time_is_chosen():
+    """P = 4 slots may run as a 2-slot pipeline (runtimes/decode.py Pipeline.shift's spacing): at a high
+    acceptance the deeper pipeline shares each weight read among more rows, at a middling one the shallower
+    loses less to each miss, and a sequence keeps speculating where some depth still wins."""
+    policy = AcceptancePolicy(slots=4, step_cost=2.3)
+    costs = {4: 2.3, 2: 1.4}
+    high, middle = SimpleNamespace(alpha=0.95, outcomes=8), SimpleNamespace(alpha=0.6, outcomes=8)
+    assert policy.best_depth([high], costs) == 4  # 4 x 0.870 / 2.3 = 1.51 against 2 x 0.952 / 1.4 = 1.36
+    assert policy.best_depth([middle], costs) == 2  # 4 x 0.455 / 2.3 = 0.79 against 2 x 0.714 / 1.4 = 1.02
+    assert policy.batch_speculates([middle], cost=1.4, depth=2) and not policy.batch_speculates([middle], cost=2.3)
+    assert policy.best_depth([high, middle, middle], costs) == 2 and policy.best_depth([high] * 3 + [middle], costs) == 4
+    one, other = policy.start(), policy.start()
+    for state in (one, other):
+        policy.observe(state, accepted=6, failed=4)  # alpha 0.6
+    assert not policy.wants_speculation(one, cost=2.3) and one.fallbacks == 1  # at P alone it loses
+    assert policy.wants_speculation(other, cost=costs) and other.fallbacks == 0  # at depth 2 it wins

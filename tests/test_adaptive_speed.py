@@ -2,10 +2,11 @@
 costs): whatever the policy decides, and whenever, the tokens are plain decoding's.
 
 A scripted cost (a stand-in for the clock: the decisions' logic, not this host's timing) turns the pipeline
-from speculation to plain decoding and back every few steps and asks for a timed plain step in the middle of
-speculation, so every switch (in-flight work dropped, the pipeline refilled from the frontier) and every
-discarded measurement step happens many times per sequence; each family's greedy and seeded-sampling
-outputs must equal plain decoding's. Then the real path: `mode="speed"` (the default) on an engine that
+from its full depth to a shallower one (P = 4 run as 2 slots' spacing), to plain decoding and back every
+few steps, asks for a timed plain step in the middle of speculation and for a few steps at a depth it
+would not choose, so every switch (in-flight work dropped or merely spaced, the pipeline refilled from
+the frontier) and every discarded measurement step happens many times per sequence; each family's greedy
+and seeded-sampling outputs must equal plain decoding's. Then the real path: `mode="speed"` (the default) on an engine that
 measures its own steps equals plain decoding, reports its decisions and costs, and the CLI shows them.
 """
 
@@ -25,22 +26,31 @@ SAMPLING = ({}, {"temperature": 0.9, "top_p": 0.95, "seed": 11})
 
 
 class ScriptedCosts(StepCosts):
-    """c(P) by decision: cheap for CHEAP decisions, then dearer than P (no acceptance wins) for DEAR ones, over
-    and over; a plain step is asked for every SAMPLE_EVERY-th speculating step."""
+    """c by decision, in phases of PHASE decisions: the full depth P cheap (shallower ones dear), then every
+    depth dearer than its slots (no acceptance wins: plain decoding), then the shallowest depth cheap and P
+    dear, over and over; a plain step is asked for every SAMPLE_EVERY-th speculating step, a few steps at a
+    depth not chosen at every EXPLORE_EVERY-th decision."""
 
-    def __init__(self, slots: int, cheap: int = 5, dear: int = 3, sample_every: int = 4) -> None:
+    def __init__(self, slots: int, phase: int = 5, sample_every: int = 4, explore_every: int = 11) -> None:
         super().__init__(slots, 1.2, "scripted", measuring=False)
-        self.cheap, self.dear, self.sample_every = cheap, dear, sample_every
-        self.decisions = self.asked = 0
+        self.phase, self.sample_every, self.explore_every = phase, sample_every, explore_every
+        self.decisions = self.asked = self.explored = 0
 
-    def step_cost(self, sequences: int, length: int, kind: str = "speed") -> tuple[float, str]:
-        self.decisions += 1
-        dear = self.decisions % (self.cheap + self.dear) >= self.cheap
-        return (2.0 * self.slots if dear else 1.2), "scripted"
+    def step_cost(self, sequences: int, length: int, kind: str = "speed", depth: int | None = None) -> tuple[float, str]:
+        depth = self.slots if depth is None else depth
+        if depth == self.slots:  # asked once per depth each decision: count the decisions once
+            self.decisions += 1
+        phase = (self.decisions // self.phase) % 3
+        cheap = (phase == 0 and depth == self.slots) or (phase == 2 and depth == 2)
+        return (1.0 + 0.05 * (depth - 1) if cheap else 2.0 * depth), "scripted"
 
     def needs_plain_sample(self, sequences: int, length: int) -> bool:
         self.asked += 1
         return self.asked % self.sample_every == 0
+
+    def needs_depth_sample(self, sequences: int, length: int, depth: int) -> bool:
+        self.explored += 1
+        return self.explored % self.explore_every == 0
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +86,7 @@ def test_switching_mid_sequence_keeps_speed_equal_to_plain(family_engines, famil
     engine = family_engines[family]
     assert engine.manifest.slots > 1
     switched = sampled = 0
+    depths = set()
     for prompt in PROMPTS:
         for params in SAMPLING:
             sequence, scheduler = _adaptive(engine, prompt, params)
@@ -85,7 +96,10 @@ def test_switching_mid_sequence_keeps_speed_equal_to_plain(family_engines, famil
             assert stats.speed_steps + stats.plain_steps == stats.steps and stats.speed_steps and stats.plain_steps
             switched += scheduler.mode_switches
             sampled += stats.cost_samples
+            depths |= set(stats.depth_steps)
     assert switched >= 8 and sampled >= 4  # every sequence switched both ways and timed plain steps mid-pipeline
+    slots = engine.manifest.slots
+    assert depths == {d for d in range(2, slots + 1) if slots % d == 0}  # and ran at every depth the P slots allow
 
 
 def test_default_mode_measures_decides_and_reports(family_engines):

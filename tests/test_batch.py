@@ -285,7 +285,8 @@ class ScriptedAcceptance(AlwaysSpeculate):
     def __init__(self, plain_calls: range) -> None:
         self.plain_calls, self.calls = plain_calls, 0
 
-    def batch_speculates(self, states, speculating: bool = True, cost: float | None = None) -> bool:
+    def batch_speculates(self, states, speculating: bool = True, cost: float | None = None,
+                         depth: int | None = None) -> bool:
         self.calls += 1
         return self.calls not in self.plain_calls
 

@@ -220,7 +220,12 @@ def policy_summary(runs) -> dict:
     """The default mode's decisions summed over RUNS (DecodeStats), and the last run's cost, bound and what the
     runtime measured on this host."""
     last = runs[-1]
+    depth_steps: dict[int, int] = {}
+    for stats in runs:
+        for depth, steps in stats.depth_steps.items():
+            depth_steps[depth] = depth_steps.get(depth, 0) + steps
     return {**{key: sum(getattr(s, key) for s in runs) for key in ("speed_steps", "plain_steps", "fallbacks", "probes",
                                                                   "cost_samples")},
+            "depth_steps": dict(sorted(depth_steps.items(), reverse=True)), "depth": last.depth,
             "step_cost": last.step_cost, "step_cost_source": last.step_cost_source, "bound": last.bound,
             "host_costs": last.host_costs}

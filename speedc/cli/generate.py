@@ -151,8 +151,8 @@ def _print_stats(stats) -> None:
 
     data = stats.to_json()
     table = Table(title="decode stats", show_header=False)
-    for key in ("mode", "prompt_tokens", "new_tokens", "steps", "speed_steps", "plain_steps", "fallbacks", "probes",
-                "cost_samples", "accepted", "mispredicted", "early_flushes", "flushed_tokens", "acceptance_rate",
+    for key in ("mode", "prompt_tokens", "new_tokens", "steps", "speed_steps", "depth_steps", "plain_steps", "fallbacks",
+                "probes", "cost_samples", "depth", "accepted", "mispredicted", "early_flushes", "flushed_tokens", "acceptance_rate",
                 "tokens_per_step", "step_cost", "step_cost_source", "bound", "prefill_seconds", "decode_seconds",
                 "decode_tokens_per_second", "stop_reason"):
         value = data[key]
@@ -161,6 +161,8 @@ def _print_stats(stats) -> None:
         table.add_row("policy", data["policy"])
     for row in (data["host_costs"] or {}).get("measured", []):
         table.add_row(f"measured here: {row['sequences']} seq, context <= {row['context_band']}", _cost_row(row))
+        for depth, values in row.get("depths", {}).items():
+            table.add_row(f"  the P slots as {depth}", _cost_row(values))
     Console(stderr=True).print(table)
 
 

@@ -49,6 +49,8 @@ class Metrics:
         self.flushed_tokens = Counter("speedc_flushed_tokens", "In-flight tokens discarded by flushes", registry=r)
         self.policy_steps = Counter("speedc_policy_decode_steps", "Decode steps of finished requests by what the "
                                     "speculation policy chose", ["kind"], registry=r)
+        self.depth_steps = Counter("speedc_policy_depth_steps", "Speed steps of finished requests by the pipeline depth "
+                                   "the policy ran the slots at", ["depth"], registry=r)
         self.fallbacks = Counter("speedc_policy_fallbacks", "Times a request turned to plain decoding because "
                                  "speculation did not pay on this host", registry=r)
         self.probes = Counter("speedc_policy_probes", "Times a request speculated again after a fall-back to "
@@ -72,6 +74,8 @@ class Metrics:
             self.flushed_tokens.inc(stats.flushed_tokens)
             self.policy_steps.labels("speed").inc(stats.speed_steps)
             self.policy_steps.labels("plain").inc(stats.plain_steps)
+            for depth, steps in stats.depth_steps.items():
+                self.depth_steps.labels(str(depth)).inc(steps)
             self.fallbacks.inc(stats.fallbacks)
             self.probes.inc(stats.probes)
             self.cost_samples.inc(stats.cost_samples)
@@ -95,20 +99,22 @@ class _EngineSteps:
 
 
 class _HostCosts:
-    """speedc_step_cost{sequences, context_band, step}: c(P) measured on this host (runtimes/step_costs.py), of
-    a full step and of the mean step the policy decides with; speedc_step_cost_seed: what seeded it."""
+    """speedc_step_cost{sequences, context_band, depth, step}: c measured on this host (runtimes/step_costs.py)
+    per pipeline depth, of a full step and of the mean step the policy decides with; speedc_step_cost_seed:
+    what seeded it."""
 
     def __init__(self, adapter) -> None:
         self.adapter = adapter
 
     def collect(self):
         report = self.adapter.host_costs()
-        cost = GaugeMetricFamily("speedc_step_cost", "c(P) measured on this host: a speed step's time over a plain "
-                                 "token's / P", labels=["sequences", "context_band", "step"])
+        cost = GaugeMetricFamily("speedc_step_cost", "c measured on this host: P x a speed step's time over a plain "
+                                 "token's", labels=["sequences", "context_band", "depth", "step"])
         for row in report.get("measured", []):
-            for name, step in (("step_cost", "full"), ("mean_step_cost", "mean")):
-                if name in row:
-                    cost.add_metric([str(row["sequences"]), str(row["context_band"]), step], row[name])
+            for depth, values in ((report["slots"], row), *row.get("depths", {}).items()):
+                for name, step in (("step_cost", "full"), ("mean_step_cost", "mean")):
+                    if name in values:
+                        cost.add_metric([str(row["sequences"]), str(row["context_band"]), str(depth), step], values[name])
         yield cost
         if "seed_step_cost" in report:
             seed = GaugeMetricFamily("speedc_step_cost_seed", "c(P) the policy starts from (build host or assumed)")
