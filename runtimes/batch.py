@@ -48,6 +48,10 @@ WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
 # A shallower or deeper pipeline replaces the current one only when its expected tokens per unit of time
 # beat the current depth's by this much (the estimates move with every outcome; a change costs a refill).
 DEPTH_MARGIN = 0.05
+# Plain steps a speculating scheduler runs to time plain decoding when its cost here is unknown or stale
+# (StepCosts.needs_plain_sample), the first of them not a sample: a plain step right after speed steps runs
+# cold (measured on zoo:small: 6-11 ms against 2.5 in a run of plain steps; the engine graph's other branch).
+PLAIN_BURST = (2, 8)  # (fewest, most) steps; it ends once the band holds enough samples
 
 
 @dataclass
@@ -127,6 +131,7 @@ class BatchScheduler:
         self.costs = costs
         # Plain steps are timed while speculating only where a rule decides with their cost.
         self.samples_plain = isinstance(self.acceptance, AcceptancePolicy)
+        self._burst = 0  # plain steps run so far in a burst timing plain decoding (0: none running)
         # The depths the P slots may run at (decode.Pipeline.shift's spacing P / d), where a rule chooses: P and
         # its divisors above 1 (P = 4: 4 and 2); plain decoding is the rules' other choice.
         slots = backend.slots
@@ -143,7 +148,7 @@ class BatchScheduler:
         self.speculating = backend.speculative
         self.acceptance_allows = self.rows_allow = backend.speculative  # each policy's last verdict (_speculate)
         self.mode_switches = 0
-        self.steps = {"speed": 0, "plain": 0, "prefill": 0, "plain sample": 0}
+        self.steps = {"speed": 0, "plain": 0, "prefill": 0}
         self.decode_steps: Counter[int] = Counter()  # sequences decoded together -> decode steps so far
 
     # ---- requests --------------------------------------------------------------------------------
@@ -191,6 +196,8 @@ class BatchScheduler:
         decoding = [s for s in self.occupied if s.state == DECODE]
         if decoding and not (first_token and self.first_token_alone):
             speculate = self._speculate(decoding)
+            burst = speculate and self._plain_burst(decoding)
+            speculate = speculate and not burst
             if speculate != self.speculating:
                 self.mode_switches += 1
                 self.speculating = speculate
@@ -200,9 +207,10 @@ class BatchScheduler:
                         sequence.pipeline.pending = None
             geometry = (self.backend.length, self.backend.width)
             fresh, self._geometry = geometry != self._geometry, geometry  # reallocated: the next run binds anew
-            if speculate and self.samples_plain and self.costs.needs_plain_sample(len(decoding), self.backend.length):
-                self._plain_sample(decoding, fresh)
-                fresh = False
+            fresh = fresh or self._burst == 1  # a burst's first plain step runs cold
+            if burst:
+                for sequence in decoding:
+                    sequence.stats.cost_samples += 1
             start = time.perf_counter()
             depth = self.depth_now
             kind = self._speed_step(decoding, events, depth) if speculate else self._plain_step(decoding, events)
@@ -317,7 +325,8 @@ class BatchScheduler:
         for sequence in decoding:  # each sequence's own rule first (it advances its fall-back / probe state)
             self.acceptance.wants_speculation(sequence.acceptance, costs if len(costs) > 1 else costs[slots])
         states = [s.acceptance for s in decoding]
-        depth = self.depth_now = self._choose_depth(states, costs, n, length)
+        self.depth_now = self._choose_depth(states, costs, n, length)
+        depth = self.depth  # the verdict is the chosen depth's, also while another is being timed
         # Each rule's hysteresis follows its own last verdict, not the batch's mode: a batch the acceptance
         # rule turned plain at the row budget (8 sequences at P = 4, budget 32) must speculate again when
         # its probes hold, though 32 rows is above the budget's resume mark (24).
@@ -339,15 +348,15 @@ class BatchScheduler:
         A change of depth drops nothing: decode.Pipeline.shift only spaces new entries."""
         if len(self.depths) == 1:
             return self.depths[0]
+        best = self.acceptance.best_depth(states, costs)
+        score = self.acceptance.depth_score
+        if score(states, best, costs[best]) > score(states, self.depth, costs[self.depth]) * (1 + DEPTH_MARGIN):
+            self.depth = best
         if self._exploring is not None:
             self._exploring[1] -= 1
             if self._exploring[1] > 0:
                 return self._exploring[0]
             self._exploring = None
-        best = self.acceptance.best_depth(states, costs)
-        score = self.acceptance.depth_score
-        if score(states, best, costs[best]) > score(states, self.depth, costs[self.depth]) * (1 + DEPTH_MARGIN):
-            self.depth = best
         if self.acceptance_allows:
             stale = next((d for d in self.depths if d != self.depth and self.costs.needs_depth_sample(sequences, length, d)),
                          None)
@@ -370,23 +379,26 @@ class BatchScheduler:
         if kind == "full":
             self.costs.record(at("full", depth), sequences, length, seconds, width)
 
-    def _plain_sample(self, decoding: list[Sequence], fresh: bool) -> None:
-        """Time one plain step of DECODING's frontier tokens while they speculate, to know what plain decoding
-        costs here now (StepCosts.needs_plain_sample), its tokens discarded. Lossless: the frontier is a
-        verified token at its own position, so the K/V rows it writes are the ones its pipeline writes (or
-        wrote) for it, and nothing reads them in between; no token is picked (no sampling stream moves).
-        FRESH: the first run since the pool was reallocated (timed, not a sample)."""
-        tokens, positions, valid, want = self._plain_rows(decoding)
-        start = time.perf_counter()
-        self.backend.plain_step(tokens, positions, valid, want)
-        seconds = time.perf_counter() - start
-        if fresh:
-            self.costs.tick()
-        else:
-            self.costs.record("plain", len(decoding), self.backend.length, seconds, self.backend.width)
-        self.steps["plain sample"] += 1
-        for sequence in decoding:
-            sequence.stats.cost_samples += 1
+    def _plain_burst(self, decoding: list[Sequence]) -> bool:
+        """Whether this step, which the rules would speculate, runs as a plain step to time plain decoding here
+        (real tokens: a burst of PLAIN_BURST steps). One starts where plain decoding's cost in this band is
+        unknown or stale, when no pipeline holds in-flight work (after prefill, after a miss: nothing to
+        drop), or at once where the cost was never measured here or is twice as stale."""
+        if not self.samples_plain:
+            return False
+        n, length = len(decoding), self.backend.length
+        fewest, most = PLAIN_BURST
+        if self._burst:
+            if self._burst < most and (self._burst < fewest or self.costs.needs_plain_sample(n, length)):
+                self._burst += 1
+                return True
+            self._burst = 0
+            return False
+        if self.costs.needs_plain_sample(n, length) and (all(s.pipeline.empty for s in decoding)
+                                                         or self.costs.plain_overdue(n, length)):
+            self._burst = 1
+            return True
+        return False
 
     def _cached(self, sequence: Sequence) -> int:
         """Cache positions of SEQUENCE that may hold K/V it will read: prompt, emitted tokens, in-flight ones."""

@@ -13,8 +13,12 @@ this acceptance, the analytic bound's 1 + (1 - alpha)(P - 1) steps a token times
 step with every slot of every pipeline filled, the step `speedc inspect --measure` times (c(P) as
 SPEED.md defines it). A pipeline run at a shallower depth d = P / g (decode.Pipeline.shift's spacing g:
 at most d tokens in flight, d rows a step) keeps its speed steps as "speed@d" / "full@d"; its c(d) is
-P x its step / a plain step (g steps of d rows a token, against a plain token's d slots of N / d layers). Each is the median of the last WINDOW samples (a shared host's outliers do not
-move it); the first WARMUP steps of each (kind, n) at each pool shape (length, width) are not samples
+P x its step / a plain step (g steps of d rows a token, against a plain token's d slots of N / d layers).
+
+Each is the lower quartile of the last WINDOW samples: on a shared host a step is only ever slowed, by
+other processes taking a core from a thread the step waits on (measured on zoo:small at a load of 4 on 2
+cores: plain tokens of 2.5 ms and of 10.6 ms, two of three slow), and the same quartile of both kinds
+keeps their ratio; the first WARMUP steps of each (kind, n) at each pool shape (length, width) are not samples
 (the first runs of a shape bind buffers and warm ONNX Runtime's kernels: measured, the first plain
 tokens over a new pool length of a 4-layer Ouro-1.4B-shaped int4 model took ~125 ms against 14), nor
 is the first decode step after the pool was reallocated (the scheduler skips it: new bindings).
@@ -28,7 +32,6 @@ Standard library only (the runtime path imports no torch).
 
 from __future__ import annotations
 
-import statistics
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -55,8 +58,8 @@ class StepCosts:
     window: int = 16
     warmup: int = 2
     min_samples: int = 3  # samples a (kind, n, band) needs before its median counts
-    # Decode steps (any n, any band) after which a plain estimate is stale: the scheduler then times one
-    # plain step while speculating (BatchScheduler._plain_sample; ~1 plain token per this many steps).
+    # Decode steps (any n, any band) after which a plain estimate is stale: a speculating scheduler then runs a
+    # few plain steps to time it (BatchScheduler._plain_burst), when no pipeline holds work, or at twice this.
     refresh_steps: int = 512
     measuring: bool = True  # False: the seed stands for every step (a scripted cost, for tests of the rules)
     clock: int = 0  # decode steps recorded or skipped so far
@@ -100,11 +103,12 @@ class StepCosts:
         samples.newest = self.clock
 
     def seconds(self, kind: str, sequences: int, band: int) -> float | None:
-        """Median seconds of a KIND step of SEQUENCES sequences in BAND, None before min_samples."""
+        """Seconds of a KIND step of SEQUENCES sequences in BAND (the lower quartile of the window), None
+        before min_samples."""
         samples = self._samples.get((kind, sequences, band))
         if samples is None or len(samples.seconds) < self.min_samples:
             return None
-        return statistics.median(samples.seconds)
+        return sorted(samples.seconds)[len(samples.seconds) // 4]
 
     def needs_plain_sample(self, sequences: int, length: int) -> bool:
         """Whether the plain cost of SEQUENCES sequences at a pool of LENGTH positions is unknown or stale."""
@@ -133,23 +137,24 @@ class StepCosts:
                 return self.slots * step / plain, f"measured {where}"
         return None
 
+    def plain_overdue(self, sequences: int, length: int) -> bool:
+        """Whether plain decoding's cost here was never measured or is twice as stale as refresh_steps."""
+        if not self.measuring:
+            return False
+        samples = self._samples.get(("plain", sequences, context_band(length)))
+        return samples is None or self.clock - samples.newest > 2 * self.refresh_steps
+
     def step_cost(self, sequences: int, length: int, kind: str = "speed", depth: int | None = None) -> tuple[float, str]:
         """(c, where it comes from) for SEQUENCES sequences at a pool of LENGTH positions and pipeline DEPTH (None:
-        P): P x a KIND step's seconds / a plain step's, measured in this band, else the nearest band measured;
-        a depth not measured yet: another depth's c scaled along the cost model's c(d) = 1 + 0.2 (d - 1); else
-        the seed (scaled so too)."""
+        P): P x a KIND step's seconds / a plain step's, measured in this band, else the nearest band measured,
+        else the seed (at a shallower depth scaled along the cost model's c(d) = 1 + 0.2 (d - 1)). Never
+        another depth's measurement: a depth judged by another's would never run, so never be measured."""
         from speedc.cost_model import assumed_step_cost
 
         depth = self.slots if depth is None else depth
-        band = context_band(length)
-        found = self._measured(self.kind_at(kind, depth), sequences, band)
+        found = self._measured(self.kind_at(kind, depth), sequences, context_band(length))
         if found is not None:
             return found
-        for other in sorted({self.slots, *self.depths_seen()} - {depth}, reverse=True):
-            found = self._measured(self.kind_at(kind, other), sequences, band)
-            if found is not None:
-                scale = assumed_step_cost(depth) / assumed_step_cost(other)
-                return found[0] * scale, f"estimated from depth {other} ({found[1]})"
         if depth == self.slots:
             return self.seed, self.seed_source
         return self.seed * assumed_step_cost(depth) / assumed_step_cost(self.slots), f"{self.seed_source}, scaled to depth {depth}"

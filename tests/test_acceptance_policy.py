@@ -133,21 +133,23 @@ def test_a_new_sequence_starts_from_what_the_engine_learned():
 
 def test_step_costs_measured_per_batch_size_and_band_after_a_warm_up():
     """Scripted step times (no clock): the seed stands in until a band has min_samples of both kinds, then c =
-    P x speed / plain of that band (medians: one outlier moves nothing); a band without its own measurement
-    borrows the nearest measured one; a plain estimate goes stale after refresh_steps."""
+    P x speed / plain of that band (lower quartiles: a shared host only ever slows a step); a band without its
+    own measurement borrows the nearest measured one; a plain estimate goes stale after refresh_steps; a depth
+    not measured falls back to the seed, never to another depth's measurement."""
     from speedc.runtimes.step_costs import StepCosts, context_band
 
     assert [context_band(t) for t in (1, 64, 65, 144, 1024, 1025)] == [64, 64, 128, 256, 1024, 2048]
     costs = StepCosts(slots=4, seed=1.6, seed_source="seed", warmup=1, min_samples=3, refresh_steps=10)
     assert costs.step_cost(1, 200) == (1.6, "seed") and costs.needs_plain_sample(1, 200)
-    for seconds in (9.0, 0.010, 0.010, 0.011, 0.5):  # the first is warm-up, 0.5 an outlier: the median holds
+    for seconds in (9.0, 0.011, 0.010, 0.010, 0.5):  # the first is warm-up, 0.5 a slowed step: the quartile holds
         costs.record("plain", 1, 200, seconds)
     for seconds in (9.0, 0.005, 0.005, 0.005):
         costs.record("speed", 1, 200, seconds)
-    assert costs.step_cost(1, 200) == (pytest.approx(4 * 0.005 / 0.0105), "measured here")
+    assert costs.step_cost(1, 200) == (pytest.approx(4 * 0.005 / 0.010), "measured here")
     costs.record("plain", 1, 210, 5.0)  # the first step over a new pool length (same band): warm-up again
-    assert costs.seconds("plain", 1, 256) == pytest.approx(0.0105)
-    assert costs.step_cost(1, 900)[0] == pytest.approx(4 * 0.005 / 0.0105)  # band 1024 borrows band 256
+    assert costs.seconds("plain", 1, 256) == pytest.approx(0.010)
+    assert costs.step_cost(1, 900)[0] == pytest.approx(4 * 0.005 / 0.010)  # band 1024 borrows band 256
+    assert costs.step_cost(1, 200, depth=2) == (pytest.approx(1.6 * 1.2 / 1.6), "seed, scaled to depth 2")
     assert "none yet at 1024" in costs.step_cost(1, 900)[1]
     assert costs.step_cost(2, 200) == (1.6, "seed")  # another batch size: nothing measured yet
     assert not costs.needs_plain_sample(1, 200)
@@ -155,7 +157,13 @@ def test_step_costs_measured_per_batch_size_and_band_after_a_warm_up():
         costs.record("speed", 1, 200, 0.005)
     assert costs.needs_plain_sample(1, 200)  # stale: more than refresh_steps decode steps since the newest plain
     report = costs.report()
-    assert report["measured"][0]["mean_step_cost"] == pytest.approx(1.905, abs=1e-3) and "step_cost" not in report["measured"][0]
+    assert report["measured"][0]["mean_step_cost"] == pytest.approx(2.0) and "step_cost" not in report["measured"][0]
+    costs.record("speed@2", 1, 200, 0.004)
+    assert costs.step_cost(1, 200, depth=2)[1] == "seed, scaled to depth 2"  # warm-up, then too few samples
+    for _ in range(4):
+        costs.record("speed@2", 1, 200, 0.004)
+    assert costs.step_cost(1, 200, depth=2) == (pytest.approx(4 * 0.004 / 0.010), "measured here")
+    assert costs.report()["measured"][0]["depths"] == {2: {"speed_ms": 4.0, "mean_step_cost": 1.6}}
     scripted = StepCosts(slots=4, seed=2.0, seed_source="scripted", measuring=False)
     scripted.record("plain", 1, 200, 0.01)
     assert scripted.step_cost(1, 200) == (2.0, "scripted") and not scripted.needs_plain_sample(1, 200)
