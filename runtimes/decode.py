@@ -45,7 +45,7 @@ class DecodeStats:
     plain_steps: int = 0  # decode steps it ran as plain tokens
     fallbacks: int = 0  # times the policy turned it to plain decoding (speculation did not pay)
     probes: int = 0  # times it speculated again after a fall-back, to measure its acceptance afresh
-    cost_samples: int = 0  # plain steps timed while it speculated (their token discarded: the pipeline emits it)
+    cost_samples: int = 0  # plain steps run while it would have speculated, to time plain decoding here
     depth_steps: dict = field(default_factory=dict)  # pipeline depth -> speed steps it ran at that depth
     depth: int = 0  # the pipeline depth of the policy's last decision
     step_cost: float = 0.0  # c(P) of the policy's last decision (measured on this host, or the seed)

@@ -55,8 +55,8 @@ class Metrics:
                                  "speculation did not pay on this host", registry=r)
         self.probes = Counter("speedc_policy_probes", "Times a request speculated again after a fall-back to "
                               "measure its acceptance afresh", registry=r)
-        self.cost_samples = Counter("speedc_policy_cost_samples", "Plain steps timed while speculating (what plain "
-                                    "decoding costs here now)", registry=r)
+        self.cost_samples = Counter("speedc_policy_cost_samples", "Plain steps run while speculation was chosen, to "
+                                    "time plain decoding here now", registry=r)
 
     def watch(self, adapter) -> None:
         """Read running / waiting and the engine steps from the engine adapter at each scrape."""
