@@ -127,12 +127,15 @@ class StepCosts:
                 or self.clock - samples.newest > self.refresh_steps)
 
     def _measured(self, kind: str, sequences: int, band: int) -> tuple[float, str] | None:
-        """P x KIND step / plain step in BAND, else in the nearest band where both were measured."""
+        """P x KIND step / plain step in BAND, else in the nearest band where both were measured. A c below 1
+        is no measurement: P rows never cost less than one row's pass (a step of P rows against P passes of
+        one), so it says the plain steps were slowed by something else (seen on a host at load 6: plain steps
+        of 240 ms beside speed steps of 30), and the seed decides instead."""
         near_first = sorted((abs(b.bit_length() - band.bit_length()), b) for k, n, b in self._samples
                             if k == kind and n == sequences)
         for _, near in near_first:
             step, plain = self.seconds(kind, sequences, near), self.seconds("plain", sequences, near)
-            if step is not None and plain is not None:
+            if step is not None and plain is not None and self.slots * step >= plain:
                 where = "here" if near == band else f"at context band {near} (none yet at {band})"
                 return self.slots * step / plain, f"measured {where}"
         return None

@@ -164,6 +164,10 @@ def test_step_costs_measured_per_batch_size_and_band_after_a_warm_up():
         costs.record("speed@2", 1, 200, 0.004)
     assert costs.step_cost(1, 200, depth=2) == (pytest.approx(4 * 0.004 / 0.010), "measured here")
     assert costs.report()["measured"][0]["depths"] == {2: {"speed_ms": 4.0, "mean_step_cost": 1.6}}
+    for _ in range(16):  # plain steps slowed far beyond P speed steps: implausible, the seed decides
+        costs.record("plain", 1, 2000, 0.5)
+        costs.record("speed", 1, 2000, 0.005)
+    assert costs.step_cost(1, 2000) == (pytest.approx(2.0), "measured at context band 256 (none yet at 2048)")
     scripted = StepCosts(slots=4, seed=2.0, seed_source="scripted", measuring=False)
     scripted.record("plain", 1, 200, 0.01)
     assert scripted.step_cost(1, 200) == (2.0, "scripted") and not scripted.needs_plain_sample(1, 200)
