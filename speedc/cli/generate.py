@@ -170,7 +170,7 @@ def _cost_row(row: dict) -> str:
     """One StepCosts.report row: the step times and the c(P) each gives."""
     parts = [f"{kind} {row[kind + '_ms']:.2f} ms" for kind in ("plain", "speed", "full") if kind + "_ms" in row]
     if "step_cost" in row:
-        parts.append(f"c(P) {row['step_cost']:.2f} (full step)")
+        parts.append(f"c {row['step_cost']:.2f} (full step)")
     if "mean_step_cost" in row:
         parts.append(f"{row['mean_step_cost']:.2f} (mean step)")
     return ", ".join(parts)
