@@ -8,14 +8,21 @@ bound (speedc/cost_model.py) is above 1:
 
 alpha is the sequence's average of its speculation outcomes (confirmed = 1, failed at the last layer or
 by an early flush = 0): a plain mean over the first 1/weight outcomes, then an exponential average, so it
-follows a text that changes character. c(P) is the step cost
-measured at build time (manifest build.step_cost_measured), else the cost model's assumption
-(speedc/cost_model.py assumed_step_cost, the one the compiler chose P with; said so in `describe`). The state machine of one sequence:
+follows a text that changes character. c is what a step costs on this host now: the scheduler passes the
+cost its runtimes/step_costs.py measured for the step's batch size and context band (the build host's
+c(P), or the cost model's assumption, only seeds it; `step_cost` here is that seed, used where no cost
+is passed). The state machine of one sequence:
 
     speculating --(>= min_outcomes outcomes and bound < 1 - margin)--> plain
     plain --(probe_after tokens decoded plainly)--> speculating (a probe: its average starts afresh)
-    a probe that falls back again doubles probe_after (up to max_probe_after); one that holds
-    (min_outcomes outcomes with the bound >= 1) resets it
+    a probe that falls back again (judged after probe_outcomes outcomes) doubles probe_after (up to
+    max_probe_after); one that holds (min_outcomes outcomes with the bound >= 1 - margin) resets it
+
+What the policy learned outlives the sequence: a new sequence starts from the acceptance the engine's
+recent outcomes of its kind of request averaged (`learned_alpha`, once min_outcomes were seen; greedy and
+sampled requests apart: a sampled token matches the draft's argmax far less often) and the current wait
+between probes, so a checkpoint whose draft agrees rarely decodes plainly from its first token instead of
+paying min_outcomes speculations and a probe per request to find out again.
 
 The batch then speculates or decodes plainly as a whole (`batch_speculates`: the bound summed over its
 sequences; a split into a speed run and a plain run never pays, see there). Whatever it decides stays lossless: the scheduler only drops unverified work when a sequence switches.
@@ -24,7 +31,8 @@ Standard library only (the runtime path imports no torch).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 from speedc.cost_model import analytic_bound, assumed_step_cost, describe_assumed_step_cost
 
@@ -39,6 +47,8 @@ class SequenceAcceptance:
     probe_after: int = 0  # plain tokens before the next probe (grows while probes keep failing)
     probing: bool = False  # speculating again after a fall-back, not yet shown to hold
     fallbacks: int = 0
+    probes: int = 0
+    kind: str = "greedy"  # of request: what the engine learned is kept per kind (AcceptancePolicy.start)
 
 
 @dataclass
@@ -49,6 +59,9 @@ class AcceptancePolicy:
     weight: float = 0.1  # of each new outcome in the exponential average (about the last 10 outcomes count)
     prior: float = 1.0  # alpha shown before a sequence's first outcome (decisions wait for min_outcomes)
     min_outcomes: int = 8  # outcomes seen before a sequence may fall back
+    # A probe speculates on text that recently lost: a few outcomes judge it (each probe of a low-acceptance
+    # text costs its refill and these outcomes, about P plain tokens' time at acceptance 0.3).
+    probe_outcomes: int = 4
     probe_after: int = 32
     max_probe_after: int = 512
     # Hysteresis: speculation stops only where the bound says it loses by more than this. An average of
@@ -56,6 +69,12 @@ class AcceptancePolicy:
     # in-flight work; measured on zoo:small at one client (alpha* 0.64 at c(4) = 1.85): with no margin,
     # 13-25% of decode steps fell back to plain tokens that cost more than the speed steps they replaced.
     margin: float = 0.1
+    memory_weight: float = 0.05  # of each outcome in learned_alpha (about the last 20 outcomes of any sequence)
+    # What the engine learned, per kind of request ("greedy", "sampled"): its recent acceptance over every
+    # sequence of that kind, the outcomes behind it, and the wait between probes the last probe left.
+    learned_alpha: dict = field(default_factory=dict)
+    learned_outcomes: Counter = field(default_factory=Counter)
+    learned_probe_after: dict = field(default_factory=dict)
 
     @classmethod
     def for_manifest(cls, manifest, **knobs) -> "AcceptancePolicy":
@@ -68,17 +87,45 @@ class AcceptancePolicy:
 
     @property
     def threshold(self) -> float:
-        """alpha* : below it the bound is under 1 (speculation loses). > 1 means never speculate."""
-        if self.slots == 1:
+        """alpha* at the seed cost: below it the bound is under 1 (speculation loses). > 1: never speculate."""
+        return self.threshold_at(self.step_cost)
+
+    def threshold_at(self, cost: float, depth: int | None = None) -> float:
+        """alpha* of a pipeline of DEPTH (None: P) slots whose step costs COST (its c)."""
+        depth = self.slots if depth is None else depth
+        if depth == 1:
             return float("inf")
-        return 1.0 - (self.slots / self.step_cost - 1.0) / (self.slots - 1)
+        return 1.0 - (depth / cost - 1.0) / (depth - 1)
+
+    def depth_costs(self, cost: float | dict | None) -> dict[int, float]:
+        """COST as {depth: c}: None is the seed at P, a number c at P, a dict c per depth the runtime may run."""
+        if cost is None:
+            return {self.slots: self.step_cost}
+        return dict(cost) if isinstance(cost, dict) else {self.slots: cost}
+
+    def best_depth(self, states: list[SequenceAcceptance], costs: dict[int, float]) -> int:
+        """The pipeline depth d (of COSTS' keys) that emits the most tokens per unit of time for STATES:
+        the largest sum_i t_i(d) x d / c(d), t_i(d) = 1 / (1 + (1 - a_i)(d - 1)) (the bound's units, a plain
+        token costing 1). A shallower pipeline loses less to a miss (d - 1 steps' work) and its steps run
+        fewer rows; a deeper one shares each weight read among more. Ties go to the deeper."""
+        return max(costs, key=lambda d: (self.depth_score(states, d, costs[d]), d))
+
+    def depth_score(self, states: list[SequenceAcceptance], depth: int, cost: float) -> float:
+        """Expected tokens per plain token's time of STATES in a DEPTH-slot pipeline whose step costs COST."""
+        return sum(self.tokens_per_step(s, depth) for s in states) * depth / cost
 
     def describe(self) -> str:
-        return (f"per sequence: speculate while the bound P/(c(1+(1-a)(P-1))) > 1, i.e. acceptance > "
-                f"{self.threshold:.2f} at P={self.slots}, c={self.step_cost:.2f} ({self.step_cost_source})")
+        return (f"per sequence: speculate while the bound P/(c(1+(1-a)(P-1))) > 1 at c measured on this host as "
+                f"it runs (seed c={self.step_cost:.2f}, {self.step_cost_source}: acceptance > {self.threshold:.2f} "
+                f"at P={self.slots})")
 
-    def start(self) -> SequenceAcceptance:
-        return SequenceAcceptance(self.prior, probe_after=self.probe_after)
+    def start(self, kind: str = "greedy") -> SequenceAcceptance:
+        """A new sequence's record (KIND of request: "greedy" or "sampled"): the engine's learned acceptance
+        of that kind (trusted as min_outcomes outcomes) and wait between probes where it has them, else the prior."""
+        state = SequenceAcceptance(self.prior, probe_after=self.learned_probe_after.get(kind, self.probe_after), kind=kind)
+        if self.learned_outcomes[kind] >= self.min_outcomes:
+            state.alpha, state.outcomes = self.learned_alpha[kind], self.min_outcomes
+        return state
 
     def observe(self, state: SequenceAcceptance, accepted: int, failed: int) -> None:
         """Fold one step's speculation outcomes into STATE (failed first: order only matters within a step).
@@ -88,6 +135,10 @@ class AcceptancePolicy:
             for _ in range(count):
                 state.outcomes += 1
                 state.alpha += max(self.weight, 1.0 / state.outcomes) * (outcome - state.alpha)
+                self.learned_outcomes[state.kind] += 1
+                learned = self.learned_alpha.get(state.kind, self.prior)
+                weight = max(self.memory_weight, 1.0 / self.learned_outcomes[state.kind])
+                self.learned_alpha[state.kind] = learned + weight * (outcome - learned)
 
     def stepped(self, state: SequenceAcceptance, accepted: int, failed: int) -> None:
         """STATE's sequence ran in a speed step: judged by its outcomes when it chose speculation,
@@ -103,13 +154,16 @@ class AcceptancePolicy:
         if not state.speculating:
             state.plain_tokens += 1
 
-    def tokens_per_step(self, state: SequenceAcceptance) -> float:
-        """Tokens a speed step is expected to emit for STATE's sequence (the bound's 1 / (1 + (1-a)(P-1))),
-        at the prior until min_outcomes outcomes judge it (as its own rule waits for them)."""
+    def tokens_per_step(self, state: SequenceAcceptance, depth: int | None = None) -> float:
+        """Tokens a speed step of a DEPTH-slot pipeline (None: P) is expected to emit for STATE's sequence (the
+        bound's 1 / (1 + (1-a)(d-1))), at the prior until min_outcomes outcomes judge it (as its own rule
+        waits for them)."""
+        depth = self.slots if depth is None else depth
         alpha = state.alpha if state.outcomes >= self.min_outcomes else self.prior
-        return 1.0 / (1.0 + (1.0 - alpha) * (self.slots - 1))
+        return 1.0 / (1.0 + (1.0 - alpha) * (depth - 1))
 
-    def batch_speculates(self, states: list[SequenceAcceptance], speculating: bool = True) -> bool:
+    def batch_speculates(self, states: list[SequenceAcceptance], speculating: bool = True,
+                         cost: float | None = None, depth: int | None = None) -> bool:
         """Whether one iteration's decoding sequences (STATES) speculate together or all decode plainly.
         The bound's cost units (a plain run costs 1, a speed run c/P) and each sequence's expected
         tokens per speed step t_i = 1 / (1 + (1 - a_i)(P - 1)):
@@ -123,32 +177,42 @@ class AcceptancePolicy:
         sequences ride along in the speed run while the winners carry the batch; when the losers weigh
         more, everyone decodes plainly until probes (a sequence's average starting afresh) say otherwise.
         SPECULATING: this rule's last verdict (the scheduler keeps it apart from the row rule's); leaving
-        speculation needs the margin (see `margin`)."""
-        if self.threshold >= 1.0:
+        speculation needs the margin (see `margin`). COST: c of this step on this host (None: the seed) for a
+        pipeline of DEPTH slots (None: P; the P slots run at a shallower depth: decode.Pipeline.shift)."""
+        cost = self.step_cost if cost is None else cost
+        depth = self.slots if depth is None else depth
+        if self.threshold_at(cost, depth) >= 1.0:
             return False
-        tokens = sum(self.tokens_per_step(state) for state in states)
-        return tokens * self.slots / self.step_cost > len(states) * (1.0 - self.margin if speculating else 1.0)
+        tokens = sum(self.tokens_per_step(state, depth) for state in states)
+        return tokens * depth / cost > len(states) * (1.0 - self.margin if speculating else 1.0)
 
-    def wants_speculation(self, state: SequenceAcceptance) -> bool:
-        """Advance STATE's state machine; whether its sequence should speculate this step."""
+    def wants_speculation(self, state: SequenceAcceptance, cost: float | dict | None = None) -> bool:
+        """Advance STATE's state machine at step cost COST (None: the seed; a dict: c per pipeline depth the
+        runtime may run, the best of them judged); whether its sequence should speculate this step."""
+        costs = self.depth_costs(cost)
         if state.speculating:
-            if state.outcomes >= self.min_outcomes and analytic_bound(self.slots, state.alpha, self.step_cost) < 1.0 - self.margin:
+            judged = state.outcomes >= (self.probe_outcomes if state.probing else self.min_outcomes)
+            best = max(analytic_bound(depth, state.alpha, c) for depth, c in costs.items())
+            if judged and best < 1.0 - self.margin:
                 if state.probing:  # the probe failed: wait longer next time
                     state.probe_after = min(2 * state.probe_after, self.max_probe_after)
+                    self.learned_probe_after[state.kind] = state.probe_after
                 state.speculating, state.probing, state.plain_tokens = False, False, 0
                 state.fallbacks += 1
             elif state.probing and state.outcomes >= self.min_outcomes:
                 state.probing, state.probe_after = False, self.probe_after  # the text became predictable
+                self.learned_probe_after.pop(state.kind, None)
         elif state.plain_tokens >= state.probe_after:
             state.speculating, state.probing = True, True
             state.alpha, state.outcomes = self.prior, 0
-        return state.speculating and self.threshold < 1.0
+            state.probes += 1
+        return state.speculating and any(self.threshold_at(c, depth) < 1.0 for depth, c in costs.items())
 
 
 class AlwaysSpeculate:
     """The per-sequence rule switched off: every sequence speculates whenever the row policy lets it."""
 
-    def start(self) -> None:
+    def start(self, kind: str = "greedy") -> None:
         return None
 
     def waited(self, state) -> None:
@@ -157,10 +221,11 @@ class AlwaysSpeculate:
     def stepped(self, state, accepted: int, failed: int) -> None:
         pass
 
-    def wants_speculation(self, state) -> bool:
+    def wants_speculation(self, state, cost: float | None = None) -> bool:
         return True
 
-    def batch_speculates(self, states, speculating: bool = True) -> bool:
+    def batch_speculates(self, states, speculating: bool = True, cost: float | None = None,
+                         depth: int | None = None) -> bool:
         return True
 
     def describe(self) -> str:

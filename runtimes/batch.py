@@ -12,7 +12,9 @@ One scheduler iteration (`BatchScheduler.step`):
        right after it that start theirs too (one run, right padded, within prefill_chunk tokens in all);
        a sequence's last chunk yields its first token
     3. decode: ONE graph run for every decoding sequence, speed or plain: the acceptance policy weighs
-       each sequence's own acceptance (runtimes/acceptance_policy.py), the row policy the step's rows:
+       each sequence's own acceptance (runtimes/acceptance_policy.py) at what a step costs on this host
+       (runtimes/step_costs.py: every decode step is timed, per batch size and context band), the row
+       policy the step's rows:
          speed: P*n rows; each sequence's pipeline by runtimes/decode.py Pipeline's rules
                 (enter, verify at the last slot, flush on a miss, optional early flush); an early-flush
                 check scores only the top K ids its token's first exit gave (HeadRows.check)
@@ -35,12 +37,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from speedc.cost_model import analytic_bound, assumed_step_cost, describe_assumed_step_cost
 from speedc.errors import GenerationError, OutOfMemory
 from speedc.runtimes.acceptance_policy import AcceptancePolicy, AlwaysSpeculate
+from speedc.runtimes.step_costs import StepCosts
 from speedc.runtimes.backends.onnx import BatchBackend, HeadRows
 from speedc.runtimes.decode import DecodeStats, Pipeline, Request, Slot, emit_token
 
 WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
+# A shallower or deeper pipeline replaces the current one only when its expected tokens per unit of time
+# beat the current depth's by this much (the estimates move with every outcome; a change costs a refill).
+DEPTH_MARGIN = 0.05
+# Plain steps a speculating scheduler runs to time plain decoding when its cost here is unknown or stale
+# (StepCosts.needs_plain_sample), the first of them not a sample: a plain step right after speed steps runs
+# cold (measured on zoo:small: 6-11 ms against 2.5 in a run of plain steps; the engine graph's other branch).
+PLAIN_BURST = (2, 8)  # (fewest, most) steps; it ends once the band holds enough samples
 
 
 @dataclass
@@ -103,14 +114,32 @@ class BatchScheduler:
 
     def __init__(self, backend: BatchBackend, *, policy: RowPolicy | None = None,
                  acceptance: AcceptancePolicy | AlwaysSpeculate | None = None, prefill_chunk: int = 128,
-                 first_token_alone: bool = False) -> None:
+                 first_token_alone: bool = False, costs: StepCosts | None = None) -> None:
         """FIRST_TOKEN_ALONE: an iteration whose prefill confirms a first token returns before decoding, so
         a stream of one sequence shows that token before the next graph run (a batch keeps its decode
-        in the same iteration: the others are waiting for it)."""
+        in the same iteration: the others are waiting for it). COSTS: where decode steps' times are kept
+        (the engine's, shared by its schedulers on one session; None: this scheduler's own, seeded with the
+        acceptance policy's c(P))."""
         self.backend = backend
         self.first_token_alone = first_token_alone
         self.policy = policy or RowPolicy()
         self.acceptance = acceptance or AlwaysSpeculate()
+        if costs is None:
+            seed = getattr(self.acceptance, "step_cost", None)
+            costs = (StepCosts(backend.slots, seed, self.acceptance.step_cost_source) if seed is not None else
+                     StepCosts(backend.slots, assumed_step_cost(backend.slots), describe_assumed_step_cost()))
+        self.costs = costs
+        # Plain steps are timed while speculating only where a rule decides with their cost.
+        self.samples_plain = isinstance(self.acceptance, AcceptancePolicy)
+        self._burst = 0  # plain steps run so far in a burst timing plain decoding (0: none running)
+        # The depths the P slots may run at (decode.Pipeline.shift's spacing P / d), where a rule chooses: P and
+        # its divisors above 1 (P = 4: 4 and 2); plain decoding is the rules' other choice.
+        slots = backend.slots
+        self.depths = [d for d in range(slots, 1, -1) if slots % d == 0] if self.samples_plain else [slots]
+        self.depth = slots  # the depth the policy chose
+        self.depth_now = slots  # the depth this step runs at (the chosen one, or one being timed)
+        self._exploring: list[int] | None = None  # [depth, steps left] while timing a depth it would not choose
+        self._geometry = None  # the pool's (length, width) at the last decode step: a step after a change is no sample
         self.prefill_chunk = prefill_chunk
         self.waiting: deque[Sequence] = deque()
         self.occupied: list[Sequence] = []  # index = pool row
@@ -133,7 +162,8 @@ class BatchScheduler:
                                   "budget or fewer sequences: kv_cache_mb / max_batch, --kv-cache-mb / --max-batch)")
         mode = "batch speed" if self.backend.speculative and self.policy.row_budget != 0 else "batch autoregressive"
         sequence = Sequence(next(self._ids), request, early_flush and self.backend.early_checks, DecodeStats(mode),
-                            acceptance=self.acceptance.start())
+                            acceptance=self.acceptance.start("sampled" if request.picker.params.temperature > 0 else "greedy"))
+        sequence.stats.policy = self.acceptance.describe()
         with self._lock:
             self.waiting.append(sequence)
         return sequence
@@ -166,6 +196,8 @@ class BatchScheduler:
         decoding = [s for s in self.occupied if s.state == DECODE]
         if decoding and not (first_token and self.first_token_alone):
             speculate = self._speculate(decoding)
+            burst = speculate and self._plain_burst(decoding)
+            speculate = speculate and not burst
             if speculate != self.speculating:
                 self.mode_switches += 1
                 self.speculating = speculate
@@ -173,7 +205,16 @@ class BatchScheduler:
                     for sequence in decoding:
                         sequence.pipeline.flush_from(0)
                         sequence.pipeline.pending = None
-            (self._speed_step if speculate else self._plain_step)(decoding, events)
+            geometry = (self.backend.length, self.backend.width)
+            fresh, self._geometry = geometry != self._geometry, geometry  # reallocated: the next run binds anew
+            fresh = fresh or self._burst == 1  # a burst's first plain step runs cold
+            if burst:
+                for sequence in decoding:
+                    sequence.stats.cost_samples += 1
+            start = time.perf_counter()
+            depth = self.depth_now
+            kind = self._speed_step(decoding, events, depth) if speculate else self._plain_step(decoding, events)
+            self._record(kind, len(decoding), time.perf_counter() - start, fresh, depth)
             self.decode_steps[len(decoding)] += 1
         for sequence in [s for s in self.occupied if s.state == DONE]:
             self._release(sequence)
@@ -269,20 +310,95 @@ class BatchScheduler:
             self.occupied[hole] = mover
         self.occupied.pop()
         sequence.row = -1
+        sequence.stats.host_costs = self.costs.report()
 
     def _speculate(self, decoding: list[Sequence]) -> bool:
         """Speed or plain step: each sequence's own choice (advancing its fall-back / probe state), the
-        batch's sum of them (acceptance policy), then the row budget (row policy)."""
-        if self.backend.slots == 1:
+        batch's sum of them (acceptance policy), both at the step cost measured on this host for this
+        many sequences in this context band, then the row budget (row policy)."""
+        slots = self.backend.slots
+        if slots == 1:
             return False
+        n, length = len(decoding), self.backend.length
+        measured = {d: self.costs.step_cost(n, length, depth=d) for d in self.depths}
+        costs = {d: cost for d, (cost, _) in measured.items()}
         for sequence in decoding:  # each sequence's own rule first (it advances its fall-back / probe state)
-            self.acceptance.wants_speculation(sequence.acceptance)
+            self.acceptance.wants_speculation(sequence.acceptance, costs if len(costs) > 1 else costs[slots])
+        states = [s.acceptance for s in decoding]
+        self.depth_now = self._choose_depth(states, costs, n, length)
+        depth = self.depth  # the verdict is the chosen depth's, also while another is being timed
         # Each rule's hysteresis follows its own last verdict, not the batch's mode: a batch the acceptance
         # rule turned plain at the row budget (8 sequences at P = 4, budget 32) must speculate again when
         # its probes hold, though 32 rows is above the budget's resume mark (24).
-        self.acceptance_allows = self.acceptance.batch_speculates([s.acceptance for s in decoding], self.acceptance_allows)
-        self.rows_allow = self.policy.speculate(self.backend.slots, len(decoding), self.rows_allow)
+        self.acceptance_allows = self.acceptance.batch_speculates(states, self.acceptance_allows, costs[depth], depth)
+        self.rows_allow = self.policy.speculate(slots, n, self.rows_allow)
+        for sequence in decoding:  # what the decision rested on, in each sequence's stats
+            stats, state = sequence.stats, sequence.acceptance
+            alpha = state.alpha if state is not None else stats.acceptance_rate
+            stats.step_cost, stats.step_cost_source, stats.depth = round(costs[depth], 3), measured[depth][1], depth
+            stats.bound = round(analytic_bound(depth, alpha, costs[depth]), 3)
+            if state is not None:
+                stats.fallbacks, stats.probes = state.fallbacks, state.probes
         return self.acceptance_allows and self.rows_allow
+
+    def _choose_depth(self, states: list, costs: dict[int, float], sequences: int, length: int) -> int:
+        """The depth the next speed step runs at: the policy's best at these costs, kept unless another
+        beats it by DEPTH_MARGIN; while a depth's cost here is unknown or stale, that depth for a few steps
+        (its warm-up, samples and the pipeline's change of spacing) so the choice rests on measurements.
+        A change of depth drops nothing: decode.Pipeline.shift only spaces new entries."""
+        if len(self.depths) == 1:
+            return self.depths[0]
+        best = self.acceptance.best_depth(states, costs)
+        score = self.acceptance.depth_score
+        if score(states, best, costs[best]) > score(states, self.depth, costs[self.depth]) * (1 + DEPTH_MARGIN):
+            self.depth = best
+        if self._exploring is not None:
+            self._exploring[1] -= 1
+            if self._exploring[1] > 0:
+                return self._exploring[0]
+            self._exploring = None
+        if self.acceptance_allows:
+            stale = next((d for d in self.depths if d != self.depth and self.costs.needs_depth_sample(sequences, length, d)),
+                         None)
+            if stale is not None:
+                self._exploring = [stale, self.costs.warmup + self.costs.min_samples + self.backend.slots]
+                return stale
+        return self.depth
+
+    def _record(self, kind: str | None, sequences: int, seconds: float, fresh: bool, depth: int) -> None:
+        """A decode step of KIND ("plain", "speed", "full"; None: nothing ran) took SECONDS: a sample of this
+        host's step costs, unless it was the first run since the pool was reallocated (FRESH: new buffers,
+        new bindings). DEPTH: the pipeline depth a speed step ran at."""
+        if kind is None:
+            return
+        if fresh:
+            self.costs.tick()
+            return
+        length, width, at = self.backend.length, self.backend.width, self.costs.kind_at
+        self.costs.record(kind if kind == "plain" else at("speed", depth), sequences, length, seconds, width)
+        if kind == "full":
+            self.costs.record(at("full", depth), sequences, length, seconds, width)
+
+    def _plain_burst(self, decoding: list[Sequence]) -> bool:
+        """Whether this step, which the rules would speculate, runs as a plain step to time plain decoding here
+        (real tokens: a burst of PLAIN_BURST steps). One starts where plain decoding's cost in this band is
+        unknown or stale, when no pipeline holds in-flight work (after prefill, after a miss: nothing to
+        drop), or at once where the cost was never measured here or is twice as stale."""
+        if not self.samples_plain:
+            return False
+        n, length = len(decoding), self.backend.length
+        fewest, most = PLAIN_BURST
+        if self._burst:
+            if self._burst < most and (self._burst < fewest or self.costs.needs_plain_sample(n, length)):
+                self._burst += 1
+                return True
+            self._burst = 0
+            return False
+        if self.costs.needs_plain_sample(n, length) and (all(s.pipeline.empty for s in decoding)
+                                                         or self.costs.plain_overdue(n, length)):
+            self._burst = 1
+            return True
+        return False
 
     def _cached(self, sequence: Sequence) -> int:
         """Cache positions of SEQUENCE that may hold K/V it will read: prompt, emitted tokens, in-flight ones."""
@@ -340,25 +456,36 @@ class BatchScheduler:
                 self._emit(sequence, request.picker.pick(logits[row] if want else None, int(argmax[row]), request.history),
                            events)
 
-    def _plain_step(self, decoding: list[Sequence], events: list[Event]) -> None:
+    def _plain_rows(self, decoding: list[Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+        """A plain step's inputs: each decoding sequence's frontier token at its position, bubbles elsewhere;
+        whether any wants logits."""
         n = len(self.occupied)
         tokens, positions, valid = np.zeros(n, np.int64), np.asarray(self._bubble_positions(), np.int64), np.zeros(n, bool)
         for sequence in decoding:
             frontier = sequence.frontier()
             tokens[sequence.row], positions[sequence.row], valid[sequence.row] = frontier.token, frontier.pos, True
-        want = any(s.request.picker.params.needs_logits for s in decoding)
+        return tokens, positions, valid, any(s.request.picker.params.needs_logits for s in decoding)
+
+    def _plain_step(self, decoding: list[Sequence], events: list[Event]) -> str:
+        tokens, positions, valid, want = self._plain_rows(decoding)
         start = time.perf_counter()
         argmax, logits = self.backend.plain_step(tokens, positions, valid, want)
         self.steps["plain"] += 1
         for sequence in decoding:
             sequence.stats.steps += 1
+            sequence.stats.plain_steps += 1
             b = sequence.row
             token = sequence.request.picker.pick(logits[b] if want else None, int(argmax[b]), sequence.request.history)
             self.acceptance.waited(sequence.acceptance)
             self._emit(sequence, token, events)
             sequence.stats.decode_seconds += time.perf_counter() - start
+        return "plain"
 
-    def _speed_step(self, decoding: list[Sequence], events: list[Event]) -> None:
+    def _speed_step(self, decoding: list[Sequence], events: list[Event], pipeline_depth: int) -> str | None:
+        """One speed step with the P slots run as a pipeline of PIPELINE_DEPTH slots (slot spacing
+        P / PIPELINE_DEPTH: decode.Pipeline.shift). -> "full" when every stepping pipeline held PIPELINE_DEPTH
+        tokens, "speed" else, None when no sequence stepped."""
+        spacing = self.backend.slots // pipeline_depth
         slots, n = self.backend.slots, len(self.occupied)
         entering = np.zeros(n, np.int64)
         positions = np.empty((slots, n), np.int64)
@@ -371,7 +498,7 @@ class BatchScheduler:
             pipeline = sequence.pipeline
             if pipeline.pending is None and pipeline.empty:
                 pipeline.pending = sequence.frontier()  # (re)entering speculation after prefill or plain steps
-            enter = pipeline.shift(sequence.last_useful)
+            enter = pipeline.shift(sequence.last_useful, spacing)
             if pipeline.empty:  # nothing left that could lead to another emission
                 sequence.stats.stop_reason = sequence.stats.stop_reason or "max_new_tokens"
                 sequence.state = DONE  # released after the step, with the others that finished
@@ -399,7 +526,8 @@ class BatchScheduler:
                     heads.candidates.append(slot.candidates)
                     check_of.append((sequence, depth))
         if not stepping:
-            return
+            return None
+        full = bool((valid[:, [s.row for s in stepping]].sum(axis=0) == pipeline_depth).all())
         want = any(s.request.picker.params.needs_logits for s in final_of)
         start = time.perf_counter()
         result = self.backend.speed_step(entering, positions, valid, heads, want)
@@ -415,10 +543,13 @@ class BatchScheduler:
         for sequence in stepping:
             stats = sequence.stats
             stats.steps += 1
+            stats.speed_steps += 1
+            stats.depth_steps[pipeline_depth] = stats.depth_steps.get(pipeline_depth, 0) + 1
             accepted, failed = stats.accepted, stats.failed_speculations
             self._absorb(sequence, final.get(id(sequence)), guesses.get(id(sequence), {}), events)
             self.acceptance.stepped(sequence.acceptance, stats.accepted - accepted, stats.failed_speculations - failed)
             stats.decode_seconds += time.perf_counter() - start
+        return "full" if full else "speed"
 
     def _absorb(self, sequence: Sequence, final: tuple[int, np.ndarray | None] | None, guesses: dict[int, int],
                 events: list[Event]) -> None:

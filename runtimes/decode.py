@@ -40,6 +40,19 @@ class DecodeStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     stop_reason: str = ""
+    # The speculation policy's record of this sequence (runtimes/acceptance_policy.py, step_costs.py):
+    speed_steps: int = 0  # decode steps it ran speculating
+    plain_steps: int = 0  # decode steps it ran as plain tokens
+    fallbacks: int = 0  # times the policy turned it to plain decoding (speculation did not pay)
+    probes: int = 0  # times it speculated again after a fall-back, to measure its acceptance afresh
+    cost_samples: int = 0  # plain steps run while it would have speculated, to time plain decoding here
+    depth_steps: dict = field(default_factory=dict)  # pipeline depth -> speed steps it ran at that depth
+    depth: int = 0  # the pipeline depth of the policy's last decision
+    step_cost: float = 0.0  # c(P) of the policy's last decision (measured on this host, or the seed)
+    step_cost_source: str = ""
+    bound: float = 0.0  # the analytic bound at its acceptance and that c(P), at the last decision
+    policy: str = ""  # the rule that decided
+    host_costs: dict = field(default_factory=dict)  # step times measured on this host (StepCosts.report)
 
     @property
     def acceptance_rate(self) -> float:
@@ -87,7 +100,9 @@ class Pipeline:
     """P in-flight tokens (slot 0 youngest) and the rules that keep SPEED lossless, for one sequence
     (the scheduler, runtimes/batch.py, keeps one per sequence).
 
-        shift(last_useful)  the pending token enters slot 0, every other slot goes one stage deeper
+        shift(last_useful, spacing)
+                            the pending token enters slot 0 (unless the token ahead of it is fewer than
+                            SPACING slots deep), every other slot goes one stage deeper
         confirm(q, y)       y, confirmed at the last layer for position q, is checked against the
                             speculation for q: accepted, or the younger tokens are flushed and y re-enters
         speculate(exit_at)  early flush on a deeper exit head's disagreement; else slot 0's exit guess
@@ -111,11 +126,21 @@ class Pipeline:
     def holder(self, q: int) -> Slot | None:
         return next((s for s in self.slots if s is not None and s.pos == q), None)
 
-    def shift(self, last_useful: int) -> Slot | None:
+    def shift(self, last_useful: int, spacing: int = 1) -> Slot | None:
         """Advance one stage; returns the token entering slot 0 (None: a bubble). A token at position q
-        is worth computing only while q <= LAST_USEFUL (position q + 1 may still be emitted)."""
+        is worth computing only while q <= LAST_USEFUL (position q + 1 may still be emitted).
+
+        SPACING g > 1 runs the P slots as a pipeline of depth P / g: a token enters only once the one ahead
+        of it is at least g slots deep, so at most P / g tokens are in flight, each stage of S layers a
+        step, and a step computes P / g rows (the fused graphs skip bubbles). Per token that is the work
+        and the weight reads of a P / g-slot pipeline of g x S layers a slot, with its shorter refill
+        after a miss; the pending draft waits (still pending) meanwhile. Which tokens are emitted never
+        depends on it: the spacing only delays speculative entries."""
         pending = self.pending
         enter = pending if pending is not None and pending.pos <= last_useful else None
+        if enter is not None and spacing > 1 and any(slot is not None for slot in self.slots[:spacing - 1]):
+            self.slots = [None] + self.slots[:-1]  # the token ahead is too close: a bubble, the draft waits
+            return None
         self.slots = [enter] + self.slots[:-1]
         self.pending = None
         return enter

@@ -29,7 +29,10 @@ from speedc.models.sampling import SamplingParams, TokenPicker, is_integer, requ
 from speedc.runtimes.decode import DecodeStats, Decoding, Request, run_to_end
 from speedc.runtimes.detokenize import DecodeRule, IncrementalText, StopStrings, cut_at_stop, decode_rule, not_unicode
 
-MODES = ("speed", "autoregressive")
+# speed: speculate while it pays on this host (runtimes/acceptance_policy.py at the step costs measured as it
+# runs, runtimes/step_costs.py), plain decoding else; speed-always: every step speculates (for measuring SPEED
+# itself and for tests); autoregressive: plain decoding only. All three emit the same tokens.
+MODES = ("speed", "speed-always", "autoregressive")
 
 
 @dataclass
@@ -233,6 +236,8 @@ class Engine:
         # Early flush is on by default: `speedc bench --early-flush/--no-early-flush` measures both.
         self.early_flush_default = True
         self._lock = EngineLock()  # one cache: one call at a time
+        self._policy = None  # the speculation policy every call shares (what it learned outlives a call)
+        self._costs: dict[int, object] = {}  # id of a session -> its StepCosts (step times measured on this host)
         self.decode_rule = decode_rule(tokenizer) if tokenizer is not None else DecodeRule()
 
     @property
@@ -318,15 +323,39 @@ class Engine:
         sequence.stats.mode = self._mode_label(mode, early_flush)
         return scheduled(scheduler, sequence)
 
+    @property
+    def speculation_policy(self):
+        """The acceptance policy of every adaptive call on this engine (runtimes/acceptance_policy.py): one
+        object, so what it learned of this checkpoint's acceptance carries over from call to call."""
+        if self._policy is None:
+            from speedc.runtimes.acceptance_policy import AcceptancePolicy
+
+            self._policy = AcceptancePolicy.for_manifest(self.manifest)
+        return self._policy
+
+    def step_costs(self, backend=None):
+        """The step times measured on this host for BACKEND's session (None: the engine's backend), kept for
+        the engine's life and shared by every scheduler on that session (runtimes/step_costs.py)."""
+        from speedc.runtimes.step_costs import StepCosts
+
+        backend = backend or self.backend
+        session = getattr(backend, "session", backend)
+        costs = self._costs.get(id(session))
+        if costs is None:
+            costs = self._costs[id(session)] = StepCosts.for_manifest(self.manifest)
+        return costs
+
     def _single_scheduler(self, mode: str):
-        """A scheduler of one sequence on the engine's backend: speed always speculates (P > 1), as
-        SPEED's promise is stated; autoregressive only ever runs plain steps. The whole prompt is one
-        prefill chunk. Cheap: the backend keeps its pool and step bindings between calls."""
+        """A scheduler of one sequence on the engine's backend: speed speculates while the engine's policy
+        says it pays (P > 1), speed-always at every step, autoregressive never. The whole prompt is one
+        prefill chunk. Cheap: the backend keeps its pool and step bindings between calls, the engine its
+        policy and step costs."""
         from speedc.runtimes.acceptance_policy import AlwaysSpeculate
         from speedc.runtimes.batch import BatchScheduler, RowPolicy
 
-        policy = RowPolicy(row_budget=None if mode == "speed" else 0)
-        return BatchScheduler(self.backend, policy=policy, acceptance=AlwaysSpeculate(),
+        policy = RowPolicy(row_budget=0 if mode == "autoregressive" else None)
+        acceptance = self.speculation_policy if mode == "speed" else AlwaysSpeculate()
+        return BatchScheduler(self.backend, policy=policy, acceptance=acceptance, costs=self.step_costs(),
                               prefill_chunk=self.manifest.model["max_context"], first_token_alone=True)
 
     def _mode_label(self, mode: str, early_flush: bool) -> str:
@@ -335,7 +364,7 @@ class Engine:
             return mode
         if self.manifest.slots == 1:
             return "speed (plain engine: P=1)"
-        return "speed" + (" +early-flush" if early_flush else "")
+        return mode + (" +early-flush" if early_flush else "")
 
     def make_request(self, prompt, max_new_tokens: int, sampling: SamplingParams, stop: list[str] | None,
                      stop_at_eos: bool) -> Request:
@@ -389,7 +418,7 @@ class Engine:
         FUSED or THREADS ask for others). BACKEND: run on this BatchBackend (its session and pool;
         max_batch, kv_cache_mb, fused and threads then come from it) instead of making one, for schedulers
         that take turns on one pool, never at once (the concurrency bench's policies)."""
-        from speedc.runtimes.acceptance_policy import AcceptancePolicy, AlwaysSpeculate
+        from speedc.runtimes.acceptance_policy import AlwaysSpeculate
         from speedc.runtimes.batch import BatchScheduler, RowPolicy
         from speedc.runtimes.backends.onnx import row_capacity
 
@@ -404,8 +433,9 @@ class Engine:
             capacity = row_capacity(self.manifest, max_batch, kv_cache_mb)
             backend = self._pool_backend(max_batch, capacity, fused, threads)
         policy = RowPolicy() if row_budget == -1 else RowPolicy(row_budget=row_budget)
-        acceptance = AcceptancePolicy.for_manifest(self.manifest) if per_sequence else AlwaysSpeculate()
-        return BatchScheduler(backend, policy=policy, acceptance=acceptance, prefill_chunk=prefill_chunk)
+        acceptance = self.speculation_policy if per_sequence else AlwaysSpeculate()
+        return BatchScheduler(backend, policy=policy, acceptance=acceptance, prefill_chunk=prefill_chunk,
+                              costs=self.step_costs(backend))
 
     def generate_batch(self, prompts: list[str | list[int]], *, max_new_tokens: int = 64, temperature: float = 0.0,
                        top_k: int = 0, top_p: float = 1.0, seed: int | None = None, repetition_penalty: float = 1.0,

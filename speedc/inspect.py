@@ -104,7 +104,7 @@ def describe(path: Path, alpha: float | None = None, *, measure: bool = False, v
         if measure:
             from speedc.step_cost import measure_artifact
 
-            measured = measure_artifact(path)
+            measured = measure_artifact(path, runtime=True)
             if measured is not None:
                 measured["when"] = "now (inspect --measure)"
             info["step_cost_measured_now"] = measured
@@ -121,6 +121,20 @@ def describe(path: Path, alpha: float | None = None, *, measure: bool = False, v
     if info["prediction"]["alpha_source"] == "default assumption":
         info["prediction"]["alpha_source"] = f"default assumption ({DEFAULT_ALPHA})"
     return info
+
+
+def depths_line(slots: int, measured: dict | None) -> str:
+    """Which pipeline depths the artifact's engine graph runs (and, measured here, what each costs)."""
+    if slots == 1:
+        return "depths held: P = 1 only (plain engine)"
+    runtime = (measured or {}).get("runtime") or {}
+    cost = (f": a plain token {runtime['plain_ms']:.2f} ms, a full P={slots} step {runtime['full_ms']:.2f} ms here"
+            if "plain_ms" in runtime and "full_ms" in runtime else " (--measure: what each costs here)")
+    shallower = [d for d in range(slots - 1, 1, -1) if slots % d == 0]
+    spaced = (f"; its slots also run as a pipeline of depth {', '.join(map(str, shallower))} (entries spaced, "
+              "same program)" if shallower else "")
+    return (f"depths held: P = {slots} (the batch step program) and P = 1 (plain tokens: the prefill program), "
+            f"over one copy of the weights{spaced}; `--mode speed` runs whichever pays on the host{cost}")
 
 
 def schedule_diagram(slots: int, steps: int) -> list[str]:
@@ -195,7 +209,15 @@ def render(info: dict) -> None:
         for line in schedule_diagram(sched["slots"], sched["slots"] + 3):
             console.print("  " + line)
     pred = info["prediction"]
+    if info["kind"] == "artifact":
+        console.print(depths_line(sched["slots"], info.get("step_cost_measured_now")))
     console.print(f"step cost c(P={pred['slots']}) = {pred['step_cost']:.2f}: {pred['step_cost_source']}")
+    runtime = (info.get("step_cost_measured_now") or {}).get("runtime") or {}
+    if "step_cost" in runtime:
+        console.print(f"the runtime timing its own steps while decoding (pool of {runtime['pool_length']} positions, "
+                      f"{runtime['new_tokens']} tokens plain and speculating): c(P) = {runtime['step_cost']:.2f} "
+                      f"(full step {runtime['full_ms']:.2f} ms, plain token {runtime['plain_ms']:.2f} ms); its mean "
+                      f"step, refills included, {runtime['mean_step_cost']:.2f}: what `--mode speed` decides with")
     console.print(f"predicted speedup over plain decoding (analytic bound; a miss costs P-1 steps, early flush can do "
                   f"better) at alpha {pred['alpha']:.2f} "
                   f"({pred['alpha_source']}): [bold]{pred['speedup_bound']:.2f}x[/bold]"

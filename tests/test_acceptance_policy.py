@@ -100,3 +100,92 @@ def test_a_sequence_falls_back_only_where_speculation_loses_by_more_than_the_mar
     far.alpha, far.outcomes = policy.threshold - 0.15, 8
     assert analytic_bound(4, far.alpha, 1.6) < 1.0 - policy.margin
     assert not policy.wants_speculation(far) and far.fallbacks == 1
+
+
+def test_the_decision_follows_the_step_cost_it_is_given():
+    """The same acceptance wins at a cheap step and loses at a dear one (c passed per step: measured here)."""
+    policy = AcceptancePolicy(slots=4, step_cost=1.6, min_outcomes=4)
+    state = policy.start()
+    policy.observe(state, accepted=3, failed=1)  # alpha 0.75: alpha* is 0.5 at c 1.6, 0.86 at c 2.8
+    assert policy.wants_speculation(state, cost=1.6) and state.speculating
+    assert not policy.wants_speculation(state, cost=2.8) and state.fallbacks == 1  # bound 0.82: below 1 - margin
+    assert policy.batch_speculates([SimpleNamespace(alpha=0.75, outcomes=8)], cost=1.6)
+    assert not policy.batch_speculates([SimpleNamespace(alpha=0.75, outcomes=8)], speculating=False, cost=2.8)
+    assert policy.threshold_at(2.8) == pytest.approx(1 - (4 / 2.8 - 1) / 3)
+
+
+def test_a_new_sequence_starts_from_what_the_engine_learned():
+    """A checkpoint whose draft agrees rarely: the first sequence pays min_outcomes speculations to learn it,
+    the next starts plain at once and waits as long as the last failed probe said before probing."""
+    policy = AcceptancePolicy(slots=4, step_cost=1.6, min_outcomes=4, probe_after=3, max_probe_after=48)
+    first = policy.start()
+    assert _steps(policy, first, "ffff" + "---" + "ffff") == "SSSS" + "ppp" + "SSSS"
+    assert _steps(policy, first, "-") == "p" and first.probe_after == 6 == policy.learned_probe_after["greedy"]
+    assert policy.learned_alpha["greedy"] < policy.threshold
+    assert _steps(policy, policy.start("sampled"), "a") == "S"  # another kind of request learns on its own
+    second = policy.start()
+    assert _steps(policy, second, "------" + "ffff" + "-") == "pppppp" + "SSSS" + "p"  # plain from its first step
+    assert second.probes == 1 and second.probe_after == 12 == policy.learned_probe_after["greedy"]  # the probe failed
+    third = policy.start()  # a good text: the probe holds, and the wait the engine remembers resets
+    assert _steps(policy, third, "-" * 12 + "aaaaaaaa") == "p" * 12 + "S" * 8
+    assert third.probe_after == 3 and "greedy" not in policy.learned_probe_after
+
+
+def test_step_costs_measured_per_batch_size_and_band_after_a_warm_up():
+    """Scripted step times (no clock): the seed stands in until a band has min_samples of both kinds, then c =
+    P x speed / plain of that band (lower quartiles: a shared host only ever slows a step); a band without its
+    own measurement borrows the nearest measured one; a plain estimate goes stale after refresh_steps; a depth
+    not measured falls back to the seed, never to another depth's measurement."""
+    from speedc.runtimes.step_costs import StepCosts, context_band
+
+    assert [context_band(t) for t in (1, 64, 65, 144, 1024, 1025)] == [64, 64, 128, 256, 1024, 2048]
+    costs = StepCosts(slots=4, seed=1.6, seed_source="seed", warmup=1, min_samples=3, refresh_steps=10)
+    assert costs.step_cost(1, 200) == (1.6, "seed") and costs.needs_plain_sample(1, 200)
+    for seconds in (9.0, 0.011, 0.010, 0.010, 0.5):  # the first is warm-up, 0.5 a slowed step: the quartile holds
+        costs.record("plain", 1, 200, seconds)
+    for seconds in (9.0, 0.005, 0.005, 0.005):
+        costs.record("speed", 1, 200, seconds)
+    assert costs.step_cost(1, 200) == (pytest.approx(4 * 0.005 / 0.010), "measured here")
+    costs.record("plain", 1, 210, 5.0)  # the first step over a new pool length (same band): warm-up again
+    assert costs.seconds("plain", 1, 256) == pytest.approx(0.010)
+    assert costs.step_cost(1, 900)[0] == pytest.approx(4 * 0.005 / 0.010)  # band 1024 borrows band 256
+    assert costs.step_cost(1, 200, depth=2) == (pytest.approx(1.6 * 1.2 / 1.6), "seed, scaled to depth 2")
+    assert "none yet at 1024" in costs.step_cost(1, 900)[1]
+    assert costs.step_cost(2, 200) == (1.6, "seed")  # another batch size: nothing measured yet
+    assert not costs.needs_plain_sample(1, 200)
+    for _ in range(10):
+        costs.record("speed", 1, 200, 0.005)
+    assert costs.needs_plain_sample(1, 200)  # stale: more than refresh_steps decode steps since the newest plain
+    report = costs.report()
+    assert report["measured"][0]["mean_step_cost"] == pytest.approx(2.0) and "step_cost" not in report["measured"][0]
+    costs.record("speed@2", 1, 200, 0.004)
+    assert costs.step_cost(1, 200, depth=2)[1] == "seed, scaled to depth 2"  # warm-up, then too few samples
+    for _ in range(4):
+        costs.record("speed@2", 1, 200, 0.004)
+    assert costs.step_cost(1, 200, depth=2) == (pytest.approx(4 * 0.004 / 0.010), "measured here")
+    assert costs.report()["measured"][0]["depths"] == {2: {"speed_ms": 4.0, "mean_step_cost": 1.6}}
+    for _ in range(16):  # plain steps slowed far beyond P speed steps: implausible, the seed decides
+        costs.record("plain", 1, 2000, 0.5)
+        costs.record("speed", 1, 2000, 0.005)
+    assert costs.step_cost(1, 2000) == (pytest.approx(2.0), "measured at context band 256 (none yet at 2048)")
+    scripted = StepCosts(slots=4, seed=2.0, seed_source="scripted", measuring=False)
+    scripted.record("plain", 1, 200, 0.01)
+    assert scripted.step_cost(1, 200) == (2.0, "scripted") and not scripted.needs_plain_sample(1, 200)
+
+
+def test_the_depth_that_emits_most_per_unit_of_time_is_chosen():
+    """P = 4 slots may run as a 2-slot pipeline (runtimes/decode.py Pipeline.shift's spacing): at a high
+    acceptance the deeper pipeline shares each weight read among more rows, at a middling one the shallower
+    loses less to each miss, and a sequence keeps speculating where some depth still wins."""
+    policy = AcceptancePolicy(slots=4, step_cost=2.3)
+    costs = {4: 2.3, 2: 1.4}
+    high, middle = SimpleNamespace(alpha=0.95, outcomes=8), SimpleNamespace(alpha=0.6, outcomes=8)
+    assert policy.best_depth([high], costs) == 4  # 4 x 0.870 / 2.3 = 1.51 against 2 x 0.952 / 1.4 = 1.36
+    assert policy.best_depth([middle], costs) == 2  # 4 x 0.455 / 2.3 = 0.79 against 2 x 0.714 / 1.4 = 1.02
+    assert policy.batch_speculates([middle], cost=1.4, depth=2) and not policy.batch_speculates([middle], cost=2.3)
+    assert policy.best_depth([high, middle, middle], costs) == 2 and policy.best_depth([high] * 3 + [middle], costs) == 4
+    one, other = policy.start(), policy.start()
+    for state in (one, other):
+        policy.observe(state, accepted=6, failed=4)  # alpha 0.6
+    assert not policy.wants_speculation(one, cost=2.3) and one.fallbacks == 1  # at P alone it loses
+    assert policy.wants_speculation(other, cost=costs) and other.fallbacks == 0  # at depth 2 it wins

@@ -130,6 +130,11 @@ def test_cli_build_verbose_dump_and_inspect(tmp_path):
     assert_one_line_error(run_cli("inspect", ZOO / "tiny", "--measure"), "build the checkpoint first")
     now = json.loads(run_cli("inspect", out, "--json", "--measure").stdout)
     assert now["prediction"]["measured"] and "now (inspect --measure)" in now["prediction"]["step_cost_source"]
+    # Beside the step timer, what the runtime measured timing its own steps while decoding (the policy's costs).
+    runtime = now["step_cost_measured_now"]["runtime"]
+    assert runtime["sequences"] == 1 and runtime["plain_ms"] > 0 and runtime["speed_ms"] > 0
+    shown = run_cli("inspect", out, "--measure").stdout
+    assert "depths held: P = 2" in shown and "the runtime timing its own steps" in shown
 
 
 def test_inspect_checks_the_files_and_verify_their_hashes(tmp_path, tiny_artifact):

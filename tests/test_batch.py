@@ -262,10 +262,13 @@ def test_per_sequence_decisions_turn_the_batch_plain_and_back_losslessly(engine)
     from speedc.runtimes.acceptance_policy import AcceptancePolicy
     from speedc.runtimes.batch import BatchScheduler, RowPolicy
     from speedc.runtimes.backends.onnx import make_batch_backend
+    from speedc.runtimes.step_costs import StepCosts
 
     policy = AcceptancePolicy(engine.manifest.slots, step_cost=1.6, min_outcomes=2, probe_after=3, margin=0.0)
     backend = make_batch_backend(engine.directory, engine.manifest, max_batch=3, capacity=80)
-    scheduler = BatchScheduler(backend, policy=RowPolicy(row_budget=None), acceptance=policy, prefill_chunk=8)
+    scripted = StepCosts(engine.manifest.slots, 1.6, "scripted", measuring=False)  # the rule's logic, not this host's c(P)
+    scheduler = BatchScheduler(backend, policy=RowPolicy(row_budget=None), acceptance=policy, prefill_chunk=8,
+                               costs=scripted)
     settings = [{}, {"temperature": 1.2, "seed": 3}, {"temperature": 1.5, "top_k": 50, "seed": 9}, {}]
     sequences = [scheduler.submit(engine.request_from(p, dict(max_new_tokens=32, stop_at_eos=False, **s)), early_flush=i % 2 == 0)
                  for i, (p, s) in enumerate(zip(PROMPTS, settings))]
@@ -282,7 +285,8 @@ class ScriptedAcceptance(AlwaysSpeculate):
     def __init__(self, plain_calls: range) -> None:
         self.plain_calls, self.calls = plain_calls, 0
 
-    def batch_speculates(self, states, speculating: bool = True) -> bool:
+    def batch_speculates(self, states, speculating: bool = True, cost: float | None = None,
+                         depth: int | None = None) -> bool:
         self.calls += 1
         return self.calls not in self.plain_calls
 
@@ -339,10 +343,12 @@ def test_candidate_checks_keep_early_flush_lossless(engine):
     and four at once, against early flush off and plain decoding), really flushes, and each prompt's
     early flushes, accepted and failed speculations are the same alone and in a batch of four."""
     checks = []
-    alone = {p: engine.generate(p, max_new_tokens=48, stop_at_eos=False, mode="speed", early_flush=True) for p in PROMPTS}
+    alone = {p: engine.generate(p, max_new_tokens=48, stop_at_eos=False, mode="speed-always", early_flush=True)
+             for p in PROMPTS}
     assert sum(r.stats.early_flushes for r in alone.values()) > 0  # else equal counts would prove nothing
     for prompt, result in alone.items():
-        assert result.ids == engine.generate(prompt, max_new_tokens=48, stop_at_eos=False, early_flush=False).ids
+        assert result.ids == engine.generate(prompt, max_new_tokens=48, stop_at_eos=False, mode="speed-always",
+                                             early_flush=False).ids
         assert result.ids == engine.generate(prompt, max_new_tokens=48, stop_at_eos=False, mode="autoregressive").ids
 
     def outcomes(result):

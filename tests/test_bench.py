@@ -17,7 +17,10 @@ def test_bench_json_fields(tiny_artifact):
     for key in ("ms_per_token", "tokens_per_second", "speedup_p50", "acceptance_rate", "tokens_per_step", "step_cost",
                 "bound", "achieved_over_bound", "prefill_ms_p50", "flushes"):
         assert key in report
-    assert set(report["ms_per_token"]) == {"speed", "autoregressive"} and report["repeats"] == 2
+    assert set(report["ms_per_token"]) == {"speed", "speed-always", "autoregressive"} and report["repeats"] == 2
+    policy = report["policy"]  # the default mode's decisions and the costs it measured here
+    assert policy["speed_steps"] + policy["plain_steps"] > 0 and policy["step_cost"] > 0 and report["speedup_always_p50"] > 0
+    assert policy["host_costs"]["slots"] == 4
     # Each speedup also under a name that says what it measures; the old keys stay.
     assert report["speedup_decode_p50"] == report["speedup_p50"]
     assert report["speedup_e2e_p50"] == report["speed_speedup_e2e"]["autoregressive"]
@@ -25,8 +28,8 @@ def test_bench_json_fields(tiny_artifact):
     # and ORT GenAI's int4 export (other weights: its agreement with SPEED's ids is reported).
     same = {"pytorch-reference", "transformers", "onnxruntime-genai"}
     peers = {*same, "onnxruntime-genai-int4"}  # the dev extra installs all four
-    assert set(report["e2e_ms_per_token"]) == {"speed", "autoregressive", *peers}
-    assert set(report["speed_speedup_e2e"]) == {"autoregressive", *peers}
+    assert set(report["e2e_ms_per_token"]) == {"speed", "speed-always", "autoregressive", *peers}
+    assert set(report["speed_speedup_e2e"]) == {"speed-always", "autoregressive", *peers}
     assert report["weight_bytes"]["speedc"] < report["weight_bytes"]["onnxruntime-genai"]
     assert 0 < report["weight_bytes"]["onnxruntime-genai-int4"] < report["weight_bytes"]["onnxruntime-genai"] / 4
     agreement = report["peer_agreement"]
@@ -67,7 +70,7 @@ def test_peer_ids_refused_or_compared(tiny_artifact, capsys, monkeypatch):
         run_bench(engine, prompts=[prompt], new_tokens=new_tokens, repeats=1, peers={"stand-in": LoadedPeer(stand_in, True)})
     report = run_bench(engine, prompts=[prompt], new_tokens=new_tokens, repeats=2,
                        peers={"stand-in": LoadedPeer(stand_in, False), "echo": LoadedPeer(lambda ids, n: plain, True)})
-    assert report.identical_ids and set(report.speed_speedup_e2e) == {"autoregressive", "stand-in", "echo"}
+    assert report.identical_ids and set(report.speed_speedup_e2e) == {"speed-always", "autoregressive", "stand-in", "echo"}
     assert report.peer_agreement == {
         "stand-in": {"same_weights": False, "identical_ids": False, "agreement": round(7 / 8, 4), "prefix_agreement": 5 / 8},
         "echo": {"same_weights": True, "identical_ids": True, "agreement": 1.0, "prefix_agreement": 1.0}}
@@ -139,7 +142,7 @@ def test_bench_human_output_names_each_speedup(tiny_artifact):
     assert "per system, end to end (prefill + decode), ids against SPEED's" in text
     assert "ms/new token p50" in line_with("SPEED speedup, end to end")  # its header
     assert "ids vs SPEED" in line_with("SPEED speedup, end to end")
-    assert "identical (required)" in line_with("identical (required)")  # autoregressive: checked before any speed
+    assert sum("identical (required)" in line for line in lines) == 2  # speed-always, autoregressive: checked first
     summary = line_with("identical ids: True")
     assert "SPEED speedup, decode only (p50): " in summary and "end to end (p50): " in summary
     assert "speedup (p50)" not in text  # no unlabelled speedup left

@@ -280,7 +280,7 @@ def test_greedy_speed_equals_plain_equals_oracle(looped, variant, backend):
     engine = looped.engine(variant, backend)
     for seed in PROMPT_SEEDS:
         expected = looped.greedy(variant, seed)
-        speed = engine.generate(prompt(seed), max_new_tokens=NEW_TOKENS, mode="speed", stop_at_eos=False)
+        speed = engine.generate(prompt(seed), max_new_tokens=NEW_TOKENS, mode="speed-always", stop_at_eos=False)
         plain = engine.generate(prompt(seed), max_new_tokens=NEW_TOKENS, mode="autoregressive", stop_at_eos=False)
         assert plain.ids == expected, f"prompt seed {seed}: plain decoding differs from the oracle"
         assert speed.ids == expected, f"prompt seed {seed}: SPEED differs from the oracle ({speed.stats})"
@@ -292,7 +292,7 @@ def test_seeded_sampling_speed_equals_plain(looped, variant, backend):
     engine = looped.engine(variant, backend)
     for seed in SAMPLING_SEEDS:
         runs = [engine.generate(prompt(seed), max_new_tokens=NEW_TOKENS, mode=mode, temperature=0.8, top_p=0.9,
-                                seed=seed, stop_at_eos=False) for mode in ("speed", "autoregressive")]
+                                seed=seed, stop_at_eos=False) for mode in ("speed-always", "autoregressive")]
         assert runs[0].ids == runs[1].ids, f"sampling seed {seed}"
         assert len(runs[0].ids) == NEW_TOKENS
 
@@ -305,7 +305,7 @@ def test_speculation_is_both_accepted_and_flushed(looped):
         engine = looped.engine(variant, "onnx")
         accepted = failed = 0
         for seed in PROMPT_SEEDS:
-            stats = engine.generate(prompt(seed), max_new_tokens=NEW_TOKENS, mode="speed", stop_at_eos=False).stats
+            stats = engine.generate(prompt(seed), max_new_tokens=NEW_TOKENS, mode="speed-always", stop_at_eos=False).stats
             accepted += stats.accepted
             failed += stats.mispredicted + stats.early_flushes
         totals[variant] = (accepted, failed)

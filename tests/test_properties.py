@@ -84,7 +84,8 @@ def test_speed_equals_plain_decoding(pool, data, which, new_tokens, params, earl
     engine = engines[path]
     vocab = model.cfg.vocab_size
     prompt = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=12), label="prompt")
-    speed = engine.generate(prompt, max_new_tokens=new_tokens, stop_at_eos=False, early_flush=early_flush, **params)
+    speed = engine.generate(prompt, max_new_tokens=new_tokens, stop_at_eos=False, early_flush=early_flush,
+                            mode="speed-always", **params)
     plain = engine.generate(prompt, max_new_tokens=new_tokens, stop_at_eos=False, mode="autoregressive", **params)
     assert speed.ids == plain.ids
     assert len(speed.ids) == new_tokens
@@ -99,7 +100,7 @@ def test_pool_really_mispredicts_and_accepts(pool):
     """Guard against a vacuous property: across the pool both flushes and acceptances happen."""
     accepted = mispredicted = 0
     for model, engines in pool:
-        result = engines["onnx-numpy"].generate([1, 2, 3, 4], max_new_tokens=32, stop_at_eos=False)
+        result = engines["onnx-numpy"].generate([1, 2, 3, 4], max_new_tokens=32, stop_at_eos=False, mode="speed-always")
         accepted += result.stats.accepted
         mispredicted += result.stats.mispredicted
     assert accepted > 20 and mispredicted > 20

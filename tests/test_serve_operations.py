@@ -178,6 +178,9 @@ def test_single_sequence_engine_still_serves(tiny_artifact):
         assert chunks[-1].usage.completion_tokens == len(expected.ids)
         metrics = httpx.get(f"{url}/metrics").text
         assert "speedc_requests_running 0.0" in metrics and 'speedc_engine_steps_total{sequences="1"}' in metrics
+        # the speculation policy's decisions and what it measured here (c(P) per band once both kinds were timed)
+        assert 'speedc_policy_decode_steps_total{kind="speed"}' in metrics and "speedc_policy_fallbacks_total" in metrics
+        assert "speedc_step_cost_seed" in metrics
 
 
 def test_batched_server_opens_one_session(tiny_artifact):

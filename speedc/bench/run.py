@@ -39,9 +39,13 @@ class BenchReport:
     new_tokens: int
     repeats: int
     identical_ids: bool
-    ms_per_token: dict[str, dict[str, float]]  # mode -> {p50, p90, min} of decode ms/token (prefill excluded)
+    # mode -> {p50, p90, min} of decode ms/token (prefill excluded): speed (the default: speculating while it
+    # pays here), speed-always (speculating at every step), autoregressive
+    ms_per_token: dict[str, dict[str, float]]
     tokens_per_second: dict[str, float]  # decode only, from the p50
     speedup_p50: float  # decode only (prefill excluded): autoregressive p50 / speed p50 of ms_per_token
+    # acceptance, flushes and tokens per step: of the speed-always runs (SPEED's speculation itself; the
+    # default mode speculates only while it pays)
     acceptance_rate: float  # speculations confirmed / checked (failures at the last layer or by early flush)
     tokens_per_step: float
     early_flush: bool
@@ -56,6 +60,8 @@ class BenchReport:
     peak_rss_mb: dict[str, float] = field(default_factory=dict)  # system -> peak RSS of a fresh process running it
     # peer -> {same_weights, identical_ids, agreement, prefix_agreement} (module docstring)
     peer_agreement: dict[str, dict] = field(default_factory=dict)
+    speedup_always_p50: float = 0.0  # autoregressive p50 / speed-always p50 (decode only)
+    policy: dict = field(default_factory=dict)  # the default mode's decisions, summed over its runs, and its costs
     sweep: dict[str, dict] = field(default_factory=dict)  # "slots" / "length" -> {rows, skipped}
     notes: list[str] = field(default_factory=list)
 
@@ -145,23 +151,24 @@ def measure_step_cost(engine_or_backend, context: int, repeats: int = 200) -> fl
 
 def run_bench(engine: Engine, *, prompts: list[str] | None = None, new_tokens: int = 128, repeats: int = 3,
               early_flush: bool | None = None, peers: dict | None = None) -> BenchReport:
-    """Interleave, per prompt: speed, autoregressive, then each peer (name -> LoadedPeer of
-    speedc.bench.peers: generate, must_match). Autoregressive's ids and those of every must_match peer
+    """Interleave, per prompt: speed, speed-always, autoregressive, then each peer (name -> LoadedPeer of
+    speedc.bench.peers: generate, must_match). The other modes' ids and those of every must_match peer
     must equal SPEED's (else SpeedcError, no report); the others' agreement is measured."""
     prompts = prompts or DEFAULT_PROMPTS
     peers = peers or {}
     agreement = {name: Agreement(same_weights=peer.must_match) for name, peer in peers.items()}
-    times: dict[str, list[float]] = {"speed": [], "autoregressive": []}
-    e2e: dict[str, list[float]] = {name: [] for name in ("speed", "autoregressive", *peers)}
+    modes = ("speed", "speed-always", "autoregressive")
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    e2e: dict[str, list[float]] = {name: [] for name in (*modes, *peers)}
     prefill: list[float] = []
-    speed_runs, steps, emitted = [], 0, 0
+    speed_runs, adaptive_runs, steps, emitted = [], [], 0, 0
     flushes = {"last_layer": 0, "early": 0, "tokens_discarded": 0}
     identical = True
     engine.generate(prompts[0], max_new_tokens=8, stop_at_eos=False)  # warm-up
     for _ in range(repeats):
         for prompt in prompts:
             results = {}
-            for mode in ("speed", "autoregressive"):
+            for mode in modes:
                 start = time.perf_counter()
                 result = engine.generate(prompt, max_new_tokens=new_tokens, stop_at_eos=False, mode=mode,
                                          early_flush=early_flush)
@@ -169,7 +176,7 @@ def run_bench(engine: Engine, *, prompts: list[str] | None = None, new_tokens: i
                 results[mode] = result
                 times[mode].append(1000 * result.stats.decode_seconds / max(result.stats.new_tokens - 1, 1))
                 prefill.append(1000 * result.stats.prefill_seconds)
-            identical &= results["speed"].ids == results["autoregressive"].ids
+            identical &= results["speed"].ids == results["speed-always"].ids == results["autoregressive"].ids
             ids = engine.encode(prompt)
             for name, peer in peers.items():
                 start = time.perf_counter()
@@ -179,8 +186,9 @@ def run_bench(engine: Engine, *, prompts: list[str] | None = None, new_tokens: i
                     raise SpeedcError(f"{name} runs the artifact's weights but produced different ids than SPEED: "
                                       "refusing to report speeds")
                 agreement[name].add(peer_ids, results["speed"].ids)
-            s = results["speed"].stats
+            s = results["speed-always"].stats
             speed_runs.append(s)
+            adaptive_runs.append(results["speed"].stats)
             steps, emitted = steps + s.steps, emitted + s.new_tokens - 1
             for key, count in (("last_layer", s.mispredicted), ("early", s.early_flushes), ("tokens_discarded", s.flushed_tokens)):
                 flushes[key] += count
@@ -203,4 +211,21 @@ def run_bench(engine: Engine, *, prompts: list[str] | None = None, new_tokens: i
         step_cost=round(cost, 3), bound=round(bound, 3), achieved_over_bound=round(speedup / bound, 3),
         prefill_ms_p50=round(statistics.median(prefill), 3), e2e_ms_per_token=e2e_ms,
         speed_speedup_e2e={name: round(v["p50"] / e2e_ms["speed"]["p50"], 3) for name, v in e2e_ms.items() if name != "speed"},
-        peer_agreement={name: a.to_json() for name, a in agreement.items()})
+        peer_agreement={name: a.to_json() for name, a in agreement.items()},
+        speedup_always_p50=round(ms["autoregressive"]["p50"] / ms["speed-always"]["p50"], 3),
+        policy=policy_summary(adaptive_runs))
+
+
+def policy_summary(runs) -> dict:
+    """The default mode's decisions summed over RUNS (DecodeStats), and the last run's cost, bound and what the
+    runtime measured on this host."""
+    last = runs[-1]
+    depth_steps: dict[int, int] = {}
+    for stats in runs:
+        for depth, steps in stats.depth_steps.items():
+            depth_steps[depth] = depth_steps.get(depth, 0) + steps
+    return {**{key: sum(getattr(s, key) for s in runs) for key in ("speed_steps", "plain_steps", "fallbacks", "probes",
+                                                                  "cost_samples")},
+            "depth_steps": dict(sorted(depth_steps.items(), reverse=True)), "depth": last.depth,
+            "step_cost": last.step_cost, "step_cost_source": last.step_cost_source, "bound": last.bound,
+            "host_costs": last.host_costs}

@@ -179,39 +179,45 @@ def synthetic_checkpoint(shape: Shape, layers: int, directory: Path, residual_sc
 
 
 def end_to_end_row(engine, *, prompts: int, new_tokens: int, seed: int = 0, peers: dict | None = None) -> dict:
-    """SPEED vs plain decoding on random prompt ids, interleaved, greedy; ids must be identical. PEERS:
+    """SPEED (the default mode: speculating while it pays on this host), SPEED speculating at every step
+    (speed-always) and plain decoding on random prompt ids, interleaved, greedy; ids must be identical. PEERS:
     name -> (generate(prompt ids, new tokens) -> (ids, decode seconds per token), what it ran), timed
     in the same rounds (after SPEED and plain decoding, per prompt); their ids' agreement with SPEED's
     is reported (another precision or architecture: not required equal)."""
     import numpy as np
 
-    from speedc.bench.run import Agreement
+    from speedc.bench.run import Agreement, policy_summary
     from speedc.errors import GenerationError
     from speedc.runtimes.decode import pooled_acceptance
 
     peers = peers or {}
     vocab = engine.manifest.model["vocab_size"]
     rng = np.random.default_rng(seed)
-    ms = {"speed": [], "autoregressive": [], **{name: [] for name in peers}}
+    modes = ("speed", "speed-always", "autoregressive")
+    ms = {**{mode: [] for mode in modes}, **{name: [] for name in peers}}
     agreement = {name: Agreement(same_weights=False) for name in peers}
-    speed_runs = []
+    speed_runs, adaptive_runs = [], []
     for _ in range(prompts):
         prompt = [int(i) for i in rng.integers(0, vocab, size=PROMPT_IDS)]
         results = {mode: engine.generate(prompt, max_new_tokens=new_tokens, mode=mode, stop_at_eos=False)
-                   for mode in ("speed", "autoregressive")}
-        if results["speed"].ids != results["autoregressive"].ids:
+                   for mode in modes}
+        if not results["speed"].ids == results["speed-always"].ids == results["autoregressive"].ids:
             raise GenerationError("SPEED and plain decoding produced different ids on a random prompt: not lossless")
         for mode, result in results.items():
             ms[mode].append(1000 * result.stats.decode_seconds / max(1, result.stats.new_tokens - 1))
-        speed_runs.append(results["speed"].stats)
+        speed_runs.append(results["speed-always"].stats)  # acceptance: of a run that speculated throughout
+        adaptive_runs.append(results["speed"].stats)
         for name, (generate, _) in peers.items():
             ids, seconds = generate(prompt, new_tokens)
             ms[name].append(1000 * seconds)
             agreement[name].add(ids, results["speed"].ids)
     speed, plain = statistics.median(ms["speed"]), statistics.median(ms["autoregressive"])
+    always = statistics.median(ms["speed-always"])
     row = {"acceptance": round(pooled_acceptance(speed_runs), 3), "speed_ms_per_token": round(speed, 2),
+           "speed_always_ms_per_token": round(always, 2),
            "autoregressive_ms_per_token": round(plain, 2), "speedup_decode": round(plain / speed, 3),
-           "ids_identical": True}
+           "speedup_decode_always": round(plain / always, 3), "ids_identical": True,
+           "policy": policy_summary(adaptive_runs)}
     if peers:
         row["peers"] = {name: {"ms_per_token": round(statistics.median(ms[name]), 2),
                                "speed_speedup": round(statistics.median(ms[name]) / speed, 3), "ran": ran,

@@ -201,9 +201,14 @@ def print_memory_bound(report: dict) -> None:
                 f"{row['token_ms']:.1f} ms)   floor c(P) = {row['floor_step_cost']:.2f}  (step {row['floor_step_ms']:.1f} ms, "
                 f"token {row['floor_token_ms']:.1f} ms)   load {row['load_seconds']:.1f} s")
         if "speedup_decode" in row:
+            policy = row["policy"]
             line += (f"\n      acceptance {row['acceptance']:.2f}: SPEED {row['speed_ms_per_token']:.1f} ms/token, plain "
                      f"{row['autoregressive_ms_per_token']:.1f} ms/token, speedup {row['speedup_decode']:.2f}x "
-                     "(decode only, ids identical)")
+                     f"(decode only, ids identical); speculating at every step {row['speed_always_ms_per_token']:.1f} "
+                     f"ms/token, {row['speedup_decode_always']:.2f}x"
+                     f"\n      policy: {policy['speed_steps']} speed ({_by_depth(policy)}) / {policy['plain_steps']} plain steps, "
+                     f"{policy['fallbacks']} fall-backs, {policy['probes']} probes, {policy['cost_samples']} plain steps "
+                     f"timed; last c(P) {policy['step_cost']:.2f} ({policy['step_cost_source']}), bound {policy['bound']:.2f}")
         click.echo(line)
         for name, peer in row.get("peers", {}).items():
             click.echo(f"      {name}: {peer['ms_per_token']:.1f} ms/token, SPEED {peer['speed_speedup']:.2f}x faster; "
@@ -298,8 +303,18 @@ def print_report(report, artifact: Path, new_tokens: int) -> None:
                   f"({report.flushes['tokens_discarded']} tokens discarded)")
     console.print(f"step cost c(P={report.slots}) = {report.step_cost:.2f}   analytic bound {report.bound:.2f}x   "
                   f"decode-only speedup / bound {report.achieved_over_bound:.2f}   prefill p50 {report.prefill_ms_p50:.2f} ms")
+    policy = report.policy
+    console.print(f"speculating at every step (speed-always): {report.speedup_always_p50:.2f}x plain, decode only; the "
+                  f"default mode's policy: {policy['speed_steps']} speed ({_by_depth(policy)}) / {policy['plain_steps']} plain steps, "
+                  f"{policy['fallbacks']} fall-backs, {policy['probes']} probes, {policy['cost_samples']} plain steps timed; "
+                  f"last c(P) {policy['step_cost']:.2f} ({policy['step_cost_source']}), bound {policy['bound']:.2f}")
     for kind, sweep in report.sweep.items():
         print_sweep(console, kind, sweep)
+
+
+def _by_depth(policy: dict) -> str:
+    """Speed steps per pipeline depth, e.g. "P=4 120, P=2 30"."""
+    return ", ".join(f"P={depth} {steps}" for depth, steps in policy["depth_steps"].items()) or "none"
 
 
 def ids_column(system: str, report) -> str:

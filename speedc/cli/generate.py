@@ -40,7 +40,10 @@ def _refuse_batch_options_without_file() -> None:
               help="With --prompts-file: speculate while a step has at most this many rows (default: the measured rule; "
                    "0: never).")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
-@click.option("--mode", type=click.Choice(["speed", "autoregressive"]), default="speed", show_default=True)
+@click.option("--mode", type=click.Choice(["speed", "speed-always", "autoregressive"]), default="speed", show_default=True,
+              help="speed: SPEED while it pays on this host (step costs measured as it runs, the text's acceptance), "
+                   "plain decoding else; speed-always: speculate at every step (to measure SPEED itself); "
+                   "autoregressive: plain decoding. The same tokens in every mode.")
 @click.option("--temperature", type=FiniteFloat(), default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
 @click.option("--top-p", type=FiniteFloat(), default=1.0, show_default=True)
@@ -69,11 +72,12 @@ def generate(artifact, prompt, prompt_ids, prompts_file, max_batch, kv_cache_mb,
             raise GenerationError("--stream prints one sequence; with --prompts-file use --json or plain output")
         prompts = _read_prompts(prompts_file)
         engine = Engine.load(artifact, backend=backend, device=device, threads=threads, lazy=True)  # opened when the batch starts
-        budget = 0 if options.pop("mode") == "autoregressive" else (-1 if row_budget is None else row_budget)
+        chosen = options.pop("mode")
+        budget = 0 if chosen == "autoregressive" else (-1 if row_budget is None else row_budget)
         failure = None
         try:
             results = engine.generate_batch(prompts, max_batch=max_batch, kv_cache_mb=kv_cache_mb, row_budget=budget,
-                                            threads=threads, **options)
+                                            per_sequence=chosen != "speed-always", threads=threads, **options)
         except BatchError as failed:  # some prompts could not run: print the others, then the error
             results, failure = failed.results, failed
         for number, result in enumerate(results, 1):
@@ -147,9 +151,26 @@ def _print_stats(stats) -> None:
 
     data = stats.to_json()
     table = Table(title="decode stats", show_header=False)
-    for key in ("mode", "prompt_tokens", "new_tokens", "steps", "accepted", "mispredicted", "early_flushes",
-                "flushed_tokens", "acceptance_rate", "tokens_per_step", "prefill_seconds", "decode_seconds",
+    for key in ("mode", "prompt_tokens", "new_tokens", "steps", "speed_steps", "depth_steps", "plain_steps", "fallbacks",
+                "probes", "cost_samples", "depth", "accepted", "mispredicted", "early_flushes", "flushed_tokens", "acceptance_rate",
+                "tokens_per_step", "step_cost", "step_cost_source", "bound", "prefill_seconds", "decode_seconds",
                 "decode_tokens_per_second", "stop_reason"):
         value = data[key]
         table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+    if data["policy"]:
+        table.add_row("policy", data["policy"])
+    for row in (data["host_costs"] or {}).get("measured", []):
+        table.add_row(f"measured here: {row['sequences']} seq, context <= {row['context_band']}", _cost_row(row))
+        for depth, values in row.get("depths", {}).items():
+            table.add_row(f"  the P slots as {depth}", _cost_row(values))
     Console(stderr=True).print(table)
+
+
+def _cost_row(row: dict) -> str:
+    """One StepCosts.report row: the step times and the c(P) each gives."""
+    parts = [f"{kind} {row[kind + '_ms']:.2f} ms" for kind in ("plain", "speed", "full") if kind + "_ms" in row]
+    if "step_cost" in row:
+        parts.append(f"c {row['step_cost']:.2f} (full step)")
+    if "mean_step_cost" in row:
+        parts.append(f"{row['mean_step_cost']:.2f} (mean step)")
+    return ", ".join(parts)

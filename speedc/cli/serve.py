@@ -49,9 +49,10 @@ def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_q
 @click.option("--model-name", default=None, help="The model id clients send (default: the artifact folder's name).")
 @click.option("--chat-template", type=click.Path(path_type=Path), default=None,
               help="A Jinja chat template file (default: the one in the artifact, from tokenizer_config.json).")
-@click.option("--mode", type=click.Choice(["speed", "autoregressive"]), default="speed", show_default=True,
-              help="speed: SPEED while the batch is small, plain decoding steps when it is large (the batching "
-                   "row policy); autoregressive: plain decoding only.")
+@click.option("--mode", type=click.Choice(["speed", "speed-always", "autoregressive"]), default="speed", show_default=True,
+              help="speed: SPEED while it pays on this host (step costs measured as it runs, each request's "
+                   "acceptance, the batching row policy), plain decoding steps else; speed-always: every step "
+                   "speculates; autoregressive: plain decoding only. The same tokens in every mode.")
 @click.option("--max-batch", type=int, default=8, show_default=True,
               help="Requests decoded together (continuous batching: they share each engine step). 1: one request "
                    "at a time on the single-sequence engine (any --backend / --device).")

@@ -20,7 +20,8 @@ from speedc.runtimes.detokenize import Piece
 from speedc.runtimes.engine_loop import EngineLoop, Submitted
 from speedc.serve.engine_adapter import FINISH_REASONS, GenerationRequest, QueueFull, RetryEstimate, encode
 
-ROW_BUDGET = {"speed": -1, "autoregressive": 0}  # --mode -> the scheduler's row policy (-1: its default rule)
+# --mode -> (the scheduler's row policy (-1: its default rule), whether the acceptance policy decides per sequence)
+BATCH_RULES = {"speed": (-1, True), "speed-always": (None, False), "autoregressive": (0, True)}
 
 
 class BatchedGeneration:
@@ -65,8 +66,9 @@ class BatchedEngine:
     def __init__(self, engine, *, max_queue: int, max_batch: int = 8, kv_cache_mb: float | None = None,
                  mode: str = "speed", threads: int | None = None, fused: bool | None = None) -> None:
         self.engine, self.max_queue, self.slots = engine, max_queue, max_batch
-        self.loop = EngineLoop(engine, max_batch=max_batch, kv_cache_mb=kv_cache_mb, row_budget=ROW_BUDGET[mode],
-                               threads=threads, fused=fused)
+        row_budget, per_sequence = BATCH_RULES[mode]
+        self.loop = EngineLoop(engine, max_batch=max_batch, kv_cache_mb=kv_cache_mb, row_budget=row_budget,
+                               per_sequence=per_sequence, threads=threads, fused=fused)
         self._retry = RetryEstimate(max_batch)
 
     def describe(self) -> str:
@@ -91,6 +93,10 @@ class BatchedEngine:
     @property
     def waiting(self) -> int:
         return self.loop.waiting
+
+    def host_costs(self) -> dict:
+        """Step costs measured on this host (runtimes/step_costs.py StepCosts.report)."""
+        return self.loop.scheduler.costs.report()
 
     @property
     def decode_steps(self):

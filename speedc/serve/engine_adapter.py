@@ -218,6 +218,10 @@ class ThreadedEngine:
         """Seconds until a place in the queue is likely free."""
         return self._retry.seconds()
 
+    def host_costs(self) -> dict:
+        """Step costs measured on this host (runtimes/step_costs.py StepCosts.report); none before the engine opened."""
+        return self.engine.step_costs().report() if self.engine.backend_loaded else {}
+
     def _finished(self, stats) -> None:
         self._retry.record(stats)
         self.decode_steps[1] += stats.steps

@@ -5,13 +5,15 @@ Requests: running / waiting (read from the engine adapter when scraped), rejecte
 sequences decoded together (continuous batching at work: steps with sequences > 1). Tokens: prompt and generated.
 Latency: time to first token (from the request's arrival, queueing included) and inter-token latency
 (between streamed pieces; a piece is one confirmed token unless UTF-8 holds bytes back). SPEED:
-speculations accepted and mispredicted, early flushes and flushed tokens.
+speculations accepted and mispredicted, early flushes and flushed tokens; the speculation policy's decisions
+(decode steps speculating and plain, fall-backs, probes, plain steps timed while speculating) and the step
+costs it measured on this host (c(P) per batch size and context band, read when scraped).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -45,12 +47,23 @@ class Metrics:
         self.early_flushes = Counter("speedc_early_flushes", "SPEED flushes triggered early by a deeper exit head",
                                      registry=r)
         self.flushed_tokens = Counter("speedc_flushed_tokens", "In-flight tokens discarded by flushes", registry=r)
+        self.policy_steps = Counter("speedc_policy_decode_steps", "Decode steps of finished requests by what the "
+                                    "speculation policy chose", ["kind"], registry=r)
+        self.depth_steps = Counter("speedc_policy_depth_steps", "Speed steps of finished requests by the pipeline depth "
+                                   "the policy ran the slots at", ["depth"], registry=r)
+        self.fallbacks = Counter("speedc_policy_fallbacks", "Times a request turned to plain decoding because "
+                                 "speculation did not pay on this host", registry=r)
+        self.probes = Counter("speedc_policy_probes", "Times a request speculated again after a fall-back to "
+                              "measure its acceptance afresh", registry=r)
+        self.cost_samples = Counter("speedc_policy_cost_samples", "Plain steps run while speculation was chosen, to "
+                                    "time plain decoding here now", registry=r)
 
     def watch(self, adapter) -> None:
         """Read running / waiting and the engine steps from the engine adapter at each scrape."""
         self.running.set_function(lambda: adapter.running)
         self.waiting.set_function(lambda: adapter.waiting)
         self.registry.register(_EngineSteps(adapter))
+        self.registry.register(_HostCosts(adapter))
 
     def record_finished(self, finish_reason: str, stats) -> None:
         self.finished.labels(finish_reason).inc()
@@ -59,6 +72,13 @@ class Metrics:
             self.mispredicted.inc(stats.mispredicted)
             self.early_flushes.inc(stats.early_flushes)
             self.flushed_tokens.inc(stats.flushed_tokens)
+            self.policy_steps.labels("speed").inc(stats.speed_steps)
+            self.policy_steps.labels("plain").inc(stats.plain_steps)
+            for depth, steps in stats.depth_steps.items():
+                self.depth_steps.labels(str(depth)).inc(steps)
+            self.fallbacks.inc(stats.fallbacks)
+            self.probes.inc(stats.probes)
+            self.cost_samples.inc(stats.cost_samples)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -76,3 +96,27 @@ class _EngineSteps:
         for sequences, steps in sorted(dict(self.adapter.decode_steps).items()):
             family.add_metric([str(sequences)], steps)
         yield family
+
+
+class _HostCosts:
+    """speedc_step_cost{sequences, context_band, depth, step}: c measured on this host (runtimes/step_costs.py)
+    per pipeline depth, of a full step and of the mean step the policy decides with; speedc_step_cost_seed:
+    what seeded it."""
+
+    def __init__(self, adapter) -> None:
+        self.adapter = adapter
+
+    def collect(self):
+        report = self.adapter.host_costs()
+        cost = GaugeMetricFamily("speedc_step_cost", "c measured on this host: P x a speed step's time over a plain "
+                                 "token's", labels=["sequences", "context_band", "depth", "step"])
+        for row in report.get("measured", []):
+            for depth, values in ((report["slots"], row), *row.get("depths", {}).items()):
+                for name, step in (("step_cost", "full"), ("mean_step_cost", "mean")):
+                    if name in values:
+                        cost.add_metric([str(row["sequences"]), str(row["context_band"]), str(depth), step], values[name])
+        yield cost
+        if "seed_step_cost" in report:
+            seed = GaugeMetricFamily("speedc_step_cost_seed", "c(P) the policy starts from (build host or assumed)")
+            seed.add_metric([], report["seed_step_cost"])
+            yield seed

@@ -1,0 +1,194 @@
+"""What a decode step costs on the host the runtime runs on, measured as it runs (runtimes/batch.py times
+every decode step it takes and records it here; the acceptance policy decides with it).
+
+Whether SPEED pays is a fact about the machine and the moment: its compute per byte of memory, the pool
+length (attention runs over the whole bound cache, so a step's cost follows the pool's length T, not the
+positions in use), the batch size, the load of other processes. So the costs are kept per
+
+    (kind, sequences decoded together n, context band = the smallest power of two >= T, at least 64)
+
+kind "plain": a plain step of n tokens; "speed": a speed step of n pipelines, however full (refill steps
+after a flush run fewer rows and cost less: the mean over the steps taken is what a token costs at
+this acceptance, the analytic bound's 1 + (1 - alpha)(P - 1) steps a token times it); "full": a speed
+step with every slot of every pipeline filled, the step `speedc inspect --measure` times (c(P) as
+SPEED.md defines it). A pipeline run at a shallower depth d = P / g (decode.Pipeline.shift's spacing g:
+at most d tokens in flight, d rows a step) keeps its speed steps as "speed@d" / "full@d"; its c(d) is
+P x its step / a plain step (g steps of d rows a token, against a plain token's d slots of N / d layers).
+
+Each is the lower quartile of the last WINDOW samples: on a shared host a step is only ever slowed, by
+other processes taking a core from a thread the step waits on (measured on zoo:small at a load of 4 on 2
+cores: plain tokens of 2.5 ms and of 10.6 ms, two of three slow), and the same quartile of both kinds
+keeps their ratio; the first WARMUP steps of each (kind, n) at each pool shape (length, width) are not samples
+(the first runs of a shape bind buffers and warm ONNX Runtime's kernels: measured, the first plain
+tokens over a new pool length of a 4-layer Ouro-1.4B-shaped int4 model took ~125 ms against 14), nor
+is the first decode step after the pool was reallocated (the scheduler skips it: new bindings).
+
+    c(n, band) = P * speed seconds / plain seconds        (the cost the policy's bound uses)
+
+Before both kinds are measured in a band the nearest band (same n) where both are stands in, else the
+seed: the build host's c(P) stored in the manifest, or the cost model's assumption.
+Standard library only (the runtime path imports no torch).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+MIN_BAND = 64
+
+
+def context_band(length: int) -> int:
+    """The band of a pool of LENGTH positions: the smallest power of two >= it, at least MIN_BAND."""
+    return max(MIN_BAND, 1 << max(int(length) - 1, 0).bit_length())
+
+
+@dataclass
+class _Samples:
+    seconds: deque  # the last WINDOW step times
+    newest: int = 0  # StepCosts.clock when the newest was taken
+
+
+@dataclass
+class StepCosts:
+    """Step times of one engine's session on this host (shared by every scheduler of the engine)."""
+    slots: int  # P
+    seed: float  # c(P) before anything is measured here
+    seed_source: str
+    window: int = 16
+    warmup: int = 2
+    min_samples: int = 3  # samples a (kind, n, band) needs before its median counts
+    # Decode steps (any n, any band) after which a plain estimate is stale: a speculating scheduler then runs a
+    # few plain steps to time it (BatchScheduler._plain_burst), when no pipeline holds work, or at twice this.
+    refresh_steps: int = 512
+    measuring: bool = True  # False: the seed stands for every step (a scripted cost, for tests of the rules)
+    clock: int = 0  # decode steps recorded or skipped so far
+    _samples: dict = field(default_factory=dict)  # (kind, n, band) -> _Samples
+    _seen: Counter = field(default_factory=Counter)  # (kind, n, pool length, pool width) -> steps seen (warm-up)
+
+    @classmethod
+    def for_manifest(cls, manifest, **knobs) -> "StepCosts":
+        """Seeded with c(P) from the manifest's build-time measurement when it was taken at this P, else the
+        cost model's assumption (the one the compiler chose P with)."""
+        from speedc.cost_model import assumed_step_cost, describe_assumed_step_cost
+
+        slots = manifest.slots
+        measured = (manifest.build or {}).get("step_cost_measured") or {}
+        if measured.get("slots") == slots and measured.get("step_cost"):
+            return cls(slots, float(measured["step_cost"]), "measured at build", **knobs)
+        return cls(slots, assumed_step_cost(slots), f"{describe_assumed_step_cost()}, not measured", **knobs)
+
+    def tick(self) -> None:
+        """A decode step ran that is not a sample (right after the pool was reallocated)."""
+        self.clock += 1
+
+    def kind_at(self, kind: str, depth: int | None) -> str:
+        """The key of a KIND ("speed", "full") step at pipeline DEPTH (None or P: the artifact's own)."""
+        return kind if depth in (None, self.slots) else f"{kind}@{depth}"
+
+    def record(self, kind: str, sequences: int, length: int, seconds: float, width: int = 1) -> None:
+        """One KIND step of SEQUENCES sequences over a pool of LENGTH positions (WIDTH rows) took SECONDS."""
+        if not kind.startswith("full"):  # a full step is also a speed step: counted once
+            self.clock += 1
+        if not self.measuring:
+            return
+        self._seen[kind, sequences, length, width] += 1
+        if self._seen[kind, sequences, length, width] <= self.warmup:
+            return
+        key = (kind, sequences, context_band(length))
+        samples = self._samples.get(key)
+        if samples is None:
+            samples = self._samples[key] = _Samples(deque(maxlen=self.window))
+        samples.seconds.append(seconds)
+        samples.newest = self.clock
+
+    def seconds(self, kind: str, sequences: int, band: int) -> float | None:
+        """Seconds of a KIND step of SEQUENCES sequences in BAND (the lower quartile of the window), None
+        before min_samples."""
+        samples = self._samples.get((kind, sequences, band))
+        if samples is None or len(samples.seconds) < self.min_samples:
+            return None
+        return sorted(samples.seconds)[len(samples.seconds) // 4]
+
+    def needs_plain_sample(self, sequences: int, length: int) -> bool:
+        """Whether the plain cost of SEQUENCES sequences at a pool of LENGTH positions is unknown or stale."""
+        if not self.measuring:
+            return False
+        samples = self._samples.get(("plain", sequences, context_band(length)))
+        return (samples is None or len(samples.seconds) < self.min_samples
+                or self.clock - samples.newest > self.refresh_steps)
+
+    def needs_depth_sample(self, sequences: int, length: int, depth: int) -> bool:
+        """Whether speed steps at DEPTH of SEQUENCES sequences at a pool of LENGTH positions are unknown or stale."""
+        if not self.measuring:
+            return False
+        samples = self._samples.get((self.kind_at("speed", depth), sequences, context_band(length)))
+        return (samples is None or len(samples.seconds) < self.min_samples
+                or self.clock - samples.newest > self.refresh_steps)
+
+    def _measured(self, kind: str, sequences: int, band: int) -> tuple[float, str] | None:
+        """P x KIND step / plain step in BAND, else in the nearest band where both were measured. A c below 1
+        is no measurement: P rows never cost less than one row's pass (a step of P rows against P passes of
+        one), so it says the plain steps were slowed by something else (seen on a host at load 6: plain steps
+        of 240 ms beside speed steps of 30), and the seed decides instead."""
+        near_first = sorted((abs(b.bit_length() - band.bit_length()), b) for k, n, b in self._samples
+                            if k == kind and n == sequences)
+        for _, near in near_first:
+            step, plain = self.seconds(kind, sequences, near), self.seconds("plain", sequences, near)
+            if step is not None and plain is not None and self.slots * step >= plain:
+                where = "here" if near == band else f"at context band {near} (none yet at {band})"
+                return self.slots * step / plain, f"measured {where}"
+        return None
+
+    def plain_overdue(self, sequences: int, length: int) -> bool:
+        """Whether plain decoding's cost here was never measured or is twice as stale as refresh_steps."""
+        if not self.measuring:
+            return False
+        samples = self._samples.get(("plain", sequences, context_band(length)))
+        return samples is None or self.clock - samples.newest > 2 * self.refresh_steps
+
+    def step_cost(self, sequences: int, length: int, kind: str = "speed", depth: int | None = None) -> tuple[float, str]:
+        """(c, where it comes from) for SEQUENCES sequences at a pool of LENGTH positions and pipeline DEPTH (None:
+        P): P x a KIND step's seconds / a plain step's, measured in this band, else the nearest band measured,
+        else the seed (at a shallower depth scaled along the cost model's c(d) = 1 + 0.2 (d - 1)). Never
+        another depth's measurement: a depth judged by another's would never run, so never be measured."""
+        from speedc.cost_model import assumed_step_cost
+
+        depth = self.slots if depth is None else depth
+        found = self._measured(self.kind_at(kind, depth), sequences, context_band(length))
+        if found is not None:
+            return found
+        if depth == self.slots:
+            return self.seed, self.seed_source
+        return self.seed * assumed_step_cost(depth) / assumed_step_cost(self.slots), f"{self.seed_source}, scaled to depth {depth}"
+
+    def _depth_row(self, sequences: int, band: int, depth: int, plain: float | None) -> dict:
+        """The mean speed and full step at DEPTH in ms, and the c each gives over PLAIN seconds."""
+        row = {}
+        for kind, name in (("speed", "mean_step_cost"), ("full", "step_cost")):
+            seconds = self.seconds(self.kind_at(kind, depth), sequences, band)
+            if seconds is not None:
+                row[f"{kind}_ms"] = round(1000 * seconds, 3)
+                if plain:
+                    row[name] = round(self.slots * seconds / plain, 3)
+        return row
+
+    def depths_seen(self) -> set[int]:
+        return {int(k.split("@")[1]) for k, _, _ in self._samples if "@" in k}
+
+    def report(self) -> dict:
+        """What was measured: per (n, band) the plain, mean speed and full step in ms, and c from each (the
+        artifact's depth P at the top, shallower depths run at run time under "depths"); the seed beside them."""
+        rows = []
+        for n, band in sorted({(n, b) for _, n, b in self._samples}):
+            plain = self.seconds("plain", n, band)
+            row = {"sequences": n, "context_band": band, **self._depth_row(n, band, self.slots, plain)}
+            if plain is not None:
+                row["plain_ms"] = round(1000 * plain, 3)
+            shallower = {d: self._depth_row(n, band, d, plain) for d in sorted(self.depths_seen(), reverse=True)}
+            shallower = {d: values for d, values in shallower.items() if values}
+            if shallower:
+                row["depths"] = shallower
+            rows.append(row)
+        return {"slots": self.slots, "seed_step_cost": round(self.seed, 3), "seed_source": self.seed_source,
+                "measured": rows}
