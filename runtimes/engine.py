@@ -308,10 +308,10 @@ class Engine:
         return IncrementalText(self.tokenizer.decode, stop, self.decode_rule)
 
     def _decoding(self, prompt, max_new_tokens: int, mode: str, sampling: SamplingParams, stop: list[str] | None,
-                  stop_at_eos: bool, early_flush: bool | None) -> Decoding:
+                  stop_at_eos: bool, early_flush: bool | None, stop_token_ids=None) -> Decoding:
         if mode not in MODES:
             raise GenerationError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
-        request = self.make_request(prompt, max_new_tokens, sampling, stop, stop_at_eos)
+        request = self.make_request(prompt, max_new_tokens, sampling, stop, stop_at_eos, stop_token_ids)
         early_flush = self.flush_setting(early_flush)
         scheduler = self._single_scheduler(mode)
         sequence = scheduler.submit(request, early_flush=early_flush)
@@ -338,8 +338,10 @@ class Engine:
         return "speed" + (" +early-flush" if early_flush else "")
 
     def make_request(self, prompt, max_new_tokens: int, sampling: SamplingParams, stop: list[str] | None,
-                     stop_at_eos: bool) -> Request:
-        """A checked request (GenerationError on bad input): ids, limits, its own TokenPicker, stop rule."""
+                     stop_at_eos: bool, stop_token_ids=None) -> Request:
+        """A checked request (GenerationError on bad input): ids, limits, its own TokenPicker, stop rule.
+        STOP_TOKEN_IDS: ids that end the generation as an end-of-text id does (a chat template's end of
+        turn), even with stop_at_eos off."""
         require(max_new_tokens, "max new tokens", "an integer")
         max_new_tokens = int(max_new_tokens)  # a numpy integer would reach the pool's sizes (int.bit_length)
         if max_new_tokens < 1:
@@ -360,7 +362,7 @@ class Engine:
             raise GenerationError("a stop string must be a non-empty string")
         for text in stop or []:
             check_text(text, "a stop string")
-        eos = self.eos_token_ids if stop_at_eos else frozenset()
+        eos = (self.eos_token_ids if stop_at_eos else frozenset()) | self._stop_ids(stop_token_ids)
 
         stop_strings = StopStrings(self.tokenizer.decode, stop, self.decode_rule) if stop else None
 
@@ -372,6 +374,18 @@ class Engine:
             return None
 
         return Request(ids, max_new_tokens, TokenPicker(sampling), stop_reason)
+
+    def _stop_ids(self, ids) -> frozenset[int]:
+        if ids is None:
+            return frozenset()
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise GenerationError(f"stop_token_ids must be a list of token ids, not {type(ids).__name__}")
+        ids = list(ids)
+        vocab = self.manifest.model["vocab_size"]
+        bad = next((i for i in ids if not is_integer(i) or not 0 <= i < vocab), None)
+        if bad is not None:
+            raise GenerationError(f"stop token id {bad!r:.20} is not a token id (0..{vocab - 1})")
+        return frozenset(int(i) for i in ids)
 
     def trim(self, text: str | None, stop: list[str] | None) -> str | None:
         """TEXT cut before the first stop string in it."""
@@ -473,14 +487,14 @@ class Engine:
     def request_from(self, prompt, params: dict) -> Request:
         """make_request from generate()'s keyword arguments."""
         unknown = set(params) - {"max_new_tokens", "temperature", "top_k", "top_p", "seed", "repetition_penalty", "stop",
-                                 "stop_at_eos", "early_flush"}
+                                 "stop_at_eos", "early_flush", "stop_token_ids"}
         if unknown:
             raise GenerationError(f"unknown generation setting {sorted(unknown)[0]!r}")
         self.flush_setting(params.get("early_flush"))  # checked with the rest, before anything is queued
         sampling = SamplingParams(params.get("temperature", 0.0), params.get("top_k", 0), params.get("top_p", 1.0),
                                   params.get("repetition_penalty", 1.0), params.get("seed"))
         return self.make_request(prompt, params.get("max_new_tokens", 64), sampling, params.get("stop"),
-                                 params.get("stop_at_eos", True))
+                                 params.get("stop_at_eos", True), params.get("stop_token_ids"))
 
     def flush_setting(self, early_flush: bool | None) -> bool:
         """Early flush as asked, else the engine's default."""
@@ -492,9 +506,9 @@ class Engine:
     def generate(self, prompt: str | list[int], *, max_new_tokens: int = 64, mode: str = "speed",
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  repetition_penalty: float = 1.0, stop: list[str] | None = None, stop_at_eos: bool = True,
-                 early_flush: bool | None = None) -> GenerationResult:
+                 early_flush: bool | None = None, stop_token_ids: list[int] | None = None) -> GenerationResult:
         sampling = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed)
-        decoding = self._decoding(prompt, max_new_tokens, mode, sampling, stop, stop_at_eos, early_flush)
+        decoding = self._decoding(prompt, max_new_tokens, mode, sampling, stop, stop_at_eos, early_flush, stop_token_ids)
         with self._lock:  # a decoding touches the backend (the one cache) only while it runs
             ids, stats = run_to_end(decoding)
         return GenerationResult(ids, self.trim(self.decode_text(ids), stop), stats)
@@ -502,13 +516,13 @@ class Engine:
     def stream(self, prompt: str | list[int], *, max_new_tokens: int = 64, mode: str = "speed",
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                repetition_penalty: float = 1.0, stop: list[str] | None = None, stop_at_eos: bool = True,
-               early_flush: bool | None = None) -> TextStream:
+               early_flush: bool | None = None, stop_token_ids: list[int] | None = None) -> TextStream:
         """Text pieces as tokens are confirmed by the full model (never a speculated token). Bad
         requests fail here, before anything is yielded; the returned stream carries ids and stats."""
         if self.tokenizer is None:
             raise GenerationError("streaming text needs a tokenizer; this artifact has none")
         sampling = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed)
         # Checks run now; the decoding itself starts (and takes the lock) at the stream's first piece.
-        decoding = self._decoding(prompt, max_new_tokens, mode, sampling, stop, stop_at_eos, early_flush)
+        decoding = self._decoding(prompt, max_new_tokens, mode, sampling, stop, stop_at_eos, early_flush, stop_token_ids)
         return TextStream(decoding, self._lock, self.incremental_text(stop),
                           lambda ids: self.trim(self.decode_text(ids), stop))

@@ -78,6 +78,9 @@ class Service:
         self.template: ChatTemplate | None = load_chat_template(settings.artifact, settings.chat_template)
         self.adapter = make_adapter(settings)
         self.prompt_char_limit = prompt_char_limit(self.adapter.engine, self.adapter.max_context)
+        # a chat completion ends where the template ends an assistant turn (chat_template.end_of_turn_ids)
+        self.end_of_turn_ids: tuple[int, ...] = tuple(self.template.end_of_turn_ids(self.adapter.engine.tokenizer)
+                                                      if self.template is not None else ())
 
     def prompt_ids(self, parsed: ParsedRequest) -> list[int]:
         """The request's prompt as ids (tokenized, or rendered through the chat template first). Called
@@ -116,7 +119,17 @@ class Service:
                            param="max_tokens", code="context_length_exceeded")
         return GenerationRequest(ids, max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
                                  repetition_penalty=s.repetition_penalty, stop=tuple(s.stop),
-                                 stop_at_eos=not s.ignore_eos)
+                                 stop_at_eos=not s.ignore_eos, stop_token_ids=self.stop_token_ids(parsed))
+
+
+    def stop_token_ids(self, parsed: ParsedRequest) -> tuple[int, ...]:
+        """The request's stop_token_ids, and for chat the template's end of turn (ignored as an EOS is)."""
+        turn = self.end_of_turn_ids if parsed.kind == "chat" and not parsed.sampling.ignore_eos else ()
+        vocab = self.adapter.engine.manifest.model["vocab_size"]
+        bad = next((i for i in parsed.sampling.stop_token_ids if i >= vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"stop_token_ids: {bad} is outside the vocabulary (0..{vocab - 1})", param="stop_token_ids")
+        return tuple(dict.fromkeys(parsed.sampling.stop_token_ids + turn))
 
 
 class ClientGone(Exception):

@@ -106,7 +106,8 @@ class BatchedEngine:
         submitted = self.loop.submit(request.prompt_ids, max_new_tokens=request.max_new_tokens,
                                      temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
                                      seed=request.seed, repetition_penalty=request.repetition_penalty,
-                                     stop=list(request.stop) or None, stop_at_eos=request.stop_at_eos)
+                                     stop=list(request.stop) or None, stop_at_eos=request.stop_at_eos,
+                                     stop_token_ids=list(request.stop_token_ids))
         return BatchedGeneration(self, submitted, len(request.prompt_ids))
 
     async def aclose(self) -> None:

@@ -84,6 +84,7 @@ class GenerationRequest:
     repetition_penalty: float = 1.0
     stop: tuple[str, ...] = ()
     stop_at_eos: bool = True
+    stop_token_ids: tuple[int, ...] = ()  # ids that end it whatever stop_at_eos says (a chat turn's end)
 
 
 @dataclass(frozen=True)
@@ -210,7 +211,8 @@ class ThreadedEngine:
         stream = self.engine.stream(request.prompt_ids, max_new_tokens=request.max_new_tokens, mode=self.mode,
                                     temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
                                     seed=request.seed, repetition_penalty=request.repetition_penalty,
-                                    stop=list(request.stop) or None, stop_at_eos=request.stop_at_eos)
+                                    stop=list(request.stop) or None, stop_at_eos=request.stop_at_eos,
+                                    stop_token_ids=list(request.stop_token_ids))
         self.waiting += 1
         return Generation(self, stream, len(request.prompt_ids))
 

@@ -42,6 +42,7 @@ class Sampling:
     seed: int | None
     stop: list[str]
     ignore_eos: bool
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,12 @@ def stream_options(value: Any, name: str) -> bool:
     return False if include is None else boolean(include, f"{name}.include_usage")  # null: the default
 
 
+def token_ids(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
+        raise _bad(name, "a list of token ids (integers >= 0)")
+    return value
+
+
 def is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
 
@@ -178,7 +185,7 @@ COMMON: dict[str, Check] = {
     "model": string, "max_tokens": integer, "temperature": number, "top_p": number, "stop": stop_strings,
     "seed": integer, "stream": boolean, "stream_options": stream_options, "user": string,
     # not in the OpenAI API (vLLM accepts the same names as extra body fields)
-    "top_k": integer, "repetition_penalty": number, "ignore_eos": boolean,
+    "top_k": integer, "repetition_penalty": number, "ignore_eos": boolean, "stop_token_ids": token_ids,
 }
 IMPLEMENTED: dict[str, dict[str, Check]] = {
     "completion": {**COMMON, "prompt": prompt},
@@ -243,7 +250,8 @@ def sampling(values: dict[str, Any]) -> Sampling:
         raise ApiError(400, f"{name} must be at least 1", param=name)
     result = Sampling(max_tokens=max_tokens, temperature=values.get("temperature", 1.0), top_p=values.get("top_p", 1.0),
                       top_k=values.get("top_k", 0), repetition_penalty=values.get("repetition_penalty", 1.0),
-                      seed=values.get("seed"), stop=values.get("stop", []), ignore_eos=values.get("ignore_eos", False))
+                      seed=values.get("seed"), stop=values.get("stop", []), ignore_eos=values.get("ignore_eos", False),
+                      stop_token_ids=tuple(values.get("stop_token_ids", ())))
     for name, ok, what in (("temperature", result.temperature >= 0, ">= 0"), ("top_p", 0 < result.top_p <= 1, "in (0, 1]"),
                            ("top_k", result.top_k >= 0, ">= 0 (0 = off)"),
                            ("repetition_penalty", result.repetition_penalty > 0, "> 0"),
