@@ -38,6 +38,7 @@ import numpy as np
 from speedc.errors import GenerationError, OutOfMemory
 from speedc.runtimes.acceptance_policy import AcceptancePolicy, AlwaysSpeculate
 from speedc.runtimes.backends.onnx import BatchBackend, HeadRows
+from speedc.models.sampling import token_logprob
 from speedc.runtimes.decode import DecodeStats, Pipeline, Request, Slot, emit_token
 
 WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
@@ -306,10 +307,10 @@ class BatchScheduler:
         if head is None:
             return []
         group = [head]
-        if head.prefilled == 0:
+        if head.prefilled == 0 and head.request.prompt_logprobs is None:
             longest = min(len(head.request.prompt), self.prefill_chunk)
             for sequence in self.occupied[head.row + 1:]:
-                if sequence.state != PREFILL or sequence.prefilled:
+                if sequence.state != PREFILL or sequence.prefilled or sequence.request.prompt_logprobs is not None:
                     break
                 length = max(longest, min(len(sequence.request.prompt), self.prefill_chunk))
                 if (len(group) + 1) * length > self.prefill_chunk:
@@ -323,10 +324,15 @@ class BatchScheduler:
         if not group:
             return
         start = time.perf_counter()
-        chunks = [s.request.prompt[s.prefilled:s.prefilled + self.prefill_chunk] for s in group]
+        chunks = [s.request.prompt[s.prefilled:s.prefilled + self._chunk_size(s)] for s in group]
         last = [s.prefilled + len(chunk) == len(s.request.prompt) for s, chunk in zip(group, chunks)]
         want = any(done and s.request.picker.params.needs_logits for s, done in zip(group, last))
-        argmax, logits = self.backend.prefill(group[0].row, chunks, group[0].prefilled, want)
+        echo = group[0].request.prompt_logprobs is not None  # a group of one (_prefill_group)
+        argmax, logits = self.backend.prefill(group[0].row, chunks, group[0].prefilled, want or echo)
+        if echo and not last[0]:
+            request = group[0].request
+            request.prompt_logprob_values.append(
+                token_logprob(logits[0], request.prompt[group[0].prefilled + 1], request.prompt_logprobs))
         self.steps["prefill"] += 1
         elapsed = time.perf_counter() - start
         for row, (sequence, chunk, done) in enumerate(zip(group, chunks, last)):
@@ -339,6 +345,11 @@ class BatchScheduler:
                 sequence.state = DECODE
                 self._emit(sequence, request.picker.pick(logits[row] if want else None, int(argmax[row]), request.history),
                            events)
+
+    def _chunk_size(self, sequence: Sequence) -> int:
+        """A sequence whose prompt's log-probabilities are asked prefills a token a run: the prefill graph's
+        logits are those after a chunk's last token."""
+        return 1 if sequence.request.prompt_logprobs is not None else self.prefill_chunk
 
     def _plain_step(self, decoding: list[Sequence], events: list[Event]) -> None:
         n = len(self.occupied)

@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 
 from speedc.format.artifact import TOKENIZER, Manifest, read_manifest
 from speedc.errors import ArtifactError, BatchError, GenerationError, SpeedcError
-from speedc.models.sampling import SamplingParams, TokenPicker, is_integer, require
+from speedc.models.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenPicker, is_integer, require
 from speedc.runtimes.decode import DecodeStats, Decoding, Request, run_to_end
 from speedc.runtimes.detokenize import DecodeRule, IncrementalText, StopStrings, cut_at_stop, decode_rule, not_unicode
 
@@ -37,6 +37,8 @@ class GenerationResult:
     ids: list[int]
     text: str | None
     stats: DecodeStats
+    logprobs: list | None = None  # TokenLogprob per id, when asked (the final head's, before any penalty)
+    prompt_logprobs: list | None = None  # TokenLogprob of prompt[1:], when asked
 
     def to_json(self) -> dict:
         return {"ids": self.ids, "text": self.text, "stats": self.stats.to_json()}
@@ -105,6 +107,19 @@ def scheduled(scheduler, sequence) -> Decoding:
     stats = sequence.stats
     stats.decode_seconds = max(time.perf_counter() - start - stats.prefill_seconds, 0.0)  # as plain decoding counted it
     return sequence.out, stats
+
+
+def sampling_params(temperature, top_k, top_p, repetition_penalty, seed, presence_penalty=0.0, frequency_penalty=0.0,
+                    logit_bias=None, logprobs=None) -> SamplingParams:
+    """SamplingParams from generate()'s keyword arguments (LOGIT_BIAS: {token id: bias})."""
+    if logit_bias is not None and not isinstance(logit_bias, dict):
+        raise GenerationError(f"logit_bias must be a dict of token id -> bias, not {type(logit_bias).__name__}")
+    bad = next((key for key in logit_bias or {} if not is_integer(key)), None)
+    if bad is not None:
+        raise GenerationError(f"logit_bias keys must be token ids (integers), not {bad!r:.20}")
+    bias = tuple(sorted((logit_bias or {}).items()))
+    return SamplingParams(temperature, top_k, top_p, repetition_penalty, seed, presence_penalty, frequency_penalty,
+                          bias, logprobs)
 
 
 def check_text(text: str, what: str) -> None:
@@ -309,9 +324,12 @@ class Engine:
 
     def _decoding(self, prompt, max_new_tokens: int, mode: str, sampling: SamplingParams, stop: list[str] | None,
                   stop_at_eos: bool, early_flush: bool | None, stop_token_ids=None) -> Decoding:
+        request = self.make_request(prompt, max_new_tokens, sampling, stop, stop_at_eos, stop_token_ids)
+        return self._schedule(request, mode, early_flush)
+
+    def _schedule(self, request: Request, mode: str, early_flush: bool | None) -> Decoding:
         if mode not in MODES:
             raise GenerationError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
-        request = self.make_request(prompt, max_new_tokens, sampling, stop, stop_at_eos, stop_token_ids)
         early_flush = self.flush_setting(early_flush)
         scheduler = self._single_scheduler(mode)
         sequence = scheduler.submit(request, early_flush=early_flush)
@@ -338,10 +356,11 @@ class Engine:
         return "speed" + (" +early-flush" if early_flush else "")
 
     def make_request(self, prompt, max_new_tokens: int, sampling: SamplingParams, stop: list[str] | None,
-                     stop_at_eos: bool, stop_token_ids=None) -> Request:
+                     stop_at_eos: bool, stop_token_ids=None, prompt_logprobs: int | None = None) -> Request:
         """A checked request (GenerationError on bad input): ids, limits, its own TokenPicker, stop rule.
         STOP_TOKEN_IDS: ids that end the generation as an end-of-text id does (a chat template's end of
-        turn), even with stop_at_eos off."""
+        turn), even with stop_at_eos off. PROMPT_LOGPROBS: record the prompt's own log-probabilities with
+        this many top alternatives (the prompt then prefills a token a run)."""
         require(max_new_tokens, "max new tokens", "an integer")
         max_new_tokens = int(max_new_tokens)  # a numpy integer would reach the pool's sizes (int.bit_length)
         if max_new_tokens < 1:
@@ -352,6 +371,13 @@ class Engine:
             example = f"stop=[{stop!r}]" if isinstance(stop, str) else "stop=['\\n\\n']"
             raise GenerationError(f"stop must be a list of strings, e.g. {example}")
         ids = self.encode(prompt)
+        vocab = self.manifest.model["vocab_size"]
+        bad = next((i for i, _ in sampling.logit_bias if not 0 <= i < vocab), None)
+        if bad is not None:
+            raise GenerationError(f"logit bias: token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        require(prompt_logprobs, "prompt logprobs", "an integer", optional=True)
+        if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise GenerationError(f"prompt logprobs must be in 0..{MAX_TOP_LOGPROBS}")
         limit = self.manifest.model["max_context"]
         if len(ids) + max_new_tokens > limit:
             raise GenerationError(f"prompt ({len(ids)} tokens) + max new tokens ({max_new_tokens}) exceeds the "
@@ -373,7 +399,7 @@ class Engine:
                 return "stop_string"
             return None
 
-        return Request(ids, max_new_tokens, TokenPicker(sampling), stop_reason)
+        return Request(ids, max_new_tokens, TokenPicker(sampling), stop_reason, prompt_logprobs=prompt_logprobs)
 
     def _stop_ids(self, ids) -> frozenset[int]:
         if ids is None:
@@ -487,14 +513,18 @@ class Engine:
     def request_from(self, prompt, params: dict) -> Request:
         """make_request from generate()'s keyword arguments."""
         unknown = set(params) - {"max_new_tokens", "temperature", "top_k", "top_p", "seed", "repetition_penalty", "stop",
-                                 "stop_at_eos", "early_flush", "stop_token_ids"}
+                                 "stop_at_eos", "early_flush", "stop_token_ids", "presence_penalty",
+                                 "frequency_penalty", "logit_bias", "logprobs", "prompt_logprobs"}
         if unknown:
             raise GenerationError(f"unknown generation setting {sorted(unknown)[0]!r}")
         self.flush_setting(params.get("early_flush"))  # checked with the rest, before anything is queued
-        sampling = SamplingParams(params.get("temperature", 0.0), params.get("top_k", 0), params.get("top_p", 1.0),
-                                  params.get("repetition_penalty", 1.0), params.get("seed"))
+        sampling = sampling_params(params.get("temperature", 0.0), params.get("top_k", 0), params.get("top_p", 1.0),
+                                   params.get("repetition_penalty", 1.0), params.get("seed"),
+                                   params.get("presence_penalty", 0.0), params.get("frequency_penalty", 0.0),
+                                   params.get("logit_bias"), params.get("logprobs"))
         return self.make_request(prompt, params.get("max_new_tokens", 64), sampling, params.get("stop"),
-                                 params.get("stop_at_eos", True), params.get("stop_token_ids"))
+                                 params.get("stop_at_eos", True), params.get("stop_token_ids"),
+                                 params.get("prompt_logprobs"))
 
     def flush_setting(self, early_flush: bool | None) -> bool:
         """Early flush as asked, else the engine's default."""
@@ -506,23 +536,37 @@ class Engine:
     def generate(self, prompt: str | list[int], *, max_new_tokens: int = 64, mode: str = "speed",
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  repetition_penalty: float = 1.0, stop: list[str] | None = None, stop_at_eos: bool = True,
-                 early_flush: bool | None = None, stop_token_ids: list[int] | None = None) -> GenerationResult:
-        sampling = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed)
-        decoding = self._decoding(prompt, max_new_tokens, mode, sampling, stop, stop_at_eos, early_flush, stop_token_ids)
+                 early_flush: bool | None = None, stop_token_ids: list[int] | None = None,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logit_bias: dict[int, float] | None = None,
+                 logprobs: int | None = None, prompt_logprobs: int | None = None) -> GenerationResult:
+        """LOGPROBS / PROMPT_LOGPROBS: record each new / prompt token's log-probability (the final head's,
+        before bias and penalties) with this many top alternatives (result.logprobs, .prompt_logprobs)."""
+        sampling = sampling_params(temperature, top_k, top_p, repetition_penalty, seed, presence_penalty,
+                                   frequency_penalty, logit_bias, logprobs)
+        request = self.make_request(prompt, max_new_tokens, sampling, stop, stop_at_eos, stop_token_ids, prompt_logprobs)
+        decoding = self._schedule(request, mode, early_flush)
         with self._lock:  # a decoding touches the backend (the one cache) only while it runs
             ids, stats = run_to_end(decoding)
-        return GenerationResult(ids, self.trim(self.decode_text(ids), stop), stats)
+        return GenerationResult(ids, self.trim(self.decode_text(ids), stop), stats,
+                                list(request.picker.logprobs) if logprobs is not None else None,
+                                list(request.prompt_logprob_values) if prompt_logprobs is not None else None)
 
     def stream(self, prompt: str | list[int], *, max_new_tokens: int = 64, mode: str = "speed",
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                repetition_penalty: float = 1.0, stop: list[str] | None = None, stop_at_eos: bool = True,
-               early_flush: bool | None = None, stop_token_ids: list[int] | None = None) -> TextStream:
+               early_flush: bool | None = None, stop_token_ids: list[int] | None = None,
+               presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logit_bias: dict[int, float] | None = None,
+               logprobs: int | None = None, prompt_logprobs: int | None = None) -> TextStream:
         """Text pieces as tokens are confirmed by the full model (never a speculated token). Bad
         requests fail here, before anything is yielded; the returned stream carries ids and stats."""
         if self.tokenizer is None:
             raise GenerationError("streaming text needs a tokenizer; this artifact has none")
-        sampling = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed)
+        sampling = sampling_params(temperature, top_k, top_p, repetition_penalty, seed, presence_penalty,
+                                   frequency_penalty, logit_bias, logprobs)
         # Checks run now; the decoding itself starts (and takes the lock) at the stream's first piece.
-        decoding = self._decoding(prompt, max_new_tokens, mode, sampling, stop, stop_at_eos, early_flush, stop_token_ids)
-        return TextStream(decoding, self._lock, self.incremental_text(stop),
-                          lambda ids: self.trim(self.decode_text(ids), stop))
+        request = self.make_request(prompt, max_new_tokens, sampling, stop, stop_at_eos, stop_token_ids, prompt_logprobs)
+        decoding = self._schedule(request, mode, early_flush)
+        stream = TextStream(decoding, self._lock, self.incremental_text(stop),
+                            lambda ids: self.trim(self.decode_text(ids), stop))
+        stream.request = request  # its picker's log-probabilities, the prompt's (the server's single-sequence path)
+        return stream
