@@ -35,6 +35,16 @@ class BatchedGeneration:
         self._owner, self._submitted = owner, submitted
         self._cancel_requested = False
 
+    @property
+    def logprobs(self) -> list:
+        """TokenLogprob of each token handed out so far (when asked)."""
+        return self._submitted.sequence.request.picker.logprobs
+
+    @property
+    def prompt_logprobs(self) -> list:
+        """TokenLogprob of prompt[1:] (when asked), complete once the first token is out."""
+        return self._submitted.sequence.request.prompt_logprob_values
+
     def __aiter__(self) -> "BatchedGeneration":
         return self
 
@@ -103,12 +113,12 @@ class BatchedEngine:
         Call from the event loop."""
         if self.running + self.waiting >= self.slots + self.max_queue:
             raise QueueFull(self._retry.seconds())
-        submitted = self.loop.submit(request.prompt_ids, max_new_tokens=request.max_new_tokens,
-                                     temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
-                                     seed=request.seed, repetition_penalty=request.repetition_penalty,
-                                     stop=list(request.stop) or None, stop_at_eos=request.stop_at_eos,
-                                     stop_token_ids=list(request.stop_token_ids))
+        submitted = self.loop.submit(request.prompt_ids, **request.engine_settings())
         return BatchedGeneration(self, submitted, len(request.prompt_ids))
+
+    def retry_after(self) -> int:
+        """Seconds until a place in the queue is likely free."""
+        return self._retry.seconds()
 
     async def aclose(self) -> None:
         await self.loop.aclose()

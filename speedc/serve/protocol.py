@@ -17,6 +17,8 @@ from typing import Any, Callable
 from speedc.runtimes.detokenize import not_unicode
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default; chat defaults to the rest of the context
+MAX_CHOICES = 16  # n and best_of: each choice is a generation of its own in the batch
+MAX_LOGPROBS = 20  # top alternatives a position may report (OpenAI's chat limit; models/sampling.py's)
 
 
 class ApiError(Exception):
@@ -43,6 +45,13 @@ class Sampling:
     stop: list[str]
     ignore_eos: bool
     stop_token_ids: tuple[int, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    n: int = 1
+    best_of: int = 1  # completions: generations to rank by cumulative log-probability, the best n returned
+    logprobs: int | None = None  # top alternatives per position (None: no log-probabilities)
+    echo: bool = False  # completions: the prompt (and its log-probabilities) before the completion
 
 
 @dataclass(frozen=True)
@@ -119,6 +128,37 @@ def token_ids(value: Any, name: str) -> list[int]:
     return value
 
 
+def logit_bias(value: Any, name: str) -> dict[int, float]:
+    """{"token id": bias}: JSON keys are strings; a bias in [-100, 100] as OpenAI defines it."""
+    if not isinstance(value, dict):
+        raise _bad(name, 'an object of "token id": bias')
+    bias = {}
+    for key, amount in value.items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise ApiError(400, f"{name}: the key {key!r:.20} is not a token id", param=name)
+        amount = number(amount, f"{name}[{key}]")
+        if not -100 <= amount <= 100:
+            raise ApiError(400, f"{name}[{key}] must be in [-100, 100]", param=name)
+        bias[int(key)] = amount
+    return bias
+
+
+def penalty(value: Any, name: str) -> float:
+    value = number(value, name)
+    if not -2 <= value <= 2:
+        raise _bad(name, "in [-2, 2]")
+    return value
+
+
+def bounded(low: int, high: int) -> Callable[[Any, str], int]:
+    def check(value: Any, name: str) -> int:
+        value = integer(value, name)
+        if not low <= value <= high:
+            raise _bad(name, f"in {low}..{high}")
+        return value
+    return check
+
+
 def is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
 
@@ -186,17 +226,18 @@ COMMON: dict[str, Check] = {
     "seed": integer, "stream": boolean, "stream_options": stream_options, "user": string,
     # not in the OpenAI API (vLLM accepts the same names as extra body fields)
     "top_k": integer, "repetition_penalty": number, "ignore_eos": boolean, "stop_token_ids": token_ids,
+    "presence_penalty": penalty, "frequency_penalty": penalty, "logit_bias": logit_bias, "n": bounded(1, MAX_CHOICES),
 }
 IMPLEMENTED: dict[str, dict[str, Check]] = {
-    "completion": {**COMMON, "prompt": prompt},
-    "chat": {**COMMON, "messages": messages, "max_completion_tokens": integer},
+    "completion": {**COMMON, "prompt": prompt, "logprobs": bounded(0, MAX_LOGPROBS), "echo": boolean,
+                   "best_of": bounded(1, MAX_CHOICES)},
+    "chat": {**COMMON, "messages": messages, "max_completion_tokens": integer, "logprobs": boolean,
+             "top_logprobs": bounded(0, MAX_LOGPROBS)},
 }
 # Accepted only at the value that changes nothing; anything else asks for what the server does not do.
 NO_OP_VALUES: dict[str, dict[str, tuple]] = {
-    "completion": {"n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (0,), "suffix": ("",),
-                   "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},)},
-    "chat": {"n": (1,), "logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0,), "frequency_penalty": (0,),
-             "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "completion": {"suffix": ("",)},
+    "chat": {"tools": ([],), "tool_choice": ("none",), "functions": ([],),
              "function_call": ("none",), "parallel_tool_calls": (False, True), "response_format": ({"type": "text"},)},
 }
 REQUIRED = {"completion": ("model", "prompt"), "chat": ("model", "messages")}
@@ -239,19 +280,40 @@ def parse_request(body: dict, kind: str) -> ParsedRequest:
     stream = values.get("stream", False)
     if "stream_options" in values and not stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    parsed = sampling(values, kind)
+    if parsed.best_of > parsed.n and stream:
+        raise ApiError(400, "best_of > n cannot stream (the best are known only at the end)", param="best_of")
     return ParsedRequest(kind=kind, model=values["model"], prompt=values.get("prompt"), messages=values.get("messages"),
-                         sampling=sampling(values), stream=stream, include_usage=values.get("stream_options", False))
+                         sampling=parsed, stream=stream, include_usage=values.get("stream_options", False))
 
 
-def sampling(values: dict[str, Any]) -> Sampling:
+def logprobs_asked(values: dict[str, Any], kind: str) -> int | None:
+    """Top alternatives per position (None: no log-probabilities): completions' logprobs is the count;
+    chat's logprobs is a switch and top_logprobs the count."""
+    if kind == "completion":
+        return values.get("logprobs")
+    if "top_logprobs" in values and not values.get("logprobs"):
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    return values.get("top_logprobs", 0) if values.get("logprobs") else None
+
+
+def sampling(values: dict[str, Any], kind: str = "completion") -> Sampling:
     max_tokens = values.get("max_completion_tokens", values.get("max_tokens"))
     name = "max_completion_tokens" if "max_completion_tokens" in values else "max_tokens"
-    if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, f"{name} must be at least 1", param=name)
+    echo = values.get("echo", False)
+    if max_tokens is not None and max_tokens < (0 if echo else 1):  # 0 with echo: score the prompt alone
+        raise ApiError(400, f"{name} must be at least 1" + ("" if kind == "chat" else " (0 only with echo)"), param=name)
+    n = values.get("n", 1)
+    best_of = values.get("best_of", n)
+    if best_of < n:
+        raise ApiError(400, f"best_of ({best_of}) must be at least n ({n})", param="best_of")
     result = Sampling(max_tokens=max_tokens, temperature=values.get("temperature", 1.0), top_p=values.get("top_p", 1.0),
                       top_k=values.get("top_k", 0), repetition_penalty=values.get("repetition_penalty", 1.0),
                       seed=values.get("seed"), stop=values.get("stop", []), ignore_eos=values.get("ignore_eos", False),
-                      stop_token_ids=tuple(values.get("stop_token_ids", ())))
+                      stop_token_ids=tuple(values.get("stop_token_ids", ())),
+                      presence_penalty=values.get("presence_penalty", 0.0),
+                      frequency_penalty=values.get("frequency_penalty", 0.0), logit_bias=values.get("logit_bias"),
+                      n=n, best_of=best_of, logprobs=logprobs_asked(values, kind), echo=echo)
     for name, ok, what in (("temperature", result.temperature >= 0, ">= 0"), ("top_p", 0 < result.top_p <= 1, "in (0, 1]"),
                            ("top_k", result.top_k >= 0, ">= 0 (0 = off)"),
                            ("repetition_penalty", result.repetition_penalty > 0, "> 0"),
