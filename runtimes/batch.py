@@ -40,8 +40,10 @@ from speedc.runtimes.acceptance_policy import AcceptancePolicy, AlwaysSpeculate
 from speedc.runtimes.backends.onnx import BatchBackend, HeadRows
 from speedc.models.sampling import token_logprob
 from speedc.runtimes.decode import DecodeStats, Pipeline, Request, Slot, emit_token
+from speedc.runtimes.prefix_cache import PrefixCache
 
 WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
+ROW_TILE = 64  # rows ONNX Runtime's fused prefill computes together (_chunk_size)
 
 
 @dataclass
@@ -104,11 +106,15 @@ class BatchScheduler:
 
     def __init__(self, backend: BatchBackend, *, policy: RowPolicy | None = None,
                  acceptance: AcceptancePolicy | AlwaysSpeculate | None = None, prefill_chunk: int = 128,
-                 first_token_alone: bool = False) -> None:
+                 first_token_alone: bool = False, prefix_cache: PrefixCache | None = None) -> None:
         """FIRST_TOKEN_ALONE: an iteration whose prefill confirms a first token returns before decoding, so
         a stream of one sequence shows that token before the next graph run (a batch keeps its decode
-        in the same iteration: the others are waiting for it)."""
+        in the same iteration: the others are waiting for it). PREFIX_CACHE: where sequences that end
+        leave their K/V rows and new ones take the rows of their prompt's longest cached prefix."""
         self.backend = backend
+        # only where a prompt's rows do not depend on its chunking (the fused graphs; the standard ones' chunked
+        # prefill differs ~1e-6 by where chunks begin), so a hit changes no output
+        self.prefix_cache = prefix_cache if getattr(backend, "fused", False) and hasattr(backend, "read_rows") else None
         self.first_token_alone = first_token_alone
         self.policy = policy or RowPolicy()
         self.acceptance = acceptance or AlwaysSpeculate()
@@ -205,6 +211,29 @@ class BatchScheduler:
             sequence.row, sequence.state = len(self.occupied), PREFILL
             sequence.pipeline = Pipeline(self.backend.slots, sequence.stats)
             self.occupied.append(sequence)
+            self._reuse_prefix(sequence)
+
+    def _reuse_prefix(self, sequence: Sequence) -> None:
+        """Its prompt's longest cached prefix goes into its pool row: prefill starts after it, with at least two
+        tokens (_chunk_size). (A prompt whose log-probabilities are asked runs whole: each of its tokens'
+        logits is needed.)"""
+        if self.prefix_cache is None or sequence.request.prompt_logprobs is not None:
+            return
+        entry, reuse = self.prefix_cache.lookup(sequence.request.prompt, keep=2)
+        if entry is not None:
+            self.backend.write_rows(sequence.row, entry.rows, reuse)
+            sequence.prefilled = sequence.stats.cached_tokens = reuse
+
+    def _keep_prefix(self, sequence: Sequence) -> None:
+        """SEQUENCE is leaving: its prompt's rows (those prefilled) go to the prefix cache. Not the generated
+        tokens' rows: a decode step computes a token's rows a run of one (not bitwise a prefill's, see
+        _chunk_size); a chat's next turn holds them in its prompt, prefilled then and kept after it. Nor
+        the rows of a prompt prefilled a token a run (its log-probabilities asked)."""
+        if self.prefix_cache is None or sequence.row < 0 or sequence.request.prompt_logprobs is not None:
+            return
+        tokens = sequence.request.prompt[:sequence.prefilled]
+        if len(tokens) > 1:
+            self.prefix_cache.store(tokens, self.backend.read_rows(sequence.row, len(tokens)))
 
     def _refuse(self, sequence: Sequence, error: Exception, events: list[Event]) -> None:
         """SEQUENCE, at the head of the queue, cannot be admitted: it ends alone with ERROR (Sequence.error)."""
@@ -262,6 +291,8 @@ class BatchScheduler:
         """Free SEQUENCE's pool row now; the last occupied row moves into the hole."""
         if sequence not in self.occupied:
             return
+        if sequence.error is None:
+            self._keep_prefix(sequence)
         hole, last = sequence.row, len(self.occupied) - 1
         if hole != last:
             mover = self.occupied[last]
@@ -348,8 +379,20 @@ class BatchScheduler:
 
     def _chunk_size(self, sequence: Sequence) -> int:
         """A sequence whose prompt's log-probabilities are asked prefills a token a run: the prefill graph's
-        logits are those after a chunk's last token."""
-        return 1 if sequence.request.prompt_logprobs is not None else self.prefill_chunk
+        logits are those after a chunk's last token. Otherwise no chunk is ROW_TILE * k + 1 tokens long
+        (one token among them) unless the prompt is one token: ONNX Runtime's fused prefill computes the
+        rows of a chunk in tiles of ROW_TILE, and a tile of one row ~1e-6 apart from a longer tile, whose
+        rows do not depend on where the chunk begins (measured at 1-130 tokens). So a prompt's K/V rows
+        are bitwise the same however it is chunked, and whether a prefix came from the prefix cache."""
+        if sequence.request.prompt_logprobs is not None:
+            return 1
+        remaining = len(sequence.request.prompt) - sequence.prefilled
+        first = min(self.prefill_chunk, remaining)
+        for size in range(first, max(first - ROW_TILE, 1), -1):
+            rest = remaining - size
+            if size % ROW_TILE != 1 and (rest == 0 or rest > self.prefill_chunk or rest % ROW_TILE != 1):
+                return size
+        return first
 
     def _plain_step(self, decoding: list[Sequence], events: list[Event]) -> None:
         n = len(self.occupied)

@@ -31,6 +31,7 @@ from speedc.models.sampling import TokenPicker
 class DecodeStats:
     mode: str
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (not prefilled)
     new_tokens: int = 0
     steps: int = 0  # graph runs after prefill
     accepted: int = 0  # speculations confirmed at the last layer

@@ -248,7 +248,19 @@ class Engine:
         # Early flush is on by default: `speedc bench --early-flush/--no-early-flush` measures both.
         self.early_flush_default = True
         self._lock = EngineLock()  # one cache: one call at a time
+        self.prefix_cache = None  # single-sequence calls' prefix cache (set_prefix_cache)
         self.decode_rule = decode_rule(tokenizer) if tokenizer is not None else DecodeRule()
+
+    def set_prefix_cache(self, megabytes: float | None) -> None:
+        """Keep up to MEGABYTES MiB of K/V rows of the prompts and outputs of generate / stream, so a call
+        whose prompt begins with an earlier call's tokens (a conversation's next turn) prefills only the
+        rest (runtimes/prefix_cache.py); the output is the same. None or 0: off."""
+        from speedc.runtimes.prefix_cache import PrefixCache
+
+        require(megabytes, "prefix cache megabytes", "a number", optional=True)
+        if megabytes is not None and not 0 <= megabytes < float("inf"):
+            raise GenerationError("the prefix cache size must be a finite number >= 0")
+        self.prefix_cache = PrefixCache(int(megabytes * (1 << 20))) if megabytes else None
 
     @property
     def backend(self):
@@ -270,8 +282,9 @@ class Engine:
 
     @classmethod
     def load(cls, path: str | Path, *, backend: str = "onnx", device: str = "cpu", threads: int | None = None,
-             verify: bool = False, lazy: bool = False) -> "Engine":
-        """LAZY: open the backend (its session) only when a call first needs it."""
+             verify: bool = False, lazy: bool = False, prefix_cache_mb: float | None = None) -> "Engine":
+        """LAZY: open the backend (its session) only when a call first needs it. PREFIX_CACHE_MB:
+        set_prefix_cache's."""
         directory = Path(path)
         manifest = read_manifest(directory, verify_hashes=verify)
         tokenizer = None
@@ -289,8 +302,10 @@ class Engine:
         def make() -> object:
             return make_backend(directory, manifest, backend, device, threads)
 
-        return cls(directory, manifest, None if lazy else make(), tokenizer, device=device, make_backend=make,
-                   backend_name=backend, threads=threads)
+        engine = cls(directory, manifest, None if lazy else make(), tokenizer, device=device, make_backend=make,
+                     backend_name=backend, threads=threads)
+        engine.set_prefix_cache(prefix_cache_mb)
+        return engine
 
     # ---- helpers ---------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -345,7 +360,8 @@ class Engine:
 
         policy = RowPolicy(row_budget=None if mode == "speed" else 0)
         return BatchScheduler(self.backend, policy=policy, acceptance=AlwaysSpeculate(),
-                              prefill_chunk=self.manifest.model["max_context"], first_token_alone=True)
+                              prefill_chunk=self.manifest.model["max_context"], first_token_alone=True,
+                              prefix_cache=self.prefix_cache)
 
     def _mode_label(self, mode: str, early_flush: bool) -> str:
         """DecodeStats.mode of a single-sequence call."""
@@ -420,7 +436,7 @@ class Engine:
     # ---- continuous batching (runtimes/batch.py) -------------------------------------------------
     def batch_scheduler(self, *, max_batch: int = 8, kv_cache_mb: float | None = None, row_budget: int | None = -1,
                         per_sequence: bool = True, prefill_chunk: int = 128, fused: bool | None = None,
-                        threads: int | None = None, backend=None):
+                        threads: int | None = None, backend=None, prefix_cache_mb: float | None = None):
         """A scheduler over a new KV-cache pool of MAX_BATCH rows (each of kv_cache_mb / max_batch,
         at most the model's context; None: the full context). ROW_BUDGET: the per-step speed/plain policy
         (-1: the default, None: always speculate, 0: always plain). PER_SEQUENCE: a sequence whose own
@@ -428,10 +444,12 @@ class Engine:
         its own: single-sequence calls on this engine are unaffected; its session is the engine's (unless
         FUSED or THREADS ask for others). BACKEND: run on this BatchBackend (its session and pool;
         max_batch, kv_cache_mb, fused and threads then come from it) instead of making one, for schedulers
-        that take turns on one pool, never at once (the concurrency bench's policies)."""
+        that take turns on one pool, never at once (the concurrency bench's policies). PREFIX_CACHE_MB:
+        a prefix cache of its own of that many MiB (runtimes/prefix_cache.py; None or 0: none)."""
         from speedc.runtimes.acceptance_policy import AcceptancePolicy, AlwaysSpeculate
         from speedc.runtimes.batch import BatchScheduler, RowPolicy
         from speedc.runtimes.backends.onnx import row_capacity
+        from speedc.runtimes.prefix_cache import PrefixCache
 
         self._check_batching()
         require(max_batch, "max_batch", "an integer")  # 2.0 slots or a float chunk would fail deep inside a step
@@ -445,7 +463,12 @@ class Engine:
             backend = self._pool_backend(max_batch, capacity, fused, threads)
         policy = RowPolicy() if row_budget == -1 else RowPolicy(row_budget=row_budget)
         acceptance = AcceptancePolicy.for_manifest(self.manifest) if per_sequence else AlwaysSpeculate()
-        return BatchScheduler(backend, policy=policy, acceptance=acceptance, prefill_chunk=prefill_chunk)
+        require(prefix_cache_mb, "prefix_cache_mb", "a number", optional=True)
+        if prefix_cache_mb is not None and not 0 <= prefix_cache_mb < float("inf"):
+            raise GenerationError("prefix_cache_mb must be a finite number >= 0")
+        cache = PrefixCache(int(prefix_cache_mb * (1 << 20))) if prefix_cache_mb else None
+        return BatchScheduler(backend, policy=policy, acceptance=acceptance, prefill_chunk=prefill_chunk,
+                              prefix_cache=cache)
 
     def generate_batch(self, prompts: list[str | list[int]], *, max_new_tokens: int = 64, temperature: float = 0.0,
                        top_k: int = 0, top_p: float = 1.0, seed: int | None = None, repetition_penalty: float = 1.0,

@@ -53,6 +53,7 @@ class ServeSettings:
     mode: str = "speed"
     max_batch: int = 8  # requests decoded together (continuous batching); 1: one at a time, single-sequence engine
     kv_cache_mb: float | None = None  # the batching KV-cache pool (None: the model's context per request)
+    prefix_cache_mb: float | None = None  # None: as much as the KV-cache pool may hold; 0: off
     max_queue: int = 64
     request_timeout: float = 600.0  # seconds from arrival, queueing included
     chat_template: Path | None = None  # overrides the artifact's
@@ -68,9 +69,28 @@ def make_adapter(settings: ServeSettings):
     if engine.tokenizer is None:
         raise SpeedcError(f"{settings.artifact}: the server needs an artifact with a tokenizer.json")
     if not batched:
+        engine.set_prefix_cache(prefix_cache_budget(engine, settings))
         return ThreadedEngine(engine, max_queue=settings.max_queue, mode=settings.mode)
     return BatchedEngine(engine, max_queue=settings.max_queue, max_batch=settings.max_batch,
-                         kv_cache_mb=settings.kv_cache_mb, mode=settings.mode)  # the engine's session
+                         kv_cache_mb=settings.kv_cache_mb, mode=settings.mode,
+                         prefix_cache_mb=prefix_cache_budget(engine, settings))  # the engine's session
+
+
+DEFAULT_PREFIX_CACHE_MB = 1024.0  # without --kv-cache-mb: a full pool at a long context is far more (384 GiB at Ouro-1.4B's)
+
+
+def prefix_cache_budget(engine, settings: ServeSettings) -> float:
+    """MiB for the prefix cache: --prefix-cache-mb, else what the KV-cache pool may hold (--kv-cache-mb, else
+    --max-batch rows of the model's whole context, at most DEFAULT_PREFIX_CACHE_MB)."""
+    from speedc.runtimes.backends.onnx import pool_bytes_per_position
+
+    if settings.prefix_cache_mb is not None:
+        return settings.prefix_cache_mb
+    if settings.kv_cache_mb is not None:
+        return settings.kv_cache_mb
+    context = engine.manifest.model["max_context"]
+    full = pool_bytes_per_position(engine.manifest) * settings.max_batch * context / (1 << 20)
+    return min(full, DEFAULT_PREFIX_CACHE_MB)
 
 
 class Service:
@@ -273,7 +293,9 @@ class Shown:
         return [(self.prompt_ids[0], None)] + [(e.token, e) for e in choice.generation.prompt_logprobs]
 
     def usage(self, choices: list[Choice]) -> dict:
-        return usage(len(self.prompt_ids), sum(c.completion_tokens for c in choices))
+        stats = choices[0].generation.stats
+        return usage(len(self.prompt_ids), sum(c.completion_tokens for c in choices),
+                     stats.cached_tokens if stats is not None else 0)
 
 
 async def whole_response(request: Request, shown: Shown, choices: list[Choice], shown_count: int) -> Response:

@@ -73,10 +73,11 @@ class BatchedEngine:
     """An EngineLoop over ENGINE's batch scheduler: MAX_BATCH sequences decode together, MAX_QUEUE wait."""
 
     def __init__(self, engine, *, max_queue: int, max_batch: int = 8, kv_cache_mb: float | None = None,
-                 mode: str = "speed", threads: int | None = None, fused: bool | None = None) -> None:
+                 mode: str = "speed", threads: int | None = None, fused: bool | None = None,
+                 prefix_cache_mb: float | None = None) -> None:
         self.engine, self.max_queue, self.slots = engine, max_queue, max_batch
         self.loop = EngineLoop(engine, max_batch=max_batch, kv_cache_mb=kv_cache_mb, row_budget=ROW_BUDGET[mode],
-                               threads=threads, fused=fused)
+                               threads=threads, fused=fused, prefix_cache_mb=prefix_cache_mb)
         self._retry = RetryEstimate(max_batch)
 
     def describe(self) -> str:
@@ -93,6 +94,11 @@ class BatchedEngine:
 
     def encode(self, text: str, *, special_tokens: bool = True) -> list[int]:
         return encode(self.engine, text, special_tokens)
+
+    @property
+    def prefix_cache(self):
+        """The scheduler's PrefixCache (None: off)."""
+        return self.loop.scheduler.prefix_cache
 
     @property
     def running(self) -> int:

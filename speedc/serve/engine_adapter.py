@@ -217,6 +217,11 @@ class ThreadedEngine:
     def describe(self) -> str:
         return f"one request at a time, {self.max_queue} may wait"
 
+    @property
+    def prefix_cache(self):
+        """The engine's PrefixCache (None: off)."""
+        return self.engine.prefix_cache
+
     # ---- what the server asks of the model ------------------------------------------------------
     @property
     def max_context(self) -> int:

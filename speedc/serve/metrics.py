@@ -34,6 +34,9 @@ class Metrics:
                                ["status"], registry=r)
         self.prompt_tokens = Counter("speedc_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("speedc_generation_tokens", "Generated (confirmed) tokens", registry=r)
+        self.cached_prompt_tokens = Counter("speedc_prompt_tokens_cached", "Prompt tokens whose K/V came from the "
+                                            "prefix cache instead of a prefill", registry=r)
+        self.prefix_cache_bytes = Gauge("speedc_prefix_cache_bytes", "Memory the prefix cache holds", registry=r)
         self.ttft = Histogram("speedc_time_to_first_token_seconds", "Request arrival to first generated text",
                               buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("speedc_inter_token_latency_seconds", "Time between streamed pieces of text",
@@ -50,6 +53,7 @@ class Metrics:
         """Read running / waiting and the engine steps from the engine adapter at each scrape."""
         self.running.set_function(lambda: adapter.running)
         self.waiting.set_function(lambda: adapter.waiting)
+        self.prefix_cache_bytes.set_function(lambda: adapter.prefix_cache.nbytes if adapter.prefix_cache else 0)
         self.registry.register(_EngineSteps(adapter))
 
     def record_finished(self, finish_reason: str, stats) -> None:
@@ -59,6 +63,7 @@ class Metrics:
             self.mispredicted.inc(stats.mispredicted)
             self.early_flushes.inc(stats.early_flushes)
             self.flushed_tokens.inc(stats.flushed_tokens)
+            self.cached_prompt_tokens.inc(stats.cached_tokens)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
