@@ -125,17 +125,26 @@ def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
 
 
 class TokenPicker:
-    """Stateful picker: one RNG stream per generation call."""
+    """Stateful picker: one RNG stream per generation call. CONSTRAINT (optional): a token mask that
+    follows the picked tokens (allowed() -> bool [V] before a pick, advance(token) after it; e.g.
+    runtimes/constraint.py's grammar), applied after the penalties, before the choice."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, constraint=None) -> None:
         params.validate()
         self.params = params
+        self.constraint = constraint
         self.rng = np.random.Generator(np.random.PCG64(params.seed)) if not params.greedy else None
         self.picked: dict[int, int] = {}  # id -> times this picker chose it (the output's counts, for the penalties)
         self.logprobs: list[TokenLogprob] = []  # one per pick, when params.logprobs is set
 
+    @property
+    def needs_logits(self) -> bool:
+        return self.params.needs_logits or self.constraint is not None
+
     def pick(self, logits: np.ndarray | None, argmax_token: int, history: list[int]) -> int:
         token = self._choose(logits, argmax_token, history)
+        if self.constraint is not None:
+            self.constraint.advance(token)
         self.picked[token] = self.picked.get(token, 0) + 1
         if self.params.logprobs is not None:
             self.logprobs.append(token_logprob(logits, token, self.params.logprobs))
@@ -143,7 +152,7 @@ class TokenPicker:
 
     def _choose(self, logits: np.ndarray | None, argmax_token: int, history: list[int]) -> int:
         params = self.params
-        if not params.needs_logits:
+        if not self.needs_logits:
             return int(argmax_token)
         scores = np.asarray(logits, dtype=np.float64).reshape(-1).copy()
         if params.logit_bias:
@@ -157,6 +166,11 @@ class TokenPicker:
             ids = np.fromiter(self.picked, np.int64, len(self.picked))
             counts = np.fromiter(self.picked.values(), np.float64, len(self.picked))
             scores[ids] -= counts * params.frequency_penalty + params.presence_penalty
+        if self.constraint is not None:
+            allowed = self.constraint.allowed()
+            if not allowed.any():
+                raise GenerationError("the grammar allows no token here")
+            scores[~allowed] = -np.inf
         if params.greedy:
             return int(np.argmax(scores))
         # Shift before dividing: a tiny temperature then sends every other score to -inf, never

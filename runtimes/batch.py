@@ -139,8 +139,9 @@ class BatchScheduler:
                                   f"exceeds the KV-cache row of {self.backend.capacity} positions (a larger KV-cache "
                                   "budget or fewer sequences: kv_cache_mb / max_batch, --kv-cache-mb / --max-batch)")
         mode = "batch speed" if self.backend.speculative and self.policy.row_budget != 0 else "batch autoregressive"
-        sequence = Sequence(next(self._ids), request, early_flush and self.backend.early_checks, DecodeStats(mode),
-                            acceptance=self.acceptance.start())
+        # a constrained draft masks slot 0's exit only (Pipeline via _absorb): no early-flush checks
+        early_flush = early_flush and self.backend.early_checks and request.picker.constraint is None
+        sequence = Sequence(next(self._ids), request, early_flush, DecodeStats(mode), acceptance=self.acceptance.start())
         with self._lock:
             self.waiting.append(sequence)
         return sequence
@@ -357,7 +358,7 @@ class BatchScheduler:
         start = time.perf_counter()
         chunks = [s.request.prompt[s.prefilled:s.prefilled + self._chunk_size(s)] for s in group]
         last = [s.prefilled + len(chunk) == len(s.request.prompt) for s, chunk in zip(group, chunks)]
-        want = any(done and s.request.picker.params.needs_logits for s, done in zip(group, last))
+        want = any(done and s.request.picker.needs_logits for s, done in zip(group, last))
         echo = group[0].request.prompt_logprobs is not None  # a group of one (_prefill_group)
         argmax, logits = self.backend.prefill(group[0].row, chunks, group[0].prefilled, want or echo)
         if echo and not last[0]:
@@ -400,7 +401,7 @@ class BatchScheduler:
         for sequence in decoding:
             frontier = sequence.frontier()
             tokens[sequence.row], positions[sequence.row], valid[sequence.row] = frontier.token, frontier.pos, True
-        want = any(s.request.picker.params.needs_logits for s in decoding)
+        want = any(s.request.picker.needs_logits for s in decoding)
         start = time.perf_counter()
         argmax, logits = self.backend.plain_step(tokens, positions, valid, want)
         self.steps["plain"] += 1
@@ -454,7 +455,7 @@ class BatchScheduler:
                     check_of.append((sequence, depth))
         if not stepping:
             return
-        want = any(s.request.picker.params.needs_logits for s in final_of)
+        want = any(s.request.picker.needs_logits for s in final_of)
         start = time.perf_counter()
         result = self.backend.speed_step(entering, positions, valid, heads, want)
         self.steps["speed"] += 1
@@ -485,4 +486,18 @@ class BatchScheduler:
             if self._emit(sequence, y, events):
                 return
             pipeline.confirm(oldest.pos + 1, y)
-        pipeline.speculate(guesses.__getitem__, sequence.early_flush)
+        constraint = sequence.request.picker.constraint
+        if constraint is None:
+            pipeline.speculate(guesses.__getitem__, sequence.early_flush)
+            return
+        confirmed = len(sequence.request.prompt) + len(sequence.out) - 1  # the position of the last emitted token
+
+        def draft(depth: int) -> int:
+            """Slot 0's exit, masked by the grammar after the confirmed and in-flight tokens (runtimes/constraint.py)."""
+            drafting = pipeline.slots[0]
+            in_flight = sorted((s for s in pipeline.slots if s is not None and s.pos > confirmed), key=lambda s: s.pos)
+            candidates = drafting.candidates if drafting.candidates is not None else [guesses[depth]]
+            masked = constraint.draft(candidates, [s.token for s in in_flight])
+            return guesses[depth] if masked is None else masked
+
+        pipeline.speculate(draft, False)

@@ -372,11 +372,14 @@ class Engine:
         return "speed" + (" +early-flush" if early_flush else "")
 
     def make_request(self, prompt, max_new_tokens: int, sampling: SamplingParams, stop: list[str] | None,
-                     stop_at_eos: bool, stop_token_ids=None, prompt_logprobs: int | None = None) -> Request:
+                     stop_at_eos: bool, stop_token_ids=None, prompt_logprobs: int | None = None,
+                     grammar: str | None = None) -> Request:
         """A checked request (GenerationError on bad input): ids, limits, its own TokenPicker, stop rule.
         STOP_TOKEN_IDS: ids that end the generation as an end-of-text id does (a chat template's end of
         turn), even with stop_at_eos off. PROMPT_LOGPROBS: record the prompt's own log-probabilities with
-        this many top alternatives (the prompt then prefills a token a run)."""
+        this many top alternatives (the prompt then prefills a token a run). GRAMMAR: an llguidance grammar
+        (runtimes/constraint.py; e.g. llguidance.LLMatcher.grammar_from_json_schema(schema)) the output
+        follows, ending at an end id (stop_at_eos's or STOP_TOKEN_IDS)."""
         require(max_new_tokens, "max new tokens", "an integer")
         max_new_tokens = int(max_new_tokens)  # a numpy integer would reach the pool's sizes (int.bit_length)
         if max_new_tokens < 1:
@@ -415,7 +418,39 @@ class Engine:
                 return "stop_string"
             return None
 
-        return Request(ids, max_new_tokens, TokenPicker(sampling), stop_reason, prompt_logprobs=prompt_logprobs)
+        constraint = self.grammar_constraint(grammar, eos) if grammar is not None else None
+        return Request(ids, max_new_tokens, TokenPicker(sampling, constraint), stop_reason, prompt_logprobs=prompt_logprobs)
+
+    def grammar_tokenizer(self, ends: frozenset[int]):
+        """llguidance's tokenizer for this artifact whose end-of-sequence ids are ENDS (built once each)."""
+        from speedc.runtimes.constraint import GrammarTokenizer
+
+        if self.tokenizer is None:
+            raise GenerationError("a grammar needs a tokenizer; this artifact has none")
+        if not ends:
+            raise GenerationError("a grammar needs an end: stop at the end-of-text id (stop_at_eos) or stop_token_ids")
+        with self._backend_lock:
+            if getattr(self, "_grammar_tokenizer", None) is None:
+                self._grammar_tokenizer = GrammarTokenizer((self.directory / TOKENIZER).read_text(),
+                                                           self.manifest.model["vocab_size"])
+        return self._grammar_tokenizer.for_ends(frozenset(ends))
+
+    def grammar_problem(self, grammar: str, ends) -> str:
+        """Why GRAMMAR cannot constrain this artifact's output ending at ENDS ('' when it can)."""
+        from speedc.runtimes.constraint import check_grammar
+
+        return check_grammar(grammar, self.grammar_tokenizer(frozenset(ends)))
+
+    def grammar_constraint(self, grammar: str, ends):
+        from speedc.runtimes.constraint import GrammarConstraint
+
+        if not isinstance(grammar, str):
+            raise GenerationError(f"grammar must be an llguidance grammar string, not {type(grammar).__name__}")
+        tokenizer = self.grammar_tokenizer(frozenset(ends))
+        problem = self.grammar_problem(grammar, ends)
+        if problem and not problem.startswith("WARNING"):
+            raise GenerationError(f"the grammar is not valid: {problem}")
+        return GrammarConstraint(tokenizer, grammar, self.manifest.model["vocab_size"])
 
     def _stop_ids(self, ids) -> frozenset[int]:
         if ids is None:
@@ -537,7 +572,7 @@ class Engine:
         """make_request from generate()'s keyword arguments."""
         unknown = set(params) - {"max_new_tokens", "temperature", "top_k", "top_p", "seed", "repetition_penalty", "stop",
                                  "stop_at_eos", "early_flush", "stop_token_ids", "presence_penalty",
-                                 "frequency_penalty", "logit_bias", "logprobs", "prompt_logprobs"}
+                                 "frequency_penalty", "logit_bias", "logprobs", "prompt_logprobs", "grammar"}
         if unknown:
             raise GenerationError(f"unknown generation setting {sorted(unknown)[0]!r}")
         self.flush_setting(params.get("early_flush"))  # checked with the rest, before anything is queued
@@ -547,7 +582,7 @@ class Engine:
                                    params.get("logit_bias"), params.get("logprobs"))
         return self.make_request(prompt, params.get("max_new_tokens", 64), sampling, params.get("stop"),
                                  params.get("stop_at_eos", True), params.get("stop_token_ids"),
-                                 params.get("prompt_logprobs"))
+                                 params.get("prompt_logprobs"), params.get("grammar"))
 
     def flush_setting(self, early_flush: bool | None) -> bool:
         """Early flush as asked, else the engine's default."""
@@ -561,12 +596,15 @@ class Engine:
                  repetition_penalty: float = 1.0, stop: list[str] | None = None, stop_at_eos: bool = True,
                  early_flush: bool | None = None, stop_token_ids: list[int] | None = None,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logit_bias: dict[int, float] | None = None,
-                 logprobs: int | None = None, prompt_logprobs: int | None = None) -> GenerationResult:
+                 logprobs: int | None = None, prompt_logprobs: int | None = None,
+                 grammar: str | None = None) -> GenerationResult:
         """LOGPROBS / PROMPT_LOGPROBS: record each new / prompt token's log-probability (the final head's,
-        before bias and penalties) with this many top alternatives (result.logprobs, .prompt_logprobs)."""
+        before bias and penalties) with this many top alternatives (result.logprobs, .prompt_logprobs).
+        GRAMMAR: an llguidance grammar string the output follows (make_request)."""
         sampling = sampling_params(temperature, top_k, top_p, repetition_penalty, seed, presence_penalty,
                                    frequency_penalty, logit_bias, logprobs)
-        request = self.make_request(prompt, max_new_tokens, sampling, stop, stop_at_eos, stop_token_ids, prompt_logprobs)
+        request = self.make_request(prompt, max_new_tokens, sampling, stop, stop_at_eos, stop_token_ids, prompt_logprobs,
+                                    grammar)
         decoding = self._schedule(request, mode, early_flush)
         with self._lock:  # a decoding touches the backend (the one cache) only while it runs
             ids, stats = run_to_end(decoding)
@@ -579,7 +617,8 @@ class Engine:
                repetition_penalty: float = 1.0, stop: list[str] | None = None, stop_at_eos: bool = True,
                early_flush: bool | None = None, stop_token_ids: list[int] | None = None,
                presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logit_bias: dict[int, float] | None = None,
-               logprobs: int | None = None, prompt_logprobs: int | None = None) -> TextStream:
+               logprobs: int | None = None, prompt_logprobs: int | None = None,
+               grammar: str | None = None) -> TextStream:
         """Text pieces as tokens are confirmed by the full model (never a speculated token). Bad
         requests fail here, before anything is yielded; the returned stream carries ids and stats."""
         if self.tokenizer is None:
@@ -587,7 +626,8 @@ class Engine:
         sampling = sampling_params(temperature, top_k, top_p, repetition_penalty, seed, presence_penalty,
                                    frequency_penalty, logit_bias, logprobs)
         # Checks run now; the decoding itself starts (and takes the lock) at the stream's first piece.
-        request = self.make_request(prompt, max_new_tokens, sampling, stop, stop_at_eos, stop_token_ids, prompt_logprobs)
+        request = self.make_request(prompt, max_new_tokens, sampling, stop, stop_at_eos, stop_token_ids, prompt_logprobs,
+                                    grammar)
         decoding = self._schedule(request, mode, early_flush)
         stream = TextStream(decoding, self._lock, self.incremental_text(stop),
                             lambda ids: self.trim(self.decode_text(ids), stop))

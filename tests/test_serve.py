@@ -227,7 +227,7 @@ BAD_REQUESTS = [
     ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "echo": True},
      400, "echo"),
     ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-                          "response_format": {"type": "json_object"}}, 400, "response_format"),
+                          "response_format": {"type": "xml"}}, 400, "response_format"),
     ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                           "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     # lone surrogates (valid JSON escapes, no UTF-8 for them): a 500 from the tokenizer before

@@ -145,11 +145,20 @@ class Service:
         bad = next((i for i in s.logit_bias or {} if i >= vocab), None)
         if bad is not None:
             raise ApiError(400, f"logit_bias: {bad} is outside the vocabulary (0..{vocab - 1})", param="logit_bias")
+        stop_ids = self.stop_token_ids(parsed)
+        if s.grammar is not None:
+            ends = set(stop_ids) | (set(self.adapter.engine.eos_token_ids) if not s.ignore_eos else set())
+            if not ends:
+                raise ApiError(400, f"{s.grammar_field} needs an end: not with ignore_eos (or give stop_token_ids)",
+                               param=s.grammar_field)
+            problem = self.adapter.engine.grammar_problem(s.grammar, ends)
+            if problem and not problem.startswith("WARNING"):
+                raise ApiError(400, f"{s.grammar_field}: {problem.splitlines()[0]}", param=s.grammar_field)
         # best_of ranks its generations by their tokens' log-probabilities: recorded even where not shown
         logprobs = s.logprobs if s.logprobs is not None or s.best_of == s.n else 0
         return GenerationRequest(ids, max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
                                  repetition_penalty=s.repetition_penalty, stop=tuple(s.stop),
-                                 stop_at_eos=not s.ignore_eos, stop_token_ids=self.stop_token_ids(parsed),
+                                 stop_at_eos=not s.ignore_eos, stop_token_ids=stop_ids, grammar=s.grammar,
                                  presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                                  logit_bias=s.logit_bias, logprobs=logprobs,
                                  prompt_logprobs=s.logprobs if s.echo else None)

@@ -90,6 +90,7 @@ class GenerationRequest:
     logit_bias: dict | None = None  # token id -> bias
     logprobs: int | None = None  # record each new token's log-probability with this many top alternatives
     prompt_logprobs: int | None = None  # the prompt's own, likewise (prefilled a token a run)
+    grammar: str | None = None  # llguidance's grammar the output follows
 
     def engine_settings(self) -> dict:
         """The keyword arguments Engine.stream and EngineLoop.submit take for it."""
@@ -97,7 +98,8 @@ class GenerationRequest:
                     top_p=self.top_p, seed=self.seed, repetition_penalty=self.repetition_penalty,
                     stop=list(self.stop) or None, stop_at_eos=self.stop_at_eos, stop_token_ids=list(self.stop_token_ids),
                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                    logit_bias=self.logit_bias, logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs)
+                    logit_bias=self.logit_bias, logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs,
+                    grammar=self.grammar)
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,8 @@ class Sampling:
     best_of: int = 1  # completions: generations to rank by cumulative log-probability, the best n returned
     logprobs: int | None = None  # top alternatives per position (None: no log-probabilities)
     echo: bool = False  # completions: the prompt (and its log-probabilities) before the completion
+    grammar: str | None = None  # llguidance's grammar the output follows (structured output)
+    grammar_field: str | None = None  # the request field it came from
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,88 @@ def bounded(low: int, high: int) -> Callable[[Any, str], int]:
     return check
 
 
+# ---- structured output: each field -> llguidance's grammar string ---------------------------------
+JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: a model cannot pad it with whitespace for ever
+
+
+def _grammars():
+    try:
+        from llguidance import LLMatcher
+    except ImportError:
+        raise ApiError(400, "structured output needs llguidance on the server: pip install 'speedc[serve]'",
+                       code="unsupported_parameter") from None
+    return LLMatcher
+
+
+def _json_grammar(schema: Any, name: str) -> str:
+    if not isinstance(schema, (dict, bool)):
+        raise _bad(name, "a JSON schema (an object)")
+    try:
+        return _grammars().grammar_from_json_schema(schema if isinstance(schema, dict) else {},
+                                                    overrides=JSON_OPTIONS)
+    except ValueError as bad:
+        raise ApiError(400, f"{name} is not a JSON schema this server can follow: {bad}", param=name) from None
+
+
+def response_format(value: Any, name: str) -> str | None:
+    """OpenAI's response_format: text (None), json_object (any JSON object), json_schema."""
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise _bad(name, 'an object with "type": "text", "json_object" or "json_schema"')
+    kind = value["type"]
+    unknown = sorted(set(value) - {"type", "json_schema"})
+    if unknown:
+        raise ApiError(400, f"{name}.{unknown[0]} is not supported by this server", param=name)
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _json_grammar({"type": "object"}, name)
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise _bad(f"{name}.json_schema", 'an object with a "name" (and a "schema")')
+    unknown = sorted(set(spec) - {"name", "schema", "strict", "description"})
+    if unknown:
+        raise ApiError(400, f"{name}.json_schema.{unknown[0]} is not supported by this server", param=name)
+    return _json_grammar(spec.get("schema", {}), f"{name}.json_schema.schema")
+
+
+def json_schema_field(value: Any, name: str) -> str:
+    """vLLM's guided_json, llama-server's json_schema: a schema (or its JSON text)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as bad:
+            raise ApiError(400, f"{name} is not JSON: {bad}", param=name) from None
+    return _json_grammar(value, name)
+
+
+def regex_field(value: Any, name: str) -> str:
+    return _grammars().grammar_from_regex(string(value, name))
+
+
+def choice_field(value: Any, name: str) -> str:
+    """vLLM's guided_choice: the output is one of these strings."""
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
+        raise _bad(name, "a non-empty list of non-empty strings")
+    return _grammars().grammar_from_lark("start: " + " | ".join(json.dumps(text(v, name)) for v in value))
+
+
+def grammar_field(value: Any, name: str) -> str:
+    """A context-free grammar: Lark (vLLM's guided_grammar, llguidance's syntax) or GBNF (llama-server's
+    grammar), told apart by their syntax."""
+    _grammars()
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        return _grammars().grammar_from_lark(any_to_lark(string(value, name)))
+    except Exception as bad:  # the GBNF converter raises its own errors on text it cannot read
+        raise ApiError(400, f"{name} is not a grammar this server can read: {bad}", param=name) from None
+
+
+GRAMMAR_FIELDS = {"response_format": response_format, "guided_json": json_schema_field, "json_schema": json_schema_field,
+                  "guided_regex": regex_field, "guided_choice": choice_field, "guided_grammar": grammar_field,
+                  "grammar": grammar_field}
+
+
 def is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
 
@@ -227,6 +311,7 @@ COMMON: dict[str, Check] = {
     # not in the OpenAI API (vLLM accepts the same names as extra body fields)
     "top_k": integer, "repetition_penalty": number, "ignore_eos": boolean, "stop_token_ids": token_ids,
     "presence_penalty": penalty, "frequency_penalty": penalty, "logit_bias": logit_bias, "n": bounded(1, MAX_CHOICES),
+    **GRAMMAR_FIELDS,
 }
 IMPLEMENTED: dict[str, dict[str, Check]] = {
     "completion": {**COMMON, "prompt": prompt, "logprobs": bounded(0, MAX_LOGPROBS), "echo": boolean,
@@ -238,7 +323,7 @@ IMPLEMENTED: dict[str, dict[str, Check]] = {
 NO_OP_VALUES: dict[str, dict[str, tuple]] = {
     "completion": {"suffix": ("",)},
     "chat": {"tools": ([],), "tool_choice": ("none",), "functions": ([],),
-             "function_call": ("none",), "parallel_tool_calls": (False, True), "response_format": ({"type": "text"},)},
+             "function_call": ("none",), "parallel_tool_calls": (False, True)},
 }
 REQUIRED = {"completion": ("model", "prompt"), "chat": ("model", "messages")}
 
@@ -280,6 +365,9 @@ def parse_request(body: dict, kind: str) -> ParsedRequest:
     stream = values.get("stream", False)
     if "stream_options" in values and not stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    grammars = [name for name in GRAMMAR_FIELDS if values.get(name) is not None]
+    if len(grammars) > 1:
+        raise ApiError(400, f"{grammars[0]} and {grammars[1]}: give one way of constraining the output", param=grammars[1])
     parsed = sampling(values, kind)
     if parsed.best_of > parsed.n and stream:
         raise ApiError(400, "best_of > n cannot stream (the best are known only at the end)", param="best_of")
@@ -313,7 +401,9 @@ def sampling(values: dict[str, Any], kind: str = "completion") -> Sampling:
                       stop_token_ids=tuple(values.get("stop_token_ids", ())),
                       presence_penalty=values.get("presence_penalty", 0.0),
                       frequency_penalty=values.get("frequency_penalty", 0.0), logit_bias=values.get("logit_bias"),
-                      n=n, best_of=best_of, logprobs=logprobs_asked(values, kind), echo=echo)
+                      n=n, best_of=best_of, logprobs=logprobs_asked(values, kind), echo=echo,
+                      grammar=next((values[name] for name in GRAMMAR_FIELDS if values.get(name) is not None), None),
+                      grammar_field=next((name for name in GRAMMAR_FIELDS if values.get(name) is not None), None))
     for name, ok, what in (("temperature", result.temperature >= 0, ">= 0"), ("top_p", 0 < result.top_p <= 1, "in (0, 1]"),
                            ("top_k", result.top_k >= 0, ">= 0 (0 = off)"),
                            ("repetition_penalty", result.repetition_penalty > 0, "> 0"),
