@@ -67,7 +67,7 @@ class GrammarConstraint:
         if self.matcher.is_error():
             raise GenerationError(f"the grammar is not valid: {self.matcher.get_error()}")
         self.vocab_size = vocab_size
-        self._words = (vocab_size + 31) // 32
+        self.mask_draft = True  # False: drafts as unconstrained (benchmarks/structured_output.py measures both)
 
     def _mask(self) -> np.ndarray:
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
@@ -85,6 +85,8 @@ class GrammarConstraint:
         """The first of CANDIDATES the grammar allows after IN_FLIGHT; the only allowed id where there is
         one (a forced token); None where the in-flight tokens already break the grammar (they will be
         flushed) or nothing among the candidates fits."""
+        if not self.mask_draft:
+            return None
         consumed = self.matcher.try_consume_tokens([int(t) for t in in_flight]) if in_flight else 0
         try:
             if consumed < len(in_flight) or self.matcher.is_stopped():
