@@ -26,7 +26,7 @@ EXTRA_FOR_MODULE = {
     "llama_cpp": "peers", "gguf": "peers",
     "onnxruntime_extensions": "native",
     "transformers": "dev", "pytest": "dev", "xdist": "dev", "hypothesis": "dev", "openai": "dev", "httpx": "dev",
-    "jsonschema": "dev",
+    "jsonschema": "dev", "lm_eval": "dev", "accelerate": "dev",
 }
 
 
