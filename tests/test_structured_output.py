@@ -157,3 +157,88 @@ def test_served_response_format_and_grammar_fields(client, engines):
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body=extra)
         assert refused.value.body["param"] == param, (extra, refused.value.body)
+
+
+# ---- tool calls -----------------------------------------------------------------------------------
+TOOL_TEMPLATE = """{% if tools %}<|im_start|>system
+Tools:
+{% for tool in tools %}{{ tool.function | tojson }}
+{% endfor %}Call one as <tool_call> JSON </tool_call>.<|im_end|>
+{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}
+{% if m.tool_calls %}{% for call in m.tool_calls %}<tool_call>
+{{ call.function | tojson }}
+</tool_call>{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "maxLength": 10},
+                                                "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                                                "required": ["city", "days"], "additionalProperties": False}}}
+MUSTER = {"type": "function", "function": {"name": "muster", "parameters": {
+    "type": "object", "properties": {"men": {"type": "integer", "minimum": 1, "maximum": 999}}, "required": ["men"],
+    "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def tool_server(engines, tmp_path_factory):
+    import openai
+
+    folder = tmp_path_factory.mktemp("serve-tools")
+    (folder / "chat.jinja").write_text(TOOL_TEMPLATE)
+    running = start_server(engines[0].directory, folder, "--model-name", "tiny", "--chat-template",
+                           str(folder / "chat.jinja"))
+    yield openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0), folder
+    assert running.stop() == -signal.SIGTERM, running.log.read_text()
+    assert "Traceback" not in running.log.read_text(), running.log.read_text()
+
+
+def test_tool_calls(tool_server, engines, client):
+    import openai
+
+    from speedc.serve.chat_template import ChatTemplate
+    from speedc.serve.tools import call_grammar
+
+    tools_client, folder = tool_server
+    engine = engines[0]
+    messages = [{"role": "user", "content": "What weather in Verona?"}]
+    called = tools_client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER, MUSTER],
+                                                  tool_choice="required", max_tokens=80, temperature=0)
+    choice = called.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    arguments = json.loads(call.function.arguments)
+    schema = {WEATHER["function"]["name"]: WEATHER, "muster": MUSTER}[call.function.name]["function"]["parameters"]
+    jsonschema.validate(arguments, schema)
+    prompt = ChatTemplate(TOOL_TEMPLATE, {}).render(messages, tools=[WEATHER, MUSTER])
+    ids = engine.tokenizer.encode(prompt, add_special_tokens=False).ids
+    expected = engine.generate(ids, max_new_tokens=80, grammar=call_grammar([WEATHER, MUSTER], "required"))
+    assert expected.text == "<tool_call>\n" + json.dumps({"name": call.function.name, "arguments": arguments},
+                                                         separators=(",", ":")) + "\n</tool_call>"
+
+    named = tools_client.chat.completions.create(
+        model="tiny", messages=messages, tools=[WEATHER, MUSTER], max_tokens=80, temperature=0.9, seed=3,
+        tool_choice={"type": "function", "function": {"name": "muster"}})
+    assert named.choices[0].message.tool_calls[0].function.name == "muster"
+    jsonschema.validate(json.loads(named.choices[0].message.tool_calls[0].function.arguments), MUSTER["function"]["parameters"])
+
+    history = messages + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "Rain, and a cold wind."}]
+    auto = tools_client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER], max_tokens=40,
+                                                temperature=0.8, seed=1)
+    message = auto.choices[0].message
+    assert (message.tool_calls is None) == isinstance(message.content, str)
+
+    plain_client, _ = client  # its template writes no tool calls
+    for sender, extra, param in [(plain_client, dict(tools=[WEATHER]), "tools"),
+                                 (tools_client, dict(tools=[WEATHER], stream=True), "tools"),
+                                 (tools_client, dict(tool_choice="required"), "tool_choice"),
+                                 (tools_client, dict(tools=[WEATHER], tool_choice={"type": "function",
+                                                                                   "function": {"name": "fly"}}), "tool_choice"),
+                                 (tools_client, dict(tools=[{"type": "function"}]), "tools"),
+                                 (tools_client, dict(tools=[WEATHER], response_format={"type": "json_object"}),
+                                  "response_format")]:
+        with pytest.raises(openai.BadRequestError) as refused:
+            sender.chat.completions.create(model="tiny", messages=messages, max_tokens=4, **extra)
+        assert refused.value.body["param"] == param, (extra, refused.value.body)

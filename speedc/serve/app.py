@@ -37,6 +37,7 @@ from speedc.serve.metrics import CONTENT_TYPE, Metrics
 from speedc.serve.protocol import (COMPLETIONS_DEFAULT_MAX_TOKENS, ApiError, ParsedRequest, parse_request,
                                    read_json)
 from speedc.serve.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from speedc.serve.tools import call_grammar, parse_call, template_writes_calls
 from speedc.serve.responses import Reply, error_event, usage
 
 log = logging.getLogger("uvicorn.error")  # uvicorn formats and prints it beside its own lines
@@ -119,8 +120,11 @@ class Service:
                 raise ApiError(400, "this model has no chat template (none in its artifact); use /v1/completions, "
                                     "or start the server with --chat-template FILE", param="messages",
                                code="no_chat_template")
+            if parsed.tools and not template_writes_calls(self.template.source):
+                raise ApiError(400, "this model's chat template does not write tool calls as <tool_call> JSON </tool_call> "
+                                    "(the format this server knows)", param="tools", code="unsupported_parameter")
             try:
-                text = self.template.render(parsed.messages)
+                text = self.template.render(parsed.messages, tools=parsed.tools)
             except TemplateRenderError as refused:
                 raise ApiError(400, str(refused), param="messages") from None
             return self.adapter.encode(text, special_tokens=False)
@@ -146,6 +150,8 @@ class Service:
         if bad is not None:
             raise ApiError(400, f"logit_bias: {bad} is outside the vocabulary (0..{vocab - 1})", param="logit_bias")
         stop_ids = self.stop_token_ids(parsed)
+        if parsed.tools:
+            s = dataclasses.replace(s, grammar=call_grammar(parsed.tools, parsed.tool_choice), grammar_field="tools")
         if s.grammar is not None:
             ends = set(stop_ids) | (set(self.adapter.engine.eos_token_ids) if not s.ignore_eos else set())
             if not ends:
@@ -290,6 +296,7 @@ class Shown:
     prompt_text: str  # echo: the prompt as sent (or its ids' text)
     echo: bool
     logprobs: bool
+    tools: bool = False  # chat with tools offered: an output that is a call becomes tool_calls
 
     def logprobs_of(self, entries: list, offset: int = 0) -> dict | None:
         if not self.logprobs:
@@ -336,7 +343,12 @@ async def whole_response(request: Request, shown: Shown, choices: list[Choice], 
         if shown.echo:
             entries = shown.prompt_entries(choice) + entries
             text = shown.prompt_text + text
-        bodies.append(shown.reply.choice(index, text, g.finish_reason, shown.logprobs_of(entries)))
+        calls = parse_call(text) if shown.tools else None
+        body = shown.reply.choice(index, None if calls else text, "tool_calls" if calls else g.finish_reason,
+                                  shown.logprobs_of(entries))
+        if calls:
+            body["message"]["tool_calls"] = calls
+        bodies.append(body)
     return JSONResponse(shown.reply.body(bodies, shown.usage(choices)))
 
 
@@ -510,7 +522,7 @@ def create_app(settings: ServeSettings, *, load_in_background: bool = True,
         prompt_text = ""
         if s.echo:
             prompt_text = parsed.prompt if isinstance(parsed.prompt, str) else service.adapter.engine.decode_text(ids)
-        shown = Shown(reply, service.token_texts, ids, prompt_text, s.echo, s.logprobs is not None)
+        shown = Shown(reply, service.token_texts, ids, prompt_text, s.echo, s.logprobs is not None, bool(parsed.tools))
         if parsed.stream:
             async def abandon_all() -> None:
                 for choice in choices:

@@ -100,11 +100,11 @@ class ChatTemplate:
         except jinja2.TemplateError as bad:
             raise SpeedcError(f"the chat template does not parse: {bad}") from None
 
-    def render(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
         import jinja2
 
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                          documents=None, **self.special_tokens)
         except TemplateRenderError:
             raise

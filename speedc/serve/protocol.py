@@ -65,6 +65,8 @@ class ParsedRequest:
     sampling: Sampling
     stream: bool
     include_usage: bool
+    tools: list[dict] | None = None  # chat: the function tools offered (tool_choice not "none")
+    tool_choice: str = "none"  # "auto", "required", "function:NAME"
 
 
 # ---- field checks: (value, name) -> the value to use ---------------------------------------------
@@ -261,7 +263,7 @@ def prompt(value: Any, name: str) -> str | list[int]:
     raise _bad(name, "a string or a list of token ids")
 
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def message_content(value: Any, name: str) -> str:
@@ -289,9 +291,9 @@ def messages(value: Any, name: str) -> list[dict]:
 def _message(message: Any, where: str) -> dict:
     if not isinstance(message, dict):
         raise _bad(where, "an object with role and content")
-    unknown = sorted(set(message) - {"role", "content", "name"})
+    unknown = sorted(set(message) - {"role", "content", "name", "tool_calls", "tool_call_id"})
     if unknown:
-        raise ApiError(400, f"{where}.{unknown[0]} is not supported by this server (no tool calls)")
+        raise ApiError(400, f"{where}.{unknown[0]} is not supported by this server")
     role = message.get("role")
     if role not in ROLES:
         raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}")
@@ -300,7 +302,57 @@ def _message(message: Any, where: str) -> dict:
     checked = {"role": role, "content": message_content(message.get("content"), f"{where}.content")}
     if message.get("name") is not None:
         checked["name"] = string(message["name"], f"{where}.name")
+    if message.get("tool_call_id") is not None:
+        checked["tool_call_id"] = string(message["tool_call_id"], f"{where}.tool_call_id")
+    if message.get("tool_calls") is not None:
+        checked["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
     return checked
+
+
+def _tool_calls(value: Any, where: str) -> list[dict]:
+    """An assistant turn's calls, for the template: arguments as an object (the JSON text OpenAI sends
+    parsed, as chat templates expect it)."""
+    if not isinstance(value, list):
+        raise _bad(where, "a list of tool calls")
+    calls = []
+    for i, call in enumerate(value):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise _bad(f"{where}[{i}]", 'an object with "function": {"name", "arguments"}')
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except json.JSONDecodeError:
+                raise ApiError(400, f"{where}[{i}].function.arguments is not JSON") from None
+        calls.append({"id": call.get("id"), "type": "function",
+                      "function": {"name": function["name"], "arguments": arguments}})
+    return calls
+
+
+def tools(value: Any, name: str) -> list[dict]:
+    """Function tools: [{"type": "function", "function": {"name", "description"?, "parameters"?}}]."""
+    if not isinstance(value, list):
+        raise _bad(name, "a list of tools")
+    for i, tool in enumerate(value):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict) \
+                or not isinstance(function.get("name"), str) or not function["name"]:
+            raise ApiError(400, f'{name}[{i}] must be an object with "type": "function" and "function": '
+                                '{"name", ...}', param=name)
+        if not isinstance(function.get("parameters", {}), dict):
+            raise ApiError(400, f"{name}[{i}].function.parameters must be a JSON schema (an object)", param=name)
+    return value
+
+
+def tool_choice(value: Any, name: str) -> str:
+    """"none", "auto", "required", or {"type": "function", "function": {"name"}}: the name then."""
+    if value in ("none", "auto", "required"):
+        return value
+    function = value.get("function") if isinstance(value, dict) else None
+    if isinstance(function, dict) and isinstance(function.get("name"), str) and value.get("type") == "function":
+        return "function:" + function["name"]
+    raise _bad(name, '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
 
 
 # ---- the tables ----------------------------------------------------------------------------------
@@ -317,13 +369,13 @@ IMPLEMENTED: dict[str, dict[str, Check]] = {
     "completion": {**COMMON, "prompt": prompt, "logprobs": bounded(0, MAX_LOGPROBS), "echo": boolean,
                    "best_of": bounded(1, MAX_CHOICES)},
     "chat": {**COMMON, "messages": messages, "max_completion_tokens": integer, "logprobs": boolean,
-             "top_logprobs": bounded(0, MAX_LOGPROBS)},
+             "top_logprobs": bounded(0, MAX_LOGPROBS), "tools": tools, "tool_choice": tool_choice,
+             "parallel_tool_calls": boolean},
 }
 # Accepted only at the value that changes nothing; anything else asks for what the server does not do.
 NO_OP_VALUES: dict[str, dict[str, tuple]] = {
     "completion": {"suffix": ("",)},
-    "chat": {"tools": ([],), "tool_choice": ("none",), "functions": ([],),
-             "function_call": ("none",), "parallel_tool_calls": (False, True)},
+    "chat": {"functions": ([],), "function_call": ("none",)},
 }
 REQUIRED = {"completion": ("model", "prompt"), "chat": ("model", "messages")}
 
@@ -369,10 +421,21 @@ def parse_request(body: dict, kind: str) -> ParsedRequest:
     if len(grammars) > 1:
         raise ApiError(400, f"{grammars[0]} and {grammars[1]}: give one way of constraining the output", param=grammars[1])
     parsed = sampling(values, kind)
+    offered, choice = values.get("tools") or None, values.get("tool_choice", "auto" if values.get("tools") else "none")
+    if choice != "none" and not offered:
+        raise ApiError(400, f"tool_choice {choice.split(':')[0]!r} needs tools", param="tool_choice")
+    if choice != "none":
+        if grammars:
+            raise ApiError(400, f"tools and {grammars[0]}: give one way of constraining the output", param=grammars[0])
+        if stream:
+            raise ApiError(400, "streaming tool calls is not supported (send stream: false)", param="tools")
+        if choice.startswith("function:") and choice[9:] not in {t["function"]["name"] for t in offered}:
+            raise ApiError(400, f"tool_choice names {choice[9:]!r}, which is not among the tools", param="tool_choice")
     if parsed.best_of > parsed.n and stream:
         raise ApiError(400, "best_of > n cannot stream (the best are known only at the end)", param="best_of")
     return ParsedRequest(kind=kind, model=values["model"], prompt=values.get("prompt"), messages=values.get("messages"),
-                         sampling=parsed, stream=stream, include_usage=values.get("stream_options", False))
+                         sampling=parsed, stream=stream, include_usage=values.get("stream_options", False),
+                         tools=offered if choice != "none" else None, tool_choice=choice)
 
 
 def logprobs_asked(values: dict[str, Any], kind: str) -> int | None:
