@@ -42,7 +42,9 @@ from speedc.errors import GenerationError, OutOfMemory
 from speedc.runtimes.acceptance_policy import AcceptancePolicy, AlwaysSpeculate
 from speedc.runtimes.step_costs import StepCosts
 from speedc.runtimes.backends.onnx import BatchBackend, HeadRows
+from speedc.models.sampling import token_logprob
 from speedc.runtimes.decode import DecodeStats, Pipeline, Request, Slot, emit_token
+from speedc.runtimes.prefix_cache import PrefixCache
 
 WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
 # A shallower or deeper pipeline replaces the current one only when its expected tokens per unit of time
@@ -52,6 +54,7 @@ DEPTH_MARGIN = 0.05
 # (StepCosts.needs_plain_sample), the first of them not a sample: a plain step right after speed steps runs
 # cold (measured on zoo:small: 6-11 ms against 2.5 in a run of plain steps; the engine graph's other branch).
 PLAIN_BURST = (2, 8)  # (fewest, most) steps; it ends once the band holds enough samples
+ROW_TILE = 64  # rows ONNX Runtime's fused prefill computes together (_chunk_size)
 
 
 @dataclass
@@ -114,13 +117,18 @@ class BatchScheduler:
 
     def __init__(self, backend: BatchBackend, *, policy: RowPolicy | None = None,
                  acceptance: AcceptancePolicy | AlwaysSpeculate | None = None, prefill_chunk: int = 128,
-                 first_token_alone: bool = False, costs: StepCosts | None = None) -> None:
+                 first_token_alone: bool = False, costs: StepCosts | None = None,
+                 prefix_cache: PrefixCache | None = None) -> None:
         """FIRST_TOKEN_ALONE: an iteration whose prefill confirms a first token returns before decoding, so
         a stream of one sequence shows that token before the next graph run (a batch keeps its decode
         in the same iteration: the others are waiting for it). COSTS: where decode steps' times are kept
         (the engine's, shared by its schedulers on one session; None: this scheduler's own, seeded with the
-        acceptance policy's c(P))."""
+        acceptance policy's c(P)). PREFIX_CACHE: where sequences that end leave their K/V rows and new ones
+        take the rows of their prompt's longest cached prefix."""
         self.backend = backend
+        # only where a prompt's rows do not depend on its chunking (the fused graphs; the standard ones' chunked
+        # prefill differs ~1e-6 by where chunks begin), so a hit changes no output
+        self.prefix_cache = prefix_cache if getattr(backend, "fused", False) and hasattr(backend, "read_rows") else None
         self.first_token_alone = first_token_alone
         self.policy = policy or RowPolicy()
         self.acceptance = acceptance or AlwaysSpeculate()
@@ -161,7 +169,9 @@ class BatchScheduler:
                                   f"exceeds the KV-cache row of {self.backend.capacity} positions (a larger KV-cache "
                                   "budget or fewer sequences: kv_cache_mb / max_batch, --kv-cache-mb / --max-batch)")
         mode = "batch speed" if self.backend.speculative and self.policy.row_budget != 0 else "batch autoregressive"
-        sequence = Sequence(next(self._ids), request, early_flush and self.backend.early_checks, DecodeStats(mode),
+        # a constrained draft masks slot 0's exit only (Pipeline via _absorb): no early-flush checks
+        early_flush = early_flush and self.backend.early_checks and request.picker.constraint is None
+        sequence = Sequence(next(self._ids), request, early_flush, DecodeStats(mode),
                             acceptance=self.acceptance.start("sampled" if request.picker.params.temperature > 0 else "greedy"))
         sequence.stats.policy = self.acceptance.describe()
         with self._lock:
@@ -245,6 +255,29 @@ class BatchScheduler:
             sequence.row, sequence.state = len(self.occupied), PREFILL
             sequence.pipeline = Pipeline(self.backend.slots, sequence.stats)
             self.occupied.append(sequence)
+            self._reuse_prefix(sequence)
+
+    def _reuse_prefix(self, sequence: Sequence) -> None:
+        """Its prompt's longest cached prefix goes into its pool row: prefill starts after it, with at least two
+        tokens (_chunk_size). (A prompt whose log-probabilities are asked runs whole: each of its tokens'
+        logits is needed.)"""
+        if self.prefix_cache is None or sequence.request.prompt_logprobs is not None:
+            return
+        entry, reuse = self.prefix_cache.lookup(sequence.request.prompt, keep=2)
+        if entry is not None:
+            self.backend.write_rows(sequence.row, entry.rows, reuse)
+            sequence.prefilled = sequence.stats.cached_tokens = reuse
+
+    def _keep_prefix(self, sequence: Sequence) -> None:
+        """SEQUENCE is leaving: its prompt's rows (those prefilled) go to the prefix cache. Not the generated
+        tokens' rows: a decode step computes a token's rows a run of one (not bitwise a prefill's, see
+        _chunk_size); a chat's next turn holds them in its prompt, prefilled then and kept after it. Nor
+        the rows of a prompt prefilled a token a run (its log-probabilities asked)."""
+        if self.prefix_cache is None or sequence.row < 0 or sequence.request.prompt_logprobs is not None:
+            return
+        tokens = sequence.request.prompt[:sequence.prefilled]
+        if len(tokens) > 1:
+            self.prefix_cache.store(tokens, self.backend.read_rows(sequence.row, len(tokens)))
 
     def _refuse(self, sequence: Sequence, error: Exception, events: list[Event]) -> None:
         """SEQUENCE, at the head of the queue, cannot be admitted: it ends alone with ERROR (Sequence.error)."""
@@ -302,6 +335,8 @@ class BatchScheduler:
         """Free SEQUENCE's pool row now; the last occupied row moves into the hole."""
         if sequence not in self.occupied:
             return
+        if sequence.error is None:
+            self._keep_prefix(sequence)
         hole, last = sequence.row, len(self.occupied) - 1
         if hole != last:
             mover = self.occupied[last]
@@ -422,10 +457,10 @@ class BatchScheduler:
         if head is None:
             return []
         group = [head]
-        if head.prefilled == 0:
+        if head.prefilled == 0 and head.request.prompt_logprobs is None:
             longest = min(len(head.request.prompt), self.prefill_chunk)
             for sequence in self.occupied[head.row + 1:]:
-                if sequence.state != PREFILL or sequence.prefilled:
+                if sequence.state != PREFILL or sequence.prefilled or sequence.request.prompt_logprobs is not None:
                     break
                 length = max(longest, min(len(sequence.request.prompt), self.prefill_chunk))
                 if (len(group) + 1) * length > self.prefill_chunk:
@@ -439,10 +474,15 @@ class BatchScheduler:
         if not group:
             return
         start = time.perf_counter()
-        chunks = [s.request.prompt[s.prefilled:s.prefilled + self.prefill_chunk] for s in group]
+        chunks = [s.request.prompt[s.prefilled:s.prefilled + self._chunk_size(s)] for s in group]
         last = [s.prefilled + len(chunk) == len(s.request.prompt) for s, chunk in zip(group, chunks)]
-        want = any(done and s.request.picker.params.needs_logits for s, done in zip(group, last))
-        argmax, logits = self.backend.prefill(group[0].row, chunks, group[0].prefilled, want)
+        want = any(done and s.request.picker.needs_logits for s, done in zip(group, last))
+        echo = group[0].request.prompt_logprobs is not None  # a group of one (_prefill_group)
+        argmax, logits = self.backend.prefill(group[0].row, chunks, group[0].prefilled, want or echo)
+        if echo and not last[0]:
+            request = group[0].request
+            request.prompt_logprob_values.append(
+                token_logprob(logits[0], request.prompt[group[0].prefilled + 1], request.prompt_logprobs))
         self.steps["prefill"] += 1
         elapsed = time.perf_counter() - start
         for row, (sequence, chunk, done) in enumerate(zip(group, chunks, last)):
@@ -456,6 +496,23 @@ class BatchScheduler:
                 self._emit(sequence, request.picker.pick(logits[row] if want else None, int(argmax[row]), request.history),
                            events)
 
+    def _chunk_size(self, sequence: Sequence) -> int:
+        """A sequence whose prompt's log-probabilities are asked prefills a token a run: the prefill graph's
+        logits are those after a chunk's last token. Otherwise no chunk is ROW_TILE * k + 1 tokens long
+        (one token among them) unless the prompt is one token: ONNX Runtime's fused prefill computes the
+        rows of a chunk in tiles of ROW_TILE, and a tile of one row ~1e-6 apart from a longer tile, whose
+        rows do not depend on where the chunk begins (measured at 1-130 tokens). So a prompt's K/V rows
+        are bitwise the same however it is chunked, and whether a prefix came from the prefix cache."""
+        if sequence.request.prompt_logprobs is not None:
+            return 1
+        remaining = len(sequence.request.prompt) - sequence.prefilled
+        first = min(self.prefill_chunk, remaining)
+        for size in range(first, max(first - ROW_TILE, 1), -1):
+            rest = remaining - size
+            if size % ROW_TILE != 1 and (rest == 0 or rest > self.prefill_chunk or rest % ROW_TILE != 1):
+                return size
+        return first
+
     def _plain_rows(self, decoding: list[Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
         """A plain step's inputs: each decoding sequence's frontier token at its position, bubbles elsewhere;
         whether any wants logits."""
@@ -464,7 +521,7 @@ class BatchScheduler:
         for sequence in decoding:
             frontier = sequence.frontier()
             tokens[sequence.row], positions[sequence.row], valid[sequence.row] = frontier.token, frontier.pos, True
-        return tokens, positions, valid, any(s.request.picker.params.needs_logits for s in decoding)
+        return tokens, positions, valid, any(s.request.picker.needs_logits for s in decoding)
 
     def _plain_step(self, decoding: list[Sequence], events: list[Event]) -> str:
         tokens, positions, valid, want = self._plain_rows(decoding)
@@ -528,7 +585,7 @@ class BatchScheduler:
         if not stepping:
             return None
         full = bool((valid[:, [s.row for s in stepping]].sum(axis=0) == pipeline_depth).all())
-        want = any(s.request.picker.params.needs_logits for s in final_of)
+        want = any(s.request.picker.needs_logits for s in final_of)
         start = time.perf_counter()
         result = self.backend.speed_step(entering, positions, valid, heads, want)
         self.steps["speed"] += 1
@@ -562,4 +619,18 @@ class BatchScheduler:
             if self._emit(sequence, y, events):
                 return
             pipeline.confirm(oldest.pos + 1, y)
-        pipeline.speculate(guesses.__getitem__, sequence.early_flush)
+        constraint = sequence.request.picker.constraint
+        if constraint is None:
+            pipeline.speculate(guesses.__getitem__, sequence.early_flush)
+            return
+        confirmed = len(sequence.request.prompt) + len(sequence.out) - 1  # the position of the last emitted token
+
+        def draft(depth: int) -> int:
+            """Slot 0's exit, masked by the grammar after the confirmed and in-flight tokens (runtimes/constraint.py)."""
+            drafting = pipeline.slots[0]
+            in_flight = sorted((s for s in pipeline.slots if s is not None and s.pos > confirmed), key=lambda s: s.pos)
+            candidates = drafting.candidates if drafting.candidates is not None else [guesses[depth]]
+            masked = constraint.draft(candidates, [s.token for s in in_flight])
+            return guesses[depth] if masked is None else masked
+
+        pipeline.speculate(draft, False)

@@ -31,6 +31,7 @@ from speedc.models.sampling import TokenPicker
 class DecodeStats:
     mode: str
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (not prefilled)
     new_tokens: int = 0
     steps: int = 0  # graph runs after prefill
     accepted: int = 0  # speculations confirmed at the last layer
@@ -179,6 +180,10 @@ class Request:
     picker: TokenPicker
     stop: Callable[[list[int]], str | None]  # new ids -> stop reason or None
     history: list[int] = field(default_factory=list)
+    # the prompt's own log-probabilities, with this many top alternatives (None: not asked): prefilled a
+    # token a run (the prefill graph gives logits after each chunk's last token only)
+    prompt_logprobs: int | None = None
+    prompt_logprob_values: list = field(default_factory=list)  # TokenLogprob of prompt[1:], in order
 
 
 Decoding = Generator[int, None, tuple[list[int], DecodeStats]]  # yields confirmed tokens, returns (ids, stats)

@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 
 from speedc.format.artifact import TOKENIZER, Manifest, read_manifest
 from speedc.errors import ArtifactError, BatchError, GenerationError, SpeedcError
-from speedc.models.sampling import SamplingParams, TokenPicker, is_integer, require
+from speedc.models.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenPicker, is_integer, require
 from speedc.runtimes.decode import DecodeStats, Decoding, Request, run_to_end
 from speedc.runtimes.detokenize import DecodeRule, IncrementalText, StopStrings, cut_at_stop, decode_rule, not_unicode
 
@@ -40,6 +40,8 @@ class GenerationResult:
     ids: list[int]
     text: str | None
     stats: DecodeStats
+    logprobs: list | None = None  # TokenLogprob per id, when asked (the final head's, before any penalty)
+    prompt_logprobs: list | None = None  # TokenLogprob of prompt[1:], when asked
 
     def to_json(self) -> dict:
         return {"ids": self.ids, "text": self.text, "stats": self.stats.to_json()}
@@ -108,6 +110,19 @@ def scheduled(scheduler, sequence) -> Decoding:
     stats = sequence.stats
     stats.decode_seconds = max(time.perf_counter() - start - stats.prefill_seconds, 0.0)  # as plain decoding counted it
     return sequence.out, stats
+
+
+def sampling_params(temperature, top_k, top_p, repetition_penalty, seed, presence_penalty=0.0, frequency_penalty=0.0,
+                    logit_bias=None, logprobs=None) -> SamplingParams:
+    """SamplingParams from generate()'s keyword arguments (LOGIT_BIAS: {token id: bias})."""
+    if logit_bias is not None and not isinstance(logit_bias, dict):
+        raise GenerationError(f"logit_bias must be a dict of token id -> bias, not {type(logit_bias).__name__}")
+    bad = next((key for key in logit_bias or {} if not is_integer(key)), None)
+    if bad is not None:
+        raise GenerationError(f"logit_bias keys must be token ids (integers), not {bad!r:.20}")
+    bias = tuple(sorted((logit_bias or {}).items()))
+    return SamplingParams(temperature, top_k, top_p, repetition_penalty, seed, presence_penalty, frequency_penalty,
+                          bias, logprobs)
 
 
 def check_text(text: str, what: str) -> None:
@@ -238,7 +253,19 @@ class Engine:
         self._lock = EngineLock()  # one cache: one call at a time
         self._policy = None  # the speculation policy every call shares (what it learned outlives a call)
         self._costs: dict[int, object] = {}  # id of a session -> its StepCosts (step times measured on this host)
+        self.prefix_cache = None  # single-sequence calls' prefix cache (set_prefix_cache)
         self.decode_rule = decode_rule(tokenizer) if tokenizer is not None else DecodeRule()
+
+    def set_prefix_cache(self, megabytes: float | None) -> None:
+        """Keep up to MEGABYTES MiB of K/V rows of the prompts and outputs of generate / stream, so a call
+        whose prompt begins with an earlier call's tokens (a conversation's next turn) prefills only the
+        rest (runtimes/prefix_cache.py); the output is the same. None or 0: off."""
+        from speedc.runtimes.prefix_cache import PrefixCache
+
+        require(megabytes, "prefix cache megabytes", "a number", optional=True)
+        if megabytes is not None and not 0 <= megabytes < float("inf"):
+            raise GenerationError("the prefix cache size must be a finite number >= 0")
+        self.prefix_cache = PrefixCache(int(megabytes * (1 << 20))) if megabytes else None
 
     @property
     def backend(self):
@@ -260,8 +287,9 @@ class Engine:
 
     @classmethod
     def load(cls, path: str | Path, *, backend: str = "onnx", device: str = "cpu", threads: int | None = None,
-             verify: bool = False, lazy: bool = False) -> "Engine":
-        """LAZY: open the backend (its session) only when a call first needs it."""
+             verify: bool = False, lazy: bool = False, prefix_cache_mb: float | None = None) -> "Engine":
+        """LAZY: open the backend (its session) only when a call first needs it. PREFIX_CACHE_MB:
+        set_prefix_cache's."""
         directory = Path(path)
         manifest = read_manifest(directory, verify_hashes=verify)
         tokenizer = None
@@ -279,8 +307,10 @@ class Engine:
         def make() -> object:
             return make_backend(directory, manifest, backend, device, threads)
 
-        return cls(directory, manifest, None if lazy else make(), tokenizer, device=device, make_backend=make,
-                   backend_name=backend, threads=threads)
+        engine = cls(directory, manifest, None if lazy else make(), tokenizer, device=device, make_backend=make,
+                     backend_name=backend, threads=threads)
+        engine.set_prefix_cache(prefix_cache_mb)
+        return engine
 
     # ---- helpers ---------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -313,10 +343,13 @@ class Engine:
         return IncrementalText(self.tokenizer.decode, stop, self.decode_rule)
 
     def _decoding(self, prompt, max_new_tokens: int, mode: str, sampling: SamplingParams, stop: list[str] | None,
-                  stop_at_eos: bool, early_flush: bool | None) -> Decoding:
+                  stop_at_eos: bool, early_flush: bool | None, stop_token_ids=None) -> Decoding:
+        request = self.make_request(prompt, max_new_tokens, sampling, stop, stop_at_eos, stop_token_ids)
+        return self._schedule(request, mode, early_flush)
+
+    def _schedule(self, request: Request, mode: str, early_flush: bool | None) -> Decoding:
         if mode not in MODES:
             raise GenerationError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
-        request = self.make_request(prompt, max_new_tokens, sampling, stop, stop_at_eos)
         early_flush = self.flush_setting(early_flush)
         scheduler = self._single_scheduler(mode)
         sequence = scheduler.submit(request, early_flush=early_flush)
@@ -356,7 +389,8 @@ class Engine:
         policy = RowPolicy(row_budget=0 if mode == "autoregressive" else None)
         acceptance = self.speculation_policy if mode == "speed" else AlwaysSpeculate()
         return BatchScheduler(self.backend, policy=policy, acceptance=acceptance, costs=self.step_costs(),
-                              prefill_chunk=self.manifest.model["max_context"], first_token_alone=True)
+                              prefill_chunk=self.manifest.model["max_context"], first_token_alone=True,
+                              prefix_cache=self.prefix_cache)
 
     def _mode_label(self, mode: str, early_flush: bool) -> str:
         """DecodeStats.mode of a single-sequence call."""
@@ -367,8 +401,14 @@ class Engine:
         return mode + (" +early-flush" if early_flush else "")
 
     def make_request(self, prompt, max_new_tokens: int, sampling: SamplingParams, stop: list[str] | None,
-                     stop_at_eos: bool) -> Request:
-        """A checked request (GenerationError on bad input): ids, limits, its own TokenPicker, stop rule."""
+                     stop_at_eos: bool, stop_token_ids=None, prompt_logprobs: int | None = None,
+                     grammar: str | None = None) -> Request:
+        """A checked request (GenerationError on bad input): ids, limits, its own TokenPicker, stop rule.
+        STOP_TOKEN_IDS: ids that end the generation as an end-of-text id does (a chat template's end of
+        turn), even with stop_at_eos off. PROMPT_LOGPROBS: record the prompt's own log-probabilities with
+        this many top alternatives (the prompt then prefills a token a run). GRAMMAR: an llguidance grammar
+        (runtimes/constraint.py; e.g. llguidance.LLMatcher.grammar_from_json_schema(schema)) the output
+        follows, ending at an end id (stop_at_eos's or STOP_TOKEN_IDS)."""
         require(max_new_tokens, "max new tokens", "an integer")
         max_new_tokens = int(max_new_tokens)  # a numpy integer would reach the pool's sizes (int.bit_length)
         if max_new_tokens < 1:
@@ -379,6 +419,13 @@ class Engine:
             example = f"stop=[{stop!r}]" if isinstance(stop, str) else "stop=['\\n\\n']"
             raise GenerationError(f"stop must be a list of strings, e.g. {example}")
         ids = self.encode(prompt)
+        vocab = self.manifest.model["vocab_size"]
+        bad = next((i for i, _ in sampling.logit_bias if not 0 <= i < vocab), None)
+        if bad is not None:
+            raise GenerationError(f"logit bias: token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        require(prompt_logprobs, "prompt logprobs", "an integer", optional=True)
+        if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise GenerationError(f"prompt logprobs must be in 0..{MAX_TOP_LOGPROBS}")
         limit = self.manifest.model["max_context"]
         if len(ids) + max_new_tokens > limit:
             raise GenerationError(f"prompt ({len(ids)} tokens) + max new tokens ({max_new_tokens}) exceeds the "
@@ -389,7 +436,7 @@ class Engine:
             raise GenerationError("a stop string must be a non-empty string")
         for text in stop or []:
             check_text(text, "a stop string")
-        eos = self.eos_token_ids if stop_at_eos else frozenset()
+        eos = (self.eos_token_ids if stop_at_eos else frozenset()) | self._stop_ids(stop_token_ids)
 
         stop_strings = StopStrings(self.tokenizer.decode, stop, self.decode_rule) if stop else None
 
@@ -400,7 +447,51 @@ class Engine:
                 return "stop_string"
             return None
 
-        return Request(ids, max_new_tokens, TokenPicker(sampling), stop_reason)
+        constraint = self.grammar_constraint(grammar, eos) if grammar is not None else None
+        return Request(ids, max_new_tokens, TokenPicker(sampling, constraint), stop_reason, prompt_logprobs=prompt_logprobs)
+
+    def grammar_tokenizer(self, ends: frozenset[int]):
+        """llguidance's tokenizer for this artifact whose end-of-sequence ids are ENDS (built once each)."""
+        from speedc.runtimes.constraint import GrammarTokenizer
+
+        if self.tokenizer is None:
+            raise GenerationError("a grammar needs a tokenizer; this artifact has none")
+        if not ends:
+            raise GenerationError("a grammar needs an end: stop at the end-of-text id (stop_at_eos) or stop_token_ids")
+        with self._backend_lock:
+            if getattr(self, "_grammar_tokenizer", None) is None:
+                self._grammar_tokenizer = GrammarTokenizer((self.directory / TOKENIZER).read_text(),
+                                                           self.manifest.model["vocab_size"])
+        return self._grammar_tokenizer.for_ends(frozenset(ends))
+
+    def grammar_problem(self, grammar: str, ends) -> str:
+        """Why GRAMMAR cannot constrain this artifact's output ending at ENDS ('' when it can)."""
+        from speedc.runtimes.constraint import check_grammar
+
+        return check_grammar(grammar, self.grammar_tokenizer(frozenset(ends)))
+
+    def grammar_constraint(self, grammar: str, ends):
+        from speedc.runtimes.constraint import GrammarConstraint
+
+        if not isinstance(grammar, str):
+            raise GenerationError(f"grammar must be an llguidance grammar string, not {type(grammar).__name__}")
+        tokenizer = self.grammar_tokenizer(frozenset(ends))
+        problem = self.grammar_problem(grammar, ends)
+        if problem and not problem.startswith("WARNING"):
+            raise GenerationError(f"the grammar is not valid: {problem}")
+        return GrammarConstraint(tokenizer, grammar, self.manifest.model["vocab_size"])
+
+    def _stop_ids(self, ids) -> frozenset[int]:
+        if ids is None:
+            return frozenset()
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise GenerationError(f"stop_token_ids must be a list of token ids, not {type(ids).__name__}")
+        ids = list(ids)
+        vocab = self.manifest.model["vocab_size"]
+        bad = next((i for i in ids if not is_integer(i) or not 0 <= i < vocab), None)
+        if bad is not None:
+            raise GenerationError(f"stop token id {bad!r:.20} is not a token id (0..{vocab - 1})")
+        return frozenset(int(i) for i in ids)
 
     def trim(self, text: str | None, stop: list[str] | None) -> str | None:
         """TEXT cut before the first stop string in it."""
@@ -409,7 +500,7 @@ class Engine:
     # ---- continuous batching (runtimes/batch.py) -------------------------------------------------
     def batch_scheduler(self, *, max_batch: int = 8, kv_cache_mb: float | None = None, row_budget: int | None = -1,
                         per_sequence: bool = True, prefill_chunk: int = 128, fused: bool | None = None,
-                        threads: int | None = None, backend=None):
+                        threads: int | None = None, backend=None, prefix_cache_mb: float | None = None):
         """A scheduler over a new KV-cache pool of MAX_BATCH rows (each of kv_cache_mb / max_batch,
         at most the model's context; None: the full context). ROW_BUDGET: the per-step speed/plain policy
         (-1: the default, None: always speculate, 0: always plain). PER_SEQUENCE: a sequence whose own
@@ -417,10 +508,12 @@ class Engine:
         its own: single-sequence calls on this engine are unaffected; its session is the engine's (unless
         FUSED or THREADS ask for others). BACKEND: run on this BatchBackend (its session and pool;
         max_batch, kv_cache_mb, fused and threads then come from it) instead of making one, for schedulers
-        that take turns on one pool, never at once (the concurrency bench's policies)."""
+        that take turns on one pool, never at once (the concurrency bench's policies). PREFIX_CACHE_MB:
+        a prefix cache of its own of that many MiB (runtimes/prefix_cache.py; None or 0: none)."""
         from speedc.runtimes.acceptance_policy import AlwaysSpeculate
         from speedc.runtimes.batch import BatchScheduler, RowPolicy
         from speedc.runtimes.backends.onnx import row_capacity
+        from speedc.runtimes.prefix_cache import PrefixCache
 
         self._check_batching()
         require(max_batch, "max_batch", "an integer")  # 2.0 slots or a float chunk would fail deep inside a step
@@ -434,8 +527,12 @@ class Engine:
             backend = self._pool_backend(max_batch, capacity, fused, threads)
         policy = RowPolicy() if row_budget == -1 else RowPolicy(row_budget=row_budget)
         acceptance = self.speculation_policy if per_sequence else AlwaysSpeculate()
+        require(prefix_cache_mb, "prefix_cache_mb", "a number", optional=True)
+        if prefix_cache_mb is not None and not 0 <= prefix_cache_mb < float("inf"):
+            raise GenerationError("prefix_cache_mb must be a finite number >= 0")
+        cache = PrefixCache(int(prefix_cache_mb * (1 << 20))) if prefix_cache_mb else None
         return BatchScheduler(backend, policy=policy, acceptance=acceptance, prefill_chunk=prefill_chunk,
-                              costs=self.step_costs(backend))
+                              costs=self.step_costs(backend), prefix_cache=cache)
 
     def generate_batch(self, prompts: list[str | list[int]], *, max_new_tokens: int = 64, temperature: float = 0.0,
                        top_k: int = 0, top_p: float = 1.0, seed: int | None = None, repetition_penalty: float = 1.0,
@@ -503,14 +600,18 @@ class Engine:
     def request_from(self, prompt, params: dict) -> Request:
         """make_request from generate()'s keyword arguments."""
         unknown = set(params) - {"max_new_tokens", "temperature", "top_k", "top_p", "seed", "repetition_penalty", "stop",
-                                 "stop_at_eos", "early_flush"}
+                                 "stop_at_eos", "early_flush", "stop_token_ids", "presence_penalty",
+                                 "frequency_penalty", "logit_bias", "logprobs", "prompt_logprobs", "grammar"}
         if unknown:
             raise GenerationError(f"unknown generation setting {sorted(unknown)[0]!r}")
         self.flush_setting(params.get("early_flush"))  # checked with the rest, before anything is queued
-        sampling = SamplingParams(params.get("temperature", 0.0), params.get("top_k", 0), params.get("top_p", 1.0),
-                                  params.get("repetition_penalty", 1.0), params.get("seed"))
+        sampling = sampling_params(params.get("temperature", 0.0), params.get("top_k", 0), params.get("top_p", 1.0),
+                                   params.get("repetition_penalty", 1.0), params.get("seed"),
+                                   params.get("presence_penalty", 0.0), params.get("frequency_penalty", 0.0),
+                                   params.get("logit_bias"), params.get("logprobs"))
         return self.make_request(prompt, params.get("max_new_tokens", 64), sampling, params.get("stop"),
-                                 params.get("stop_at_eos", True))
+                                 params.get("stop_at_eos", True), params.get("stop_token_ids"),
+                                 params.get("prompt_logprobs"), params.get("grammar"))
 
     def flush_setting(self, early_flush: bool | None) -> bool:
         """Early flush as asked, else the engine's default."""
@@ -522,23 +623,42 @@ class Engine:
     def generate(self, prompt: str | list[int], *, max_new_tokens: int = 64, mode: str = "speed",
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  repetition_penalty: float = 1.0, stop: list[str] | None = None, stop_at_eos: bool = True,
-                 early_flush: bool | None = None) -> GenerationResult:
-        sampling = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed)
-        decoding = self._decoding(prompt, max_new_tokens, mode, sampling, stop, stop_at_eos, early_flush)
+                 early_flush: bool | None = None, stop_token_ids: list[int] | None = None,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logit_bias: dict[int, float] | None = None,
+                 logprobs: int | None = None, prompt_logprobs: int | None = None,
+                 grammar: str | None = None) -> GenerationResult:
+        """LOGPROBS / PROMPT_LOGPROBS: record each new / prompt token's log-probability (the final head's,
+        before bias and penalties) with this many top alternatives (result.logprobs, .prompt_logprobs).
+        GRAMMAR: an llguidance grammar string the output follows (make_request)."""
+        sampling = sampling_params(temperature, top_k, top_p, repetition_penalty, seed, presence_penalty,
+                                   frequency_penalty, logit_bias, logprobs)
+        request = self.make_request(prompt, max_new_tokens, sampling, stop, stop_at_eos, stop_token_ids, prompt_logprobs,
+                                    grammar)
+        decoding = self._schedule(request, mode, early_flush)
         with self._lock:  # a decoding touches the backend (the one cache) only while it runs
             ids, stats = run_to_end(decoding)
-        return GenerationResult(ids, self.trim(self.decode_text(ids), stop), stats)
+        return GenerationResult(ids, self.trim(self.decode_text(ids), stop), stats,
+                                list(request.picker.logprobs) if logprobs is not None else None,
+                                list(request.prompt_logprob_values) if prompt_logprobs is not None else None)
 
     def stream(self, prompt: str | list[int], *, max_new_tokens: int = 64, mode: str = "speed",
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                repetition_penalty: float = 1.0, stop: list[str] | None = None, stop_at_eos: bool = True,
-               early_flush: bool | None = None) -> TextStream:
+               early_flush: bool | None = None, stop_token_ids: list[int] | None = None,
+               presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logit_bias: dict[int, float] | None = None,
+               logprobs: int | None = None, prompt_logprobs: int | None = None,
+               grammar: str | None = None) -> TextStream:
         """Text pieces as tokens are confirmed by the full model (never a speculated token). Bad
         requests fail here, before anything is yielded; the returned stream carries ids and stats."""
         if self.tokenizer is None:
             raise GenerationError("streaming text needs a tokenizer; this artifact has none")
-        sampling = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed)
+        sampling = sampling_params(temperature, top_k, top_p, repetition_penalty, seed, presence_penalty,
+                                   frequency_penalty, logit_bias, logprobs)
         # Checks run now; the decoding itself starts (and takes the lock) at the stream's first piece.
-        decoding = self._decoding(prompt, max_new_tokens, mode, sampling, stop, stop_at_eos, early_flush)
-        return TextStream(decoding, self._lock, self.incremental_text(stop),
-                          lambda ids: self.trim(self.decode_text(ids), stop))
+        request = self.make_request(prompt, max_new_tokens, sampling, stop, stop_at_eos, stop_token_ids, prompt_logprobs,
+                                    grammar)
+        decoding = self._schedule(request, mode, early_flush)
+        stream = TextStream(decoding, self._lock, self.incremental_text(stop),
+                            lambda ids: self.trim(self.decode_text(ids), stop))
+        stream.request = request  # its picker's log-probabilities, the prompt's (the server's single-sequence path)
+        return stream

@@ -196,10 +196,20 @@ BAD_REQUESTS = [
     ("completions", {"model": "tiny", "prompt": [5, 99999]}, 400, "prompt"),
     ("completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
     ("completions", {"model": "tiny", "prompt": ["a", "b"]}, 400, "prompt"),
-    ("completions", {"model": "tiny", "prompt": "x", "n": 2}, 400, "n"),
-    ("completions", {"model": "tiny", "prompt": "x", "logprobs": 3}, 400, "logprobs"),
-    ("completions", {"model": "tiny", "prompt": "x", "echo": True}, 400, "echo"),
-    ("completions", {"model": "tiny", "prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ("completions", {"model": "tiny", "prompt": "x", "n": 0}, 400, "n"),
+    ("completions", {"model": "tiny", "prompt": "x", "n": 17}, 400, "n"),
+    ("completions", {"model": "tiny", "prompt": "x", "n": 3, "best_of": 2}, 400, "best_of"),
+    ("completions", {"model": "tiny", "prompt": "x", "best_of": 2, "stream": True}, 400, "best_of"),
+    ("completions", {"model": "tiny", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("completions", {"model": "tiny", "prompt": "x", "logprobs": True}, 400, "logprobs"),
+    ("completions", {"model": "tiny", "prompt": "x", "echo": "yes"}, 400, "echo"),
+    ("completions", {"model": "tiny", "prompt": "x", "suffix": "!"}, 400, "suffix"),
+    ("completions", {"model": "tiny", "prompt": "x", "frequency_penalty": 2.5}, 400, "frequency_penalty"),
+    ("completions", {"model": "tiny", "prompt": "x", "presence_penalty": "lots"}, 400, "presence_penalty"),
+    ("completions", {"model": "tiny", "prompt": "x", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("completions", {"model": "tiny", "prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("completions", {"model": "tiny", "prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
+    ("completions", {"model": "tiny", "prompt": "x", "stop_token_ids": [99999]}, 400, "stop_token_ids"),
     ("completions", {"model": "tiny", "prompt": "x", "colour": "blue"}, 400, "colour"),
     ("completions", {"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("completions", {"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p"),
@@ -210,8 +220,14 @@ BAD_REQUESTS = [
      400, "messages"),
     ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                           "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True},
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     400, "top_logprobs"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": 1},
      400, "logprobs"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "echo": True},
+     400, "echo"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                          "response_format": {"type": "xml"}}, 400, "response_format"),
     ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                           "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     # lone surrogates (valid JSON escapes, no UTF-8 for them): a 500 from the tokenizer before
@@ -238,8 +254,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
         usage_null = {"model": "tiny", "prompt": "x", "max_tokens": 2, "stream": True, "stream_options": {"include_usage": None}}
         assert http.post("/completions", json=usage_null).status_code == 200  # null means the default
         assert http.post("/nothing", json={}).status_code == 404
-    with pytest.raises(openai.BadRequestError, match="n=2 is not supported"):
-        client.completions.create(model="tiny", prompt="x", n=2)
+    with pytest.raises(openai.BadRequestError, match="n must be in 1..16"):
+        client.completions.create(model="tiny", prompt="x", n=17)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
     after = server.metrics()

@@ -297,6 +297,16 @@ class BatchBackend:
                 pool[:, :, target, :, cut] = pool[:, :, source, :, cut]
         self.hidden[:, target] = self.hidden[:, source]
 
+    def read_rows(self, row: int, length: int) -> list[np.ndarray]:
+        """Copies of pool row ROW's first LENGTH positions, every pool's K and V (the prefix cache's entry)."""
+        return [pool[:, :, row, :, :length].copy() for pair in self._pools.values() for pool in pair]
+
+    def write_rows(self, row: int, rows: list[np.ndarray], length: int) -> None:
+        """Pool row ROW's first LENGTH positions from ROWS (read_rows' list, of at least LENGTH positions)."""
+        pools = [pool for pair in self._pools.values() for pool in pair]
+        for pool, saved in zip(pools, rows, strict=True):
+            pool[:, :, row, :, :length] = saved[:, :, :, :length]
+
     # ---- running a graph -------------------------------------------------------------------------
     @property
     def _pools(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:

@@ -21,11 +21,12 @@ EXTRA_FOR_MODULE = {
     "torch": "compiler", "onnx": "compiler", "onnx_graphsurgeon": "compiler", "safetensors": "compiler",
     "onnxruntime_genai": "bench", "onnx_ir": "bench", "matplotlib": "bench",
     "tensorrt": "trt",
-    "fastapi": "serve", "uvicorn": "serve", "prometheus_client": "serve", "jinja2": "serve",
+    "fastapi": "serve", "uvicorn": "serve", "prometheus_client": "serve", "jinja2": "serve", "llguidance": "serve",
     "ray": "ray",
     "llama_cpp": "peers", "gguf": "peers",
     "onnxruntime_extensions": "native",
     "transformers": "dev", "pytest": "dev", "xdist": "dev", "hypothesis": "dev", "openai": "dev", "httpx": "dev",
+    "jsonschema": "dev", "lm_eval": "dev", "accelerate": "dev",
 }
 
 

@@ -13,7 +13,8 @@ from speedc.runtimes.detokenize import not_unicode
 
 
 def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_queue: int, timeout: float,
-                    max_batch: int, kv_cache_mb: float | None, backend: str, device: str) -> None:
+                    max_batch: int, kv_cache_mb: float | None, backend: str, device: str,
+                    prefix_cache_mb: float | None = None) -> None:
     """What can be refused in one line before anything starts (the engine itself loads in the background)."""
     from speedc.format.artifact import read_manifest
     from speedc.serve.chat_template import load_chat_template
@@ -26,6 +27,8 @@ def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_q
         raise SpeedcError("--request-timeout must be > 0 seconds")
     if max_batch < 1:
         raise SpeedcError("--max-batch must be at least 1")
+    if prefix_cache_mb is not None and prefix_cache_mb < 0:
+        raise SpeedcError("--prefix-cache-mb must be >= 0 (0: no prefix cache)")
     manifest = read_manifest(artifact, verify_hashes=False)  # hashes are checked by the load itself
     load_chat_template(artifact, chat_template)  # a template that does not parse fails here
     if max_batch == 1:
@@ -61,6 +64,11 @@ def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_q
                    "for the model's whole context each; the pool holds only what the running requests need: their number and "
                    "the longest one). "
                    "A request's prompt + max_tokens must fit its share.")
+@click.option("--prefix-cache-mb", type=FiniteFloat(), default=None,
+              help="Most memory for the prefix cache: the K/V rows of earlier prompts, reused by a request whose "
+                   "prompt begins with the same tokens (a chat's next turn, a shared system prompt), least recently "
+                   "used evicted first (default: as much as the KV-cache pool may hold, --kv-cache-mb, at most 1024 "
+                   "without it; 0: off).")
 @click.option("--max-queue", type=int, default=64, show_default=True,
               help="Requests that may wait for a place (beyond --max-batch running); beyond that the server "
                    "answers 429 with Retry-After.")
@@ -76,13 +84,15 @@ def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_q
 @click.option("--max-ongoing-requests", type=int, default=None,
               help="--ray: requests a replica holds at once (default: --max-batch running + --max-queue waiting).")
 @click.option("--replica-cpus", type=FiniteFloat(), default=1.0, show_default=True, help="--ray: CPUs reserved per replica.")
-def serve(artifact, host, port, model_name, chat_template, mode, max_batch, kv_cache_mb, max_queue, request_timeout,
+def serve(artifact, host, port, model_name, chat_template, mode, max_batch, kv_cache_mb, prefix_cache_mb, max_queue,
+          request_timeout,
           backend, device, threads, log_level, use_ray, replicas, autoscale, max_ongoing_requests, replica_cpus):
     """Serve a compiled ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics)."""
     from speedc.serve.app import ServeSettings
 
-    _check_up_front(artifact, chat_template, port, max_queue, request_timeout, max_batch, kv_cache_mb, backend, device)
+    _check_up_front(artifact, chat_template, port, max_queue, request_timeout, max_batch, kv_cache_mb, backend, device,
+                    prefix_cache_mb)
     ray_only = given_options("replicas", "autoscale", "max_ongoing_requests", "replica_cpus")
     if ray_only and not use_ray:  # they shape the Ray deployment; a local server silently ignored them, bad values too
         raise SpeedcError(f"{flag(ray_only[0])} goes with --ray (scale-out on Ray Serve); this serves one process")
@@ -92,7 +102,8 @@ def serve(artifact, host, port, model_name, chat_template, mode, max_batch, kv_c
         raise SpeedcError(f"the model name is not Unicode text ({problem}); give one with --model-name")
     settings = ServeSettings(artifact=artifact.resolve(), model_name=model_name,
                              backend=backend, device=device, threads=threads, mode=mode, max_batch=max_batch,
-                             kv_cache_mb=kv_cache_mb, max_queue=max_queue, request_timeout=request_timeout,
+                             kv_cache_mb=kv_cache_mb, prefix_cache_mb=prefix_cache_mb, max_queue=max_queue,
+                             request_timeout=request_timeout,
                              chat_template=chat_template.resolve() if chat_template else None)
     if use_ray:
         from speedc.serve.ray_deployment import ScaleOut, run_on_ray

@@ -15,6 +15,7 @@ the generation; errors are OpenAI-shaped bodies, never tracebacks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -35,7 +36,9 @@ from speedc.serve.engine_adapter import Generation, GenerationRequest, QueueFull
 from speedc.serve.metrics import CONTENT_TYPE, Metrics
 from speedc.serve.protocol import (COMPLETIONS_DEFAULT_MAX_TOKENS, ApiError, ParsedRequest, parse_request,
                                    read_json)
-from speedc.serve.responses import Reply, error_event
+from speedc.serve.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from speedc.serve.tools import call_grammar, parse_call, template_writes_calls
+from speedc.serve.responses import Reply, error_event, usage
 
 log = logging.getLogger("uvicorn.error")  # uvicorn formats and prints it beside its own lines
 CLIENT_GONE_STATUS = 499  # nobody reads it: the client closed the connection
@@ -51,6 +54,7 @@ class ServeSettings:
     mode: str = "speed"
     max_batch: int = 8  # requests decoded together (continuous batching); 1: one at a time, single-sequence engine
     kv_cache_mb: float | None = None  # the batching KV-cache pool (None: the model's context per request)
+    prefix_cache_mb: float | None = None  # None: as much as the KV-cache pool may hold; 0: off
     max_queue: int = 64
     request_timeout: float = 600.0  # seconds from arrival, queueing included
     chat_template: Path | None = None  # overrides the artifact's
@@ -66,9 +70,28 @@ def make_adapter(settings: ServeSettings):
     if engine.tokenizer is None:
         raise SpeedcError(f"{settings.artifact}: the server needs an artifact with a tokenizer.json")
     if not batched:
+        engine.set_prefix_cache(prefix_cache_budget(engine, settings))
         return ThreadedEngine(engine, max_queue=settings.max_queue, mode=settings.mode)
     return BatchedEngine(engine, max_queue=settings.max_queue, max_batch=settings.max_batch,
-                         kv_cache_mb=settings.kv_cache_mb, mode=settings.mode)  # the engine's session
+                         kv_cache_mb=settings.kv_cache_mb, mode=settings.mode,
+                         prefix_cache_mb=prefix_cache_budget(engine, settings))  # the engine's session
+
+
+DEFAULT_PREFIX_CACHE_MB = 1024.0  # without --kv-cache-mb: a full pool at a long context is far more (384 GiB at Ouro-1.4B's)
+
+
+def prefix_cache_budget(engine, settings: ServeSettings) -> float:
+    """MiB for the prefix cache: --prefix-cache-mb, else what the KV-cache pool may hold (--kv-cache-mb, else
+    --max-batch rows of the model's whole context, at most DEFAULT_PREFIX_CACHE_MB)."""
+    from speedc.runtimes.backends.onnx import pool_bytes_per_position
+
+    if settings.prefix_cache_mb is not None:
+        return settings.prefix_cache_mb
+    if settings.kv_cache_mb is not None:
+        return settings.kv_cache_mb
+    context = engine.manifest.model["max_context"]
+    full = pool_bytes_per_position(engine.manifest) * settings.max_batch * context / (1 << 20)
+    return min(full, DEFAULT_PREFIX_CACHE_MB)
 
 
 class Service:
@@ -78,6 +101,10 @@ class Service:
         self.template: ChatTemplate | None = load_chat_template(settings.artifact, settings.chat_template)
         self.adapter = make_adapter(settings)
         self.prompt_char_limit = prompt_char_limit(self.adapter.engine, self.adapter.max_context)
+        # a chat completion ends where the template ends an assistant turn (chat_template.end_of_turn_ids)
+        self.token_texts = TokenTexts(self.adapter.engine.tokenizer)
+        self.end_of_turn_ids: tuple[int, ...] = tuple(self.template.end_of_turn_ids(self.adapter.engine.tokenizer)
+                                                      if self.template is not None else ())
 
     def prompt_ids(self, parsed: ParsedRequest) -> list[int]:
         """The request's prompt as ids (tokenized, or rendered through the chat template first). Called
@@ -93,8 +120,11 @@ class Service:
                 raise ApiError(400, "this model has no chat template (none in its artifact); use /v1/completions, "
                                     "or start the server with --chat-template FILE", param="messages",
                                code="no_chat_template")
+            if parsed.tools and not template_writes_calls(self.template.source):
+                raise ApiError(400, "this model's chat template does not write tool calls as <tool_call> JSON </tool_call> "
+                                    "(the format this server knows)", param="tools", code="unsupported_parameter")
             try:
-                text = self.template.render(parsed.messages)
+                text = self.template.render(parsed.messages, tools=parsed.tools)
             except TemplateRenderError as refused:
                 raise ApiError(400, str(refused), param="messages") from None
             return self.adapter.encode(text, special_tokens=False)
@@ -111,12 +141,49 @@ class Service:
         s = parsed.sampling
         default = COMPLETIONS_DEFAULT_MAX_TOKENS if parsed.kind == "completion" else context - len(ids)
         max_tokens = s.max_tokens if s.max_tokens is not None else min(default, context - len(ids))
+        max_tokens = max(max_tokens, 1)  # 0 (echo: the prompt scored alone) runs one token nobody sees
         if len(ids) + max_tokens > context:
             raise ApiError(400, f"the prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds {limit}",
                            param="max_tokens", code="context_length_exceeded")
+        vocab = self.adapter.engine.manifest.model["vocab_size"]
+        bad = next((i for i in s.logit_bias or {} if i >= vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"logit_bias: {bad} is outside the vocabulary (0..{vocab - 1})", param="logit_bias")
+        stop_ids = self.stop_token_ids(parsed)
+        if parsed.tools:
+            s = dataclasses.replace(s, grammar=call_grammar(parsed.tools, parsed.tool_choice), grammar_field="tools")
+        if s.grammar is not None:
+            ends = set(stop_ids) | (set(self.adapter.engine.eos_token_ids) if not s.ignore_eos else set())
+            if not ends:
+                raise ApiError(400, f"{s.grammar_field} needs an end: not with ignore_eos (or give stop_token_ids)",
+                               param=s.grammar_field)
+            problem = self.adapter.engine.grammar_problem(s.grammar, ends)
+            if problem and not problem.startswith("WARNING"):
+                raise ApiError(400, f"{s.grammar_field}: {problem.splitlines()[0]}", param=s.grammar_field)
+        # best_of ranks its generations by their tokens' log-probabilities: recorded even where not shown
+        logprobs = s.logprobs if s.logprobs is not None or s.best_of == s.n else 0
         return GenerationRequest(ids, max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
                                  repetition_penalty=s.repetition_penalty, stop=tuple(s.stop),
-                                 stop_at_eos=not s.ignore_eos)
+                                 stop_at_eos=not s.ignore_eos, stop_token_ids=stop_ids, grammar=s.grammar,
+                                 presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                                 logit_bias=s.logit_bias, logprobs=logprobs,
+                                 prompt_logprobs=s.logprobs if s.echo else None)
+
+    def choice_requests(self, parsed: ParsedRequest, ids: list[int]) -> list[GenerationRequest]:
+        """One generation per choice (best_of of them, n shown). With a seed, choice i draws from seed + i,
+        so each choice is the generation a request with that seed alone gives."""
+        request = self.generation_request(parsed, ids)
+        count, seed = parsed.sampling.best_of, parsed.sampling.seed
+        return [request if i == 0 or seed is None else dataclasses.replace(request, seed=seed + i) for i in range(count)]
+
+    def stop_token_ids(self, parsed: ParsedRequest) -> tuple[int, ...]:
+        """The request's stop_token_ids, and for chat the template's end of turn (ignored as an EOS is)."""
+        turn = self.end_of_turn_ids if parsed.kind == "chat" and not parsed.sampling.ignore_eos else ()
+        vocab = self.adapter.engine.manifest.model["vocab_size"]
+        bad = next((i for i in parsed.sampling.stop_token_ids if i >= vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"stop_token_ids: {bad} is outside the vocabulary (0..{vocab - 1})", param="stop_token_ids")
+        return tuple(dict.fromkeys(parsed.sampling.stop_token_ids + turn))
 
 
 class ClientGone(Exception):
@@ -134,7 +201,7 @@ class Tracker:
         self._last: float | None = None
 
     async def pieces(self) -> AsyncIterator[Piece]:
-        """The generation's pieces; asyncio.TimeoutError once the deadline passes."""
+        """The generation's pieces (those without text too); asyncio.TimeoutError once the deadline passes."""
         while True:
             remaining = self.deadline - time.perf_counter()
             if remaining <= 0:
@@ -145,7 +212,8 @@ class Tracker:
                 break
             self.metrics.generation_tokens.inc(len(piece.ids))
             if not piece.text:
-                continue  # tokens a stop string cut: counted, nothing to show
+                yield piece  # tokens whose text is held back (or a stop string cut): their log-probabilities
+                continue
             now = time.perf_counter()
             if self._last is None:
                 self.metrics.ttft.observe(now - self.arrived)
@@ -165,9 +233,6 @@ class Tracker:
         """The client is gone (or the response ended early): stop generating for it."""
         if self.generation.cancel():
             self.metrics.cancelled.inc()
-
-    async def abandon_later(self) -> None:  # for a BackgroundTask (an async one runs on the event loop)
-        self.abandon()
 
 
 async def _disconnected(request: Request) -> None:
@@ -195,42 +260,151 @@ def out_of_memory(error: OutOfMemory) -> ApiError:
     return ApiError(503, str(error), kind="server_error", code="out_of_memory")
 
 
-async def whole_response(request: Request, reply: Reply, tracker: Tracker) -> Response:
-    async def collect() -> str:
-        return "".join([piece.text async for piece in tracker.pieces()])
+@dataclass
+class Choice:
+    """One choice of a response: its tracked generation, and what it shows beyond the text (the echoed
+    prompt, log-probabilities)."""
+    index: int
+    tracker: Tracker
+    show_tokens: bool = True  # False: max_tokens 0 with echo, the one token run is not shown
+    _given: int = 0  # tokens whose log-probabilities went out
+
+    @property
+    def generation(self):
+        return self.tracker.generation
+
+    def logprob_entries(self, count: int) -> list[tuple[int, object]]:
+        """(token, TokenLogprob) of the next COUNT tokens handed out."""
+        entries = self.generation.logprobs[self._given:self._given + count]
+        self._given += count
+        return [(entry.token, entry) for entry in entries]
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.generation.completion_tokens if self.show_tokens else 0
+
+    def cumulative_logprob(self) -> float:
+        return sum(entry.logprob for entry in self.generation.logprobs[:self.generation.completion_tokens])
+
+
+@dataclass
+class Shown:
+    """How a response renders what the engine produced (one per request, shared by its choices)."""
+    reply: Reply
+    texts: TokenTexts | None
+    prompt_ids: list[int]
+    prompt_text: str  # echo: the prompt as sent (or its ids' text)
+    echo: bool
+    logprobs: bool
+    tools: bool = False  # chat with tools offered: an output that is a call becomes tool_calls
+
+    def logprobs_of(self, entries: list, offset: int = 0) -> dict | None:
+        if not self.logprobs:
+            return None
+        if self.reply.kind == "chat":
+            return chat_logprobs(self.texts, entries)
+        return completion_logprobs(self.texts, entries, offset)
+
+    def prompt_entries(self, choice: Choice) -> list:
+        return [(self.prompt_ids[0], None)] + [(e.token, e) for e in choice.generation.prompt_logprobs]
+
+    def usage(self, choices: list[Choice]) -> dict:
+        stats = choices[0].generation.stats
+        return usage(len(self.prompt_ids), sum(c.completion_tokens for c in choices),
+                     stats.cached_tokens if stats is not None else 0)
+
+
+async def whole_response(request: Request, shown: Shown, choices: list[Choice], shown_count: int) -> Response:
+    async def collect(choice: Choice) -> str:
+        return "".join([piece.text async for piece in choice.tracker.pieces()])
+
+    async def collect_all() -> list[str]:  # a task: cancelled as a whole when the client goes away
+        return await asyncio.gather(*map(collect, choices))
 
     try:
-        text = await until_disconnect(request, asyncio.ensure_future(collect()))
+        texts = await until_disconnect(request, asyncio.ensure_future(collect_all()))
     except asyncio.TimeoutError:
-        raise tracker.timed_out() from None
+        raise choices[0].tracker.timed_out() from None
     except OutOfMemory as full:
         raise out_of_memory(full) from None
     except ClientGone:
         return Response(status_code=CLIENT_GONE_STATUS)
     finally:
-        tracker.abandon()  # no-op when finished; stops the engine if this handler itself was cancelled
-    g = tracker.generation
-    return JSONResponse(reply.body(text, g.finish_reason, g.prompt_tokens, g.completion_tokens))
+        for choice in choices:
+            choice.tracker.abandon()  # no-op when finished; stops the engine if this handler itself was cancelled
+    ranked = list(zip(choices, texts))
+    if shown_count < len(choices):  # best_of: the highest cumulative log-probability first
+        ranked = sorted(ranked, key=lambda pair: -pair[0].cumulative_logprob())[:shown_count]
+    bodies = []
+    for index, (choice, text) in enumerate(ranked):
+        g = choice.generation
+        entries = choice.logprob_entries(g.completion_tokens) if choice.show_tokens else []
+        text = text if choice.show_tokens else ""
+        if shown.echo:
+            entries = shown.prompt_entries(choice) + entries
+            text = shown.prompt_text + text
+        calls = parse_call(text) if shown.tools else None
+        body = shown.reply.choice(index, None if calls else text, "tool_calls" if calls else g.finish_reason,
+                                  shown.logprobs_of(entries))
+        if calls:
+            body["message"]["tool_calls"] = calls
+        bodies.append(body)
+    return JSONResponse(shown.reply.body(bodies, shown.usage(choices)))
 
 
-async def stream_events(reply: Reply, tracker: Tracker) -> AsyncIterator[str]:
+async def stream_events(shown: Shown, choices: list[Choice]) -> AsyncIterator[str]:
+    """The choices' chunks as their tokens come, interleaved; each choice's finish chunk when it ends."""
+    reply, queue = shown.reply, asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        try:
+            async for piece in choice.tracker.pieces():
+                queue.put_nowait((choice, piece))
+            queue.put_nowait((choice, None))
+        except Exception as error:  # handed to the response's loop, which answers with it
+            queue.put_nowait((choice, error))
+
+    pumps = [asyncio.ensure_future(pump(choice)) for choice in choices]
+    offsets = {choice.index: 0 for choice in choices}  # completions' text_offset so far
+    echoed: set[int] = set()
     try:
-        for item in reply.opening_events():
+        for item in reply.opening_events(len(choices)):
             yield item
-        async for piece in tracker.pieces():
-            yield reply.text_event(piece.text)
-        g = tracker.generation
-        for item in reply.closing_events(g.finish_reason, g.prompt_tokens, g.completion_tokens):
+        running = len(choices)
+        while running:
+            choice, item = await queue.get()
+            if isinstance(item, Exception):
+                if isinstance(item, asyncio.TimeoutError):
+                    yield error_event(choice.tracker.timed_out().body())
+                elif isinstance(item, OutOfMemory):
+                    yield error_event(out_of_memory(item).body())
+                else:
+                    log.error("generation failed", exc_info=item)
+                    yield error_event(ApiError(500, "the generation failed on the server", kind="server_error").body())
+                return
+            if shown.echo and choice.index not in echoed:  # the prompt first (its log-probabilities are known now)
+                echoed.add(choice.index)
+                yield reply.text_event(shown.prompt_text, choice.index,
+                                       shown.logprobs_of(shown.prompt_entries(choice), 0))
+                offsets[choice.index] = len(shown.prompt_text)
+            if item is None:
+                running -= 1
+                pending = choice.logprob_entries(choice.generation.completion_tokens - choice._given) if choice.show_tokens else []
+                yield reply.finish_event(choice.generation.finish_reason, choice.index,
+                                         shown.logprobs_of(pending, offsets[choice.index]) if pending else None)
+                continue
+            if not choice.show_tokens or not item.text:
+                continue  # its tokens' log-probabilities go out with the next text
+            entries = choice.logprob_entries(choice.generation.completion_tokens - choice._given)
+            yield reply.text_event(item.text, choice.index, shown.logprobs_of(entries, offsets[choice.index]))
+            offsets[choice.index] += len(item.text)
+        for item in reply.closing_events(shown.usage(choices)):
             yield item
-    except asyncio.TimeoutError:
-        yield error_event(tracker.timed_out().body())
-    except OutOfMemory as full:
-        yield error_event(out_of_memory(full).body())
-    except Exception:  # the status line is sent: the error goes in the stream
-        log.exception("generation failed")
-        yield error_event(ApiError(500, "the generation failed on the server", kind="server_error").body())
     finally:
-        tracker.abandon()  # the client went away mid-stream (the task was cancelled): stop the engine
+        for task in pumps:
+            task.cancel()
+        for choice in choices:
+            choice.tracker.abandon()  # the client went away mid-stream (the task was cancelled): stop the engine
 
 
 def create_app(settings: ServeSettings, *, load_in_background: bool = True,
@@ -319,25 +493,44 @@ def create_app(settings: ServeSettings, *, load_in_background: bool = True,
         if parsed.model != settings.model_name:
             raise ApiError(404, f"the model {parsed.model!r} does not exist (this server serves "
                                 f"{settings.model_name!r})", param="model", code="model_not_found")
+        generations = []
         try:
             ids = await asyncio.to_thread(service.prompt_ids, parsed)
-            generation = service.adapter.submit(service.generation_request(parsed, ids))
+            requests = service.choice_requests(parsed, ids)
+            if service.adapter.running + service.adapter.waiting + len(requests) > service.adapter.slots + service.adapter.max_queue:
+                raise QueueFull(service.adapter.retry_after())
+            for one in requests:
+                generations.append(service.adapter.submit(one))
         except GenerationError as bad:
+            for generation in generations:
+                generation.cancel()
             raise ApiError(400, str(bad), param="messages" if kind == "chat" else "prompt") from None
         except QueueFull as full:
+            for generation in generations:
+                generation.cancel()
             metrics.rejected.inc()
             raise ApiError(429, f"the server is full ({service.adapter.slots} running, {service.adapter.max_queue} "
                                 f"waiting); retry later",
                            kind="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": str(full.retry_after)}) from None
         metrics.prompt_tokens.inc(len(ids))
-        tracker = Tracker(metrics, generation, arrived, settings.request_timeout)
+        s = parsed.sampling
+        scoring_only = s.echo and s.max_tokens == 0
+        choices = [Choice(i, Tracker(metrics, generation, arrived, settings.request_timeout), show_tokens=not scoring_only)
+                   for i, generation in enumerate(generations)]
         reply = Reply(kind, settings.model_name, include_usage=parsed.include_usage)
+        prompt_text = ""
+        if s.echo:
+            prompt_text = parsed.prompt if isinstance(parsed.prompt, str) else service.adapter.engine.decode_text(ids)
+        shown = Shown(reply, service.token_texts, ids, prompt_text, s.echo, s.logprobs is not None, bool(parsed.tools))
         if parsed.stream:
-            return StreamingResponse(stream_events(reply, tracker), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"},
-                                     background=BackgroundTask(tracker.abandon_later))
-        return await whole_response(request, reply, tracker)
+            async def abandon_all() -> None:
+                for choice in choices:
+                    choice.tracker.abandon()
+
+            return StreamingResponse(stream_events(shown, choices), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"}, background=BackgroundTask(abandon_all))
+        return await whole_response(request, shown, choices, s.n)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -36,6 +36,16 @@ class BatchedGeneration:
         self._owner, self._submitted = owner, submitted
         self._cancel_requested = False
 
+    @property
+    def logprobs(self) -> list:
+        """TokenLogprob of each token handed out so far (when asked)."""
+        return self._submitted.sequence.request.picker.logprobs
+
+    @property
+    def prompt_logprobs(self) -> list:
+        """TokenLogprob of prompt[1:] (when asked), complete once the first token is out."""
+        return self._submitted.sequence.request.prompt_logprob_values
+
     def __aiter__(self) -> "BatchedGeneration":
         return self
 
@@ -64,11 +74,12 @@ class BatchedEngine:
     """An EngineLoop over ENGINE's batch scheduler: MAX_BATCH sequences decode together, MAX_QUEUE wait."""
 
     def __init__(self, engine, *, max_queue: int, max_batch: int = 8, kv_cache_mb: float | None = None,
-                 mode: str = "speed", threads: int | None = None, fused: bool | None = None) -> None:
+                 mode: str = "speed", threads: int | None = None, fused: bool | None = None,
+                 prefix_cache_mb: float | None = None) -> None:
         self.engine, self.max_queue, self.slots = engine, max_queue, max_batch
         row_budget, per_sequence = BATCH_RULES[mode]
         self.loop = EngineLoop(engine, max_batch=max_batch, kv_cache_mb=kv_cache_mb, row_budget=row_budget,
-                               per_sequence=per_sequence, threads=threads, fused=fused)
+                               per_sequence=per_sequence, threads=threads, fused=fused, prefix_cache_mb=prefix_cache_mb)
         self._retry = RetryEstimate(max_batch)
 
     def describe(self) -> str:
@@ -85,6 +96,11 @@ class BatchedEngine:
 
     def encode(self, text: str, *, special_tokens: bool = True) -> list[int]:
         return encode(self.engine, text, special_tokens)
+
+    @property
+    def prefix_cache(self):
+        """The scheduler's PrefixCache (None: off)."""
+        return self.loop.scheduler.prefix_cache
 
     @property
     def running(self) -> int:
@@ -109,11 +125,12 @@ class BatchedEngine:
         Call from the event loop."""
         if self.running + self.waiting >= self.slots + self.max_queue:
             raise QueueFull(self._retry.seconds())
-        submitted = self.loop.submit(request.prompt_ids, max_new_tokens=request.max_new_tokens,
-                                     temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
-                                     seed=request.seed, repetition_penalty=request.repetition_penalty,
-                                     stop=list(request.stop) or None, stop_at_eos=request.stop_at_eos)
+        submitted = self.loop.submit(request.prompt_ids, **request.engine_settings())
         return BatchedGeneration(self, submitted, len(request.prompt_ids))
+
+    def retry_after(self) -> int:
+        """Seconds until a place in the queue is likely free."""
+        return self._retry.seconds()
 
     async def aclose(self) -> None:
         await self.loop.aclose()

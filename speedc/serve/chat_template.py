@@ -100,11 +100,11 @@ class ChatTemplate:
         except jinja2.TemplateError as bad:
             raise SpeedcError(f"the chat template does not parse: {bad}") from None
 
-    def render(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
         import jinja2
 
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                          documents=None, **self.special_tokens)
         except TemplateRenderError:
             raise
@@ -114,6 +114,36 @@ class ChatTemplate:
             raise
         except Exception as bad:  # the template is code: any error in it ({{ 1/0 }} was a bare 500)
             raise TemplateRenderError(f"the chat template failed on these messages: {type(bad).__name__}: {bad}") from None
+
+    def end_of_turn_text(self) -> str | None:
+        """The text the template writes right after an assistant turn's content (ChatML's "<|im_end|>\n",
+        Llama 3's "<|eot_id|>", ...), found by rendering a probe conversation; None where the template
+        refuses the probe or writes nothing there."""
+        probe = "speedc-end-of-turn-probe"
+        try:
+            text = self.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": probe}],
+                               add_generation_prompt=False)
+        except TemplateRenderError:
+            return None
+        at = text.rfind(probe)
+        return text[at + len(probe):] or None if at >= 0 else None
+
+    def end_of_turn_ids(self, tokenizer) -> list[int]:
+        """Ids that end an assistant turn: the special token the template writes right after one, and the
+        tokenizer_config's eos_token (where each is one special token of TOKENIZER). A chat completion
+        stops at them even where the checkpoint's configured end-of-text id differs (Ouro's configs list
+        id 0, its ChatML turns end with <|im_end|>)."""
+        special = {token.content: i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special}
+        ids = []
+        after = self.end_of_turn_text()
+        if after is not None:
+            first = max((text for text in special if after.startswith(text)), key=len, default=None)
+            if first is not None:
+                ids.append(special[first])
+        eos = self.special_tokens.get("eos_token")
+        if eos in special and special[eos] not in ids:
+            ids.append(special[eos])
+        return ids
 
 
 def load_chat_template(artifact: Path, override: Path | None = None) -> ChatTemplate | None:

@@ -84,6 +84,22 @@ class GenerationRequest:
     repetition_penalty: float = 1.0
     stop: tuple[str, ...] = ()
     stop_at_eos: bool = True
+    stop_token_ids: tuple[int, ...] = ()  # ids that end it whatever stop_at_eos says (a chat turn's end)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict | None = None  # token id -> bias
+    logprobs: int | None = None  # record each new token's log-probability with this many top alternatives
+    prompt_logprobs: int | None = None  # the prompt's own, likewise (prefilled a token a run)
+    grammar: str | None = None  # llguidance's grammar the output follows
+
+    def engine_settings(self) -> dict:
+        """The keyword arguments Engine.stream and EngineLoop.submit take for it."""
+        return dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k,
+                    top_p=self.top_p, seed=self.seed, repetition_penalty=self.repetition_penalty,
+                    stop=list(self.stop) or None, stop_at_eos=self.stop_at_eos, stop_token_ids=list(self.stop_token_ids),
+                    presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                    logit_bias=self.logit_bias, logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs,
+                    grammar=self.grammar)
 
 
 @dataclass(frozen=True)
@@ -110,6 +126,16 @@ class Generation:
         self._cancel_requested = False
         self._queue: asyncio.Queue = asyncio.Queue()
         self._task = asyncio.get_running_loop().create_task(self._produce())
+
+    @property
+    def logprobs(self) -> list:
+        """TokenLogprob of each token handed out so far (when asked)."""
+        return self._stream.request.picker.logprobs
+
+    @property
+    def prompt_logprobs(self) -> list:
+        """TokenLogprob of prompt[1:] (when asked), complete once the first token is out."""
+        return self._stream.request.prompt_logprob_values
 
     def _decode(self, loop: asyncio.AbstractEventLoop) -> None:
         """On the engine thread: run the stream at the engine's pace, handing each piece to the loop."""
@@ -193,6 +219,11 @@ class ThreadedEngine:
     def describe(self) -> str:
         return f"one request at a time, {self.max_queue} may wait"
 
+    @property
+    def prefix_cache(self):
+        """The engine's PrefixCache (None: off)."""
+        return self.engine.prefix_cache
+
     # ---- what the server asks of the model ------------------------------------------------------
     @property
     def max_context(self) -> int:
@@ -207,10 +238,7 @@ class ThreadedEngine:
         before it takes a place in the queue. Call from the event loop."""
         if self.running + self.waiting >= self.slots + self.max_queue:
             raise QueueFull(self.retry_after())
-        stream = self.engine.stream(request.prompt_ids, max_new_tokens=request.max_new_tokens, mode=self.mode,
-                                    temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
-                                    seed=request.seed, repetition_penalty=request.repetition_penalty,
-                                    stop=list(request.stop) or None, stop_at_eos=request.stop_at_eos)
+        stream = self.engine.stream(request.prompt_ids, mode=self.mode, **request.engine_settings())
         self.waiting += 1
         return Generation(self, stream, len(request.prompt_ids))
 

@@ -36,6 +36,9 @@ class Metrics:
                                ["status"], registry=r)
         self.prompt_tokens = Counter("speedc_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("speedc_generation_tokens", "Generated (confirmed) tokens", registry=r)
+        self.cached_prompt_tokens = Counter("speedc_prompt_tokens_cached", "Prompt tokens whose K/V came from the "
+                                            "prefix cache instead of a prefill", registry=r)
+        self.prefix_cache_bytes = Gauge("speedc_prefix_cache_bytes", "Memory the prefix cache holds", registry=r)
         self.ttft = Histogram("speedc_time_to_first_token_seconds", "Request arrival to first generated text",
                               buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("speedc_inter_token_latency_seconds", "Time between streamed pieces of text",
@@ -62,6 +65,7 @@ class Metrics:
         """Read running / waiting and the engine steps from the engine adapter at each scrape."""
         self.running.set_function(lambda: adapter.running)
         self.waiting.set_function(lambda: adapter.waiting)
+        self.prefix_cache_bytes.set_function(lambda: adapter.prefix_cache.nbytes if adapter.prefix_cache else 0)
         self.registry.register(_EngineSteps(adapter))
         self.registry.register(_HostCosts(adapter))
 
@@ -79,6 +83,7 @@ class Metrics:
             self.fallbacks.inc(stats.fallbacks)
             self.probes.inc(stats.probes)
             self.cost_samples.inc(stats.cost_samples)
+            self.cached_prompt_tokens.inc(stats.cached_tokens)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

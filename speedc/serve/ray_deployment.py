@@ -89,12 +89,14 @@ def build_app(args: dict):
     if "artifact" not in args:
         raise SpeedcError("build_app needs artifact=PATH")
     artifact = Path(args.pop("artifact")).resolve()
-    numbers = {"threads": int, "max_batch": int, "kv_cache_mb": float, "max_queue": int, "request_timeout": float}
+    numbers = {"threads": int, "max_batch": int, "kv_cache_mb": float, "prefix_cache_mb": float, "max_queue": int,
+               "request_timeout": float}
     chat = args.pop("chat_template", None)
     settings = ServeSettings(artifact=artifact, model_name=args.pop("model_name", artifact.name),
                              chat_template=Path(chat).resolve() if chat else None,
                              **{k: numbers.get(k, str)(args.pop(k)) for k in ("backend", "device", "threads", "mode",
-                                                                             "max_batch", "kv_cache_mb", "max_queue",
+                                                                             "max_batch", "kv_cache_mb", "prefix_cache_mb",
+                                                                             "max_queue",
                                                                              "request_timeout") if k in args})
     low, high = args.pop("min_replicas", None), args.pop("max_replicas", None)
     ongoing = args.pop("max_ongoing_requests", None)
