@@ -24,8 +24,9 @@
 # python3) with speedc's runtime and compiler dependencies to build the artifact. This checkout is what
 # runs, on both sides. Work folder: $ARM_CHECK_DIR (default ~/.cache/speedc/arm_check), kept: the
 # downloads (15 MB of .debs, 60 MB of wheels) are reused by later runs.
-# Takes about 4 minutes on 2 shared x86 cores (the downloads ~10 s more): each emulated run is 10-20 s,
-# mostly starting Python and ONNX Runtime under emulation.
+# The same logits of an fp32 build of zoo:tiny (ONNX Runtime's ops alone) show whether those agree.
+# Takes 3.5-5 minutes on 2 shared x86 cores (about 20 s of it the downloads and unpacking, the first
+# time): each emulated run is 10-20 s, mostly starting Python and ONNX Runtime under emulation.
 set -euo pipefail
 new_tokens="${1:-48}"
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -130,16 +131,20 @@ PY
 ARTIFACT="$WORK/tiny-int4"
 (cd "$STAGE" && PYTHONPATH="$STAGE" "$PYTHON" -m speedc.cli build zoo:tiny -o "$ARTIFACT" --weights int4 --no-measure --force) >>"$log" 2>&1 \
     || need "speedc build zoo:tiny --weights int4 failed on x86 ($log)"
+FP32="$WORK/tiny-fp32"  # no kernel, no quantization: ONNX Runtime's ops alone, for the logits comparison
+(cd "$STAGE" && PYTHONPATH="$STAGE" "$PYTHON" -m speedc.cli build zoo:tiny -o "$FP32" --no-measure --force) >>"$log" 2>&1 \
+    || need "speedc build zoo:tiny (fp32) failed on x86 ($log)"
 
 # --- the runs and the comparison --------------------------------------------------------------------
-export ARM_CHECK_STAGE="$STAGE" ARM_CHECK_SITE="$SITE" ARM_CHECK_WORK="$WORK" ARM_CHECK_ARTIFACT="$ARTIFACT"
+export ARM_CHECK_STAGE="$STAGE" ARM_CHECK_SITE="$SITE" ARM_CHECK_WORK="$WORK" ARM_CHECK_ARTIFACT="$ARTIFACT" \
+    ARM_CHECK_FP32="$FP32"
 "$PYTHON" - "$REPORT" "$new_tokens" "$SYSROOT/usr/bin/python3.11" <<'PY'
 import json, os, platform, subprocess, sys, time
 
 import numpy as np
 
 report, new_tokens, arm_python = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-stage, site, work, artifact = (os.environ[f"ARM_CHECK_{k}"] for k in ("STAGE", "SITE", "WORK", "ARTIFACT"))
+stage, site, work, artifact, fp32 = (os.environ[f"ARM_CHECK_{k}"] for k in ("STAGE", "SITE", "WORK", "ARTIFACT", "FP32"))
 SAMPLINGS = {"greedy": [], "sampled": ["--temperature", "0.8", "--seed", "1"]}
 MODES = ("speed", "autoregressive")
 RUNS = [("x86_64", "portable"), ("aarch64", "1"), ("aarch64", "dotprod"), ("aarch64", "portable")]
@@ -237,6 +242,24 @@ for (machine, path), values in logits.items():
           f"{rows} of {len(values)} rows differ)")
     if not same_arm:
         failures.append(f"logits aarch64 {path}: not bitwise the aarch64 portable path's")
+
+# The same over the fp32 artifact: ONNX Runtime's ops alone, no kernel, across the two machines.
+fp32_logits = {}
+for machine in ("x86_64", "aarch64"):
+    out = os.path.join(work, f"logits-fp32-{machine}.npy")
+    status, _, err, _ = run(machine, "0", [os.path.join(stage, "arm_check_logits.py"), fp32, out, ",".join(map(str, greedy))])
+    if status != 0 or not greedy:
+        failures.append(f"fp32 logits {machine}: failed: {err}")
+        continue
+    fp32_logits[machine] = np.load(out)
+if len(fp32_logits) == 2:
+    a, b = fp32_logits["x86_64"], fp32_logits["aarch64"]
+    logit_report["fp32 (ONNX Runtime alone) aarch64 vs x86"] = {
+        "bitwise equal": bool(np.array_equal(a.view(np.uint32), b.view(np.uint32))),
+        "max |difference|": float(np.abs(a - b).max()), "rows differing": int((a != b).any(axis=1).sum()), "rows": len(a)}
+    print(f"logits fp32 artifact (ONNX Runtime's ops alone) aarch64 vs x86: bitwise "
+          f"{'equal' if np.array_equal(a.view(np.uint32), b.view(np.uint32)) else 'different'} (max |difference| "
+          f"{np.abs(a - b).max():.3g}, {int((a != b).any(axis=1).sum())} of {len(a)} rows differ)")
 
 arm_seconds = sum(r["seconds"] for k, r in results.items() if k.startswith("aarch64"))
 summary = {"host": platform.processor() or platform.machine(), "qemu_cpu": os.environ.get("QEMU_CPU"),
