@@ -225,7 +225,7 @@ def test_cli_prompts_file_json_in_input_order(engine, tiny_artifact, tmp_path):
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in result.stdout.splitlines()]
     assert [r["ids"] for r in rows] == [_alone(engine, p, {"temperature": 0.7, "seed": 4}, 12).ids for p in PROMPTS[:3]]
-    assert all(r["stats"]["mode"] == "batch speed" and r["text"] for r in rows)
+    assert all(r["stats"]["mode"] == "batch speed" and r["text"] and r["products"] == "ONNX Runtime" for r in rows)
     prompts.write_text("a\n\nb\n")
     assert_one_line_error(run_cli("generate", tiny_artifact, "--prompts-file", prompts), "line 2 is empty")
     prompts.write_text("a\n  \n")  # spaces are a prompt, as with --prompt "  " (they were refused as empty)

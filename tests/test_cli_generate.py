@@ -18,6 +18,7 @@ def test_generate_json_and_stats(tiny_artifact):
     for key in ("tokens_per_step", "acceptance_rate", "accepted", "mispredicted", "steps", "prefill_seconds",
                 "decode_seconds", "new_tokens"):
         assert key in data["stats"]
+    assert data["products"] == "ONNX Runtime"  # an fp32 artifact's products: no MatMulNBits, no kernel
     plain = json.loads(run_cli("generate", tiny_artifact, "--prompt", "ROMEO:", "--max-new-tokens", "24", "--json",
                                "--ignore-eos", "--mode", "autoregressive").stdout)
     assert plain["ids"] == data["ids"]

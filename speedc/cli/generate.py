@@ -86,7 +86,7 @@ def generate(artifact, prompt, prompt_ids, prompts_file, max_batch, kv_cache_mb,
                     click.echo(json.dumps({"error": str(failure)}))  # its place in input order
                 continue
             if as_json:
-                click.echo(json.dumps(result.to_json()))
+                click.echo(json.dumps(result.to_json() | {"products": getattr(engine.backend, "products", None)}))
             else:
                 click.echo(_one_line(result.text) if result.text is not None else ",".join(map(str, result.ids)))
         if stats and not as_json:
@@ -112,7 +112,8 @@ def generate(artifact, prompt, prompt_ids, prompts_file, max_batch, kv_cache_mb,
         result = engine.generate(source, **options)
         result_stats = result.stats
         if as_json:
-            click.echo(json.dumps(result.to_json()))
+            # products: what ran the weight products (e.g. "speedc kernel (i8mm, 2 threads)", "MatMulNBits (why)")
+            click.echo(json.dumps(result.to_json() | {"products": getattr(engine.backend, "products", None)}))
         else:
             click.echo(result.text if result.text is not None else ",".join(map(str, result.ids)))
     if stats and not as_json:
