@@ -137,7 +137,7 @@ def test_requests_that_ended_before_a_step_failed_end_as_they_did(engine):
     one that finished in that step ends with all its tokens, the one the step was running fails with
     the error, and the request still waiting runs afterwards: equal to plain decoding alone."""
     async def scenario():
-        loop = EngineLoop(engine, max_batch=2)
+        loop = EngineLoop(engine, max_batch=2, per_sequence=False)  # every decode step a speed step (the failure's)
         running = loop.submit(PROMPTS[0], max_new_tokens=64, stop_at_eos=False)
         cancelled = loop.submit(PROMPTS[1], max_new_tokens=64, stop_at_eos=False)
         pieces = 0
