@@ -75,7 +75,7 @@ def test_reference_matches_oracle(case):
     with torch.no_grad():
         ours = load_model(directory)(torch.tensor([ids])).logits[0].double()
     theirs = oracle_logits(tensors, config, ids)
-    torch.testing.assert_close(ours, theirs, atol=2e-4 * float(theirs.abs().max()), rtol=0)
+    torch.testing.assert_close(ours, theirs, atol=4e-4 * float(theirs.abs().max()), rtol=0)  # fp32 over R = 32 repeats
     assert (theirs.max(-1).values - theirs.min(-1).values).min() > 1.0  # not near-constant logits
 
 

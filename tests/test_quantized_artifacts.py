@@ -108,7 +108,7 @@ def test_every_kernel_path_keeps_speed_equal_to_plain_decoding(quantized_artifac
         assert engine.backend.session.speedc_products.startswith(f"speedc kernel ({kernel_path}, "), which
         for params in ({}, {"temperature": 0.8, "seed": 3}):
             for prompt in ([5, 9, 2], [1, 40, 7, 7, 3, 12]):
-                speed = engine.generate(prompt, max_new_tokens=24, stop_at_eos=False, **params)
+                speed = engine.generate(prompt, max_new_tokens=24, stop_at_eos=False, mode="speed-always", **params)
                 plain = engine.generate(prompt, max_new_tokens=24, stop_at_eos=False, mode="autoregressive", **params)
                 assert speed.ids == plain.ids, (which, params, prompt)
                 accepted, mispredicted = accepted + speed.stats.accepted, mispredicted + speed.stats.mispredicted
