@@ -4,7 +4,8 @@ server's scheduler (continuous batching, 128-token prefill chunks), in one run:
     speedc build zoo:small -o out/small
     python benchmarks/prefix_cache.py --artifact out/small            # a ~1,000-token conversation
 
-Turn 1: a long user message (Shakespeare text, --history tokens) and a reply of --reply tokens. Turn 2:
+Turn 1: a long user message (Shakespeare text, --history tokens; random ids, seeded, where the artifact has
+no tokenizer, e.g. a random-weight checkpoint of a real shape) and a reply of --reply tokens. Turn 2:
 turn 1's prompt + its reply + a short message, asked once from a scheduler with a prefix cache (which
 ran turn 1: its cache holds turn 1's prompt, a new one each round) and once from one without (the
 prefill recomputes every token). Reported: the median first-token seconds of each over --rounds
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import random
 import statistics
 import sys
 from pathlib import Path
@@ -44,11 +46,17 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     engine = Engine.load(args.artifact, threads=args.threads)
-    text = gzip.open(CORPUS, "rt").read()
-    history = engine.encode(text[:20 * args.history])[:args.history]
+    if engine.tokenizer is not None:
+        text = gzip.open(CORPUS, "rt").read()
+        history = engine.encode(text[:20 * args.history])[:args.history]
+        message = engine.encode("\n\nFIRST CITIZEN:\nAnd what says the duke to that?\n")
+    else:  # ids of a random-weight checkpoint: what they say does not matter, only how many there are
+        ids = random.Random(0)
+        vocab = engine.manifest.model["vocab_size"]
+        history, message = ([ids.randrange(vocab) for _ in range(n)] for n in (args.history, 15))
     cold = engine.batch_scheduler(max_batch=8)
     reply, _ = first_token(engine, cold, history, args.reply)
-    turn = history + reply.out + engine.encode("\n\nFIRST CITIZEN:\nAnd what says the duke to that?\n")
+    turn = history + reply.out + message
     if len(turn) + args.new_tokens > engine.manifest.model["max_context"]:
         sys.exit(f"turn 2 ({len(turn)} tokens + {args.new_tokens}) exceeds the context; lower --history")
     hit_seconds, cold_seconds, outputs, saved = [], [], set(), 0
