@@ -371,7 +371,8 @@ class BatchScheduler:
             stats, state = sequence.stats, sequence.acceptance
             alpha = state.alpha if state is not None else stats.acceptance_rate
             stats.step_cost, stats.step_cost_source, stats.depth = round(costs[depth], 3), measured[depth][1], depth
-            stats.bound = round(analytic_bound(depth, alpha, costs[depth]), 3)
+            stats.bound = round(self.acceptance.bound(state, depth, costs[depth]) if state is not None
+                                else analytic_bound(depth, alpha, costs[depth]), 3)
             if state is not None:
                 stats.fallbacks, stats.probes = state.fallbacks, state.probes
         return self.acceptance_allows and self.rows_allow
@@ -602,9 +603,10 @@ class BatchScheduler:
             stats.steps += 1
             stats.speed_steps += 1
             stats.depth_steps[pipeline_depth] = stats.depth_steps.get(pipeline_depth, 0) + 1
-            accepted, failed = stats.accepted, stats.failed_speculations
+            accepted, failed, emitted = stats.accepted, stats.failed_speculations, len(sequence.out)
             self._absorb(sequence, final.get(id(sequence)), guesses.get(id(sequence), {}), events)
-            self.acceptance.stepped(sequence.acceptance, stats.accepted - accepted, stats.failed_speculations - failed)
+            self.acceptance.stepped(sequence.acceptance, stats.accepted - accepted, stats.failed_speculations - failed,
+                                    len(sequence.out) - emitted, pipeline_depth)
             stats.decode_seconds += time.perf_counter() - start
         return "full" if full else "speed"
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from speedc.runtimes.acceptance_policy import AcceptancePolicy
+from speedc.runtimes.acceptance_policy import AcceptancePolicy, SequenceAcceptance
 from speedc.cost_model import analytic_bound, assumed_step_cost
 
 
@@ -78,9 +78,9 @@ def test_the_batch_speculates_while_its_summed_bound_wins():
     """With c/P = 0.4 a sequence at alpha 1 makes 2.5 tokens per plain-token cost in a speed step, one at
     alpha 0 makes 0.625: losers ride along while the winners carry the batch, else all decode plainly."""
     policy = AcceptancePolicy(slots=4, step_cost=1.6)
-    good, bad = SimpleNamespace(alpha=1.0, outcomes=8), SimpleNamespace(alpha=0.0, outcomes=8)
+    good, bad = SequenceAcceptance(1.0, outcomes=8), SequenceAcceptance(0.0, outcomes=8)
     assert policy.batch_speculates([good]) and not policy.batch_speculates([bad])
-    assert policy.batch_speculates([SimpleNamespace(alpha=0.0, outcomes=7)])  # not judged yet: the prior
+    assert policy.batch_speculates([SequenceAcceptance(0.0, outcomes=7)])  # not judged yet: the prior
     assert policy.batch_speculates([good, bad])  # 3.125 > 2
     assert policy.batch_speculates([good] * 2 + [bad] * 3)  # 6.875 > 5
     assert policy.batch_speculates([good] + [bad] * 3)  # 4.375 > 4
@@ -109,9 +109,34 @@ def test_the_decision_follows_the_step_cost_it_is_given():
     policy.observe(state, accepted=3, failed=1)  # alpha 0.75: alpha* is 0.5 at c 1.6, 0.86 at c 2.8
     assert policy.wants_speculation(state, cost=1.6) and state.speculating
     assert not policy.wants_speculation(state, cost=2.8) and state.fallbacks == 1  # bound 0.82: below 1 - margin
-    assert policy.batch_speculates([SimpleNamespace(alpha=0.75, outcomes=8)], cost=1.6)
-    assert not policy.batch_speculates([SimpleNamespace(alpha=0.75, outcomes=8)], speculating=False, cost=2.8)
+    assert policy.batch_speculates([SequenceAcceptance(0.75, outcomes=8)], cost=1.6)
+    assert not policy.batch_speculates([SequenceAcceptance(0.75, outcomes=8)], speculating=False, cost=2.8)
     assert policy.threshold_at(2.8) == pytest.approx(1 - (4 / 2.8 - 1) / 3)
+
+
+def test_measured_tokens_per_step_replace_the_formula_once_enough_steps_ran():
+    """A miss caught by an early exit loses fewer than P - 1 steps, so the bound's 1 / (1 + (1 - a)(P - 1))
+    tokens a step undercounts: after yield_steps speed steps at a depth the sequence's measured yield decides.
+    Acceptance 0.7 at c(4) 2.0: the formula says 0.53 tokens a step (bound 1.05); a yield of 0.75 says 1.5."""
+    policy = AcceptancePolicy(slots=4, step_cost=2.0, min_outcomes=4, yield_steps=8, margin=0.0)
+    state = policy.start()
+    for _ in range(7):
+        policy.stepped(state, accepted=1, failed=0, emitted=1, depth=4)
+    state.alpha = 0.7
+    assert policy.tokens_per_step(state, 4) == pytest.approx(1 / (1 + 0.3 * 3))  # 7 steps: not yet measured
+    assert policy.bound(state, 4, 2.0) == pytest.approx(analytic_bound(4, 0.7, 2.0))
+    for emitted in (1, 0, 1, 1, 1, 0, 1, 1, 0):
+        policy.stepped(state, accepted=0, failed=0, emitted=emitted, depth=4)
+    state.alpha = 0.7
+    yield_ = policy.tokens_per_step(state, 4)
+    assert 0.6 < yield_ < 0.9 and policy.bound(state, 4, 2.0) == pytest.approx(yield_ * 4 / 2.0)
+    assert policy.tokens_per_step(state, 2) == pytest.approx(1 / (1 + 0.3))  # another depth: its own record
+    # A yield as low as the formula's at a dear step loses: the sequence falls back, and its probe starts afresh.
+    for _ in range(40):
+        policy.stepped(state, accepted=0, failed=0, emitted=0, depth=4)
+    assert not policy.wants_speculation(state, cost=3.0) and state.fallbacks == 1
+    state.plain_tokens = state.probe_after
+    assert policy.wants_speculation(state, cost=3.0) and state.probing and state.yields == {}
 
 
 def test_a_new_sequence_starts_from_what_the_engine_learned():
@@ -179,7 +204,7 @@ def test_the_depth_that_emits_most_per_unit_of_time_is_chosen():
     loses less to each miss, and a sequence keeps speculating where some depth still wins."""
     policy = AcceptancePolicy(slots=4, step_cost=2.3)
     costs = {4: 2.3, 2: 1.4}
-    high, middle = SimpleNamespace(alpha=0.95, outcomes=8), SimpleNamespace(alpha=0.6, outcomes=8)
+    high, middle = SequenceAcceptance(0.95, outcomes=8), SequenceAcceptance(0.6, outcomes=8)
     assert policy.best_depth([high], costs) == 4  # 4 x 0.870 / 2.3 = 1.51 against 2 x 0.952 / 1.4 = 1.36
     assert policy.best_depth([middle], costs) == 2  # 4 x 0.455 / 2.3 = 0.79 against 2 x 0.714 / 1.4 = 1.02
     assert policy.batch_speculates([middle], cost=1.4, depth=2) and not policy.batch_speculates([middle], cost=2.3)
