@@ -147,7 +147,7 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
         found = found_plan_checkpoint(state)
         if found is not None:  # share found a prelude / core / coda the trace ran as plain layers: trace it as phases
             cfg, weights = found
-            notes = [*state.notes, f"build: traced again with the depth plan share found ({cfg.depth_plan.describe()})"]
+            notes = [f"build: traced again with the depth plan share found in the weights ({cfg.depth_plan.describe()})"]
             state = CompileState(cfg, weights, options, has_speedc_section=state.has_speedc_section,
                                  acceptance_hint=state.acceptance_hint, notes=notes)
             state, reports = run_passes(state, passes, dump_after=set(dump_after or []),
