@@ -29,6 +29,7 @@ from speedc.passes import (batch_step_graph, cleanup, exit_heads, fuse_projectio
 from speedc.passes.base import BuildOptions, CompileState, PassReport, require_facts, run_passes
 from speedc.passes.block_quant import ACCURACY_LEVEL, BITS, BLOCK_SIZES, quantized_bytes_per_element
 from speedc.passes.trace import OPSET
+from speedc.passes.schedule import found_plan_checkpoint
 
 PIPELINE: list[tuple[str, list[str]]] = [
     ("import", ["trace"]),
@@ -143,6 +144,14 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
     try:
         state, reports = run_passes(state, passes, dump_after=set(dump_after or []), dump_dir=out.parent / f"{out.name}.dumps",
                                     on_pass=on_pass)
+        found = found_plan_checkpoint(state)
+        if found is not None:  # share found a prelude / core / coda the trace ran as plain layers: trace it as phases
+            cfg, weights = found
+            notes = [f"build: traced again with the depth plan share found in the weights ({cfg.depth_plan.describe()})"]
+            state = CompileState(cfg, weights, options, has_speedc_section=state.has_speedc_section,
+                                 acceptance_hint=state.acceptance_hint, notes=notes)
+            state, reports = run_passes(state, passes, dump_after=set(dump_after or []),
+                                        dump_dir=out.parent / f"{out.name}.dumps", on_pass=on_pass)
         require_facts(state, ARTIFACT_REQUIRES + (("quantized_weights",) if options.dtype in BITS else ()),
                       "the artifact writer")
         if options.target == "trt":

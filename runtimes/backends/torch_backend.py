@@ -37,7 +37,6 @@ from speedc.format.artifact import (CONFIG, Manifest, checkpoint_tensor_names, d
                              read_weight)
 from speedc.errors import GenerationError, OutOfMemory, SpeedcError
 from speedc.models.config import ModelConfig
-from speedc.models.layer_map import valid_slot_counts
 from speedc.models.llama import SharedLlama
 from speedc.models.row_layer import RowContext, layer_over_rows, loop_boundary, rotary_inv_freq, row_context
 from speedc.models.sampling import is_integer
@@ -111,8 +110,8 @@ class TorchBackend:
                    shrink_after: int = SHRINK_AFTER_STEPS, cuda_graphs: bool = False,
                    exact: bool = False) -> "TorchBackend":
         """A backend over an in-memory model (no artifact): what the GPU check uses where only torch is
-        installed. SLOTS must be a valid pipeline depth for the layer map (valid_slot_counts)."""
-        if slots not in valid_slot_counts(model.cfg.layer_map, model.cfg.exit_layer):
+        installed. SLOTS must be a valid pipeline depth of its depth plan (DepthPlan.valid_slots)."""
+        if slots not in model.cfg.depth_plan.valid_slots(model.cfg.exit_layer):
             raise SpeedcError(f"{slots} slots do not fit the layer map {model.cfg.layer_map} (exit after {model.cfg.exit_layer})")
         backend = cls.__new__(cls)
         backend._setup(model, slots, max_batch, capacity, device, threads, min_length=min_length, shrink_after=shrink_after,
