@@ -55,7 +55,7 @@ def measure_step_cost(backend, context: int, repeats: int = 50) -> float:
     import numpy as np
 
     from speedc.bench.run import interleaved_medians
-    from speedc.runtimes.backends.onnx import HeadRows
+    from speedc.runtimes.backends.protocol import HeadRows
 
     slots = backend.slots
     if slots == 1:
