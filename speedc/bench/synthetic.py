@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from speedc.bench.floor import measure_floor, measure_kernel
-from speedc.bench.run import measure_step_times
+from speedc.step_cost import measure_step_times
 from speedc.errors import SpeedcError
 
 # Residual scale for --end-to-end on random weights: each block then adds little to the residual

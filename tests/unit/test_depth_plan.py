@@ -136,7 +136,7 @@ def test_speedc_middle_cycle_checkpoint_pipelines_losslessly(tmp_path):
     """speedc's own checkpoint with a middle-cycle layer map (declared in its speedc section) gets the
     prelude / coda pipeline too: batched SPEED == batched plain == the PyTorch reference (greedy), SPEED ==
     plain (seeded sampling), with mispredictions (random weights). The transformers oracle for this
-    shape is tests/test_family_looped_llama.py."""
+    shape is tests/numeric/test_family_looped_llama.py."""
     import torch
 
     from conftest import build_artifact, randomize

@@ -1,6 +1,6 @@
 """Continuous batching on the zoo model: generate_batch, the asyncio engine loop (streaming, cancel),
 the KV-cache pool limits, old artifacts, and `speedc generate --prompts-file`. Losslessness over random
-models with forced mispredictions is the property test in tests/test_properties.py."""
+models with forced mispredictions is the property test in tests/numeric/test_properties.py."""
 
 from __future__ import annotations
 
