@@ -107,10 +107,6 @@ class ModelConfig:
                                   "recurrent core with an injection (Huginn) whose start state could be chosen")
         return dataclasses.replace(self, depth_plan=dataclasses.replace(plan, state_init=kind, state_seed=seed))
 
-    def ends_loop(self, layer: int) -> bool:
-        """Whether logical layer LAYER is followed by the loop-boundary norm (the end of a core repeat)."""
-        return self.depth_plan.ends_repeat(layer)
-
     def validate(self) -> None:
         def need(cond: bool, message: str) -> None:
             if not cond:

@@ -29,8 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Iterator
 
 from speedc.errors import CheckpointError
-
-PRELUDE, CORE, CODA = "prelude", "core", "coda"
+from speedc.format.cache_layout import CODA, CORE, PRELUDE, CacheLayout  # the phase names the artifact uses
 INJECTIONS = (None, "adapter-concat")  # how a repeat reads the entry state e (None: it does not)
 STATE_INITS = ("zero", "random")  # the core's start state (random: drawn per position, see DepthPlan)
 
@@ -52,7 +51,7 @@ class DepthPlan:
     core: tuple[int, ...]  # blocks of one core repeat
     repeats: int  # R
     coda: tuple[int, ...] = ()  # blocks run at each readout
-    repeat_norm: bool = False  # model.norm replaces the state after every core repeat (Ouro, Nanbeige)
+    loop_norm: bool = False  # model.norm replaces the state after every core repeat (Ouro, Nanbeige)
     final_norm: bool = True  # the final readout's head applies model.norm
     injection: str | None = None  # each repeat reads adapter(cat[state, entry state e]) (Huginn)
     readout_norm: bool = False  # model.norm on the core's state at every readout, before the coda (Huginn's ln_f)
@@ -102,17 +101,17 @@ class DepthPlan:
             layer += 1
         for repeat in range(self.repeats):
             for index, block in enumerate(self.core):
-                yield LayerStep(layer, block, CORE, repeat, self.repeat_norm and index == len(self.core) - 1,
+                yield LayerStep(layer, block, CORE, repeat, self.loop_norm and index == len(self.core) - 1,
                                 bool(self.injection) and index == 0)
                 layer += 1
         for block in self.coda:
             yield LayerStep(layer, block, CODA, 0, False)
             layer += 1
 
-    def ends_repeat(self, layer: int) -> bool:
+    def ends_loop(self, layer: int) -> bool:
         """Whether model.norm follows logical layer LAYER (the end of a core repeat, when the plan norms there)."""
         core_at = layer - len(self.prelude)
-        return (self.repeat_norm and 0 <= core_at < len(self.core) * self.repeats
+        return (self.loop_norm and 0 <= core_at < len(self.core) * self.repeats
                 and (core_at + 1) % len(self.core) == 0)
 
     def injects_before(self, layer: int) -> bool:
@@ -137,6 +136,10 @@ class DepthPlan:
                 valid.append(slots)
         return valid
 
+    def cache_layout(self, slots: int) -> CacheLayout:
+        """Where each layer's K/V lives with this plan pipelined over SLOTS (what the graphs and backends address)."""
+        return CacheLayout.from_phases(len(self.prelude), len(self.core), self.repeats, len(self.coda), slots)
+
     def pipeline(self, slots: int, draft_layer: int) -> "SlotPlan":
         if slots != 1 and self.repeats % slots:
             raise CheckpointError(f"depth plan: {slots} slots do not divide {self.repeats} core repeats")
@@ -159,7 +162,7 @@ class DepthPlan:
 
     def to_json(self) -> dict:
         return {"prelude": list(self.prelude), "core": list(self.core), "repeats": self.repeats, "coda": list(self.coda),
-                "repeat_norm": self.repeat_norm, "final_norm": self.final_norm, "injection": self.injection,
+                "loop_norm": self.loop_norm, "final_norm": self.final_norm, "injection": self.injection,
                 "readout_norm": self.readout_norm, "state_init": self.state_init, "state_seed": self.state_seed,
                 "state_std": self.state_std}
 
@@ -167,7 +170,7 @@ class DepthPlan:
     def from_json(cls, data: dict) -> "DepthPlan":
         try:
             return cls(tuple(data["prelude"]), tuple(data["core"]), int(data["repeats"]), tuple(data.get("coda", ())),
-                       bool(data.get("repeat_norm", False)), bool(data.get("final_norm", True)), data.get("injection"),
+                       bool(data.get("loop_norm", False)), bool(data.get("final_norm", True)), data.get("injection"),
                        bool(data.get("readout_norm", False)), str(data.get("state_init", "zero")),
                        int(data.get("state_seed", 0)), float(data.get("state_std", 0.0)))
         except (KeyError, TypeError, ValueError) as bad:
@@ -175,7 +178,7 @@ class DepthPlan:
 
     def describe(self) -> str:
         parts = [f"prelude {list(self.prelude)}"] if self.prelude else []
-        parts.append(f"core {list(self.core)} x {self.repeats}" + (" (norm each repeat)" if self.repeat_norm else ""))
+        parts.append(f"core {list(self.core)} x {self.repeats}" + (" (norm each repeat)" if self.loop_norm else ""))
         if self.coda:
             parts.append(f"coda {list(self.coda)}")
         if self.injection:
@@ -244,14 +247,14 @@ def _smallest_period(seq: list[int]) -> int:
     return period if n % period == 0 else n
 
 
-def derive_plan(layer_map: list[int], repeat_norm: bool = False, final_norm: bool = True) -> DepthPlan:
+def derive_plan(layer_map: list[int], loop_norm: bool = False, final_norm: bool = True) -> DepthPlan:
     """The decomposition prelude + core x R + coda of LAYER_MAP: the whole map as one cycle when it repeats
     (what SPEED pipelines without a prelude or coda), else the decomposition with the most repeats R; among
     those the fewest layers outside the core, then the shortest coda (a coda costs K/V per readout depth)."""
     n = len(layer_map)
     period = _smallest_period(list(layer_map))
     if period < n or len(set(layer_map)) == n:  # one cycle repeated (SPEED's own shape), or nothing repeats at all
-        return DepthPlan((), tuple(layer_map[:period]), n // period, repeat_norm=repeat_norm, final_norm=final_norm)
+        return DepthPlan((), tuple(layer_map[:period]), n // period, loop_norm=loop_norm, final_norm=final_norm)
     best = None
     for outside in range(n):
         for coda in range(outside + 1):
@@ -266,19 +269,19 @@ def derive_plan(layer_map: list[int], repeat_norm: bool = False, final_norm: boo
     _, prelude, period, coda = best
     return DepthPlan(tuple(layer_map[:prelude]), tuple(layer_map[prelude:prelude + period]),
                      (n - prelude - coda) // period, tuple(layer_map[n - coda:]) if coda else (),
-                     repeat_norm=repeat_norm, final_norm=final_norm)
+                     loop_norm=loop_norm, final_norm=final_norm)
 
 
-def fit_plan(layer_map: list[int], declared: DepthPlan | None, repeat_norm: bool, final_norm: bool) -> DepthPlan:
+def fit_plan(layer_map: list[int], declared: DepthPlan | None, loop_norm: bool, final_norm: bool) -> DepthPlan:
     """The plan of LAYER_MAP: the DECLARED one (a family's loops, where its norms sit) relabelled when it
     repeats and fits, else derived from the map. The norms are the caller's (ModelConfig's flags)."""
     if declared is not None and (declared.injection or declared.readout_norm):  # not derivable from a map: it must fit
         if not declared.fits(layer_map):
             raise CheckpointError(f"depth plan ({declared.describe()}) does not fit the layer map {layer_map}")
-        return replace(declared.relabel(layer_map), repeat_norm=repeat_norm, final_norm=final_norm)
+        return replace(declared.relabel(layer_map), loop_norm=loop_norm, final_norm=final_norm)
     if declared is not None and declared.repeats > 1 and declared.fits(layer_map):
-        return replace(declared.relabel(layer_map), repeat_norm=repeat_norm, final_norm=final_norm)
-    return derive_plan(layer_map, repeat_norm, final_norm)
+        return replace(declared.relabel(layer_map), loop_norm=loop_norm, final_norm=final_norm)
+    return derive_plan(layer_map, loop_norm, final_norm)
 
 
 def with_repeats(plan: DepthPlan, repeats: int) -> DepthPlan:
@@ -288,6 +291,6 @@ def with_repeats(plan: DepthPlan, repeats: int) -> DepthPlan:
     return replace(plan, repeats=repeats)
 
 
-def looped_plan(layers: int, loops: int, *, repeat_norm: bool, final_norm: bool) -> DepthPlan:
+def looped_plan(layers: int, loops: int, *, loop_norm: bool, final_norm: bool) -> DepthPlan:
     """A looped checkpoint (Ouro, Nanbeige): the whole stack of LAYERS blocks is the core, run LOOPS times."""
-    return DepthPlan((), tuple(range(layers)), loops, (), repeat_norm=repeat_norm, final_norm=final_norm)
+    return DepthPlan((), tuple(range(layers)), loops, (), loop_norm=loop_norm, final_norm=final_norm)

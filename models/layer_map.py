@@ -108,21 +108,6 @@ def describe_layer_map(layer_map: list[int]) -> str:
     return f"explicit (M={num_blocks})"
 
 
-def valid_slot_counts(layer_map: list[int], exit_layer: int) -> list[int]:
-    """Pipeline depths P whose stages (S = N/P consecutive layers) all run the same block sequence,
-    so one weight load serves every slot, and whose first stage holds the early exit."""
-    n = len(layer_map)
-    valid = []
-    for slots in range(1, n + 1):
-        if n % slots:
-            continue
-        stage = n // slots
-        same = all(layer_map[s * stage + j] == layer_map[j] for s in range(slots) for j in range(stage))
-        if same and (slots == 1 or exit_layer <= stage):
-            valid.append(slots)
-    return valid
-
-
 def first_pass_length(layer_map: list[int]) -> int:
     """Layers until a block repeats: the default exit point (the end of the first pass)."""
     seen: set[int] = set()

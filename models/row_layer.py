@@ -121,4 +121,4 @@ def inject(x: torch.Tensor, entry: torch.Tensor, adapter_weight: torch.Tensor) -
 
 def loop_boundary(x: torch.Tensor, norm_weight: torch.Tensor, cfg: ModelConfig, layer: int) -> torch.Tensor:
     """The state after logical layer LAYER: replaced by model.norm(state) where a loop ends."""
-    return rms_norm(x, norm_weight, cfg.rms_norm_eps) if cfg.ends_loop(layer) else x
+    return rms_norm(x, norm_weight, cfg.rms_norm_eps) if cfg.depth_plan.ends_loop(layer) else x

@@ -37,7 +37,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from speedc.format import contract
-from speedc.format.cache_layout import CORE, CacheLayout
+from speedc.format.cache_layout import CORE
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.exit_heads import final_norm_weight, hidden_output, maybe_norm, weight
 from speedc.passes.graph_utils import add_layer, linear_to_gemm, replace_uses, reshape, tensor, weight_constants
@@ -212,7 +212,7 @@ def build_phase_batch_step_graph(state: CompileState, decode: gs.Graph) -> gs.Gr
 
 def build_batch_step_graph(decode: gs.Graph, state: CompileState) -> gs.Graph:
     cfg, sched = state.cfg, state.schedule
-    layout = CacheLayout.from_plan(sched.depth_plan, sched.slots)
+    layout = sched.cache_layout
     if layout.pipelined_phases:
         return build_phase_batch_step_graph(state, decode)
     slots, stage_layers, hidden_size = layout.slots, layout.stage_layers, cfg.hidden_size

@@ -12,7 +12,7 @@ tensor, so the operators' default zero point 2^(bits-1) applies):
                        scales [N, n_blocks] float32                     (K padded with zeros to n_blocks blocks)
 
 This is what ONNX Runtime's own quantizer (quantize_matmul_4bits / _8bits, symmetric) writes, byte for
-byte (tests/test_quantize_weights.py checks it). The same B and scales feed com.microsoft MatMulNBits
+byte (tests/numeric/test_quantize_weights.py checks it). The same B and scales feed com.microsoft MatMulNBits
 (y = x @ dequant(B)^T) and, with scales seen as [N, n_blocks, 1], GatherBlockQuantized (rows of
 dequant(B) as [n_blocks, block_size]): a tied embedding / LM head is stored once.
 

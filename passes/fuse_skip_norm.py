@@ -20,7 +20,7 @@ row_layer.py), so every layer kept two Adds and two norms as separate kernels (z
 Why every layer norm, even without an Add: a logical layer's norm must run the same kernel in every
 graph. Logical layer s*S of plain decoding follows an Add in the prefill graph, but in a step it is slot
 s's first stage layer, reading hidden_in: fusing only where an Add precedes gave SPEED and plain decoding
-last-bit different logits (measured, tests/test_quantized_artifacts.py). With a zero skip the kernel
+last-bit different logits (measured, tests/numeric/test_quantized_artifacts.py). With a zero skip the kernel
 adds 0 (exact) to the same sum, so both compute the same bits; the kernel is row-invariant (its test).
 Head norms (final, exit, a looped model's loop norm) are left to ONNX Runtime's own fusion, in every graph.
 

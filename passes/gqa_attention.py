@@ -39,7 +39,6 @@ import onnx_graphsurgeon as gs
 
 from speedc.format import contract
 from speedc.errors import BuildError
-from speedc.format.cache_layout import CacheLayout
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.graph_utils import add_layer, ancestors, descendants, import_microsoft_domain, reshape
 
@@ -182,11 +181,6 @@ def rotary_tables(graph: gs.Graph, head_dim: int, theta: float, rows: int) -> tu
             add_layer(graph, op="Sin", inputs=[freqs], outputs=["gqa.sin_cache"])[0])
 
 
-def batch_slots(graph: gs.Graph) -> int:
-    """P, from the standard batch step's per-slot cache slabs cache.key.0.{s}."""
-    return sum(1 for t in graph.inputs if t.name.startswith("cache.key.0."))
-
-
 class BatchPool:
     r"""The batch step's attention over the runtime's cache pool (runtimes/backends/onnx.py): stage layer
     j's slabs of every slot and every pool row are one buffer [P*W, kvh, T, hd] (row s*W + b), so
@@ -275,7 +269,10 @@ class BatchPool:
         return add_layer(self.graph, op="Gather", inputs=[out, self.index], outputs=[name], attrs={"axis": 0})[0]
 
 
-def lower_to_gqa(graph: gs.Graph, *, heads: int, kv_heads: int, head_dim: int, theta: float, max_context: int) -> gs.Graph:
+def lower_to_gqa(graph: gs.Graph, *, slots: int, heads: int, kv_heads: int, head_dim: int, theta: float,
+                 max_context: int) -> gs.Graph:
+    """GRAPH with one fused GroupQueryAttention per layer. SLOTS: the batch step's pipeline depth P (its
+    per-slot cache slabs become the pool), 0 for the prefill."""
     graph = graph.copy()
     standard = graph.name  # the graph this fused variant stands in for
     layers = _layers(graph)
@@ -329,7 +326,6 @@ def lower_to_gqa(graph: gs.Graph, *, heads: int, kv_heads: int, head_dim: int, t
         cache_outputs.extend(presents)
         return out
 
-    slots = batch_slots(graph)  # the batch step's per-slot slabs (0: another graph)
     width = (heads + 2 * kv_heads) * head_dim  # packed q|k|v
     pool = None
     if slots:  # the pool inputs replace the per-slot slabs (their Concats fall away with the old attention)
@@ -370,7 +366,7 @@ def gqa_attention(state: CompileState) -> CompileState:
     if state.options.target != "onnx":
         return state
     cfg = state.cfg
-    if CacheLayout.from_plan(state.schedule.depth_plan, state.schedule.slots).pipelined_phases:
+    if state.schedule.cache_layout.pipelined_phases:
         state.notes.append("gqa_attention: skipped (the fused batch step runs a cycle; this plan pipelines a prelude / coda)")
         return state
     if cfg.qk_bias:  # an Add on q and k before rotary: not what the fusion's packed q|k|v input computes
@@ -382,7 +378,8 @@ def gqa_attention(state: CompileState) -> CompileState:
         return state
     for name in [n for n in contract.PROGRAMS if n in state.graphs]:
         state.graphs[contract.fused(name)] = lower_to_gqa(
-            state.graphs[name], heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
+            state.graphs[name], slots=state.schedule.slots if name == contract.BATCH_STEP else 0,
+            heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim, theta=cfg.rope_theta, max_context=cfg.max_position_embeddings)
     state.notes.append("gqa_attention: added ONNX Runtime variants with fused GroupQueryAttention")
     return state

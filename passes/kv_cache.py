@@ -21,7 +21,6 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from speedc.format import contract
-from speedc.format.cache_layout import CacheLayout
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.graph_utils import add_layer
 
@@ -64,7 +63,7 @@ def rename_cache_inputs(graph: gs.Graph) -> None:
 def kv_cache(state: CompileState) -> CompileState:
     """Name cache inputs per (stage) layer and stack the new K/V rows into one output each."""
     cfg, sched = state.cfg, state.schedule
-    layout = CacheLayout.from_plan(sched.depth_plan, sched.slots)  # prefill: one entry a logical layer (+ readout codas)
+    layout = sched.cache_layout  # prefill: one entry a logical layer (+ readout codas)
     shapes = {contract.PREFILL: (len(layout.entries), "batch", "chunk"), contract.BATCH_STEP: (layout.stage_layers, "rows", 1)}
     for name in [n for n in shapes if n in state.graphs]:  # a plain engine (P = 1) has no batch step
         graph = state.graphs[name]

@@ -68,14 +68,14 @@ class PhaseStepProgram(nn.Module):
         if not llama.cfg.tie_word_embeddings:
             self.lm_head = llama.lm_head  # unused here; kept so parameter names match the checkpoint's
         self.register_buffer("inv_freq", rotary_inv_freq(self.cfg), persistent=False)
-        self.layout = CacheLayout.from_plan(pipeline.plan.to_json(), pipeline.slots)  # the runtime's addressing
+        self.layout = pipeline.plan.cache_layout(pipeline.slots)  # the runtime's addressing
 
     def _run(self, blocks, x, ctx, slabs, first_layer: int):
         """x [r, H] through BLOCKS against SLABS [(k, v)] -> (x, [k], [v]), model.norm where a repeat ends."""
         keys, values = [], []
         for offset, (block, (past_k, past_v)) in enumerate(zip(blocks, slabs)):
             x, k, v = layer_over_rows(self.model.blocks[block], x, ctx, past_k, past_v, self.cfg)
-            if self.cfg.depth_plan.ends_repeat(first_layer + offset):
+            if self.cfg.depth_plan.ends_loop(first_layer + offset):
                 x = rms_norm(x, self.model.norm.weight, self.cfg.rms_norm_eps)
             keys.append(k)
             values.append(v)

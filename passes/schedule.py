@@ -11,6 +11,11 @@ acceptance (the option, else the checkpoint's measured exit/final agreement, els
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
+from speedc.models.checkpoint.tensor_source import TensorSource
+from speedc.models.config import ModelConfig
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.trace import draft_coda
 from speedc.cost_model import DEFAULT_ALPHA, make_schedule
@@ -23,6 +28,31 @@ def phases_pipeline(state: CompileState) -> bool:
     same = (len(plan.prelude), len(plan.core), plan.repeats, len(plan.coda)) == (
         len(traced.prelude), len(traced.core), traced.repeats, len(traced.coda))
     return same and state.exit_layer == cfg.exit_layer and (draft_coda(cfg) or not plan.coda)
+
+
+_BLOCK_WEIGHT = re.compile(r"^model\.blocks\.(\d+)\.(.+)$")
+
+
+def found_plan_checkpoint(state: CompileState) -> tuple[ModelConfig, dict[str, TensorSource]] | None:
+    """The checkpoint as the depth plan share found (config and weights, block b's weights those of the
+    first layer running it), when that plan has a prelude / coda the traced program did not run as phases:
+    traced again from these, it pipelines like the same plan declared by a family. None: nothing to retrace."""
+    plan, cfg = state.depth_plan, state.cfg
+    if plan is None or plan.cycle or plan.repeats < 2 or phases_pipeline(state):
+        return None
+    if cfg.layer_map == state.layer_map or not len(plan.prelude) < state.exit_layer <= plan.num_layers - len(plan.coda):
+        return None  # the declared map already (its exit elsewhere), or a draft tap outside the core
+    weights = {name: source for name, source in state.weights.items() if not _BLOCK_WEIGHT.match(name)}
+    for name, source in state.weights.items():
+        match = _BLOCK_WEIGHT.match(name)
+        if match is None:
+            continue
+        layer = cfg.layer_map.index(int(match.group(1)))  # the first logical layer reading this stored block
+        block = state.layer_map[layer]
+        if state.layer_map.index(block) == layer:  # later copies of the block are the same values
+            weights[f"model.blocks.{block}.{match.group(2)}"] = source
+    found = dataclasses.replace(cfg, layer_map=list(state.layer_map), exit_layer=state.exit_layer, depth_plan=plan)
+    return found, weights
 
 
 @register_pass("schedule", phase="analysis", requires=("layer_map",), provides=("schedule",))

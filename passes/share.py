@@ -154,7 +154,7 @@ def share(state: CompileState) -> CompileState:
         state.exit_norm = "model.norm.weight" if state.depth_plan.final_norm else None
     elif declared == "own" and state.has_speedc_section:
         state.exit_norm = "model.exit_norm.weight"
-    elif declared == "none" or state.depth_plan.ends_repeat(exit_layer - 1):
+    elif declared == "none" or state.depth_plan.ends_loop(exit_layer - 1):
         state.exit_norm = None  # the loop-boundary norm already normalized the state the exit reads
     else:
         state.exit_norm = "model.norm.weight"

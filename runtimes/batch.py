@@ -1,5 +1,6 @@
 """Continuous batching: many sequences, each with its own P-slot SPEED pipeline and sampling stream,
-advanced together one step at a time (the backend is runtimes/backends/onnx.py).
+advanced together one step at a time by any backend that provides runtimes/backends/protocol.py
+(ONNX Runtime: runtimes/backends/onnx.py; PyTorch: runtimes/backends/torch_backend.py).
 
 One scheduler iteration (`BatchScheduler.step`):
 
@@ -41,7 +42,7 @@ from speedc.cost_model import analytic_bound, assumed_step_cost, describe_assume
 from speedc.errors import GenerationError, OutOfMemory
 from speedc.runtimes.acceptance_policy import AcceptancePolicy, AlwaysSpeculate
 from speedc.runtimes.step_costs import StepCosts
-from speedc.runtimes.backends.onnx import BatchBackend, HeadRows
+from speedc.runtimes.backends.protocol import BatchBackendProtocol, HeadRows
 from speedc.models.sampling import token_logprob
 from speedc.runtimes.decode import DecodeStats, Pipeline, Request, Slot, emit_token
 from speedc.runtimes.prefix_cache import PrefixCache
@@ -115,7 +116,7 @@ Event = tuple[Sequence, int | None]  # (sequence, confirmed token) or (sequence,
 class BatchScheduler:
     """Owns a BatchBackend's pool; `submit` and `cancel` may be called from any thread, `step` from one."""
 
-    def __init__(self, backend: BatchBackend, *, policy: RowPolicy | None = None,
+    def __init__(self, backend: BatchBackendProtocol, *, policy: RowPolicy | None = None,
                  acceptance: AcceptancePolicy | AlwaysSpeculate | None = None, prefill_chunk: int = 128,
                  first_token_alone: bool = False, costs: StepCosts | None = None,
                  prefix_cache: PrefixCache | None = None) -> None:

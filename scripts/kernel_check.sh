@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Kernel check: speedc's int4/int8 product kernel (runtimes/kernels/) on this CPU, for CPUs this
 # project's machines lack (AVX-VNNI, AVX-512 VNNI, Arm dotprod / i8mm): the paths it runs, every path's
-# tests (exact integer sums, row and thread invariance, the reference; tests/test_block_product_kernel.py),
+# tests (exact integer sums, row and thread invariance, the reference; tests/numeric/test_block_product_kernel.py),
 # then each path's time for 1, 2, 4 and 8 rows over Ouro-1.4B's products beside MatMulNBits and the
 # memory floor (speedc.bench.floor.measure_kernel, int4 and int8). Written to kernel_check.json (or
 # $OUT/kernel_check.json) with the CPU's model and flags.
@@ -18,7 +18,7 @@ source "$(dirname "$0")/checkout_python.sh"
 export SPEEDC_KERNEL_CACHE="$STAGE/kernels"
 tests="$(mktemp)"
 set +e
-timeout 300 "$PYTHON" -m pytest -q -p no:cacheprovider "$REPO/tests/test_block_product_kernel.py" >"$tests" 2>&1
+timeout 300 "$PYTHON" -m pytest -q -p no:cacheprovider "$REPO/tests/numeric/test_block_product_kernel.py" >"$tests" 2>&1
 passed=$?
 set -e
 tail -5 "$tests"

@@ -29,6 +29,7 @@ from speedc.passes import (batch_step_graph, cleanup, exit_heads, fuse_projectio
 from speedc.passes.base import BuildOptions, CompileState, PassReport, require_facts, run_passes
 from speedc.passes.block_quant import ACCURACY_LEVEL, BITS, BLOCK_SIZES, quantized_bytes_per_element
 from speedc.passes.trace import OPSET
+from speedc.passes.schedule import found_plan_checkpoint
 
 PIPELINE: list[tuple[str, list[str]]] = [
     ("import", ["trace"]),
@@ -114,91 +115,28 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
     checkpoint, out = Path(checkpoint), Path(out)
     started = time.perf_counter()
     passes = list(PASS_ORDER if passes is None else passes)
-    unknown = sorted(set(dump_after or []) - set(passes))
-    if unknown:
-        raise BuildError(f"--dump-after {unknown[0]}: no such pass (passes: {', '.join(passes)})")
+    check_dump_after(dump_after or [], passes)
     check_output(out, checkpoint, force)
-    declared = declared_tensor_bytes(checkpoint) if checkpoint.is_dir() else {}
-    if options.dtype is None:
-        options = dataclasses.replace(options, dtype=default_storage(declared))
-    elements = declared_elements(declared)
-    check_disk_space(elements, out, options)
-    cfg, weights = open_checkpoint(checkpoint, allow_pickle=allow_pickle)
-    if options.eos_token_id is not None:
-        if not 0 <= options.eos_token_id < cfg.vocab_size:
-            raise BuildError(f"--eos-token-id {options.eos_token_id} is outside the vocabulary (0..{cfg.vocab_size - 1})")
-        cfg = dataclasses.replace(cfg, eos_token_id=options.eos_token_id, eos_token_ids=(options.eos_token_id,))
-    if options.recurrence is not None:
-        cfg = cfg.with_recurrence(options.recurrence)
-    if options.state_init is not None:
-        cfg = cfg.with_state_init(options.state_init, options.state_seed)
-    tokenizer = read_tokenizer_json(checkpoint, cfg.vocab_size) if checkpoint.is_dir() else None  # checked before compiling
+    options = storage_options(checkpoint, out, options)
+    cfg, weights, tokenizer = read_checkpoint(checkpoint, options, allow_pickle)
     state = CompileState(cfg, weights, options, has_speedc_section=has_speedc_section(checkpoint),
                          acceptance_hint=acceptance_hint_from_training(checkpoint))
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    except OSError as bad:
-        raise BuildError(f"cannot write into {out.parent}: {bad.strerror or bad}") from None
+    tmp = staging_dir(out)
     try:
         state, reports = run_passes(state, passes, dump_after=set(dump_after or []), dump_dir=out.parent / f"{out.name}.dumps",
                                     on_pass=on_pass)
-        require_facts(state, ARTIFACT_REQUIRES + (("quantized_weights",) if options.dtype in BITS else ()),
-                      "the artifact writer")
-        if options.target == "trt":
-            raise BuildError("--target trt: TensorRT engine building is not available in this speedc build "
-                             "(the TensorRT lint passed; build --target onnx to deploy with ONNX Runtime)")
+        found = found_plan_checkpoint(state)
+        if found is not None:  # share found a prelude / core / coda the trace ran as plain layers: trace it as phases
+            state, reports = run_passes(found_plan_state(state, *found), passes, dump_after=set(dump_after or []),
+                                        dump_dir=out.parent / f"{out.name}.dumps", on_pass=on_pass)
+        check_writable(state, options)
         progress("writing the graphs and streaming the weights into the artifact")
-        specs, index = write_graphs(state.graphs, tmp, set(weights), state.weight_parts, on_bytes=on_weight_bytes,
-                                    aliases=state.weight_aliases, native=state.native_graphs)
-        cfg.save(tmp / CONFIG)
-        if tokenizer is not None:
-            (tmp / TOKENIZER).write_text(tokenizer)
-        for name in (TOKENIZER_CONFIG, CHAT_TEMPLATE):  # the chat template travels with the artifact
-            if checkpoint.is_dir() and (checkpoint / name).is_file():
-                shutil.copyfile(checkpoint / name, tmp / name)
-        stored = sum(e["length"] for e in stored_entries(index).values())
-        unique_bytes, unrolled_bytes = weight_bytes(index, state.layer_map)
-        schedule = state.schedule.to_json()
-        manifest = Manifest(
-            format_version=FORMAT_VERSION, speedc_version=__version__, onnx_opset=OPSET,
-            source_checkpoint_sha256=checkpoint_hash(checkpoint),
-            model={"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "state_width": cfg.state_width,
-                   **({"initial_state": {"seed": cfg.depth_plan.state_seed, "std": cfg.depth_plan.state_std}}
-                      if cfg.depth_plan.state_init == "random" else {}),
-                   "num_layers": cfg.num_hidden_layers,
-                   "num_kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
-                   "max_context": cfg.max_position_embeddings, "eos_token_id": cfg.eos_token_id,
-                   "eos_token_ids": list(cfg.eos_token_ids),
-                   "num_unique_blocks": max(state.layer_map) + 1, "exit_norm": state.exit_norm,
-                   "bos_token_id": cfg.bos_token_id, "architecture": cfg.architecture},
-            layer_map=state.layer_map, exit_layer=state.exit_layer, schedule=schedule, dtype=options.dtype,
-            target=options.target, graphs=specs,
-            weights={"file": WEIGHTS, "unique_bytes_fp32": unique_bytes, "unrolled_bytes_fp32": unrolled_bytes,
-                     "stored_bytes": stored, "index": index,
-                     **({"native_artifact": state.native_artifact_id} if state.native_graphs else {}),
-                     **({"quantization": {"bits": BITS[options.dtype], "block_size": options.block_size,
-                                          "head_bits": BITS[options.head_dtype or options.dtype],
-                                          "accuracy_level": ACCURACY_LEVEL, "symmetric": True,
-                                          "ops": ["com.microsoft.MatMulNBits", "com.microsoft.GatherBlockQuantized"]}}
-                        if options.dtype in BITS else {})},
-            build={"passes": [{"name": r.name, "phase": r.phase, "seconds": round(r.seconds, 3), "nodes": r.nodes,
-                               "initializer_bytes": r.initializer_bytes} for r in reports],
-                   "notes": state.notes},
-        )
+        specs, index = write_files(state, checkpoint, tokenizer, tmp, on_weight_bytes)
+        manifest = artifact_manifest(state, checkpoint, specs, index, reports)
         write_manifest(tmp, manifest)
         if measure_step_cost and options.target == "onnx" and manifest.slots > 1:
-            from speedc.step_cost import measure_artifact
-
             progress("measuring the step cost c(P) on this machine")
-            try:
-                manifest.build["step_cost_measured"] = measure_artifact(tmp)
-            except SpeedcError:
-                raise
-            except Exception as bad:  # ONNX Runtime's own exception types: the graphs do not run here
-                raise BuildError(f"the built graphs failed to run while measuring c(P) ({str(bad).splitlines()[0]}); "
-                                 "nothing was written. Please report it; --no-measure skips the measurement") from None
-            write_manifest(tmp, manifest)
+            measure_into_manifest(tmp, manifest)
         tmp.chmod(0o755)
         install(tmp, out, force)
     except SpeedcError:
@@ -211,3 +149,118 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return BuildResult(out, manifest, reports, state.notes, time.perf_counter() - started)
+
+
+# The stages of build(), in its order.
+
+def check_dump_after(dump_after: list[str], passes: list[str]) -> None:
+    unknown = sorted(set(dump_after) - set(passes))
+    if unknown:
+        raise BuildError(f"--dump-after {unknown[0]}: no such pass (passes: {', '.join(passes)})")
+
+
+def storage_options(checkpoint: Path, out: Path, options: BuildOptions) -> BuildOptions:
+    """OPTIONS with the storage dtype settled (the checkpoint's own when unset), after checking the disk holds it."""
+    declared = declared_tensor_bytes(checkpoint) if checkpoint.is_dir() else {}
+    if options.dtype is None:
+        options = dataclasses.replace(options, dtype=default_storage(declared))
+    check_disk_space(declared_elements(declared), out, options)
+    return options
+
+
+def read_checkpoint(checkpoint: Path, options: BuildOptions, allow_pickle: bool):
+    """(config with the options' overrides, lazy weights, tokenizer.json text or None), all checked before compiling."""
+    cfg, weights = open_checkpoint(checkpoint, allow_pickle=allow_pickle)
+    if options.eos_token_id is not None:
+        if not 0 <= options.eos_token_id < cfg.vocab_size:
+            raise BuildError(f"--eos-token-id {options.eos_token_id} is outside the vocabulary (0..{cfg.vocab_size - 1})")
+        cfg = dataclasses.replace(cfg, eos_token_id=options.eos_token_id, eos_token_ids=(options.eos_token_id,))
+    if options.recurrence is not None:
+        cfg = cfg.with_recurrence(options.recurrence)
+    if options.state_init is not None:
+        cfg = cfg.with_state_init(options.state_init, options.state_seed)
+    tokenizer = read_tokenizer_json(checkpoint, cfg.vocab_size) if checkpoint.is_dir() else None
+    return cfg, weights, tokenizer
+
+
+def staging_dir(out: Path) -> Path:
+    """A fresh folder beside OUT that install() renames into place once the artifact is complete."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    except OSError as bad:
+        raise BuildError(f"cannot write into {out.parent}: {bad.strerror or bad}") from None
+
+
+def found_plan_state(state: CompileState, cfg, weights) -> CompileState:
+    """A fresh compile state of CFG / WEIGHTS (the checkpoint as the plan share found in it) for a second trace."""
+    notes = [f"build: traced again with the depth plan share found in the weights ({cfg.depth_plan.describe()})"]
+    return CompileState(cfg, weights, state.options, has_speedc_section=state.has_speedc_section,
+                        acceptance_hint=state.acceptance_hint, notes=notes)
+
+
+def check_writable(state: CompileState, options: BuildOptions) -> None:
+    require_facts(state, ARTIFACT_REQUIRES + (("quantized_weights",) if options.dtype in BITS else ()),
+                  "the artifact writer")
+    if options.target == "trt":
+        raise BuildError("--target trt: TensorRT engine building is not available in this speedc build "
+                         "(the TensorRT lint passed; build --target onnx to deploy with ONNX Runtime)")
+
+
+def write_files(state: CompileState, checkpoint: Path, tokenizer: str | None, tmp: Path,
+                on_weight_bytes: Callable[[int, int], None] | None):
+    """(graph specs, weight index): graphs, weights, config, tokenizer and chat template written into TMP."""
+    specs, index = write_graphs(state.graphs, tmp, set(state.weights), state.weight_parts, on_bytes=on_weight_bytes,
+                                aliases=state.weight_aliases, native=state.native_graphs)
+    state.cfg.save(tmp / CONFIG)
+    if tokenizer is not None:
+        (tmp / TOKENIZER).write_text(tokenizer)
+    for name in (TOKENIZER_CONFIG, CHAT_TEMPLATE):  # the chat template travels with the artifact
+        if checkpoint.is_dir() and (checkpoint / name).is_file():
+            shutil.copyfile(checkpoint / name, tmp / name)
+    return specs, index
+
+
+def artifact_manifest(state: CompileState, checkpoint: Path, specs, index, reports: list[PassReport]) -> Manifest:
+    cfg, options = state.cfg, state.options
+    unique_bytes, unrolled_bytes = weight_bytes(index, state.layer_map)
+    return Manifest(
+        format_version=FORMAT_VERSION, speedc_version=__version__, onnx_opset=OPSET,
+        source_checkpoint_sha256=checkpoint_hash(checkpoint),
+        model={"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "state_width": cfg.state_width,
+               **({"initial_state": {"seed": cfg.depth_plan.state_seed, "std": cfg.depth_plan.state_std}}
+                  if cfg.depth_plan.state_init == "random" else {}),
+               "num_layers": cfg.num_hidden_layers,
+               "num_kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+               "max_context": cfg.max_position_embeddings, "eos_token_id": cfg.eos_token_id,
+               "eos_token_ids": list(cfg.eos_token_ids),
+               "num_unique_blocks": max(state.layer_map) + 1, "exit_norm": state.exit_norm,
+               "bos_token_id": cfg.bos_token_id, "architecture": cfg.architecture},
+        layer_map=state.layer_map, exit_layer=state.exit_layer, schedule=state.schedule.to_json(), dtype=options.dtype,
+        target=options.target, graphs=specs,
+        weights={"file": WEIGHTS, "unique_bytes_fp32": unique_bytes, "unrolled_bytes_fp32": unrolled_bytes,
+                 "stored_bytes": sum(e["length"] for e in stored_entries(index).values()), "index": index,
+                 **({"native_artifact": state.native_artifact_id} if state.native_graphs else {}),
+                 **({"quantization": {"bits": BITS[options.dtype], "block_size": options.block_size,
+                                      "head_bits": BITS[options.head_dtype or options.dtype],
+                                      "accuracy_level": ACCURACY_LEVEL, "symmetric": True,
+                                      "ops": ["com.microsoft.MatMulNBits", "com.microsoft.GatherBlockQuantized"]}}
+                    if options.dtype in BITS else {})},
+        build={"passes": [{"name": r.name, "phase": r.phase, "seconds": round(r.seconds, 3), "nodes": r.nodes,
+                           "initializer_bytes": r.initializer_bytes} for r in reports],
+               "notes": state.notes},
+    )
+
+
+def measure_into_manifest(tmp: Path, manifest: Manifest) -> None:
+    """c(P) of the artifact staged in TMP, measured here and written into its manifest."""
+    from speedc.step_cost import measure_artifact
+
+    try:
+        manifest.build["step_cost_measured"] = measure_artifact(tmp)
+    except SpeedcError:
+        raise
+    except Exception as bad:  # ONNX Runtime's own exception types: the graphs do not run here
+        raise BuildError(f"the built graphs failed to run while measuring c(P) ({str(bad).splitlines()[0]}); "
+                         "nothing was written. Please report it; --no-measure skips the measurement") from None
+    write_manifest(tmp, manifest)

@@ -21,9 +21,10 @@ c(P) of an artifact on the machine at hand.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from speedc.errors import BuildError
+from speedc.format.cache_layout import CacheLayout
 from speedc.models.depth_plan import DepthPlan, derive_plan
 
 # beta of the assumed c(P) = 1 + beta (P - 1); not a measurement. 0.2: c(4) = 1.6 and c(8) = 2.4, the middle
@@ -64,15 +65,19 @@ class Schedule:
     valid_slots: list[int]
     curve: dict[int, dict[str, float]]  # P -> {alpha: predicted speedup at the assumed c(P)}
     reason: str
-    depth_plan: dict = field(default_factory=dict)  # DepthPlan.to_json: what the graphs and the cache layout follow
-    readouts: dict = field(default_factory=dict)  # SlotPlan.readouts: where the draft and final heads read
+    depth_plan: DepthPlan  # what the graphs and the cache layout follow (the manifest holds its to_json)
+    readouts: dict  # SlotPlan.readouts: where the draft and final heads read
 
     @property
     def speculative(self) -> bool:
         return self.slots > 1
 
+    @property
+    def cache_layout(self) -> CacheLayout:
+        return self.depth_plan.cache_layout(self.slots)
+
     def to_json(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "depth_plan": self.depth_plan.to_json()}
 
 
 def speedup_curve(valid_slots: list[int]) -> dict[int, dict[str, float]]:
@@ -97,7 +102,7 @@ def make_schedule(layer_map: list[int], exit_layer: int, alpha: float, requested
         if len(valid) == 1:
             blocks = max(layer_map) + 1
             why = ("no block repeats (unshared model): SPEED cannot amortise any weight load" if blocks == n else
-                   f"depth plan {plan.describe()}: its prelude / coda run on the plain engine in this build"
+                   f"depth plan {plan.describe()}: its prelude / coda do not pipeline with the draft after layer {exit_layer}"
                    if plan.repeats > 1 and not plan.cycle else "no stage partition lets the slots share one weight load")
             reason = f"{why}; building the plain engine (P=1)"
         elif slots == 1:
@@ -109,4 +114,4 @@ def make_schedule(layer_map: list[int], exit_layer: int, alpha: float, requested
     return Schedule(
         slots=slots, stage_layers=pipeline.stage_layers, slot_layers=pipeline.slot_layers(),
         stage_blocks=pipeline.stage_blocks, alpha=alpha, valid_slots=valid, curve=speedup_curve(valid), reason=reason,
-        depth_plan=plan.to_json(), readouts=pipeline.readouts())
+        depth_plan=plan, readouts=pipeline.readouts())

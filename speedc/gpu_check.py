@@ -54,8 +54,8 @@ def measure_step_cost(backend, context: int, repeats: int = 50) -> float:
     position in the middle of a CONTEXT-row cache, interleaved medians."""
     import numpy as np
 
-    from speedc.bench.run import interleaved_medians
-    from speedc.runtimes.backends.onnx import HeadRows
+    from speedc.step_cost import interleaved_medians
+    from speedc.runtimes.backends.protocol import HeadRows
 
     slots = backend.slots
     if slots == 1:

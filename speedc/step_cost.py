@@ -2,7 +2,7 @@
 and `speedc inspect --measure` shows, so predicted speedups rest on a measurement, not an assumption.
 
 c(P) = (time of one full P-slot step) / (time of one plain token / P), interleaved medians
-(speedc/bench/run.py measure_step_cost, the same routine `speedc bench` reports). Beside it, what the
+(measure_step_cost below, the same routine `speedc bench` reports). Beside it, what the
 runtime itself measures while decoding (runtimes/step_costs.py, what its speculation policy decides
 with): a plain and a speculating generation over a pool of the same length, their steps timed as they run.
 """
@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
+
+import numpy as np
 
 from speedc.runtimes.backends.protocol import resolve_threads
 
@@ -37,7 +40,6 @@ def measure_artifact(directory: Path, *, backend: str = "onnx", threads: int | N
                      context: int = MEASURE_CONTEXT, repeats: int = MEASURE_REPEATS, runtime: bool = False) -> dict | None:
     """{slots, step_cost, ...} for the artifact in DIRECTORY; None for a plain engine (P = 1). RUNTIME: also what
     the runtime measures while decoding (`runtime`: runtime_step_costs)."""
-    from speedc.bench.run import measure_step_cost
     from speedc.runtimes.engine import Engine
 
     engine = Engine.load(directory, backend=backend, threads=threads, verify=False)
@@ -50,6 +52,45 @@ def measure_artifact(directory: Path, *, backend: str = "onnx", threads: int | N
             "threads": resolve_threads(threads), "machine": machine_description(),
             "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             **({"runtime": runtime_step_costs(engine, context)} if runtime else {})}
+
+
+def interleaved_medians(*runs, repeats: int, warmup: int) -> tuple[float, ...]:
+    """Median seconds of each of RUNS (callables), run in turn, round after round (a slow stretch of a
+    shared machine hits them alike), after WARMUP untimed rounds."""
+    times: list[list[float]] = [[] for _ in runs]
+    for round_ in range(warmup + repeats):
+        for run, kept in zip(runs, times):
+            start = time.perf_counter()
+            run()
+            if round_ >= warmup:
+                kept.append(time.perf_counter() - start)
+    return tuple(statistics.median(kept) for kept in times)
+
+
+def measure_step_times(backend, context: int, repeats: int = 200) -> tuple[float, float]:
+    """(seconds of one full P-slot step, seconds of one plain token) of one sequence on BACKEND (a batch
+    backend), both at a cache of `context` rows with the newest position in the middle, interleaved, medians."""
+    from speedc.runtimes.backends.onnx import HeadRows
+
+    slots = backend.slots
+    context = max(context, 2 * slots)  # the oldest slot's position is >= 0 (a 5-token bench went negative)
+    backend.reserve(context, 1)
+    newest = context // 2
+    positions = np.arange(newest, newest - slots, -1).reshape(slots, 1)  # [P, 1]: newest first
+    filled = np.ones((slots, 1), dtype=bool)  # [P, 1]
+    heads = HeadRows(final=[slots - 1], exit=[0])  # the oldest slot's final head, slot 0's draft
+    token = np.ones(1, np.int64)  # [1]
+    return interleaved_medians(lambda: backend.speed_step(token, positions, filled, heads, False),
+                               lambda: backend.plain_step(token, positions[0], filled[0], False), repeats=repeats, warmup=5)
+
+
+def measure_step_cost(engine_or_backend, context: int, repeats: int = 200) -> float:
+    """c(P): a full P-slot step against P single-slot stage passes (one plain token / P)."""
+    backend = getattr(engine_or_backend, "backend", engine_or_backend)
+    if backend.slots == 1:
+        return 1.0
+    step, token = measure_step_times(backend, context, repeats)
+    return step / (token / backend.slots)
 
 
 def runtime_step_costs(engine, context: int) -> dict:

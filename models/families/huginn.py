@@ -62,7 +62,7 @@ def depth_plan(data: dict[str, Any], recurrence: int | None = None) -> DepthPlan
         raise CheckpointError(f"config.json: n_layers_in_coda must be a non-negative integer, got {coda!r}")
     repeats = recurrence if recurrence is not None else positive_int(data, "mean_recurrence", 32)
     return DepthPlan(tuple(range(prelude)), tuple(range(prelude, prelude + core)), repeats,
-                     tuple(range(prelude + core, prelude + core + coda)), repeat_norm=False, final_norm=True,
+                     tuple(range(prelude + core, prelude + core + coda)), loop_norm=False, final_norm=True,
                      injection=INJECTION, readout_norm=True, state_std=random_state_std(hidden))
 
 

@@ -46,14 +46,14 @@ def depth_plan(data: dict[str, Any]) -> DepthPlan:
     # The final readout normalizes unless the last loop's norm is the last thing that touched the state.
     final_norm = not (loop_norm and coda == 0)
     return DepthPlan(tuple(range(prelude)), tuple(range(prelude, prelude + core)), loops,
-                     tuple(range(prelude + core, stored)), repeat_norm=loop_norm, final_norm=final_norm)
+                     tuple(range(prelude + core, stored)), loop_norm=loop_norm, final_norm=final_norm)
 
 
 def read_config(data: dict[str, Any]) -> ModelConfig:
     plan = depth_plan(data)
-    draft_norm = "none" if plan.repeat_norm else "final"  # a loop-normed state is read as it is
+    draft_norm = "none" if plan.loop_norm else "final"  # a loop-normed state is read as it is
     return ModelConfig(num_hidden_layers=plan.num_layers, layer_map=plan.layer_map, exit_layer=plan.first_repeat_end(),
-                       exit_norm=draft_norm, architecture="looped_llama", loop_norm=plan.repeat_norm,
+                       exit_norm=draft_norm, architecture="looped_llama", loop_norm=plan.loop_norm,
                        final_norm=plan.final_norm, depth_plan=plan, **common_fields(data))
 
 

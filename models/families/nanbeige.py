@@ -39,10 +39,10 @@ def read_config(data: dict[str, Any]) -> ModelConfig:
     layers = positive_int(data, "num_hidden_layers")
     loops = loop_count(data)
     skip = bool(data.get("skip_loop_final_norm", False))
-    plan = looped_plan(layers, loops, repeat_norm=not skip, final_norm=skip)
+    plan = looped_plan(layers, loops, loop_norm=not skip, final_norm=skip)
     return ModelConfig(num_hidden_layers=plan.num_layers, layer_map=plan.layer_map, exit_layer=plan.first_repeat_end(),
                        exit_norm="final" if skip else "none", architecture="nanbeige", sandwich_norms=False,
-                       loop_norm=plan.repeat_norm, final_norm=plan.final_norm, depth_plan=plan, **common_fields(data))
+                       loop_norm=plan.loop_norm, final_norm=plan.final_norm, depth_plan=plan, **common_fields(data))
 
 
 def config_notes(data: dict[str, Any]) -> list[str]:

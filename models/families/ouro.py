@@ -34,9 +34,9 @@ def read_config(data: dict[str, Any]) -> ModelConfig:
     refuse_options(data, "Ouro", REFUSED)
     layers = positive_int(data, "num_hidden_layers")
     loops = positive_int(data, "total_ut_steps", default=4)
-    plan = looped_plan(layers, loops, repeat_norm=True, final_norm=False)  # model.norm after every loop, none after
+    plan = looped_plan(layers, loops, loop_norm=True, final_norm=False)  # model.norm after every loop, none after
     return ModelConfig(num_hidden_layers=plan.num_layers, layer_map=plan.layer_map, exit_layer=plan.first_repeat_end(),
-                       exit_norm="none", architecture="ouro", sandwich_norms=True, loop_norm=plan.repeat_norm,
+                       exit_norm="none", architecture="ouro", sandwich_norms=True, loop_norm=plan.loop_norm,
                        final_norm=plan.final_norm, depth_plan=plan, **common_fields(data))
 
 

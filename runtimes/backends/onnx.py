@@ -39,7 +39,7 @@ writes and reads), so a step makes no binding call.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -50,14 +50,15 @@ from speedc.format.initial_state import initial_states
 from speedc.format.artifact import Manifest
 from speedc.format.cache_layout import CORE, CacheLayout
 from speedc.errors import ArtifactError, GenerationError, OutOfMemory, SpeedcError
+from speedc.runtimes.backends.protocol import (MIN_POOL_POSITIONS, SHRINK_AFTER_STEPS, HeadRows, SpeedStepResult,
+                                               new_pool_buffers, pool_would_grow)
 from speedc.runtimes.backends.onnx_session import (bound_address, onnxruntime_module, open_session, program_sessions,
                                                     take_dimensions)
 
 F32 = np.float32
-MIN_POOL_POSITIONS = 64  # the pool's smallest length T (a regrow copies the pool: not for every short request)
-SHRINK_AFTER_STEPS = 64  # see reserve
 MAX_STEP_BINDINGS = 1024  # fused step bindings kept (shapes seen: 54 at 8 sequences, 7 at one)
 MAX_LAYOUTS = 4096  # valid-row patterns remembered (_layout); a few KB each at most
+
 
 
 def pool_bytes_per_position(manifest: Manifest) -> int:
@@ -86,50 +87,6 @@ def row_capacity(manifest: Manifest, max_batch: int, kv_cache_mb: float | None) 
     return capacity
 
 
-def _pool_width(need: int, low: int, high: int) -> int:
-    """The pool width for NEED pool rows: the smallest power of two >= need, at least LOW, at most HIGH
-    (a pool swinging around one width is not copied back and forth)."""
-    return min(high, max(low, 1 << max(need - 1, 0).bit_length()))
-
-
-def _pool_length(need: int, low: int, high: int) -> int:
-    """The pool length T for NEED positions: the smallest of 8, 9, ..., 15 x 2^k >= need (at most an eighth
-    more than asked), at least LOW, at most HIGH. Attention costs by T, not by the positions in use
-    (ONNX Runtime's GroupQueryAttention runs over the whole bound buffer: zoo:small's step 2.66 ms at
-    T = 256 and 3.32 at T = 512 for the same 128 positions), so a 131-position request takes 144, not 256."""
-    need = max(need, low, 1)
-    step = 1 << max(need.bit_length() - 4, 0)  # an eighth of the power of two at or below need
-    return min(high, -(-need // step) * step)
-
-
-def next_pool_size(pool, positions: int, sequences: int | None) -> tuple[int, int, bool] | None:
-    """(length T, width W, whether it grows) a pool (BatchBackend, TorchBackend) is to take for POSITIONS
-    x SEQUENCES (None: its width now), or None where it stays as it is: it grows at once, and shrinks only
-    once POOL.shrink_after calls in a row asked for less (counted in POOL._shrink_pending)."""
-    if positions > pool.capacity:
-        raise GenerationError(f"{positions} positions exceed the KV-cache row of {pool.capacity}")
-    sequences = pool.width if sequences is None else sequences
-    if not 0 < sequences <= pool.max_batch:
-        raise GenerationError(f"internal: {sequences} sequences for a pool of {pool.max_batch}")
-    length = _pool_length(positions, pool.min_length, pool.capacity)
-    width = _pool_width(sequences, 1, pool.max_batch)
-    grow = length > pool.length or width > pool.width
-    if not grow and (length, width) == (pool.length, pool.width):
-        pool._shrink_pending = 0
-        return None
-    if not grow:  # a shrink waits until the need has stayed low for shrink_after calls
-        pool._shrink_pending += 1
-        if pool._shrink_pending < pool.shrink_after:
-            return None
-    return length, width, grow
-
-
-def pool_would_grow(pool, positions: int, sequences: int) -> bool:
-    """Whether POOL (BatchBackend, TorchBackend) has to allocate a larger pool for POSITIONS x SEQUENCES."""
-    return (_pool_length(positions, pool.min_length, pool.capacity) > pool.length
-            or _pool_width(sequences, 1, pool.max_batch) > pool.width)
-
-
 def pool_binding(session, slabs: dict[str, np.ndarray]):
     """A new IO binding of SESSION with each cache input of SLABS (name -> pool view) bound to its view,
     as past and as present: the same pool memory, written in place by GroupQueryAttention."""
@@ -139,32 +96,6 @@ def pool_binding(session, slabs: dict[str, np.ndarray]):
         present = contract.in_place_output(name)
         binding.bind_output(present, "cpu", 0, F32, list(view.shape), bound_address(binding, present, view, F32))
     return binding
-
-
-@dataclass
-class HeadRows:
-    """The heads one speed step runs, by row (s*n + b): the final head (FINAL), the exit head over the
-    whole vocabulary (EXIT), and early-flush checks (CHECK) scored over CANDIDATES [len(CHECK), K] ids
-    (contract.CHECK_CANDIDATES)."""
-    final: list[int] = field(default_factory=list)
-    exit: list[int] = field(default_factory=list)
-    check: list[int] = field(default_factory=list)
-    candidates: list[np.ndarray] = field(default_factory=list)
-
-
-@dataclass
-class SpeedStepResult:
-    """What one speed step returns, in HeadRows' order (each array valid until the next step: bound buffers)."""
-    final_tokens: np.ndarray  # [F] argmax of the final head
-    final_logits: np.ndarray | None  # [F, V] when asked for
-    exit_tokens: np.ndarray  # [E] argmax of the exit head
-    exit_candidates: np.ndarray  # [E, K] its top K ids (what later checks of that token score)
-    check_tokens: np.ndarray  # [C] the best of each check's candidates
-
-    @classmethod
-    def of(cls, outputs: dict[str, np.ndarray], want_logits: bool) -> "SpeedStepResult":
-        return cls(outputs[contract.FINAL_TOKEN], outputs[contract.FINAL_LOGITS] if want_logits else None,
-                   outputs[contract.EXIT_TOKENS], outputs[contract.EXIT_CANDIDATES], outputs[contract.CHECK_TOKENS])
 
 
 class StepBinding:
@@ -243,22 +174,20 @@ class BatchBackend:
         step: a burst of requests ending together does not shrink the pool just before the next burst
         grows it again, each time copying it and remaking every step binding). The occupied slots (a
         prefix) keep every position below min(old T, new T) (the scratch row T never matters)."""
-        size = next_pool_size(self, positions, sequences)
-        if size is None:
+        def shapes(length: int, width: int) -> dict:
+            return {phase: self.layout.pool_shape(phase, width, self.kv_heads, length, self.head_dim)
+                    for phase in self.layout.phases}
+
+        def allocate(length: int, width: int) -> dict:
+            return {phase: (np.zeros(shape, F32), np.zeros(shape, F32)) for phase, shape in shapes(length, width).items()}
+
+        def mib(length: int, width: int) -> float:
+            return sum(2 * np.prod(shape, dtype=np.float64) for shape in shapes(length, width).values()) * np.dtype(F32).itemsize / (1 << 20)
+
+        resized = new_pool_buffers(self, positions, sequences, allocate, mib)
+        if resized is None:
             return
-        length, width, grow = size
-        shapes = {phase: self.layout.pool_shape(phase, width, self.kv_heads, length, self.head_dim)
-                  for phase in self.layout.phases}
-        try:  # every new buffer first: if they do not fit, the pool stays as it was
-            pools = {phase: (np.zeros(shape, F32), np.zeros(shape, F32)) for phase, shape in shapes.items()}
-        except MemoryError:
-            if not grow:  # the pool in place still holds what is needed: shrink another time
-                self._shrink_pending = 0
-                return
-            mib = sum(2 * np.prod(shape, dtype=np.float64) for shape in shapes.values()) * np.dtype(F32).itemsize / (1 << 20)
-            raise OutOfMemory(f"the KV-cache pool cannot grow to {length} positions x {width} pool rows "
-                              f"({mib:,.0f} MiB): out of memory; a smaller KV-cache budget or fewer sequences "
-                              "(kv_cache_mb / max_batch, --kv-cache-mb / --max-batch)") from None
+        length, width, pools = resized
         keep, kept = min(self.length, length), min(self.width, width)
         if keep and kept and self.key is not None:
             for phase, old in self._pools.items():

@@ -14,12 +14,18 @@ slot s, pool row b, ...: logical layer s*S + j of sequence b is pool[j, s, b]) a
 from __future__ import annotations
 
 import os
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
 
 import numpy as np
 
-from speedc.errors import SpeedcError
+from speedc.errors import GenerationError, OutOfMemory, SpeedcError
+from speedc.format import contract
 from speedc.models.sampling import is_integer
+
+
+MIN_POOL_POSITIONS = 64  # the pool's smallest length T (a regrow copies the pool: not for every short request)
+SHRINK_AFTER_STEPS = 64  # see next_pool_size
 
 
 def resolve_threads(threads: int | None) -> int:
@@ -30,6 +36,98 @@ def resolve_threads(threads: int | None) -> int:
     if not given.isdigit():
         raise SpeedcError(f"SPEEDC_THREADS={given!r:.20} is not a number of threads")
     return threads or int(given) or (os.cpu_count() or 1)
+
+
+def _pool_width(need: int, low: int, high: int) -> int:
+    """The pool width for NEED pool rows: the smallest power of two >= need, at least LOW, at most HIGH
+    (a pool swinging around one width is not copied back and forth)."""
+    return min(high, max(low, 1 << max(need - 1, 0).bit_length()))
+
+
+def _pool_length(need: int, low: int, high: int) -> int:
+    """The pool length T for NEED positions: the smallest of 8, 9, ..., 15 x 2^k >= need (at most an eighth
+    more than asked), at least LOW, at most HIGH. Attention costs by T, not by the positions in use
+    (ONNX Runtime's GroupQueryAttention runs over the whole bound buffer: zoo:small's step 2.66 ms at
+    T = 256 and 3.32 at T = 512 for the same 128 positions), so a 131-position request takes 144, not 256."""
+    need = max(need, low, 1)
+    step = 1 << max(need.bit_length() - 4, 0)  # an eighth of the power of two at or below need
+    return min(high, -(-need // step) * step)
+
+
+def next_pool_size(pool, positions: int, sequences: int | None) -> tuple[int, int, bool] | None:
+    """(length T, width W, whether it grows) a pool (BatchBackend, TorchBackend) is to take for POSITIONS
+    x SEQUENCES (None: its width now), or None where it stays as it is: it grows at once, and shrinks only
+    once POOL.shrink_after calls in a row asked for less (counted in POOL._shrink_pending)."""
+    if positions > pool.capacity:
+        raise GenerationError(f"{positions} positions exceed the KV-cache row of {pool.capacity}")
+    sequences = pool.width if sequences is None else sequences
+    if not 0 < sequences <= pool.max_batch:
+        raise GenerationError(f"internal: {sequences} sequences for a pool of {pool.max_batch}")
+    length = _pool_length(positions, pool.min_length, pool.capacity)
+    width = _pool_width(sequences, 1, pool.max_batch)
+    grow = length > pool.length or width > pool.width
+    if not grow and (length, width) == (pool.length, pool.width):
+        pool._shrink_pending = 0
+        return None
+    if not grow:  # a shrink waits until the need has stayed low for shrink_after calls
+        pool._shrink_pending += 1
+        if pool._shrink_pending < pool.shrink_after:
+            return None
+    return length, width, grow
+
+
+def new_pool_buffers(pool, positions: int, sequences: int | None, allocate: Callable[[int, int], object],
+                     mib: Callable[[int, int], float], where: str = ""):
+    """(length T, width W, allocate(T, W)) where POOL (BatchBackend, TorchBackend) is to be resized for
+    POSITIONS x SEQUENCES (next_pool_size's rules), else None. Every new buffer is allocated before the
+    caller replaces the old ones, so a growth that does not fit is an OutOfMemory with the pool intact;
+    a shrink that does not fit is simply retried later (the pool in place still holds what is needed)."""
+    size = next_pool_size(pool, positions, sequences)
+    if size is None:
+        return None
+    length, width, grow = size
+    try:
+        buffers = allocate(length, width)
+    except (MemoryError, OutOfMemory):
+        if not grow:
+            pool._shrink_pending = 0
+            return None
+        raise OutOfMemory(f"the KV-cache pool cannot grow to {length} positions x {width} pool rows "
+                          f"({mib(length, width):,.0f} MiB{where}): out of memory; a smaller KV-cache budget or "
+                          "fewer sequences (kv_cache_mb / max_batch, --kv-cache-mb / --max-batch)") from None
+    return length, width, buffers
+
+
+def pool_would_grow(pool, positions: int, sequences: int) -> bool:
+    """Whether POOL (BatchBackend, TorchBackend) has to allocate a larger pool for POSITIONS x SEQUENCES."""
+    return (_pool_length(positions, pool.min_length, pool.capacity) > pool.length
+            or _pool_width(sequences, 1, pool.max_batch) > pool.width)
+
+
+@dataclass
+class HeadRows:
+    """The heads one speed step runs, by row (s*n + b): the final head (FINAL), the exit head over the
+    whole vocabulary (EXIT), and early-flush checks (CHECK) scored over CANDIDATES [len(CHECK), K] ids
+    (contract.CHECK_CANDIDATES)."""
+    final: list[int] = field(default_factory=list)
+    exit: list[int] = field(default_factory=list)
+    check: list[int] = field(default_factory=list)
+    candidates: list[np.ndarray] = field(default_factory=list)
+
+
+@dataclass
+class SpeedStepResult:
+    """What one speed step returns, in HeadRows' order (each array valid until the next step: bound buffers)."""
+    final_tokens: np.ndarray  # [F] argmax of the final head
+    final_logits: np.ndarray | None  # [F, V] when asked for
+    exit_tokens: np.ndarray  # [E] argmax of the exit head
+    exit_candidates: np.ndarray  # [E, K] its top K ids (what later checks of that token score)
+    check_tokens: np.ndarray  # [C] the best of each check's candidates
+
+    @classmethod
+    def of(cls, outputs: dict[str, np.ndarray], want_logits: bool) -> "SpeedStepResult":
+        return cls(outputs[contract.FINAL_TOKEN], outputs[contract.FINAL_LOGITS] if want_logits else None,
+                   outputs[contract.EXIT_TOKENS], outputs[contract.EXIT_CANDIDATES], outputs[contract.CHECK_TOKENS])
 
 
 class BatchBackendProtocol(Protocol):
@@ -72,6 +170,6 @@ class BatchBackendProtocol(Protocol):
                    want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
         """-> (argmax next tokens [n], logits [n, V] or None)."""
 
-    def speed_step(self, entering: np.ndarray, positions: np.ndarray, valid: np.ndarray, heads,
-                   want_logits: bool):
-        """-> SpeedStepResult (runtimes/backends/onnx.py) for the HeadRows HEADS."""
+    def speed_step(self, entering: np.ndarray, positions: np.ndarray, valid: np.ndarray, heads: HeadRows,
+                   want_logits: bool) -> SpeedStepResult:
+        """-> SpeedStepResult for the HeadRows HEADS."""

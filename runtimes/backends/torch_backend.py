@@ -1,5 +1,5 @@
-"""PyTorch backend for the continuous-batching scheduler (runtimes/batch.py): the same contract as
-runtimes/backends/onnx.py BatchBackend (a KV-cache pool with a row per sequence; prefill, plain_step,
+"""PyTorch backend for the continuous-batching scheduler (runtimes/batch.py): the contract of
+runtimes/backends/protocol.py, as the ONNX backend (a KV-cache pool with a row per sequence; prefill, plain_step,
 speed_step), computed with the model code itself (models/row_layer.py, the heads of models/llama.py)
 from the artifact's weights or an in-memory model, on CPU or CUDA. Needs torch (the compiler extra).
 
@@ -37,13 +37,11 @@ from speedc.format.artifact import (CONFIG, Manifest, checkpoint_tensor_names, d
                              read_weight)
 from speedc.errors import GenerationError, OutOfMemory, SpeedcError
 from speedc.models.config import ModelConfig
-from speedc.models.layer_map import valid_slot_counts
 from speedc.models.llama import SharedLlama
 from speedc.models.row_layer import RowContext, layer_over_rows, loop_boundary, rotary_inv_freq, row_context
 from speedc.models.sampling import is_integer
-from speedc.runtimes.backends.protocol import resolve_threads
-from speedc.runtimes.backends.onnx import (MIN_POOL_POSITIONS, SHRINK_AFTER_STEPS, HeadRows, SpeedStepResult,
-                                           next_pool_size, pool_would_grow)
+from speedc.runtimes.backends.protocol import (MIN_POOL_POSITIONS, SHRINK_AFTER_STEPS, HeadRows, SpeedStepResult,
+                                               new_pool_buffers, pool_would_grow, resolve_threads)
 
 
 def load_model_from_artifact(directory: Path, manifest: Manifest) -> SharedLlama:
@@ -111,8 +109,8 @@ class TorchBackend:
                    shrink_after: int = SHRINK_AFTER_STEPS, cuda_graphs: bool = False,
                    exact: bool = False) -> "TorchBackend":
         """A backend over an in-memory model (no artifact): what the GPU check uses where only torch is
-        installed. SLOTS must be a valid pipeline depth for the layer map (valid_slot_counts)."""
-        if slots not in valid_slot_counts(model.cfg.layer_map, model.cfg.exit_layer):
+        installed. SLOTS must be a valid pipeline depth of its depth plan (DepthPlan.valid_slots)."""
+        if slots not in model.cfg.depth_plan.valid_slots(model.cfg.exit_layer):
             raise SpeedcError(f"{slots} slots do not fit the layer map {model.cfg.layer_map} (exit after {model.cfg.exit_layer})")
         backend = cls.__new__(cls)
         backend._setup(model, slots, max_batch, capacity, device, threads, min_length=min_length, shrink_after=shrink_after,
@@ -175,21 +173,19 @@ class TorchBackend:
         """BatchBackend.reserve's rules: the pool holds POSITIONS for each of SEQUENCES (None: as now)
         pool rows, grown at once, shrunk only after shrink_after calls in a row asked for less; the
         occupied slots (a prefix) keep every position below min(old T, new T)."""
-        size = next_pool_size(self, positions, sequences)
-        if size is None:
+        def shape(length: int, width: int) -> tuple:
+            return (self.stage_layers, self.slots, width, self.kv_heads, length + 1, self.head_dim)
+
+        def allocate(length: int, width: int) -> tuple:
+            return self._zeros(shape(length, width)), self._zeros(shape(length, width))
+
+        def mib(length: int, width: int) -> float:
+            return 2 * np.prod(shape(length, width), dtype=np.float64) * self.hidden.element_size() / (1 << 20)
+
+        resized = new_pool_buffers(self, positions, sequences, allocate, mib, f" on {self.device}")
+        if resized is None:
             return
-        length, width, grow = size
-        shape = (self.stage_layers, self.slots, width, self.kv_heads, length + 1, self.head_dim)
-        try:  # both new buffers first: if they do not fit, the pool stays as it was
-            key, value = self._zeros(shape), self._zeros(shape)
-        except OutOfMemory:
-            if not grow:  # the pool in place still holds what is needed: shrink another time
-                self._shrink_pending = 0
-                return
-            mib = 2 * np.prod(shape, dtype=np.float64) * self.hidden.element_size() / (1 << 20)
-            raise OutOfMemory(f"the KV-cache pool cannot grow to {length} positions x {width} pool rows "
-                              f"({mib:,.0f} MiB on {self.device}): out of memory; a smaller KV-cache budget or fewer "
-                              "sequences (kv_cache_mb / max_batch, --kv-cache-mb / --max-batch)") from None
+        length, width, (key, value) = resized
         keep, kept = min(self.length, length), min(self.width, width)
         if keep and kept:
             key[:, :, :kept, :, :keep] = self.key[:, :, :kept, :, :keep]

@@ -1,7 +1,8 @@
 """`speedc bench`'s measurements (the CLI command itself is speedc/cli/bench.py).
 
     run        SPEED against plain decoding (and peers), interleaved, ids checked first: run_bench,
-               BenchReport, measure_step_cost (c(P)); the bound is speedc.cost_model.analytic_bound
+               BenchReport; c(P) is measured by speedc.step_cost (the build path), the bound is
+               speedc.cost_model.analytic_bound
     peers      peer systems: PyTorch reference, transformers, ORT GenAI fp32 (the artifact's weights: ids
                must match) and ORT GenAI int4 (other precision: agreement reported); PEERS registry
     memory     peak RSS of each system, each in a fresh process (`python -m speedc.bench.memory`)

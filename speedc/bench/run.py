@@ -26,6 +26,7 @@ from speedc.errors import SpeedcError
 from speedc.runtimes.decode import pooled_acceptance
 from speedc.runtimes.engine import Engine
 from speedc.cost_model import analytic_bound
+from speedc.step_cost import interleaved_medians, measure_step_cost, measure_step_times  # noqa: F401 (the bench's names)
 
 DEFAULT_PROMPTS = ["ROMEO:\n", "First Citizen:\nBefore we proceed any further, hear me speak.\n", "KING HENRY:\n",
                    "To be, or not to be, that is the question:\n", "JULIET:\nO Romeo, Romeo!"]
@@ -108,45 +109,6 @@ def _percentiles(samples: list[float]) -> dict[str, float]:
     arr = np.asarray(samples)
     return {"p50": round(float(np.percentile(arr, 50)), 4), "p90": round(float(np.percentile(arr, 90)), 4),
             "min": round(float(arr.min()), 4)}
-
-
-def interleaved_medians(*runs, repeats: int, warmup: int) -> tuple[float, ...]:
-    """Median seconds of each of RUNS (callables), run in turn, round after round (a slow stretch of a
-    shared machine hits them alike), after WARMUP untimed rounds."""
-    times: list[list[float]] = [[] for _ in runs]
-    for round_ in range(warmup + repeats):
-        for run, kept in zip(runs, times):
-            start = time.perf_counter()
-            run()
-            if round_ >= warmup:
-                kept.append(time.perf_counter() - start)
-    return tuple(statistics.median(kept) for kept in times)
-
-
-def measure_step_times(backend, context: int, repeats: int = 200) -> tuple[float, float]:
-    """(seconds of one full P-slot step, seconds of one plain token) of one sequence on BACKEND (a batch
-    backend), both at a cache of `context` rows with the newest position in the middle, interleaved, medians."""
-    from speedc.runtimes.backends.onnx import HeadRows
-
-    slots = backend.slots
-    context = max(context, 2 * slots)  # the oldest slot's position is >= 0 (a 5-token bench went negative)
-    backend.reserve(context, 1)
-    newest = context // 2
-    positions = np.arange(newest, newest - slots, -1).reshape(slots, 1)  # [P, 1]: newest first
-    filled = np.ones((slots, 1), dtype=bool)  # [P, 1]
-    heads = HeadRows(final=[slots - 1], exit=[0])  # the oldest slot's final head, slot 0's draft
-    token = np.ones(1, np.int64)  # [1]
-    return interleaved_medians(lambda: backend.speed_step(token, positions, filled, heads, False),
-                               lambda: backend.plain_step(token, positions[0], filled[0], False), repeats=repeats, warmup=5)
-
-
-def measure_step_cost(engine_or_backend, context: int, repeats: int = 200) -> float:
-    """c(P): a full P-slot step against P single-slot stage passes (one plain token / P)."""
-    backend = getattr(engine_or_backend, "backend", engine_or_backend)
-    if backend.slots == 1:
-        return 1.0
-    step, token = measure_step_times(backend, context, repeats)
-    return step / (token / backend.slots)
 
 
 def run_bench(engine: Engine, *, prompts: list[str] | None = None, new_tokens: int = 128, repeats: int = 3,

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from speedc.bench.floor import measure_floor, measure_kernel
-from speedc.bench.run import measure_step_times
+from speedc.step_cost import measure_step_times
 from speedc.errors import SpeedcError
 
 # Residual scale for --end-to-end on random weights: each block then adds little to the residual
@@ -131,10 +131,8 @@ def pipeline_depths(shape: Shape, layers: int) -> list[int]:
     """The pipeline depths P measured: valid for SHAPE at LAYERS unique (core) layers, 2..MAX_DEPTH."""
     if shape.recurrent:  # P slots of R / P core repeats each
         return [p for p in range(2, MAX_DEPTH + 1) if shape.loops % p == 0]
-    from speedc.models.layer_map import valid_slot_counts
-
     cfg = shape_config(shape, layers)
-    return [p for p in valid_slot_counts(cfg.layer_map, cfg.exit_layer) if 1 < p <= MAX_DEPTH]
+    return [p for p in cfg.depth_plan.valid_slots(cfg.exit_layer) if 1 < p <= MAX_DEPTH]
 
 
 def synthetic_config(hidden: int, blocks: int, passes: int):

@@ -15,7 +15,7 @@ from speedc.errors import SpeedcError
 
 # Import name -> the pyproject.toml extra that installs it. A runtime-only install (`pip install
 # speedc`) lacks these, so a command that imports one fails with a ModuleNotFoundError; this table
-# turns that into "install this extra". tests/test_runtime_only_install.py checks it against the
+# turns that into "install this extra". tests/e2e/test_runtime_only_install.py checks it against the
 # extras in pyproject.toml, so the two cannot drift apart.
 EXTRA_FOR_MODULE = {
     "torch": "compiler", "onnx": "compiler", "onnx_graphsurgeon": "compiler", "safetensors": "compiler",

@@ -63,17 +63,18 @@ from speedc.errors import GenerationError
               help="Instead: continuous batching at these client counts, e.g. 1,2,4,8,16 (SPEED adaptive / always / "
                    "batched plain decoding: aggregate tokens/s, per-sequence ms/token p50/p99, TTFT).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def bench(artifact, memory_bound, memory_bound_hidden, memory_bound_repeats, shape, layers, recurrence, end_to_end, residual_scale,
-          weights, profile, new_tokens,
-          repeats, prompts,
-          early_flush, backend, device, threads, peers, only_peers, sweeps, memory, plot, concurrency, as_json):
+def bench(artifact, memory_bound, memory_bound_hidden, memory_bound_repeats, shape, layers, recurrence, end_to_end,
+          residual_scale, weights, profile, new_tokens, repeats, prompts, early_flush, backend, device, threads, peers, only_peers, sweeps, memory, plot, concurrency, as_json):
     """Measure SPEED against plain decoding (and peers) on ARTIFACT: interleaved runs, identical ids checked first
     (peers at another precision, e.g. ORT GenAI int4: their agreement with SPEED's ids is reported instead).
 
     Reports ms/token p50/p90 and SPEED's speedup both decode only (prefill excluded) and end to end
     (prefill + decode), acceptance, tokens/step, c(P), the analytic bound, prefill time, peak RSS and
     weight bytes per system. With --memory-bound, measure the step cost c(P) on a large
-    random-weight model instead."""
+    random-weight model instead.
+
+    Three benchmarks behind one command (the flags that go with each are checked here): ARTIFACT
+    (artifact_command), --memory-bound (memory_bound_command), --concurrency (concurrency_command)."""
     if memory_bound and concurrency is not None:
         raise GenerationError("--memory-bound and --concurrency are separate benchmarks: give one")
     if memory_bound and artifact is not None:
@@ -86,37 +87,51 @@ def bench(artifact, memory_bound, memory_bound_hidden, memory_bound_repeats, sha
             raise GenerationError(f"{ignored[0]} does not go with --concurrency (continuous batching runs on ONNX "
                                   "Runtime on the CPU, early flush on; ORT GenAI is its one peer: --peers/--no-peers)")
     if memory_bound:
-        from rich.console import Console
-
         if only_peers:
             raise GenerationError("--peer names an artifact's peers; with --memory-bound --end-to-end the peer is "
                                   "llama.cpp (--peers/--no-peers)")
         if peers and not end_to_end:
             raise GenerationError("--peers with --memory-bound needs --end-to-end (the peers decode; c(P) has none)")
-
-        from speedc.bench.synthetic import synthetic_step_costs
-
-        chosen = SHAPES.get(shape)
-        if recurrence is not None:
-            if chosen is None or not chosen.recurrent:
-                raise GenerationError("--recurrence goes with a recurrent-depth shape (--shape huginn-3.5b)")
-            chosen = dataclasses.replace(chosen, loops=recurrence)
-        with Console(stderr=True).status("memory-bound step cost") as spinner:
-            report = synthetic_step_costs(hidden=memory_bound_hidden, repeats=memory_bound_repeats, threads=threads, backend=backend,
-                                          shape=chosen, layers=layers, end_to_end=end_to_end,
-                                          residual_scale=residual_scale, new_tokens=new_tokens, weights=weights,
-                                          profile=profile, peers=peers, progress=spinner.update)
-        if as_json:
-            click.echo(json.dumps(report))
-        else:
-            print_memory_bound(report)
-        return
+        return memory_bound_command(memory_bound_hidden, memory_bound_repeats, shape, layers, recurrence, end_to_end,
+                                    residual_scale, weights, profile, new_tokens, threads, backend, peers, as_json)
     if end_to_end or residual_scale is not None or weights or profile or recurrence is not None:
         raise GenerationError("--end-to-end, --residual-scale, --weights, --profile and --recurrence go with --memory-bound")
     if artifact is None:
         raise GenerationError("give an ARTIFACT to benchmark (or --memory-bound)")
     if concurrency is not None:
         return concurrency_command(artifact, concurrency, prompts, new_tokens, repeats, threads, peers, plot, as_json)
+    if only_peers and peers is False:
+        raise GenerationError("--peer and --no-peers contradict each other")
+    return artifact_command(artifact, new_tokens, repeats, prompts, early_flush, backend, device, threads, peers,
+                            only_peers, sweeps, memory, plot, as_json)
+
+
+def memory_bound_command(hidden, repeats, shape, layers, recurrence, end_to_end, residual_scale, weights, profile,
+                         new_tokens, threads, backend, peers, as_json) -> None:
+    """--memory-bound: c(P) on a large random-weight model built per depth (speedc/bench/synthetic.py)."""
+    from rich.console import Console
+
+    from speedc.bench.synthetic import synthetic_step_costs
+
+    chosen = SHAPES.get(shape)
+    if recurrence is not None:
+        if chosen is None or not chosen.recurrent:
+            raise GenerationError("--recurrence goes with a recurrent-depth shape (--shape huginn-3.5b)")
+        chosen = dataclasses.replace(chosen, loops=recurrence)
+    with Console(stderr=True).status("memory-bound step cost") as spinner:
+        report = synthetic_step_costs(hidden=hidden, repeats=repeats, threads=threads, backend=backend,
+                                      shape=chosen, layers=layers, end_to_end=end_to_end,
+                                      residual_scale=residual_scale, new_tokens=new_tokens, weights=weights,
+                                      profile=profile, peers=peers, progress=spinner.update)
+    if as_json:
+        click.echo(json.dumps(report))
+    else:
+        print_memory_bound(report)
+
+
+def artifact_command(artifact: Path, new_tokens: int, repeats: int, prompts, early_flush, backend, device, threads,
+                     peers, only_peers, sweeps, memory: bool, plot, as_json: bool) -> None:
+    """SPEED against plain decoding and peers on ARTIFACT, interleaved, ids checked first; sweeps; peak RSS."""
     if plot is not None:
         check_plot_path(plot)  # before minutes of measuring, not after
     import tempfile
@@ -131,8 +146,6 @@ def bench(artifact, memory_bound, memory_bound_hidden, memory_bound_repeats, sha
 
     status = Console(stderr=True)
     engine = Engine.load(artifact, backend=backend, device=device, threads=threads)
-    if only_peers and peers is False:
-        raise GenerationError("--peer and --no-peers contradict each other")
     use_peers = bool(only_peers) or (peers_available() if peers is None else peers)
     with tempfile.TemporaryDirectory() as tmp, status.status("bench") as spinner:
         workdir = Path(tmp)

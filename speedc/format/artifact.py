@@ -38,7 +38,8 @@ import numpy as np
 from speedc.format import contract
 from speedc.errors import ArtifactError, BuildError, CheckpointError
 
-FORMAT_VERSION = 3  # 2: the single-sequence step, step_flush and cache-writer graphs are gone; 3: one engine graph per variant
+FORMAT_VERSION = 4  # 2: the single-sequence step, step_flush and cache-writer graphs are gone; 3: one engine graph per
+# variant; 4: the schedule's depth plan names its loop-boundary norm loop_norm (was repeat_norm)
 WEIGHT_PREFIXES = ("model.", "lm_head.")  # checkpoint tensor names (native or Hugging Face layout)
 MANIFEST = "manifest.json"
 # The ONNX IR version graphs are written at: every ONNX Runtime speedc supports reads it (a newer onnx's

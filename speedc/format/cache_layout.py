@@ -66,8 +66,12 @@ class CacheLayout:
 
     @classmethod
     def from_plan(cls, plan: dict, slots: int) -> "CacheLayout":
-        """From a depth plan's JSON (models/depth_plan.DepthPlan.to_json) pipelined over SLOTS."""
-        prelude, core, repeats, coda = len(plan["prelude"]), len(plan["core"]), int(plan["repeats"]), len(plan["coda"])
+        """From a depth plan's JSON (models/depth_plan.DepthPlan.to_json, in the manifest) pipelined over SLOTS."""
+        return cls.from_phases(len(plan["prelude"]), len(plan["core"]), int(plan["repeats"]), len(plan["coda"]), slots)
+
+    @classmethod
+    def from_phases(cls, prelude: int, core: int, repeats: int, coda: int, slots: int) -> "CacheLayout":
+        """A trip of PRELUDE layers, a CORE-layer core run REPEATS times and CODA layers, pipelined over SLOTS."""
         if slots == 1:  # the plain engine runs the whole trip as one stage
             return cls.plain(prelude + core * repeats + coda)
         if repeats % slots:

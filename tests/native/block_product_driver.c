@@ -1,5 +1,5 @@
 /* Runs speedc's block product kernel (runtimes/kernels/block_product.c, linked in) on operands a test
-   wrote, on a CPU the test's Python cannot run on (Arm under qemu-aarch64; tests/test_block_product_arm.py):
+   wrote, on a CPU the test's Python cannot run on (Arm under qemu-aarch64; tests/numeric/test_block_product_arm.py):
 
        block_product_driver IN OUT PATH THREADS
 

@@ -13,7 +13,8 @@ import pytest
 from speedc import Engine
 from speedc.errors import BatchError, GenerationError, OutOfMemory
 from speedc.runtimes.batch import DONE, BatchScheduler
-from speedc.runtimes.backends.onnx import MIN_POOL_POSITIONS, BatchBackend
+from speedc.runtimes.backends.onnx import BatchBackend
+from speedc.runtimes.backends.protocol import MIN_POOL_POSITIONS
 from speedc.runtimes.engine_loop import EngineLoop
 
 PROMPTS = ["ROMEO:", "JULIET: O", "KING HENRY:", "First Citizen:\nBefore"]
@@ -199,7 +200,7 @@ def test_cancel_from_another_thread_wakes_the_loop(engine):
 def test_pool_length_is_within_an_eighth_of_the_need():
     """T is the smallest of 8, 9, ..., 15 x 2^k at or above the need (attention runs over all T positions),
     at least the minimum, at most the capacity; the width stays a power of two."""
-    from speedc.runtimes.backends.onnx import _pool_length, _pool_width
+    from speedc.runtimes.backends.protocol import _pool_length, _pool_width
 
     assert [_pool_length(n, 1, 4096) for n in (1, 5, 8, 9, 100, 128, 129, 131, 161)] == [1, 5, 8, 9, 104, 128, 144, 144, 176]
     for need in range(1, 3000):

@@ -19,7 +19,7 @@ from speedc.bench.synthetic import random_model
 from speedc.runtimes.backends.torch_backend import TorchBackend
 
 CUDA = torch.cuda.is_available()
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_gpu_check_cpu_smoke(tmp_path):

@@ -25,7 +25,7 @@ from speedc.cli import EXTRA_FOR_MODULE, missing_module_message
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 # Installed distributions only: the repo's own speedc.egg-info (on sys.path under pytest) would
 # otherwise stand in for the installed speedc and link the bare source folder.

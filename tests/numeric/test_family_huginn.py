@@ -58,7 +58,7 @@ def test_config_emits_the_recurrent_depth_plan(case):
     p, c = CASES[name].get("prelude", 1), CASES[name].get("coda", 1)
     cfg = ModelConfig.load(directory / "config.json")
     assert cfg.architecture == "huginn" and cfg.post_norms and cfg.sandwich_norms and cfg.qk_bias
-    assert cfg.depth_plan == DepthPlan(tuple(range(p)), (p, p + 1), 4, tuple(range(p + 2, p + 2 + c)), repeat_norm=False,
+    assert cfg.depth_plan == DepthPlan(tuple(range(p)), (p, p + 1), 4, tuple(range(p + 2, p + 2 + c)), loop_norm=False,
                                        final_norm=True, injection="adapter-concat", readout_norm=True, state_std=0.4 ** 0.5)
     assert cfg.layer_map == [*range(p), *[p, p + 1] * 4, *range(p + 2, p + 2 + c)]
     assert cfg.exit_layer == p + 2  # the draft: after the prelude and one repeat

@@ -93,14 +93,14 @@ def test_graph_file_that_differs_from_its_manifest_is_refused(tiny_artifact, tmp
 
 def test_previous_format_versions(tiny_artifact, tmp_path):
     """An artifact from an older format (1: with the single-sequence step graphs; 2: a graph file per
-    program) is refused with a message that says to rebuild; one of this format written before optional
+    program; 3: the depth plan's repeat_norm) is refused with a message that says to rebuild; one of this format written before optional
     fields existed (no measured step cost) loads and runs."""
-    for version in (0, 1, 2):
+    for version in (0, 1, 2, 3):
         art = _copy(tiny_artifact, tmp_path / f"v{version}")
         _edit_manifest(art, lambda m: m.update(format_version=version))
         result = run_cli("generate", art, "--prompt-ids", "1,2", "--max-new-tokens", "2")
-        assert_one_line_error(result, f"format version {version} but this speedc reads version 3", "rebuild")
-        with pytest.raises(ArtifactError, match=f"format version {version} but this speedc reads version 3"):
+        assert_one_line_error(result, f"format version {version} but this speedc reads version 4", "rebuild")
+        with pytest.raises(ArtifactError, match=f"format version {version} but this speedc reads version 4"):
             Engine.load(art)
     art2 = Path(shutil.copytree(tiny_artifact, tmp_path / "art2"))
     _edit_manifest(art2, lambda m: m["build"].pop("step_cost_measured", None))

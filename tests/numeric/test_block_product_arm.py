@@ -26,7 +26,7 @@ pytestmark = [
                        reason="needs aarch64-linux-gnu-gcc and qemu-aarch64 (Debian: gcc-aarch64-linux-gnu, qemu-user)"),
     pytest.mark.skipif(native.load() is None, reason=f"no native kernel here: {native.unavailable_reason()}"),
 ]
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ARM_PATHS = ("portable", "dotprod", "i8mm")
 
 

@@ -27,14 +27,14 @@ def read(directory) -> ModelConfig:
 
 def test_looped_families_emit_their_loops(tmp_path):
     ouro = read(write_ouro(tmp_path / "ouro", layers=3, loops=4))
-    assert ouro.depth_plan == DepthPlan((), (0, 1, 2), 4, (), repeat_norm=True, final_norm=False)
+    assert ouro.depth_plan == DepthPlan((), (0, 1, 2), 4, (), loop_norm=True, final_norm=False)
     nanbeige = read(write_nanbeige(tmp_path / "nb", layers=2, loops=3))
-    assert nanbeige.depth_plan == DepthPlan((), (0, 1), 3, (), repeat_norm=True, final_norm=False)
+    assert nanbeige.depth_plan == DepthPlan((), (0, 1), 3, (), loop_norm=True, final_norm=False)
     skip = read(write_nanbeige(tmp_path / "nb-skip", layers=2, loops=3, skip_loop_final_norm=True))
-    assert skip.depth_plan == DepthPlan((), (0, 1), 3, (), repeat_norm=False, final_norm=True)
+    assert skip.depth_plan == DepthPlan((), (0, 1), 3, (), loop_norm=False, final_norm=True)
     # the loop-boundary norm sits where the published forward puts it: after each loop's last layer
-    assert [layer for layer in range(12) if ouro.ends_loop(layer)] == [2, 5, 8, 11]
-    assert not any(skip.ends_loop(layer) for layer in range(6))
+    assert [layer for layer in range(12) if ouro.depth_plan.ends_loop(layer)] == [2, 5, 8, 11]
+    assert not any(skip.depth_plan.ends_loop(layer) for layer in range(6))
 
 
 def test_llama_layer_maps_are_instances():
@@ -64,10 +64,10 @@ def test_refitted_when_the_layer_map_changes():
     """dataclasses.replace (the share pass's aliases, the bench) keeps plan and map in step."""
     ouro_like = random_config(layers=6, blocks=3)
     looped = dataclasses.replace(ouro_like, loop_norm=True)
-    assert looped.depth_plan.repeat_norm and looped.depth_plan.core == (0, 1, 2)
+    assert looped.depth_plan.loop_norm and looped.depth_plan.core == (0, 1, 2)
     merged = dataclasses.replace(looped, layer_map=[0, 0, 1] * 2)  # two equal blocks merged: same loops, new labels
-    assert merged.depth_plan == DepthPlan((), (0, 0, 1), 2, (), repeat_norm=True, final_norm=True)
-    assert [layer for layer in range(6) if merged.ends_loop(layer)] == [2, 5]
+    assert merged.depth_plan == DepthPlan((), (0, 0, 1), 2, (), loop_norm=True, final_norm=True)
+    assert [layer for layer in range(6) if merged.depth_plan.ends_loop(layer)] == [2, 5]
 
 
 def test_pipeline_places_phases_on_slots():
@@ -87,11 +87,12 @@ def test_pipeline_places_phases_on_slots():
 
 def test_schedule_records_the_plan_and_the_layout_follows_it():
     sched = make_schedule([0, 1] * 4, 2, alpha=0.9, requested=4)
-    assert sched.depth_plan == DepthPlan((), (0, 1), 4).to_json() and sched.readouts["final"]["slot"] == 3
-    assert CacheLayout.from_plan(sched.depth_plan, sched.slots) == CacheLayout.cycle(2, 4)
+    assert sched.depth_plan == DepthPlan((), (0, 1), 4) and sched.readouts["final"]["slot"] == 3
+    assert sched.to_json()["depth_plan"] == DepthPlan((), (0, 1), 4).to_json()
+    assert sched.cache_layout == CacheLayout.from_plan(sched.to_json()["depth_plan"], sched.slots) == CacheLayout.cycle(2, 4)
     plain = make_schedule(MIDDLE, 3, alpha=0.9, requested=None)
     assert plain.slots == 1 and "prelude" in plain.reason
-    assert CacheLayout.from_plan(plain.depth_plan, 1) == CacheLayout.plain(8)
+    assert plain.cache_layout == CacheLayout.plain(8)
 
 
 def test_passes_fit_the_plan_to_the_weights(tmp_path):
@@ -103,8 +104,8 @@ def test_passes_fit_the_plan_to_the_weights(tmp_path):
     directory = write_ouro(tmp_path / "ouro", layers=2, loops=3)
     cfg, weights = open_checkpoint(directory)
     state, _ = run_passes(CompileState(cfg, weights, BuildOptions(), has_speedc_section=False), ["trace", "share", "schedule"])
-    assert state.depth_plan == DepthPlan((), (0, 1), 3, (), repeat_norm=True, final_norm=False)
-    assert state.schedule.slots == 3 and state.schedule.depth_plan == state.depth_plan.to_json()
+    assert state.depth_plan == DepthPlan((), (0, 1), 3, (), loop_norm=True, final_norm=False)
+    assert state.schedule.slots == 3 and state.schedule.depth_plan is state.depth_plan  # the one plan object
     assert state.exit_norm is None  # the draft reads the loop-normed state
 
 
@@ -135,7 +136,7 @@ def test_speedc_middle_cycle_checkpoint_pipelines_losslessly(tmp_path):
     """speedc's own checkpoint with a middle-cycle layer map (declared in its speedc section) gets the
     prelude / coda pipeline too: batched SPEED == batched plain == the PyTorch reference (greedy), SPEED ==
     plain (seeded sampling), with mispredictions (random weights). The transformers oracle for this
-    shape is tests/test_family_looped_llama.py."""
+    shape is tests/numeric/test_family_looped_llama.py."""
     import torch
 
     from conftest import build_artifact, randomize

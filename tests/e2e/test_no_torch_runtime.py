@@ -12,7 +12,7 @@ import pytest
 
 from conftest import assert_one_line_error
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 API_CHECK = """
 import json, sys

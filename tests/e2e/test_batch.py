@@ -1,6 +1,6 @@
 """Continuous batching on the zoo model: generate_batch, the asyncio engine loop (streaming, cancel),
 the KV-cache pool limits, old artifacts, and `speedc generate --prompts-file`. Losslessness over random
-models with forced mispredictions is the property test in tests/test_properties.py."""
+models with forced mispredictions is the property test in tests/numeric/test_properties.py."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from speedc.format import contract
 from speedc.format.artifact import read_manifest
 from speedc.errors import ArtifactError, GenerationError
 from speedc.runtimes.acceptance_policy import AlwaysSpeculate
-from speedc.runtimes.backends.onnx import BatchBackend, HeadRows
+from speedc.runtimes.backends.onnx import BatchBackend
+from speedc.runtimes.backends.protocol import HeadRows
 from speedc.runtimes.engine_loop import EngineLoop
 
 PROMPTS = ["ROMEO:", "JULIET: O", "KING HENRY:", "First Citizen:\nBefore"]
@@ -173,7 +174,7 @@ def test_pool_length_follows_the_longest_request_losslessly(engine):
         scheduler.step()
         if not lengths or lengths[-1] != backend.length:
             lengths.append(backend.length)
-    from speedc.runtimes.backends.onnx import _pool_length
+    from speedc.runtimes.backends.protocol import _pool_length
 
     needs = [len(engine.encode(prompt)) + new for prompt, new in ((PROMPTS[0], 20), (PROMPTS[1], 200), (PROMPTS[2], 24))]
     assert lengths == [_pool_length(need, 16, backend.capacity) for need in needs] and lengths[0] < lengths[1] > lengths[2]

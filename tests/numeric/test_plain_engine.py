@@ -1,5 +1,5 @@
 """Sharing maps with no weight-sharing pipeline build the plain engine, which still runs (P=1). (A middle
-cycle pipelines on its depth plan: tests/test_depth_plan.py, tests/test_family_looped_llama.py.)"""
+cycle pipelines on its depth plan: tests/unit/test_depth_plan.py, tests/numeric/test_family_looped_llama.py.)"""
 
 from __future__ import annotations
 

@@ -12,9 +12,9 @@ from conftest import random_config, randomize
 from speedc.build import PASS_ORDER
 from speedc.errors import BuildError
 from speedc.models.checkpoint.torch_io import open_checkpoint, save_unrolled_hf, sources_from_state
+from speedc.models.depth_plan import derive_plan
 from speedc.models.llama import SharedLlama
 from speedc.passes.base import BuildOptions, CompileState, run_passes
-from speedc.models.layer_map import valid_slot_counts
 from speedc.cost_model import make_schedule
 from speedc.passes.share import merge_identical_constants
 from speedc.passes.trt_lint import lint_graph
@@ -109,9 +109,9 @@ def test_projections_equal_across_roles_build_and_stay_lossless(tmp_path):
 
 def test_schedule_valid_slots_and_choice():
     cycle = [0, 1, 2, 3] * 4
-    assert valid_slot_counts(cycle, exit_layer=4) == [1, 2, 4]
-    assert valid_slot_counts(cycle, exit_layer=5) == [1, 2]  # the exit must lie in the first stage
-    assert valid_slot_counts([0, 0, 1, 1], exit_layer=1) == [1]
+    assert derive_plan(cycle).valid_slots(4) == [1, 2, 4]
+    assert derive_plan(cycle).valid_slots(5) == [1, 2]  # the exit must lie in the first stage
+    assert derive_plan([0, 0, 1, 1]).valid_slots(1) == [1]
     assert make_schedule(cycle, 4, alpha=0.8, requested=None).slots == 4
     assert make_schedule(cycle, 4, alpha=0.05, requested=None).slots == 1  # speculation would not pay
     plain = make_schedule(list(range(6)), 6, alpha=0.9, requested=None)

@@ -22,7 +22,8 @@ from speedc.models.llama import SharedLlama
 from speedc.models.sampling import SamplingParams, TokenPicker
 from speedc.runtimes.backends import torch_backend
 from speedc.runtimes.batch import BatchScheduler, RowPolicy
-from speedc.runtimes.backends.onnx import BatchBackend, HeadRows
+from speedc.runtimes.backends.onnx import BatchBackend
+from speedc.runtimes.backends.protocol import HeadRows
 from speedc.runtimes.decode import Request
 from speedc.runtimes.backends.torch_backend import TorchBackend, best_candidate, top_candidates
 
