@@ -284,3 +284,18 @@ def write_sparse_safetensors(path, name: str, shape: list[int], dtype: str = "BF
         handle.write(header)
     os.truncate(path, 8 + len(header) + size)
     return path
+
+
+@torch.no_grad()
+def hf_greedy(oracle, prompt: list[int], new_tokens: int) -> list[int]:
+    """NEW_TOKENS greedy ids of a transformers causal LM (ORACLE) after PROMPT, recomputed from scratch each token."""
+    ids = list(prompt)
+    for _ in range(new_tokens):
+        ids.append(int(oracle(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def seeded_prompt(seed: int, length: int, vocab: int) -> list[int]:
+    """LENGTH ids in [3, VOCAB) drawn with SEED (ids 0-2 are the special tokens of these checkpoints)."""
+    return torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+

@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import run_cli
+from looped_checkpoints import hf_greedy, seeded_prompt
 from speedc import Engine
 from speedc.format import contract
 from speedc.format.artifact import read_manifest
@@ -92,16 +93,12 @@ def oracle_for(directory: Path, prelude: int, core: int, coda: int, loops: int) 
     return oracle.eval()
 
 
-@torch.no_grad()
 def oracle_greedy(oracle: LlamaForCausalLM, prompt: list[int]) -> list[int]:
-    ids = list(prompt)
-    for _ in range(NEW_TOKENS):
-        ids.append(int(oracle(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return hf_greedy(oracle, prompt, NEW_TOKENS)
 
 
 def prompt(seed: int) -> list[int]:
-    return torch.randint(3, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return seeded_prompt(seed, PROMPT_LEN, VOCAB)
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))

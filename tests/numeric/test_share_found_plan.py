@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from looped_checkpoints import hf_greedy, seeded_prompt
 from speedc import Engine
 from speedc.build import build
 from speedc.format.artifact import read_manifest
@@ -62,16 +63,12 @@ def write_unrolled_checkpoint(directory: Path, seed: int, layer_scale: float) ->
     return model.eval()
 
 
-@torch.no_grad()
 def oracle_greedy(oracle: LlamaForCausalLM, prompt: list[int]) -> list[int]:
-    ids = list(prompt)
-    for _ in range(NEW_TOKENS):
-        ids.append(int(oracle(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return hf_greedy(oracle, prompt, NEW_TOKENS)
 
 
 def prompt(seed: int) -> list[int]:
-    return torch.randint(3, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return seeded_prompt(seed, PROMPT_LEN, VOCAB)
 
 
 @pytest.fixture(scope="module", params=list(LAYER_SCALES))
