@@ -89,7 +89,8 @@ def test_speed_equals_plain_equals_oracle(case, slots):
     prompts = [list(p) for p in PROMPTS]
     plain = engine.generate_batch(prompts, max_new_tokens=NEW_TOKENS, stop_at_eos=False, row_budget=0, max_batch=3)
     assert [r.ids for r in plain] == expected
-    speed = engine.generate_batch(prompts, max_new_tokens=NEW_TOKENS, stop_at_eos=False, max_batch=3)
+    speed = engine.generate_batch(prompts, max_new_tokens=NEW_TOKENS, stop_at_eos=False, max_batch=3,
+                                  row_budget=None, per_sequence=False)  # speculating at every step: counts below
     assert {r.stats.mode for r in speed} == {"batch speed"}
     assert [r.ids for r in speed] == expected
     accepted, mispredicted = sum(r.stats.accepted for r in speed), sum(r.stats.mispredicted for r in speed)
