@@ -173,9 +173,9 @@ class AcceptancePolicy:
         bound's 1 / (1 + (1-a)(d-1))), at the prior until min_outcomes outcomes judge it (as its own rule
         waits for them)."""
         depth = self.slots if depth is None else depth
-        measured = state.yields.get(depth)
-        if measured is not None and measured[1] >= self.yield_steps:
-            return measured[0]
+        measured = self.measured_yield(state, depth)
+        if measured is not None:
+            return measured
         alpha = state.alpha if state.outcomes >= self.min_outcomes else self.prior
         return 1.0 / (1.0 + (1.0 - alpha) * (depth - 1))
 
@@ -183,10 +183,13 @@ class AcceptancePolicy:
         """SPEED's speedup over plain decoding for STATE's sequence in a DEPTH-slot pipeline whose step costs
         COST: its measured tokens per step x DEPTH / COST once measured, else the analytic bound at its
         acceptance."""
-        measured = state.yields.get(depth)
-        if measured is not None and measured[1] >= self.yield_steps:
-            return measured[0] * depth / cost
-        return analytic_bound(depth, state.alpha, cost)
+        measured = self.measured_yield(state, depth)
+        return analytic_bound(depth, state.alpha, cost) if measured is None else measured * depth / cost
+
+    def measured_yield(self, state: SequenceAcceptance, depth: int) -> float | None:
+        """STATE's tokens per speed step at DEPTH once yield_steps speed steps measured it, else None."""
+        record = state.yields.get(depth)
+        return record[0] if record is not None and record[1] >= self.yield_steps else None
 
     def batch_speculates(self, states: list[SequenceAcceptance], speculating: bool = True,
                          cost: float | None = None, depth: int | None = None) -> bool:

@@ -70,7 +70,7 @@ def interleaved_medians(*runs, repeats: int, warmup: int) -> tuple[float, ...]:
 def measure_step_times(backend, context: int, repeats: int = 200) -> tuple[float, float]:
     """(seconds of one full P-slot step, seconds of one plain token) of one sequence on BACKEND (a batch
     backend), both at a cache of `context` rows with the newest position in the middle, interleaved, medians."""
-    from speedc.runtimes.backends.onnx import HeadRows
+    from speedc.runtimes.backends.protocol import HeadRows
 
     slots = backend.slots
     context = max(context, 2 * slots)  # the oldest slot's position is >= 0 (a 5-token bench went negative)

@@ -299,3 +299,12 @@ def seeded_prompt(seed: int, length: int, vocab: int) -> list[int]:
     """LENGTH ids in [3, VOCAB) drawn with SEED (ids 0-2 are the special tokens of these checkpoints)."""
     return torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
+
+def batch_plain_and_speed(engine, prompts: list[list[int]], new_tokens: int, max_batch: int = 3):
+    """Greedy results of PROMPTS decoded together plainly, and speculating at every step (per_sequence=False:
+    the speculation counts a test asserts then do not follow this host's step timings)."""
+    plain = engine.generate_batch(prompts, max_new_tokens=new_tokens, stop_at_eos=False, row_budget=0, max_batch=max_batch)
+    speed = engine.generate_batch(prompts, max_new_tokens=new_tokens, stop_at_eos=False, max_batch=max_batch,
+                                  row_budget=None, per_sequence=False)
+    return plain, speed
+

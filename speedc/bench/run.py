@@ -26,7 +26,7 @@ from speedc.errors import SpeedcError
 from speedc.runtimes.decode import pooled_acceptance
 from speedc.runtimes.engine import Engine
 from speedc.cost_model import analytic_bound
-from speedc.step_cost import interleaved_medians, measure_step_cost, measure_step_times  # noqa: F401 (the bench's names)
+from speedc.step_cost import measure_step_cost
 
 DEFAULT_PROMPTS = ["ROMEO:\n", "First Citizen:\nBefore we proceed any further, hear me speak.\n", "KING HENRY:\n",
                    "To be, or not to be, that is the question:\n", "JULIET:\nO Romeo, Romeo!"]

@@ -383,7 +383,7 @@ def test_concurrency_bench_rows_for_every_system(tiny_artifact):
 def test_step_cost_is_measured_at_valid_positions_for_a_short_bench(tiny_artifact):
     """A bench of prompt + new tokens under 2(P-1) measured c(P) at negative positions: ONNX Runtime's
     attention refused them (a traceback after every run) and the other backends measured nonsense."""
-    from speedc.bench.run import measure_step_cost
+    from speedc.step_cost import measure_step_cost
     from speedc.runtimes.engine import Engine
 
     for backend in ("onnx", "onnx-numpy"):

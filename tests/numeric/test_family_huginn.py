@@ -28,6 +28,7 @@ import torch
 from conftest import run_cli
 from huginn_checkpoints import (HEAD_DIM, HEADS, HIDDEN, load_tensors, oracle_greedy, oracle_logits,
                                 write_checkpoint)
+from looped_checkpoints import batch_plain_and_speed
 from speedc import Engine
 from speedc.build import build
 from speedc.errors import CheckpointError, SpeedcError
@@ -87,10 +88,8 @@ def test_speed_equals_plain_equals_oracle(case, slots):
     assert manifest.schedule["readouts"]["draft"]["coda"] and manifest.schedule["readouts"]["final"]["slot"] == slots - 1
     engine = Engine.load(artifacts[slots], lazy=True)
     prompts = [list(p) for p in PROMPTS]
-    plain = engine.generate_batch(prompts, max_new_tokens=NEW_TOKENS, stop_at_eos=False, row_budget=0, max_batch=3)
+    plain, speed = batch_plain_and_speed(engine, prompts, NEW_TOKENS)
     assert [r.ids for r in plain] == expected
-    speed = engine.generate_batch(prompts, max_new_tokens=NEW_TOKENS, stop_at_eos=False, max_batch=3,
-                                  row_budget=None, per_sequence=False)  # speculating at every step: counts below
     assert {r.stats.mode for r in speed} == {"batch speed"}
     assert [r.ids for r in speed] == expected
     accepted, mispredicted = sum(r.stats.accepted for r in speed), sum(r.stats.mispredicted for r in speed)

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import run_cli
-from looped_checkpoints import hf_greedy, seeded_prompt
+from looped_checkpoints import batch_plain_and_speed, hf_greedy, seeded_prompt
 from speedc import Engine
 from speedc.format import contract
 from speedc.format.artifact import read_manifest
@@ -150,10 +150,8 @@ def test_greedy_and_sampled_ids(case):
     engine = Engine.load(artifact, lazy=True)  # the batch path (no single-sequence backend: it runs cycles only)
     prompts = [prompt(seed) for seed in PROMPT_SEEDS]
     expected = [oracle_greedy(oracle, p) for p in prompts]
-    plain = engine.generate_batch(prompts, max_new_tokens=NEW_TOKENS, stop_at_eos=False, row_budget=0, max_batch=3)
+    plain, speed = batch_plain_and_speed(engine, prompts, NEW_TOKENS)
     assert [r.ids for r in plain] == expected
-    speed = engine.generate_batch(prompts, max_new_tokens=NEW_TOKENS, stop_at_eos=False, max_batch=3,
-                                  row_budget=None, per_sequence=False)  # speculating at every step: counts below
     assert {r.stats.mode for r in speed} == {"batch speed"}
     assert [r.ids for r in speed] == expected
     accepted, mispredicted = sum(r.stats.accepted for r in speed), sum(r.stats.mispredicted for r in speed)
