@@ -49,8 +49,10 @@ class SequenceAcceptance:
     fallbacks: int = 0
     probes: int = 0
     kind: str = "greedy"  # of request: what the engine learned is kept per kind (AcceptancePolicy.start)
-    # pipeline depth -> [tokens emitted per speed step while speculating (averaged), speed steps behind it]
+    # pipeline depth d -> [tokens per step of a d-slot pipeline while speculating (averaged), steps behind it];
+    # a step of a d-slot pipeline is P / d speed steps (decode.Pipeline.shift's spacing), the bound's unit
     yields: dict = field(default_factory=dict)
+    depth_run: tuple = (0, 0)  # (the depth of its last speed steps, how many in a row ran at it)
 
 
 @dataclass
@@ -157,14 +159,21 @@ class AcceptancePolicy:
             self.waited(state)
             return
         self.observe(state, accepted, failed)
-        if emitted is not None:
-            record = state.yields.setdefault(self.slots if depth is None else depth, [0.0, 0])
+        depth = self.slots if depth is None else depth
+        run = state.depth_run[1] + 1 if state.depth_run[0] == depth else 1
+        state.depth_run = (depth, run)
+        # The first P steps after a change of depth run the pipeline's change of spacing, not the depth's steady
+        # state (measured on zoo:small: 0.33 tokens a step over 12 steps at depth 2 where it holds 0.4).
+        if emitted is not None and run > self.slots:
+            record = state.yields.setdefault(depth, [0.0, 0])
             record[1] += 1
-            record[0] += max(self.yield_weight, 1.0 / record[1]) * (emitted - record[0])
+            per_step = emitted * self.slots / depth  # P / d speed steps make one step of a d-slot pipeline
+            record[0] += max(self.yield_weight, 1.0 / record[1]) * (per_step - record[0])
 
     def waited(self, state: SequenceAcceptance) -> None:
         """STATE's sequence ran one decode step while it had chosen plain decoding (a plain token, or a
         speed step the batch's layout made it take): one step nearer its next probe."""
+        state.depth_run = (0, 0)  # a plain step drains the pipeline: the next speed steps refill it
         if not state.speculating:
             state.plain_tokens += 1
 
@@ -215,14 +224,23 @@ class AcceptancePolicy:
         tokens = sum(self.tokens_per_step(state, depth) for state in states)
         return tokens * depth / cost > len(states) * (1.0 - self.margin if speculating else 1.0)
 
-    def wants_speculation(self, state: SequenceAcceptance, cost: float | dict | None = None) -> bool:
+    def losing(self, state: SequenceAcceptance, costs: dict[int, float]) -> bool:
+        """Whether STATE's sequence speculates, has been judged (min_outcomes outcomes, probe_outcomes in a probe)
+        and loses at every depth of COSTS ({depth: c}) by more than the margin: the fall-back verdict."""
+        judged = state.outcomes >= (self.probe_outcomes if state.probing else self.min_outcomes)
+        return (state.speculating and judged
+                and max(self.bound(state, depth, c) for depth, c in costs.items()) < 1.0 - self.margin)
+
+    def wants_speculation(self, state: SequenceAcceptance, cost: float | dict | None = None,
+                          costs_settled: bool = True) -> bool:
         """Advance STATE's state machine at step cost COST (None: the seed; a dict: c per pipeline depth the
-        runtime may run, the best of them judged); whether its sequence should speculate this step."""
+        runtime may run, the best of them judged); whether its sequence should speculate this step.
+        COSTS_SETTLED False: COST is not yet measured on this host (the runtime is still timing its steps), so
+        no fall-back is decided on it (the seed measured at build, on another host or under another load, put
+        c(4) at 2.7 where this host's steps gave 1.7-2.1, and a first sequence at acceptance 0.75 fell back)."""
         costs = self.depth_costs(cost)
         if state.speculating:
-            judged = state.outcomes >= (self.probe_outcomes if state.probing else self.min_outcomes)
-            best = max(self.bound(state, depth, c) for depth, c in costs.items())
-            if judged and best < 1.0 - self.margin:
+            if costs_settled and self.losing(state, costs):
                 if state.probing:  # the probe failed: wait longer next time
                     state.probe_after = min(2 * state.probe_after, self.max_probe_after)
                     self.learned_probe_after[state.kind] = state.probe_after
@@ -250,8 +268,11 @@ class AlwaysSpeculate:
     def stepped(self, state, accepted: int, failed: int, emitted: int | None = None, depth: int | None = None) -> None:
         pass
 
-    def wants_speculation(self, state, cost: float | None = None) -> bool:
+    def wants_speculation(self, state, cost: float | None = None, costs_settled: bool = True) -> bool:
         return True
+
+    def losing(self, state, costs: dict) -> bool:
+        return False
 
     def batch_speculates(self, states, speculating: bool = True, cost: float | None = None,
                          depth: int | None = None) -> bool:

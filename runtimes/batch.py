@@ -54,7 +54,12 @@ DEPTH_MARGIN = 0.05
 # Plain steps a speculating scheduler runs to time plain decoding when its cost here is unknown or stale
 # (StepCosts.needs_plain_sample), the first of them not a sample: a plain step right after speed steps runs
 # cold (measured on zoo:small: 6-11 ms against 2.5 in a run of plain steps; the engine graph's other branch).
-PLAIN_BURST = (2, 8)  # (fewest, most) steps; it ends once the band holds enough samples
+# A burst is long enough to give StepCosts.min_samples samples of its own (its plain quartile is paired with the
+# speed steps around it).
+PLAIN_BURST = (4, 8)  # (fewest, most) steps; it ends once the band holds enough samples
+# Decode steps after which plain decoding's measured cost is re-timed (a burst) before speculation is left on it:
+# the host's load moves in seconds, and a fall-back drains every pipeline.
+CONFIRM_AGE = 64
 ROW_TILE = 64  # rows ONNX Runtime's fused prefill computes together (_chunk_size)
 
 
@@ -147,6 +152,7 @@ class BatchScheduler:
         self.depths = [d for d in range(slots, 1, -1) if slots % d == 0] if self.samples_plain else [slots]
         self.depth = slots  # the depth the policy chose
         self.depth_now = slots  # the depth this step runs at (the chosen one, or one being timed)
+        self._confirm = False  # a fall-back waits for freshly timed plain steps (_costs_settled)
         self._exploring: list[int] | None = None  # [depth, steps left] while timing a depth it would not choose
         self._geometry = None  # the pool's (length, width) at the last decode step: a step after a change is no sample
         self.prefill_chunk = prefill_chunk
@@ -358,15 +364,17 @@ class BatchScheduler:
         n, length = len(decoding), self.backend.length
         measured = {d: self.costs.step_cost(n, length, depth=d) for d in self.depths}
         costs = {d: cost for d, (cost, _) in measured.items()}
+        settled = self._costs_settled(decoding, costs, n, length)
         for sequence in decoding:  # each sequence's own rule first (it advances its fall-back / probe state)
-            self.acceptance.wants_speculation(sequence.acceptance, costs if len(costs) > 1 else costs[slots])
+            self.acceptance.wants_speculation(sequence.acceptance, costs if len(costs) > 1 else costs[slots], settled)
         states = [s.acceptance for s in decoding]
         self.depth_now = self._choose_depth(states, costs, n, length)
         depth = self.depth  # the verdict is the chosen depth's, also while another is being timed
         # Each rule's hysteresis follows its own last verdict, not the batch's mode: a batch the acceptance
         # rule turned plain at the row budget (8 sequences at P = 4, budget 32) must speculate again when
         # its probes hold, though 32 rows is above the budget's resume mark (24).
-        self.acceptance_allows = self.acceptance.batch_speculates(states, self.acceptance_allows, costs[depth], depth)
+        self.acceptance_allows = (self.acceptance.batch_speculates(states, self.acceptance_allows, costs[depth], depth)
+                                  or (self.acceptance_allows and not settled))
         self.rows_allow = self.policy.speculate(slots, n, self.rows_allow)
         for sequence in decoding:  # what the decision rested on, in each sequence's stats
             stats, state = sequence.stats, sequence.acceptance
@@ -378,10 +386,23 @@ class BatchScheduler:
                 stats.fallbacks, stats.probes = state.fallbacks, state.probes
         return self.acceptance_allows and self.rows_allow
 
+    def _costs_settled(self, decoding: list[Sequence], costs: dict[int, float], sequences: int, length: int) -> bool:
+        """Whether speculation may be left on COSTS: every depth's c rests on this host's steps (not the seed),
+        and where a sequence loses, the plain steps behind c were timed within CONFIRM_AGE steps; else a burst
+        of plain steps (real tokens) is asked for first and the verdict waits for it."""
+        if not all(self.costs.measured_here(sequences, d) for d in self.depths):
+            return False
+        if (self.costs.plain_age(sequences, length) > CONFIRM_AGE
+                and any(self.acceptance.losing(s.acceptance, costs) for s in decoding if s.acceptance is not None)):
+            self._confirm = True
+            return False
+        return True
+
     def _choose_depth(self, states: list, costs: dict[int, float], sequences: int, length: int) -> int:
         """The depth the next speed step runs at: the policy's best at these costs, kept unless another
         beats it by DEPTH_MARGIN; while a depth's cost here is unknown or stale, that depth for a few steps
-        (its warm-up, samples and the pipeline's change of spacing) so the choice rests on measurements.
+        (its warm-up, samples and the pipeline's change of spacing) so the choice rests on measurements, once
+        the chosen depth itself is measured (the first fall-back verdict waits for both).
         A change of depth drops nothing: decode.Pipeline.shift only spaces new entries."""
         if len(self.depths) == 1:
             return self.depths[0]
@@ -394,7 +415,7 @@ class BatchScheduler:
             if self._exploring[1] > 0:
                 return self._exploring[0]
             self._exploring = None
-        if self.acceptance_allows:
+        if self.acceptance_allows and not self.costs.needs_depth_sample(sequences, length, self.depth):
             stale = next((d for d in self.depths if d != self.depth and self.costs.needs_depth_sample(sequences, length, d)),
                          None)
             if stale is not None:
@@ -431,9 +452,9 @@ class BatchScheduler:
                 return True
             self._burst = 0
             return False
-        if self.costs.needs_plain_sample(n, length) and (all(s.pipeline.empty for s in decoding)
-                                                         or self.costs.plain_overdue(n, length)):
-            self._burst = 1
+        if self._confirm or (self.costs.needs_plain_sample(n, length) and (all(s.pipeline.empty for s in decoding)
+                                                                           or self.costs.plain_overdue(n, length))):
+            self._burst, self._confirm = 1, False
             return True
         return False
 

@@ -15,7 +15,7 @@ SPEED.md defines it). A pipeline run at a shallower depth d = P / g (decode.Pipe
 at most d tokens in flight, d rows a step) keeps its speed steps as "speed@d" / "full@d"; its c(d) is
 P x its step / a plain step (g steps of d rows a token, against a plain token's d slots of N / d layers).
 
-Each is the lower quartile of the last WINDOW samples: on a shared host a step is only ever slowed, by
+Each is the lower quartile of the last WINDOW samples (PLAIN_WINDOW for plain steps): on a shared host a step is only ever slowed, by
 other processes taking a core from a thread the step waits on (measured on zoo:small at a load of 4 on 2
 cores: plain tokens of 2.5 ms and of 10.6 ms, two of three slow), and the same quartile of both kinds
 keeps their ratio; the first WARMUP steps of each (kind, n) at each pool shape (length, width) are not samples
@@ -25,6 +25,10 @@ is the first decode step after the pool was reallocated (the scheduler skips it:
 
     c(n, band) = P * speed seconds / plain seconds        (the cost the policy's bound uses)
 
+where the speed seconds are the quartile of the WINDOW speed steps taken nearest in time to the newest plain
+samples (plain steps are timed in bursts, hundreds of speed steps apart: a ratio of two moments would follow
+the host's load, not the step).
+
 Before both kinds are measured in a band the nearest band (same n) where both are stands in, else the
 seed: the build host's c(P) stored in the manifest, or the cost model's assumption.
 Standard library only (the runtime path imports no torch).
@@ -32,10 +36,16 @@ Standard library only (the runtime path imports no torch).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
 MIN_BAND = 64
+
+
+def lower_quartile(values: list[float]) -> float:
+    return sorted(values)[len(values) // 4]
 
 
 def context_band(length: int) -> int:
@@ -45,8 +55,22 @@ def context_band(length: int) -> int:
 
 @dataclass
 class _Samples:
-    seconds: deque  # the last WINDOW step times
-    newest: int = 0  # StepCosts.clock when the newest was taken
+    """One (kind, n, band)'s step times in the order taken, with the StepCosts.clock of each."""
+    seconds: deque
+    clocks: deque
+
+    @property
+    def newest(self) -> int:
+        return self.clocks[-1]
+
+    def recent(self, count: int) -> list[float]:
+        return list(self.seconds)[-count:]
+
+    def nearest(self, clock: int, count: int) -> list[float]:
+        """The COUNT samples taken nearest to CLOCK (a run of consecutive ones: they are in clock order)."""
+        at = bisect.bisect_left(self.clocks, clock)
+        start = max(0, min(at - count // 2, len(self.clocks) - count))
+        return list(itertools.islice(self.seconds, start, start + count))
 
 
 @dataclass
@@ -55,7 +79,8 @@ class StepCosts:
     slots: int  # P
     seed: float  # c(P) before anything is measured here
     seed_source: str
-    window: int = 16
+    window: int = 16  # speed steps a quartile is taken over
+    plain_window: int = 8  # plain steps a quartile is taken over: the last burst or two (plain steps are timed in bursts)
     warmup: int = 2
     min_samples: int = 3  # samples a (kind, n, band) needs before its median counts
     # Decode steps (any n, any band) after which a plain estimate is stale: a speculating scheduler then runs a
@@ -98,9 +123,10 @@ class StepCosts:
         key = (kind, sequences, context_band(length))
         samples = self._samples.get(key)
         if samples is None:
-            samples = self._samples[key] = _Samples(deque(maxlen=self.window))
+            history = self.plain_window if kind == "plain" else self.refresh_steps  # speed steps near each burst
+            samples = self._samples[key] = _Samples(deque(maxlen=history), deque(maxlen=history))
         samples.seconds.append(seconds)
-        samples.newest = self.clock
+        samples.clocks.append(self.clock)
 
     def seconds(self, kind: str, sequences: int, band: int) -> float | None:
         """Seconds of a KIND step of SEQUENCES sequences in BAND (the lower quartile of the window), None
@@ -108,7 +134,14 @@ class StepCosts:
         samples = self._samples.get((kind, sequences, band))
         if samples is None or len(samples.seconds) < self.min_samples:
             return None
-        return sorted(samples.seconds)[len(samples.seconds) // 4]
+        return lower_quartile(samples.recent(self.plain_window if kind == "plain" else self.window))
+
+    def seconds_near(self, kind: str, sequences: int, band: int, clock: int) -> float | None:
+        """Seconds of a KIND step as `seconds` says, over the WINDOW samples taken nearest to CLOCK."""
+        samples = self._samples.get((kind, sequences, band))
+        if samples is None or len(samples.seconds) < self.min_samples:
+            return None
+        return lower_quartile(samples.nearest(clock, self.window))
 
     def needs_plain_sample(self, sequences: int, length: int) -> bool:
         """Whether the plain cost of SEQUENCES sequences at a pool of LENGTH positions is unknown or stale."""
@@ -134,11 +167,32 @@ class StepCosts:
         near_first = sorted((abs(b.bit_length() - band.bit_length()), b) for k, n, b in self._samples
                             if k == kind and n == sequences)
         for _, near in near_first:
-            step, plain = self.seconds(kind, sequences, near), self.seconds("plain", sequences, near)
+            plain = self.seconds("plain", sequences, near)
+            # Paired in time: the speed steps taken nearest to the plain ones (a burst's neighbours), since load
+            # that comes and goes on a shared host moves both kinds alike but not a ratio of different moments
+            # (measured on zoo:small: a plain burst in a quiet second against later, slowed speed steps put c(4)
+            # at 3.2 where paired samples gave 1.9-2.1, and speculation at acceptance 0.8 fell back).
+            plain_clock = self._samples["plain", sequences, near].newest if plain is not None else 0
+            step = self.seconds_near(kind, sequences, near, plain_clock) if plain is not None else None
             if step is not None and plain is not None and self.slots * step >= plain:
                 where = "here" if near == band else f"at context band {near} (none yet at {band})"
                 return self.slots * step / plain, f"measured {where}"
         return None
+
+    def measured_here(self, sequences: int, depth: int | None = None) -> bool:
+        """Whether c at pipeline DEPTH (None: P) for SEQUENCES sequences rests on this host's steps (in some
+        context band) rather than the seed. Always True when not measuring (the seed is the scripted cost)."""
+        if not self.measuring:
+            return True
+        return self._measured(self.kind_at("speed", depth), sequences, MIN_BAND) is not None  # any band will do
+
+    def plain_age(self, sequences: int, length: int) -> int:
+        """Decode steps since a plain step of SEQUENCES sequences at a pool of LENGTH positions was last timed
+        (0 when not measuring: the seed never ages)."""
+        if not self.measuring:
+            return 0
+        samples = self._samples.get(("plain", sequences, context_band(length)))
+        return self.clock - samples.newest if samples is not None else self.clock
 
     def plain_overdue(self, sequences: int, length: int) -> bool:
         """Whether plain decoding's cost here was never measured or is twice as stale as refresh_steps."""
@@ -165,12 +219,14 @@ class StepCosts:
     def _depth_row(self, sequences: int, band: int, depth: int, plain: float | None) -> dict:
         """The mean speed and full step at DEPTH in ms, and the c each gives over PLAIN seconds."""
         row = {}
+        plain_clock = self._samples["plain", sequences, band].newest if plain else None
         for kind, name in (("speed", "mean_step_cost"), ("full", "step_cost")):
             seconds = self.seconds(self.kind_at(kind, depth), sequences, band)
             if seconds is not None:
                 row[f"{kind}_ms"] = round(1000 * seconds, 3)
-                if plain:
-                    row[name] = round(self.slots * seconds / plain, 3)
+                if plain:  # c as the policy takes it: paired with the plain steps in time
+                    paired = self.seconds_near(self.kind_at(kind, depth), sequences, band, plain_clock)
+                    row[name] = round(self.slots * paired / plain, 3)
         return row
 
     def depths_seen(self) -> set[int]:

@@ -29,12 +29,13 @@ class ScriptedCosts(StepCosts):
     """c by decision, in phases of PHASE decisions: the full depth P cheap (shallower ones dear), then every
     depth dearer than its slots (no acceptance wins: plain decoding), then the shallowest depth cheap and P
     dear, over and over; plain steps to time plain decoding are asked for at every SAMPLE_EVERY-th question
-    (at once, in-flight work dropped), a few steps at a depth not chosen at every EXPLORE_EVERY-th decision."""
+    (at once, in-flight work dropped), a few steps at a depth not chosen at every EXPLORE_EVERY-th decision; a
+    fall-back waits for a plain burst at every third and for costs measured here in every seventh phase."""
 
     def __init__(self, slots: int, phase: int = 5, sample_every: int = 6, explore_every: int = 11) -> None:
         super().__init__(slots, 1.2, "scripted", measuring=False)
         self.phase, self.sample_every, self.explore_every = phase, sample_every, explore_every
-        self.decisions = self.asked = self.explored = 0
+        self.decisions = self.asked = self.explored = self.aged = 0
 
     def step_cost(self, sequences: int, length: int, kind: str = "speed", depth: int | None = None) -> tuple[float, str]:
         depth = self.slots if depth is None else depth
@@ -54,6 +55,15 @@ class ScriptedCosts(StepCosts):
     def needs_depth_sample(self, sequences: int, length: int, depth: int) -> bool:
         self.explored += 1
         return self.explored % self.explore_every == 0
+
+    def plain_age(self, sequences: int, length: int) -> int:
+        """Every third question: the plain cost is old, so a fall-back waits for a burst (BatchScheduler._costs_settled)."""
+        self.aged += 1
+        return 10 ** 6 if self.aged % 3 == 0 else 0
+
+    def measured_here(self, sequences: int, depth: int | None = None) -> bool:
+        """Not yet measured in every seventh phase: no fall-back then."""
+        return (self.decisions // self.phase) % 7 != 6
 
 
 @pytest.fixture(scope="module")

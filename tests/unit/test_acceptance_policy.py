@@ -214,3 +214,47 @@ def test_the_depth_that_emits_most_per_unit_of_time_is_chosen():
         policy.observe(state, accepted=6, failed=4)  # alpha 0.6
     assert not policy.wants_speculation(one, cost=2.3) and one.fallbacks == 1  # at P alone it loses
     assert policy.wants_speculation(other, cost=costs) and other.fallbacks == 0  # at depth 2 it wins
+
+
+def test_c_pairs_the_plain_steps_with_the_speed_steps_timed_beside_them():
+    """Load that arrives after a plain burst slows the later speed steps, not the burst: c from the speed steps
+    nearest in time to the plain ones stays the step's cost (P x 1 ms / 2 ms = 2), where a ratio of the two
+    moments would say 6 and end speculation that pays."""
+    from speedc.runtimes.step_costs import StepCosts
+
+    costs = StepCosts(slots=4, seed=1.6, seed_source="seed", warmup=0, min_samples=3, window=4, plain_window=4)
+    for _ in range(8):
+        costs.record("speed", 1, 200, 0.001)  # quiet
+    for _ in range(4):
+        costs.record("plain", 1, 200, 0.002)  # the burst, quiet too
+    for _ in range(40):
+        costs.record("speed", 1, 200, 0.003)  # then the host is loaded
+    assert costs.seconds("speed", 1, 256) == pytest.approx(0.003)  # the latest speed steps
+    assert costs.step_cost(1, 200) == (pytest.approx(2.0), "measured here")
+    assert costs.report()["measured"][0]["mean_step_cost"] == pytest.approx(2.0)
+    assert costs.plain_age(1, 200) == 40
+    for _ in range(4):
+        costs.record("plain", 1, 200, 0.006)  # a new burst under the load: the ratio of that moment
+    assert costs.step_cost(1, 200)[0] == pytest.approx(2.0)
+    assert costs.plain_age(1, 200) == 0 and costs.measured_here(1) and not costs.measured_here(1, depth=2)
+
+
+def test_no_fall_back_before_the_costs_are_this_hosts_and_yields_count_whole_pipeline_steps():
+    """A cost not yet measured here (the build host's seed) leaves no sequence plain however it judges; a depth
+    d < P pipeline's tokens per step count P / d speed steps a step (the bound's unit), after its first P steps
+    (the change of spacing)."""
+    policy = AcceptancePolicy(slots=4, step_cost=2.7, min_outcomes=4, yield_steps=4)
+    state = policy.start()
+    policy.observe(state, accepted=3, failed=1)  # alpha 0.75: at the seed's 2.7 the bound is 0.85
+    assert policy.losing(state, {4: 2.7})
+    assert policy.wants_speculation(state, cost=2.7, costs_settled=False) and state.fallbacks == 0
+    assert not policy.losing(state, {4: 2.0}) and policy.wants_speculation(state, cost=2.0)
+    for emitted in (0, 0, 0, 0) + (1, 0) * 4:  # depth 2: one token every other speed step once settled
+        policy.stepped(state, accepted=0, failed=0, emitted=emitted, depth=2)
+    assert state.yields[2][1] == 8 and policy.measured_yield(state, 2) == pytest.approx(1.0)
+    assert policy.bound(state, 2, 1.6) == pytest.approx(1.0 * 2 / 1.6)
+    policy.stepped(state, accepted=0, failed=0, emitted=1, depth=4)
+    assert state.depth_run == (4, 1) and 4 not in state.yields  # a change of depth: its spacing settles first
+    policy.waited(state)
+    assert state.depth_run == (0, 0)
+    assert not policy.wants_speculation(state, cost={4: 6.0, 2: 4.0}) and state.fallbacks == 1
