@@ -34,7 +34,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from speedc.cost_model import analytic_bound, assumed_step_cost, describe_assumed_step_cost
+from speedc.cost_model import analytic_bound
+from speedc.runtimes.step_costs import seed_step_cost
 
 
 @dataclass
@@ -88,12 +89,8 @@ class AcceptancePolicy:
 
     @classmethod
     def for_manifest(cls, manifest, **knobs) -> "AcceptancePolicy":
-        """c(P) from the manifest's build-time measurement when it was taken at this P, else the assumed one."""
-        measured = (manifest.build or {}).get("step_cost_measured") or {}
-        if measured.get("slots") == manifest.slots and measured.get("step_cost"):
-            return cls(manifest.slots, float(measured["step_cost"]), "measured at build", **knobs)
-        return cls(manifest.slots, assumed_step_cost(manifest.slots), f"{describe_assumed_step_cost()}, not measured",
-                   **knobs)
+        """Seeded as the step timer is (step_costs.seed_step_cost)."""
+        return cls(manifest.slots, *seed_step_cost(manifest), **knobs)
 
     @property
     def threshold(self) -> float:

@@ -44,6 +44,19 @@ from dataclasses import dataclass, field
 MIN_BAND = 64
 
 
+def seed_step_cost(manifest) -> tuple[float, str]:
+    """(c(P), where it comes from) before anything is measured here: the manifest's build-time measurement when
+    it was taken at this P and is plausible, else the cost model's assumption (the one the compiler chose P
+    with). A c below 1 is no measurement (P rows never cost less than one row's pass: a build on a loaded
+    host measured c(2) = 0.89)."""
+    from speedc.cost_model import assumed_step_cost, describe_assumed_step_cost
+
+    measured = (manifest.build or {}).get("step_cost_measured") or {}
+    if measured.get("slots") == manifest.slots and (measured.get("step_cost") or 0) >= 1.0:
+        return float(measured["step_cost"]), "measured at build"
+    return assumed_step_cost(manifest.slots), f"{describe_assumed_step_cost()}, not measured"
+
+
 def lower_quartile(values: list[float]) -> float:
     return sorted(values)[len(values) // 4]
 
@@ -93,15 +106,7 @@ class StepCosts:
 
     @classmethod
     def for_manifest(cls, manifest, **knobs) -> "StepCosts":
-        """Seeded with c(P) from the manifest's build-time measurement when it was taken at this P, else the
-        cost model's assumption (the one the compiler chose P with)."""
-        from speedc.cost_model import assumed_step_cost, describe_assumed_step_cost
-
-        slots = manifest.slots
-        measured = (manifest.build or {}).get("step_cost_measured") or {}
-        if measured.get("slots") == slots and measured.get("step_cost"):
-            return cls(slots, float(measured["step_cost"]), "measured at build", **knobs)
-        return cls(slots, assumed_step_cost(slots), f"{describe_assumed_step_cost()}, not measured", **knobs)
+        return cls(manifest.slots, *seed_step_cost(manifest), **knobs)
 
     def tick(self) -> None:
         """A decode step ran that is not a sample (right after the pool was reallocated)."""

@@ -122,6 +122,9 @@ def build(checkpoint, out, slots, weights, block_size, head_weights, target, exi
         click.echo(f"step cost c(P={measured['slots']}) = {measured['step_cost']:.2f} measured on this machine "
                    f"({measured['backend']}, {measured['threads']} threads); `speedc inspect {shlex.quote(str(out))}` "
                    "predicts from it")
+        if measured["step_cost"] < 1.0:
+            click.echo("  below 1 it is no measurement (P rows never cost less than one row's pass: this machine was "
+                       "busy); the runtime seeds with the cost model's c(P) and measures its own steps")
 
 
 @click.command(epilog=zoo.help_text())

@@ -258,3 +258,22 @@ def test_no_fall_back_before_the_costs_are_this_hosts_and_yields_count_whole_pip
     policy.waited(state)
     assert state.depth_run == (0, 0)
     assert not policy.wants_speculation(state, cost={4: 6.0, 2: 4.0}) and state.fallbacks == 1
+
+
+def test_the_seed_is_the_build_hosts_measurement_only_when_plausible():
+    """c(P) measured at build seeds the step timer and the policy alike, when taken at the artifact's P and not
+    below 1 (P rows never cost less than one row's pass: a loaded build host measured 0.89); else the cost model's."""
+    from types import SimpleNamespace
+
+    from speedc.cost_model import assumed_step_cost
+    from speedc.runtimes.step_costs import StepCosts, seed_step_cost
+
+    def manifest(slots, measured):
+        return SimpleNamespace(slots=slots, build={"step_cost_measured": measured})
+
+    assert seed_step_cost(manifest(4, {"slots": 4, "step_cost": 2.1})) == (2.1, "measured at build")
+    for measured in ({"slots": 2, "step_cost": 0.89}, {"slots": 2, "step_cost": 2.1}, None):
+        cost, source = seed_step_cost(manifest(4, measured))
+        assert cost == assumed_step_cost(4) and source.endswith("not measured")
+    seeded = manifest(4, {"slots": 4, "step_cost": 2.1})
+    assert AcceptancePolicy.for_manifest(seeded).step_cost == StepCosts.for_manifest(seeded).seed == 2.1
