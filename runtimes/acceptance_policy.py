@@ -13,10 +13,10 @@ cost its runtimes/step_costs.py measured for the step's batch size and context b
 c(P), or the cost model's assumption, only seeds it; `step_cost` here is that seed, used where no cost
 is passed). The state machine of one sequence:
 
-    speculating --(>= min_outcomes outcomes and bound < 1 - margin)--> plain
+    speculating --(>= min_outcomes outcomes and the bound < 1 at an optimistic acceptance)--> plain
     plain --(probe_after tokens decoded plainly)--> speculating (a probe: its average starts afresh)
     a probe that falls back again (judged after probe_outcomes outcomes) doubles probe_after (up to
-    max_probe_after); one that holds (min_outcomes outcomes with the bound >= 1 - margin) resets it
+    max_probe_after); one that holds (min_outcomes outcomes without falling back) resets it
 
 What the policy learned outlives the sequence: a new sequence starts from the acceptance the engine's
 recent outcomes of its kind of request averaged (`learned_alpha`, once min_outcomes were seen; greedy and
@@ -31,6 +31,7 @@ Standard library only (the runtime path imports no torch).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -69,11 +70,13 @@ class AcceptancePolicy:
     probe_outcomes: int = 4
     probe_after: int = 32
     max_probe_after: int = 512
-    # Hysteresis: speculation stops only where the bound says it loses by more than this. An average of
-    # ~10 outcomes dips below alpha* by chance on text that speculates well, and each switch flushes the
-    # in-flight work; measured on zoo:small at one client (alpha* 0.64 at c(4) = 1.85): with no margin,
-    # 13-25% of decode steps fell back to plain tokens that cost more than the speed steps they replaced.
-    margin: float = 0.1
+    # Hysteresis by evidence: speculation is left only where an optimistic estimate still loses, the acceptance
+    # (or measured yield) this many standard errors above its average. An average of ~10 outcomes dips below
+    # alpha* by chance on text that speculates well, and each switch drains the pipelines; measured on
+    # zoo:small at acceptance 0.82: a fixed margin of 0.1 on the bound still let a first sequence fall back
+    # after 8 outcomes at 0.75 or 16 steps at 0.44 tokens a step (0.73 over the whole run), where the bound
+    # was 1.4; at acceptance 0.35 the optimistic estimate loses after ~19 outcomes.
+    confidence: float = 1.0
     # A sequence's tokens per speed step are measured once it has run this many speed steps at a depth (until
     # then the bound's 1 / (1 + (1 - a)(P - 1)) stands in): the bound counts P - 1 lost steps a miss, but a miss
     # an early exit catches loses fewer (measured on zoo:small at acceptance 0.80: 0.73 tokens a step where
@@ -162,10 +165,12 @@ class AcceptancePolicy:
         # The first P steps after a change of depth run the pipeline's change of spacing, not the depth's steady
         # state (measured on zoo:small: 0.33 tokens a step over 12 steps at depth 2 where it holds 0.4).
         if emitted is not None and run > self.slots:
-            record = state.yields.setdefault(depth, [0.0, 0])
+            record = state.yields.setdefault(depth, [0.0, 0, 0.0])  # [average, steps, average of squares]
             record[1] += 1
             per_step = emitted * self.slots / depth  # P / d speed steps make one step of a d-slot pipeline
-            record[0] += max(self.yield_weight, 1.0 / record[1]) * (per_step - record[0])
+            weight = max(self.yield_weight, 1.0 / record[1])
+            record[0] += weight * (per_step - record[0])
+            record[2] += weight * (per_step * per_step - record[2])
 
     def waited(self, state: SequenceAcceptance) -> None:
         """STATE's sequence ran one decode step while it had chosen plain decoding (a plain token, or a
@@ -174,28 +179,47 @@ class AcceptancePolicy:
         if not state.speculating:
             state.plain_tokens += 1
 
-    def tokens_per_step(self, state: SequenceAcceptance, depth: int | None = None) -> float:
-        """Tokens a speed step of a DEPTH-slot pipeline (None: P) is expected to emit for STATE's sequence (the
-        bound's 1 / (1 + (1-a)(d-1))), at the prior until min_outcomes outcomes judge it (as its own rule
-        waits for them)."""
+    def tokens_per_step(self, state: SequenceAcceptance, depth: int | None = None, optimistic: bool = False) -> float:
+        """Tokens a step of a DEPTH-slot pipeline (None: P) is expected to emit for STATE's sequence: its
+        measured yield once measured, else the bound's 1 / (1 + (1-a)(d-1)), at the prior until min_outcomes
+        outcomes judge it (as its own rule waits for them). OPTIMISTIC: `confidence` standard errors higher."""
         depth = self.slots if depth is None else depth
-        measured = self.measured_yield(state, depth)
+        measured = self.measured_yield(state, depth, optimistic)
         if measured is not None:
             return measured
-        alpha = state.alpha if state.outcomes >= self.min_outcomes else self.prior
-        return 1.0 / (1.0 + (1.0 - alpha) * (depth - 1))
+        if state.outcomes < self.min_outcomes:
+            return 1.0 / (1.0 + (1.0 - self.prior) * (depth - 1))
+        return 1.0 / (1.0 + (1.0 - self.acceptance(state, optimistic)) * (depth - 1))
 
-    def bound(self, state: SequenceAcceptance, depth: int, cost: float) -> float:
+    def acceptance(self, state: SequenceAcceptance, optimistic: bool = False) -> float:
+        """STATE's averaged acceptance; OPTIMISTIC: `confidence` standard errors above it, the standard error of
+        a rate over the outcomes the average holds (an exponential average of weight w holds about (2 - w) / w),
+        taken at (k + 1) / (n + 2) so that a run of all misses is not certain after four."""
+        if not optimistic or state.outcomes == 0:
+            return state.alpha
+        held = min(state.outcomes, (2.0 - self.weight) / self.weight)
+        rate = (state.alpha * held + 1.0) / (held + 2.0)
+        return min(1.0, state.alpha + self.confidence * math.sqrt(rate * (1.0 - rate) / held))
+
+    def bound(self, state: SequenceAcceptance, depth: int, cost: float, optimistic: bool = False) -> float:
         """SPEED's speedup over plain decoding for STATE's sequence in a DEPTH-slot pipeline whose step costs
         COST: its measured tokens per step x DEPTH / COST once measured, else the analytic bound at its
-        acceptance."""
-        measured = self.measured_yield(state, depth)
-        return analytic_bound(depth, state.alpha, cost) if measured is None else measured * depth / cost
+        acceptance (OPTIMISTIC: either `confidence` standard errors higher)."""
+        measured = self.measured_yield(state, depth, optimistic)
+        if measured is None:
+            return analytic_bound(depth, self.acceptance(state, optimistic), cost)
+        return measured * depth / cost
 
-    def measured_yield(self, state: SequenceAcceptance, depth: int) -> float | None:
-        """STATE's tokens per speed step at DEPTH once yield_steps speed steps measured it, else None."""
+    def measured_yield(self, state: SequenceAcceptance, depth: int, optimistic: bool = False) -> float | None:
+        """STATE's tokens per step at DEPTH once yield_steps steps measured it, else None. OPTIMISTIC: plus
+        `confidence` standard errors of the average (over the steps it holds, about (2 - w) / w)."""
         record = state.yields.get(depth)
-        return record[0] if record is not None and record[1] >= self.yield_steps else None
+        if record is None or record[1] < self.yield_steps:
+            return None
+        if not optimistic:
+            return record[0]
+        held = min(record[1], (2.0 - self.yield_weight) / self.yield_weight)
+        return record[0] + self.confidence * math.sqrt(max(record[2] - record[0] ** 2, 0.0) / held)
 
     def batch_speculates(self, states: list[SequenceAcceptance], speculating: bool = True,
                          cost: float | None = None, depth: int | None = None) -> bool:
@@ -212,21 +236,21 @@ class AcceptancePolicy:
         sequences ride along in the speed run while the winners carry the batch; when the losers weigh
         more, everyone decodes plainly until probes (a sequence's average starting afresh) say otherwise.
         SPECULATING: this rule's last verdict (the scheduler keeps it apart from the row rule's); leaving
-        speculation needs the margin (see `margin`). COST: c of this step on this host (None: the seed) for a
+        speculation is judged at the optimistic estimates (see `confidence`). COST: c of this step on this host (None: the seed) for a
         pipeline of DEPTH slots (None: P; the P slots run at a shallower depth: decode.Pipeline.shift)."""
         cost = self.step_cost if cost is None else cost
         depth = self.slots if depth is None else depth
         if self.threshold_at(cost, depth) >= 1.0:
             return False
-        tokens = sum(self.tokens_per_step(state, depth) for state in states)
-        return tokens * depth / cost > len(states) * (1.0 - self.margin if speculating else 1.0)
+        tokens = sum(self.tokens_per_step(state, depth, optimistic=speculating) for state in states)
+        return tokens * depth / cost > len(states)
 
     def losing(self, state: SequenceAcceptance, costs: dict[int, float]) -> bool:
         """Whether STATE's sequence speculates, has been judged (min_outcomes outcomes, probe_outcomes in a probe)
-        and loses at every depth of COSTS ({depth: c}) by more than the margin: the fall-back verdict."""
+        and loses at every depth of COSTS ({depth: c}) even at its optimistic estimate: the fall-back verdict."""
         judged = state.outcomes >= (self.probe_outcomes if state.probing else self.min_outcomes)
         return (state.speculating and judged
-                and max(self.bound(state, depth, c) for depth, c in costs.items()) < 1.0 - self.margin)
+                and max(self.bound(state, depth, c, optimistic=True) for depth, c in costs.items()) < 1.0)
 
     def wants_speculation(self, state: SequenceAcceptance, cost: float | dict | None = None,
                           costs_settled: bool = True) -> bool:

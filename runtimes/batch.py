@@ -390,6 +390,8 @@ class BatchScheduler:
         """Whether speculation may be left on COSTS: every depth's c rests on this host's steps (not the seed),
         and where a sequence loses, the plain steps behind c were timed within CONFIRM_AGE steps; else a burst
         of plain steps (real tokens) is asked for first and the verdict waits for it."""
+        if not self.samples_plain:  # a rule that takes no measured costs
+            return True
         if not all(self.costs.measured_here(sequences, d) for d in self.depths):
             return False
         if (self.costs.plain_age(sequences, length) > CONFIRM_AGE

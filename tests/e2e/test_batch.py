@@ -265,7 +265,7 @@ def test_per_sequence_decisions_turn_the_batch_plain_and_back_losslessly(engine)
     from speedc.runtimes.backends.onnx import make_batch_backend
     from speedc.runtimes.step_costs import StepCosts
 
-    policy = AcceptancePolicy(engine.manifest.slots, step_cost=1.6, min_outcomes=2, probe_after=3, margin=0.0)
+    policy = AcceptancePolicy(engine.manifest.slots, step_cost=1.6, min_outcomes=2, probe_after=3, confidence=0.0)
     backend = make_batch_backend(engine.directory, engine.manifest, max_batch=3, capacity=80)
     scripted = StepCosts(engine.manifest.slots, 1.6, "scripted", measuring=False)  # the rule's logic, not this host's c(P)
     scheduler = BatchScheduler(backend, policy=RowPolicy(row_budget=None), acceptance=policy, prefill_chunk=8,

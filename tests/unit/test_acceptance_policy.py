@@ -84,21 +84,28 @@ def test_the_batch_speculates_while_its_summed_bound_wins():
     assert policy.batch_speculates([good, bad])  # 3.125 > 2
     assert policy.batch_speculates([good] * 2 + [bad] * 3)  # 6.875 > 5
     assert policy.batch_speculates([good] + [bad] * 3)  # 4.375 > 4
-    assert not policy.batch_speculates([good] + [bad] * 5, speculating=False)  # 5.625 < 6: no start
-    assert policy.batch_speculates([good] + [bad] * 5)  # but a speculating batch goes on within the margin: > 0.9 * 6
-    assert not policy.batch_speculates([good] + [bad] * 7)  # 6.875 < 0.9 * 8
+    # A speculating batch is judged at optimistic acceptances (a standard error up: 8 misses say 0.106 at most):
+    assert not policy.batch_speculates([good] + [bad] * 4, speculating=False)  # 5.0, not > 5: no start
+    assert policy.batch_speculates([good] + [bad] * 4)  # but it goes on: (1 + 4 x 0.272) x 2.5 = 5.22 > 5
+    assert not policy.batch_speculates([good] + [bad] * 5)  # 5.90 < 6
     assert not AcceptancePolicy(slots=4, step_cost=4.5).batch_speculates([good])  # c(P) > P: never
 
 
-def test_a_sequence_falls_back_only_where_speculation_loses_by_more_than_the_margin():
+def test_a_sequence_falls_back_only_where_even_an_optimistic_estimate_loses():
+    """alpha* is 0.5 at c(4) = 1.6. An average of 0.35 over 8 outcomes is within a standard error of winning
+    (0.52 at most): chance, not evidence. The same average held over the ~19 outcomes the average weighs is
+    evidence (0.46 at most: the bound 0.95), and 0.2 over 8 loses at once (0.36 at most: 0.85)."""
     policy = AcceptancePolicy(slots=4, step_cost=1.6, weight=0.1, min_outcomes=8)
     near = policy.start()
-    near.alpha, near.outcomes = policy.threshold - 0.02, 8  # the bound just under 1: chance, not evidence
-    assert 1.0 - policy.margin < analytic_bound(4, near.alpha, 1.6) < 1.0
+    near.alpha, near.outcomes = policy.threshold - 0.15, 8
+    assert analytic_bound(4, near.alpha, 1.6) < 1.0 < policy.bound(near, 4, 1.6, optimistic=True)
     assert policy.wants_speculation(near)
+    near.outcomes = 40
+    assert policy.bound(near, 4, 1.6, optimistic=True) == pytest.approx(0.95, abs=0.01)
+    assert not policy.wants_speculation(near) and near.fallbacks == 1
     far = policy.start()
-    far.alpha, far.outcomes = policy.threshold - 0.15, 8
-    assert analytic_bound(4, far.alpha, 1.6) < 1.0 - policy.margin
+    far.alpha, far.outcomes = 0.2, 8
+    assert policy.bound(far, 4, 1.6, optimistic=True) == pytest.approx(0.85, abs=0.01)
     assert not policy.wants_speculation(far) and far.fallbacks == 1
 
 
@@ -106,9 +113,9 @@ def test_the_decision_follows_the_step_cost_it_is_given():
     """The same acceptance wins at a cheap step and loses at a dear one (c passed per step: measured here)."""
     policy = AcceptancePolicy(slots=4, step_cost=1.6, min_outcomes=4)
     state = policy.start()
-    policy.observe(state, accepted=3, failed=1)  # alpha 0.75: alpha* is 0.5 at c 1.6, 0.86 at c 2.8
+    state.alpha, state.outcomes = 0.75, 20  # alpha* is 0.5 at c 1.6, 0.89 at c 3.0; 0.85 at most (a standard error up)
     assert policy.wants_speculation(state, cost=1.6) and state.speculating
-    assert not policy.wants_speculation(state, cost=2.8) and state.fallbacks == 1  # bound 0.82: below 1 - margin
+    assert not policy.wants_speculation(state, cost=3.0) and state.fallbacks == 1  # optimistic bound 0.92
     assert policy.batch_speculates([SequenceAcceptance(0.75, outcomes=8)], cost=1.6)
     assert not policy.batch_speculates([SequenceAcceptance(0.75, outcomes=8)], speculating=False, cost=2.8)
     assert policy.threshold_at(2.8) == pytest.approx(1 - (4 / 2.8 - 1) / 3)
@@ -118,7 +125,7 @@ def test_measured_tokens_per_step_replace_the_formula_once_enough_steps_ran():
     """A miss caught by an early exit loses fewer than P - 1 steps, so the bound's 1 / (1 + (1 - a)(P - 1))
     tokens a step undercounts: after yield_steps speed steps at a depth the sequence's measured yield decides.
     Acceptance 0.7 at c(4) 2.0: the formula says 0.53 tokens a step (bound 1.05); a yield of 0.75 says 1.5."""
-    policy = AcceptancePolicy(slots=4, step_cost=2.0, min_outcomes=4, yield_steps=8, margin=0.0)
+    policy = AcceptancePolicy(slots=4, step_cost=2.0, min_outcomes=4, yield_steps=8)
     state = policy.start()
     for _ in range(7):
         policy.stepped(state, accepted=1, failed=0, emitted=1, depth=4)
@@ -207,13 +214,13 @@ def test_the_depth_that_emits_most_per_unit_of_time_is_chosen():
     high, middle = SequenceAcceptance(0.95, outcomes=8), SequenceAcceptance(0.6, outcomes=8)
     assert policy.best_depth([high], costs) == 4  # 4 x 0.870 / 2.3 = 1.51 against 2 x 0.952 / 1.4 = 1.36
     assert policy.best_depth([middle], costs) == 2  # 4 x 0.455 / 2.3 = 0.79 against 2 x 0.714 / 1.4 = 1.02
-    assert policy.batch_speculates([middle], cost=1.4, depth=2) and not policy.batch_speculates([middle], cost=2.3)
+    assert policy.batch_speculates([middle], False, cost=1.4, depth=2) and not policy.batch_speculates([middle], False, cost=2.3)
     assert policy.best_depth([high, middle, middle], costs) == 2 and policy.best_depth([high] * 3 + [middle], costs) == 4
     one, other = policy.start(), policy.start()
     for state in (one, other):
-        policy.observe(state, accepted=6, failed=4)  # alpha 0.6
-    assert not policy.wants_speculation(one, cost=2.3) and one.fallbacks == 1  # at P alone it loses
-    assert policy.wants_speculation(other, cost=costs) and other.fallbacks == 0  # at depth 2 it wins
+        state.alpha, state.outcomes = 0.5, 20  # 0.62 at most (a standard error up)
+    assert not policy.wants_speculation(one, cost=2.3) and one.fallbacks == 1  # at P alone it loses: 0.81
+    assert policy.wants_speculation(other, cost=costs) and other.fallbacks == 0  # at depth 2 it wins: 1.03
 
 
 def test_c_pairs_the_plain_steps_with_the_speed_steps_timed_beside_them():
@@ -243,11 +250,11 @@ def test_no_fall_back_before_the_costs_are_this_hosts_and_yields_count_whole_pip
     """A cost not yet measured here (the build host's seed) leaves no sequence plain however it judges; a depth
     d < P pipeline's tokens per step count P / d speed steps a step (the bound's unit), after its first P steps
     (the change of spacing)."""
-    policy = AcceptancePolicy(slots=4, step_cost=2.7, min_outcomes=4, yield_steps=4)
+    policy = AcceptancePolicy(slots=4, step_cost=3.0, min_outcomes=4, yield_steps=4)
     state = policy.start()
-    policy.observe(state, accepted=3, failed=1)  # alpha 0.75: at the seed's 2.7 the bound is 0.85
-    assert policy.losing(state, {4: 2.7})
-    assert policy.wants_speculation(state, cost=2.7, costs_settled=False) and state.fallbacks == 0
+    state.alpha, state.outcomes = 0.75, 20  # at the seed's 3.0 even the optimistic bound is 0.92
+    assert policy.losing(state, {4: 3.0})
+    assert policy.wants_speculation(state, cost=3.0, costs_settled=False) and state.fallbacks == 0
     assert not policy.losing(state, {4: 2.0}) and policy.wants_speculation(state, cost=2.0)
     for emitted in (0, 0, 0, 0) + (1, 0) * 4:  # depth 2: one token every other speed step once settled
         policy.stepped(state, accepted=0, failed=0, emitted=emitted, depth=2)
