@@ -247,10 +247,13 @@ class AcceptancePolicy:
 
     def losing(self, state: SequenceAcceptance, costs: dict[int, float]) -> bool:
         """Whether STATE's sequence speculates, has been judged (min_outcomes outcomes, probe_outcomes in a probe)
-        and loses at every depth of COSTS ({depth: c}) even at its optimistic estimate: the fall-back verdict."""
+        and loses at every depth of COSTS ({depth: c}): the fall-back verdict. Judged at the optimistic estimate,
+        except in a probe: a probe speculates on text that recently lost, so it must show that it wins (at
+        acceptance 0.3, probes judged optimistically held by chance and reset the wait: 3-4 probes in 128 tokens)."""
         judged = state.outcomes >= (self.probe_outcomes if state.probing else self.min_outcomes)
+        optimistic = not state.probing
         return (state.speculating and judged
-                and max(self.bound(state, depth, c, optimistic=True) for depth, c in costs.items()) < 1.0)
+                and max(self.bound(state, depth, c, optimistic) for depth, c in costs.items()) < 1.0)
 
     def wants_speculation(self, state: SequenceAcceptance, cost: float | dict | None = None,
                           costs_settled: bool = True) -> bool:

@@ -369,11 +369,15 @@ class BatchScheduler:
             self.acceptance.wants_speculation(sequence.acceptance, costs if len(costs) > 1 else costs[slots], settled)
         states = [s.acceptance for s in decoding]
         self.depth_now = self._choose_depth(states, costs, n, length)
-        depth = self.depth  # the verdict is the chosen depth's, also while another is being timed
+        depth = self.depth  # the chosen depth (also while another is being timed): what the stats report
         # Each rule's hysteresis follows its own last verdict, not the batch's mode: a batch the acceptance
         # rule turned plain at the row budget (8 sequences at P = 4, budget 32) must speculate again when
         # its probes hold, though 32 rows is above the budget's resume mark (24).
-        self.acceptance_allows = (self.acceptance.batch_speculates(states, self.acceptance_allows, costs[depth], depth)
+        # The batch speculates where it wins at some depth (as a sequence falls back only where it loses at
+        # every depth: judged at the chosen depth alone, a sequence that still won at another stayed plain, never
+        # to probe), and leaves speculation only on settled costs.
+        self.acceptance_allows = (any(self.acceptance.batch_speculates(states, self.acceptance_allows, costs[d], d)
+                                      for d in costs)
                                   or (self.acceptance_allows and not settled))
         self.rows_allow = self.policy.speculate(slots, n, self.rows_allow)
         for sequence in decoding:  # what the decision rested on, in each sequence's stats
