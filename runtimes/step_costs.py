@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 MIN_BAND = 64
 REUSE_STEPS = 8
+DEPTH_REFRESH = 4
 
 
 def seed_step_cost(manifest) -> tuple[float, str]:
@@ -164,12 +165,15 @@ class StepCosts:
                 or self.clock - samples.newest > self.refresh_steps)
 
     def needs_depth_sample(self, sequences: int, length: int, depth: int) -> bool:
-        """Whether speed steps at DEPTH of SEQUENCES sequences at a pool of LENGTH positions are unknown or stale."""
+        """Whether speed steps at DEPTH of SEQUENCES sequences at a pool of LENGTH positions are unknown or stale
+        (after DEPTH_REFRESH x refresh_steps: a depth not chosen is timed by running it a few steps, which costs
+        a change of spacing each way, ~4% of 128 tokens at Ouro-1.4B's shapes, and depths' costs keep their
+        ratio better than the host keeps its load)."""
         if not self.measuring:
             return False
         samples = self._samples.get((self.kind_at("speed", depth), sequences, context_band(length)))
         return (samples is None or len(samples.seconds) < self.min_samples
-                or self.clock - samples.newest > self.refresh_steps)
+                or self.clock - samples.newest > DEPTH_REFRESH * self.refresh_steps)
 
     def _measured(self, kind: str, sequences: int, band: int) -> tuple[float, str] | None:
         key = (kind, sequences, band)
