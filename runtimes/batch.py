@@ -18,7 +18,8 @@ One scheduler iteration (`BatchScheduler.step`):
        policy the step's rows:
          speed: P*n rows; each sequence's pipeline by runtimes/decode.py Pipeline's rules
                 (enter, verify at the last slot, flush on a miss, optional early flush); an early-flush
-                check scores only the top K ids its token's first exit gave (HeadRows.check)
+                check scores only the top K ids its token's first exit gave (the backend keeps
+                them beside the token's hidden row: DraftCandidates)
          plain: n rows; each sequence's last confirmed token through all N layers
     4. finished sequences (EOS, stop string, max tokens, cancelled) free their pool row at once; the last
        occupied slot moves into the hole so the occupied slots stay a prefix (contiguous cache views)
@@ -42,7 +43,7 @@ from speedc.cost_model import analytic_bound, assumed_step_cost, describe_assume
 from speedc.errors import GenerationError, OutOfMemory
 from speedc.runtimes.acceptance_policy import AcceptancePolicy, AlwaysSpeculate
 from speedc.runtimes.step_costs import StepCosts
-from speedc.runtimes.backends.protocol import BatchBackendProtocol, HeadRows
+from speedc.runtimes.backends.protocol import BatchBackendProtocol, HeadRows, SequenceHeads, SequenceOutcome
 from speedc.models.sampling import token_logprob
 from speedc.runtimes.decode import DecodeStats, Pipeline, Request, Slot, emit_token
 from speedc.runtimes.prefix_cache import PrefixCache
@@ -551,8 +552,7 @@ class BatchScheduler:
         positions[:] = self._bubble_positions()  # [P, n]: bubbles' rows, each sequence's bubbles where _bubble_positions says
         valid = np.zeros((slots, n), bool)
         heads = HeadRows()
-        final_of, exit_of, check_of = [], [], []
-        stepping = []
+        stepping: list[tuple[Sequence, SequenceHeads]] = []  # each stepping sequence and where its heads' results sit
         for sequence in decoding:
             pipeline = sequence.pipeline
             if pipeline.pending is None and pipeline.empty:
@@ -563,62 +563,41 @@ class BatchScheduler:
                 sequence.state = DONE  # released after the step, with the others that finished
                 events.append((sequence, None))
                 continue
-            stepping.append(sequence)
             b = sequence.row
             entering[b] = enter.token if enter is not None else 0
             for s, slot in enumerate(pipeline.slots):
                 if slot is not None:
                     positions[s, b], valid[s, b] = slot.pos, True
-            if pipeline.slots[-1] is not None:
-                heads.final.append((slots - 1) * n + b)
-                final_of.append(sequence)
             # The exit head drafts slot 0's successor over the whole vocabulary; an early-flush check of a
-            # deeper slot scores only the candidates that token's own draft gave (contract.CHECK_ROWS): every
-            # token in a deeper slot went through slot 0 in an earlier speed step, which recorded them.
-            if pipeline.slots[0] is not None:
-                heads.exit.append(b)
-                exit_of.append((sequence, pipeline.slots[0]))
-            for depth in range(1, slots - 1) if sequence.early_flush else ():
-                slot = pipeline.slots[depth]
-                if slot is not None:
-                    heads.check.append(depth * n + b)
-                    heads.candidates.append(slot.candidates)
-                    check_of.append((sequence, depth))
+            # deeper slot scores only the candidates that token's own draft gave (kept by the backend).
+            checked = [d for d in range(1, slots - 1) if pipeline.slots[d] is not None] if sequence.early_flush else []
+            stepping.append((sequence, heads.add(b, n, [slot is not None for slot in pipeline.slots], checked)))
         if not stepping:
             return None
-        full = bool((valid[:, [s.row for s in stepping]].sum(axis=0) == pipeline_depth).all())
-        want = any(s.request.picker.needs_logits for s in final_of)
+        full = bool((valid[:, [s.row for s, _ in stepping]].sum(axis=0) == pipeline_depth).all())
+        want = any(places.final is not None and s.request.picker.needs_logits for s, places in stepping)
         start = time.perf_counter()
         result = self.backend.speed_step(entering, positions, valid, heads, want)
         self.steps["speed"] += 1
-        final = {id(s): (int(result.final_tokens[i]), result.final_logits[i] if want else None) for i, s in enumerate(final_of)}
-        guesses: dict[int, dict[int, int]] = {}
-        candidates = result.exit_candidates.copy() if exit_of else None  # the buffer is the next step's output too
-        for i, (sequence, drafting) in enumerate(exit_of):
-            guesses.setdefault(id(sequence), {})[0] = int(result.exit_tokens[i])
-            drafting.candidates = candidates[i]
-        for i, (sequence, depth) in enumerate(check_of):
-            guesses.setdefault(id(sequence), {})[depth] = int(result.check_tokens[i])
-        for sequence in stepping:
+        for sequence, places in stepping:
             stats = sequence.stats
             stats.steps += 1
             stats.speed_steps += 1
             stats.depth_steps[pipeline_depth] = stats.depth_steps.get(pipeline_depth, 0) + 1
             accepted, failed, emitted = stats.accepted, stats.failed_speculations, len(sequence.out)
-            self._absorb(sequence, final.get(id(sequence)), guesses.get(id(sequence), {}), events)
+            self._absorb(sequence, result.of_sequence(places), events)
             self.acceptance.stepped(sequence.acceptance, stats.accepted - accepted, stats.failed_speculations - failed,
                                     len(sequence.out) - emitted, pipeline_depth)
             stats.decode_seconds += time.perf_counter() - start
         return "full" if full else "speed"
 
-    def _absorb(self, sequence: Sequence, final: tuple[int, np.ndarray | None] | None, guesses: dict[int, int],
-                events: list[Event]) -> None:
+    def _absorb(self, sequence: Sequence, outcome: SequenceOutcome, events: list[Event]) -> None:
         """The bookkeeping after one step, for one sequence (decode.Pipeline's rules)."""
-        pipeline = sequence.pipeline
+        pipeline, guesses = sequence.pipeline, outcome.guesses
         oldest = pipeline.slots[-1]
         if oldest is not None:
             request = sequence.request
-            y = request.picker.pick(final[1], final[0], request.history)
+            y = request.picker.pick(outcome.final_logits, outcome.final_token, request.history)
             if self._emit(sequence, y, events):
                 return
             pipeline.confirm(oldest.pos + 1, y)
@@ -630,9 +609,8 @@ class BatchScheduler:
 
         def draft(depth: int) -> int:
             """Slot 0's exit, masked by the grammar after the confirmed and in-flight tokens (runtimes/constraint.py)."""
-            drafting = pipeline.slots[0]
             in_flight = sorted((s for s in pipeline.slots if s is not None and s.pos > confirmed), key=lambda s: s.pos)
-            candidates = drafting.candidates if drafting.candidates is not None else [guesses[depth]]
+            candidates = outcome.draft_candidates if outcome.draft_candidates is not None else [guesses[depth]]
             masked = constraint.draft(candidates, [s.token for s in in_flight])
             return guesses[depth] if masked is None else masked
 

@@ -22,8 +22,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Generator
 
-import numpy as np
-
 from speedc.models.sampling import TokenPicker
 
 
@@ -89,12 +87,10 @@ def pooled_acceptance(runs) -> float:
 
 @dataclass
 class Slot:
-    """A token in flight: its id and the position it sits at."""
+    """A token in flight: its id and the position it sits at (what its draft's top K ids and its hidden
+    row are, the backend keeps: runtimes/backends/protocol.py DraftCandidates)."""
     token: int
     pos: int
-    # the ids its draft (exit head at slot 0) ranked highest: what the batch step's early-flush checks of
-    # this token score (runtimes/batch.py); it leaves with the token when that is confirmed or flushed
-    candidates: np.ndarray | None = field(default=None, compare=False, repr=False)
 
 
 class Pipeline:

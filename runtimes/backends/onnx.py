@@ -50,8 +50,8 @@ from speedc.format.initial_state import initial_states
 from speedc.format.artifact import Manifest
 from speedc.format.cache_layout import CORE, CacheLayout
 from speedc.errors import ArtifactError, GenerationError, OutOfMemory, SpeedcError
-from speedc.runtimes.backends.protocol import (MIN_POOL_POSITIONS, SHRINK_AFTER_STEPS, HeadRows, SpeedStepResult,
-                                               new_pool_buffers, pool_would_grow)
+from speedc.runtimes.backends.protocol import (MIN_POOL_POSITIONS, SHRINK_AFTER_STEPS, DraftCandidates, HeadRows,
+                                               SpeedStepResult, new_pool_buffers, pool_would_grow)
 from speedc.runtimes.backends.onnx_session import (bound_address, onnxruntime_module, open_session, program_sessions,
                                                     take_dimensions)
 
@@ -146,6 +146,7 @@ class BatchBackend:
         self.products = self.session.speedc_products
         self.max_batch, self.capacity = max_batch, capacity
         self.hidden = np.zeros((self.slots, max_batch, self.state_width), F32)  # last hidden_out, [slot, sequence]
+        self.drafts = DraftCandidates(self.slots, max_batch, self.check_width)  # beside it, each token's draft's top K
         self._prefill_bindings: dict[tuple, object] = {}  # fused: (first pool row, count) -> its prefill binding
         self._steps: dict[tuple, StepBinding] = {}  # fused steps: (role, shape of the step) -> StepBinding, oldest first
         self._buffers: dict[tuple, np.ndarray] = {}  # (name, shape) -> the buffer every StepBinding binds NAME of SHAPE to
@@ -225,6 +226,7 @@ class BatchBackend:
             for pool in pair:
                 pool[:, :, target, :, cut] = pool[:, :, source, :, cut]
         self.hidden[:, target] = self.hidden[:, source]
+        self.drafts.move(source, target)
 
     def read_rows(self, row: int, length: int) -> list[np.ndarray]:
         """Copies of pool row ROW's first LENGTH positions, every pool's K and V (the prefix cache's entry)."""
@@ -382,12 +384,12 @@ class BatchBackend:
         rows, finals, exits, checks = slots * n, len(heads.final), len(heads.exit), len(heads.check)
         width = self.check_width
         if not self.fused:  # every row runs, bubbles too
-            candidates = np.asarray(heads.candidates, np.int64).reshape(checks, width)
             feeds = {contract.INPUT_IDS: np.asarray(entering, np.int64).reshape(n, 1),
                      contract.POSITIONS: np.where(valid, positions, 0).astype(np.int64).reshape(rows),
                      contract.HIDDEN_IN: np.ascontiguousarray(self.hidden[:slots - 1, :n]).reshape((slots - 1) * n, 1, -1),
                      contract.FINAL_ROWS: np.asarray(heads.final, np.int64), contract.EXIT_ROWS: np.asarray(heads.exit, np.int64),
-                     contract.CHECK_ROWS: np.asarray(heads.check, np.int64), contract.CHECK_CANDIDATES: candidates}
+                     contract.CHECK_ROWS: np.asarray(heads.check, np.int64),
+                     contract.CHECK_CANDIDATES: self.drafts.checks(heads.check, n)}
             if self.initial_state is not None:  # the entering tokens: slot 0's rows
                 feeds[contract.INITIAL_STATE] = self._initial_states(positions[0], valid[0])
             outputs = [contract.FINAL_TOKEN, contract.EXIT_TOKENS, contract.EXIT_CANDIDATES, contract.CHECK_TOKENS,
@@ -395,6 +397,7 @@ class BatchBackend:
             result = self._run_standard(contract.BATCH_STEP, feeds, self._stage_slabs(n), outputs)
             self.layout.write_step_rows(self._pools, self._new_rows(result), slots, n, valid, positions)
             self.hidden[:, :n] = result[contract.HIDDEN_OUT].reshape(slots, n, self.state_width)
+            self.drafts.stepped(heads.exit, result[contract.EXIT_CANDIDATES])
             return SpeedStepResult.of(result, want_logits)
         # Fused: only the valid rows run (computed_rows, slot-major indices); the head rows are given as
         # indices among them, and hidden_out comes back for them alone.
@@ -426,9 +429,10 @@ class BatchBackend:
         inputs[contract.EXIT_ROWS][:] = layout.exit
         inputs[contract.CHECK_ROWS][:] = layout.check
         if checks:
-            inputs[contract.CHECK_CANDIDATES][:] = heads.candidates
+            inputs[contract.CHECK_CANDIDATES][:] = self.drafts.checks(heads.check, n)
         result = step.run()
         self.hidden[layout.slot, layout.sequence] = result[contract.HIDDEN_OUT][:, 0]
+        self.drafts.stepped(heads.exit, result[contract.EXIT_CANDIDATES])
         return SpeedStepResult.of(result, want_logits)
 
     def _layout(self, valid: np.ndarray, heads: HeadRows) -> "StepLayout":

@@ -40,7 +40,7 @@ from speedc.models.config import ModelConfig
 from speedc.models.llama import SharedLlama
 from speedc.models.row_layer import RowContext, layer_over_rows, loop_boundary, rotary_inv_freq, row_context
 from speedc.models.sampling import is_integer
-from speedc.runtimes.backends.protocol import (MIN_POOL_POSITIONS, SHRINK_AFTER_STEPS, HeadRows, SpeedStepResult,
+from speedc.runtimes.backends.protocol import (MIN_POOL_POSITIONS, SHRINK_AFTER_STEPS, DraftCandidates, HeadRows, SpeedStepResult,
                                                new_pool_buffers, pool_would_grow, resolve_threads)
 
 
@@ -153,6 +153,7 @@ class TorchBackend:
         self.inv_freq = rotary_inv_freq(cfg, self.device)
         self.max_batch, self.capacity = max_batch, capacity
         self.hidden = torch.zeros(slots, max_batch, cfg.hidden_size, dtype=self.dtype, device=self.device)  # [P, B, H]
+        self.drafts = DraftCandidates(slots, max_batch, self.check_width)  # beside it, each token's draft's top K
         self.min_length, self.shrink_after = min_length, shrink_after
         self._shrink_pending = 0  # reserve calls in a row that asked for a smaller pool
         self.length = 0  # positions T the pool holds per pool row now (reserve), at most capacity
@@ -224,6 +225,7 @@ class TorchBackend:
         for pool in (self.key, self.value):
             pool[:, :, target, :, cut] = pool[:, :, source, :, cut]
         self.hidden[:, target] = self.hidden[:, source]
+        self.drafts.move(source, target)
 
     # ---- helpers ---------------------------------------------------------------------------------
     def _ints(self, *arrays) -> list[torch.Tensor]:
@@ -365,7 +367,7 @@ class TorchBackend:
         written[:, :n] = np.where(valid, positions, self.length)
         entering_w = np.zeros(width, np.int64)
         entering_w[:n] = entering
-        candidates = np.asarray(heads.candidates, np.int64).reshape(len(heads.check), self.check_width)
+        candidates = self.drafts.checks(heads.check, n)  # [C, K]
         *inputs, final_rows, exit_rows, candidates = self._ints(entering_w, grid, written, _on_grid(heads.final, n, width),
                                                                  _on_grid(heads.exit + heads.check, n, width), candidates)
         x, tap = self._run(("speed", width), self._speed_layers, inputs, int(grid.max()))
@@ -377,6 +379,7 @@ class TorchBackend:
         checks = best_candidate(exit_logits[exits:], candidates.view(-1, width_k))  # [C]
         ids = torch.cat((final_logits.argmax(-1), drafts.reshape(-1), checks)).cpu().numpy()  # one copy back
         exit_candidates = ids[finals:finals + exits * width_k].reshape(exits, width_k)
+        self.drafts.stepped(heads.exit, exit_candidates)
         return SpeedStepResult(ids[:finals], final_logits.float().cpu().numpy() if want_logits else None,
                                exit_candidates[:, 0], exit_candidates, ids[finals + exits * width_k:])
 
