@@ -7,9 +7,9 @@ One scheduler iteration (`BatchScheduler.step`):
     1. cancelled sequences leave; waiting requests take free pool rows (FIFO; a request waits
        while none is free or the pool cannot grow to hold it (out of memory) beside the running ones,
        one longer than a pool row's capacity is refused at submit, never cut); the pool's width follows
-       the occupied slots, its length the longest request (BatchBackend.reserve)
-    2. prefill: one chunk (<= prefill_chunk tokens) of the sequence in the lowest slot still prefilling;
-       when that chunk starts its prompt, batched with the first chunks of the sequences in the slots
+       the occupied pool rows, its length the longest request (BatchBackend.reserve)
+    2. prefill: one chunk (<= prefill_chunk tokens) of the sequence in the lowest pool row still prefilling;
+       when that chunk starts its prompt, batched with the first chunks of the sequences in the pool rows
        right after it that start theirs too (one run, right padded, within prefill_chunk tokens in all);
        a sequence's last chunk yields its first token
     3. decode: ONE graph run for every decoding sequence, speed or plain: the acceptance policy weighs
@@ -22,7 +22,7 @@ One scheduler iteration (`BatchScheduler.step`):
                 them beside the token's hidden row: DraftCandidates)
          plain: n rows; each sequence's last confirmed token through all N layers
     4. finished sequences (EOS, stop string, max tokens, cancelled) free their pool row at once; the last
-       occupied slot moves into the hole so the occupied slots stay a prefix (contiguous cache views)
+       occupied pool row moves into the hole so the occupied rows stay a prefix (contiguous cache views)
 
 Lossless: every emitted token of a sequence is picked by its own TokenPicker from the final logits of
 its verified predecessor, whatever else shares the step; a switch between speed and plain steps only
@@ -45,7 +45,7 @@ from speedc.runtimes.acceptance_policy import AcceptancePolicy, AlwaysSpeculate
 from speedc.runtimes.step_costs import StepCosts
 from speedc.runtimes.backends.protocol import BatchBackendProtocol, HeadRows, SequenceHeads, SequenceOutcome
 from speedc.models.sampling import token_logprob
-from speedc.runtimes.decode import DecodeStats, Pipeline, Request, Slot, emit_token
+from speedc.runtimes.decode import DecodeStats, InFlightToken, Pipeline, Request, emit_token
 from speedc.runtimes.prefix_cache import PrefixCache
 
 WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
@@ -57,6 +57,7 @@ DEPTH_MARGIN = 0.05
 # cold (measured on zoo:small: 6-11 ms against 2.5 in a run of plain steps; the engine graph's other branch).
 PLAIN_BURST = (2, 8)  # (fewest, most) steps; it ends once the band holds enough samples
 ROW_TILE = 64  # rows ONNX Runtime's fused prefill computes together (_chunk_size)
+DEFAULT_ROW_BUDGET = 32  # RowPolicy's: 8 sequences at P = 4 (measured on zoo:small, docs/runtime.md "When to speculate")
 
 
 @dataclass
@@ -87,9 +88,9 @@ class Sequence:
         """A token at position q is worth computing only if position q+1 may still be emitted."""
         return self.positions - 2
 
-    def frontier(self) -> Slot:
+    def frontier(self) -> InFlightToken:
         """The last confirmed token at its position: what plain decoding runs next."""
-        return Slot(self.out[-1], len(self.request.prompt) + len(self.out) - 1)
+        return InFlightToken(self.out[-1], len(self.request.prompt) + len(self.out) - 1)
 
 
 @dataclass
@@ -99,7 +100,7 @@ class RowPolicy:
     each weight read across enough rows and discarded speculative rows cost real compute, so the step
     decodes plainly. Hysteresis: back to speculation only at or below RESUME_FRACTION of the budget
     (a switch flushes the in-flight work). See README "Continuous batching" for the measurement."""
-    row_budget: int | None = 32  # None: always speculate (measured on zoo:small, README "Continuous batching")
+    row_budget: int | None = DEFAULT_ROW_BUDGET  # rows a speculating step may run; None: no limit, 0: never speculate
     resume_fraction: float = 0.75
 
     def speculate(self, slots: int, sequences: int, speculating: bool) -> bool:
@@ -308,7 +309,7 @@ class BatchScheduler:
 
     def drop_running(self) -> list[Sequence]:
         """Forget every sequence holding a pool row and return them: after a step failed part way their state
-        is unknown. Their slots are free for new requests (a prefill overwrites the cache); the waiting
+        is unknown. Their pool rows are free for new requests (a prefill overwrites the cache); the waiting
         requests have not started and stay queued."""
         with self._lock:
             dropped = list(self.occupied)

@@ -26,6 +26,7 @@ from typing import Callable, Iterator
 from speedc.format.artifact import TOKENIZER, Manifest, read_manifest
 from speedc.errors import ArtifactError, BatchError, GenerationError, SpeedcError
 from speedc.models.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenPicker, is_integer, require
+from speedc.runtimes.batch import DEFAULT_ROW_BUDGET
 from speedc.runtimes.decode import DecodeStats, Decoding, Request, run_to_end
 from speedc.runtimes.detokenize import DecodeRule, IncrementalText, StopStrings, cut_at_stop, decode_rule, not_unicode
 
@@ -498,12 +499,12 @@ class Engine:
         return None if text is None else cut_at_stop(text, stop)
 
     # ---- continuous batching (runtimes/batch.py) -------------------------------------------------
-    def batch_scheduler(self, *, max_batch: int = 8, kv_cache_mb: float | None = None, row_budget: int | None = -1,
+    def batch_scheduler(self, *, max_batch: int = 8, kv_cache_mb: float | None = None, row_budget: int | None = DEFAULT_ROW_BUDGET,
                         per_sequence: bool = True, prefill_chunk: int = 128, fused: bool | None = None,
                         threads: int | None = None, backend=None, prefix_cache_mb: float | None = None):
         """A scheduler over a new KV-cache pool of MAX_BATCH rows (each of kv_cache_mb / max_batch,
-        at most the model's context; None: the full context). ROW_BUDGET: the per-step speed/plain policy
-        (-1: the default, None: always speculate, 0: always plain). PER_SEQUENCE: a sequence whose own
+        at most the model's context; None: the full context). ROW_BUDGET: the most rows a speculating step may
+        run (RowPolicy; None: no limit, 0: never speculate). PER_SEQUENCE: a sequence whose own
         acceptance makes speculation a loss decodes plainly (runtimes/acceptance_policy.py). The pool is
         its own: single-sequence calls on this engine are unaffected; its session is the engine's (unless
         FUSED or THREADS ask for others). BACKEND: run on this BatchBackend (its session and pool;
@@ -516,16 +517,18 @@ class Engine:
         from speedc.runtimes.prefix_cache import PrefixCache
 
         self._check_batching()
-        require(max_batch, "max_batch", "an integer")  # 2.0 slots or a float chunk would fail deep inside a step
+        require(max_batch, "max_batch", "an integer")  # 2.0 pool rows or a float chunk would fail deep inside a step
         require(prefill_chunk, "prefill_chunk", "an integer")
         require(row_budget, "row_budget", "an integer", optional=True)
+        if row_budget is not None and row_budget < 0:
+            raise GenerationError(f"row_budget must be >= 0 (None: no limit), not {row_budget}")
         require(kv_cache_mb, "kv_cache_mb", "a number", optional=True)
         if prefill_chunk < 1:
             raise GenerationError("prefill_chunk must be at least 1")
         if backend is None:
             capacity = row_capacity(self.manifest, max_batch, kv_cache_mb)
             backend = self._pool_backend(max_batch, capacity, fused, threads)
-        policy = RowPolicy() if row_budget == -1 else RowPolicy(row_budget=row_budget)
+        policy = RowPolicy(row_budget=row_budget)
         acceptance = self.speculation_policy if per_sequence else AlwaysSpeculate()
         require(prefix_cache_mb, "prefix_cache_mb", "a number", optional=True)
         if prefix_cache_mb is not None and not 0 <= prefix_cache_mb < float("inf"):
@@ -565,7 +568,7 @@ class Engine:
             try:
                 sequences.append((scheduler.submit(request, early_flush=self.flush_setting(params["early_flush"])),
                                   params["stop"]))
-            except GenerationError as bad:  # e.g. longer than a slot of the pool: the ones queued leave with it
+            except GenerationError as bad:  # e.g. longer than a pool row: the ones queued leave with it
                 for sequence, _ in sequences:
                     scheduler.cancel(sequence)
                 raise GenerationError(f"prompt {number}: {bad}") from None

@@ -173,7 +173,7 @@ class BatchBackend:
         as now) pool rows, sized by _pool_length and _pool_width: at once where it must
         grow, and where it may only shrink, once SHRINK_AFTER calls in a row asked for less (called once a
         step: a burst of requests ending together does not shrink the pool just before the next burst
-        grows it again, each time copying it and remaking every step binding). The occupied slots (a
+        grows it again, each time copying it and remaking every step binding). The occupied pool rows (a
         prefix) keep every position below min(old T, new T) (the scratch row T never matters)."""
         def shapes(length: int, width: int) -> dict:
             return {phase: self.layout.pool_shape(phase, width, self.kv_heads, length, self.head_dim)

@@ -109,7 +109,7 @@ class TorchBackend:
                    shrink_after: int = SHRINK_AFTER_STEPS, cuda_graphs: bool = False,
                    exact: bool = False) -> "TorchBackend":
         """A backend over an in-memory model (no artifact): what the GPU check uses where only torch is
-        installed. SLOTS must be a valid pipeline depth of its depth plan (DepthPlan.valid_slots)."""
+        installed. SLOTS (P) must be a valid slot count of its depth plan (DepthPlan.valid_slots)."""
         if slots not in model.cfg.depth_plan.valid_slots(model.cfg.exit_layer):
             raise SpeedcError(f"{slots} slots do not fit the layer map {model.cfg.layer_map} (exit after {model.cfg.exit_layer})")
         backend = cls.__new__(cls)
@@ -173,7 +173,7 @@ class TorchBackend:
     def reserve(self, positions: int, sequences: int | None = None) -> None:
         """BatchBackend.reserve's rules: the pool holds POSITIONS for each of SEQUENCES (None: as now)
         pool rows, grown at once, shrunk only after shrink_after calls in a row asked for less; the
-        occupied slots (a prefix) keep every position below min(old T, new T)."""
+        occupied pool rows (a prefix) keep every position below min(old T, new T)."""
         def shape(length: int, width: int) -> tuple:
             return (self.stage_layers, self.slots, width, self.kv_heads, length + 1, self.head_dim)
 
@@ -220,7 +220,7 @@ class TorchBackend:
 
     def move(self, source: int, target: int, length: int | None = None) -> None:
         """Pool row SOURCE's cache (its first LENGTH positions; None: all) and pipeline state now live
-        in slot TARGET."""
+        in pool row TARGET."""
         cut = slice(None, length)
         for pool in (self.key, self.value):
             pool[:, :, target, :, cut] = pool[:, :, source, :, cut]

@@ -497,7 +497,7 @@ def create_app(settings: ServeSettings, *, load_in_background: bool = True,
         try:
             ids = await asyncio.to_thread(service.prompt_ids, parsed)
             requests = service.choice_requests(parsed, ids)
-            if service.adapter.running + service.adapter.waiting + len(requests) > service.adapter.slots + service.adapter.max_queue:
+            if service.adapter.running + service.adapter.waiting + len(requests) > service.adapter.max_batch + service.adapter.max_queue:
                 raise QueueFull(service.adapter.retry_after())
             for one in requests:
                 generations.append(service.adapter.submit(one))
@@ -509,7 +509,7 @@ def create_app(settings: ServeSettings, *, load_in_background: bool = True,
             for generation in generations:
                 generation.cancel()
             metrics.rejected.inc()
-            raise ApiError(429, f"the server is full ({service.adapter.slots} running, {service.adapter.max_queue} "
+            raise ApiError(429, f"the server is full ({service.adapter.max_batch} running, {service.adapter.max_queue} "
                                 f"waiting); retry later",
                            kind="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": str(full.retry_after)}) from None
