@@ -33,7 +33,7 @@ import torch
 
 from speedc.format import contract
 from speedc.format.cache_layout import CacheLayout
-from speedc.format.artifact import (CONFIG, Manifest, checkpoint_tensor_names, dequantized_weights, exit_norm_kind, is_quantized,
+from speedc.format.artifact import (CONFIG, Manifest, checkpoint_tensor_names, dequantized_weights, is_quantized,
                              read_weight)
 from speedc.errors import GenerationError, OutOfMemory, SpeedcError
 from speedc.models.config import ModelConfig
@@ -51,7 +51,7 @@ def load_model_from_artifact(directory: Path, manifest: Manifest) -> SharedLlama
     base = ModelConfig.load(directory / CONFIG)
     # The artifact's layer map is the one the share pass derived from the weights.
     cfg = dataclasses.replace(base, layer_map=list(manifest.layer_map), exit_layer=manifest.exit_layer,
-                              exit_norm=exit_norm_kind(manifest))
+                              exit_norm=manifest.dims.exit_norm)
     tensors = {name: torch.from_numpy(np.array(read_weight(directory, manifest, name), dtype=np.float32))
                for name in checkpoint_tensor_names(manifest)}
     if is_quantized(manifest):  # the dequantized weights (peers and sweeps rebuild from these; not a backend)

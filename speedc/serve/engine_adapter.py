@@ -227,7 +227,7 @@ class ThreadedEngine:
     # ---- what the server asks of the model ------------------------------------------------------
     @property
     def max_context(self) -> int:
-        return int(self.engine.manifest.model["max_context"])
+        return self.engine.manifest.dims.max_context
 
     def encode(self, text: str, *, special_tokens: bool = True) -> list[int]:
         return encode(self.engine, text, special_tokens)
