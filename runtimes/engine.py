@@ -496,9 +496,10 @@ class Engine:
         return None if text is None else cut_at_stop(text, stop)
 
     # ---- continuous batching (runtimes/batch.py) -------------------------------------------------
-    def batch_scheduler(self, *, max_batch: int = 8, kv_cache_mb: float | None = None, row_budget: int | None = DEFAULT_ROW_BUDGET,
-                        per_sequence: bool = True, prefill_chunk: int = 128, fused: bool | None = None,
-                        threads: int | None = None, backend=None, prefix_cache_mb: float | None = None):
+    def batch_scheduler(self, *, max_batch: int = 8, kv_cache_mb: float | None = None,
+                        row_budget: int | None = DEFAULT_ROW_BUDGET, per_sequence: bool = True, prefill_chunk: int = 128,
+                        fused: bool | None = None, threads: int | None = None, backend=None,
+                        prefix_cache_mb: float | None = None):
         """A scheduler over a new KV-cache pool of MAX_BATCH rows (each of kv_cache_mb / max_batch,
         at most the model's context; None: the full context). ROW_BUDGET: the most rows a speculating step may
         run (RowPolicy; None: no limit, 0: never speculate). PER_SEQUENCE: a sequence whose own

@@ -137,7 +137,8 @@ def _native_products(directory: Path, manifest: Manifest, threads: int | None, o
     # threads have the cores (spinning workers made a product 1.5-1.9x slower, measured)
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     store = manifest.store
-    weight_map = ort_op.register_weights(store.native_artifact, directory / store.file, store.index, kernel_threads, path)
+    weight_map = ort_op.register_weights(store.native_artifact, directory / store.file, store.index, kernel_threads,
+                                         path)
     return weight_map, f"speedc kernel ({path}, {kernel_threads} threads)"
 
 

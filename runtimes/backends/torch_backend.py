@@ -40,8 +40,8 @@ from speedc.models.config import ModelConfig
 from speedc.models.llama import SharedLlama
 from speedc.models.row_layer import RowContext, layer_over_rows, loop_boundary, rotary_inv_freq, row_context
 from speedc.models.sampling import is_integer
-from speedc.runtimes.backends.protocol import (MIN_POOL_POSITIONS, SHRINK_AFTER_STEPS, DraftCandidates, HeadRows, SpeedStepResult,
-                                               new_pool_buffers, pool_would_grow, resolve_threads)
+from speedc.runtimes.backends.protocol import (MIN_POOL_POSITIONS, SHRINK_AFTER_STEPS, DraftCandidates, HeadRows,
+                                               SpeedStepResult, new_pool_buffers, pool_would_grow, resolve_threads)
 
 
 def load_model_from_artifact(directory: Path, manifest: Manifest) -> SharedLlama:
