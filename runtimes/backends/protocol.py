@@ -3,12 +3,15 @@ backend reads. runtimes/backends/onnx.py (ONNX Runtime) implements it; so does t
 
 The scheduler keeps all bookkeeping (which slot holds which token, what to flush, who holds which
 pool row); a backend owns the KV-cache pool [S, P, W, kvh, T+1, hd] (stage layer j, pipeline
-slot s, pool row b, ...: logical layer s*S + j of sequence b is pool[j, s, b]) and runs graphs:
+slot s, pool row b, ...: logical layer s*S + j of sequence b is pool[j, s, b]), what each in-flight
+token carries from step to step (its hidden row, its draft's candidates: DraftCandidates) and runs graphs:
 
     prefill(first, chunks, start, want_logits)   prompt chunks of pool rows first.. through all N layers
     plain_step(tokens, positions, valid, ...)    one token of each of sequences 0..n-1 through all N layers
     speed_step(entering, positions, valid, heads, ...)
-                                                 one pipelined step of sequences 0..n-1 ([P, n] slot-major)
+                                                 one pipelined step of sequences 0..n-1 ([P, n] slot-major);
+                                                 HeadRows.add places each sequence's heads, and
+                                                 SpeedStepResult.of_sequence reads its outcome back
 """
 
 from __future__ import annotations
