@@ -124,15 +124,15 @@ class HeadRows:
     exit: list[int] = field(default_factory=list)
     check: list[int] = field(default_factory=list)
 
-    def add(self, row: int, sequences: int, slots: list[bool], checked: list[int]) -> SequenceHeads:
-        """Pool row ROW's heads among SEQUENCES: the final head where its oldest of SLOTS (which hold a
-        token) is filled, the draft where slot 0 is, a check at each slot in CHECKED. -> where they
-        come back in the step's result (SpeedStepResult.of_sequence)."""
+    def add(self, row: int, sequences: int, filled: list[bool], checked: list[int]) -> SequenceHeads:
+        """Pool row ROW's heads among SEQUENCES: the final head where its oldest slot holds a token (FILLED:
+        per slot), the draft where slot 0 does, a check at each slot in CHECKED. -> where they come back
+        in the step's result (SpeedStepResult.of_sequence)."""
         final = exit = None
-        if slots[-1]:
+        if filled[-1]:
             final = len(self.final)
-            self.final.append((len(slots) - 1) * sequences + row)
-        if slots[0]:
+            self.final.append((len(filled) - 1) * sequences + row)
+        if filled[0]:
             exit = len(self.exit)
             self.exit.append(row)
         checks = {}
