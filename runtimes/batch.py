@@ -7,9 +7,9 @@ One scheduler iteration (`BatchScheduler.step`):
     1. cancelled sequences leave; waiting requests take free pool rows (FIFO; a request waits
        while none is free or the pool cannot grow to hold it (out of memory) beside the running ones,
        one longer than a pool row's capacity is refused at submit, never cut); the pool's width follows
-       the occupied slots, its length the longest request (BatchBackend.reserve)
-    2. prefill: one chunk (<= prefill_chunk tokens) of the sequence in the lowest slot still prefilling;
-       when that chunk starts its prompt, batched with the first chunks of the sequences in the slots
+       the occupied pool rows, its length the longest request (BatchBackend.reserve)
+    2. prefill: one chunk (<= prefill_chunk tokens) of the sequence in the lowest pool row still prefilling;
+       when that chunk starts its prompt, batched with the first chunks of the sequences in the pool rows
        right after it that start theirs too (one run, right padded, within prefill_chunk tokens in all);
        a sequence's last chunk yields its first token
     3. decode: ONE graph run for every decoding sequence, speed or plain: the acceptance policy weighs
@@ -18,10 +18,11 @@ One scheduler iteration (`BatchScheduler.step`):
        policy the step's rows:
          speed: P*n rows; each sequence's pipeline by runtimes/decode.py Pipeline's rules
                 (enter, verify at the last slot, flush on a miss, optional early flush); an early-flush
-                check scores only the top K ids its token's first exit gave (HeadRows.check)
+                check scores only the top K ids its token's first exit gave (the backend keeps
+                them beside the token's hidden row: DraftCandidates)
          plain: n rows; each sequence's last confirmed token through all N layers
     4. finished sequences (EOS, stop string, max tokens, cancelled) free their pool row at once; the last
-       occupied slot moves into the hole so the occupied slots stay a prefix (contiguous cache views)
+       occupied pool row moves into the hole so the occupied rows stay a prefix (contiguous cache views)
 
 Lossless: every emitted token of a sequence is picked by its own TokenPicker from the final logits of
 its verified predecessor, whatever else shares the step; a switch between speed and plain steps only
@@ -42,9 +43,9 @@ from speedc.cost_model import analytic_bound, assumed_step_cost, describe_assume
 from speedc.errors import GenerationError, OutOfMemory
 from speedc.runtimes.acceptance_policy import AcceptancePolicy, AlwaysSpeculate
 from speedc.runtimes.step_costs import StepCosts
-from speedc.runtimes.backends.protocol import BatchBackendProtocol, HeadRows
+from speedc.runtimes.backends.protocol import BatchBackendProtocol, HeadRows, SequenceHeads, SequenceOutcome
 from speedc.models.sampling import token_logprob
-from speedc.runtimes.decode import DecodeStats, Pipeline, Request, Slot, emit_token
+from speedc.runtimes.decode import DecodeStats, InFlightToken, Pipeline, Request, emit_token
 from speedc.runtimes.prefix_cache import PrefixCache
 
 WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
@@ -61,6 +62,7 @@ PLAIN_BURST = (4, 8)  # (fewest, most) steps; it ends once the band holds enough
 # the host's load moves in seconds, and a fall-back drains every pipeline.
 CONFIRM_AGE = 64
 ROW_TILE = 64  # rows ONNX Runtime's fused prefill computes together (_chunk_size)
+DEFAULT_ROW_BUDGET = 32  # RowPolicy's: 8 sequences at P = 4 (measured on zoo:small, docs/runtime.md "When to speculate")
 
 
 @dataclass
@@ -91,9 +93,9 @@ class Sequence:
         """A token at position q is worth computing only if position q+1 may still be emitted."""
         return self.positions - 2
 
-    def frontier(self) -> Slot:
+    def frontier(self) -> InFlightToken:
         """The last confirmed token at its position: what plain decoding runs next."""
-        return Slot(self.out[-1], len(self.request.prompt) + len(self.out) - 1)
+        return InFlightToken(self.out[-1], len(self.request.prompt) + len(self.out) - 1)
 
 
 @dataclass
@@ -103,7 +105,7 @@ class RowPolicy:
     each weight read across enough rows and discarded speculative rows cost real compute, so the step
     decodes plainly. Hysteresis: back to speculation only at or below RESUME_FRACTION of the budget
     (a switch flushes the in-flight work). See README "Continuous batching" for the measurement."""
-    row_budget: int | None = 32  # None: always speculate (measured on zoo:small, README "Continuous batching")
+    row_budget: int | None = DEFAULT_ROW_BUDGET  # rows a speculating step may run; None: no limit, 0: never speculate
     resume_fraction: float = 0.75
 
     def speculate(self, slots: int, sequences: int, speculating: bool) -> bool:
@@ -313,7 +315,7 @@ class BatchScheduler:
 
     def drop_running(self) -> list[Sequence]:
         """Forget every sequence holding a pool row and return them: after a step failed part way their state
-        is unknown. Their slots are free for new requests (a prefill overwrites the cache); the waiting
+        is unknown. Their pool rows are free for new requests (a prefill overwrites the cache); the waiting
         requests have not started and stay queued."""
         with self._lock:
             dropped = list(self.occupied)
@@ -578,8 +580,7 @@ class BatchScheduler:
         positions[:] = self._bubble_positions()  # [P, n]: bubbles' rows, each sequence's bubbles where _bubble_positions says
         valid = np.zeros((slots, n), bool)
         heads = HeadRows()
-        final_of, exit_of, check_of = [], [], []
-        stepping = []
+        stepping: list[tuple[Sequence, SequenceHeads]] = []  # each stepping sequence and where its heads' results sit
         for sequence in decoding:
             pipeline = sequence.pipeline
             if pipeline.pending is None and pipeline.empty:
@@ -590,62 +591,41 @@ class BatchScheduler:
                 sequence.state = DONE  # released after the step, with the others that finished
                 events.append((sequence, None))
                 continue
-            stepping.append(sequence)
             b = sequence.row
             entering[b] = enter.token if enter is not None else 0
             for s, slot in enumerate(pipeline.slots):
                 if slot is not None:
                     positions[s, b], valid[s, b] = slot.pos, True
-            if pipeline.slots[-1] is not None:
-                heads.final.append((slots - 1) * n + b)
-                final_of.append(sequence)
             # The exit head drafts slot 0's successor over the whole vocabulary; an early-flush check of a
-            # deeper slot scores only the candidates that token's own draft gave (contract.CHECK_ROWS): every
-            # token in a deeper slot went through slot 0 in an earlier speed step, which recorded them.
-            if pipeline.slots[0] is not None:
-                heads.exit.append(b)
-                exit_of.append((sequence, pipeline.slots[0]))
-            for depth in range(1, slots - 1) if sequence.early_flush else ():
-                slot = pipeline.slots[depth]
-                if slot is not None:
-                    heads.check.append(depth * n + b)
-                    heads.candidates.append(slot.candidates)
-                    check_of.append((sequence, depth))
+            # deeper slot scores only the candidates that token's own draft gave (kept by the backend).
+            checked = [d for d in range(1, slots - 1) if pipeline.slots[d] is not None] if sequence.early_flush else []
+            stepping.append((sequence, heads.add(b, n, [slot is not None for slot in pipeline.slots], checked)))
         if not stepping:
             return None
-        full = bool((valid[:, [s.row for s in stepping]].sum(axis=0) == pipeline_depth).all())
-        want = any(s.request.picker.needs_logits for s in final_of)
+        full = bool((valid[:, [s.row for s, _ in stepping]].sum(axis=0) == pipeline_depth).all())
+        want = any(places.final is not None and s.request.picker.needs_logits for s, places in stepping)
         start = time.perf_counter()
         result = self.backend.speed_step(entering, positions, valid, heads, want)
         self.steps["speed"] += 1
-        final = {id(s): (int(result.final_tokens[i]), result.final_logits[i] if want else None) for i, s in enumerate(final_of)}
-        guesses: dict[int, dict[int, int]] = {}
-        candidates = result.exit_candidates.copy() if exit_of else None  # the buffer is the next step's output too
-        for i, (sequence, drafting) in enumerate(exit_of):
-            guesses.setdefault(id(sequence), {})[0] = int(result.exit_tokens[i])
-            drafting.candidates = candidates[i]
-        for i, (sequence, depth) in enumerate(check_of):
-            guesses.setdefault(id(sequence), {})[depth] = int(result.check_tokens[i])
-        for sequence in stepping:
+        for sequence, places in stepping:
             stats = sequence.stats
             stats.steps += 1
             stats.speed_steps += 1
             stats.depth_steps[pipeline_depth] = stats.depth_steps.get(pipeline_depth, 0) + 1
             accepted, failed, emitted = stats.accepted, stats.failed_speculations, len(sequence.out)
-            self._absorb(sequence, final.get(id(sequence)), guesses.get(id(sequence), {}), events)
+            self._absorb(sequence, result.of_sequence(places), events)
             self.acceptance.stepped(sequence.acceptance, stats.accepted - accepted, stats.failed_speculations - failed,
                                     len(sequence.out) - emitted, pipeline_depth)
             stats.decode_seconds += time.perf_counter() - start
         return "full" if full else "speed"
 
-    def _absorb(self, sequence: Sequence, final: tuple[int, np.ndarray | None] | None, guesses: dict[int, int],
-                events: list[Event]) -> None:
+    def _absorb(self, sequence: Sequence, outcome: SequenceOutcome, events: list[Event]) -> None:
         """The bookkeeping after one step, for one sequence (decode.Pipeline's rules)."""
-        pipeline = sequence.pipeline
+        pipeline, guesses = sequence.pipeline, outcome.guesses
         oldest = pipeline.slots[-1]
         if oldest is not None:
             request = sequence.request
-            y = request.picker.pick(final[1], final[0], request.history)
+            y = request.picker.pick(outcome.final_logits, outcome.final_token, request.history)
             if self._emit(sequence, y, events):
                 return
             pipeline.confirm(oldest.pos + 1, y)
@@ -657,9 +637,8 @@ class BatchScheduler:
 
         def draft(depth: int) -> int:
             """Slot 0's exit, masked by the grammar after the confirmed and in-flight tokens (runtimes/constraint.py)."""
-            drafting = pipeline.slots[0]
             in_flight = sorted((s for s in pipeline.slots if s is not None and s.pos > confirmed), key=lambda s: s.pos)
-            candidates = drafting.candidates if drafting.candidates is not None else [guesses[depth]]
+            candidates = outcome.draft_candidates if outcome.draft_candidates is not None else [guesses[depth]]
             masked = constraint.draft(candidates, [s.token for s in in_flight])
             return guesses[depth] if masked is None else masked
 

@@ -22,8 +22,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Generator
 
-import numpy as np
-
 from speedc.models.sampling import TokenPicker
 
 
@@ -88,13 +86,11 @@ def pooled_acceptance(runs) -> float:
 
 
 @dataclass
-class Slot:
-    """A token in flight: its id and the position it sits at."""
+class InFlightToken:
+    """A token in flight: its id and the position it sits at (what its draft's top K ids and its hidden
+    row are, the backend keeps: runtimes/backends/protocol.py DraftCandidates)."""
     token: int
     pos: int
-    # the ids its draft (exit head at slot 0) ranked highest: what the batch step's early-flush checks of
-    # this token score (runtimes/batch.py); it leaves with the token when that is confirmed or flushed
-    candidates: np.ndarray | None = field(default=None, compare=False, repr=False)
 
 
 class Pipeline:
@@ -109,8 +105,8 @@ class Pipeline:
         speculate(exit_at)  early flush on a deeper exit head's disagreement; else slot 0's exit guess
     """
 
-    def __init__(self, slots: int, stats: DecodeStats, pending: Slot | None = None) -> None:
-        self.slots: list[Slot | None] = [None] * slots
+    def __init__(self, slots: int, stats: DecodeStats, pending: InFlightToken | None = None) -> None:
+        self.slots: list[InFlightToken | None] = [None] * slots
         self.stats = stats
         self.pending = pending  # what enters slot 0 at the next step
 
@@ -124,10 +120,10 @@ class Pipeline:
                 self.slots[i] = None
                 self.stats.flushed_tokens += 1
 
-    def holder(self, q: int) -> Slot | None:
+    def holder(self, q: int) -> InFlightToken | None:
         return next((s for s in self.slots if s is not None and s.pos == q), None)
 
-    def shift(self, last_useful: int, spacing: int = 1) -> Slot | None:
+    def shift(self, last_useful: int, spacing: int = 1) -> InFlightToken | None:
         """Advance one stage; returns the token entering slot 0 (None: a bubble). A token at position q
         is worth computing only while q <= LAST_USEFUL (position q + 1 may still be emitted).
 
@@ -153,7 +149,7 @@ class Pipeline:
         else:
             self.stats.mispredicted += successor is not None
             self.flush_from(q)
-            self.pending = Slot(y, q)
+            self.pending = InFlightToken(y, q)
 
     def speculate(self, exit_token_at: Callable[[int], int], early_flush: bool) -> None:
         """EXIT_TOKEN_AT(depth): the exit head's argmax for the token in slot DEPTH this step."""
@@ -166,11 +162,11 @@ class Pipeline:
                 successor = self.holder(slot.pos + 1)
                 if successor is not None and successor.token != guess:
                     self.flush_from(slot.pos + 1)
-                    self.pending = Slot(guess, slot.pos + 1)
+                    self.pending = InFlightToken(guess, slot.pos + 1)
                     self.stats.early_flushes += 1
                     break
         if self.pending is None and self.slots[0] is not None:
-            self.pending = Slot(exit_token_at(0), self.slots[0].pos + 1)
+            self.pending = InFlightToken(exit_token_at(0), self.slots[0].pos + 1)
 
 
 @dataclass

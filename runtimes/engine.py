@@ -26,6 +26,7 @@ from typing import Callable, Iterator
 from speedc.format.artifact import TOKENIZER, Manifest, read_manifest
 from speedc.errors import ArtifactError, BatchError, GenerationError, SpeedcError
 from speedc.models.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenPicker, is_integer, require
+from speedc.runtimes.batch import DEFAULT_ROW_BUDGET
 from speedc.runtimes.decode import DecodeStats, Decoding, Request, run_to_end
 from speedc.runtimes.detokenize import DecodeRule, IncrementalText, StopStrings, cut_at_stop, decode_rule, not_unicode
 
@@ -91,7 +92,7 @@ def make_backend(directory: Path, manifest: Manifest, backend: str, device: str,
     entry = BACKENDS.get(backend)
     if entry is None:
         raise SpeedcError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
-    capacity = manifest.model["max_context"] if capacity is None else capacity
+    capacity = manifest.dims.max_context if capacity is None else capacity
     return entry.make(directory, manifest, max_batch, capacity, device, threads)
 
 
@@ -244,10 +245,7 @@ class Engine:
         self.backend_name, self.threads = backend_name, threads
         self._backend, self._make_backend = backend, make_backend
         self._backend_lock = threading.Lock()
-        self.eos_token_id = manifest.model.get("eos_token_id")
-        # every end-of-text id (artifacts built before eos_token_ids: the one id)
-        self.eos_token_ids = frozenset(manifest.model.get("eos_token_ids") or
-                                       ([] if self.eos_token_id is None else [self.eos_token_id]))
+        self.eos_token_id, self.eos_token_ids = manifest.dims.eos_token_id, manifest.dims.eos_token_ids
         # Early flush is on by default: `speedc bench --early-flush/--no-early-flush` measures both.
         self.early_flush_default = True
         self._lock = EngineLock()  # one cache: one call at a time
@@ -329,7 +327,7 @@ class Engine:
             ids = [int(i) for i in ids]
         if not ids:
             raise GenerationError("empty prompt: give at least one token")
-        vocab = self.manifest.model["vocab_size"]
+        vocab = self.manifest.dims.vocab_size
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
             raise GenerationError(f"prompt id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
@@ -389,7 +387,7 @@ class Engine:
         policy = RowPolicy(row_budget=0 if mode == "autoregressive" else None)
         acceptance = self.speculation_policy if mode == "speed" else AlwaysSpeculate()
         return BatchScheduler(self.backend, policy=policy, acceptance=acceptance, costs=self.step_costs(),
-                              prefill_chunk=self.manifest.model["max_context"], first_token_alone=True,
+                              prefill_chunk=self.manifest.dims.max_context, first_token_alone=True,
                               prefix_cache=self.prefix_cache)
 
     def _mode_label(self, mode: str, early_flush: bool) -> str:
@@ -419,14 +417,14 @@ class Engine:
             example = f"stop=[{stop!r}]" if isinstance(stop, str) else "stop=['\\n\\n']"
             raise GenerationError(f"stop must be a list of strings, e.g. {example}")
         ids = self.encode(prompt)
-        vocab = self.manifest.model["vocab_size"]
+        vocab = self.manifest.dims.vocab_size
         bad = next((i for i, _ in sampling.logit_bias if not 0 <= i < vocab), None)
         if bad is not None:
             raise GenerationError(f"logit bias: token id {bad} is outside the vocabulary (0..{vocab - 1})")
         require(prompt_logprobs, "prompt logprobs", "an integer", optional=True)
         if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_TOP_LOGPROBS:
             raise GenerationError(f"prompt logprobs must be in 0..{MAX_TOP_LOGPROBS}")
-        limit = self.manifest.model["max_context"]
+        limit = self.manifest.dims.max_context
         if len(ids) + max_new_tokens > limit:
             raise GenerationError(f"prompt ({len(ids)} tokens) + max new tokens ({max_new_tokens}) exceeds the "
                                   f"model's context of {limit}")
@@ -461,7 +459,7 @@ class Engine:
         with self._backend_lock:
             if getattr(self, "_grammar_tokenizer", None) is None:
                 self._grammar_tokenizer = GrammarTokenizer((self.directory / TOKENIZER).read_text(),
-                                                           self.manifest.model["vocab_size"])
+                                                           self.manifest.dims.vocab_size)
         return self._grammar_tokenizer.for_ends(frozenset(ends))
 
     def grammar_problem(self, grammar: str, ends) -> str:
@@ -479,7 +477,7 @@ class Engine:
         problem = self.grammar_problem(grammar, ends)
         if problem and not problem.startswith("WARNING"):
             raise GenerationError(f"the grammar is not valid: {problem}")
-        return GrammarConstraint(tokenizer, grammar, self.manifest.model["vocab_size"])
+        return GrammarConstraint(tokenizer, grammar, self.manifest.dims.vocab_size)
 
     def _stop_ids(self, ids) -> frozenset[int]:
         if ids is None:
@@ -487,7 +485,7 @@ class Engine:
         if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
             raise GenerationError(f"stop_token_ids must be a list of token ids, not {type(ids).__name__}")
         ids = list(ids)
-        vocab = self.manifest.model["vocab_size"]
+        vocab = self.manifest.dims.vocab_size
         bad = next((i for i in ids if not is_integer(i) or not 0 <= i < vocab), None)
         if bad is not None:
             raise GenerationError(f"stop token id {bad!r:.20} is not a token id (0..{vocab - 1})")
@@ -498,12 +496,13 @@ class Engine:
         return None if text is None else cut_at_stop(text, stop)
 
     # ---- continuous batching (runtimes/batch.py) -------------------------------------------------
-    def batch_scheduler(self, *, max_batch: int = 8, kv_cache_mb: float | None = None, row_budget: int | None = -1,
-                        per_sequence: bool = True, prefill_chunk: int = 128, fused: bool | None = None,
-                        threads: int | None = None, backend=None, prefix_cache_mb: float | None = None):
+    def batch_scheduler(self, *, max_batch: int = 8, kv_cache_mb: float | None = None,
+                        row_budget: int | None = DEFAULT_ROW_BUDGET, per_sequence: bool = True, prefill_chunk: int = 128,
+                        fused: bool | None = None, threads: int | None = None, backend=None,
+                        prefix_cache_mb: float | None = None):
         """A scheduler over a new KV-cache pool of MAX_BATCH rows (each of kv_cache_mb / max_batch,
-        at most the model's context; None: the full context). ROW_BUDGET: the per-step speed/plain policy
-        (-1: the default, None: always speculate, 0: always plain). PER_SEQUENCE: a sequence whose own
+        at most the model's context; None: the full context). ROW_BUDGET: the most rows a speculating step may
+        run (RowPolicy; None: no limit, 0: never speculate). PER_SEQUENCE: a sequence whose own
         acceptance makes speculation a loss decodes plainly (runtimes/acceptance_policy.py). The pool is
         its own: single-sequence calls on this engine are unaffected; its session is the engine's (unless
         FUSED or THREADS ask for others). BACKEND: run on this BatchBackend (its session and pool;
@@ -516,16 +515,18 @@ class Engine:
         from speedc.runtimes.prefix_cache import PrefixCache
 
         self._check_batching()
-        require(max_batch, "max_batch", "an integer")  # 2.0 slots or a float chunk would fail deep inside a step
+        require(max_batch, "max_batch", "an integer")  # 2.0 pool rows or a float chunk would fail deep inside a step
         require(prefill_chunk, "prefill_chunk", "an integer")
         require(row_budget, "row_budget", "an integer", optional=True)
+        if row_budget is not None and row_budget < 0:
+            raise GenerationError(f"row_budget must be >= 0 (None: no limit), not {row_budget}")
         require(kv_cache_mb, "kv_cache_mb", "a number", optional=True)
         if prefill_chunk < 1:
             raise GenerationError("prefill_chunk must be at least 1")
         if backend is None:
             capacity = row_capacity(self.manifest, max_batch, kv_cache_mb)
             backend = self._pool_backend(max_batch, capacity, fused, threads)
-        policy = RowPolicy() if row_budget == -1 else RowPolicy(row_budget=row_budget)
+        policy = RowPolicy(row_budget=row_budget)
         acceptance = self.speculation_policy if per_sequence else AlwaysSpeculate()
         require(prefix_cache_mb, "prefix_cache_mb", "a number", optional=True)
         if prefix_cache_mb is not None and not 0 <= prefix_cache_mb < float("inf"):
@@ -565,7 +566,7 @@ class Engine:
             try:
                 sequences.append((scheduler.submit(request, early_flush=self.flush_setting(params["early_flush"])),
                                   params["stop"]))
-            except GenerationError as bad:  # e.g. longer than a slot of the pool: the ones queued leave with it
+            except GenerationError as bad:  # e.g. longer than a pool row: the ones queued leave with it
                 for sequence, _ in sequences:
                     scheduler.cancel(sequence)
                 raise GenerationError(f"prompt {number}: {bad}") from None

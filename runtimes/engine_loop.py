@@ -7,7 +7,7 @@
         print(piece.text, end="")
     request.result                        # GenerationResult: ids, text (stop strings cut), stats
     request.finish_reason                 # "eos" | "stop_string" | "max_new_tokens" | "cancelled"
-    loop.cancel(request)                  # from anywhere; its slot is freed at the next step boundary
+    loop.cancel(request)                  # from anywhere; its pool row is freed at the next step boundary
 
 The loop belongs to the event loop of its first submit (a later asyncio.run takes it over once that one
 has closed, cancelling what was left of it). submit may be called from another thread too (its request

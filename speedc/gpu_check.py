@@ -66,8 +66,7 @@ def measure_step_cost(backend, context: int, repeats: int = 50) -> float:
     positions = np.arange(newest, newest - slots, -1).reshape(slots, 1)  # [P, 1], slot 0 newest
     valid = np.ones((slots, 1), bool)
     checks = list(range(1, slots - 1))  # a real step's heads: final, draft, an early-flush check per middle slot
-    heads = HeadRows(final=[slots - 1], exit=[0], check=checks,
-                     candidates=[np.arange(backend.check_width) for _ in checks])
+    heads = HeadRows(final=[slots - 1], exit=[0], check=checks)  # the checks score the top K the backend holds
     token, at, one = np.ones(1, np.int64), np.full(1, newest, np.int64), np.ones(1, bool)
     step, plain = interleaved_medians(lambda: backend.speed_step(token, positions, valid, heads, False),
                                       lambda: backend.plain_step(token, at, one, False), repeats=repeats, warmup=5)

@@ -46,11 +46,11 @@ def _from_artifact(path: Path, alpha: float | None, verify: bool) -> dict:
     """VERIFY: hash every file against the manifest; without it, what every load checks (read_manifest)."""
     m = read_manifest(path, verify_hashes=verify)
     files = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file()}
-    quantization = m.weights.get("quantization")
+    quantization = m.store.quantization
     stored_label = "weights stored" + (f" ({m.dtype}, block {quantization['block_size']}: codes + scales)" if quantization
                                        else f" ({m.dtype})")
-    sizes = {"unique weights (fp32)": m.weights["unique_bytes_fp32"], stored_label: m.weights["stored_bytes"],
-             "an unrolled export would store (fp32)": m.weights["unrolled_bytes_fp32"],
+    sizes = {"unique weights (fp32)": m.store.unique_bytes_fp32, stored_label: m.store.stored_bytes,
+             "an unrolled export would store (fp32)": m.store.unrolled_bytes_fp32,
              **{f"file {name}": size for name, size in files.items()}}
     return {"kind": "artifact", "path": str(path), "format_version": m.format_version, "speedc_version": m.speedc_version,
             "model": m.model, "layer_map": m.layer_map, "exit_layer": m.exit_layer, "schedule": m.schedule,

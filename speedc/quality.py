@@ -93,7 +93,7 @@ def compare(reference: Path, artifacts: list[Path], *, prompts: list[str] | None
         engine = Engine.load(path, threads=threads)
         if engine.tokenizer is None:
             raise SpeedcError(f"{path}: no tokenizer.json; quality needs text")
-        ids = validation_ids(engine, min(val_tokens, engine.manifest.model["max_context"] - 2), text)
+        ids = validation_ids(engine, min(val_tokens, engine.manifest.dims.max_context - 2), text)
         argmax, logprob = teacher_forced(engine, ids)
         outs, acceptance = greedy(engine, prompts, new_tokens)
         if ref is None:
@@ -104,7 +104,7 @@ def compare(reference: Path, artifacts: list[Path], *, prompts: list[str] | None
         for out, ref_out in zip(outs, ref[2]):
             agreement.add(out, ref_out)
         rows.append(Quality(
-            artifact=str(path), dtype=engine.manifest.dtype, stored_bytes=int(engine.manifest.weights["stored_bytes"]),
+            artifact=str(path), dtype=engine.manifest.dtype, stored_bytes=engine.manifest.store.stored_bytes,
             val_loss=round(float(-logprob.mean()), 4), top1_agreement=round(float((argmax == ref[1]).mean()), 4),
             greedy_agreement=agreement.to_json()["agreement"],
             identical_continuations=agreement.identical_runs, continuations=len(outs),

@@ -50,10 +50,9 @@ from speedc.format.initial_state import initial_states
 from speedc.format.artifact import Manifest
 from speedc.format.cache_layout import CORE, CacheLayout
 from speedc.errors import ArtifactError, GenerationError, OutOfMemory, SpeedcError
-from speedc.runtimes.backends.protocol import (MIN_POOL_POSITIONS, SHRINK_AFTER_STEPS, HeadRows, SpeedStepResult,
-                                               new_pool_buffers, pool_would_grow)
-from speedc.runtimes.backends.onnx_session import (bound_address, onnxruntime_module, open_session, program_sessions,
-                                                    take_dimensions)
+from speedc.runtimes.backends.protocol import (MIN_POOL_POSITIONS, SHRINK_AFTER_STEPS, DraftCandidates, HeadRows,
+                                               SpeedStepResult, new_pool_buffers, pool_would_grow)
+from speedc.runtimes.backends.onnx_session import bound_address, onnxruntime_module, open_session, program_sessions
 
 F32 = np.float32
 MAX_STEP_BINDINGS = 1024  # fused step bindings kept (shapes seen: 54 at 8 sequences, 7 at one)
@@ -64,9 +63,9 @@ MAX_LAYOUTS = 4096  # valid-row patterns remembered (_layout); a few KB each at 
 def pool_bytes_per_position(manifest: Manifest) -> int:
     """K and V bytes one pool row needs per position (every cache entry: each logical layer, and a
     pipelined coda's second readout depth)."""
-    model = manifest.model
+    dims = manifest.dims
     entries = len(CacheLayout.from_manifest(manifest).entries)
-    return 2 * entries * model["num_kv_heads"] * model["head_dim"] * np.dtype(F32).itemsize
+    return 2 * entries * dims.kv_heads * dims.head_dim * np.dtype(F32).itemsize
 
 
 def row_capacity(manifest: Manifest, max_batch: int, kv_cache_mb: float | None) -> int:
@@ -74,7 +73,7 @@ def row_capacity(manifest: Manifest, max_batch: int, kv_cache_mb: float | None) 
     whole context each), at most the context. GenerationError when that leaves no room."""
     if max_batch < 1:
         raise GenerationError("max batch must be at least 1")
-    context = manifest.model["max_context"]
+    context = manifest.dims.max_context
     if kv_cache_mb is None:
         return context
     if not 0 < kv_cache_mb < math.inf:  # also refuses nan
@@ -132,7 +131,9 @@ class BatchBackend:
         """SESSION: another BatchBackend's session of this artifact (same fused choice), shared instead of
         opened again (a session is stateless between runs; the pool and its bindings stay this backend's).
         PROFILE_PREFIX: open the session profiling every run per op (end_profiling() names the file)."""
-        take_dimensions(self, manifest)
+        self.dims = dims = manifest.dims  # the model's sizes (read once at load: speedc/format/manifest_view.py)
+        self.slots, self.stage_layers = manifest.slots, manifest.stage_layers
+        self.vocab_size, self.max_context = dims.vocab_size, dims.max_context
         self.layout = CacheLayout.from_manifest(manifest)  # which pool slab each graph's cache input is
         self.check_width = contract.candidate_count(self.vocab_size)  # K of an early-flush check's candidates
         engine = contract.ENGINE
@@ -145,7 +146,8 @@ class BatchBackend:
         self.programs = program_sessions(self.session, self.graph_name, manifest)  # role -> its branch
         self.products = self.session.speedc_products
         self.max_batch, self.capacity = max_batch, capacity
-        self.hidden = np.zeros((self.slots, max_batch, self.state_width), F32)  # last hidden_out, [slot, sequence]
+        self.hidden = np.zeros((self.slots, max_batch, dims.state_width), F32)  # last hidden_out, [slot, sequence]
+        self.drafts = DraftCandidates(self.slots, max_batch, self.check_width)  # beside it, each token's draft's top K
         self._prefill_bindings: dict[tuple, object] = {}  # fused: (first pool row, count) -> its prefill binding
         self._steps: dict[tuple, StepBinding] = {}  # fused steps: (role, shape of the step) -> StepBinding, oldest first
         self._buffers: dict[tuple, np.ndarray] = {}  # (name, shape) -> the buffer every StepBinding binds NAME of SHAPE to
@@ -172,10 +174,10 @@ class BatchBackend:
         as now) pool rows, sized by _pool_length and _pool_width: at once where it must
         grow, and where it may only shrink, once SHRINK_AFTER calls in a row asked for less (called once a
         step: a burst of requests ending together does not shrink the pool just before the next burst
-        grows it again, each time copying it and remaking every step binding). The occupied slots (a
+        grows it again, each time copying it and remaking every step binding). The occupied pool rows (a
         prefix) keep every position below min(old T, new T) (the scratch row T never matters)."""
         def shapes(length: int, width: int) -> dict:
-            return {phase: self.layout.pool_shape(phase, width, self.kv_heads, length, self.head_dim)
+            return {phase: self.layout.pool_shape(phase, width, self.dims.kv_heads, length, self.dims.head_dim)
                     for phase in self.layout.phases}
 
         def allocate(length: int, width: int) -> dict:
@@ -225,6 +227,7 @@ class BatchBackend:
             for pool in pair:
                 pool[:, :, target, :, cut] = pool[:, :, source, :, cut]
         self.hidden[:, target] = self.hidden[:, source]
+        self.drafts.move(source, target)
 
     def read_rows(self, row: int, length: int) -> list[np.ndarray]:
         """Copies of pool row ROW's first LENGTH positions, every pool's K and V (the prefix cache's entry)."""
@@ -286,7 +289,7 @@ class BatchBackend:
         """[rows, H]: the drawn start state of each valid row's position (speedc/format/initial_state.py)."""
         if self.fused:  # no fused graph takes it (plans with an injection build standard graphs only)
             raise GenerationError("internal: a fused graph with a drawn initial state")
-        return initial_states(self.initial_state, positions, self.model_width, valid)
+        return initial_states(self.dims.initial_state, positions, self.dims.hidden_size, valid)
 
     def _check_positions(self, positions: np.ndarray) -> None:
         """Fused graphs write K/V in place through raw pointers: a position past the scratch row T would
@@ -318,7 +321,7 @@ class BatchBackend:
         for row, chunk in enumerate(chunks):
             ids[row, :len(chunk)] = chunk
         feeds = {contract.INPUT_IDS: ids, contract.POSITIONS: np.full(count, start, np.int64), contract.CHUNK_LENGTHS: lengths}
-        if self.initial_state is not None:  # token (row, t) at position start + t; padding gets zeros
+        if self.dims.initial_state is not None:  # token (row, t) at position start + t; padding gets zeros
             token_positions = np.broadcast_to(start + np.arange(longest), (count, longest)).reshape(-1)
             real = (np.arange(longest)[None, :] < lengths[:, None]).reshape(-1)
             feeds[contract.INITIAL_STATE] = self._initial_states(token_positions, real)
@@ -354,7 +357,7 @@ class BatchBackend:
         if not self.fused:
             feeds = {contract.INPUT_IDS: np.asarray(tokens, np.int64).reshape(n, 1),
                      contract.POSITIONS: np.where(valid, positions, 0).astype(np.int64), contract.CHUNK_LENGTHS: np.ones(n, np.int64)}
-            if self.initial_state is not None:
+            if self.dims.initial_state is not None:
                 feeds[contract.INITIAL_STATE] = self._initial_states(positions, valid)
             outputs = [contract.NEXT_TOKEN] + ([contract.LOGITS] if want_logits else [])
             result = self._run_standard(contract.PREFILL, feeds, self._logical_slabs(slice(0, n)), outputs)
@@ -382,19 +385,20 @@ class BatchBackend:
         rows, finals, exits, checks = slots * n, len(heads.final), len(heads.exit), len(heads.check)
         width = self.check_width
         if not self.fused:  # every row runs, bubbles too
-            candidates = np.asarray(heads.candidates, np.int64).reshape(checks, width)
             feeds = {contract.INPUT_IDS: np.asarray(entering, np.int64).reshape(n, 1),
                      contract.POSITIONS: np.where(valid, positions, 0).astype(np.int64).reshape(rows),
                      contract.HIDDEN_IN: np.ascontiguousarray(self.hidden[:slots - 1, :n]).reshape((slots - 1) * n, 1, -1),
                      contract.FINAL_ROWS: np.asarray(heads.final, np.int64), contract.EXIT_ROWS: np.asarray(heads.exit, np.int64),
-                     contract.CHECK_ROWS: np.asarray(heads.check, np.int64), contract.CHECK_CANDIDATES: candidates}
-            if self.initial_state is not None:  # the entering tokens: slot 0's rows
+                     contract.CHECK_ROWS: np.asarray(heads.check, np.int64),
+                     contract.CHECK_CANDIDATES: self.drafts.checks(heads.check, n)}
+            if self.dims.initial_state is not None:  # the entering tokens: slot 0's rows
                 feeds[contract.INITIAL_STATE] = self._initial_states(positions[0], valid[0])
             outputs = [contract.FINAL_TOKEN, contract.EXIT_TOKENS, contract.EXIT_CANDIDATES, contract.CHECK_TOKENS,
                        contract.HIDDEN_OUT] + ([contract.FINAL_LOGITS] if want_logits else [])
             result = self._run_standard(contract.BATCH_STEP, feeds, self._stage_slabs(n), outputs)
             self.layout.write_step_rows(self._pools, self._new_rows(result), slots, n, valid, positions)
-            self.hidden[:, :n] = result[contract.HIDDEN_OUT].reshape(slots, n, self.state_width)
+            self.hidden[:, :n] = result[contract.HIDDEN_OUT].reshape(slots, n, self.dims.state_width)
+            self.drafts.stepped(heads.exit, result[contract.EXIT_CANDIDATES])
             return SpeedStepResult.of(result, want_logits)
         # Fused: only the valid rows run (computed_rows, slot-major indices); the head rows are given as
         # indices among them, and hidden_out comes back for them alone.
@@ -404,7 +408,7 @@ class BatchBackend:
 
         def tensors():
             return {contract.INPUT_IDS: ((n, 1), np.int64, False), contract.POSITIONS: ((rows,), np.int64, False),
-                    contract.HIDDEN_IN: (((slots - 1) * n, 1, self.state_width), F32, False),
+                    contract.HIDDEN_IN: (((slots - 1) * n, 1, self.dims.state_width), F32, False),
                     contract.COMPUTED_ROWS: ((count,), np.int64, False),
                     contract.FINAL_ROWS: ((finals,), np.int64, False), contract.EXIT_ROWS: ((exits,), np.int64, False),
                     contract.CHECK_ROWS: ((checks,), np.int64, False),
@@ -412,7 +416,7 @@ class BatchBackend:
                     contract.FINAL_TOKEN: ((finals,), np.int64, True), contract.EXIT_TOKENS: ((exits,), np.int64, True),
                     contract.EXIT_CANDIDATES: ((exits, width), np.int64, True),
                     contract.CHECK_TOKENS: ((checks,), np.int64, True),
-                    contract.HIDDEN_OUT: ((count, 1, self.state_width), F32, True),
+                    contract.HIDDEN_OUT: ((count, 1, self.dims.state_width), F32, True),
                     **({contract.FINAL_LOGITS: ((finals, self.vocab_size), F32, True)} if want_logits else {})}
 
         step = self._step(contract.BATCH_STEP, (n, count, finals, exits, checks, want_logits), lambda: self._stage_slabs(n),
@@ -426,9 +430,10 @@ class BatchBackend:
         inputs[contract.EXIT_ROWS][:] = layout.exit
         inputs[contract.CHECK_ROWS][:] = layout.check
         if checks:
-            inputs[contract.CHECK_CANDIDATES][:] = heads.candidates
+            inputs[contract.CHECK_CANDIDATES][:] = self.drafts.checks(heads.check, n)
         result = step.run()
         self.hidden[layout.slot, layout.sequence] = result[contract.HIDDEN_OUT][:, 0]
+        self.drafts.stepped(heads.exit, result[contract.EXIT_CANDIDATES])
         return SpeedStepResult.of(result, want_logits)
 
     def _layout(self, valid: np.ndarray, heads: HeadRows) -> "StepLayout":

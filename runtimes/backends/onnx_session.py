@@ -39,18 +39,6 @@ def bound_address(binding, name: str, array: np.ndarray, dtype) -> int:
     return array.ctypes.data
 
 
-def take_dimensions(backend, manifest: Manifest) -> None:
-    """The sizes the ONNX Runtime backend reads from the manifest, as attributes of BACKEND."""
-    model = manifest.model
-    backend.slots, backend.stage_layers = manifest.slots, manifest.stage_layers
-    backend.num_layers = model["num_layers"]
-    backend.vocab_size, backend.max_context = model["vocab_size"], model["max_context"]
-    backend.kv_heads, backend.head_dim = model["num_kv_heads"], model["head_dim"]
-    backend.state_width = model.get("state_width", model["hidden_size"])  # [state | e] with an injection
-    backend.initial_state = model.get("initial_state")  # {seed, std}: a recurrent core's drawn start (else None)
-    backend.model_width = model["hidden_size"]
-
-
 def session_options(threads: int | None, *, spin_between_runs: bool):
     """The options every speedc session runs with (the benchmarks' weight floor too).
 
@@ -115,7 +103,7 @@ NATIVE_MIN_MEAN_PRODUCT_BYTES = 4 << 20
 
 def mean_product_bytes(manifest: Manifest) -> float:
     """Mean bytes of codes per block-quantized weight of the artifact (0 where it has none)."""
-    sizes = [e["length"] for e in manifest.weights["index"].values()
+    sizes = [e["length"] for e in manifest.store.index.values()
              if e.get("quantized", {}).get("role") == "codes" and "within" not in e]
     return sum(sizes) / len(sizes) if sizes else 0.0
 
@@ -148,8 +136,9 @@ def _native_products(directory: Path, manifest: Manifest, threads: int | None, o
     # ONNX Runtime's workers sleep between its ops instead of spinning: during a product the kernel's own
     # threads have the cores (spinning workers made a product 1.5-1.9x slower, measured)
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    weight_map = ort_op.register_weights(manifest.weights["native_artifact"], directory / manifest.weights["file"],
-                                         manifest.weights["index"], kernel_threads, path)
+    store = manifest.store
+    weight_map = ort_op.register_weights(store.native_artifact, directory / store.file, store.index, kernel_threads,
+                                         path)
     return weight_map, f"speedc kernel ({path}, {kernel_threads} threads)"
 
 

@@ -3,12 +3,15 @@ backend reads. runtimes/backends/onnx.py (ONNX Runtime) implements it; so does t
 
 The scheduler keeps all bookkeeping (which slot holds which token, what to flush, who holds which
 pool row); a backend owns the KV-cache pool [S, P, W, kvh, T+1, hd] (stage layer j, pipeline
-slot s, pool row b, ...: logical layer s*S + j of sequence b is pool[j, s, b]) and runs graphs:
+slot s, pool row b, ...: logical layer s*S + j of sequence b is pool[j, s, b]), what each in-flight
+token carries from step to step (its hidden row, its draft's candidates: DraftCandidates) and runs graphs:
 
     prefill(first, chunks, start, want_logits)   prompt chunks of pool rows first.. through all N layers
     plain_step(tokens, positions, valid, ...)    one token of each of sequences 0..n-1 through all N layers
     speed_step(entering, positions, valid, heads, ...)
-                                                 one pipelined step of sequences 0..n-1 ([P, n] slot-major)
+                                                 one pipelined step of sequences 0..n-1 ([P, n] slot-major);
+                                                 HeadRows.add places each sequence's heads, and
+                                                 SpeedStepResult.of_sequence reads its outcome back
 """
 
 from __future__ import annotations
@@ -104,15 +107,48 @@ def pool_would_grow(pool, positions: int, sequences: int) -> bool:
             or _pool_width(sequences, 1, pool.max_batch) > pool.width)
 
 
+@dataclass(frozen=True)
+class SequenceHeads:
+    """Where one sequence's heads sit in a speed step's results (HeadRows.add)."""
+    final: int | None  # index into final_tokens / final_logits (None: its oldest slot is a bubble)
+    exit: int | None  # index into exit_tokens / exit_candidates (None: its slot 0 is a bubble)
+    checks: dict[int, int]  # checked slot -> index into check_tokens
+
+
 @dataclass
 class HeadRows:
     """The heads one speed step runs, by row (s*n + b): the final head (FINAL), the exit head over the
-    whole vocabulary (EXIT), and early-flush checks (CHECK) scored over CANDIDATES [len(CHECK), K] ids
-    (contract.CHECK_CANDIDATES)."""
+    whole vocabulary (EXIT), and early-flush checks (CHECK), each scored over the top K ids its token's
+    own draft gave (the backend keeps them: DraftCandidates)."""
     final: list[int] = field(default_factory=list)
     exit: list[int] = field(default_factory=list)
     check: list[int] = field(default_factory=list)
-    candidates: list[np.ndarray] = field(default_factory=list)
+
+    def add(self, row: int, sequences: int, filled: list[bool], checked: list[int]) -> SequenceHeads:
+        """Pool row ROW's heads among SEQUENCES: the final head where its oldest slot holds a token (FILLED:
+        per slot), the draft where slot 0 does, a check at each slot in CHECKED. -> where they come back
+        in the step's result (SpeedStepResult.of_sequence)."""
+        final = exit = None
+        if filled[-1]:
+            final = len(self.final)
+            self.final.append((len(filled) - 1) * sequences + row)
+        if filled[0]:
+            exit = len(self.exit)
+            self.exit.append(row)
+        checks = {}
+        for depth in checked:
+            checks[depth] = len(self.check)
+            self.check.append(depth * sequences + row)
+        return SequenceHeads(final, exit, checks)
+
+
+@dataclass
+class SequenceOutcome:
+    """What one speed step gave one sequence."""
+    final_token: int | None  # argmax of the final head (None: no token left the last slot)
+    final_logits: np.ndarray | None  # [V] when asked for
+    guesses: dict[int, int]  # slot -> the exit head's token there (0: the draft; deeper: early-flush checks)
+    draft_candidates: np.ndarray | None  # [K] the draft's top K ids (valid until the next step)
 
 
 @dataclass
@@ -128,6 +164,40 @@ class SpeedStepResult:
     def of(cls, outputs: dict[str, np.ndarray], want_logits: bool) -> "SpeedStepResult":
         return cls(outputs[contract.FINAL_TOKEN], outputs[contract.FINAL_LOGITS] if want_logits else None,
                    outputs[contract.EXIT_TOKENS], outputs[contract.EXIT_CANDIDATES], outputs[contract.CHECK_TOKENS])
+
+    def of_sequence(self, heads: SequenceHeads) -> SequenceOutcome:
+        """The outcome of the heads HeadRows.add placed for one sequence."""
+        final = heads.final
+        guesses = {depth: int(self.check_tokens[i]) for depth, i in heads.checks.items()}
+        if heads.exit is not None:
+            guesses[0] = int(self.exit_tokens[heads.exit])
+        return SequenceOutcome(None if final is None else int(self.final_tokens[final]),
+                               None if final is None or self.final_logits is None else self.final_logits[final],
+                               guesses, None if heads.exit is None else self.exit_candidates[heads.exit])
+
+
+class DraftCandidates:
+    """The top K ids each in-flight token's draft gave, kept by the backend beside its hidden row: a check of
+    that token in a deeper slot scores only these (contract.CHECK_CANDIDATES). ids[s, b] belongs to the
+    token that ran slot s of pool row b in the last speed step; every token moves one slot deeper a step.
+
+        checks(rows, n)           [C, K] for check rows s*n + b: ids[s - 1, b] (one slot shallower last step)
+        stepped(exit_rows, ids)   after a step: every entry one slot deeper, slot 0 from this step's drafts
+        move(source, target)      with the pool row"""
+
+    def __init__(self, slots: int, max_batch: int, count: int) -> None:
+        self.ids = np.zeros((slots, max_batch, count), np.int64)  # [P, B, K]
+
+    def checks(self, rows: list[int], sequences: int) -> np.ndarray:
+        depth, row = np.divmod(np.asarray(rows, np.int64), sequences)
+        return self.ids[depth - 1, row]  # [C, K]
+
+    def stepped(self, exit_rows: list[int], drafts: np.ndarray) -> None:
+        self.ids[1:] = self.ids[:-1].copy()
+        self.ids[0, exit_rows] = drafts  # exit rows are slot 0's: s*n + b with s = 0
+
+    def move(self, source: int, target: int) -> None:
+        self.ids[:, target] = self.ids[:, source]
 
 
 class BatchBackendProtocol(Protocol):

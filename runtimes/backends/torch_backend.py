@@ -33,15 +33,15 @@ import torch
 
 from speedc.format import contract
 from speedc.format.cache_layout import CacheLayout
-from speedc.format.artifact import (CONFIG, Manifest, checkpoint_tensor_names, dequantized_weights, exit_norm_kind, is_quantized,
+from speedc.format.artifact import (CONFIG, Manifest, checkpoint_tensor_names, dequantized_weights, is_quantized,
                              read_weight)
 from speedc.errors import GenerationError, OutOfMemory, SpeedcError
 from speedc.models.config import ModelConfig
 from speedc.models.llama import SharedLlama
 from speedc.models.row_layer import RowContext, layer_over_rows, loop_boundary, rotary_inv_freq, row_context
 from speedc.models.sampling import is_integer
-from speedc.runtimes.backends.protocol import (MIN_POOL_POSITIONS, SHRINK_AFTER_STEPS, HeadRows, SpeedStepResult,
-                                               new_pool_buffers, pool_would_grow, resolve_threads)
+from speedc.runtimes.backends.protocol import (MIN_POOL_POSITIONS, SHRINK_AFTER_STEPS, DraftCandidates, HeadRows,
+                                               SpeedStepResult, new_pool_buffers, pool_would_grow, resolve_threads)
 
 
 def load_model_from_artifact(directory: Path, manifest: Manifest) -> SharedLlama:
@@ -51,7 +51,7 @@ def load_model_from_artifact(directory: Path, manifest: Manifest) -> SharedLlama
     base = ModelConfig.load(directory / CONFIG)
     # The artifact's layer map is the one the share pass derived from the weights.
     cfg = dataclasses.replace(base, layer_map=list(manifest.layer_map), exit_layer=manifest.exit_layer,
-                              exit_norm=exit_norm_kind(manifest))
+                              exit_norm=manifest.dims.exit_norm)
     tensors = {name: torch.from_numpy(np.array(read_weight(directory, manifest, name), dtype=np.float32))
                for name in checkpoint_tensor_names(manifest)}
     if is_quantized(manifest):  # the dequantized weights (peers and sweeps rebuild from these; not a backend)
@@ -109,7 +109,7 @@ class TorchBackend:
                    shrink_after: int = SHRINK_AFTER_STEPS, cuda_graphs: bool = False,
                    exact: bool = False) -> "TorchBackend":
         """A backend over an in-memory model (no artifact): what the GPU check uses where only torch is
-        installed. SLOTS must be a valid pipeline depth of its depth plan (DepthPlan.valid_slots)."""
+        installed. SLOTS (P) must be a valid slot count of its depth plan (DepthPlan.valid_slots)."""
         if slots not in model.cfg.depth_plan.valid_slots(model.cfg.exit_layer):
             raise SpeedcError(f"{slots} slots do not fit the layer map {model.cfg.layer_map} (exit after {model.cfg.exit_layer})")
         backend = cls.__new__(cls)
@@ -153,6 +153,7 @@ class TorchBackend:
         self.inv_freq = rotary_inv_freq(cfg, self.device)
         self.max_batch, self.capacity = max_batch, capacity
         self.hidden = torch.zeros(slots, max_batch, cfg.hidden_size, dtype=self.dtype, device=self.device)  # [P, B, H]
+        self.drafts = DraftCandidates(slots, max_batch, self.check_width)  # beside it, each token's draft's top K
         self.min_length, self.shrink_after = min_length, shrink_after
         self._shrink_pending = 0  # reserve calls in a row that asked for a smaller pool
         self.length = 0  # positions T the pool holds per pool row now (reserve), at most capacity
@@ -172,7 +173,7 @@ class TorchBackend:
     def reserve(self, positions: int, sequences: int | None = None) -> None:
         """BatchBackend.reserve's rules: the pool holds POSITIONS for each of SEQUENCES (None: as now)
         pool rows, grown at once, shrunk only after shrink_after calls in a row asked for less; the
-        occupied slots (a prefix) keep every position below min(old T, new T)."""
+        occupied pool rows (a prefix) keep every position below min(old T, new T)."""
         def shape(length: int, width: int) -> tuple:
             return (self.stage_layers, self.slots, width, self.kv_heads, length + 1, self.head_dim)
 
@@ -219,11 +220,12 @@ class TorchBackend:
 
     def move(self, source: int, target: int, length: int | None = None) -> None:
         """Pool row SOURCE's cache (its first LENGTH positions; None: all) and pipeline state now live
-        in slot TARGET."""
+        in pool row TARGET."""
         cut = slice(None, length)
         for pool in (self.key, self.value):
             pool[:, :, target, :, cut] = pool[:, :, source, :, cut]
         self.hidden[:, target] = self.hidden[:, source]
+        self.drafts.move(source, target)
 
     # ---- helpers ---------------------------------------------------------------------------------
     def _ints(self, *arrays) -> list[torch.Tensor]:
@@ -365,7 +367,7 @@ class TorchBackend:
         written[:, :n] = np.where(valid, positions, self.length)
         entering_w = np.zeros(width, np.int64)
         entering_w[:n] = entering
-        candidates = np.asarray(heads.candidates, np.int64).reshape(len(heads.check), self.check_width)
+        candidates = self.drafts.checks(heads.check, n)  # [C, K]
         *inputs, final_rows, exit_rows, candidates = self._ints(entering_w, grid, written, _on_grid(heads.final, n, width),
                                                                  _on_grid(heads.exit + heads.check, n, width), candidates)
         x, tap = self._run(("speed", width), self._speed_layers, inputs, int(grid.max()))
@@ -377,6 +379,7 @@ class TorchBackend:
         checks = best_candidate(exit_logits[exits:], candidates.view(-1, width_k))  # [C]
         ids = torch.cat((final_logits.argmax(-1), drafts.reshape(-1), checks)).cpu().numpy()  # one copy back
         exit_candidates = ids[finals:finals + exits * width_k].reshape(exits, width_k)
+        self.drafts.stepped(heads.exit, exit_candidates)
         return SpeedStepResult(ids[:finals], final_logits.float().cpu().numpy() if want_logits else None,
                                exit_candidates[:, 0], exit_candidates, ids[finals + exits * width_k:])
 

@@ -35,9 +35,10 @@ import numpy as np
 
 from speedc.errors import SpeedcError
 from speedc.models.sampling import SamplingParams
+from speedc.runtimes.batch import DEFAULT_ROW_BUDGET
 from speedc.runtimes.engine import Engine
 
-SYSTEMS = {"speed-adaptive": dict(row_budget=-1), "speed-always": dict(row_budget=None, per_sequence=False),
+SYSTEMS = {"speed-adaptive": dict(row_budget=DEFAULT_ROW_BUDGET), "speed-always": dict(row_budget=None, per_sequence=False),
            "plain-batched": dict(row_budget=0)}  # system -> Engine.batch_scheduler options
 GENAI = "onnxruntime-genai"
 UNBATCHED = "speed-unbatched"

@@ -28,7 +28,8 @@ def weights_bar(done: int, total: int, width: int = 30) -> str:
 @click.command(epilog=zoo.help_text())
 @click.argument("checkpoint")
 @click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Artifact directory to write.")
-@click.option("--slots", type=click.IntRange(1), default=None, help="Pipeline depth P (default: the schedule's choice).")
+@click.option("--slots", type=click.IntRange(1), default=None,
+              help="Pipeline slots P, the deepest pipeline depth (default: the schedule's choice).")
 @click.option("--weights", "--dtype", "weights", type=click.Choice(["fp32", "fp16", "bf16", "int8", "int4"]), default=None,
               help="Weight storage (default: the checkpoint's own precision when it is 16-bit, else fp32; 16-bit "
                    "halves the artifact, ONNX Runtime CPU computes in fp32; int8/int4 store block-quantized weights "

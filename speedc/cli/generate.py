@@ -10,6 +10,7 @@ import click
 
 from speedc.cli.options import FiniteFloat, backend_options, flag, given_options
 from speedc.errors import BatchError, GenerationError
+from speedc.runtimes.batch import DEFAULT_ROW_BUDGET
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -37,7 +38,7 @@ def _refuse_batch_options_without_file() -> None:
               help="With --prompts-file: most memory for the KV-cache pool (default: every pool row may hold the full "
                    "context; the pool holds only what its sequences need: their number, the longest prompt + --max-new-tokens).")
 @click.option("--row-budget", type=click.IntRange(min=0), default=None,
-              help="With --prompts-file: speculate while a step has at most this many rows (default: the measured rule; "
+              help=f"With --prompts-file: speculate while a step has at most this many rows (default {DEFAULT_ROW_BUDGET}; "
                    "0: never).")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--mode", type=click.Choice(["speed", "speed-always", "autoregressive"]), default="speed", show_default=True,
@@ -73,7 +74,7 @@ def generate(artifact, prompt, prompt_ids, prompts_file, max_batch, kv_cache_mb,
         prompts = _read_prompts(prompts_file)
         engine = Engine.load(artifact, backend=backend, device=device, threads=threads, lazy=True)  # opened when the batch starts
         chosen = options.pop("mode")
-        budget = 0 if chosen == "autoregressive" else (-1 if row_budget is None else row_budget)
+        budget = 0 if chosen == "autoregressive" else (DEFAULT_ROW_BUDGET if row_budget is None else row_budget)
         failure = None
         try:
             results = engine.generate_batch(prompts, max_batch=max_batch, kv_cache_mb=kv_cache_mb, row_budget=budget,

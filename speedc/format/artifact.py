@@ -29,13 +29,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from speedc.format import contract
+from speedc.format.manifest_view import ModelDims, WeightStore
 from speedc.errors import ArtifactError, BuildError, CheckpointError
 
 FORMAT_VERSION = 4  # 2: the single-sequence step, step_flush and cache-writer graphs are gone; 3: one engine graph per
@@ -84,14 +86,31 @@ class Manifest:
 
     @property
     def slots(self) -> int:
+        """P: the slots of the batch step's pipeline (serialised as schedule.slots)."""
         return int(self.schedule["slots"])
 
     @property
     def stage_layers(self) -> int:
         return int(self.schedule["stage_layers"])
 
+    @property
+    def depth_plan(self) -> dict | None:
+        """The schedule's depth plan as serialised (models/depth_plan.py DepthPlan.to_json; None in manifests
+        written before plans were stored: one cycle)."""
+        return self.schedule.get("depth_plan")
+
+    @cached_property
+    def dims(self) -> ModelDims:
+        """The model section, typed (built once: read_manifest builds it to check it)."""
+        return ModelDims.of(self.model, self.weights["index"])
+
+    @cached_property
+    def store(self) -> WeightStore:
+        """The weights section, typed (built once: read_manifest builds it to check it)."""
+        return WeightStore.of(self.weights)
+
     def to_json(self) -> str:
-        return json.dumps(self.__dict__, indent=2) + "\n"
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, indent=2) + "\n"
 
 
 def read_manifest(directory: str | Path, *, verify_hashes: bool = False) -> Manifest:
@@ -125,6 +144,7 @@ def read_manifest(directory: str | Path, *, verify_hashes: bool = False) -> Mani
             raise ArtifactError(f"{path}: malformed manifest (model.{key} missing or not a positive integer); "
                                 "rebuild the artifact")
     try:
+        manifest.dims, manifest.store  # the typed views, built once here (a malformed section fails at load)
         dims = contract.Dims.from_manifest(manifest)
         for name, spec in manifest.graphs.items():
             contract.check_graph_io(name, spec, dims)
@@ -164,17 +184,6 @@ def is_weight_name(name: str) -> bool:
     return name.startswith(WEIGHT_PREFIXES)
 
 
-EXIT_NORM_WEIGHTS = {"model.exit_norm.weight": "own", "model.norm.weight": "final", None: "none"}
-
-
-def exit_norm_kind(manifest: "Manifest") -> str:
-    """How the artifact's exit head normalizes: "own", "final" or "none" (manifest.model["exit_norm"],
-    the weight's name; artifacts written before that key existed: own if stored, else final)."""
-    if "exit_norm" in manifest.model:
-        return EXIT_NORM_WEIGHTS[manifest.model["exit_norm"]]
-    return "own" if "model.exit_norm.weight" in manifest.weights["index"] else "final"
-
-
 def stored_entries(index: dict[str, dict]) -> dict[str, dict]:
     """The index entries that own bytes in weights.bin (not the views "within" a stacked weight)."""
     return {name: entry for name, entry in index.items() if "within" not in entry}
@@ -197,7 +206,7 @@ def weight_bytes(index: dict[str, dict], layer_map: list[int]) -> tuple[int, int
 def checkpoint_tensor_names(manifest: "Manifest") -> list[str]:
     """The checkpoint tensors the artifact stores (each once; a stacked weight's parts, not the stack) in a
     float precision (a block-quantized artifact stores codes and scales instead: see is_quantized)."""
-    index = manifest.weights["index"]
+    index = manifest.store.index
 
     def quantized(entry: dict) -> bool:
         return "quantized" in entry or "quantized" in index.get(entry.get("within"), {})
@@ -225,7 +234,7 @@ def dequantize_blocks(codes: np.ndarray, scales: np.ndarray, bits: int, k: int) 
 def dequantized_weights(directory: str | Path, manifest: "Manifest") -> dict[str, np.ndarray]:
     """Checkpoint tensor name -> the values a block-quantized artifact computes with (float32), from its
     codes and scales; a stacked weight is split back into its parts."""
-    index = manifest.weights["index"]
+    index = manifest.store.index
     weights = {}
     for name, entry in stored_entries(index).items():
         info = entry.get("quantized")
@@ -245,10 +254,10 @@ def dequantized_weights(directory: str | Path, manifest: "Manifest") -> dict[str
 def read_weight(directory: str | Path, manifest: Manifest, name: str) -> np.ndarray:
     """One stored weight as a numpy array (memory-mapped from weights.bin; bfloat16 needs ml_dtypes,
     which the compiler extra brings)."""
-    entry = manifest.weights["index"][name]
+    entry = manifest.store.index[name]
     if entry["dtype"] == "bfloat16":
         import ml_dtypes  # noqa: F401  (registers the numpy dtype)
-    data = np.memmap(Path(directory) / manifest.weights["file"], dtype=np.uint8, mode="r",
+    data = np.memmap(Path(directory) / manifest.store.file, dtype=np.uint8, mode="r",
                      offset=entry["offset"], shape=(entry["length"],))
     return np.frombuffer(data, dtype=np.dtype(entry["dtype"])).reshape(entry["shape"])
 

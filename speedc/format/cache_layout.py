@@ -81,7 +81,7 @@ class CacheLayout:
     @classmethod
     def from_manifest(cls, manifest) -> "CacheLayout":
         """The layout an artifact's graphs were built for (manifests before the depth plan: one cycle)."""
-        plan = manifest.schedule.get("depth_plan")
+        plan = manifest.depth_plan
         if plan is None:
             return cls.cycle(manifest.stage_layers, manifest.slots)
         return cls.from_plan(plan, manifest.slots)

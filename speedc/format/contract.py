@@ -191,12 +191,11 @@ class Dims:
 
     @classmethod
     def from_manifest(cls, manifest) -> "Dims":
-        model = manifest.model
-        plan = manifest.schedule.get("depth_plan") if manifest.slots > 1 else None
+        model = manifest.dims
+        plan = manifest.depth_plan if manifest.slots > 1 else None
         phases = (len(plan["prelude"]), len(plan["coda"])) if plan else (0, 0)
-        return cls(manifest.slots, manifest.stage_layers, model["num_layers"], model["num_kv_heads"], model["head_dim"],
-                   model["hidden_size"], model["vocab_size"], *phases, model.get("state_width", model["hidden_size"]),
-                   bool(model.get("initial_state")))
+        return cls(manifest.slots, manifest.stage_layers, model.num_layers, model.kv_heads, model.head_dim,
+                   model.hidden_size, model.vocab_size, *phases, model.state_width, model.initial_state is not None)
 
 
 Shape = tuple  # ints for fixed sizes, None where the size is dynamic

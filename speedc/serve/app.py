@@ -89,7 +89,7 @@ def prefix_cache_budget(engine, settings: ServeSettings) -> float:
         return settings.prefix_cache_mb
     if settings.kv_cache_mb is not None:
         return settings.kv_cache_mb
-    context = engine.manifest.model["max_context"]
+    context = engine.manifest.dims.max_context
     full = pool_bytes_per_position(engine.manifest) * settings.max_batch * context / (1 << 20)
     return min(full, DEFAULT_PREFIX_CACHE_MB)
 
@@ -133,7 +133,7 @@ class Service:
     def generation_request(self, parsed: ParsedRequest, ids: list[int]) -> GenerationRequest:
         context, param = self.adapter.max_context, "messages" if parsed.kind == "chat" else "prompt"
         # a request's KV-cache row is the model's context unless --kv-cache-mb made it smaller
-        limit = (f"the model's context of {context} tokens" if context == self.adapter.engine.manifest.model["max_context"]
+        limit = (f"the model's context of {context} tokens" if context == self.adapter.engine.manifest.dims.max_context
                  else f"a request's share of the server's KV-cache pool ({context} tokens, --kv-cache-mb)")
         if len(ids) >= context:
             raise ApiError(400, f"the prompt is {len(ids)} tokens; that leaves no room within {limit}",
@@ -145,7 +145,7 @@ class Service:
         if len(ids) + max_tokens > context:
             raise ApiError(400, f"the prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds {limit}",
                            param="max_tokens", code="context_length_exceeded")
-        vocab = self.adapter.engine.manifest.model["vocab_size"]
+        vocab = self.adapter.engine.manifest.dims.vocab_size
         bad = next((i for i in s.logit_bias or {} if i >= vocab), None)
         if bad is not None:
             raise ApiError(400, f"logit_bias: {bad} is outside the vocabulary (0..{vocab - 1})", param="logit_bias")
@@ -179,7 +179,7 @@ class Service:
     def stop_token_ids(self, parsed: ParsedRequest) -> tuple[int, ...]:
         """The request's stop_token_ids, and for chat the template's end of turn (ignored as an EOS is)."""
         turn = self.end_of_turn_ids if parsed.kind == "chat" and not parsed.sampling.ignore_eos else ()
-        vocab = self.adapter.engine.manifest.model["vocab_size"]
+        vocab = self.adapter.engine.manifest.dims.vocab_size
         bad = next((i for i in parsed.sampling.stop_token_ids if i >= vocab), None)
         if bad is not None:
             raise ApiError(400, f"stop_token_ids: {bad} is outside the vocabulary (0..{vocab - 1})", param="stop_token_ids")
@@ -497,7 +497,7 @@ def create_app(settings: ServeSettings, *, load_in_background: bool = True,
         try:
             ids = await asyncio.to_thread(service.prompt_ids, parsed)
             requests = service.choice_requests(parsed, ids)
-            if service.adapter.running + service.adapter.waiting + len(requests) > service.adapter.slots + service.adapter.max_queue:
+            if service.adapter.running + service.adapter.waiting + len(requests) > service.adapter.max_batch + service.adapter.max_queue:
                 raise QueueFull(service.adapter.retry_after())
             for one in requests:
                 generations.append(service.adapter.submit(one))
@@ -509,7 +509,7 @@ def create_app(settings: ServeSettings, *, load_in_background: bool = True,
             for generation in generations:
                 generation.cancel()
             metrics.rejected.inc()
-            raise ApiError(429, f"the server is full ({service.adapter.slots} running, {service.adapter.max_queue} "
+            raise ApiError(429, f"the server is full ({service.adapter.max_batch} running, {service.adapter.max_queue} "
                                 f"waiting); retry later",
                            kind="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": str(full.retry_after)}) from None

@@ -7,8 +7,8 @@
 
 Same shape as ThreadedEngine (engine_adapter.py), so nothing else in the server knows which runs. A
 request holds one of MAX_BATCH pool rows of the KV-cache pool from its prefill to its end; up
-to MAX_QUEUE more wait for a slot (FIFO) and beyond that submit() raises QueueFull. Cancelling marks
-the sequence; the scheduler frees its slot at the next step boundary. Each sequence's output equals
+to MAX_QUEUE more wait for a pool row (FIFO) and beyond that submit() raises QueueFull. Cancelling marks
+the sequence; the scheduler frees its pool row at the next step boundary. Each sequence's output equals
 what it produces alone (the scheduler's lossless promise), so the server's answers equal
 `speedc generate` whatever else runs beside them.
 """
@@ -16,12 +16,13 @@ what it produces alone (the scheduler's lossless promise), so the server's answe
 from __future__ import annotations
 
 from speedc.runtimes.backends.onnx import pool_bytes_per_position
+from speedc.runtimes.batch import DEFAULT_ROW_BUDGET
 from speedc.runtimes.detokenize import Piece
 from speedc.runtimes.engine_loop import EngineLoop, Submitted
 from speedc.serve.engine_adapter import FINISH_REASONS, GenerationRequest, QueueFull, RetryEstimate, encode
 
 # --mode -> (the scheduler's row policy (-1: its default rule), whether the acceptance policy decides per sequence)
-BATCH_RULES = {"speed": (-1, True), "speed-always": (None, False), "autoregressive": (0, True)}
+BATCH_RULES = {"speed": (DEFAULT_ROW_BUDGET, True), "speed-always": (None, False), "autoregressive": (0, True)}
 
 
 class BatchedGeneration:
@@ -76,7 +77,7 @@ class BatchedEngine:
     def __init__(self, engine, *, max_queue: int, max_batch: int = 8, kv_cache_mb: float | None = None,
                  mode: str = "speed", threads: int | None = None, fused: bool | None = None,
                  prefix_cache_mb: float | None = None) -> None:
-        self.engine, self.max_queue, self.slots = engine, max_queue, max_batch
+        self.engine, self.max_queue, self.max_batch = engine, max_queue, max_batch
         row_budget, per_sequence = BATCH_RULES[mode]
         self.loop = EngineLoop(engine, max_batch=max_batch, kv_cache_mb=kv_cache_mb, row_budget=row_budget,
                                per_sequence=per_sequence, threads=threads, fused=fused, prefix_cache_mb=prefix_cache_mb)
@@ -84,8 +85,8 @@ class BatchedEngine:
 
     def describe(self) -> str:
         backend = self.loop.scheduler.backend
-        mib = pool_bytes_per_position(self.engine.manifest) * self.slots * (backend.capacity + 1) / (1 << 20)
-        return (f"continuous batching: up to {self.slots} requests at once, {self.max_queue} may wait; KV-cache pool "
+        mib = pool_bytes_per_position(self.engine.manifest) * self.max_batch * (backend.capacity + 1) / (1 << 20)
+        return (f"continuous batching: up to {self.max_batch} requests at once, {self.max_queue} may wait; KV-cache pool "
                 f"up to {mib:.0f} MiB (it grows with the requests in it), {backend.capacity} positions per request")
 
     # ---- what the server asks of the model and the metrics ---------------------------------------
@@ -123,7 +124,7 @@ class BatchedEngine:
     def submit(self, request: GenerationRequest) -> BatchedGeneration:
         """Admit REQUEST or raise QueueFull; a bad request raises GenerationError before it is admitted.
         Call from the event loop."""
-        if self.running + self.waiting >= self.slots + self.max_queue:
+        if self.running + self.waiting >= self.max_batch + self.max_queue:
             raise QueueFull(self._retry.seconds())
         submitted = self.loop.submit(request.prompt_ids, **request.engine_settings())
         return BatchedGeneration(self, submitted, len(request.prompt_ids))

@@ -2,7 +2,7 @@
 
 Two adapters of one shape (the server uses nothing else): submit(GenerationRequest) -> a Generation,
 an async iterator of Pieces with finish_reason / stats / completion_tokens / cancel() (QueueFull when
-slots + max_queue requests are already admitted); running / waiting / slots / decode_steps for the
+max_batch + max_queue requests are already admitted); running / waiting / max_batch / decode_steps for the
 metrics; encode, max_context; aclose().
 
     BatchedEngine (batched_engine.py, the default): continuous batching, up to --max-batch
@@ -59,18 +59,18 @@ def prompt_char_limit(engine, context: int) -> int:
 
 
 class RetryEstimate:
-    """Retry-After for a full queue: a place comes free when one of the SLOTS generations running
-    finishes, on average every mean generation time / SLOTS (a running mean of engine seconds)."""
+    """Retry-After for a full queue: a place comes free when one of the MAX_BATCH generations running
+    finishes, on average every mean generation time / MAX_BATCH (a running mean of engine seconds)."""
 
-    def __init__(self, slots: int) -> None:
-        self.slots, self.mean_seconds = slots, 1.0
+    def __init__(self, max_batch: int) -> None:
+        self.max_batch, self.mean_seconds = max_batch, 1.0
 
     def record(self, stats) -> None:
         seconds = stats.prefill_seconds + stats.decode_seconds
         self.mean_seconds = 0.8 * self.mean_seconds + 0.2 * seconds
 
     def seconds(self) -> int:
-        return max(1, math.ceil(self.mean_seconds / self.slots))
+        return max(1, math.ceil(self.mean_seconds / self.max_batch))
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ class _Failure:
 
 class Generation:
     """One admitted request: an async iterator of Pieces. After it ends: finish_reason, stats,
-    completion_tokens. cancel() stops it (waiting or running) and frees its slot."""
+    completion_tokens. cancel() stops it (waiting or running) and frees its pool row."""
 
     def __init__(self, owner: "ThreadedEngine", stream, prompt_tokens: int) -> None:
         self.prompt_tokens = prompt_tokens
@@ -205,7 +205,7 @@ class Generation:
 class ThreadedEngine:
     """Engine.stream on one worker thread, one generation at a time, at most MAX_QUEUE waiting."""
 
-    slots = 1  # generations that run at once
+    max_batch = 1  # generations that run at once
 
     def __init__(self, engine, *, max_queue: int, mode: str = "speed") -> None:
         self.engine, self.max_queue, self.mode = engine, max_queue, mode
@@ -213,7 +213,7 @@ class ThreadedEngine:
         self.waiting = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speedc-engine")
         self._turn = asyncio.Lock()
-        self._retry = RetryEstimate(self.slots)
+        self._retry = RetryEstimate(self.max_batch)
         self.decode_steps: Counter[int] = Counter()  # sequences per step -> steps (here always 1)
 
     def describe(self) -> str:
@@ -227,7 +227,7 @@ class ThreadedEngine:
     # ---- what the server asks of the model ------------------------------------------------------
     @property
     def max_context(self) -> int:
-        return int(self.engine.manifest.model["max_context"])
+        return self.engine.manifest.dims.max_context
 
     def encode(self, text: str, *, special_tokens: bool = True) -> list[int]:
         return encode(self.engine, text, special_tokens)
@@ -236,7 +236,7 @@ class ThreadedEngine:
     def submit(self, request: GenerationRequest) -> Generation:
         """Admit REQUEST or raise QueueFull; a bad request raises the engine's GenerationError here,
         before it takes a place in the queue. Call from the event loop."""
-        if self.running + self.waiting >= self.slots + self.max_queue:
+        if self.running + self.waiting >= self.max_batch + self.max_queue:
             raise QueueFull(self.retry_after())
         stream = self.engine.stream(request.prompt_ids, mode=self.mode, **request.engine_settings())
         self.waiting += 1

@@ -30,7 +30,7 @@ APP_NAME = "speedc"
 class ScaleOut:
     replicas: int = 1
     autoscale: tuple[int, int] | None = None  # (min, max) replicas: Ray's autoscaler picks within
-    max_ongoing_requests: int | None = None  # per replica; default: its engine's slots (max_batch) + queue
+    max_ongoing_requests: int | None = None  # per replica; default: its engine's max_batch + queue
     replica_cpus: float = 1.0
 
     def check(self) -> None:

@@ -187,7 +187,7 @@ def test_batched_server_opens_one_session(tiny_artifact):
     """Serving batched, the batch scheduler's pool runs on the engine's session: its graph is opened once."""
     adapter = make_adapter(ServeSettings(artifact=tiny_artifact, model_name="tiny", threads=1, max_batch=3))
     try:
-        assert adapter.slots == 3 and adapter.loop.scheduler.backend.session is adapter.engine.backend.session
+        assert adapter.max_batch == 3 and adapter.loop.scheduler.backend.session is adapter.engine.backend.session
     finally:
         asyncio.run(adapter.aclose())
 

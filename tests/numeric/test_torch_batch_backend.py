@@ -155,7 +155,7 @@ def test_bubbles_write_only_the_scratch_row(step):
     if step == "speed":
         positions = np.array([[9, 5], [8, 5], [7, 5]])  # [P, n]: sequence 1's bubbles sit on rows sequence 1 holds
         valid = np.array([[True, False], [False, True], [True, False]])
-        heads = HeadRows(final=[4], exit=[0], check=[], candidates=[])  # rows s*n + b: slot 2 of sequence 0, its slot 0
+        heads = HeadRows(final=[4], exit=[0], check=[])  # rows s*n + b: slot 2 of sequence 0, its slot 0
         result = backend.speed_step(np.array([7, 0]), positions, valid, heads, want_logits=True)
         assert result.final_tokens.shape == (1,) and result.final_logits.shape == (1, model.cfg.vocab_size)
         assert result.exit_candidates.shape == (1, backend.check_width) and result.check_tokens.shape == (0,)
@@ -202,8 +202,11 @@ def test_speed_step_heads_match_the_onnx_batch_step(case):
         step_heads = HeadRows(final=[(slots - 1) * 2, (slots - 1) * 2 + 1], exit=[0, 1])
         first = backend.speed_step(entering, positions, valid, step_heads, want_logits=True)
         checks = [s * 2 + b for s in range(1, slots - 1) for b in range(2)]
-        candidates = [np.arange(backend.check_width) * 3 % vocab for _ in checks]
-        second = backend.speed_step(entering, positions, valid, HeadRows([1], [0, 1], checks, candidates), True)
+        # the checks score the top K each token's draft gave, kept by the backend (slot 1: the first step's drafts)
+        backend.drafts.ids[1:slots - 1, :2] = np.arange(backend.check_width) * 3 % vocab
+        second = backend.speed_step(entering, positions, valid, HeadRows([1], [0, 1], checks), True)
+        slot_one = second.check_tokens[:2]  # rows 1*2 + b come first
+        assert all(token in drafts for token, drafts in zip(slot_one, first.exit_candidates))
         outputs.append((first, second))
     (torch_first, torch_second), (onnx_first, onnx_second) = outputs
     for mine, theirs in ((torch_first, onnx_first), (torch_second, onnx_second)):

@@ -91,7 +91,8 @@ def test_batch_arguments_are_checked(engine):
     for options, fragment in (({"max_batch": 2.0}, "max_batch must be an integer"),
                               ({"prefill_chunk": 0}, "prefill_chunk must be at least 1"),
                               ({"prefill_chunk": 8.0}, "prefill_chunk must be an integer"),
-                              ({"kv_cache_mb": "64"}, "kv_cache_mb must be a number")):
+                              ({"kv_cache_mb": "64"}, "kv_cache_mb must be a number"),
+                              ({"row_budget": -1}, "row_budget must be >= 0")):
         with pytest.raises(GenerationError, match=fragment):
             engine.generate_batch([PROMPT], max_new_tokens=2, **options)
 

@@ -6,8 +6,9 @@ index) records whether the row it wrote at a position came from a correct token 
 A head predicts the truth only from a clean context, so a speculation the loop fails to flush (or a
 stale row it lets a valid slot read) turns into wrong output. Exit guesses of clean slots are scripted
 per (depth, position); unclean slots always guess wrong(pos), so wrong chains never contradict themselves.
-An early-flush check scores only the candidates the token's own draft gave (as the batch step does):
-a draft's candidates hold both the truth and wrong(pos), so a check returns its scripted guess.
+An early-flush check scores only the candidates the token's own draft gave (as the batch step does: the
+backend keeps them beside the token's row): a draft's candidates hold both the truth and wrong(pos), so a
+check returns its scripted guess.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class ScriptedBackend:
         self.calls: list[tuple] = []  # ("prefill" | "plain", ids, start) | ("step", token, positions, valid)
         self.deepest_wrong = -1  # deepest slot a wrong (unclean) token ever ran in
         self.rows = [dict() for _ in range(self.slots)]  # pass -> {pos: row written cleanly?}
-        self.inflight = [None] * self.slots  # per slot [token, pos, clean], tracked here, not trusted
+        self.inflight = [None] * self.slots  # per slot [token, pos, clean, draft's candidates], tracked here, not trusted
 
     @property
     def speculative(self) -> bool:
@@ -114,7 +115,7 @@ class ScriptedBackend:
         # Heads run for tokens only: the oldest slot's final, slot 0's draft, deeper slots' checks.
         assert heads.final == ([self.slots - 1] if valid[-1] else []) and heads.exit == ([0] if valid[0] else [])
         assert all(valid[row] and 0 < row < self.slots - 1 for row in heads.check)
-        shifted = [[token, int(positions[0]), True] if valid[0] else None] + self.inflight[:-1]
+        shifted = [[token, int(positions[0]), True, None] if valid[0] else None] + self.inflight[:-1]
         exits = np.full(self.slots, -1, dtype=np.int64)  # bubbles guess -1: using it would break output
         final = -1
         for s in range(self.slots):
@@ -124,7 +125,7 @@ class ScriptedBackend:
             # The loop may only mark valid a slot whose token really entered and moved here.
             assert shifted[s] is not None and shifted[s][1] == positions[s], (s, shifted, positions)
             assert positions[s] < self.capacity
-            tok, pos, clean = shifted[s]
+            tok, pos, clean, _ = shifted[s]
             clean = clean and tok == TRUTH[pos] and self._clean_before([s], pos)
             self.rows[s][pos] = shifted[s][2] = clean
             if not clean:
@@ -134,12 +135,14 @@ class ScriptedBackend:
                 final = TRUTH[pos + 1] if clean else wrong(pos + 1)
         self.inflight = shifted
         checks = []
-        for row, candidates in zip(heads.check, heads.candidates):
-            assert exits[row] in candidates  # the check scores its token's own draft's candidates
+        for row in heads.check:
+            assert exits[row] in shifted[row][3]  # the check scores its token's own draft's candidates
             checks.append(int(exits[row]))
         finals = [final] if heads.final else []
         drafts = [int(exits[0])] if heads.exit else []
         candidates = [draft_candidates(g, int(positions[0]) + 1) for g in drafts]
+        if drafts:
+            shifted[0][3] = candidates[0]
         return SpeedStepResult(np.asarray(finals, np.int64), self._logits(finals, want_logits) if finals else None,
                                np.asarray(drafts, np.int64), np.asarray(candidates, np.int64).reshape(len(drafts), K),
                                np.asarray(checks, np.int64))
