@@ -41,7 +41,8 @@ class BenchCommand(click.Command):
         try:
             return super().parse_args(ctx, args)
         except click.NoSuchOption as err:
-            owners = [name for name, command in bench.commands.items() if command is not self and any(
+            siblings = ctx.parent.command.commands if ctx.parent else {}
+            owners = [name for name, command in siblings.items() if command is not self and any(
                 err.option_name in (*param.opts, *param.secondary_opts) for param in command.params)]
             group = ctx.command_path.rsplit(" ", 1)[0]
             if owners:
@@ -60,9 +61,8 @@ def plot_option(what: str):
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 prompts_option = click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable; default: a built-in set).")
-new_tokens_option = click.option("--new-tokens", type=click.IntRange(2), default=128, show_default=True)
-passes_option = click.option("--repeats", type=click.IntRange(1), default=3, show_default=True,
-                             help="Passes over the prompt set.")
+new_tokens_option = click.option("--new-tokens", type=click.IntRange(2), default=128, show_default=True,
+                                 help="Tokens decoded per prompt.")
 
 
 @click.group(cls=BenchGroup)
@@ -74,7 +74,7 @@ def bench() -> None:
 @bench.command("artifact", cls=BenchCommand)
 @click.argument("artifact", type=click.Path(path_type=Path))
 @new_tokens_option
-@passes_option
+@click.option("--repeats", type=click.IntRange(1), default=3, show_default=True, help="Passes over the prompt set.")
 @prompts_option
 @click.option("--early-flush/--no-early-flush", default=None, help="SPEED with or without early flush (default: the engine's, on).")
 @backend_options
@@ -150,7 +150,8 @@ def bench_memory_bound(shape, hidden, layers, recurrence, repeats, weights, prof
 @click.option("--clients", default="1,2,4,8,16", show_default=True,
               help="Client counts, comma-separated: a level runs that many sequences at once.")
 @new_tokens_option
-@passes_option
+@click.option("--repeats", type=click.IntRange(1), default=3, show_default=True,
+              help="Rounds over every level and system, interleaved (medians over them).")
 @prompts_option
 @click.option("--peers/--no-peers", default=None, help="Also ORT GenAI's own batching (default: when installed).")
 @threads_option
