@@ -231,7 +231,7 @@ def test_weight_floor_graph_computes_the_chain(weights):
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_kernel_measurement_reports_every_row_count_beside_matmulnbits(weights):
-    """The kernel part of `--memory-bound --weights int4|int8`: its fields (not its speed), and the
+    """The kernel part of `speedc bench memory-bound --weights int4|int8`: its fields (not its speed), and the
     kernel chain computing what the MatMulNBits chain does (the same products, two int8 kernels)."""
     import numpy as np
 
