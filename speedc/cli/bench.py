@@ -60,7 +60,8 @@ def plot_option(what: str):
 
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-prompts_option = click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable; default: a built-in set).")
+prompts_option = click.option("--prompt", "prompts", multiple=True,
+                              help="Prompt text (repeatable; default: a built-in set).")
 new_tokens_option = click.option("--new-tokens", type=click.IntRange(2), default=128, show_default=True,
                                  help="Tokens decoded per prompt.")
 
@@ -79,7 +80,8 @@ def bench() -> None:
 @click.option("--early-flush/--no-early-flush", default=None, help="SPEED with or without early flush (default: the engine's, on).")
 @backend_options
 @click.option("--peers/--no-peers", default=None,
-              help="Also time the PyTorch reference, transformers generate and ORT GenAI fp32 / int4 (default: when installed).")
+              help="Also time the PyTorch reference, transformers generate and ORT GenAI fp32 / int4 (default: when "
+                   "installed).")
 @click.option("--peer", "only_peers", multiple=True, type=click.Choice(list(PEER_NAMES)),
               help="Run only these peers (repeatable; implies --peers).")
 @click.option("--sweep", "sweeps", multiple=True, type=click.Choice(["slots", "length"]),
@@ -88,8 +90,8 @@ def bench() -> None:
               help="Peak RSS of each system, each measured in a fresh process.")
 @plot_option("tokens/s per system (end to end), decode-only speedup vs pipeline depth with the bound")
 @json_option
-def bench_artifact(artifact, new_tokens, repeats, prompts, early_flush, backend, device, threads, peers, only_peers, sweeps,
-                   memory, plot, as_json):
+def bench_artifact(artifact, new_tokens, repeats, prompts, early_flush, backend, device, threads, peers, only_peers,
+                   sweeps, memory, plot, as_json):
     """SPEED against plain decoding (and peers) on ARTIFACT: interleaved runs, identical ids checked first
     (peers at another precision, e.g. ORT GenAI int4: their agreement with SPEED's ids is reported instead).
 

@@ -1,4 +1,5 @@
-"""`speedc bench artifact | memory-bound | concurrency` run briefly on the tiny model and reports its fields (never asserts a speed)."""
+"""`speedc bench artifact | memory-bound | concurrency` run briefly on the tiny model and report their fields
+(never asserting a speed)."""
 
 from __future__ import annotations
 
