@@ -26,7 +26,7 @@ demo: setup
 	$(SPEEDC) generate out/demo --prompt "$(DEMO_PROMPT)" --max-new-tokens 128 --stats
 	$(SPEEDC) generate out/demo --prompt "$(DEMO_PROMPT)" --max-new-tokens 128 --stats --mode autoregressive
 	$(SPEEDC) generate out/demo --prompt "$(DEMO_PROMPT)" --max-new-tokens 128 --temperature 0.8 --top-k 40 --seed 1 --stream
-	$(SPEEDC) bench out/demo --repeats 1
+	$(SPEEDC) bench artifact out/demo --repeats 1
 
 # The kernel's Arm paths are tested under emulation (tests/numeric/test_block_product_arm.py) with Debian's
 # cross compiler and qemu-user, installed here where apt-get runs as root (about 20 s); elsewhere

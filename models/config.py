@@ -37,6 +37,30 @@ CONFIG_FORMAT_VERSION = 1
 MAX_CONTEXT = 1 << 22  # positions: 4 M (a 1e9-position config took 122 s to build an artifact that could not run)
 
 
+class FittedPlan:
+    """ModelConfig.depth_plan: set to the plan a family declares (None: nothing declared), read as that
+    plan fitted to the config's own layer_map / loop_norm / final_norm (fit_plan). The config keeps the
+    checkpoint's fields and the declaration; the plan is derived from them on read, never stored beside
+    them (dataclasses.replace hands the fitted plan on as the new config's declaration)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.declared, self.fitted = f"_{name}_declared", f"_{name}_fitted"
+
+    def __get__(self, config, owner=None) -> DepthPlan | None:
+        if config is None:
+            return None  # the dataclass field's default: nothing declared
+        fields = (tuple(config.layer_map), config.loop_norm, config.final_norm)
+        cached = config.__dict__.get(self.fitted)
+        if cached is None or cached[0] != fields:  # fitted once per state of those fields
+            cached = fields, fit_plan(list(fields[0]), config.__dict__.get(self.declared), *fields[1:])
+            config.__dict__[self.fitted] = cached
+        return cached[1]
+
+    def __set__(self, config, declared: DepthPlan | None) -> None:
+        config.__dict__[self.declared] = declared
+        config.__dict__.pop(self.fitted, None)
+
+
 @dataclasses.dataclass
 class ModelConfig:
     vocab_size: int
@@ -63,9 +87,9 @@ class ModelConfig:
     embed_scale: float = 1.0  # the embedding is multiplied by this on entry (Huginn: sqrt(hidden_size))
     loop_norm: bool = False  # looped models: state = model.norm(state) after every pass over the blocks
     final_norm: bool = True  # the final head normalizes (False: the last loop-boundary norm already did)
-    # The phases of a token's trip (models/depth_plan.py): a family's declared loops, else derived from
-    # the layer map; always refitted to layer_map / loop_norm / final_norm (dataclasses.replace keeps it true).
-    depth_plan: DepthPlan | None = None
+    # The phases of a token's trip (models/depth_plan.py): given, a family's declared loops; read, those
+    # fitted to layer_map / loop_norm / final_norm, else derived from the layer map (FittedPlan).
+    depth_plan: DepthPlan | None = FittedPlan()
 
     def __post_init__(self) -> None:
         if self.head_dim is None and isinstance(self.num_attention_heads, int) and self.num_attention_heads > 0:
@@ -74,7 +98,7 @@ class ModelConfig:
             self.eos_token_ids = (self.eos_token_id,)
         self.eos_token_ids = tuple(self.eos_token_ids)
         self.validate()
-        self.depth_plan = fit_plan(list(self.layer_map), self.depth_plan, self.loop_norm, self.final_norm)
+        _ = self.depth_plan  # fitted now: a declared plan that does not fit the layer map is refused here
 
     # ---- derived ------------------------------------------------------------------------
     @property

@@ -72,16 +72,22 @@ class CompileState:
     graphs: dict[str, gs.Graph] = field(default_factory=dict)
     native_graphs: dict[str, gs.Graph] = field(default_factory=dict)  # engine graph -> its native twin (native_products)
     native_artifact_id: str | None = None  # the id the twins' products name this artifact's weights by
-    layer_map: list[int] | None = None  # derived from the weights by the share pass
     exit_layer: int | None = None  # logical layers before the early-exit head (share pass decides)
     exit_norm: str | None = None  # initializer name of the exit head's RMSNorm weight
-    depth_plan: DepthPlan | None = None  # the phases of a token's trip over the derived layer map (share pass)
+    # The phases of a token's trip over the layer map the share pass derived from the weights (cfg.depth_plan:
+    # what config.json declares and the decode program was traced with).
+    depth_plan: DepthPlan | None = None
     schedule: Schedule | None = None  # the schedule pass decides
     weight_parts: dict[str, list] = field(default_factory=dict)  # stacked weight -> [(part, first row, rows)]
     weight_aliases: dict[str, str] = field(default_factory=dict)  # a model tensor share merged away -> the one holding its values
     notes: list[str] = field(default_factory=list)
     facts: set[str] = field(default_factory=set)  # FACTS that hold now (kept by run_passes)
     consumed_by: dict[str, str] = field(default_factory=dict)  # fact -> the pass that consumed it
+
+    @property
+    def layer_map(self) -> list[int] | None:
+        """The layer map the share pass derived from the weights: its depth plan's (None before share)."""
+        return None if self.depth_plan is None else self.depth_plan.layer_map
 
 
 @dataclass

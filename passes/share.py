@@ -129,10 +129,9 @@ def share(state: CompileState) -> CompileState:
     for weights in block_weights:  # a kept block weight's own name, in case the renaming moves it
         merged_into.update({w.name: w for w in weights if w.name not in merged_into})
     rename_blocks(block_weights)
-    state.layer_map = layer_map
     # The family's loops where the weights keep them (its norms sit at their ends), else derived from the map.
     cfg = state.cfg
-    state.depth_plan = fit_plan(layer_map, cfg.depth_plan, cfg.loop_norm, cfg.final_norm)
+    state.depth_plan = fit_plan(layer_map, cfg.depth_plan, cfg.loop_norm, cfg.final_norm)  # state.layer_map: its map
     state.notes.append(f"share: depth plan {state.depth_plan.describe()}")
     state.weight_aliases = model_tensor_aliases(state.cfg, layer_map, merged_into)
     state.notes.append(f"share: merged {merged} duplicate initializers; layer map {describe_layer_map(layer_map)}: {layer_map}")

@@ -222,7 +222,7 @@ def render(info: dict) -> None:
                   f"better) at alpha {pred['alpha']:.2f} "
                   f"({pred['alpha_source']}): [bold]{pred['speedup_bound']:.2f}x[/bold]"
                   + ("" if pred["measured"] else "  [yellow](assumed c(P): run `speedc inspect ART --measure` or "
-                                                 "`speedc bench ART` for this machine's)[/yellow]"))
+                                                 "`speedc bench artifact ART` for this machine's)[/yellow]"))
     by_alpha = Table(title=f"predicted speedup at P={pred['slots']}, c(P) = {pred['step_cost']:.2f} "
                            f"({'measured' if pred['measured'] else 'assumed'}), by acceptance alpha")
     for a in pred["by_alpha"]:

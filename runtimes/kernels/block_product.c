@@ -452,34 +452,3 @@ int speedc_block_product(const float *x, int64_t m, int64_t k, const uint8_t *co
     run_parallel(product_part, &p, m * n >= 2048 ? threads : 1);  /* tiny products: not worth a wake-up */
     return 0;
 }
-
-/* ---------------------------------------------------------------- the memory floor */
-
-typedef struct {
-    const uint8_t *const *buffers;
-    const int64_t *sizes;
-    int count;
-    uint64_t sums[MAX_THREADS];
-} stream_t;
-
-static void stream_part(const void *job, int part, int parts) {
-    const stream_t *s = job;
-    uint64_t sum = 0;
-    for (int b = 0; b < s->count; b++) {
-        const int64_t words = s->sizes[b] / 8, w0 = words * part / parts, w1 = words * (part + 1) / parts;
-        const uint64_t *data = (const uint64_t *)s->buffers[b];
-        for (int64_t i = w0; i < w1; i++) sum += data[i];
-    }
-    ((stream_t *)s)->sums[part] = sum;
-}
-
-/* Reads every 8-byte word of the COUNT buffers once on THREADS threads (split like the products): the
-   time the weights take to stream from memory, the floor a product's 1-row time is measured against.
-   Returns a checksum so the reads are not optimised away. */
-uint64_t speedc_stream_bytes(const uint8_t *const *buffers, const int64_t *sizes, int count, int threads) {
-    stream_t s = {buffers, sizes, count, {0}};
-    run_parallel(stream_part, &s, threads);
-    uint64_t total = 0;
-    for (int t = 0; t < MAX_THREADS; t++) total += s.sums[t];
-    return total;
-}

@@ -95,9 +95,6 @@ class BlockProductKernel:
         self._lib.speedc_block_super_steps.restype = cint
         self._lib.speedc_block_product_path.restype = ctypes.c_int
         self._lib.speedc_block_product_paths.restype = ctypes.c_uint
-        self._lib.speedc_stream_bytes.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64),
-                                                  ctypes.c_int, ctypes.c_int]
-        self._lib.speedc_stream_bytes.restype = ctypes.c_uint64
         self.path = PATH_NAMES[self._lib.speedc_block_product_path()]  # what "auto" runs on this CPU
         mask = self._lib.speedc_block_product_paths()
         self.paths = [name for name, code in PATHS.items() if code and mask >> code & 1]  # what this CPU can run
@@ -143,13 +140,6 @@ class BlockProductKernel:
         product.weights = (codes, scales)  # the memory the pointers point into stays alive with the function
         product.prepared = (steps, units, offsets)
         return product
-
-    def stream_bytes(self, arrays: list[np.ndarray], threads: int = 1) -> int:
-        """Read every byte of ARRAYS (C-contiguous) once on THREADS threads, split as the products split
-        their work: the memory floor of a product over the same weights. Returns a checksum."""
-        pointers = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
-        sizes = (ctypes.c_int64 * len(arrays))(*[a.nbytes for a in arrays])
-        return self._lib.speedc_stream_bytes(pointers, sizes, len(arrays), threads)
 
 
 def load() -> BlockProductKernel | None:

@@ -1,4 +1,4 @@
-"""`speedc bench OUT --concurrency 1,2,4,8,16`: continuous batching under load.
+"""`speedc bench concurrency OUT --clients 1,2,4,8,16`: continuous batching under load.
 
 For each concurrency c, c clients each submit one request at once (prompts cycled from the bench set),
 and the batch runs until all are done, once per system and level in every repeat: systems and levels

@@ -16,6 +16,8 @@ besides streaming weights. The two floor sessions share one copy of the weights.
 
 from __future__ import annotations
 
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -151,12 +153,33 @@ def measure_floor(shape, layers: int, slots: int, *, weights: str | None = None,
 KERNEL_ROWS = (1, 2, 4, 8)
 
 
+@contextlib.contextmanager
+def byte_stream(arrays: list[np.ndarray], threads: int = 1):
+    """A function reading every 8-byte word of ARRAYS (C-contiguous) once on THREADS threads, each array
+    split in THREADS parts as the kernel splits a product's work (the caller's thread one of them), and
+    returning their sum modulo 2^64, a checksum so no read is skipped: the time the weights take to
+    stream from memory, the floor a product's 1-row time is measured against. numpy's sums release the
+    GIL, so the parts run in parallel; the worker threads live as long as the context."""
+    words = [np.frombuffer(a, np.uint64, count=a.nbytes // 8) for a in arrays]  # views: nothing copied
+    parts = [[w[len(w) * part // threads:len(w) * (part + 1) // threads] for w in words] for part in range(threads)]
+
+    def read(part: list[np.ndarray]) -> int:
+        return sum(int(np.add.reduce(view)) for view in part)  # an array's sum wraps at 2^64 silently
+
+    with ThreadPoolExecutor(max(1, threads - 1)) as pool:
+        def stream() -> int:
+            others = [pool.submit(read, part) for part in parts[1:]]
+            return (read(parts[0]) + sum(other.result() for other in others)) % 2 ** 64
+
+        yield stream
+
+
 def measure_kernel(shape, layers: int, *, weights: str, threads: int | None = None, repeats: int = 20) -> dict:
     """speedc's own product kernel (runtimes/kernels/) over the floor's block products at WEIGHTS (int4 /
     int8): ms for 1, 2, 4 and 8 rows, c(rows) against one row, on each vector path this CPU runs
     (`paths`; the top-level fields are the path the runtime takes, `kernel`), beside the same products
     on ONNX Runtime's MatMulNBits (no zero row: its own 1-row kernel) and the memory floor, the time to
-    read the same weight bytes once (`stream_ms`); interleaved medians, all in one run. {"kernel": None,
+    read the same weight bytes once (`stream_ms`, byte_stream); interleaved medians, all in one run. {"kernel": None,
     "why": ...} where the kernel is not available here."""
     from speedc.runtimes.backends.protocol import resolve_threads
     from speedc.runtimes.kernels import native
@@ -189,8 +212,9 @@ def measure_kernel(shape, layers: int, *, weights: str, threads: int | None = No
     ort_inputs = {rows: {"x": inputs[rows, shape.hidden]} for rows in KERNEL_ROWS}
     runs = {(path, rows): (lambda path=path, rows=rows: products(path, rows)) for path in paths for rows in KERNEL_ROWS}
     runs.update({("MatMulNBits", rows): (lambda rows=rows: ort_chain.run(None, ort_inputs[rows])) for rows in KERNEL_ROWS})
-    runs["stream"] = lambda: kernel.stream_bytes(arrays, threads)
-    times = interleaved_medians(*runs.values(), repeats=repeats, warmup=2)
+    with byte_stream(arrays, threads) as stream:
+        runs["stream"] = stream
+        times = interleaved_medians(*runs.values(), repeats=repeats, warmup=2)
     ms = dict(zip(runs, (1000 * t for t in times)))
     by_path = {path: {"rows_ms": {str(rows): round(ms[path, rows], 3) for rows in KERNEL_ROWS},
                       "cost": {str(rows): round(ms[path, rows] / ms[path, 1], 3) for rows in KERNEL_ROWS[1:]},

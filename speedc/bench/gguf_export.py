@@ -1,5 +1,5 @@
 """GGUF files for llama.cpp, written from a looped checkpoint in its published layout, for the llama.cpp
-peer of `speedc bench --memory-bound --end-to-end` (the same weights as the artifact where the type allows).
+peer of `speedc bench memory-bound --end-to-end` (the same weights as the artifact where the type allows).
 
     checkpoint (HF layout, safetensors)                 GGUF (architecture "nanbeige", llama.cpp's looped Llama)
       model.embed_tokens.weight                  ->       token_embd.weight

@@ -1,10 +1,10 @@
-"""`speedc bench --plot FILE.png`: the bench report as a figure (matplotlib, the `bench` extra).
+"""`speedc bench artifact OUT --plot FILE.png`: the bench report as a figure (matplotlib, the `bench` extra).
 
     [ tokens/s per system ]  [ speedup vs slots P, bound drawn ]  [ ms/token vs context ]*
       end to end               decode only (prefill excluded)       decode only
     * only when the report holds a --sweep length
 
-`speedc bench --concurrency ... --plot FILE.png` (write_concurrency_plot):
+`speedc bench concurrency OUT --plot FILE.png` (write_concurrency_plot):
 
     [ aggregate tokens/s vs clients, one line per system ]  [ per-sequence ms/token p50 vs clients ]
 """
@@ -93,7 +93,7 @@ SYSTEM_STYLE = {"speed-adaptive": ("tab:green", "o-"), "speed-always": ("tab:oli
 
 
 def write_concurrency_plot(report: dict, path: Path) -> Path:
-    """Draw a `--concurrency` REPORT (speedc/bench/concurrency.py JSON) into PATH; returns PATH."""
+    """Draw a `speedc bench concurrency` REPORT (speedc/bench/concurrency.py JSON) into PATH; returns PATH."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10.4, 4.2))
     systems = list(dict.fromkeys(row["system"] for row in report["concurrency"]))

@@ -1,4 +1,4 @@
-"""`speedc bench --sweep slots|length`: how SPEED's gain moves with pipeline depth and context.
+"""`speedc bench artifact OUT --sweep slots|length`: how SPEED's gain moves with pipeline depth and context.
 
 slots:  the artifact's weights are recompiled at every valid pipeline depth P in (1, 2, 4, 8) (the
         schedule pass says which the layer map allows); each depth gets the full interleaved

@@ -76,7 +76,8 @@ def _register_commands() -> None:
 
     for command in (model.train, build.build, build.inspect, generate.generate,
                     bench.bench, quality.quality, serve.serve):
-        command.callback = user_errors(command.callback)
+        for runs in (command, *getattr(command, "commands", {}).values()):  # a group's subcommands too
+            runs.callback = user_errors(runs.callback)
         main.add_command(command)
 
 

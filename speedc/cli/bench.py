@@ -1,4 +1,9 @@
-"""`speedc bench`: SPEED against plain decoding and peer systems, or the memory-bound step cost."""
+"""`speedc bench`: three benchmarks, one subcommand each, each with its own options.
+
+    speedc bench artifact OUT            SPEED against plain decoding and peer systems on a built artifact
+    speedc bench memory-bound            c(P) on a large random-weight model it builds at each depth
+    speedc bench concurrency OUT         continuous batching at several client counts
+"""
 
 from __future__ import annotations
 
@@ -12,103 +17,158 @@ import click
 
 from speedc.bench.peers import PEER_NAMES
 from speedc.bench.synthetic import SHAPES
-from speedc.cli.options import FiniteFloat, backend_options
+from speedc.cli.options import (FiniteFloat, backend_option, backend_options, flag, given_options, threads_option)
 from speedc.errors import GenerationError
 
 
-@click.command()
-@click.argument("artifact", type=click.Path(path_type=Path), required=False)
-@click.option("--memory-bound", is_flag=True,
-              help="Instead: build a large random-weight model (--shape) at each pipeline depth and report c(P).")
-@click.option("--memory-bound-hidden", type=click.IntRange(64), default=1024, show_default=True, hidden=True)
-@click.option("--memory-bound-repeats", type=click.IntRange(5), default=100, show_default=True, hidden=True)
-@click.option("--shape", type=click.Choice(["zoo", *SHAPES]), default="zoo", show_default=True,
-              help="With --memory-bound: the zoo family at hidden 1024, or a looped checkpoint's real shapes (bf16, "
-                   "its published layout, every layer unless --layers).")
-@click.option("--layers", type=click.IntRange(1), default=None, help="With --memory-bound --shape: use at most this many layers.")
-@click.option("--recurrence", type=click.IntRange(1), default=None,
-              help="With --memory-bound --shape huginn-3.5b: the core's repeats R (default 32, mean_recurrence).")
-@click.option("--end-to-end", is_flag=True,
-              help="With --memory-bound: also SPEED vs plain decoding per depth, on weights whose residual updates are "
-                   "scaled so the early exit agrees often (acceptance measured and reported; ids checked identical).")
-@click.option("--residual-scale", type=FiniteFloat(0, 1, min_open=True), default=None,
-              help="With --end-to-end: scale of each block's residual update (default 0.0015 for the zoo shape, untied, "
-                   "an acceptance near 0.8; for a looped shape 0.025 / sqrt(layers x (loops - 1)) with sandwich norms, "
-                   "0.015 / ... without: near 0.9 at full depth; smaller: higher acceptance).")
-@click.option("--weights", type=click.Choice(["fp32", "fp16", "bf16", "int8", "int4"]), default=None,
-              help="With --memory-bound: the artifact's weight storage (default fp32 for the zoo shape, bf16 for a looped "
-                   "shape's checkpoint); the weight floor beside it stays fp32.")
-@click.option("--profile", is_flag=True,
-              help="With --memory-bound: also the step's kernel time per op type beside the plain token's share "
-                   "(ONNX Runtime profiling).")
-@click.option("--new-tokens", type=click.IntRange(2), default=128, show_default=True)
+class BenchGroup(click.Group):
+    """`speedc bench` with no benchmark named first: one line listing the three (not click's usage block)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ctx.help_option_names:
+            click.echo(f"error: {ctx.command_path} runs one of: {', '.join(self.commands)} "
+                       f"(e.g. `{ctx.command_path} artifact OUT`; `{ctx.command_path} NAME --help` for its options)",
+                       err=True)
+            ctx.exit(1)
+        return super().parse_args(ctx, args)
+
+
+class BenchCommand(click.Command):
+    """A bench subcommand: a bad option or value is one line, naming the benchmark an option belongs to
+    when it is another's."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as err:
+            siblings = ctx.parent.command.commands if ctx.parent else {}
+            owners = [name for name, command in siblings.items() if command is not self and any(
+                err.option_name in (*param.opts, *param.secondary_opts) for param in command.params)]
+            group = ctx.command_path.rsplit(" ", 1)[0]
+            if owners:
+                click.echo(f"error: {err.option_name} does not go with `{ctx.command_path}`: it goes with "
+                           + " and ".join(f"`{group} {owner}`" for owner in owners), err=True)
+            else:
+                click.echo(f"error: `{ctx.command_path}` has no option {err.option_name}", err=True)
+        except click.UsageError as err:
+            click.echo(f"error: {ctx.command_path}: {err.format_message()}", err=True)
+        ctx.exit(1)
+
+
+def plot_option(what: str):
+    return click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help=f"Write a PNG: {what}.")
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+prompts_option = click.option("--prompt", "prompts", multiple=True,
+                              help="Prompt text (repeatable; default: a built-in set).")
+new_tokens_option = click.option("--new-tokens", type=click.IntRange(2), default=128, show_default=True,
+                                 help="Tokens decoded per prompt.")
+
+
+@click.group(cls=BenchGroup)
+def bench() -> None:
+    """Measure SPEED: on an artifact against plain decoding and peers (artifact), the step cost c(P) on a
+    large random-weight model (memory-bound), or continuous batching (concurrency)."""
+
+
+@bench.command("artifact", cls=BenchCommand)
+@click.argument("artifact", type=click.Path(path_type=Path))
+@new_tokens_option
 @click.option("--repeats", type=click.IntRange(1), default=3, show_default=True, help="Passes over the prompt set.")
-@click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable; default: a built-in set).")
+@prompts_option
 @click.option("--early-flush/--no-early-flush", default=None, help="SPEED with or without early flush (default: the engine's, on).")
 @backend_options
 @click.option("--peers/--no-peers", default=None,
-              help="Also time the PyTorch reference, transformers generate and ORT GenAI fp32 / int4 "
-                   "(default: when installed); with --concurrency: ORT GenAI's own batching; with --memory-bound "
-                   "--end-to-end at a looped --shape: llama.cpp on a GGUF of the same checkpoint.")
+              help="Also time the PyTorch reference, transformers generate and ORT GenAI fp32 / int4 (default: when "
+                   "installed).")
 @click.option("--peer", "only_peers", multiple=True, type=click.Choice(list(PEER_NAMES)),
               help="Run only these peers (repeatable; implies --peers).")
 @click.option("--sweep", "sweeps", multiple=True, type=click.Choice(["slots", "length"]),
               help="Also sweep pipeline depth P = 1, 2, 4, 8 (recompiling; needs the compiler) or context 128..2048.")
 @click.option("--memory/--no-memory", default=True, show_default=True,
               help="Peak RSS of each system, each measured in a fresh process.")
-@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write a PNG: tokens/s per system (end to end), decode-only speedup vs slots with the bound "
-                   "(with --concurrency: aggregate tokens/s and per-sequence ms/token vs clients).")
-@click.option("--concurrency", default=None,
-              help="Instead: continuous batching at these client counts, e.g. 1,2,4,8,16 (SPEED adaptive / always / "
-                   "batched plain decoding: aggregate tokens/s, per-sequence ms/token p50/p99, TTFT).")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def bench(artifact, memory_bound, memory_bound_hidden, memory_bound_repeats, shape, layers, recurrence, end_to_end,
-          residual_scale, weights, profile, new_tokens, repeats, prompts, early_flush, backend, device, threads, peers, only_peers, sweeps, memory, plot, concurrency, as_json):
-    """Measure SPEED against plain decoding (and peers) on ARTIFACT: interleaved runs, identical ids checked first
+@plot_option("tokens/s per system (end to end), decode-only speedup vs pipeline depth with the bound")
+@json_option
+def bench_artifact(artifact, new_tokens, repeats, prompts, early_flush, backend, device, threads, peers, only_peers,
+                   sweeps, memory, plot, as_json):
+    """SPEED against plain decoding (and peers) on ARTIFACT: interleaved runs, identical ids checked first
     (peers at another precision, e.g. ORT GenAI int4: their agreement with SPEED's ids is reported instead).
 
     Reports ms/token p50/p90 and SPEED's speedup both decode only (prefill excluded) and end to end
     (prefill + decode), acceptance, tokens/step, c(P), the analytic bound, prefill time, peak RSS and
-    weight bytes per system. With --memory-bound, measure the step cost c(P) on a large
-    random-weight model instead.
-
-    Three benchmarks behind one command (the flags that go with each are checked here): ARTIFACT
-    (artifact_command), --memory-bound (memory_bound_command), --concurrency (concurrency_command)."""
-    if memory_bound and concurrency is not None:
-        raise GenerationError("--memory-bound and --concurrency are separate benchmarks: give one")
-    if memory_bound and artifact is not None:
-        raise GenerationError("--memory-bound measures a random-weight model it builds itself: drop ARTIFACT")
-    if concurrency is not None:
-        ignored = [name for name, given in (("--backend", backend != "onnx"), ("--device", device != "cpu"),
-                                            ("--peer", bool(only_peers)), ("--sweep", bool(sweeps)),
-                                            ("--early-flush/--no-early-flush", early_flush is not None)) if given]
-        if ignored:
-            raise GenerationError(f"{ignored[0]} does not go with --concurrency (continuous batching runs on ONNX "
-                                  "Runtime on the CPU, early flush on; ORT GenAI is its one peer: --peers/--no-peers)")
-    if memory_bound:
-        if only_peers:
-            raise GenerationError("--peer names an artifact's peers; with --memory-bound --end-to-end the peer is "
-                                  "llama.cpp (--peers/--no-peers)")
-        if peers and not end_to_end:
-            raise GenerationError("--peers with --memory-bound needs --end-to-end (the peers decode; c(P) has none)")
-        return memory_bound_command(memory_bound_hidden, memory_bound_repeats, shape, layers, recurrence, end_to_end,
-                                    residual_scale, weights, profile, new_tokens, threads, backend, peers, as_json)
-    if end_to_end or residual_scale is not None or weights or profile or recurrence is not None:
-        raise GenerationError("--end-to-end, --residual-scale, --weights, --profile and --recurrence go with --memory-bound")
-    if artifact is None:
-        raise GenerationError("give an ARTIFACT to benchmark (or --memory-bound)")
-    if concurrency is not None:
-        return concurrency_command(artifact, concurrency, prompts, new_tokens, repeats, threads, peers, plot, as_json)
+    weight bytes per system."""
     if only_peers and peers is False:
         raise GenerationError("--peer and --no-peers contradict each other")
-    return artifact_command(artifact, new_tokens, repeats, prompts, early_flush, backend, device, threads, peers,
-                            only_peers, sweeps, memory, plot, as_json)
+    artifact_command(artifact, new_tokens, repeats, prompts, early_flush, backend, device, threads, peers, only_peers,
+                     sweeps, memory, plot, as_json)
+
+
+@bench.command("memory-bound", cls=BenchCommand)
+@click.option("--shape", type=click.Choice(["zoo", *SHAPES]), default="zoo", show_default=True,
+              help="The zoo family at --hidden, or a looped checkpoint's real shapes (bf16, its published layout, every "
+                   "layer unless --layers).")
+@click.option("--hidden", type=click.IntRange(64), default=1024, show_default=True, help="The zoo shape's hidden size.")
+@click.option("--layers", type=click.IntRange(1), default=None, help="Use at most this many layers.")
+@click.option("--recurrence", type=click.IntRange(1), default=None,
+              help="With --shape huginn-3.5b: the core's repeats R (default 32, mean_recurrence).")
+@click.option("--repeats", type=click.IntRange(5), default=100, show_default=True,
+              help="Timed steps per depth (interleaved medians).")
+@click.option("--weights", type=click.Choice(["fp32", "fp16", "bf16", "int8", "int4"]), default=None,
+              help="The artifact's weight storage (default fp32 for the zoo shape, bf16 for a looped shape's "
+                   "checkpoint); the weight floor beside it stays fp32.")
+@click.option("--profile", is_flag=True,
+              help="Also the step's kernel time per op type beside the plain token's share (ONNX Runtime profiling).")
+@click.option("--end-to-end", is_flag=True,
+              help="Also SPEED vs plain decoding per depth, on weights whose residual updates are scaled so the early "
+                   "exit agrees often (acceptance measured and reported; ids checked identical).")
+@click.option("--residual-scale", type=FiniteFloat(0, 1, min_open=True), default=None,
+              help="Scale of each block's residual update (default with --end-to-end: 0.0015 for the zoo shape, "
+                   "untied, an acceptance near 0.8; for a looped shape 0.025 / sqrt(layers x (loops - 1)) with sandwich "
+                   "norms, 0.015 / ... without: near 0.9 at full depth; smaller: higher acceptance; else 1).")
+@click.option("--new-tokens", type=click.IntRange(2), default=128, show_default=True,
+              help="With --end-to-end: tokens decoded per prompt.")
+@click.option("--peers/--no-peers", default=None,
+              help="With --end-to-end at a looped --shape: llama.cpp on a GGUF of the same checkpoint (default: when "
+                   "installed).")
+@backend_option
+@threads_option
+@json_option
+def bench_memory_bound(shape, hidden, layers, recurrence, repeats, weights, profile, end_to_end, residual_scale,
+                       new_tokens, peers, backend, threads, as_json):
+    """Build a large random-weight model at each pipeline depth and report its step cost c(P), each
+    beside the weight floor's (the same weight products and nothing else) measured in the same run."""
+    if given_options("hidden") and shape != "zoo":
+        raise GenerationError(f"--hidden sizes the zoo shape; {shape} has its own")
+    needs_end_to_end = given_options("new_tokens") + (["peers"] if peers else [])
+    if needs_end_to_end and not end_to_end:
+        raise GenerationError(f"{flag(needs_end_to_end[0])} goes with --end-to-end (it decodes; c(P) alone does not)")
+    memory_bound_command(hidden, repeats, shape, layers, recurrence, end_to_end, residual_scale, weights, profile,
+                         new_tokens, threads, backend, peers, as_json)
+
+
+@bench.command("concurrency", cls=BenchCommand)
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--clients", default="1,2,4,8,16", show_default=True,
+              help="Client counts, comma-separated: a level runs that many sequences at once.")
+@new_tokens_option
+@click.option("--repeats", type=click.IntRange(1), default=3, show_default=True,
+              help="Rounds over every level and system, interleaved (medians over them).")
+@prompts_option
+@click.option("--peers/--no-peers", default=None, help="Also ORT GenAI's own batching (default: when installed).")
+@threads_option
+@plot_option("aggregate tokens/s and per-sequence ms/token vs clients")
+@json_option
+def bench_concurrency(artifact, clients, new_tokens, repeats, prompts, peers, threads, plot, as_json):
+    """Continuous batching on ARTIFACT at each client count: SPEED adaptive / always / batched plain
+    decoding (aggregate tokens/s, per-sequence ms/token p50/p99, TTFT), ids checked identical first.
+    Runs on ONNX Runtime on the CPU, early flush on."""
+    concurrency_command(artifact, clients, prompts, new_tokens, repeats, threads, peers, plot, as_json)
 
 
 def memory_bound_command(hidden, repeats, shape, layers, recurrence, end_to_end, residual_scale, weights, profile,
                          new_tokens, threads, backend, peers, as_json) -> None:
-    """--memory-bound: c(P) on a large random-weight model built per depth (speedc/bench/synthetic.py)."""
+    """c(P) on a large random-weight model built per depth (speedc/bench/synthetic.py)."""
     from rich.console import Console
 
     from speedc.bench.synthetic import synthetic_step_costs
@@ -233,7 +293,7 @@ def print_memory_bound(report: dict) -> None:
                            f"{op['step_ms'] - op['token_share_ms']:>+15.3f}")
 
 
-MAX_CLIENTS = 1024  # --concurrency: a level's pool holds a pool row per client
+MAX_CLIENTS = 1024  # --clients: a level's pool holds a pool row per client
 
 
 def concurrency_command(artifact: Path, levels: str, prompts, new_tokens: int, repeats: int, threads, peers, plot,
@@ -247,11 +307,11 @@ def concurrency_command(artifact: Path, levels: str, prompts, new_tokens: int, r
     try:
         clients = [int(x) for x in levels.split(",") if x.strip()]
     except ValueError:
-        raise GenerationError(f"--concurrency must be comma-separated integers, got {levels!r}") from None
+        raise GenerationError(f"--clients must be comma-separated integers, got {levels!r}") from None
     if not clients or min(clients) < 1:
-        raise GenerationError("--concurrency needs client counts of at least 1")
+        raise GenerationError("--clients needs counts of at least 1")
     if max(clients) > MAX_CLIENTS:
-        raise GenerationError(f"--concurrency: at most {MAX_CLIENTS} clients (every level's KV-cache pool is held at once)")
+        raise GenerationError(f"--clients: at most {MAX_CLIENTS} clients (every level's KV-cache pool is held at once)")
     if plot is not None:
         check_plot_path(plot)  # before minutes of measuring, not after
     engine = Engine.load(artifact, threads=threads)

@@ -35,18 +35,25 @@ class FiniteFloat(click.FloatRange):
         return "finite" if self.min is None and self.max is None else super()._describe_range()
 
 
-def backend_options(fn):
-    """--backend, --device, --threads: how an artifact is run (choices from the runtime's registry)."""
+def backend_option(fn):
+    """--backend: which runtime backend runs the artifact (choices from the runtime's registry)."""
     from speedc.runtimes.engine import BACKENDS, DEFAULT_BACKEND
 
     described = "; ".join(f"{name}: {entry.help}" for name, entry in BACKENDS.items())
-    options = [
-        click.option("--backend", type=click.Choice(list(BACKENDS)), default=DEFAULT_BACKEND, show_default=True,
-                     help=described + "."),
-        click.option("--device", default="cpu", show_default=True,
-                     help="cpu, cuda or cuda:N (torch, or onnx with onnxruntime-gpu)."),
-        click.option("--threads", type=click.IntRange(min=1), default=None, help="Intra-op threads (default: all cores)."),
-    ]
-    for option in reversed(options):
-        fn = option(fn)
-    return fn
+    return click.option("--backend", type=click.Choice(list(BACKENDS)), default=DEFAULT_BACKEND, show_default=True,
+                        help=described + ".")(fn)
+
+
+def device_option(fn):
+    return click.option("--device", default="cpu", show_default=True,
+                        help="cpu, cuda or cuda:N (torch, or onnx with onnxruntime-gpu).")(fn)
+
+
+def threads_option(fn):
+    return click.option("--threads", type=click.IntRange(min=1), default=None,
+                        help="Intra-op threads (default: all cores).")(fn)
+
+
+def backend_options(fn):
+    """--backend, --device, --threads: how an artifact is run."""
+    return backend_option(device_option(threads_option(fn)))

@@ -1,4 +1,5 @@
-"""`speedc bench` runs briefly on the tiny model and reports its fields (never asserts a speed)."""
+"""`speedc bench artifact | memory-bound | concurrency` run briefly on the tiny model and report their fields
+(never asserting a speed)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from conftest import assert_one_line_error, run_cli
 
 
 def test_bench_json_fields(tiny_artifact):
-    result = run_cli("bench", tiny_artifact, "--new-tokens", "16", "--repeats", "1", "--prompt", "ROMEO:",
+    result = run_cli("bench", "artifact", tiny_artifact, "--new-tokens", "16", "--repeats", "1", "--prompt", "ROMEO:",
                      "--prompt", "JULIET:", "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
@@ -106,8 +107,8 @@ def test_bench_sweeps_and_plot(tiny_artifact, tmp_path):
     """--sweep slots recompiles at every P the layer map allows; --sweep length fills the context up to
     the model's limit; --plot writes a PNG. Fields only, never speeds."""
     plot = tmp_path / "bench.png"
-    result = run_cli("bench", tiny_artifact, "--new-tokens", "8", "--repeats", "1", "--prompt", "ROMEO:", "--no-peers",
-                     "--no-memory", "--sweep", "slots", "--sweep", "length", "--plot", plot, "--json")
+    result = run_cli("bench", "artifact", tiny_artifact, "--new-tokens", "8", "--repeats", "1", "--prompt", "ROMEO:",
+                     "--no-peers", "--no-memory", "--sweep", "slots", "--sweep", "length", "--plot", plot, "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     slots = report["sweep"]["slots"]
@@ -126,8 +127,8 @@ def test_bench_sweeps_and_plot(tiny_artifact, tmp_path):
 def test_bench_human_output_names_each_speedup(tiny_artifact):
     """Two speedups are printed: decode only (prefill excluded) and end to end (prefill + decode).
     Every table and line showing one says which (labels only, never speeds)."""
-    result = run_cli("bench", tiny_artifact, "--new-tokens", "8", "--repeats", "1", "--prompt", "ROMEO:", "--no-peers",
-                     "--no-memory", "--sweep", "length", env={"COLUMNS": "200"})
+    result = run_cli("bench", "artifact", tiny_artifact, "--new-tokens", "8", "--repeats", "1", "--prompt", "ROMEO:",
+                     "--no-peers", "--no-memory", "--sweep", "length", env={"COLUMNS": "200"})
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     text = " ".join(result.stdout.split())  # titles wrap to their table's width
@@ -152,7 +153,7 @@ def test_bench_human_output_names_each_speedup(tiny_artifact):
 
 
 def test_bench_plot_needs_png(tiny_artifact, tmp_path):
-    result = run_cli("bench", tiny_artifact, "--no-peers", "--plot", tmp_path / "bench.jpg")
+    result = run_cli("bench", "artifact", tiny_artifact, "--no-peers", "--plot", tmp_path / "bench.jpg")
     assert_one_line_error(result, "--plot")
     assert not (tmp_path / "bench.jpg").exists()
 
@@ -160,17 +161,17 @@ def test_bench_plot_needs_png(tiny_artifact, tmp_path):
 def test_memory_bound_step_cost_rows(tiny_artifact):
     """The memory-bound mode (here shrunk to hidden 64 so CI stays fast) reports c(P) rows, each beside
     the weight floor's c(P) measured in the same run."""
-    result = run_cli("bench", "--memory-bound", "--memory-bound-hidden", "64", "--memory-bound-repeats", "5", "--json")
+    result = run_cli("bench", "memory-bound", "--hidden", "64", "--repeats", "5", "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["label"].startswith("step cost only") and report["weights"] == "fp32"
     assert [row["slots"] for row in report["rows"]] == [2, 4]
     for row in report["rows"]:
         assert row["step_cost"] > 0 and row["floor_step_cost"] > 0 and row["floor_token_ms"] > 0
-    bad = run_cli("bench", str(tiny_artifact), "--profile")
-    assert bad.returncode != 0 and "go with --memory-bound" in bad.stderr and "Traceback" not in bad.stderr
-    bad = run_cli("bench", str(tiny_artifact), "--peer", "transformers", "--no-peers")
-    assert bad.returncode != 0 and "contradict" in bad.stderr and "Traceback" not in bad.stderr
+    bad = run_cli("bench", "artifact", str(tiny_artifact), "--profile")
+    assert_one_line_error(bad, "--profile does not go with `speedc bench artifact`: it goes with `speedc bench memory-bound`")
+    bad = run_cli("bench", "artifact", str(tiny_artifact), "--peer", "transformers", "--no-peers")
+    assert_one_line_error(bad, "--peer and --no-peers contradict each other")
 
 
 def test_step_op_profile(tiny_artifact):
@@ -231,7 +232,7 @@ def test_weight_floor_graph_computes_the_chain(weights):
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_kernel_measurement_reports_every_row_count_beside_matmulnbits(weights):
-    """The kernel part of `--memory-bound --weights int4|int8`: its fields (not its speed), and the
+    """The kernel part of `speedc bench memory-bound --weights int4|int8`: its fields (not its speed), and the
     kernel chain computing what the MatMulNBits chain does (the same products, two int8 kernels)."""
     import numpy as np
 
@@ -319,7 +320,7 @@ def test_memory_bound_on_a_recurrent_shape():
 
 
 def test_recurrence_goes_with_a_recurrent_shape():
-    assert_one_line_error(run_cli("bench", "--memory-bound", "--recurrence", "8"), "--recurrence goes with a recurrent-depth shape")
+    assert_one_line_error(run_cli("bench", "memory-bound", "--recurrence", "8"), "--recurrence goes with a recurrent-depth shape")
 
 
 def test_memory_bound_peers_say_what_is_missing(monkeypatch, tmp_path):
@@ -341,29 +342,41 @@ def test_memory_bound_peers_say_what_is_missing(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--memory-bound", "--peer", "transformers"], "--peer names an artifact's peers"),
-    (["--memory-bound", "--peers"], "--peers with --memory-bound needs --end-to-end"),
+    (["--peer", "transformers"], "--peer does not go with `speedc bench memory-bound`: it goes with `speedc bench artifact`"),
+    (["--peers"], "--peers goes with --end-to-end"),
+    (["--new-tokens", "8"], "--new-tokens goes with --end-to-end"),
+    (["--shape", "ouro-1.4b", "--hidden", "64"], "--hidden sizes the zoo shape; ouro-1.4b has its own"),
+    (["--no-such-option"], "`speedc bench memory-bound` has no option --no-such-option"),
 ])
 def test_memory_bound_refuses_peer_options_it_cannot_use(args, message):
-    assert_one_line_error(run_cli("bench", *args), message)
+    assert_one_line_error(run_cli("bench", "memory-bound", *args), message)
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--sweep", "length"], "--sweep does not go with --concurrency"),
-    (["--backend", "torch"], "--backend does not go with --concurrency"),
-    (["--no-early-flush"], "--early-flush/--no-early-flush does not go with --concurrency"),
-    (["--memory-bound"], "--memory-bound and --concurrency are separate benchmarks"),
-    (["--concurrency", "99999999999999999999"], "at most 1024 clients"),  # was a numpy traceback
+    (["--sweep", "length"], "--sweep does not go with `speedc bench concurrency`: it goes with `speedc bench artifact`"),
+    (["--backend", "torch"], "--backend does not go with `speedc bench concurrency`: it goes with "
+                             "`speedc bench artifact` and `speedc bench memory-bound`"),
+    (["--no-early-flush"], "--no-early-flush does not go with `speedc bench concurrency`"),
+    (["--profile"], "--profile does not go with `speedc bench concurrency`: it goes with `speedc bench memory-bound`"),
+    (["--clients", "99999999999999999999"], "at most 1024 clients"),  # was a numpy traceback
+    (["--clients", "1,x"], "--clients must be comma-separated integers"),
 ])
 def test_concurrency_bench_refuses_options_it_would_ignore(tiny_artifact, args, message):
     """Before: these ran the concurrency table and silently dropped the option."""
-    assert_one_line_error(run_cli("bench", tiny_artifact, "--concurrency", "1,2", *args), message)
+    assert_one_line_error(run_cli("bench", "concurrency", tiny_artifact, "--clients", "1,2", *args), message)
+
+
+@pytest.mark.parametrize("args", [["ART"], ["ART", "--concurrency", "1,2"], ["--memory-bound"]])
+def test_bench_names_its_three_benchmarks(tiny_artifact, args):
+    """`speedc bench` without a benchmark named first: one line naming the three, not a usage block."""
+    result = run_cli("bench", *(str(tiny_artifact) if a == "ART" else a for a in args))
+    assert_one_line_error(result, "speedc bench runs one of: artifact, memory-bound, concurrency")
 
 
 def test_concurrency_bench_rows_for_every_system(tiny_artifact):
-    """`speedc bench --concurrency` (no peers): a row per (clients, system), the unbatched engine at one
+    """`speedc bench concurrency` (no peers): a row per (clients, system), the unbatched engine at one
     client; every system's ids were required equal to plain decoding alone before any rate is reported."""
-    result = run_cli("bench", tiny_artifact, "--concurrency", "1,2", "--new-tokens", "8", "--repeats", "2",
+    result = run_cli("bench", "concurrency", tiny_artifact, "--clients", "1,2", "--new-tokens", "8", "--repeats", "2",
                      "--no-peers", "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)

@@ -1,4 +1,4 @@
-"""`speedc bench --concurrency ... --plot`: a concurrency report drawn to PNG (no benchmark run), and a bad
+"""`speedc bench concurrency ... --plot`: a concurrency report drawn to PNG (no benchmark run), and a bad
 plot path refused before any measuring."""
 
 from __future__ import annotations
@@ -27,5 +27,5 @@ def test_concurrency_report_draws_a_png(tmp_path):
 
 
 def test_concurrency_plot_path_checked_before_measuring(tiny_artifact, tmp_path):
-    result = run_cli("bench", tiny_artifact, "--concurrency", "1,2", "--plot", tmp_path / "c.jpg")
+    result = run_cli("bench", "concurrency", tiny_artifact, "--clients", "1,2", "--plot", tmp_path / "c.jpg")
     assert_one_line_error(result, "give a .png file name")

@@ -22,8 +22,8 @@ PREVIOUS = FORMAT_VERSION - 1  # the format before this one (1 once FORMAT_VERSI
 ENTRIES = {  # command line after `speedc`, ART standing for the artifact
     "generate": ["generate", "ART", "--prompt", "hi", "--max-new-tokens", "2"],
     "inspect": ["inspect", "ART"],
-    "bench": ["bench", "ART", "--new-tokens", "2", "--repeats", "1", "--no-peers"],
-    "bench-concurrency": ["bench", "ART", "--concurrency", "1", "--new-tokens", "2", "--repeats", "1", "--no-peers"],
+    "bench": ["bench", "artifact", "ART", "--new-tokens", "2", "--repeats", "1", "--no-peers"],
+    "bench-concurrency": ["bench", "concurrency", "ART", "--clients", "1", "--new-tokens", "2", "--repeats", "1", "--no-peers"],
     "serve": ["serve", "ART", "--port", "0"],
     "quality": ["quality", "ART", "ART"],
 }

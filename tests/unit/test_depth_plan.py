@@ -68,6 +68,9 @@ def test_refitted_when_the_layer_map_changes():
     merged = dataclasses.replace(looped, layer_map=[0, 0, 1] * 2)  # two equal blocks merged: same loops, new labels
     assert merged.depth_plan == DepthPlan((), (0, 0, 1), 2, (), loop_norm=True, final_norm=True)
     assert [layer for layer in range(6) if merged.depth_plan.ends_loop(layer)] == [2, 5]
+    # The config stores its fields and the declaration; the plan is derived from them when read.
+    merged.loop_norm = False
+    assert merged.depth_plan == DepthPlan((), (0, 0, 1), 2, (), loop_norm=False, final_norm=True)
 
 
 def test_pipeline_places_phases_on_slots():
@@ -106,6 +109,7 @@ def test_passes_fit_the_plan_to_the_weights(tmp_path):
     state, _ = run_passes(CompileState(cfg, weights, BuildOptions(), has_speedc_section=False), ["trace", "share", "schedule"])
     assert state.depth_plan == DepthPlan((), (0, 1), 3, (), loop_norm=True, final_norm=False)
     assert state.schedule.slots == 3 and state.schedule.depth_plan is state.depth_plan  # the one plan object
+    assert state.layer_map == state.depth_plan.layer_map == [0, 1] * 3  # the found map is the found plan's
     assert state.exit_norm is None  # the draft reads the loop-normed state
 
 
