@@ -61,14 +61,14 @@ class DepthPlan:
     final_norm: bool = True  # the final readout's head applies model.norm
     injection: str | None = None  # each repeat reads adapter(cat[state, entry state e]) (Huginn)
     readout_norm: bool = False  # model.norm on the core's state at every readout, before the coda (Huginn's ln_f)
-    prelude_norm: bool = False  # model.prelude_norm on the prelude's output, the entry state e (Parcae's ln_prelude)
-    readout_projection: bool = False  # model.readout ([H, H]) on the core's state at every readout, before the coda (Parcae's C)
     # With an injection a slot carries two vectors per token, the state and e ([state | e], 2H wide). The
     # core's state starts at zero, or ("random") at STATE_STD x a truncated normal drawn per position
     # under STATE_SEED (speedc/format/initial_state.py), the same in plain decoding and SPEED.
     state_init: str = "zero"
     state_seed: int = 0
     state_std: float = 0.0  # the family's scale of a random start (Huginn: sqrt(2 / (5 H)) * sqrt(H))
+    prelude_norm: bool = False  # model.prelude_norm on the prelude's output, the entry state e (Parcae's ln_prelude)
+    readout_projection: bool = False  # model.readout ([H, H]) on the core's state at every readout, before the coda (Parcae's C)
 
     def __post_init__(self) -> None:
         if not self.core or self.repeats < 1:
