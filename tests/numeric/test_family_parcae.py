@@ -205,3 +205,28 @@ def test_torch_backend_refuses_the_injection(tmp_path):
     directory = write_checkpoint(tmp_path / "ckpt", **RANDOM)
     with pytest.raises(SpeedcError, match="injects its entry state"):
         TorchBackend.from_model(load_model(directory, allow_pickle=True), slots=1)
+
+
+def test_bench_shape_writes_the_published_layout(tmp_path):
+    """`speedc bench --shape parcae-770m`'s random checkpoint (speedc/bench/random_checkpoint.py) at a tiny
+    size reads as Parcae and computes what the oracle computes from its tensors; the real shape has 770 M
+    parameters (half of them value embeddings) and pipelines at P = 2, 4, 8."""
+    from parcae_checkpoints import HEADS, INTERMEDIATE, VOCAB
+    from speedc.bench.random_checkpoint import write_random_checkpoint
+    from speedc.bench.synthetic import SHAPES, Shape, pipeline_depths
+
+    tiny = Shape("parcae-tiny", HIDDEN, HEADS, HEADS, HIDDEN // HEADS, INTERMEDIATE, VOCAB, 2, 8, looped=False, tied=True,
+                 prelude=2, coda=2, recurrent=True, family="parcae", value_embeds=3)
+    directory = write_random_checkpoint(tiny, 2, tmp_path / "ckpt", residual_scale=0.5)
+    cfg, _ = open_checkpoint(directory)
+    assert cfg.architecture == "parcae" and cfg.value_embed_blocks == (1, 3, 5) and cfg.depth_plan.repeats == 8
+    tensors, data = load_tensors(directory), json.loads((directory / "config.json").read_text())
+    tensors["lm_head.weight"] = tensors["transformer.wte.weight"]  # tied, not stored
+    ids = [7, 3, 99, 12, 5]
+    with torch.no_grad():
+        ours = load_model(directory)(torch.tensor([ids])).logits[0].double()
+    theirs = oracle_logits(tensors, data, ids)
+    torch.testing.assert_close(ours, theirs, atol=1e-3 * float(theirs.abs().max()), rtol=0)  # bf16 weights, fp32 math
+    real = SHAPES["parcae-770m"]
+    params = (real.prelude + real.layers + real.coda) * real.block_params() + real.fixed_params() + 2 * real.hidden ** 2
+    assert 7.5e8 < params < 7.9e8 and pipeline_depths(real, real.layers) == [2, 4, 8]
