@@ -230,3 +230,15 @@ def test_bench_shape_writes_the_published_layout(tmp_path):
     real = SHAPES["parcae-770m"]
     params = (real.prelude + real.layers + real.coda) * real.block_params() + real.fixed_params() + 2 * real.hidden ** 2
     assert 7.5e8 < params < 7.9e8 and pipeline_depths(real, real.layers) == [2, 4, 8]
+
+
+def test_recurrence_chosen_at_build(settled, tmp_path):
+    """--recurrence 4 (of the published 8): the oracle run with R = 4, at P = 2."""
+    _, directory, _ = settled
+    tensors, cfg = load_tensors(directory), json.loads((directory / "config.json").read_text())
+    expected = oracle_greedy(tensors, {**cfg, "mean_recurrence": 4}, list(PROMPTS[1]), 8)
+    art = build(directory, tmp_path / "art", BuildOptions(slots=2, recurrence=4), allow_pickle=True).out
+    assert read_manifest(art).schedule["depth_plan"]["repeats"] == 4
+    engine = Engine.load(art, lazy=True)
+    assert engine.generate(list(PROMPTS[1]), max_new_tokens=8, stop_at_eos=False).ids == expected
+    assert engine.generate(list(PROMPTS[1]), max_new_tokens=8, stop_at_eos=False, mode="autoregressive").ids == expected
