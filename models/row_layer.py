@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from speedc.models.config import VALUE_GATE_CHANNELS, ModelConfig
-from speedc.models.llama import QK_NORM_EPS, Block, Decoder
+from speedc.models.llama import QK_NORM_EPS, Block, Decoder, relu2
 
 NEG_INF = float("-inf")
 
@@ -71,7 +71,7 @@ def rotary_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
 def mlp_over_rows(mlp, xn: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """xn [R*L, H] (normed) -> the MLP's output [R*L, H]: down(silu(gate) * up), or down(0.5 relu(up)^2) (relu2)."""
     if cfg.mlp_act == "relu2":
-        return F.linear(F.relu(F.linear(xn, mlp.up_proj.weight)).pow(2) * 0.5, mlp.down_proj.weight)
+        return F.linear(relu2(F.linear(xn, mlp.up_proj.weight)), mlp.down_proj.weight)
     act = F.silu(F.linear(xn, mlp.gate_proj.weight)) * F.linear(xn, mlp.up_proj.weight)  # [R*L, I]
     return F.linear(act, mlp.down_proj.weight)
 
@@ -142,11 +142,8 @@ def inject(x: torch.Tensor, entry: torch.Tensor, adapter_weight: torch.Tensor) -
 
 def inject_entry(decoder: Decoder, x: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
     """A core repeat's input by the plan's injection kind (models/depth_plan.py INJECTIONS), x and entry [r, H]."""
-    if decoder.injection_kind == "diagonal-decay":  # Parcae: decay * x + dt * (e B^T), per channel
-        injection = decoder.injection
-        dt = F.softplus(injection.dt_bias)  # [H]
-        decay = torch.exp(-dt * torch.exp(injection.A_log))  # [H]
-        return x * decay + dt * F.linear(entry, injection.B)  # [r, H]
+    if decoder.injection_kind == "diagonal-decay":  # Parcae: decay * x + dt * (e B^T), per channel (one definition)
+        return decoder.injection(x, entry)  # [r, H]
     return inject(x, entry, decoder.adapter.weight)
 
 
