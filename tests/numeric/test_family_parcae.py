@@ -61,6 +61,7 @@ def test_config_emits_the_parcae_depth_plan(tmp_path):
     assert cfg.layer_map == [0, 1, *[2, 3] * 8, 4, 5] and cfg.exit_layer == 4  # the draft: after one repeat
     assert cfg.carries_token_id and cfg.state_width == 2 * HIDDEN + 1  # [state | e | token id]
     assert cfg.depth_plan.valid_slots(cfg.exit_layer, pipelined_phases=True) == [1, 2, 4, 8]
+    assert ModelConfig.from_json_dict(cfg.to_json_dict()) == cfg  # what an artifact's config.json reads back as
     shown = run_cli("inspect", directory, env={"COLUMNS": "400"})
     assert shown.returncode == 0, shown.stderr
     assert "injection diagonal-decay (state from zero)" in shown.stdout and "projection at each readout" in shown.stdout
