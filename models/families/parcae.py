@@ -20,6 +20,9 @@ mean_recurrence repeats; v gets the embedding only where both exist (the others 
 A core block's value embedding is its token's on every repeat: a slot carries its token's id ([state |
 e | id], ModelConfig.carries_token_id).
 
+The computation is the published generation path's (receval/models/parcae.py forward_for_generation):
+every token runs mean_recurrence repeats (training's sampled depths do not apply).
+
 As a depth plan: prelude (normed), a core repeated R times with the diagonal-decay injection, the readout
 projection before the coda at every readout, model.norm (ln_f) at the head. q and k rows are reordered
 per head from adjacent rotary pairs to speedc's half-split rotary (every score unchanged: q and k get the
@@ -55,7 +58,6 @@ REFUSED = {
     "attn_impl": lambda v: v in ("flash", "sdpa"),
     "init_strategy": lambda v: v in SCALE_FREE_INITS,  # others scale the embedding or the logits
     "mup_model_scaling_factor": lambda v: v == 1,
-    "recurrent_num_attention_heads": lambda v: v is None,  # the core's own head count
     "model_class_name": lambda v: v == "Parcae",
 }
 BLOCK_NAMES = {"norm_1.weight": "input_layernorm.weight", "norm_2.weight": "post_attention_layernorm.weight",
@@ -117,6 +119,13 @@ def _check_shapes(data: dict[str, Any]) -> tuple[int, int, int]:
     if data.get("num_key_value_heads") not in (None, heads):  # the core's blocks always have heads kv heads
         raise CheckpointError(f"config.json: Parcae with {data['num_key_value_heads']} key/value heads for {heads} heads "
                               "is not supported")
+    if data.get("recurrent_num_attention_heads") not in (None, heads):  # the core's own head count
+        raise CheckpointError(f"config.json: Parcae option recurrent_num_attention_heads="
+                              f"{data['recurrent_num_attention_heads']!r} is not supported by this speedc build "
+                              f"(the core's heads differ from the prelude's {heads})")
+    if data.get("use_fused_head") == "full-triton" and not data.get("tie_embeddings", False):
+        raise CheckpointError("config.json: Parcae option use_fused_head='full-triton' with untied embeddings (a "
+                              "transposed lm_head) is not supported by this speedc build")
     inter = data.get("intermediate_size") or 4 * hidden
     for key, value in (("recurrent_embedding_dimension", hidden), ("recurrent_intermediation_embedding_dimension", inter)):
         if data.get(key, value) != value:  # a core of another width: its blocks would not be the prelude's shape

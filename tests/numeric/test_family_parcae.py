@@ -171,6 +171,7 @@ def test_random_start_state_is_the_same_in_plain_decoding_and_speed(settled, tmp
     ({"recurrent_embedding_dimension": 32}, "recurrent_embedding_dimension=32"),
     ({"recurrent_num_attention_heads": 2}, "recurrent_num_attention_heads=2 is not supported"),
     ({"num_key_value_heads": 2}, "2 key/value heads for 4 heads is not supported"),
+    ({"use_fused_head": "full-triton", "tie_embeddings": False}, "use_fused_head='full-triton' with untied"),
     ({"rope_settings": {"use_rope": True, "rope_condense_ratio": 2, "rope_base": 50000}}, "rope_settings="),
     ({"n_embd": 62}, "must be a multiple of num_attention_heads"),
 ])
