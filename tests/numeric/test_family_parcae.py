@@ -12,7 +12,9 @@ injection, the readout projection C), which recomputes the whole sequence per to
 
 The settled model is built at every valid P (2, 4, 8: K = 4, 2, 1 repeats per slot): batched SPEED ids ==
 batched plain ids == the oracle's, single-sequence too; seeded sampling SPEED == plain; both accepted
-and flushed speculations occur (per_sequence=False: counts independent of this host's timings).
+and flushed speculations occur (per_sequence=False: counts independent of this host's timings). The
+random model runs at P = 8 (flushes), the settled one also from a random start state and at another
+recurrence; each refused option is one line.
 """
 
 from __future__ import annotations
