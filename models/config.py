@@ -18,7 +18,10 @@ what a family's block and loop do: `sandwich_norms` (each sublayer's output is R
 residual add: input_layernorm_2 / post_attention_layernorm_2), `loop_norm` (model.norm replaces the
 state after every pass through the unique blocks), `final_norm` (the final head applies model.norm),
 `post_norms` (with sandwich norms: each second norm takes the residual sum, Huginn's order), `qk_bias`
-(q_bias / k_bias added to q and k before rotary), `embed_scale` (the embedding's multiplier).
+(q_bias / k_bias added to q and k before rotary), `embed_scale` (the embedding's multiplier), `qk_norm`
+(a weightless RMS norm over each head's q and k after rotary), `mlp_act` ("silu-gated": down(silu(gate) * up);
+"relu2": down(0.5 * relu(up)^2), no gate), `value_embed_blocks` (blocks whose attention adds a gated
+embedding of the row's token to v, Parcae's value embeddings).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from speedc.models.depth_plan import DepthPlan, fit_plan
 from speedc.models.layer_map import describe_layer_map, resolve_layer_map
 
 CONFIG_FORMAT_VERSION = 1
+MLP_ACTS = ("silu-gated", "relu2")
+VALUE_GATE_CHANNELS = 32  # the value-embedding gate reads the first 32 channels of the normed input (Parcae)
 MAX_CONTEXT = 1 << 22  # positions: 4 M (a 1e9-position config took 122 s to build an artifact that could not run)
 
 
@@ -85,6 +90,10 @@ class ModelConfig:
     post_norms: bool = False  # with sandwich_norms, Huginn's order: h = norm2(x + attn(norm1(x))); out = norm4(h + mlp(norm3(h)))
     qk_bias: bool = False  # a bias added to q and k before rotary (Huginn's qk_bias)
     embed_scale: float = 1.0  # the embedding is multiplied by this on entry (Huginn: sqrt(hidden_size))
+    qk_norm: bool = False  # q and k RMS-normed per head (no weight) after rotary (Parcae)
+    mlp_act: str = "silu-gated"  # MLP_ACTS: "relu2" is Parcae's non-gated 0.5 * relu(up x)^2
+    # Blocks whose attention adds 2 sigmoid(value_gate(xn[:32])) * value_embed[token] to v, per kv head (Parcae).
+    value_embed_blocks: tuple[int, ...] = ()
     loop_norm: bool = False  # looped models: state = model.norm(state) after every pass over the blocks
     final_norm: bool = True  # the final head normalizes (False: the last loop-boundary norm already did)
     # The phases of a token's trip (models/depth_plan.py): given, a family's declared loops; read, those
@@ -97,6 +106,7 @@ class ModelConfig:
         if not self.eos_token_ids or self.eos_token_ids[0] != self.eos_token_id:  # eos_token_id was set on its own
             self.eos_token_ids = (self.eos_token_id,)
         self.eos_token_ids = tuple(self.eos_token_ids)
+        self.value_embed_blocks = tuple(self.value_embed_blocks)
         self.validate()
         _ = self.depth_plan  # fitted now: a declared plan that does not fit the layer map is refused here
 
@@ -106,9 +116,17 @@ class ModelConfig:
         return max(self.layer_map) + 1
 
     @property
+    def carries_token_id(self) -> bool:
+        """Whether a slot carries its token's id (as one float) beside its vectors: a core or coda block
+        adds value embeddings of the token, which a slot behind slot 0 no longer has as input_ids."""
+        plan = self.depth_plan
+        return any(block in self.value_embed_blocks for block in (*plan.core, *plan.coda))
+
+    @property
     def state_width(self) -> int:
-        """Floats a pipeline slot carries per token between steps: the state, and e with an injection."""
-        return self.hidden_size * self.depth_plan.carried_vectors
+        """Floats a pipeline slot carries per token between steps: the state, and e with an injection, and
+        the token's id where later blocks read value embeddings ([state | e | id])."""
+        return self.hidden_size * self.depth_plan.carried_vectors + int(self.carries_token_id)
 
     def with_recurrence(self, repeats: int) -> "ModelConfig":
         """This model with its recurrent core run REPEATS times (the draft tap and every weight unchanged)."""
@@ -153,6 +171,11 @@ class ModelConfig:
              f"max_position_embeddings {self.max_position_embeddings:,} is beyond what this build supports ({MAX_CONTEXT:,})")
         need(not self.post_norms or self.sandwich_norms, "speedc.block.post_norms needs sandwich_norms (its second norms)")
         need(0 < self.embed_scale < math.inf, f"speedc.block.embed_scale must be a finite number > 0, got {self.embed_scale!r}")
+        need(self.mlp_act in MLP_ACTS, f"speedc.block.mlp_act must be one of {MLP_ACTS}, got {self.mlp_act!r}")
+        need(all(isinstance(b, int) and 0 <= b < self.num_blocks for b in self.value_embed_blocks),
+             f"speedc.block.value_embed_blocks must name blocks 0..{self.num_blocks - 1}, got {list(self.value_embed_blocks)}")
+        need(not self.value_embed_blocks or self.hidden_size >= VALUE_GATE_CHANNELS,
+             f"value embeddings' gate reads {VALUE_GATE_CHANNELS} channels; hidden_size is {self.hidden_size}")
         need(self.exit_norm in ("own", "final", "none"),
              f"speedc.exit.norm must be 'own', 'final' or 'none', got {self.exit_norm!r}")
         need(1 <= self.exit_layer <= self.num_hidden_layers,
@@ -193,7 +216,8 @@ class ModelConfig:
                 "exit": {"layer": self.exit_layer, "norm": self.exit_norm},
                 "block": {"architecture": self.architecture, "sandwich_norms": self.sandwich_norms,
                           "post_norms": self.post_norms, "qk_bias": self.qk_bias, "embed_scale": self.embed_scale,
-                          "loop_norm": self.loop_norm, "final_norm": self.final_norm},
+                          "qk_norm": self.qk_norm, "mlp_act": self.mlp_act,
+                          "value_embed_blocks": list(self.value_embed_blocks), "loop_norm": self.loop_norm, "final_norm": self.final_norm},
                 "depth": self.depth_plan.to_json(),
             },
         }

@@ -11,6 +11,9 @@ pipeline spreads them over P slots.
     middle-cycle [0 1 2 1 2 1 2 3]   prelude (0)  core (1 2)     R=3      coda (3)
     Huginn       prelude (0 1), core (2 3 4 5) R=32 reading adapter(cat[state, e]) each repeat, the state
                  starting at zero; coda (6 7) behind model.norm (ln_f) at every readout, ln_f again at the head
+    Parcae       prelude (0 1) then model.prelude_norm -> e; core (2 3) R=8, each repeat first
+                 state = decay * state + dt * (e B^T) (diagonal-decay); the readout projection C on the
+                 core's state at every readout, before the coda (4 5); model.norm at the head
 
 The pipeline (SlotPlan): P slots, each running K = R/P consecutive core repeats of one token; slot 0
 also runs the prelude for the token entering it. The draft reads out inside slot 0 (after
@@ -30,7 +33,10 @@ from typing import Iterator
 
 from speedc.errors import CheckpointError
 from speedc.format.cache_layout import CODA, CORE, PRELUDE, CacheLayout  # the phase names the artifact uses
-INJECTIONS = (None, "adapter-concat")  # how a repeat reads the entry state e (None: it does not)
+# How a repeat reads the entry state e (None: it does not): "adapter-concat" state = adapter(cat[state, e])
+# (Huginn); "diagonal-decay" state = decay * state + dt * (e B^T), decay = exp(-dt exp(A_log)), dt =
+# softplus(dt_bias), per channel (Parcae).
+INJECTIONS = (None, "adapter-concat", "diagonal-decay")
 STATE_INITS = ("zero", "random")  # the core's start state (random: drawn per position, see DepthPlan)
 
 
@@ -61,6 +67,8 @@ class DepthPlan:
     state_init: str = "zero"
     state_seed: int = 0
     state_std: float = 0.0  # the family's scale of a random start (Huginn: sqrt(2 / (5 H)) * sqrt(H))
+    prelude_norm: bool = False  # model.prelude_norm on the prelude's output, the entry state e (Parcae's ln_prelude)
+    readout_projection: bool = False  # model.readout ([H, H]) on the core's state at every readout, before the coda (Parcae's C)
 
     def __post_init__(self) -> None:
         if not self.core or self.repeats < 1:
@@ -71,7 +79,7 @@ class DepthPlan:
         if self.state_init not in STATE_INITS or (self.state_init == "random" and not self.injection):
             raise CheckpointError(f"depth plan: state_init {self.state_init!r} (known: {STATE_INITS}; 'random' needs an "
                                   "injection's recurrent core)")
-        if self.injection and not self.prelude:
+        if (self.prelude_norm or self.injection) and not self.prelude:
             raise CheckpointError("depth plan: an injection reads the prelude's output e; this plan has no prelude")
 
     @property
@@ -164,7 +172,8 @@ class DepthPlan:
         return {"prelude": list(self.prelude), "core": list(self.core), "repeats": self.repeats, "coda": list(self.coda),
                 "loop_norm": self.loop_norm, "final_norm": self.final_norm, "injection": self.injection,
                 "readout_norm": self.readout_norm, "state_init": self.state_init, "state_seed": self.state_seed,
-                "state_std": self.state_std}
+                "state_std": self.state_std, "prelude_norm": self.prelude_norm,
+                "readout_projection": self.readout_projection}
 
     @classmethod
     def from_json(cls, data: dict) -> "DepthPlan":
@@ -172,12 +181,13 @@ class DepthPlan:
             return cls(tuple(data["prelude"]), tuple(data["core"]), int(data["repeats"]), tuple(data.get("coda", ())),
                        bool(data.get("loop_norm", False)), bool(data.get("final_norm", True)), data.get("injection"),
                        bool(data.get("readout_norm", False)), str(data.get("state_init", "zero")),
-                       int(data.get("state_seed", 0)), float(data.get("state_std", 0.0)))
+                       int(data.get("state_seed", 0)), float(data.get("state_std", 0.0)),
+                       bool(data.get("prelude_norm", False)), bool(data.get("readout_projection", False)))
         except (KeyError, TypeError, ValueError) as bad:
             raise CheckpointError(f"depth plan: malformed ({bad!r})") from None
 
     def describe(self) -> str:
-        parts = [f"prelude {list(self.prelude)}"] if self.prelude else []
+        parts = [f"prelude {list(self.prelude)}" + (" (normed)" if self.prelude_norm else "")] if self.prelude else []
         parts.append(f"core {list(self.core)} x {self.repeats}" + (" (norm each repeat)" if self.loop_norm else ""))
         if self.coda:
             parts.append(f"coda {list(self.coda)}")
@@ -186,6 +196,8 @@ class DepthPlan:
             parts.append(f"injection {self.injection} (state {start})")
         if self.readout_norm:
             parts.append("norm at each readout")
+        if self.readout_projection:
+            parts.append("projection at each readout")
         return ", ".join(parts)
 
 
@@ -275,7 +287,8 @@ def derive_plan(layer_map: list[int], loop_norm: bool = False, final_norm: bool 
 def fit_plan(layer_map: list[int], declared: DepthPlan | None, loop_norm: bool, final_norm: bool) -> DepthPlan:
     """The plan of LAYER_MAP: the DECLARED one (a family's loops, where its norms sit) relabelled when it
     repeats and fits, else derived from the map. The norms are the caller's (ModelConfig's flags)."""
-    if declared is not None and (declared.injection or declared.readout_norm):  # not derivable from a map: it must fit
+    if declared is not None and (declared.injection or declared.readout_norm or declared.prelude_norm
+                                 or declared.readout_projection):  # not derivable from a map: it must fit
         if not declared.fits(layer_map):
             raise CheckpointError(f"depth plan ({declared.describe()}) does not fit the layer map {layer_map}")
         return replace(declared.relabel(layer_map), loop_norm=loop_norm, final_norm=final_norm)

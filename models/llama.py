@@ -22,7 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speedc.models.config import ModelConfig
+from speedc.models.config import VALUE_GATE_CHANNELS, ModelConfig
+
+# torch.nn.functional.rms_norm's eps when given none, for float32 (finfo.eps): what Parcae's weightless q/k norm uses
+QK_NORM_EPS = float(torch.finfo(torch.float32).eps)
 
 
 class RMSNorm(nn.Module):
@@ -51,8 +54,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None] + rotated * sin[:, None]
 
 
+def weightless_rms_norm(x: torch.Tensor, eps: float = QK_NORM_EPS) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last axis (Parcae's q/k norm: no weight)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """Parcae's ReLU^2 nonlinearity, halved as the published Relu2 module does."""
+    return F.relu(x).pow(2) * 0.5
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, value_embed: bool = False) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
@@ -63,21 +76,35 @@ class Attention(nn.Module):
         if cfg.qk_bias:  # added before rotary (Huginn)
             self.q_bias = nn.Parameter(torch.zeros(self.num_heads * self.head_dim))
             self.k_bias = nn.Parameter(torch.zeros(self.num_kv_heads * self.head_dim))
+        self.qk_norm = cfg.qk_norm
+        if value_embed:  # v += 2 sigmoid(value_gate(x[:32])) * value_embed[token], per kv head (Parcae)
+            self.value_embed = nn.Embedding(cfg.vocab_size, self.num_kv_heads * self.head_dim)
+            self.value_gate = nn.Linear(VALUE_GATE_CHANNELS, self.num_kv_heads, bias=False)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [B, L, H] -> q [B, h, L, hd], k/v [B, kvh, L, hd] with RoPE applied to q and k."""
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, token_ids: torch.Tensor | None = None):
+        """x [B, L, H] -> q [B, h, L, hd], k/v [B, kvh, L, hd] with RoPE applied to q and k (then the q/k
+        norm where the config has it); TOKEN_IDS [B, L]: the rows' tokens, for value embeddings."""
         b, length, _ = x.shape
         q, k = self.q_proj(x), self.k_proj(x)
         if self.qk_bias:
             q, k = q + self.q_bias, k + self.k_bias
         q = q.view(b, length, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        v = self.v_proj(x).view(b, length, self.num_kv_heads, self.head_dim)  # [B, L, kvh, hd]
+        if hasattr(self, "value_embed"):
+            if token_ids is None:
+                raise ValueError("this block adds value embeddings of its tokens: pass token_ids")
+            gate = 2 * torch.sigmoid(self.value_gate(x[..., :VALUE_GATE_CHANNELS]))  # [B, L, kvh]
+            v = v + gate[..., None] * self.value_embed(token_ids).view(b, length, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.qk_norm:
+            q, k = weightless_rms_norm(q), weightless_rms_norm(k)
+        return q, k, v.transpose(1, 2)
 
-    def forward(self, x, cos, sin, cache: "LayerCache | None" = None, start_pos: int = 0) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache: "LayerCache | None" = None, start_pos: int = 0,
+                token_ids: torch.Tensor | None = None) -> torch.Tensor:
         b, length, _ = x.shape
-        q, k, v = self.project(x, cos, sin)
+        q, k, v = self.project(x, cos, sin, token_ids)
         if cache is None:  # training / full-sequence path
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads)
         else:
@@ -98,21 +125,25 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.act = cfg.mlp_act
+        if self.act == "silu-gated":
+            self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act == "relu2":  # Parcae: no gate
+            return self.down_proj(relu2(self.up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):
     """One unique weight block (a Llama decoder layer); used by every logical layer mapped to it."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, value_embed: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, value_embed)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
         if cfg.sandwich_norms:  # names as Ouro's checkpoints have them
@@ -120,8 +151,8 @@ class Block(nn.Module):
             self.post_attention_layernorm_2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.sandwich, self.post = cfg.sandwich_norms, cfg.post_norms
 
-    def forward(self, x, cos, sin, cache=None, start_pos: int = 0) -> torch.Tensor:
-        attended = self.self_attn(self.input_layernorm(x), cos, sin, cache, start_pos)
+    def forward(self, x, cos, sin, cache=None, start_pos: int = 0, token_ids=None) -> torch.Tensor:
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, cache, start_pos, token_ids)
         if self.post:  # Huginn: the second norms take the residual sums
             x = self.input_layernorm_2(x + attended)
             return self.post_attention_layernorm_2(x + self.mlp(self.post_attention_layernorm(x)))
@@ -149,12 +180,41 @@ class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_blocks))
+        self.blocks = nn.ModuleList(Block(cfg, m in cfg.value_embed_blocks) for m in range(cfg.num_blocks))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.exit_norm == "own":
             self.exit_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.depth_plan.injection:  # each core repeat reads adapter(cat[state, e]) [H, 2H]
+        plan = cfg.depth_plan
+        self.injection_kind = plan.injection
+        if plan.injection == "adapter-concat":  # each core repeat reads adapter(cat[state, e]) [H, 2H]
             self.adapter = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        if plan.injection == "diagonal-decay":  # each core repeat reads decay * state + dt * (e B^T)
+            self.injection = DiagonalInjection(cfg.hidden_size)
+        if plan.prelude_norm:
+            self.prelude_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if plan.readout_projection:
+            self.readout = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+
+    def inject(self, x: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
+        """A core repeat's input from the state X and the entry state ENTRY (the plan's injection)."""
+        if self.injection_kind == "diagonal-decay":
+            return self.injection(x, entry)
+        return self.adapter(torch.cat((x, entry), dim=-1))
+
+
+class DiagonalInjection(nn.Module):
+    """Parcae's injection, per channel: decay * x + dt * (e B^T), dt = softplus(dt_bias), decay = exp(-dt exp(A_log))."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.A_log = nn.Parameter(torch.zeros(hidden))
+        self.dt_bias = nn.Parameter(torch.zeros(hidden))
+        self.B = nn.Parameter(torch.zeros(hidden, hidden))  # [state, e]
+
+    def forward(self, x: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
+        dt = F.softplus(self.dt_bias)  # [H]
+        decay = torch.exp(-dt * torch.exp(self.A_log))  # [H]
+        return x * decay + dt * F.linear(entry, self.B)
 
 
 @dataclass
@@ -199,26 +259,34 @@ class SharedLlama(nn.Module):
         exit_logits = entry = None
         for step in plan.trip():
             layer = step.layer
+            if plan.prelude_norm and layer == len(plan.prelude):  # the prelude's output is normed (Parcae)
+                x = self.model.prelude_norm(x)
             if plan.injection and layer == len(plan.prelude):  # entering the core: e, and a zero state
                 entry, x = x, torch.zeros_like(x)
             if step.injects:
-                x = self.model.adapter(torch.cat((x, entry), dim=-1))
-            x = self.model.blocks[step.block](x, cos, sin, None if cache is None else cache[layer], start_pos)
+                x = self.model.inject(x, entry)
+            x = self.model.blocks[step.block](x, cos, sin, None if cache is None else cache[layer], start_pos, input_ids)
             if step.norm_after:
                 x = self.model.norm(x)
-            if layer + 1 == core_end and plan.readout_norm:
-                x = self.model.norm(x)
+            if layer + 1 == core_end:
+                x = self._readout_entry(x)
             if with_exit and layer + 1 == cfg.exit_layer:
-                exit_logits = self._exit_readout(x, cos, sin, cache)
+                exit_logits = self._exit_readout(x, cos, sin, cache, input_ids)
         return ForwardOutput(self.final_head(x), exit_logits)
 
-    def _exit_readout(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
+    def _readout_entry(self, x: torch.Tensor) -> torch.Tensor:
+        """The core's state as a readout's coda takes it: [readout norm] (Huginn), [readout projection] (Parcae)."""
+        plan = self.cfg.depth_plan
+        x = self.model.norm(x) if plan.readout_norm else x
+        return self.model.readout(x) if plan.readout_projection else x
+
+    def _exit_readout(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, input_ids) -> torch.Tensor:
         plan = self.cfg.depth_plan
         if not plan.coda:
             return self.exit_head(x)
         if cache is not None:
             raise ValueError("the exit readout of a plan with a coda runs over full sequences only (no cache)")
-        x = self.model.norm(x) if plan.readout_norm else x
+        x = self._readout_entry(x)
         for block in plan.coda:
-            x = self.model.blocks[block](x, cos, sin)
+            x = self.model.blocks[block](x, cos, sin, token_ids=input_ids)
         return self.final_head(x)

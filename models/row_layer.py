@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from speedc.models.config import ModelConfig
-from speedc.models.llama import Block
+from speedc.models.config import VALUE_GATE_CHANNELS, ModelConfig
+from speedc.models.llama import QK_NORM_EPS, Block, Decoder, relu2
 
 NEG_INF = float("-inf")
 
@@ -68,11 +68,26 @@ def rotary_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
     return 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd))
 
 
+def mlp_over_rows(mlp, xn: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """xn [R*L, H] (normed) -> the MLP's output [R*L, H]: down(silu(gate) * up), or down(0.5 relu(up)^2) (relu2)."""
+    if cfg.mlp_act == "relu2":
+        return F.linear(relu2(F.linear(xn, mlp.up_proj.weight)), mlp.down_proj.weight)
+    act = F.silu(F.linear(xn, mlp.gate_proj.weight)) * F.linear(xn, mlp.up_proj.weight)  # [R*L, I]
+    return F.linear(act, mlp.down_proj.weight)
+
+
+def value_embedding(attn, xn: torch.Tensor, token_ids: torch.Tensor, kvh: int, hd: int) -> torch.Tensor:
+    """What Parcae adds to v: 2 sigmoid(value_gate(xn[:, :32])) per kv head x value_embed[token] -> [R*L, kvh*hd]."""
+    gate = 2 * torch.sigmoid(F.linear(xn[:, :VALUE_GATE_CHANNELS], attn.value_gate.weight))  # [R*L, kvh]
+    embedded = F.embedding(token_ids, attn.value_embed.weight).reshape(-1, kvh, hd)  # [R*L, kvh, hd]
+    return (embedded * gate[..., None]).reshape(-1, kvh * hd)
+
+
 def layer_over_rows(block: Block, x: torch.Tensor, ctx: RowContext, past_k: torch.Tensor, past_v: torch.Tensor,
-                    cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    cfg: ModelConfig, token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [R*L, H] (row r's L tokens contiguous); past_k/v [R, kvh, T, hd] -> (x [R*L, H], new k, new v
     [R, kvh, L, hd]). Every projection is F.linear on 2-D input (ONNX Gemm with transB=1): weights are
-    read as stored."""
+    read as stored. TOKEN_IDS [R*L] int: the rows' tokens, read by a block with value embeddings."""
     rows, length = ctx.rows, ctx.length
     h, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     g = h // kvh
@@ -88,8 +103,16 @@ def layer_over_rows(block: Block, x: torch.Tensor, ctx: RowContext, past_k: torc
         q2d, k2d = q2d + attn.q_bias, k2d + attn.k_bias
     q = q2d.reshape(rows, length, h, hd).transpose(1, 2)  # [R, h, L, hd]
     k = k2d.reshape(rows, length, kvh, hd).transpose(1, 2)  # [R, kvh, L, hd]
-    v = F.linear(xn, attn.v_proj.weight).reshape(rows, length, kvh, hd).transpose(1, 2)
+    v2d = F.linear(xn, attn.v_proj.weight)  # [R*L, kvh*hd]
+    if hasattr(attn, "value_embed"):
+        if token_ids is None:
+            raise ValueError("this block adds value embeddings of its tokens: pass token_ids")
+        v2d = v2d + value_embedding(attn, xn, token_ids, kvh, hd)
+    v = v2d.reshape(rows, length, kvh, hd).transpose(1, 2)  # [R, kvh, L, hd]
     q, k = rope(q), rope(k)
+    if cfg.qk_norm:  # weightless, per head, after rotary (Parcae)
+        q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + QK_NORM_EPS)
+        k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + QK_NORM_EPS)
     qg = (q * (1.0 / math.sqrt(hd))).reshape(rows, kvh, g * length, hd)  # [R, kvh, g*L, hd]
     s_past = qg @ past_k.transpose(2, 3) + ctx.past_mask  # [R, kvh, g*L, T]
     s_new = qg @ k.transpose(2, 3) + ctx.chunk_mask  # [R, kvh, g*L, L]
@@ -101,14 +124,12 @@ def layer_over_rows(block: Block, x: torch.Tensor, ctx: RowContext, past_k: torc
     if cfg.post_norms:  # Huginn: norm2(x + attn), then norm4(h + mlp(norm3(h)))
         x = rms_norm(x + attn_out, block.input_layernorm_2.weight, eps)
         xn = rms_norm(x, block.post_attention_layernorm.weight, eps)
-        act = F.silu(F.linear(xn, mlp.gate_proj.weight)) * F.linear(xn, mlp.up_proj.weight)
-        return rms_norm(x + F.linear(act, mlp.down_proj.weight), block.post_attention_layernorm_2.weight, eps), k, v
+        return rms_norm(x + mlp_over_rows(mlp, xn, cfg), block.post_attention_layernorm_2.weight, eps), k, v
     if cfg.sandwich_norms:
         attn_out = rms_norm(attn_out, block.input_layernorm_2.weight, eps)
     x = x + attn_out
     xn = rms_norm(x, block.post_attention_layernorm.weight, eps)
-    act = F.silu(F.linear(xn, mlp.gate_proj.weight)) * F.linear(xn, mlp.up_proj.weight)
-    mlp_out = F.linear(act, mlp.down_proj.weight)  # [R*L, H]
+    mlp_out = mlp_over_rows(mlp, xn, cfg)  # [R*L, H]
     if cfg.sandwich_norms:
         mlp_out = rms_norm(mlp_out, block.post_attention_layernorm_2.weight, eps)
     return x + mlp_out, k, v
@@ -117,6 +138,21 @@ def layer_over_rows(block: Block, x: torch.Tensor, ctx: RowContext, past_k: torc
 def inject(x: torch.Tensor, entry: torch.Tensor, adapter_weight: torch.Tensor) -> torch.Tensor:
     """A core repeat's input: adapter(cat[state, e]), x and entry [r, H], weight [H, 2H] -> [r, H]."""
     return F.linear(torch.cat((x, entry), dim=-1), adapter_weight)
+
+
+def inject_entry(decoder: Decoder, x: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
+    """A core repeat's input by the plan's injection kind (models/depth_plan.py INJECTIONS), x and entry [r, H]."""
+    if decoder.injection_kind == "diagonal-decay":  # Parcae: decay * x + dt * (e B^T), per channel (one definition)
+        return decoder.injection(x, entry)  # [r, H]
+    return inject(x, entry, decoder.adapter.weight)
+
+
+def readout_entry(decoder: Decoder, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The core's state x [r, H] as a readout's coda takes it: [model.norm] (Huginn), [model.readout] (Parcae's C)."""
+    plan = cfg.depth_plan
+    if plan.readout_norm:
+        x = rms_norm(x, decoder.norm.weight, cfg.rms_norm_eps)
+    return F.linear(x, decoder.readout.weight) if plan.readout_projection else x
 
 
 def loop_boundary(x: torch.Tensor, norm_weight: torch.Tensor, cfg: ModelConfig, layer: int) -> torch.Tensor:

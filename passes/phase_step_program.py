@@ -16,7 +16,10 @@ with its own coda K/V (speedc/format/cache_layout.py: the final readout's coda o
 
 With an injection (Huginn) a slot carries [state | e] (2H wide: hidden_in, hidden.{S-1}): slot 0's state
 starts at zero beside e = the prelude's output, every repeat first reads adapter(cat[state, e]), and each
-readout applies model.norm before its coda where the plan says (readout_norm).
+readout applies model.norm before its coda where the plan says (readout_norm). Parcae's plan norms the
+prelude's output (prelude_norm), injects with its diagonal decay, and projects the state at each readout
+(readout_projection); its value embeddings read each row's token, so a slot also carries its token's id
+([state | e | id], 2H + 1 wide: the id as a float, exact below 2^24) for its core and coda layers.
 
 The heads (passes/batch_step_graph.add_batch_heads) gather their rows from the readouts: exit rows are
 slot 0's, final rows slot P-1's (runtimes/batch.py). New K/V: present.{kind}.{j} per stage layer (the
@@ -39,7 +42,7 @@ from speedc.errors import BuildError
 from speedc.models.config import ModelConfig
 from speedc.models.depth_plan import SlotPlan
 from speedc.models.llama import SharedLlama
-from speedc.models.row_layer import inject, layer_over_rows, rms_norm, row_context, rotary_inv_freq
+from speedc.models.row_layer import inject_entry, layer_over_rows, readout_entry, rms_norm, row_context, rotary_inv_freq
 from speedc.passes.trace import OPSET, WeightsAsInputs
 
 STAGE_OUT_PREFIX = "hidden."  # hidden.{S-1}: the stage output (hidden_out)
@@ -70,23 +73,22 @@ class PhaseStepProgram(nn.Module):
         self.register_buffer("inv_freq", rotary_inv_freq(self.cfg), persistent=False)
         self.layout = pipeline.plan.cache_layout(pipeline.slots)  # the runtime's addressing
 
-    def _run(self, blocks, x, ctx, slabs, first_layer: int):
-        """x [r, H] through BLOCKS against SLABS [(k, v)] -> (x, [k], [v]), model.norm where a repeat ends."""
+    def _run(self, blocks, x, ctx, slabs, first_layer: int, token_ids):
+        """x [r, H] through BLOCKS against SLABS [(k, v)] -> (x, [k], [v]), model.norm where a repeat ends.
+        TOKEN_IDS [r]: the rows' tokens (value embeddings)."""
         keys, values = [], []
         for offset, (block, (past_k, past_v)) in enumerate(zip(blocks, slabs)):
-            x, k, v = layer_over_rows(self.model.blocks[block], x, ctx, past_k, past_v, self.cfg)
+            x, k, v = layer_over_rows(self.model.blocks[block], x, ctx, past_k, past_v, self.cfg, token_ids)
             if self.cfg.depth_plan.ends_loop(first_layer + offset):
                 x = rms_norm(x, self.model.norm.weight, self.cfg.rms_norm_eps)
             keys.append(k)
             values.append(v)
         return x, keys, values
 
-    def _readout(self, x, ctx, slabs):
-        """x [n, H]: a readout's state -> [readout norm] -> coda (its own K/V) -> (x, [k], [v])."""
+    def _readout(self, x, ctx, slabs, token_ids):
+        """x [n, H]: a readout's state -> [readout norm / projection] -> coda (its own K/V) -> (x, [k], [v])."""
         plan = self.pipeline.plan
-        if plan.readout_norm:
-            x = rms_norm(x, self.model.norm.weight, self.cfg.rms_norm_eps)
-        return self._run(plan.coda, x, ctx, slabs, plan.num_layers)
+        return self._run(plan.coda, readout_entry(self.model, x, self.cfg), ctx, slabs, plan.num_layers, token_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_in: torch.Tensor, *slabs: torch.Tensor):
         cfg, layout, plan = self.cfg, self.layout, self.pipeline.plan
@@ -105,12 +107,19 @@ class PhaseStepProgram(nn.Module):
         x = self.model.embed_tokens(input_ids).reshape(-1, hidden)  # [n, H]
         if cfg.embed_scale != 1.0:
             x = x * cfg.embed_scale
+        entering = input_ids.reshape(-1)  # [n]: slot 0's tokens
         pairs = [(prelude[2 * i], prelude[2 * i + 1]) for i in range(layout.prelude_layers)]
-        x, prelude_k, prelude_v = self._run(plan.prelude, x, first_ctx, pairs, 0)
-        behind = hidden_in.reshape(-1, hidden * plan.carried_vectors)  # [(P-1)n, H] or [(P-1)n, 2H] = [state | e]
+        x, prelude_k, prelude_v = self._run(plan.prelude, x, first_ctx, pairs, 0, entering)
+        if plan.prelude_norm:
+            x = rms_norm(x, self.model.prelude_norm.weight, cfg.rms_norm_eps)
+        behind = hidden_in.reshape(-1, cfg.state_width)  # [(P-1)n, H], [state | e] 2H, or [state | e | id] 2H + 1
+        vectors = hidden * plan.carried_vectors
+        token_ids = entering  # [R]: every row's token, where value embeddings read it past slot 0
+        if cfg.carries_token_id:
+            token_ids = torch.cat((entering, behind[:, vectors].round().to(torch.long)), dim=0)
         entry = None
         if plan.injection:  # slot 0: e = the prelude's output, the state from zero (or its draw)
-            entry = torch.cat((x, behind[:, hidden:]), dim=0)  # [R, H]
+            entry = torch.cat((x, behind[:, hidden:vectors]), dim=0)  # [R, H]
             x = torch.cat((torch.zeros_like(x) if initial is None else initial, behind[:, :hidden]), dim=0)  # [R, H]
         else:
             x = torch.cat((x, behind), dim=0)  # [R, H]
@@ -122,8 +131,8 @@ class PhaseStepProgram(nn.Module):
             past_k = torch.cat([core[step + 2 * s] for s in range(p)], dim=0)  # [R, kvh, T, hd]
             past_v = torch.cat([core[step + 2 * s + 1] for s in range(p)], dim=0)
             if plan.injects_before(layout.prelude_layers + j):  # every slot's stage layer j starts a repeat alike
-                x = inject(x, entry, self.model.adapter.weight)
-            x, (k,), (v,) = self._run([block], x, ctx, [(past_k, past_v)], layout.prelude_layers + j)
+                x = inject_entry(self.model, x, entry)
+            x, (k,), (v,) = self._run([block], x, ctx, [(past_k, past_v)], layout.prelude_layers + j, token_ids)
             core_k.append(k)
             core_v.append(v)
             taps.append(x)
@@ -131,12 +140,15 @@ class PhaseStepProgram(nn.Module):
         out = x.reshape(p, -1, hidden)  # [P, n, H]
         draft_pairs = [(coda[2 * (i * 2)], coda[2 * (i * 2) + 1]) for i in range(layout.coda_layers)]
         final_pairs = [(coda[2 * (i * 2 + 1)], coda[2 * (i * 2 + 1) + 1]) for i in range(layout.coda_layers)]
-        draft, draft_k, draft_v = self._readout(rows[0], first_ctx, draft_pairs)
-        final, final_k, final_v = self._readout(out[p - 1], last_ctx, final_pairs)
+        last_ids = token_ids.reshape(p, -1)[p - 1] if cfg.carries_token_id else None  # [n]: slot P-1's tokens
+        draft, draft_k, draft_v = self._readout(rows[0], first_ctx, draft_pairs, entering)
+        final, final_k, final_v = self._readout(out[p - 1], last_ctx, final_pairs, last_ids)
         zeros = torch.zeros_like(behind[:, :hidden])  # [(P-1)n, H]: rows no readout reads
         readout_draft = torch.cat((draft, zeros), dim=0)  # [R, H]
         readout_final = torch.cat((zeros, final), dim=0)  # [R, H]
         carried = torch.cat((x, entry), dim=-1) if plan.injection else x  # [R, 2H] or [R, H]
+        if cfg.carries_token_id:  # [R, 2H + 1]: each row's token id rides along for its next slot's layers
+            carried = torch.cat((carried, token_ids.to(x.dtype)[:, None]), dim=-1)
 
         def stacked(parts):  # [k, n, kvh, 1, hd] (an empty phase: [0, ...])
             return torch.stack(parts) if parts else torch.zeros((0, *core_k[0].shape), dtype=x.dtype)
@@ -169,7 +181,7 @@ def trace_phase_step(cfg: ModelConfig, pipeline: SlotPlan) -> tuple[onnx.ModelPr
     n, past = 2, 5  # non-1 sizes so nothing specialises on them
     kv = (n, cfg.num_key_value_heads, past, cfg.head_dim)
     slabs = slab_names(layout)
-    width = cfg.hidden_size * pipeline.plan.carried_vectors  # a slot's carried state: [state | e] with an injection
+    width = cfg.state_width  # a slot's carried state: [state | e] with an injection, [state | e | id] with value embeddings
     initial = [torch.zeros(n, cfg.hidden_size)] if pipeline.plan.state_init == "random" else []  # [n, H]
     args = (torch.zeros(n, 1, dtype=torch.long), torch.arange(layout.slots * n), torch.zeros((layout.slots - 1) * n, 1, width),
             *initial, *[torch.zeros(kv) for _ in slabs], *weights)

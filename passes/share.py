@@ -25,7 +25,7 @@ from speedc.models.depth_plan import fit_plan
 from speedc.models.layer_map import describe_layer_map, first_pass_length
 from speedc.passes.base import CompileState, register_pass
 from speedc.models.checkpoint.tensor_source import same_values
-from speedc.passes.graph_utils import ancestors, replace_uses, tensor, weight_constants
+from speedc.passes.graph_utils import ancestors, descendants, replace_uses, tensor, weight_constants
 from speedc.passes.source_weights import source_weight
 
 _BLOCK_NAME = re.compile(r"^model\.blocks\.(\d+)\.(.+)$")
@@ -80,12 +80,15 @@ def derive_layer_map(graph: gs.Graph, num_layers: int) -> tuple[list[int], list[
     """Layer l's weights are those read by nodes that hidden.{l} needs but hidden.{l-1} does not; two
     layers are one block when their model.blocks.* weights are the same."""
     previous = ancestors([tensor(graph, "embeddings")])
+    # Nodes on the residual stream, and the embedding's own: what a layer's side computations are not.
+    stream = {**descendants([tensor(graph, "embeddings")]), **{i: None for i in previous}}
     block_of: dict[tuple[str, ...], int] = {}
     layer_map, block_weights = [], []
     nodes = graph.toposort().nodes  # once: sorting a 96-layer graph per layer costs minutes
     for layer in range(num_layers):
         reached = ancestors([tensor(graph, f"hidden.{layer}")])
-        weights = weight_constants(n for n in nodes if id(n) in reached and id(n) not in previous)
+        new = [n for n in nodes if id(n) in reached and id(n) not in previous]
+        weights = weight_constants([*new, *_side_inputs(new, stream)])
         # A block is its block weights: model.norm after a repeat, an injection's adapter, are the plan's.
         key = tuple(sorted(w.name for w in weights if _BLOCK_NAME.match(w.name)))
         if key not in block_of:
@@ -94,6 +97,20 @@ def derive_layer_map(graph: gs.Graph, num_layers: int) -> tuple[list[int], list[
         layer_map.append(block_of[key])
         previous = reached
     return layer_map, block_weights
+
+
+def _side_inputs(new: list[gs.Node], stream: dict[int, gs.Node]) -> list[gs.Node]:
+    """Nodes off the residual stream feeding NEW (a layer's own nodes): a block's value-embedding lookup
+    depends only on token ids and its table, so the exporter computes it once for all repeats of the block
+    (common subexpressions merged) and only the first repeat's layer would otherwise read the table."""
+    found: dict[int, gs.Node] = {}
+    stack = [producer for node in new for t in node.inputs for producer in t.inputs]
+    while stack:
+        node = stack.pop()
+        if id(node) not in found and id(node) not in stream:
+            found[id(node)] = node
+            stack.extend(producer for t in node.inputs for producer in t.inputs)
+    return list(found.values())
 
 
 def rename_blocks(block_weights: list[list[gs.Constant]]) -> None:

@@ -40,7 +40,7 @@ from speedc.format import contract
 from speedc.errors import BuildError
 from speedc.models.config import ModelConfig
 from speedc.models.llama import SharedLlama
-from speedc.models.row_layer import inject, layer_over_rows, rms_norm, row_context, rotary_inv_freq
+from speedc.models.row_layer import inject_entry, layer_over_rows, readout_entry, rms_norm, row_context, rotary_inv_freq
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.graph_utils import linear_to_gemm, replace_uses
 from speedc.passes.source_weights import weight_constant
@@ -75,6 +75,7 @@ class DecodeProgram(nn.Module):
         if cfg.embed_scale != 1.0:
             x = x * cfg.embed_scale
         embeddings = x
+        token_ids = input_ids.reshape(-1)  # [B*L]: the rows' tokens (value embeddings)
         ctx = row_context(positions, length, past[0].shape[2], self.inv_freq,
                           cfg.num_attention_heads // cfg.num_key_value_heads)
         core_end = len(plan.prelude) + len(plan.core) * plan.repeats
@@ -82,15 +83,18 @@ class DecodeProgram(nn.Module):
         exit_logits = tap = entry = None
         for step in plan.trip():  # prelude, core repeats (model.norm after each where the plan says), coda
             layer = step.layer
+            if plan.prelude_norm and layer == len(plan.prelude):  # the prelude's output, normed (Parcae)
+                x = rms_norm(x, self.model.prelude_norm.weight, cfg.rms_norm_eps)
             if plan.injection and layer == len(plan.prelude):  # entering the core: e, and the start state
                 entry, x = x, (torch.zeros_like(x) if initial is None else initial)
             if step.injects:
-                x = inject(x, entry, self.model.adapter.weight)
-            x, k, v = layer_over_rows(self.model.blocks[step.block], x, ctx, past[2 * layer], past[2 * layer + 1], cfg)
+                x = inject_entry(self.model, x, entry)
+            x, k, v = layer_over_rows(self.model.blocks[step.block], x, ctx, past[2 * layer], past[2 * layer + 1], cfg,
+                                      token_ids)
             if step.norm_after:
                 x = rms_norm(x, self.model.norm.weight, cfg.rms_norm_eps)
-            if layer + 1 == core_end and plan.readout_norm:  # the readout's norm, before the coda
-                x = rms_norm(x, self.model.norm.weight, cfg.rms_norm_eps)
+            if layer + 1 == core_end:  # the readout's norm / projection, before the coda
+                x = readout_entry(self.model, x, cfg)
             hidden_out.append(x)
             present += [k, v]
             if layer + 1 == cfg.exit_layer:
@@ -100,11 +104,11 @@ class DecodeProgram(nn.Module):
         final_norm = self.model.norm.weight if cfg.final_norm else None
         logits = self._head(x, final_norm).reshape(b, length, -1)
         if draft_coda(cfg):  # the draft readout's own coda over the tap (cache entries N..N+Lc-1)
-            if plan.readout_norm:
-                tap = rms_norm(tap, self.model.norm.weight, cfg.rms_norm_eps)
+            tap = readout_entry(self.model, tap, cfg)
             for index, block in enumerate(plan.coda):
                 entry_index = cfg.num_hidden_layers + index
-                tap, k, v = layer_over_rows(self.model.blocks[block], tap, ctx, past[2 * entry_index], past[2 * entry_index + 1], cfg)
+                tap, k, v = layer_over_rows(self.model.blocks[block], tap, ctx, past[2 * entry_index], past[2 * entry_index + 1], cfg,
+                                            token_ids)
                 present += [k, v]
             exit_logits = self._head(tap, final_norm).reshape(b, length, -1)
         return (logits, exit_logits, embeddings, *hidden_out, *present)

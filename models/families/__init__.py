@@ -32,6 +32,11 @@ class Family:
     # The family's tensor names and fused layouts -> speedc's: {name: TensorSource}, ModelConfig -> the same
     # (row ranges and row orders of the stored bytes; nothing read). None: the names are speedc's or Hugging Face Llama's.
     map_tensors: Callable[[dict, Any], dict] | None = None
+    # A config without Hugging Face's architectures / model_type keys recognised by its own content (Parcae
+    # writes its dataclass: model_class_name "Parcae"); checked before those keys.
+    recognises: Callable[[dict], bool] | None = None
+    # Keys of UNIMPLEMENTED_OPTIONS this family implements and checks itself (Parcae's qk_norm).
+    own_options: tuple[str, ...] = ()
 
 
 FAMILIES: dict[str, Family] = {}
@@ -60,6 +65,9 @@ def family_of(data: dict[str, Any]) -> Family:
     """The family whose `architectures` and `model_type` both match (either may be absent; a config
     with neither is read as Llama). speedc's own configs say LlamaForCausalLM / llama."""
     _load_families()
+    for family in FAMILIES.values():
+        if family.recognises is not None and family.recognises(data):
+            return family
     architectures = data.get("architectures") or []
     model_type = data.get("model_type")
     if not architectures and model_type is None:
@@ -97,7 +105,8 @@ def read_config(data: dict[str, Any]):
     if not isinstance(data, dict):
         raise CheckpointError("config.json: top level must be an object")
     family = family_of(data)
-    refuse_options(data, family.architectures[0], UNIMPLEMENTED_OPTIONS)
+    refuse_options(data, family.architectures[0],
+                   {key: fine for key, fine in UNIMPLEMENTED_OPTIONS.items() if key not in family.own_options})
     return family.read_config(data)
 
 

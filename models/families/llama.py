@@ -39,6 +39,10 @@ def read_config(data: dict[str, Any]) -> ModelConfig:
             post_norms=boolean("speedc.block.post_norms", block.get("post_norms", False)),
             qk_bias=boolean("speedc.block.qk_bias", block.get("qk_bias", False)),
             embed_scale=float(block.get("embed_scale", 1.0)),
+            qk_norm=boolean("speedc.block.qk_norm", block.get("qk_norm", False)),
+            mlp_act=str(block.get("mlp_act", "silu-gated")),
+            value_embed_blocks=tuple(integer(data, "speedc.block.value_embed_blocks", b)
+                                     for b in block.get("value_embed_blocks", ())),
             loop_norm=boolean("speedc.block.loop_norm", block.get("loop_norm", False)),
             final_norm=boolean("speedc.block.final_norm", block.get("final_norm", True)),
             depth_plan=plan, **common_fields(data))

@@ -48,7 +48,8 @@ def block_products(shape) -> list[tuple[int, int, int]]:
     attention = shape.heads * shape.head_dim
     qkv = (shape.heads + 2 * shape.kv_heads) * shape.head_dim
     return [(shape.hidden, qkv, attention), (attention, shape.hidden, shape.hidden),
-            (shape.hidden, 2 * shape.intermediate, shape.intermediate), (shape.intermediate, shape.hidden, shape.hidden)]
+            (shape.hidden, (2 if shape.gated_mlp else 1) * shape.intermediate, shape.intermediate),
+            (shape.intermediate, shape.hidden, shape.hidden)]
 
 
 def floor_weights(shape, layers: int, weights: str | None = None, seed: int = 0) -> FloorWeights:

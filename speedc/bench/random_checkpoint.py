@@ -13,7 +13,11 @@ be written first and the bytes streamed after it.
 
 Huginn's shape (RavenForCausalLM) is written in its own layout: transformer.prelude / core_block / coda
 blocks with fused Wqkv and fc, qk_bias, the adapter (its state half near the identity), ln_f; its
-proj weights carry RESIDUAL_SCALE.
+proj weights carry RESIDUAL_SCALE. Parcae's shape is written as its published save_pretrained writes
+it (config.json = its config dataclass's keys): transformer.* blocks with c_q / c_k / c_v / c_proj,
+ve_gate, fc / proj, the diagonal injection (A_log, dt_bias, B near the identity), the readout
+projection C (near the identity), ln_prelude, ln_f, value_embeds.{i}; its c_proj and proj carry
+RESIDUAL_SCALE (as safetensors, which its loader also reads).
 
 Values: matrices N(0, 0.02), norms 1. RESIDUAL_SCALE < 1 shrinks what each block adds to the residual
 stream so the state after loop 1 predicts what the last loop does (speculation gets accepted, as in a
@@ -37,6 +41,9 @@ SCALED_LLAMA = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 SCALED_SANDWICH = ("input_layernorm_2.weight", "post_attention_layernorm_2.weight")
 SCALED_HUGINN = ("attn.proj.weight", "mlp.proj.weight", "adapter.weight")  # what each block and repeat adds
 HUGINN_ADAPTER = "transformer.adapter.weight"  # [I | noise] (see _values): each repeat keeps the state's direction
+SCALED_PARCAE = ("attn.c_proj.weight", "mlp.proj.weight")
+NEAR_IDENTITY = (HUGINN_ADAPTER, "transformer.adapter.B", "transformer.C.weight")  # [I + noise] or [I | noise]
+PARCAE_BACKPROP_DEPTH = 4  # the published configs' mean_backprop_depth (which layers' ve_gate exists)
 
 
 def huginn_layout(shape, layers: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -54,10 +61,50 @@ def huginn_layout(shape, layers: int) -> list[tuple[str, tuple[int, ...]]]:
     return out + [("transformer.adapter.weight", (h, 2 * h)), ("transformer.ln_f.weight", (h,))]
 
 
+def parcae_layout(shape, layers: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Parcae's published layout: SHAPE's prelude and coda blocks around LAYERS core blocks, value
+    embeddings and ve_gates where its construction puts them, the lm_head tied (not stored)."""
+    from speedc.models.families.parcae import has_ve
+
+    h, hd, i, kv = shape.hidden, shape.head_dim, shape.intermediate, shape.kv_heads * shape.head_dim
+    blocks, gate_layers = shape.prelude + layers + shape.coda, layers * PARCAE_BACKPROP_DEPTH
+    out = [("transformer.wte.weight", (shape.vocab, h))]
+    groups = (("prelude", 0, shape.prelude), ("core_block", shape.prelude, layers),
+              ("coda", shape.prelude + layers * shape.loops, shape.coda))  # (group, its first layer_id, count)
+    for group, first_id, count in groups:
+        for index in range(count):
+            p = f"transformer.{group}.{index}"
+            out += [(f"{p}.norm_1.weight", (h,)), (f"{p}.attn.c_q.weight", (shape.heads * hd, h)),
+                    (f"{p}.attn.c_k.weight", (kv, h)), (f"{p}.attn.c_v.weight", (kv, h)),
+                    (f"{p}.attn.c_proj.weight", (h, shape.heads * hd))]
+            if has_ve(first_id + index, gate_layers):
+                out.append((f"{p}.attn.ve_gate.weight", (shape.kv_heads, 32)))
+            out += [(f"{p}.norm_2.weight", (h,)), (f"{p}.mlp.fc.weight", (i, h)), (f"{p}.mlp.proj.weight", (h, i))]
+    out += [("transformer.adapter.A_log", (h,)), ("transformer.adapter.dt_bias", (h,)), ("transformer.adapter.B", (h, h)),
+            ("transformer.C.weight", (h, h)), ("transformer.ln_f.weight", (h,)), ("transformer.ln_prelude.weight", (h,))]
+    return out + [(f"value_embeds.{b}.weight", (shape.vocab, kv)) for b in range(blocks) if has_ve(b, blocks)]
+
+
+def parcae_config(shape, layers: int, max_positions: int) -> dict:
+    """Parcae's config.json: its config dataclass's keys at the published large model's values."""
+    return {"name": shape.name, "block_size": max_positions, "n_embd": shape.hidden, "intermediate_size": shape.intermediate,
+            "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads, "vocab_size": shape.vocab,
+            "padding_multiple": 64, "padded_vocab_size": shape.vocab,
+            "rope_settings": {"use_rope": True, "rope_condense_ratio": 1, "rope_base": 50000},
+            "block_class_name": "TransformerPreNormBlock", "norm_class_name": "RMSNorm", "norm_eps": 1e-5,
+            "mlp_class_name": "BaseMLP", "nonlin_name": "ReLU2", "bias": False, "qk_bias": False, "qk_norm": True,
+            "clip_qkv": None, "logit_softcap": None, "init_strategy": "scaled-zero", "mup_model_scaling_factor": 1,
+            "injection_type": "diagonal", "n_layers_in_recurrent_block": layers, "n_layers_in_prelude": shape.prelude,
+            "n_layers_in_coda": shape.coda, "state_init": "like-init", "recurrent_embedding_dimension": shape.hidden,
+            "recurrent_intermediation_embedding_dimension": shape.intermediate, "recurrent_num_attention_heads": None,
+            "prelude_norm": True, "mean_recurrence": shape.loops, "mean_backprop_depth": PARCAE_BACKPROP_DEPTH,
+            "tie_embeddings": True, "model_class_name": "Parcae", "bos_token_id": 1, "eos_token_id": 2}
+
+
 def tensor_layout(shape, layers: int) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of every tensor of SHAPE's family layout with LAYERS layers, in file order."""
     if shape.recurrent:
-        return huginn_layout(shape, layers)
+        return parcae_layout(shape, layers) if shape.family == "parcae" else huginn_layout(shape, layers)
     h, hd, i = shape.hidden, shape.head_dim, shape.intermediate
     out = [("model.embed_tokens.weight", (shape.vocab, h))]
     for layer in range(layers):
@@ -81,6 +128,8 @@ def tensor_layout(shape, layers: int) -> list[tuple[str, tuple[int, ...]]]:
 
 def family_config(shape, layers: int, max_positions: int) -> dict:
     """config.json of SHAPE's family (the keys speedc's family readers and the published code use)."""
+    if shape.recurrent and shape.family == "parcae":
+        return parcae_config(shape, layers, max_positions)
     if shape.recurrent:
         return {"architectures": ["RavenForCausalLM"], "model_type": "huginn_raven", "n_embd": shape.hidden,
                 "n_heads": shape.heads, "num_key_value_heads": shape.kv_heads, "n_layers_in_prelude": shape.prelude,
@@ -129,7 +178,7 @@ def _values(rng: np.random.Generator, name: str, dims: tuple[int, ...], scaled: 
     for first in range(0, dims[0], rows):
         block = rng.standard_normal((min(rows, dims[0] - first), dims[1]), dtype=np.float32)
         block *= std
-        if name == HUGINN_ADAPTER:  # the state's half near the identity: a repeat refines, it does not scramble
+        if name in NEAR_IDENTITY:  # the state's half near the identity: a repeat refines, it does not scramble
             block[np.arange(block.shape[0]), first + np.arange(block.shape[0])] += 1.0
         yield block.astype(ml_dtypes.bfloat16)
 
@@ -144,7 +193,8 @@ def write_random_checkpoint(shape, layers: int, directory: Path, *, residual_sca
     shards = _shards(layout, shard_bytes)
     total = sum(2 * math.prod(dims) for _, dims in layout)
     rng = np.random.default_rng(seed)
-    scaled = SCALED_HUGINN if shape.recurrent else SCALED_SANDWICH if shape.sandwich_norms else SCALED_LLAMA
+    scaled = (SCALED_PARCAE if shape.family == "parcae" else SCALED_HUGINN) if shape.recurrent else \
+        SCALED_SANDWICH if shape.sandwich_norms else SCALED_LLAMA
     names = ["model.safetensors"] if len(shards) == 1 else \
         [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
     done = 0

@@ -62,6 +62,18 @@ class Shape:
     prelude: int = 0  # recurrent depth (Huginn): blocks run once on entry,
     coda: int = 0  # blocks run at every readout,
     recurrent: bool = False  # and the LAYERS core blocks repeat LOOPS times reading adapter(cat[state, e])
+    family: str = "huginn"  # with recurrent: whose published layout ("huginn", or "parcae": its diagonal
+    #                         injection, non-gated ReLU^2 MLP and value-embedding tables)
+    value_embeds: int = 0  # Parcae: [vocab, kv_heads * head_dim] value-embedding tables (alternating blocks)
+
+    @property
+    def gated_mlp(self) -> bool:
+        return self.family != "parcae"
+
+    @property
+    def published_name(self) -> str:
+        """The architecture as peers would name it."""
+        return "Parcae" if self.family == "parcae" else "Huginn (RavenForCausalLM)"
 
     @property
     def published(self) -> bool:
@@ -70,10 +82,12 @@ class Shape:
 
     def block_params(self) -> int:
         attention = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-        return attention + 3 * self.hidden * self.intermediate + (4 if self.sandwich_norms else 2) * self.hidden
+        mlp = (3 if self.gated_mlp else 2) * self.hidden * self.intermediate
+        return attention + mlp + (4 if self.sandwich_norms else 2) * self.hidden
 
-    def fixed_params(self) -> int:  # embedding, LM head, norms
-        return self.vocab * self.hidden * (1 if self.tied else 2) + 2 * self.hidden
+    def fixed_params(self) -> int:  # embedding, LM head, norms, value-embedding tables
+        return (self.vocab * self.hidden * (1 if self.tied else 2) + 2 * self.hidden
+                + self.value_embeds * self.vocab * self.kv_heads * self.head_dim)
 
 
 SHAPES = {
@@ -82,6 +96,10 @@ SHAPES = {
     "nanbeige-3b": Shape("nanbeige-3b", 3072, 48, 8, 128, 10752, 166144, 22, 2, looped=True),
     "huginn-3.5b": Shape("huginn-3.5b", 5280, 55, 55, 96, 17920, 65536, 4, 32, looped=False, tied=True,
                          prelude=2, coda=2, recurrent=True),
+    # Parcae-770M (sandyresearch/parcae, parcae-large-770m): prelude / core / coda 6 / 6 / 6, R = 8; value
+    # embeddings on the 9 odd blocks of 18 (half its parameters)
+    "parcae-770m": Shape("parcae-770m", 1280, 10, 10, 128, 5120, 32768, 6, 8, looped=False, tied=True,
+                         prelude=6, coda=6, recurrent=True, family="parcae", value_embeds=9),
 }
 
 
@@ -315,10 +333,10 @@ def memory_bound_peers(shape: Shape, checkpoint: Path, workdir: Path, weights: s
 
     if wanted is False:
         return {}, {}
-    if shape.recurrent:  # no CPU engine but speedc runs Huginn (llama.cpp has no RavenForCausalLM)
+    if shape.recurrent:  # no CPU engine but speedc runs Huginn or Parcae (llama.cpp has neither architecture)
         if wanted:
-            raise SpeedcError(f"{shape.name}: llama.cpp has no Huginn (RavenForCausalLM) architecture; no peer to run")
-        return {}, {"llama.cpp": "no Huginn (RavenForCausalLM) architecture in llama.cpp"}
+            raise SpeedcError(f"{shape.name}: llama.cpp has no {shape.published_name} architecture; no peer to run")
+        return {}, {"llama.cpp": f"no {shape.published_name} architecture in llama.cpp"}
     if not shape.looped:
         if wanted:
             raise SpeedcError("the llama.cpp peer runs the looped shapes' checkpoints (--shape ouro-1.4b, ouro-2.6b, nanbeige-3b)")
