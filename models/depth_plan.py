@@ -11,6 +11,9 @@ pipeline spreads them over P slots.
     middle-cycle [0 1 2 1 2 1 2 3]   prelude (0)  core (1 2)     R=3      coda (3)
     Huginn       prelude (0 1), core (2 3 4 5) R=32 reading adapter(cat[state, e]) each repeat, the state
                  starting at zero; coda (6 7) behind model.norm (ln_f) at every readout, ln_f again at the head
+    IQuest-Loop  core (0..L-1) R=2 with cross-repeat attention: repeat r >= 1's layer i attends
+                 g * Attn(q, repeat 0's K/V of layer i, causal) + (1 - g) * Attn(q, its own K/V, last W positions),
+                 g = sigmoid(<q_h, w_h> + b_h) per head (model.gate_projections.{i}); P = R, one repeat a slot
 
 The pipeline (SlotPlan): P slots, each running K = R/P consecutive core repeats of one token; slot 0
 also runs the prelude for the token entering it. The draft reads out inside slot 0 (after
@@ -61,6 +64,9 @@ class DepthPlan:
     state_init: str = "zero"
     state_seed: int = 0
     state_std: float = 0.0  # the family's scale of a random start (Huginn: sqrt(2 / (5 H)) * sqrt(H))
+    # Cross-repeat attention (IQuest-Coder-V1-Loop), on when > 0: the window W of each later repeat's own K/V;
+    # repeat 0's K/V of the same core layer is read in full (positions <= the token's), the two mixed per head.
+    cross_window: int = 0
 
     def __post_init__(self) -> None:
         if not self.core or self.repeats < 1:
@@ -73,6 +79,11 @@ class DepthPlan:
                                   "injection's recurrent core)")
         if self.injection and not self.prelude:
             raise CheckpointError("depth plan: an injection reads the prelude's output e; this plan has no prelude")
+        if isinstance(self.cross_window, bool) or not isinstance(self.cross_window, int) or self.cross_window < 0:
+            raise CheckpointError(f"depth plan: cross_window must be an integer >= 0, got {self.cross_window!r}")
+        if self.cross_window and (self.prelude or self.coda or self.injection or self.repeats < 2):
+            raise CheckpointError("depth plan: cross-repeat attention is built for one core repeated at least twice, "
+                                  "without prelude, coda or injection")
 
     @property
     def carried_vectors(self) -> int:
@@ -120,6 +131,14 @@ class DepthPlan:
         return (bool(self.injection) and 0 <= core_at < len(self.core) * self.repeats
                 and core_at % len(self.core) == 0)
 
+    def cross_source(self, layer: int) -> int | None:
+        """The logical layer whose K/V logical layer LAYER reads across repeats (repeat 0's layer at the same
+        core index), or None where it attends only its own K/V."""
+        core_at = layer - len(self.prelude)
+        if not self.cross_window or not len(self.core) <= core_at < len(self.core) * self.repeats:
+            return None
+        return len(self.prelude) + core_at % len(self.core)
+
     def first_repeat_end(self) -> int:
         """Logical layers up to the end of the first core repeat (the default draft tap)."""
         return len(self.prelude) + len(self.core)
@@ -131,6 +150,8 @@ class DepthPlan:
         valid = [1]
         if not self.cycle and not (pipelined_phases and draft_layer > len(self.prelude)):
             return valid  # (a draft inside the prelude would not read the core's state at all)
+        if self.cross_window:  # one repeat a slot: a slot's later repeat would read repeat 0 inside the same step
+            return valid + ([self.repeats] if draft_layer <= len(self.core) else [])
         for slots in range(2, self.repeats + 1):
             if self.repeats % slots == 0 and draft_layer <= len(self.prelude) + len(self.core) * (self.repeats // slots):
                 valid.append(slots)
@@ -164,7 +185,7 @@ class DepthPlan:
         return {"prelude": list(self.prelude), "core": list(self.core), "repeats": self.repeats, "coda": list(self.coda),
                 "loop_norm": self.loop_norm, "final_norm": self.final_norm, "injection": self.injection,
                 "readout_norm": self.readout_norm, "state_init": self.state_init, "state_seed": self.state_seed,
-                "state_std": self.state_std}
+                "state_std": self.state_std, "cross_window": self.cross_window}
 
     @classmethod
     def from_json(cls, data: dict) -> "DepthPlan":
@@ -172,7 +193,7 @@ class DepthPlan:
             return cls(tuple(data["prelude"]), tuple(data["core"]), int(data["repeats"]), tuple(data.get("coda", ())),
                        bool(data.get("loop_norm", False)), bool(data.get("final_norm", True)), data.get("injection"),
                        bool(data.get("readout_norm", False)), str(data.get("state_init", "zero")),
-                       int(data.get("state_seed", 0)), float(data.get("state_std", 0.0)))
+                       int(data.get("state_seed", 0)), float(data.get("state_std", 0.0)), int(data.get("cross_window", 0)))
         except (KeyError, TypeError, ValueError) as bad:
             raise CheckpointError(f"depth plan: malformed ({bad!r})") from None
 
@@ -186,6 +207,8 @@ class DepthPlan:
             parts.append(f"injection {self.injection} (state {start})")
         if self.readout_norm:
             parts.append("norm at each readout")
+        if self.cross_window:
+            parts.append(f"cross-repeat attention (repeat 0's K/V, own window {self.cross_window})")
         return ", ".join(parts)
 
 
@@ -275,7 +298,7 @@ def derive_plan(layer_map: list[int], loop_norm: bool = False, final_norm: bool 
 def fit_plan(layer_map: list[int], declared: DepthPlan | None, loop_norm: bool, final_norm: bool) -> DepthPlan:
     """The plan of LAYER_MAP: the DECLARED one (a family's loops, where its norms sit) relabelled when it
     repeats and fits, else derived from the map. The norms are the caller's (ModelConfig's flags)."""
-    if declared is not None and (declared.injection or declared.readout_norm):  # not derivable from a map: it must fit
+    if declared is not None and (declared.injection or declared.readout_norm or declared.cross_window):  # not derivable from a map
         if not declared.fits(layer_map):
             raise CheckpointError(f"depth plan ({declared.describe()}) does not fit the layer map {layer_map}")
         return replace(declared.relabel(layer_map), loop_norm=loop_norm, final_norm=final_norm)

@@ -124,6 +124,9 @@ class TorchBackend:
         if plan.injection or plan.readout_norm or cfg.embed_scale != 1.0:  # its trip loop is the layer map's alone
             raise SpeedcError(f"the PyTorch backend runs a layer map's layers in order; this model's depth plan "
                               f"({plan.describe()}) injects its entry state or norms at the readout: use --backend onnx")
+        if plan.cross_window:  # its layers run row_layer's cross read in the graphs only
+            raise SpeedcError(f"the PyTorch backend does not run cross-repeat attention ({plan.describe()}): "
+                              "use --backend onnx-numpy")
         self.device = _device(device)
         if cuda_graphs and self.device.type != "cuda":
             raise SpeedcError(f"CUDA graphs need a CUDA device, not {device!r}")
