@@ -138,8 +138,9 @@ def layer_over_rows(block: Block, x: torch.Tensor, ctx: RowContext, past_k: torc
         own = _attend(qg, past_k, past_v, ctx.window_past_mask, k, v, ctx.window_chunk_mask, ctx.past_len)
         new_k, new_v = (k, v) if cross.new_k is None else (cross.new_k, cross.new_v)
         shared = _attend(qg, cross.past_k, cross.past_v, cross.past_mask, new_k, new_v, cross.chunk_mask, ctx.past_len)
-        logit = (q * cross.gate_weight[:, None, :]).sum(-1, keepdim=True) + cross.gate_bias[:, None, None]  # [R, h, L, 1]
-        gate = torch.sigmoid(logit)
+        # the gate's weights feed Mul / Add as stored (an indexed view would be folded into a renamed constant)
+        logit = (q.transpose(1, 2) * cross.gate_weight).sum(-1) + cross.gate_bias  # [R, L, h]
+        gate = torch.sigmoid(logit).transpose(1, 2)[..., None]  # [R, h, L, 1]
         if cross.mixes is not None:  # a row of repeat 0 in a step: g = 1, A_shared (its own causal read) alone
             gate = gate * cross.mixes + (1.0 - cross.mixes)
         gate = gate.reshape(rows, kvh, g * length, 1)  # [R, kvh, g*L, 1]: heads grouped as qg's
