@@ -135,3 +135,18 @@ def test_torch_backend_refuses_cross_repeat_attention(case):
     with pytest.raises(SpeedcError) as error:
         TorchBackend(artifact, read_manifest(artifact))
     assert "\n" not in str(error.value) and "cross-repeat attention" in str(error.value)
+
+
+def test_memory_bound_shape_in_the_published_layout():
+    """`speedc bench --memory-bound --shape iquest-loop` at a tiny size: the random checkpoint is written in
+    the published layout (gates included), built, and SPEED's ids equal plain decoding's at P = 2; the
+    published shape counts the 40B model's parameters."""
+    from speedc.bench.synthetic import SHAPES, Shape, pipeline_depths, synthetic_step_costs
+
+    tiny = Shape("iquest-tiny", 64, 4, 2, 16, 96, 128, 2, 2, looped=False, cross_window=4)
+    assert pipeline_depths(tiny, 2) == [2]
+    report = synthetic_step_costs(shape=tiny, context=64, repeats=3, end_to_end=True, new_tokens=10, prompts=2)
+    assert [row["slots"] for row in report["rows"]] == [2] and report["rows"][0]["ids_identical"]
+    assert report["end_to_end"]["identical_ids"]
+    shape = SHAPES["iquest-loop"]
+    assert 39e9 < shape.layers * shape.block_params() + shape.fixed_params() < 41e9
