@@ -3,7 +3,7 @@ written from the published modeling code (tests/iquest_checkpoints.py), on a tin
 the published layout whose loop window (3) is shorter than the sequences, so the window matters.
 
     reference logits (final and draft) == the oracle's
-    the artifact pipelines one loop per slot (P = 2), standard graphs only (no fused variant)
+    the artifact pipelines one loop per slot (P = 2), standard graphs only (no fused variant); P = 1 too
     greedy: batched SPEED ids == batched plain ids == the oracle's, on both ONNX Runtime backends; the
             run both accepts and flushes speculations, so the equalities cover both paths
     seeded sampling: SPEED == plain
@@ -96,6 +96,16 @@ def test_greedy_and_sampled_ids(case, backend):
                                   **extra) for extra in ({"row_budget": None, "per_sequence": False}, {"row_budget": 0})]
     assert {r.stats.mode for r in runs[0]} == {"batch speed"}
     assert [r.ids for r in runs[0]] == [r.ids for r in runs[1]]
+
+
+def test_plain_engine_at_p1(case, tmp_path):
+    """The other valid depth, P = 1: the prefill program alone, its greedy ids the oracle's."""
+    directory, oracle, _ = case
+    artifact = build(directory, tmp_path / "plain", BuildOptions(slots=1)).out
+    assert read_manifest(artifact).slots == 1
+    engine = Engine.load(artifact, backend="onnx-numpy", lazy=True)
+    results = engine.generate_batch(prompts(), max_new_tokens=NEW_TOKENS, stop_at_eos=False, max_batch=3)
+    assert [r.ids for r in results] == [oracle.greedy(p, NEW_TOKENS) for p in prompts()]
 
 
 @pytest.mark.parametrize("key, value, named", [
