@@ -47,7 +47,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @dataclass
 class RowContext:
-    """What every layer of one call shares: rotary tables and the two masks."""
+    """What every layer of one call shares: rotary tables and the masks."""
     cos: torch.Tensor  # [R, 1, L, hd]
     sin: torch.Tensor
     past_mask: torch.Tensor  # [R, 1, 1, T]: 0 where key index < the row's start, -inf elsewhere

@@ -28,8 +28,8 @@ that hold a token (gqa_attention.BatchPool).
 
 A depth plan with a prelude or coda (models/depth_plan.py) gets its batch step from
 passes/phase_step_program.py instead (slot 0 runs the prelude, each readout its coda with its own
-K/V); the heads below read its readouts. Standard graph only: the fused variant runs cycles. So does a
-cycle with cross-repeat attention (IQuest-Coder-V1-Loop): its later slots run another attention than slot 0.
+K/V); the heads below read its readouts. Standard graph only: the fused variant runs cycles. A cycle with
+cross-repeat attention (IQuest-Coder-V1-Loop) gets its step there too: its later slots attend otherwise than slot 0.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ readout applies model.norm before its coda where the plan says (readout_norm).
 With cross-repeat attention (IQuest-Coder-V1-Loop; one core, one repeat a slot) every row of stage layer j
 also reads slot 0's slab of j (repeat 0's K/V): slot 0's rows over [pool | their own new rows] (causal) with
 g = 1, their plain attention; the rows of later slots over the pool up to their own position, which slot 0
-wrote a step earlier, gated against their own K/V's last W positions. No coda: the readouts are every row's
+wrote a step earlier, gated against their own K/V's last W positions. A cycle: the readouts are every row's
 state at the tap and at the stage's end (the heads gather slot 0's and slot P-1's).
 
 The heads (passes/batch_step_graph.add_batch_heads) gather their rows from the readouts: exit rows are
@@ -123,7 +123,7 @@ class PhaseStepProgram(nn.Module):
         ctx = row_context(positions, 1, past_len, self.inv_freq, groups, plan.cross_window)
         later = None
         if plan.cross_window:  # [R]: rows of slots 1.. (they read repeat 0's K/V of their own position from the pool)
-            later = ((torch.arange(p)[:, None] > 0) & (by_slot >= 0)).reshape(-1)
+            later = ((torch.arange(p)[:, None] > 0) & (by_slot >= 0)).reshape(-1)  # (by_slot >= 0: [P, n], every row)
         stage_blocks, taps, core_k, core_v = self.pipeline.stage_blocks, [], [], []
         tap = self.pipeline.draft_layer - layout.prelude_layers - 1  # stage layer after which the draft reads out
         for j, block in enumerate(stage_blocks):
@@ -146,7 +146,7 @@ class PhaseStepProgram(nn.Module):
         zeros = torch.zeros_like(behind[:, :hidden])  # [(P-1)n, H]: rows no readout reads
         readout_draft = torch.cat((draft, zeros), dim=0)  # [R, H]
         readout_final = torch.cat((zeros, final), dim=0)  # [R, H]
-        if not plan.coda:  # every row's state reads out as in a cycle's step (the early-flush checks read deeper slots)
+        if plan.cross_window:  # a cycle: every row's state reads out as in its step (early-flush checks read deeper slots)
             readout_draft, readout_final = taps[tap], x
         carried = torch.cat((x, entry), dim=-1) if plan.injection else x  # [R, 2H] or [R, H]
 
@@ -157,7 +157,6 @@ class PhaseStepProgram(nn.Module):
         coda_v = torch.stack((stacked(draft_v), stacked(final_v)), dim=1)
         presents = [t for pair in zip(core_k, core_v) for t in pair]
         return (readout_draft, readout_final, carried, stacked(prelude_k), stacked(prelude_v), coda_k, coda_v, *presents)
-
 
     def _cross_read(self, j: int, core, ctx, positions: torch.Tensor, later: torch.Tensor) -> CrossRead:
         """Stage layer J's read of repeat 0's K/V for every row: slot 0's slab of J (see the module docstring)."""
