@@ -87,6 +87,8 @@ def test_greedy_and_sampled_ids(case, backend):
     chunked = engine.generate_batch(prompts(), max_new_tokens=NEW_TOKENS, stop_at_eos=False, row_budget=0, max_batch=3,
                                     prefill_chunk=4)  # a second prompt chunk reads the cache and its own rows
     assert [r.ids for r in chunked] == expected
+    adaptive = engine.generate_batch(prompts(), max_new_tokens=NEW_TOKENS, stop_at_eos=False, max_batch=3)
+    assert [r.ids for r in adaptive] == expected  # the default policy: a sequence may switch between SPEED and plain
     assert {r.stats.mode for r in speed} == {"batch speed"}
     assert [r.ids for r in speed] == expected
     accepted, mispredicted = sum(r.stats.accepted for r in speed), sum(r.stats.mispredicted for r in speed)
