@@ -9,7 +9,8 @@ Llama layers run loop_num = 2 times, the second loop reading the first's K/V.
     logits = lm_head(model.norm(h))
 
 As the published code reads it (vLLM / SGLang iquest_loopcoder.py, mlx-lm iquestloopcoder.py): W =
-loop_window_size keys up to the query's own, loop 0's K/V up to the query's position. SPEED pipelines it
+loop_window_size keys up to the query's own (vLLM's sliding window and mlx-lm's mask; SGLang hands W to
+a window that excludes the query's own key, so attends W + 1 there), loop 0's K/V up to the query's position. SPEED pipelines it
 at P = 2 (one loop a slot): loop 1 of token t reads loop 0's K/V at positions <= t, which slot 0 wrote a
 step earlier. The draft is lm_head(model.norm(h)) after loop 0 (the published model has no exit head).
 """
@@ -52,7 +53,8 @@ def read_config(data: dict[str, Any]) -> ModelConfig:
 
 def config_notes(data: dict[str, Any]) -> list[str]:
     return [f"{data.get('num_hidden_layers')} layers looped {data.get('loop_num', 2)} times; the second loop reads "
-            f"the first's K/V, gated against its own last loop_window_size={data.get('loop_window_size', 64)} positions"]
+            f"the first's K/V, gated against its own last loop_window_size={data.get('loop_window_size', 64)} positions "
+            "(the query's own included, as vLLM and mlx-lm count them; SGLang's window holds one more)"]
 
 
 register_family(Family("iquest_loop", ("IQuestLoopCoderForCausalLM",), ("iquestloopcoder",), read_config,
