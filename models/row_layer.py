@@ -71,6 +71,7 @@ class CrossRead:
     gate_weight: torch.Tensor  # [h, hd]
     gate_bias: torch.Tensor  # [h]
     mixes: torch.Tensor | None = None  # [R, 1, 1, 1]: 1 a gated row, 0 a row taking A_shared alone (None: every row mixes)
+    past_len: int | None = None  # positions of past_k (None: ctx.past_len, the own past's)
 
 
 def row_context(starts: torch.Tensor, length: int, past_len: int, inv_freq: torch.Tensor, groups: int,
@@ -137,7 +138,8 @@ def layer_over_rows(block: Block, x: torch.Tensor, ctx: RowContext, past_k: torc
     else:
         own = _attend(qg, past_k, past_v, ctx.window_past_mask, k, v, ctx.window_chunk_mask, ctx.past_len)
         new_k, new_v = (k, v) if cross.new_k is None else (cross.new_k, cross.new_v)
-        shared = _attend(qg, cross.past_k, cross.past_v, cross.past_mask, new_k, new_v, cross.chunk_mask, ctx.past_len)
+        shared = _attend(qg, cross.past_k, cross.past_v, cross.past_mask, new_k, new_v, cross.chunk_mask,
+                         ctx.past_len if cross.past_len is None else cross.past_len)
         # the gate's weights feed Mul / Add as stored (an indexed view would be folded into a renamed constant)
         logit = (q.transpose(1, 2) * cross.gate_weight).sum(-1) + cross.gate_bias  # [R, L, h]
         gate = torch.sigmoid(logit).transpose(1, 2)[..., None]  # [R, h, L, 1]

@@ -4,10 +4,10 @@ the published layout whose loop window (3) is shorter than the sequences, so the
 
     reference logits (final and draft) == the oracle's
     the artifact pipelines one loop per slot (P = 2), standard graphs only (no fused variant); P = 1 too
-    greedy: batched SPEED ids == batched plain ids == the oracle's, on both ONNX Runtime backends; the
-            run both accepts and flushes speculations, so the equalities cover both paths
+    greedy: batched SPEED ids == batched plain ids == the oracle's, on every backend (ONNX Runtime's two,
+            PyTorch); the run both accepts and flushes speculations, so the equalities cover both paths
     seeded sampling: SPEED == plain
-    refused options and the PyTorch backend: one line each
+    refused options: one line each
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from iquest_checkpoints import IQuestOracle, write_iquest
 from looped_checkpoints import batch_plain_and_speed, seeded_prompt
 from speedc import Engine
 from speedc.build import build
-from speedc.errors import CheckpointError, SpeedcError
+from speedc.errors import CheckpointError
 from speedc.format import contract
 from speedc.format.artifact import read_manifest
 from speedc.models.checkpoint.torch_io import load_model, open_checkpoint
@@ -100,6 +100,36 @@ def test_greedy_and_sampled_ids(case, backend):
     assert [r.ids for r in runs[0]] == [r.ids for r in runs[1]]
 
 
+def _scheduled(backend, params, speculate: bool) -> list:
+    """PROMPTS decoded together on BACKEND by the batch scheduler: speculating at every step, or plain."""
+    from speedc.models.sampling import TokenPicker
+    from speedc.runtimes.batch import BatchScheduler, RowPolicy
+    from speedc.runtimes.decode import Request
+
+    scheduler = BatchScheduler(backend, policy=RowPolicy(row_budget=None if speculate else 0))
+    sequences = [scheduler.submit(Request(list(p), NEW_TOKENS, TokenPicker(params), stop=lambda ids: None))
+                 for p in prompts()]
+    while scheduler.busy:
+        scheduler.step()
+    return sequences
+
+
+def test_torch_backend(case):
+    """The PyTorch backend (the CUDA path) runs the same cross read: greedy SPEED == plain == the oracle's,
+    with both accepted and flushed speculations; seeded sampling SPEED == plain."""
+    from speedc.models.sampling import SamplingParams
+    from speedc.runtimes.backends.torch_backend import TorchBackend
+
+    _, oracle, artifact = case
+    backend = TorchBackend(artifact, read_manifest(artifact), max_batch=3)
+    expected = [oracle.greedy(p, NEW_TOKENS) for p in prompts()]
+    speed, plain = (_scheduled(backend, SamplingParams(), speculate) for speculate in (True, False))
+    assert [s.out for s in speed] == [s.out for s in plain] == expected
+    assert sum(s.stats.accepted for s in speed) > 0 and sum(s.stats.mispredicted for s in speed) > 0
+    seeded = SamplingParams(temperature=0.9, top_k=40, seed=11)
+    assert [s.out for s in _scheduled(backend, seeded, True)] == [s.out for s in _scheduled(backend, seeded, False)]
+
+
 def test_plain_engine_at_p1(case, tmp_path):
     """The other valid depth, P = 1: the prefill program alone, its greedy ids the oracle's."""
     directory, oracle, _ = case
@@ -138,15 +168,6 @@ def test_missing_gate_is_one_line(tmp_path):
     with pytest.raises(CheckpointError) as error:
         open_checkpoint(directory)
     assert "\n" not in str(error.value) and "missing tensor model.gate_projections.0.bias" in str(error.value)
-
-
-def test_torch_backend_refuses_cross_repeat_attention(case):
-    from speedc.runtimes.backends.torch_backend import TorchBackend
-
-    _, _, artifact = case
-    with pytest.raises(SpeedcError) as error:
-        TorchBackend(artifact, read_manifest(artifact))
-    assert "\n" not in str(error.value) and "cross-repeat attention" in str(error.value)
 
 
 def test_memory_bound_shape_in_the_published_layout():
