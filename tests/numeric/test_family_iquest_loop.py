@@ -154,20 +154,28 @@ def test_refused_options_are_one_line(tmp_path, key, value, named):
     assert "\n" not in str(error.value) and named in str(error.value)
 
 
-def test_missing_gate_is_one_line(tmp_path):
+@pytest.mark.parametrize("change, named", [
+    ("drop", "missing tensor model.gate_projections.0.bias"),
+    ("reshape", "model.gate_projections.0.weight has shape [4, 8] but config.json implies [4, 16]"),
+])
+def test_bad_gate_tensor_is_one_line(tmp_path, change, named):
+    """A gate missing (and left out of the index), or of the wrong shape: one line naming it."""
+    from safetensors.torch import load_file, save_file
+
     directory = write_iquest(tmp_path / "ckpt", layers=1, vocab=VOCAB)
     index = directory / "model.safetensors.index.json"
     data = json.loads(index.read_text())
-    from safetensors.torch import load_file, save_file
-
     shard = directory / data["weight_map"]["model.gate_projections.0.bias"]
-    tensors = {k: v for k, v in load_file(str(shard)).items() if k != "model.gate_projections.0.bias"}
+    tensors = load_file(str(shard))
+    if change == "drop":
+        del tensors["model.gate_projections.0.bias"], data["weight_map"]["model.gate_projections.0.bias"]
+        index.write_text(json.dumps(data))
+    else:
+        tensors["model.gate_projections.0.weight"] = tensors["model.gate_projections.0.weight"][:, :8].contiguous()
     save_file(tensors, str(shard), metadata={"format": "pt"})
-    del data["weight_map"]["model.gate_projections.0.bias"]
-    index.write_text(json.dumps(data))
     with pytest.raises(CheckpointError) as error:
         open_checkpoint(directory)
-    assert "\n" not in str(error.value) and "missing tensor model.gate_projections.0.bias" in str(error.value)
+    assert "\n" not in str(error.value) and named in str(error.value)
 
 
 def test_memory_bound_shape_in_the_published_layout():
