@@ -14,6 +14,9 @@ pipeline spreads them over P slots.
     Parcae       prelude (0 1) then model.prelude_norm -> e; core (2 3) R=8, each repeat first
                  state = decay * state + dt * (e B^T) (diagonal-decay); the readout projection C on the
                  core's state at every readout, before the coda (4 5); model.norm at the head
+    IQuest-Loop  core (0..L-1) R=2 with cross-repeat attention: repeat r >= 1's layer i attends
+                 g * Attn(q, repeat 0's K/V of layer i, causal) + (1 - g) * Attn(q, its own K/V, last W positions),
+                 g = sigmoid(<q_h, w_h> + b_h) per head (model.gate_projections.{i}); P = R, one repeat a slot
 
 The pipeline (SlotPlan): P slots, each running K = R/P consecutive core repeats of one token; slot 0
 also runs the prelude for the token entering it. The draft reads out inside slot 0 (after
@@ -69,6 +72,9 @@ class DepthPlan:
     state_std: float = 0.0  # the family's scale of a random start (Huginn: sqrt(2 / (5 H)) * sqrt(H))
     prelude_norm: bool = False  # model.prelude_norm on the prelude's output, the entry state e (Parcae's ln_prelude)
     readout_projection: bool = False  # model.readout ([H, H]) on the core's state at every readout, before the coda (Parcae's C)
+    # Cross-repeat attention (IQuest-Coder-V1-Loop), on when > 0: the window W of each later repeat's own K/V;
+    # repeat 0's K/V of the same core layer is read in full (positions <= the token's), the two mixed per head.
+    cross_window: int = 0
 
     def __post_init__(self) -> None:
         if not self.core or self.repeats < 1:
@@ -81,6 +87,11 @@ class DepthPlan:
                                   "injection's recurrent core)")
         if (self.prelude_norm or self.injection) and not self.prelude:
             raise CheckpointError("depth plan: an injection reads the prelude's output e; this plan has no prelude")
+        if isinstance(self.cross_window, bool) or not isinstance(self.cross_window, int) or self.cross_window < 0:
+            raise CheckpointError(f"depth plan: cross_window must be an integer >= 0, got {self.cross_window!r}")
+        if self.cross_window and (self.prelude or self.coda or self.injection or self.repeats < 2):
+            raise CheckpointError("depth plan: cross-repeat attention is built for one core repeated at least twice, "
+                                  "without prelude, coda or injection")
 
     @property
     def carried_vectors(self) -> int:
@@ -128,6 +139,14 @@ class DepthPlan:
         return (bool(self.injection) and 0 <= core_at < len(self.core) * self.repeats
                 and core_at % len(self.core) == 0)
 
+    def cross_source(self, layer: int) -> int | None:
+        """The logical layer whose K/V logical layer LAYER reads across repeats (repeat 0's layer at the same
+        core index), or None where it attends only its own K/V."""
+        core_at = layer - len(self.prelude)
+        if not self.cross_window or not len(self.core) <= core_at < len(self.core) * self.repeats:
+            return None
+        return len(self.prelude) + core_at % len(self.core)
+
     def first_repeat_end(self) -> int:
         """Logical layers up to the end of the first core repeat (the default draft tap)."""
         return len(self.prelude) + len(self.core)
@@ -139,6 +158,8 @@ class DepthPlan:
         valid = [1]
         if not self.cycle and not (pipelined_phases and draft_layer > len(self.prelude)):
             return valid  # (a draft inside the prelude would not read the core's state at all)
+        if self.cross_window:  # one repeat a slot: a slot's later repeat would read repeat 0 inside the same step
+            return valid + ([self.repeats] if draft_layer <= len(self.core) else [])
         for slots in range(2, self.repeats + 1):
             if self.repeats % slots == 0 and draft_layer <= len(self.prelude) + len(self.core) * (self.repeats // slots):
                 valid.append(slots)
@@ -173,7 +194,7 @@ class DepthPlan:
                 "loop_norm": self.loop_norm, "final_norm": self.final_norm, "injection": self.injection,
                 "readout_norm": self.readout_norm, "state_init": self.state_init, "state_seed": self.state_seed,
                 "state_std": self.state_std, "prelude_norm": self.prelude_norm,
-                "readout_projection": self.readout_projection}
+                "readout_projection": self.readout_projection, "cross_window": self.cross_window}
 
     @classmethod
     def from_json(cls, data: dict) -> "DepthPlan":
@@ -182,7 +203,8 @@ class DepthPlan:
                        bool(data.get("loop_norm", False)), bool(data.get("final_norm", True)), data.get("injection"),
                        bool(data.get("readout_norm", False)), str(data.get("state_init", "zero")),
                        int(data.get("state_seed", 0)), float(data.get("state_std", 0.0)),
-                       bool(data.get("prelude_norm", False)), bool(data.get("readout_projection", False)))
+                       bool(data.get("prelude_norm", False)), bool(data.get("readout_projection", False)),
+                       int(data.get("cross_window", 0)))
         except (KeyError, TypeError, ValueError) as bad:
             raise CheckpointError(f"depth plan: malformed ({bad!r})") from None
 
@@ -198,6 +220,8 @@ class DepthPlan:
             parts.append("norm at each readout")
         if self.readout_projection:
             parts.append("projection at each readout")
+        if self.cross_window:
+            parts.append(f"cross-repeat attention (repeat 0's K/V, own window {self.cross_window})")
         return ", ".join(parts)
 
 
@@ -288,7 +312,7 @@ def fit_plan(layer_map: list[int], declared: DepthPlan | None, loop_norm: bool, 
     """The plan of LAYER_MAP: the DECLARED one (a family's loops, where its norms sit) relabelled when it
     repeats and fits, else derived from the map. The norms are the caller's (ModelConfig's flags)."""
     if declared is not None and (declared.injection or declared.readout_norm or declared.prelude_norm
-                                 or declared.readout_projection):  # not derivable from a map: it must fit
+                                 or declared.readout_projection or declared.cross_window):  # not derivable from a map: it must fit
         if not declared.fits(layer_map):
             raise CheckpointError(f"depth plan ({declared.describe()}) does not fit the layer map {layer_map}")
         return replace(declared.relabel(layer_map), loop_norm=loop_norm, final_norm=final_norm)

@@ -7,6 +7,9 @@
 What the config says a family's block and loop do (models/config.py): sandwich norms normalize each
 sublayer's output before its residual add (Ouro); a loop norm replaces the state by model.norm(state)
 after every pass over the M blocks (looped models), in which case the heads may read it unnormed.
+With cross-repeat attention (IQuest-Coder-V1-Loop, DepthPlan.cross_window = W) every layer of a later
+repeat attends g * Attn(q, repeat 0's K/V of its core layer, causal) + (1 - g) * Attn(q, its own K/V, the
+last W positions), g = sigmoid(<q_h, w_h> + b_h) per head from model.gate_projections.{core index}.
 
 Every compiled path is checked against this module, so it favours plain, obviously-correct code
 (explicit RoPE, explicit GQA repeat, fp32 RMSNorm) over speed. It is written with ops that export to
@@ -102,7 +105,7 @@ class Attention(nn.Module):
         return q, k, v.transpose(1, 2)
 
     def forward(self, x, cos, sin, cache: "LayerCache | None" = None, start_pos: int = 0,
-                token_ids: torch.Tensor | None = None) -> torch.Tensor:
+                token_ids: torch.Tensor | None = None, cross: "CrossRepeat | None" = None) -> torch.Tensor:
         b, length, _ = x.shape
         q, k, v = self.project(x, cos, sin, token_ids)
         if cache is None:  # training / full-sequence path
@@ -111,15 +114,49 @@ class Attention(nn.Module):
             cache.k[:, :, start_pos:start_pos + length] = k
             cache.v[:, :, start_pos:start_pos + length] = v
             end = start_pos + length
-            groups = self.num_heads // self.num_kv_heads
-            keys = cache.k[:, :, :end].repeat_interleave(groups, dim=1)  # [B, h, end, hd]
-            values = cache.v[:, :, :end].repeat_interleave(groups, dim=1)
-            scores = q @ keys.transpose(-1, -2) / math.sqrt(self.head_dim)  # [B, h, L, end]
-            query_pos = torch.arange(start_pos, end, device=x.device)[:, None]
-            key_pos = torch.arange(end, device=x.device)[None, :]
-            scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
-            out = torch.softmax(scores.float(), dim=-1).to(q.dtype) @ values
+            out = self._attend(q, cache.k[:, :, :end], cache.v[:, :, :end], start_pos, cross.window if cross else 0)
+            if cross is not None:  # IQuest: repeat 0's K/V in full and the own window, mixed per head
+                gate = cross.gate(q)  # [B, h, L, 1]
+                shared = self._attend(q, cross.source.k[:, :, :end], cross.source.v[:, :, :end], start_pos, 0)
+                out = gate * shared + (1 - gate) * out
         return self.o_proj(out.transpose(1, 2).reshape(b, length, self.num_heads * self.head_dim))
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start_pos: int, window: int) -> torch.Tensor:
+        """q [B, h, L, hd] at positions start_pos.. over keys/values [B, kvh, end, hd], causal (and, WINDOW > 0,
+        only the last WINDOW positions up to the query's own) -> [B, h, L, hd]."""
+        groups = self.num_heads // self.num_kv_heads
+        end = keys.shape[2]
+        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)  # [B, h, end, hd]
+        scores = q @ keys.transpose(-1, -2) / math.sqrt(self.head_dim)  # [B, h, L, end]
+        query_pos = torch.arange(start_pos, start_pos + q.shape[2], device=q.device)[:, None]
+        key_pos = torch.arange(end, device=q.device)[None, :]
+        hidden = key_pos > query_pos
+        if window:
+            hidden = hidden | (key_pos <= query_pos - window)
+        scores = scores.masked_fill(hidden, float("-inf"))
+        return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ values
+
+
+class LoopGate(nn.Module):
+    """A cross-repeat layer's mix per head: g_h = sigmoid(<q_h, w_h> + b_h), q after rotary (IQuest's
+    model.gate_projections.{i}: weight [h, hd], bias [h])."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(cfg.num_attention_heads, cfg.head_dim))
+        self.bias = nn.Parameter(torch.zeros(cfg.num_attention_heads))
+
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        """q [B, h, L, hd] -> g [B, h, L, 1]."""
+        return torch.sigmoid((q * self.weight[:, None, :]).sum(-1, keepdim=True) + self.bias[:, None, None])
+
+
+@dataclass
+class CrossRepeat:
+    """What a cross-repeat layer reads beside its own cache: repeat 0's cache of its core layer, its gate, its window."""
+    source: "LayerCache"
+    gate: LoopGate
+    window: int
 
 
 class MLP(nn.Module):
@@ -151,8 +188,9 @@ class Block(nn.Module):
             self.post_attention_layernorm_2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.sandwich, self.post = cfg.sandwich_norms, cfg.post_norms
 
-    def forward(self, x, cos, sin, cache=None, start_pos: int = 0, token_ids=None) -> torch.Tensor:
-        attended = self.self_attn(self.input_layernorm(x), cos, sin, cache, start_pos, token_ids)
+    def forward(self, x, cos, sin, cache=None, start_pos: int = 0, token_ids=None,
+                cross: CrossRepeat | None = None) -> torch.Tensor:
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, cache, start_pos, token_ids, cross)
         if self.post:  # Huginn: the second norms take the residual sums
             x = self.input_layernorm_2(x + attended)
             return self.post_attention_layernorm_2(x + self.mlp(self.post_attention_layernorm(x)))
@@ -194,6 +232,8 @@ class Decoder(nn.Module):
             self.prelude_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if plan.readout_projection:
             self.readout = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+        if cfg.depth_plan.cross_window:  # one gate per core layer, read by its later repeats
+            self.gate_projections = nn.ModuleList(LoopGate(cfg) for _ in cfg.depth_plan.core)
 
     def inject(self, x: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
         """A core repeat's input from the state X and the entry state ENTRY (the plan's injection)."""
@@ -257,6 +297,8 @@ class SharedLlama(nn.Module):
         x = self.model.embed_tokens(input_ids) * cfg.embed_scale  # [B, L, H]
         core_end = len(plan.prelude) + len(plan.core) * plan.repeats
         exit_logits = entry = None
+        if plan.cross_window and cache is None:  # later repeats read repeat 0's K/V: a cache of this call's own
+            cache = new_kv_cache(cfg, b, length, x.dtype, x.device)
         for step in plan.trip():
             layer = step.layer
             if plan.prelude_norm and layer == len(plan.prelude):  # the prelude's output is normed (Parcae)
@@ -265,7 +307,11 @@ class SharedLlama(nn.Module):
                 entry, x = x, torch.zeros_like(x)
             if step.injects:
                 x = self.model.inject(x, entry)
-            x = self.model.blocks[step.block](x, cos, sin, None if cache is None else cache[layer], start_pos, input_ids)
+            source = plan.cross_source(layer)
+            cross = None if source is None else CrossRepeat(cache[source], self.model.gate_projections[source - len(plan.prelude)],
+                                                            plan.cross_window)
+            x = self.model.blocks[step.block](x, cos, sin, None if cache is None else cache[layer], start_pos, input_ids,
+                                              cross)
             if step.norm_after:
                 x = self.model.norm(x)
             if layer + 1 == core_end:

@@ -7,6 +7,13 @@ cache it only reads: the semantics of a SPEED step (row s = slot s) and of a pre
     then x + mlp(rms_norm(x))        (with sandwich norms each sublayer's output is normed before its add;
                                       with post norms, Huginn's, the second norms take the sums instead)
 
+A cross-repeat layer (IQuest-Coder-V1-Loop, `cross`) scores q twice, and mixes the two per head:
+
+    own K/V   [past | chunk], the last W positions only (ctx.window_*)  ── softmax ── A_own
+    repeat 0's K/V [cross past | cross chunk] (CrossRead's masks)        ── softmax ── A_shared
+    g = sigmoid(<q_h, w_h> + b_h) (q after rotary); rows whose `mixes` is 0 take A_shared alone
+    attended = g * A_shared + (1 - g) * A_own
+
 The residual stream stays 2-D, [R*L, H] (token rows), between and inside layers: every projection is
 F.linear on it (ONNX Gemm, transB=1) and every norm and residual add runs on it, so the exported layer
 has no Reshape outside attention, and an Add feeding a norm is the pair ONNX Runtime fuses into one
@@ -40,7 +47,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @dataclass
 class RowContext:
-    """What every layer of one call shares: rotary tables and the two masks."""
+    """What every layer of one call shares: rotary tables and the masks."""
     cos: torch.Tensor  # [R, 1, L, hd]
     sin: torch.Tensor
     past_mask: torch.Tensor  # [R, 1, 1, T]: 0 where key index < the row's start, -inf elsewhere
@@ -48,10 +55,29 @@ class RowContext:
     past_len: int  # T
     rows: int  # R   (sizes taken once per call: traced, each would be a Shape node per layer)
     length: int  # L
+    window_past_mask: torch.Tensor | None = None  # [R, 1, g*L, T]: past_mask, and only the last W positions (cross-repeat)
+    window_chunk_mask: torch.Tensor | None = None  # [g*L, L]: chunk_mask, and only the last W positions
 
 
-def row_context(starts: torch.Tensor, length: int, past_len: int, inv_freq: torch.Tensor, groups: int) -> RowContext:
-    """STARTS [R] int: each row's first position; LENGTH: chunk length L; PAST_LEN: cache rows T."""
+@dataclass
+class CrossRead:
+    """What a cross-repeat layer reads beside its own cache: repeat 0's K/V of its core layer and its gate."""
+    past_k: torch.Tensor  # [R, kvh, T, hd]
+    past_v: torch.Tensor
+    past_mask: torch.Tensor  # [R, 1, 1, T]
+    new_k: torch.Tensor | None  # [R, kvh, L, hd]: the chunk's rows beside the past (plain decoding: repeat 0's, this
+    new_v: torch.Tensor | None  # call's); None: the layer's own (a step, whose rows of repeat 0 read themselves)
+    chunk_mask: torch.Tensor  # [g*L, L] or [R, 1, g*L, L]
+    gate_weight: torch.Tensor  # [h, hd]
+    gate_bias: torch.Tensor  # [h]
+    mixes: torch.Tensor | None = None  # [R, 1, 1, 1]: 1 a gated row, 0 a row taking A_shared alone (None: every row mixes)
+    past_len: int | None = None  # positions of past_k (None: ctx.past_len, the own past's)
+
+
+def row_context(starts: torch.Tensor, length: int, past_len: int, inv_freq: torch.Tensor, groups: int,
+                window: int = 0) -> RowContext:
+    """STARTS [R] int: each row's first position; LENGTH: chunk length L; PAST_LEN: cache rows T; WINDOW > 0:
+    also the masks of attention over the last WINDOW positions (a cross-repeat layer's own K/V)."""
     device = starts.device
     pos = starts[:, None] + torch.arange(length, device=device)[None, :]  # [R, L]
     freqs = pos.to(torch.float32)[..., None] * inv_freq  # [R, L, hd/2]
@@ -60,7 +86,14 @@ def row_context(starts: torch.Tensor, length: int, past_len: int, inv_freq: torc
     past_mask = torch.where(past_valid, 0.0, NEG_INF)[:, None, None, :]  # [R, 1, 1, T]
     idx = torch.arange(length, device=device)
     chunk_mask = torch.where(idx[None, :] <= idx[:, None], 0.0, NEG_INF).repeat(groups, 1)  # [g*L, L]
-    return RowContext(emb.cos(), emb.sin(), past_mask, chunk_mask, past_len, starts.shape[0], length)
+    ctx = RowContext(emb.cos(), emb.sin(), past_mask, chunk_mask, past_len, starts.shape[0], length)
+    if window:  # key position > query position - W
+        near = torch.arange(past_len, device=device)[None, None, :] > pos[:, :, None] - window  # [R, L, T]
+        window_past = torch.where(past_valid[:, None, :] & near, 0.0, NEG_INF)  # [R, L, T]
+        ctx.window_past_mask = window_past.repeat(1, groups, 1)[:, None]  # [R, 1, g*L, T]
+        chunk_near = (idx[None, :] <= idx[:, None]) & (idx[None, :] > idx[:, None] - window)  # [L, L]
+        ctx.window_chunk_mask = torch.where(chunk_near, 0.0, NEG_INF).repeat(groups, 1)  # [g*L, L]
+    return ctx
 
 
 def rotary_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
@@ -83,11 +116,22 @@ def value_embedding(attn, xn: torch.Tensor, token_ids: torch.Tensor, kvh: int, h
     return (embedded * gate[..., None]).reshape(-1, kvh * hd)
 
 
+def _attend(qg: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, past_mask: torch.Tensor, new_k: torch.Tensor,
+            new_v: torch.Tensor, chunk_mask: torch.Tensor, past_len: int) -> torch.Tensor:
+    """qg [R, kvh, g*L, hd] over [past | chunk], softmaxed together -> [R, kvh, g*L, hd]."""
+    s_past = qg @ past_k.transpose(2, 3) + past_mask  # [R, kvh, g*L, T]
+    s_new = qg @ new_k.transpose(2, 3) + chunk_mask  # [R, kvh, g*L, L]
+    w = torch.softmax(torch.cat((s_past, s_new), dim=-1), dim=-1)
+    return w[..., :past_len] @ past_v + w[..., past_len:] @ new_v  # [R, kvh, g*L, hd]
+
+
 def layer_over_rows(block: Block, x: torch.Tensor, ctx: RowContext, past_k: torch.Tensor, past_v: torch.Tensor,
-                    cfg: ModelConfig, token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    cfg: ModelConfig, token_ids: torch.Tensor | None = None,
+                    cross: CrossRead | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [R*L, H] (row r's L tokens contiguous); past_k/v [R, kvh, T, hd] -> (x [R*L, H], new k, new v
     [R, kvh, L, hd]). Every projection is F.linear on 2-D input (ONNX Gemm with transB=1): weights are
-    read as stored. TOKEN_IDS [R*L] int: the rows' tokens, read by a block with value embeddings."""
+    read as stored. TOKEN_IDS [R*L] int: the rows' tokens, read by a block with value embeddings. CROSS: a
+    cross-repeat layer's read of repeat 0's K/V (the module docstring)."""
     rows, length = ctx.rows, ctx.length
     h, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     g = h // kvh
@@ -114,11 +158,20 @@ def layer_over_rows(block: Block, x: torch.Tensor, ctx: RowContext, past_k: torc
         q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + QK_NORM_EPS)
         k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + QK_NORM_EPS)
     qg = (q * (1.0 / math.sqrt(hd))).reshape(rows, kvh, g * length, hd)  # [R, kvh, g*L, hd]
-    s_past = qg @ past_k.transpose(2, 3) + ctx.past_mask  # [R, kvh, g*L, T]
-    s_new = qg @ k.transpose(2, 3) + ctx.chunk_mask  # [R, kvh, g*L, L]
-    w = torch.softmax(torch.cat((s_past, s_new), dim=-1), dim=-1)
-    t = ctx.past_len
-    attended = w[..., :t] @ past_v + w[..., t:] @ v  # [R, kvh, g*L, hd]
+    if cross is None:
+        attended = _attend(qg, past_k, past_v, ctx.past_mask, k, v, ctx.chunk_mask, ctx.past_len)  # [R, kvh, g*L, hd]
+    else:
+        own = _attend(qg, past_k, past_v, ctx.window_past_mask, k, v, ctx.window_chunk_mask, ctx.past_len)
+        new_k, new_v = (k, v) if cross.new_k is None else (cross.new_k, cross.new_v)
+        shared = _attend(qg, cross.past_k, cross.past_v, cross.past_mask, new_k, new_v, cross.chunk_mask,
+                         ctx.past_len if cross.past_len is None else cross.past_len)
+        # the gate's weights feed Mul / Add as stored (an indexed view would be folded into a renamed constant)
+        logit = (q.transpose(1, 2) * cross.gate_weight).sum(-1) + cross.gate_bias  # [R, L, h]
+        gate = torch.sigmoid(logit).transpose(1, 2)[..., None]  # [R, h, L, 1]
+        if cross.mixes is not None:  # a row of repeat 0 in a step: g = 1, A_shared (its own causal read) alone
+            gate = gate * cross.mixes + (1.0 - cross.mixes)
+        gate = gate.reshape(rows, kvh, g * length, 1)  # [R, kvh, g*L, 1]: heads grouped as qg's
+        attended = gate * shared + (1.0 - gate) * own  # [R, kvh, g*L, hd]
     attended = attended.reshape(rows, h, length, hd).transpose(1, 2).reshape(rows * length, h * hd)
     attn_out = F.linear(attended, attn.o_proj.weight)  # [R*L, H]
     if cfg.post_norms:  # Huginn: norm2(x + attn), then norm4(h + mlp(norm3(h)))

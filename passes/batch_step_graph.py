@@ -28,7 +28,8 @@ that hold a token (gqa_attention.BatchPool).
 
 A depth plan with a prelude or coda (models/depth_plan.py) gets its batch step from
 passes/phase_step_program.py instead (slot 0 runs the prelude, each readout its coda with its own
-K/V); the heads below read its readouts. Standard graph only: the fused variant runs cycles.
+K/V); the heads below read its readouts. Standard graph only: the fused variant runs cycles. A cycle with
+cross-repeat attention (IQuest-Coder-V1-Loop) gets its step there too: its later slots attend otherwise than slot 0.
 """
 
 from __future__ import annotations
@@ -203,7 +204,8 @@ def build_phase_batch_step_graph(state: CompileState, decode: gs.Graph) -> gs.Gr
     known = graph.tensors()
     graph.inputs = [known[contract.INPUT_IDS], known[contract.POSITIONS], known[contract.HIDDEN_IN], *heads,
                     *(known[name] for name in initial), *(known[name] for name in slabs)]
-    phase_rows = [t for t in graph.outputs if t.name.startswith("new_")]
+    # a cycle's step (cross-repeat attention) returns no prelude / coda rows
+    phase_rows = [t for t in graph.outputs if t.name.startswith("new_")] if layout.pipelined_phases else []
     presents = [t for t in graph.outputs if t.name.startswith("present.")]
     outputs = add_batch_heads(graph, state, *heads, taps=(READOUT_FINAL, READOUT_DRAFT))
     graph.outputs = outputs + presents + phase_rows
@@ -213,7 +215,7 @@ def build_phase_batch_step_graph(state: CompileState, decode: gs.Graph) -> gs.Gr
 def build_batch_step_graph(decode: gs.Graph, state: CompileState) -> gs.Graph:
     cfg, sched = state.cfg, state.schedule
     layout = sched.cache_layout
-    if layout.pipelined_phases:
+    if layout.pipelined_phases or cfg.depth_plan.cross_window:
         return build_phase_batch_step_graph(state, decode)
     slots, stage_layers, hidden_size = layout.slots, layout.stage_layers, cfg.hidden_size
     graph = decode.copy()

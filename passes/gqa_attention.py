@@ -369,6 +369,9 @@ def gqa_attention(state: CompileState) -> CompileState:
     if state.schedule.cache_layout.pipelined_phases:
         state.notes.append("gqa_attention: skipped (the fused batch step runs a cycle; this plan pipelines a prelude / coda)")
         return state
+    if cfg.depth_plan.cross_window:  # two attentions a layer, gated: not one GroupQueryAttention
+        state.notes.append("gqa_attention: skipped (cross-repeat attention, IQuest-Coder-V1-Loop: standard graphs only)")
+        return state
     if cfg.qk_bias:  # an Add on q and k before rotary: not what the fusion's packed q|k|v input computes
         state.notes.append("gqa_attention: skipped (q/k biases before rotary, e.g. Huginn's qk_bias)")
         return state

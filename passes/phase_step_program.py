@@ -21,6 +21,12 @@ prelude's output (prelude_norm), injects with its diagonal decay, and projects t
 (readout_projection); its value embeddings read each row's token, so a slot also carries its token's id
 ([state | e | id], 2H + 1 wide: the id as a float, exact below 2^24) for its core and coda layers.
 
+With cross-repeat attention (IQuest-Coder-V1-Loop; one core, one repeat a slot) every row of stage layer j
+also reads slot 0's slab of j (repeat 0's K/V): slot 0's rows over [pool | their own new rows] (causal) with
+g = 1, their plain attention; the rows of later slots over the pool up to their own position, which slot 0
+wrote a step earlier, gated against their own K/V's last W positions. A cycle: the readouts are every row's
+state at the tap and at the stage's end (the heads gather slot 0's and slot P-1's).
+
 The heads (passes/batch_step_graph.add_batch_heads) gather their rows from the readouts: exit rows are
 slot 0's, final rows slot P-1's (runtimes/batch.py). New K/V: present.{kind}.{j} per stage layer (the
 kv_cache pass stacks them), new_{kind}.prelude [Lp, n, kvh, 1, hd], new_{kind}.coda [Lc, 2, n, kvh, 1, hd].
@@ -42,7 +48,8 @@ from speedc.errors import BuildError
 from speedc.models.config import ModelConfig
 from speedc.models.depth_plan import SlotPlan
 from speedc.models.llama import SharedLlama
-from speedc.models.row_layer import inject_entry, layer_over_rows, readout_entry, rms_norm, row_context, rotary_inv_freq
+from speedc.models.row_layer import (NEG_INF, CrossRead, inject_entry, layer_over_rows, readout_entry, rms_norm,
+                                      row_context, rotary_inv_freq)
 from speedc.passes.trace import OPSET, WeightsAsInputs
 
 STAGE_OUT_PREFIX = "hidden."  # hidden.{S-1}: the stage output (hidden_out)
@@ -73,12 +80,12 @@ class PhaseStepProgram(nn.Module):
         self.register_buffer("inv_freq", rotary_inv_freq(self.cfg), persistent=False)
         self.layout = pipeline.plan.cache_layout(pipeline.slots)  # the runtime's addressing
 
-    def _run(self, blocks, x, ctx, slabs, first_layer: int, token_ids):
+    def _run(self, blocks, x, ctx, slabs, first_layer: int, token_ids, cross: CrossRead | None = None):
         """x [r, H] through BLOCKS against SLABS [(k, v)] -> (x, [k], [v]), model.norm where a repeat ends.
-        TOKEN_IDS [r]: the rows' tokens (value embeddings)."""
+        TOKEN_IDS [r]: the rows' tokens (value embeddings); CROSS: a cross-repeat layer's read of repeat 0."""
         keys, values = [], []
         for offset, (block, (past_k, past_v)) in enumerate(zip(blocks, slabs)):
-            x, k, v = layer_over_rows(self.model.blocks[block], x, ctx, past_k, past_v, self.cfg, token_ids)
+            x, k, v = layer_over_rows(self.model.blocks[block], x, ctx, past_k, past_v, self.cfg, token_ids, cross)
             if self.cfg.depth_plan.ends_loop(first_layer + offset):
                 x = rms_norm(x, self.model.norm.weight, self.cfg.rms_norm_eps)
             keys.append(k)
@@ -123,7 +130,10 @@ class PhaseStepProgram(nn.Module):
             x = torch.cat((torch.zeros_like(x) if initial is None else initial, behind[:, :hidden]), dim=0)  # [R, H]
         else:
             x = torch.cat((x, behind), dim=0)  # [R, H]
-        ctx = row_context(positions, 1, past_len, self.inv_freq, groups)
+        ctx = row_context(positions, 1, past_len, self.inv_freq, groups, plan.cross_window)
+        later = None
+        if plan.cross_window:  # [R]: rows of slots 1.. (they read repeat 0's K/V of their own position from the pool)
+            later = ((torch.arange(p)[:, None] > 0) & (by_slot >= 0)).reshape(-1)  # (by_slot >= 0: [P, n], every row)
         stage_blocks, taps, core_k, core_v = self.pipeline.stage_blocks, [], [], []
         tap = self.pipeline.draft_layer - layout.prelude_layers - 1  # stage layer after which the draft reads out
         for j, block in enumerate(stage_blocks):
@@ -132,7 +142,8 @@ class PhaseStepProgram(nn.Module):
             past_v = torch.cat([core[step + 2 * s + 1] for s in range(p)], dim=0)
             if plan.injects_before(layout.prelude_layers + j):  # every slot's stage layer j starts a repeat alike
                 x = inject_entry(self.model, x, entry)
-            x, (k,), (v,) = self._run([block], x, ctx, [(past_k, past_v)], layout.prelude_layers + j, token_ids)
+            cross = self._cross_read(j, core, ctx, positions, later) if later is not None else None
+            x, (k,), (v,) = self._run([block], x, ctx, [(past_k, past_v)], layout.prelude_layers + j, token_ids, cross)
             core_k.append(k)
             core_v.append(v)
             taps.append(x)
@@ -146,6 +157,8 @@ class PhaseStepProgram(nn.Module):
         zeros = torch.zeros_like(behind[:, :hidden])  # [(P-1)n, H]: rows no readout reads
         readout_draft = torch.cat((draft, zeros), dim=0)  # [R, H]
         readout_final = torch.cat((zeros, final), dim=0)  # [R, H]
+        if plan.cross_window:  # a cycle: every row's state reads out as in its step (early-flush checks read deeper slots)
+            readout_draft, readout_final = taps[tap], x
         carried = torch.cat((x, entry), dim=-1) if plan.injection else x  # [R, 2H] or [R, H]
         if cfg.carries_token_id:  # [R, 2H + 1]: each row's token id rides along for its next slot's layers
             carried = torch.cat((carried, token_ids.to(x.dtype)[:, None]), dim=-1)
@@ -157,6 +170,18 @@ class PhaseStepProgram(nn.Module):
         coda_v = torch.stack((stacked(draft_v), stacked(final_v)), dim=1)
         presents = [t for pair in zip(core_k, core_v) for t in pair]
         return (readout_draft, readout_final, carried, stacked(prelude_k), stacked(prelude_v), coda_k, coda_v, *presents)
+
+    def _cross_read(self, j: int, core, ctx, positions: torch.Tensor, later: torch.Tensor) -> CrossRead:
+        """Stage layer J's read of repeat 0's K/V for every row: slot 0's slab of J (see the module docstring)."""
+        p = self.layout.slots
+        source_k = torch.cat([core[2 * j * p]] * p, dim=0)  # [R, kvh, T, hd]: slab (j, 0) for every slot's rows
+        source_v = torch.cat([core[2 * j * p + 1]] * p, dim=0)
+        ends = positions + later.to(positions.dtype)  # [R]: keys below the row's position, its own too from slot 1 on
+        past_mask = torch.where(torch.arange(ctx.past_len)[None, :] < ends[:, None], 0.0, NEG_INF)[:, None, None, :]  # [R, 1, 1, T]
+        chunk_mask = torch.where(later, NEG_INF, 0.0)[:, None, None, None]  # [R, 1, 1, 1]: slot 0 reads its own new rows
+        gate = self.model.gate_projections[j % len(self.pipeline.plan.core)]
+        return CrossRead(source_k, source_v, past_mask, None, None, chunk_mask, gate.weight, gate.bias,
+                         later.to(torch.float32)[:, None, None, None])
 
 
 def output_names(layout: CacheLayout) -> list[str]:

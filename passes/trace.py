@@ -40,7 +40,7 @@ from speedc.format import contract
 from speedc.errors import BuildError
 from speedc.models.config import ModelConfig
 from speedc.models.llama import SharedLlama
-from speedc.models.row_layer import inject_entry, layer_over_rows, readout_entry, rms_norm, row_context, rotary_inv_freq
+from speedc.models.row_layer import CrossRead, inject_entry, layer_over_rows, readout_entry, rms_norm, row_context, rotary_inv_freq
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.graph_utils import linear_to_gemm, replace_uses
 from speedc.passes.source_weights import weight_constant
@@ -77,7 +77,7 @@ class DecodeProgram(nn.Module):
         embeddings = x
         token_ids = input_ids.reshape(-1)  # [B*L]: the rows' tokens (value embeddings)
         ctx = row_context(positions, length, past[0].shape[2], self.inv_freq,
-                          cfg.num_attention_heads // cfg.num_key_value_heads)
+                          cfg.num_attention_heads // cfg.num_key_value_heads, plan.cross_window)
         core_end = len(plan.prelude) + len(plan.core) * plan.repeats
         hidden_out, present = [], []
         exit_logits = tap = entry = None
@@ -90,7 +90,7 @@ class DecodeProgram(nn.Module):
             if step.injects:
                 x = inject_entry(self.model, x, entry)
             x, k, v = layer_over_rows(self.model.blocks[step.block], x, ctx, past[2 * layer], past[2 * layer + 1], cfg,
-                                      token_ids)
+                                      token_ids, self._cross_read(layer, ctx, past, present))
             if step.norm_after:
                 x = rms_norm(x, self.model.norm.weight, cfg.rms_norm_eps)
             if layer + 1 == core_end:  # the readout's norm / projection, before the coda
@@ -112,6 +112,17 @@ class DecodeProgram(nn.Module):
                 present += [k, v]
             exit_logits = self._head(tap, final_norm).reshape(b, length, -1)
         return (logits, exit_logits, embeddings, *hidden_out, *present)
+
+    def _cross_read(self, layer: int, ctx, past, present) -> CrossRead | None:
+        """Logical layer LAYER's read of repeat 0's K/V (cross-repeat attention): that layer's cache input
+        and the chunk's rows it returned this call (PRESENT: key, value per layer so far)."""
+        plan = self.cfg.depth_plan
+        source = plan.cross_source(layer)
+        if source is None:
+            return None
+        gate = self.model.gate_projections[source - len(plan.prelude)]
+        return CrossRead(past[2 * source], past[2 * source + 1], ctx.past_mask, present[2 * source], present[2 * source + 1],
+                         ctx.chunk_mask, gate.weight, gate.bias)
 
 
 def random_state(cfg: ModelConfig) -> bool:

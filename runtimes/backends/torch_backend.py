@@ -38,7 +38,8 @@ from speedc.format.artifact import (CONFIG, Manifest, checkpoint_tensor_names, d
 from speedc.errors import GenerationError, OutOfMemory, SpeedcError
 from speedc.models.config import ModelConfig
 from speedc.models.llama import SharedLlama
-from speedc.models.row_layer import RowContext, layer_over_rows, loop_boundary, rotary_inv_freq, row_context
+from speedc.models.row_layer import (NEG_INF, CrossRead, RowContext, layer_over_rows, loop_boundary, rotary_inv_freq,
+                                     row_context)
 from speedc.models.sampling import is_integer
 from speedc.runtimes.backends.protocol import (MIN_POOL_POSITIONS, SHRINK_AFTER_STEPS, DraftCandidates, HeadRows,
                                                SpeedStepResult, new_pool_buffers, pool_would_grow, resolve_threads)
@@ -236,11 +237,42 @@ class TorchBackend:
 
     def _context(self, starts: torch.Tensor, length: int, past_len: int) -> RowContext:
         """row_context, its tables in the weights' precision (a bf16 product of a float32 table is float32)."""
-        ctx = row_context(starts, length, past_len, self.inv_freq, self.groups)
+        ctx = row_context(starts, length, past_len, self.inv_freq, self.groups, self.cfg.depth_plan.cross_window)
         if self.dtype == torch.float32:
             return ctx
+        windowed = {} if ctx.window_past_mask is None else dict(window_past_mask=ctx.window_past_mask.to(self.dtype),
+                                                                 window_chunk_mask=ctx.window_chunk_mask.to(self.dtype))
         return dataclasses.replace(ctx, cos=ctx.cos.to(self.dtype), sin=ctx.sin.to(self.dtype),
-                                   past_mask=ctx.past_mask.to(self.dtype), chunk_mask=ctx.chunk_mask.to(self.dtype))
+                                   past_mask=ctx.past_mask.to(self.dtype), chunk_mask=ctx.chunk_mask.to(self.dtype), **windowed)
+
+    def _plain_cross_read(self, layer: int, ctx: RowContext, sequences, past: int, present: dict) -> CrossRead | None:
+        """Logical layer LAYER's read of repeat 0's K/V in plain decoding / prefill (cross-repeat attention):
+        that layer's slab of SEQUENCES below PAST, and the rows it returned this call (PRESENT[layer])."""
+        source = self.cfg.depth_plan.cross_source(layer)
+        if source is None:
+            return None
+        slab = self.layout.locate(source)
+        key, value = self.key[slab.layer, slab.depth, sequences], self.value[slab.layer, slab.depth, sequences]
+        gate = self.model.model.gate_projections[source]
+        return CrossRead(key[:, :, :past], value[:, :, :past], ctx.past_mask, *present[source], ctx.chunk_mask,
+                         gate.weight, gate.bias)
+
+    def _step_cross_read(self, j: int, width: int, starts: torch.Tensor, past: int) -> CrossRead:
+        """Stage layer J's read of repeat 0's K/V in a speed step: slot 0's slab of J for every slot's rows;
+        slot 0's rows over it and their own new rows (g = 1), later slots' up to their own position
+        (passes/phase_step_program.py: the same read in the graphs)."""
+        slots = self.slots
+        length = min(past + 1, self.key.shape[4])  # slot 1.. rows read their own position too
+        source_k = self.key[j, 0, :width, :, :length].repeat(slots, 1, 1, 1)  # [P*W, kvh, length, hd]
+        source_v = self.value[j, 0, :width, :, :length].repeat(slots, 1, 1, 1)
+        later = torch.arange(slots * width, device=self.device) >= width  # [P*W]: rows of slots 1..
+        ends = starts + later.to(starts.dtype)
+        visible = torch.arange(length, device=self.device)[None, :] < ends[:, None]  # [P*W, length]
+        past_mask = torch.where(visible, 0.0, NEG_INF).to(self.dtype)[:, None, None, :]  # [P*W, 1, 1, length]
+        chunk_mask = torch.where(later, NEG_INF, 0.0).to(self.dtype)[:, None, None, None]  # [P*W, 1, 1, 1]
+        gate = self.model.model.gate_projections[j % len(self.cfg.depth_plan.core)]
+        return CrossRead(source_k, source_v, past_mask, None, None, chunk_mask, gate.weight, gate.bias,
+                         later.to(self.dtype)[:, None, None, None], length)
 
     def _check_positions(self, positions: np.ndarray) -> None:
         """Rows that hold a token sit below the scratch row T (bubbles write there; past it a write would
@@ -274,10 +306,13 @@ class TorchBackend:
         x = model.model.embed_tokens(ids)  # [B*L, H]
         ctx = self._context(starts, longest, start)
         sequences = slice(first, first + count)
+        present = {}  # layer -> its new rows (k, v): a cross-repeat layer reads repeat 0's
         for layer, block in enumerate(cfg.layer_map):
             slab = self.layout.locate(layer)
             key, value = self.key[slab.layer, slab.depth, sequences], self.value[slab.layer, slab.depth, sequences]  # [B, kvh, T+1, hd]
-            x, k, v = layer_over_rows(model.model.blocks[block], x, ctx, key[:, :, :start], value[:, :, :start], cfg)
+            x, k, v = layer_over_rows(model.model.blocks[block], x, ctx, key[:, :, :start], value[:, :, :start], cfg,
+                                      cross=self._plain_cross_read(layer, ctx, sequences, start, present))
+            present[layer] = (k, v)
             x = loop_boundary(x, model.model.norm.weight, cfg, layer)
             # A padded token's K/V land past its chunk's end, where its own token writes before anything reads.
             key[:, :, start:start + longest], value[:, :, start:start + longest] = k, v  # [B, kvh, L, hd]
@@ -341,10 +376,13 @@ class TorchBackend:
         rows = torch.arange(n, device=self.device)
         x = model.model.embed_tokens(tokens)  # [n, H]
         ctx = self._context(starts, 1, past)
+        present = {}  # layer -> its new rows (k, v): a cross-repeat layer reads repeat 0's
         for layer, block in enumerate(cfg.layer_map):
             slab = self.layout.locate(layer)
             key, value = self.key[slab.layer, slab.depth, :n], self.value[slab.layer, slab.depth, :n]  # [n, kvh, T+1, hd]
-            x, k, v = layer_over_rows(model.model.blocks[block], x, ctx, key[:, :, :past], value[:, :, :past], cfg)
+            x, k, v = layer_over_rows(model.model.blocks[block], x, ctx, key[:, :, :past], value[:, :, :past], cfg,
+                                      cross=self._plain_cross_read(layer, ctx, slice(0, n), past, present))
+            present[layer] = (k, v)
             x = loop_boundary(x, model.model.norm.weight, cfg, layer)
             # the indexed target is [n, kvh, hd] (rows, positions split by a slice)
             key[rows, :, written], value[rows, :, written] = k[:, :, 0], v[:, :, 0]
@@ -399,7 +437,9 @@ class TorchBackend:
         for j in range(self.stage_layers):
             key = self.key[j].view(slots * width, *self.key.shape[3:])  # [P*W, kvh, T+1, hd], a view
             value = self.value[j].view(slots * width, *self.value.shape[3:])
-            x, k, v = layer_over_rows(model.model.blocks[cfg.layer_map[j]], x, ctx, key[:, :, :past], value[:, :, :past], cfg)
+            cross = self._step_cross_read(j, width, starts, past) if cfg.depth_plan.cross_window else None
+            x, k, v = layer_over_rows(model.model.blocks[cfg.layer_map[j]], x, ctx, key[:, :, :past], value[:, :, :past], cfg,
+                                      cross=cross)
             x = loop_boundary(x, model.model.norm.weight, cfg, j)  # stage j of every slot: the same loop position
             key[rows, :, written], value[rows, :, written] = k[:, :, 0], v[:, :, 0]  # [P*W, kvh, hd]
             if j + 1 == cfg.exit_layer:

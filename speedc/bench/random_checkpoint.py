@@ -19,6 +19,9 @@ ve_gate, fc / proj, the diagonal injection (A_log, dt_bias, B near the identity)
 projection C (near the identity), ln_prelude, ln_f, value_embeds.{i}; its c_proj and proj carry
 RESIDUAL_SCALE (as safetensors, which its loader also reads).
 
+IQuest-Coder-V1-Loop's shape (IQuestLoopCoderForCausalLM) is Llama's layout plus
+model.gate_projections.{i}.{weight [heads, head_dim], bias [heads]} (its loop-1 gates, bias 1).
+
 Values: matrices N(0, 0.02), norms 1. RESIDUAL_SCALE < 1 shrinks what each block adds to the residual
 stream so the state after loop 1 predicts what the last loop does (speculation gets accepted, as in a
 trained looped model): o_proj and down_proj in a Llama block; in Ouro's sandwich block the sublayer
@@ -118,6 +121,10 @@ def tensor_layout(shape, layers: int) -> list[tuple[str, tuple[int, ...]]]:
                 (f"{p}.input_layernorm.weight", (h,)), (f"{p}.post_attention_layernorm.weight", (h,))]
         if shape.sandwich_norms:
             out += [(f"{p}.input_layernorm_2.weight", (h,)), (f"{p}.post_attention_layernorm_2.weight", (h,))]
+    if shape.cross_window:  # IQuest: each layer's loop-1 gate
+        for layer in range(layers):
+            out += [(f"model.gate_projections.{layer}.weight", (shape.heads, hd)),
+                    (f"model.gate_projections.{layer}.bias", (shape.heads,))]
     out.append(("model.norm.weight", (h,)))
     if shape.sandwich_norms:  # Ouro's per-token exit gate: read and ignored by the build
         out += [("model.early_exit_gate.weight", (1, h)), ("model.early_exit_gate.bias", (1,))]
@@ -142,6 +149,10 @@ def family_config(shape, layers: int, max_positions: int) -> dict:
               "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim,
               "hidden_act": "silu", "vocab_size": shape.vocab, "max_position_embeddings": max_positions,
               "tie_word_embeddings": shape.tied, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
+    if shape.cross_window:
+        return {"architectures": ["IQuestLoopCoderForCausalLM"], "model_type": "iquestloopcoder", "rope_theta": 500000.0,
+                "rms_norm_eps": 1e-5, "loop_num": shape.loops, "loop_window_size": shape.cross_window,
+                "attention_bias": False, "mlp_bias": False, **common}
     if shape.sandwich_norms:
         return {"architectures": ["OuroForCausalLM"], "model_type": "ouro", "rope_theta": 1000000.0,
                 "rms_norm_eps": 1e-6, "total_ut_steps": shape.loops, **common}

@@ -74,16 +74,18 @@ class Shape:
     def published_name(self) -> str:
         """The architecture as peers would name it."""
         return "Parcae" if self.family == "parcae" else "Huginn (RavenForCausalLM)"
+    cross_window: int = 0  # cross-repeat attention (IQuest-Coder-V1-Loop): later loops read loop 0's K/V, own window
 
     @property
     def published(self) -> bool:
         """A published architecture's layout (a looped or recurrent checkpoint), not the zoo family."""
-        return self.looped or self.recurrent
+        return self.looped or self.recurrent or bool(self.cross_window)
 
     def block_params(self) -> int:
         attention = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
         mlp = (3 if self.gated_mlp else 2) * self.hidden * self.intermediate
-        return attention + mlp + (4 if self.sandwich_norms else 2) * self.hidden
+        gate = self.heads * (self.head_dim + 1) if self.cross_window else 0  # a cross-repeat layer's gate
+        return attention + mlp + (4 if self.sandwich_norms else 2) * self.hidden + gate
 
     def fixed_params(self) -> int:  # embedding, LM head, norms, value-embedding tables
         return (self.vocab * self.hidden * (1 if self.tied else 2) + 2 * self.hidden
@@ -100,6 +102,7 @@ SHAPES = {
     # embeddings on the 9 odd blocks of 18 (half its parameters)
     "parcae-770m": Shape("parcae-770m", 1280, 10, 10, 128, 5120, 32768, 6, 8, looped=False, tied=True,
                          prelude=6, coda=6, recurrent=True, family="parcae", value_embeds=9),
+    "iquest-loop": Shape("iquest-loop", 5120, 40, 8, 128, 27648, 76800, 80, 2, looped=False, cross_window=64),
 }
 
 
@@ -133,16 +136,18 @@ def layers_that_fit(shape: Shape, requested: int | None = None) -> int:
 def shape_config(shape: Shape, layers: int):
     """ModelConfig of SHAPE with LAYERS unique blocks looped shape.loops times."""
     from speedc.models.config import ModelConfig
+    from speedc.models.depth_plan import DepthPlan
     from speedc.models.layer_map import cycle_map
 
     n = layers * shape.loops
+    cross = DepthPlan((), tuple(range(layers)), shape.loops, cross_window=shape.cross_window) if shape.cross_window else None
     return ModelConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
                        num_hidden_layers=n, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
                        layer_map=cycle_map(n, layers), exit_layer=layers, head_dim=shape.head_dim,
-                       exit_norm="none" if shape.looped else "own", max_position_embeddings=1024,
+                       exit_norm="none" if shape.looped else "final" if cross else "own", max_position_embeddings=1024,
                        tie_word_embeddings=shape.tied, sandwich_norms=shape.sandwich_norms, loop_norm=shape.looped,
-                       final_norm=not shape.looped,
-                       architecture=shape.name.split("-")[0] if shape.looped else "llama")
+                       final_norm=not shape.looped, depth_plan=cross,
+                       architecture=shape.name.split("-")[0] if shape.looped else "iquest_loop" if cross else "llama")
 
 
 def pipeline_depths(shape: Shape, layers: int) -> list[int]:

@@ -13,7 +13,8 @@ runs the prelude, see below). Every K/V row belongs to one (phase, depth, layer)
                      final-depth states, whatever the draft readout computed
 
 With P = 1 (a plain engine) the whole trip is one stage: one "core" pool [N, 1, ...] and nothing
-else. A cycle model (no prelude, no coda) has the "core" pool alone: slot s's rows of stage layer j
+else. Cross-repeat attention (IQuest-Coder-V1-Loop) needs no address of its own: every slot's rows of
+stage layer j also read slot 0's slab pool[j, 0] (repeat 0's K/V), as logical layer r*S + j reads layer j. A cycle model (no prelude, no coda) has the "core" pool alone: slot s's rows of stage layer j
 are pool[j, s], logical layer s*S + j, contiguous for the sequences 0..n-1 (no gather).
 
 The programs name the slabs they read (speedc/format/contract.py): the prefill one per logical layer

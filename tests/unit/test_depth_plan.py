@@ -166,3 +166,20 @@ def test_speedc_middle_cycle_checkpoint_pipelines_losslessly(tmp_path):
     runs = [engine.generate_batch(prompts, max_new_tokens=12, stop_at_eos=False, settings=settings, max_batch=2, **extra)
             for extra in ({}, {"row_budget": 0})]
     assert [r.ids for r in runs[0]] == [r.ids for r in runs[1]]
+
+
+def test_cross_repeat_attention_plan():
+    """IQuest's cross-repeat attention: later repeats read repeat 0's layer at the same core index, one
+    repeat a slot (a slot's later repeat would read repeat 0 inside its own step), kept through JSON."""
+    plan = DepthPlan((), (0, 1, 2), 3, cross_window=4)
+    assert [plan.cross_source(layer) for layer in range(9)] == [None, None, None, 0, 1, 2, 0, 1, 2]
+    assert plan.valid_slots(3) == [1, 3] and DepthPlan((), (0, 1, 2), 3).valid_slots(3) == [1, 3]
+    assert DepthPlan((), (0, 1), 4, cross_window=4).valid_slots(2) == [1, 4]  # not P = 2 (two repeats a slot)
+    assert DepthPlan((), (0, 1), 4).valid_slots(2) == [1, 2, 4]
+    assert DepthPlan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
+    assert "cross-repeat attention" in plan.describe()
+    for bad in (dict(prelude=(0,), core=(1,), repeats=2), dict(prelude=(), core=(0,), repeats=1)):
+        with pytest.raises(CheckpointError, match="cross-repeat attention is built for one core"):
+            DepthPlan(**bad, cross_window=4)
+    with pytest.raises(CheckpointError, match="cross_window must be an integer"):
+        DepthPlan((), (0,), 2, cross_window=-1)
