@@ -66,12 +66,13 @@ class CrossRead:
     past_v: torch.Tensor
     past_mask: torch.Tensor  # [R, 1, 1, T]
     new_k: torch.Tensor | None  # [R, kvh, L, hd]: the chunk's rows beside the past (plain decoding: repeat 0's, this
-    new_v: torch.Tensor | None  # call's); None: the layer's own (a step, whose rows of repeat 0 read themselves)
+    new_v: torch.Tensor | None  # call's; a step: the pool's row at each row's position); None: the layer's own
     chunk_mask: torch.Tensor  # [g*L, L] or [R, 1, g*L, L]
     gate_weight: torch.Tensor  # [h, hd]
     gate_bias: torch.Tensor  # [h]
     mixes: torch.Tensor | None = None  # [R, 1, 1, 1]: 1 a gated row, 0 a row taking A_shared alone (None: every row mixes)
     past_len: int | None = None  # positions of past_k (None: ctx.past_len, the own past's)
+    own_chunk: torch.Tensor | None = None  # [R, 1, 1, 1] bool: rows whose chunk is their own new K/V, not new_k / new_v
 
 
 def row_context(starts: torch.Tensor, length: int, past_len: int, inv_freq: torch.Tensor, groups: int,
@@ -163,6 +164,8 @@ def layer_over_rows(block: Block, x: torch.Tensor, ctx: RowContext, past_k: torc
     else:
         own = _attend(qg, past_k, past_v, ctx.window_past_mask, k, v, ctx.window_chunk_mask, ctx.past_len)
         new_k, new_v = (k, v) if cross.new_k is None else (cross.new_k, cross.new_v)
+        if cross.own_chunk is not None:  # a step: repeat 0's rows read themselves, later rows the pool's row
+            new_k, new_v = torch.where(cross.own_chunk, k, new_k), torch.where(cross.own_chunk, v, new_v)
         shared = _attend(qg, cross.past_k, cross.past_v, cross.past_mask, new_k, new_v, cross.chunk_mask,
                          ctx.past_len if cross.past_len is None else cross.past_len)
         # the gate's weights feed Mul / Add as stored (an indexed view would be folded into a renamed constant)

@@ -23,8 +23,10 @@ prelude's output (prelude_norm), injects with its diagonal decay, and projects t
 
 With cross-repeat attention (IQuest-Coder-V1-Loop; one core, one repeat a slot) every row of stage layer j
 also reads slot 0's slab of j (repeat 0's K/V): slot 0's rows over [pool | their own new rows] (causal) with
-g = 1, their plain attention; the rows of later slots over the pool up to their own position, which slot 0
-wrote a step earlier, gated against their own K/V's last W positions. A cycle: the readouts are every row's
+g = 1, their plain attention; the rows of later slots over the pool below their own position and, as their
+chunk, the pool's row at it (slot 0 wrote it a step earlier), gated against their own K/V's last W positions.
+Past and chunk split as plain decoding splits them (its chunk: repeat 0's row it just computed), so the
+softmax sums the same terms in the same order and SPEED's logits are plain decoding's bit for bit. A cycle: the readouts are every row's
 state at the tap and at the stage's end (the heads gather slot 0's and slot P-1's).
 
 The heads (passes/batch_step_graph.add_batch_heads) gather their rows from the readouts: exit rows are
@@ -176,12 +178,16 @@ class PhaseStepProgram(nn.Module):
         p = self.layout.slots
         source_k = torch.cat([core[2 * j * p]] * p, dim=0)  # [R, kvh, T, hd]: slab (j, 0) for every slot's rows
         source_v = torch.cat([core[2 * j * p + 1]] * p, dim=0)
-        ends = positions + later.to(positions.dtype)  # [R]: keys below the row's position, its own too from slot 1 on
-        past_mask = torch.where(torch.arange(ctx.past_len)[None, :] < ends[:, None], 0.0, NEG_INF)[:, None, None, :]  # [R, 1, 1, T]
-        chunk_mask = torch.where(later, NEG_INF, 0.0)[:, None, None, None]  # [R, 1, 1, 1]: slot 0 reads its own new rows
+        keys = torch.arange(ctx.past_len)  # [T]
+        past_mask = torch.where(keys[None, :] < positions[:, None], 0.0, NEG_INF)[:, None, None, :]  # [R, 1, 1, T]
+        # the chunk: slot 0's rows their own new K/V, later rows the pool's row at their position (a bubble's
+        # position may be the pool's scratch row: clamped, its output is never read)
+        at = torch.minimum(positions, keys[-1])[:, None, None, None].expand(-1, source_k.shape[1], 1, source_k.shape[3])
+        chunk_k = torch.gather(source_k, 2, at)  # [R, kvh, 1, hd]
+        chunk_v = torch.gather(source_v, 2, at)
         gate = self.model.gate_projections[j % len(self.pipeline.plan.core)]
-        return CrossRead(source_k, source_v, past_mask, None, None, chunk_mask, gate.weight, gate.bias,
-                         later.to(torch.float32)[:, None, None, None])
+        return CrossRead(source_k, source_v, past_mask, chunk_k, chunk_v, torch.zeros(1, 1, 1, 1), gate.weight, gate.bias,
+                         later.to(torch.float32)[:, None, None, None], own_chunk=~later[:, None, None, None])
 
 
 def output_names(layout: CacheLayout) -> list[str]:

@@ -85,13 +85,25 @@ def open_session(directory: Path, manifest: Manifest, name: str, providers: list
         options.enable_profiling = True
         options.profile_file_prefix = f"{profile_prefix}{name}"
     try:
-        session = ort.InferenceSession(str(directory / file), options, providers=providers)
+        session = ort.InferenceSession(str(directory / file), options, providers=providers,
+                                       disabled_optimizers=_disabled_optimizers(manifest))
     except Exception as bad:  # ORT raises its own exception types
         raise ArtifactError(f"{directory / file}: ONNX Runtime cannot load it ({str(bad).splitlines()[0]})") from None
     check_session_io(directory, name, {**spec, "file": file}, session)
     session.speedc_products = products  # what runs the weight products (inspect, stats, bench)
     session.speedc_weight_map = weight_map  # keeps the native products' weights registered while the session lives
     return session
+
+
+def _disabled_optimizers(manifest: Manifest) -> list[str]:
+    """ONNX Runtime graph rewrites a session must not apply to this artifact's graphs. A cross-repeat layer
+    (IQuest-Coder-V1-Loop) scores q against two caches, and whether ORT folds a key's Transpose into the
+    MatMul (FusedMatMul, transB) depends on how many nodes read that Transpose: plain decoding's chunk keys
+    feed both attentions, a step's do not, so one program got FusedMatMul and the other MatMul, and their
+    sums rounded apart (logits 1e-6 apart in fp32; at int4 the activations' int8 rounding made that 1e-2,
+    and a greedy id differed). Without the rewrite both run MatMul on the same terms: bit-identical."""
+    plan = manifest.depth_plan or {}
+    return ["MatmulTransposeFusion"] if plan.get("cross_window") else []
 
 
 _said_unavailable = False

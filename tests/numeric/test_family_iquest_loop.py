@@ -100,6 +100,21 @@ def test_greedy_and_sampled_ids(case, backend):
     assert [r.ids for r in runs[0]] == [r.ids for r in runs[1]]
 
 
+def test_int4_speed_logprobs_are_plain_decodings_bit_for_bit(tmp_path):
+    """At int4 the products round their activations to int8, so logits that differ in their last bits (two
+    programs summing the cross-repeat attention apart) come out 1e-2 apart and flip near-tied greedy ids.
+    SPEED's log-probabilities must be plain decoding's exactly, on a window wider than the sequences."""
+    directory = write_iquest(tmp_path / "ckpt", layers=2, hidden=128, heads=8, kv_heads=2, intermediate=256, vocab=VOCAB,
+                             window=64, residual_scale=0.3)
+    engine = Engine.load(build(directory, tmp_path / "art", BuildOptions(dtype="int4")).out)
+    for seed in PROMPT_SEEDS:
+        prompt = seeded_prompt(seed, 8, VOCAB)
+        plain, speed = (engine.generate(prompt, max_new_tokens=24, mode=mode, stop_at_eos=False, logprobs=1)
+                        for mode in ("autoregressive", "speed-always"))
+        assert speed.ids == plain.ids and speed.stats.accepted > 0 and speed.stats.mispredicted > 0
+        assert [t.logprob for t in speed.logprobs] == [t.logprob for t in plain.logprobs], seed
+
+
 def _scheduled(backend, params, speculate: bool) -> list:
     """PROMPTS decoded together on BACKEND by the batch scheduler: speculating at every step, or plain."""
     from speedc.models.sampling import TokenPicker
