@@ -61,6 +61,11 @@ PLAIN_BURST = (4, 8)  # (fewest, most) steps; it ends once the band holds enough
 # Decode steps after which plain decoding's measured cost is re-timed (a burst) before speculation is left on it:
 # the host's load moves in seconds, and a fall-back drains every pipeline.
 CONFIRM_AGE = 64
+# A depth not chosen is timed (a few steps at it, a change of spacing each way) only while the chosen depth's
+# bound for some sequence is below this: where every sequence wins clearly, timing the others is a cost no
+# verdict needs (measured on Parcae-770M's shapes at acceptance 1.0, P = 8: 47 of 175 steps at depths 4 and 2
+# in 128 tokens, 1.05x plain against 1.26x speculating at 8 throughout).
+EXPLORE_BELOW = 1.25
 ROW_TILE = 64  # rows ONNX Runtime's fused prefill computes together (_chunk_size)
 DEFAULT_ROW_BUDGET = 32  # RowPolicy's: 8 sequences at P = 4 (measured on zoo:small, docs/runtime.md "When to speculate")
 
@@ -408,9 +413,10 @@ class BatchScheduler:
 
     def _choose_depth(self, states: list, costs: dict[int, float], sequences: int, length: int) -> int:
         """The depth the next speed step runs at: the policy's best at these costs, kept unless another
-        beats it by DEPTH_MARGIN; while a depth's cost here is unknown or stale, that depth for a few steps
-        (its warm-up, samples and the pipeline's change of spacing) so the choice rests on measurements, once
-        the chosen depth itself is measured (the first fall-back verdict waits for both).
+        beats it by DEPTH_MARGIN; while a depth's cost here is unknown or stale and the chosen one's bound is
+        near a verdict (_near_verdict), that depth for a few steps (its warm-up, samples and the pipeline's
+        change of spacing) so the choice rests on measurements, once the chosen depth itself is measured (a
+        fall-back verdict waits for every depth: _costs_settled).
         A change of depth drops nothing: decode.Pipeline.shift only spaces new entries."""
         if len(self.depths) == 1:
             return self.depths[0]
@@ -423,13 +429,19 @@ class BatchScheduler:
             if self._exploring[1] > 0:
                 return self._exploring[0]
             self._exploring = None
-        if self.acceptance_allows and not self.costs.needs_depth_sample(sequences, length, self.depth):
+        if (self.acceptance_allows and not self.costs.needs_depth_sample(sequences, length, self.depth)
+                and self._near_verdict(states, costs[self.depth])):
             stale = next((d for d in self.depths if d != self.depth and self.costs.needs_depth_sample(sequences, length, d)),
                          None)
             if stale is not None:
                 self._exploring = [stale, self.costs.warmup + self.costs.min_samples + self.backend.slots]
                 return stale
         return self.depth
+
+    def _near_verdict(self, states: list, cost: float) -> bool:
+        """Whether some sequence's bound at the chosen depth (cost COST) is below EXPLORE_BELOW: another depth's
+        cost could change what it does (a sequence the rule does not follow, None, always could)."""
+        return any(state is None or self.acceptance.bound(state, self.depth, cost) < EXPLORE_BELOW for state in states)
 
     def _record(self, kind: str | None, sequences: int, seconds: float, fresh: bool, depth: int) -> None:
         """A decode step of KIND ("plain", "speed", "full"; None: nothing ran) took SECONDS: a sample of this

@@ -69,13 +69,17 @@ class ScriptedCosts(StepCosts):
 @pytest.fixture(scope="module")
 def family_engines(tmp_path_factory) -> dict[str, Engine]:
     from huginn_checkpoints import write_checkpoint
+    from iquest_checkpoints import write_iquest
     from looped_checkpoints import write_nanbeige, write_ouro
+    from parcae_checkpoints import write_checkpoint as write_parcae
 
     root = tmp_path_factory.mktemp("adaptive")
     checkpoints = {"zoo-tiny": ZOO / "tiny",
                    "ouro": write_ouro(root / "ouro", residual_scale=0.3),
                    "nanbeige": write_nanbeige(root / "nanbeige", residual_scale=0.3),
-                   "huginn": write_checkpoint(root / "huginn", seed=6, layer_scale=0.03, adapter_identity=1.0)}
+                   "huginn": write_checkpoint(root / "huginn", seed=6, layer_scale=0.03, adapter_identity=1.0),
+                   "parcae": write_parcae(root / "parcae", seed=6, layer_scale=0.03, decay=0.05, weights_file="model.safetensors"),
+                   "iquest": write_iquest(root / "iquest", window=3, residual_scale=0.3)}
     return {name: Engine.load(build_artifact(checkpoint, root / f"{name}-art")) for name, checkpoint in checkpoints.items()}
 
 
@@ -94,7 +98,7 @@ def _adaptive(engine: Engine, prompt: list[int], params: dict):
     return sequence, scheduler
 
 
-@pytest.mark.parametrize("family", ["zoo-tiny", "ouro", "nanbeige", "huginn"])
+@pytest.mark.parametrize("family", ["zoo-tiny", "ouro", "nanbeige", "huginn", "parcae", "iquest"])
 def test_switching_mid_sequence_keeps_speed_equal_to_plain(family_engines, family):
     engine = family_engines[family]
     assert engine.manifest.slots > 1
