@@ -15,13 +15,15 @@ config.json example (the speedc section is what a plain Llama config lacks):
 0..3); `exit.norm` is "own" (a separate RMSNorm weight), "final" (reuse the final norm) or "none"
 (the state is already normed: a looped model's loop-boundary norm). A `speedc.block` section carries
 what a family's block and loop do: `sandwich_norms` (each sublayer's output is RMS-normed before the
-residual add: input_layernorm_2 / post_attention_layernorm_2), `loop_norm` (model.norm replaces the
-state after every pass through the unique blocks), `final_norm` (the final head applies model.norm),
-`post_norms` (with sandwich norms: each second norm takes the residual sum, Huginn's order), `qk_bias`
+residual add: input_layernorm_2 / post_attention_layernorm_2), `post_norms` (with sandwich norms: each second norm takes the residual sum, Huginn's order), `qk_bias`
 (q_bias / k_bias added to q and k before rotary), `embed_scale` (the embedding's multiplier), `qk_norm`
 (a weightless RMS norm over each head's q and k after rotary), `mlp_act` ("silu-gated": down(silu(gate) * up);
 "relu2": down(0.5 * relu(up)^2), no gate), `value_embed_blocks` (blocks whose attention adds a gated
-embedding of the row's token to v, Parcae's value embeddings).
+embedding of the row's token to v, Parcae's value embeddings). A `speedc.depth` section (models/depth_plan.py,
+written by speedc) carries the token's trip through the blocks: prelude / core x repeats / coda and the loop
+norms, `loop_norm` (model.norm replaces the state after every core repeat) and `final_norm` (the final head
+applies model.norm); without it the plan is derived from the layer map and `speedc.block`'s `loop_norm` /
+`final_norm` (configs written before the plan held them).
 """
 
 from __future__ import annotations
@@ -217,8 +219,8 @@ class ModelConfig:
                 "block": {"architecture": self.architecture, "sandwich_norms": self.sandwich_norms,
                           "post_norms": self.post_norms, "qk_bias": self.qk_bias, "embed_scale": self.embed_scale,
                           "qk_norm": self.qk_norm, "mlp_act": self.mlp_act,
-                          "value_embed_blocks": list(self.value_embed_blocks), "loop_norm": self.loop_norm, "final_norm": self.final_norm},
-                "depth": self.depth_plan.to_json(),
+                          "value_embed_blocks": list(self.value_embed_blocks)},
+                "depth": self.depth_plan.to_json(),  # the loop norms live here only
             },
         }
 

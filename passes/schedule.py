@@ -59,7 +59,7 @@ def found_plan_checkpoint(state: CompileState) -> tuple[ModelConfig, dict[str, T
 def schedule(state: CompileState) -> CompileState:
     """Pick P and the slot -> logical-layer table from the layer map and the cost model."""
     alpha = state.options.alpha if state.options.alpha is not None else (state.acceptance_hint or DEFAULT_ALPHA)
-    state.schedule = make_schedule(state.layer_map, state.exit_layer, alpha, state.options.slots, plan=state.depth_plan,
+    state.schedule = make_schedule(state.depth_plan, state.exit_layer, alpha, state.options.slots,
                                    pipelined_phases=phases_pipeline(state))
     state.notes.append(f"schedule: {state.schedule.reason}")
     return state

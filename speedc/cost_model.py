@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 from speedc.errors import BuildError
 from speedc.format.cache_layout import CacheLayout
-from speedc.models.depth_plan import DepthPlan, derive_plan
+from speedc.models.depth_plan import DepthPlan
 
 # beta of the assumed c(P) = 1 + beta (P - 1); not a measurement. 0.2: c(4) = 1.6 and c(8) = 2.4, the middle
 # of what this project measured on its 2-core CPU (SPEED.md, README): c(4) 1.15-1.4 for fp32 steps at the
@@ -84,12 +84,11 @@ def speedup_curve(valid_slots: list[int]) -> dict[int, dict[str, float]]:
     return {p: {f"{a:.2f}": round(predicted_speedup(p, a), 3) for a in ALPHA_GRID} for p in valid_slots}
 
 
-def make_schedule(layer_map: list[int], exit_layer: int, alpha: float, requested: int | None,
-                  plan: DepthPlan | None = None, pipelined_phases: bool = False) -> Schedule:
-    """Choose P among the depths PLAN allows (None: derived from LAYER_MAP): the requested one, else the
-    best predicted speedup at ALPHA. PIPELINED_PHASES: the graphs can run the plan's prelude / coda."""
-    n = len(layer_map)
-    plan = plan or derive_plan(layer_map)
+def make_schedule(plan: DepthPlan, exit_layer: int, alpha: float, requested: int | None,
+                  pipelined_phases: bool = False) -> Schedule:
+    """Choose P among the depths PLAN allows: the requested one, else the best predicted speedup at ALPHA.
+    PIPELINED_PHASES: the graphs can run the plan's prelude / coda."""
+    layer_map, n = plan.layer_map, plan.num_layers
     valid = plan.valid_slots(exit_layer, pipelined_phases)
     if requested is not None:
         if requested not in valid:

@@ -46,7 +46,7 @@ def measure_artifact(directory: Path, *, backend: str = "onnx", threads: int | N
     slots = engine.manifest.slots
     if slots == 1:
         return None
-    context = min(context, engine.manifest.model["max_context"])
+    context = min(context, engine.manifest.dims.max_context)
     cost = measure_step_cost(engine, context=context, repeats=repeats)
     return {"slots": slots, "step_cost": round(cost, 3), "context": context, "backend": engine.backend_name,
             "threads": resolve_threads(threads), "machine": machine_description(),
@@ -100,7 +100,7 @@ def runtime_step_costs(engine, context: int) -> dict:
     from speedc.runtimes.step_costs import context_band
 
     new_tokens = max(min(RUNTIME_NEW_TOKENS, context // 2), 8)
-    prompt = [(7919 * i + 13) % engine.manifest.model["vocab_size"] for i in range(max(context - new_tokens, 1))]
+    prompt = [(7919 * i + 13) % engine.manifest.dims.vocab_size for i in range(max(context - new_tokens, 1))]
     for mode in ("autoregressive", "speed-always"):
         engine.generate(prompt, max_new_tokens=new_tokens, mode=mode, stop_at_eos=False)
     report = engine.step_costs().report()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from oracle_ops import greedy, rms, rotate_adjacent
 
 VOCAB, HIDDEN, HEADS, INTERMEDIATE, CONTEXT = 96, 64, 4, 96, 256
 HEAD_DIM = HIDDEN // HEADS
@@ -86,38 +87,24 @@ def write_checkpoint(directory: Path, *, seed: int, prelude: int = 1, core: int 
 
 
 # ---- the oracle ----------------------------------------------------------------------------------
-def _rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * weight
-
-
-def _rotate_adjacent(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """x [L, heads, hd]: pair (x[2i], x[2i+1]) rotated by position * base^(-2i/hd)."""
-    inv_freq = 1.0 / (ROPE_BASE ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM))
-    angle = positions.double()[:, None] * inv_freq[None, :]  # [L, hd/2]
-    cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]
-    pairs = x.double().unflatten(-1, (-1, 2))  # [L, heads, hd/2, 2]
-    even, odd = pairs[..., 0], pairs[..., 1]
-    return torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
-
-
 def _block(t: dict, prefix: str, x: torch.Tensor) -> torch.Tensor:
     """One SandwichBlock over a whole sequence x [L, H] (causal attention within it)."""
     length = x.shape[0]
-    q, k, v = (_rms(x, t[prefix + "norm_1.weight"]) @ t[prefix + "attn.Wqkv.weight"].T).split(HIDDEN, dim=-1)
+    q, k, v = (rms(x, t[prefix + "norm_1.weight"], EPS) @ t[prefix + "attn.Wqkv.weight"].T).split(HIDDEN, dim=-1)
     bias = t[prefix + "attn.qk_bias"]  # [2, 1, heads, hd]
     q = q.reshape(length, HEADS, HEAD_DIM) + bias[0]
     k = k.reshape(length, HEADS, HEAD_DIM) + bias[1]
     positions = torch.arange(length)
-    q, k = _rotate_adjacent(q, positions), _rotate_adjacent(k, positions)
+    q, k = rotate_adjacent(q, positions, ROPE_BASE), rotate_adjacent(k, positions, ROPE_BASE)
     v = v.double().reshape(length, HEADS, HEAD_DIM)
     scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(HEAD_DIM)
     causal = torch.ones(length, length, dtype=torch.bool).tril()
     weights = scores.masked_fill(~causal, float("-inf")).softmax(-1)
     attended = torch.einsum("hqk,khd->qhd", weights, v).reshape(length, HIDDEN)
-    x = _rms(x + attended @ t[prefix + "attn.proj.weight"].double().T, t[prefix + "norm_2.weight"])
-    gate, up = (_rms(x, t[prefix + "norm_3.weight"]) @ t[prefix + "mlp.fc.weight"].double().T).chunk(2, dim=-1)
+    x = rms(x + attended @ t[prefix + "attn.proj.weight"].double().T, t[prefix + "norm_2.weight"], EPS)
+    gate, up = (rms(x, t[prefix + "norm_3.weight"], EPS) @ t[prefix + "mlp.fc.weight"].double().T).chunk(2, dim=-1)
     mlp = (torch.nn.functional.silu(gate) * up) @ t[prefix + "mlp.proj.weight"].double().T
-    return _rms(x + mlp, t[prefix + "norm_4.weight"])
+    return rms(x + mlp, t[prefix + "norm_4.weight"], EPS)
 
 
 def load_tensors(directory: Path) -> dict:
@@ -153,14 +140,11 @@ def oracle_logits(t: dict, cfg: dict, ids: list[int], recurrence: int | None = N
         s = torch.cat((s, e), dim=-1) @ t["transformer.adapter.weight"].T
         for i in range(cfg["n_layers_in_recurrent_block"]):
             s = _block(t, f"transformer.core_block.{i}.", s)
-    s = _rms(s, t["transformer.ln_f.weight"])
+    s = rms(s, t["transformer.ln_f.weight"], EPS)
     for i in range(cfg["n_layers_in_coda"]):
         s = _block(t, f"transformer.coda.{i}.", s)
-    return _rms(s, t["transformer.ln_f.weight"]) @ t["lm_head.weight"].T
+    return rms(s, t["transformer.ln_f.weight"], EPS) @ t["lm_head.weight"].T
 
 
 def oracle_greedy(t: dict, cfg: dict, prompt: list[int], new_tokens: int, seed: int | None = None) -> list[int]:
-    ids = list(prompt)
-    for _ in range(new_tokens):
-        ids.append(int(oracle_logits(t, cfg, ids, seed=seed)[-1].argmax()))
-    return ids[len(prompt):]
+    return greedy(lambda ids: oracle_logits(t, cfg, ids, seed=seed), prompt, new_tokens)

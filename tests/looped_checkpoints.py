@@ -308,3 +308,20 @@ def batch_plain_and_speed(engine, prompts: list[list[int]], new_tokens: int, max
                                   row_budget=None, per_sequence=False)
     return plain, speed
 
+
+def assert_batch_lossless(engine, prompts: list[list[int]], expected: list[list[int]], new_tokens: int) -> tuple[int, int]:
+    """PROMPTS decode to EXPECTED plainly and speculating in a batch, the first alone too (one sequence: the same
+    runtime), and seeded sampling draws the same ids with and without speculation. Returns the speculating batch's
+    (accepted, mispredicted) drafts, for the caller to say which paths its weights must cover."""
+    plain, speed = batch_plain_and_speed(engine, prompts, new_tokens)
+    assert [r.ids for r in plain] == expected
+    assert {r.stats.mode for r in speed} == {"batch speed"}
+    assert [r.ids for r in speed] == expected
+    alone = engine.generate(prompts[0], max_new_tokens=new_tokens, stop_at_eos=False)
+    assert alone.ids == expected[0]
+    settings = [{"temperature": 0.9, "top_p": 0.95, "seed": s} for s in (11, 12, 13)][:len(prompts)]
+    runs = [engine.generate_batch(prompts, max_new_tokens=new_tokens, stop_at_eos=False, settings=settings, max_batch=3,
+                                  **extra) for extra in ({}, {"row_budget": 0})]
+    assert [r.ids for r in runs[0]] == [r.ids for r in runs[1]]
+    return sum(r.stats.accepted for r in speed), sum(r.stats.mispredicted for r in speed)
+

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from oracle_ops import greedy, rms, rotate_adjacent
 
 VOCAB, HIDDEN, HEADS, INTERMEDIATE, CONTEXT = 128, 64, 4, 128, 256
 HEAD_DIM = HIDDEN // HEADS
@@ -122,24 +123,10 @@ def load_tensors(directory: Path) -> dict:
 
 
 # ---- the oracle ----------------------------------------------------------------------------------
-def _rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * weight
-
-
-def _rotate_adjacent(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """x [L, heads, hd]: pair (x[2i], x[2i+1]) rotated by position * base^(-2i/hd)."""
-    inv_freq = 1.0 / (ROPE_BASE ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM))
-    angle = positions.double()[:, None] * inv_freq[None, :]  # [L, hd/2]
-    cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]
-    pairs = x.unflatten(-1, (-1, 2))  # [L, heads, hd/2, 2]
-    even, odd = pairs[..., 0], pairs[..., 1]
-    return torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
-
-
 def _block(t: dict, prefix: str, x: torch.Tensor, ve: torch.Tensor | None) -> torch.Tensor:
     """One TransformerPreNormBlock over a whole sequence x [L, H]; VE [L, H]: this layer's value embedding."""
     length = x.shape[0]
-    xn = _rms(x, t[prefix + "norm_1.weight"])
+    xn = rms(x, t[prefix + "norm_1.weight"], EPS)
     q = (xn @ t[prefix + "attn.c_q.weight"].T).reshape(length, HEADS, HEAD_DIM)
     k = (xn @ t[prefix + "attn.c_k.weight"].T).reshape(length, HEADS, HEAD_DIM)
     v = (xn @ t[prefix + "attn.c_v.weight"].T).reshape(length, HEADS, HEAD_DIM)
@@ -147,14 +134,14 @@ def _block(t: dict, prefix: str, x: torch.Tensor, ve: torch.Tensor | None) -> to
         gate = 2 * torch.sigmoid(xn[:, :GATE_CHANNELS] @ t[prefix + "attn.ve_gate.weight"].T)  # [L, kvh]
         v = v + gate[..., None] * ve.reshape(length, HEADS, HEAD_DIM)
     positions = torch.arange(length)
-    q, k = _rotate_adjacent(q, positions), _rotate_adjacent(k, positions)
+    q, k = rotate_adjacent(q, positions, ROPE_BASE), rotate_adjacent(k, positions, ROPE_BASE)
     q, k = F.rms_norm(q, (HEAD_DIM,), eps=QK_EPS), F.rms_norm(k, (HEAD_DIM,), eps=QK_EPS)
     scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(HEAD_DIM)
     causal = torch.ones(length, length, dtype=torch.bool).tril()
     weights = scores.masked_fill(~causal, float("-inf")).softmax(-1)
     attended = torch.einsum("hqk,khd->qhd", weights, v).reshape(length, HIDDEN)
     x = x + attended @ t[prefix + "attn.c_proj.weight"].T
-    hidden = F.relu(_rms(x, t[prefix + "norm_2.weight"]) @ t[prefix + "mlp.fc.weight"].T).pow(2) * 0.5
+    hidden = F.relu(rms(x, t[prefix + "norm_2.weight"], EPS) @ t[prefix + "mlp.fc.weight"].T).pow(2) * 0.5
     return x + hidden @ t[prefix + "mlp.proj.weight"].T
 
 
@@ -187,7 +174,7 @@ def oracle_logits(t: dict, cfg: dict, ids: list[int], recurrence: int | None = N
     for i in range(prelude):
         e = _block(t, f"transformer.prelude.{i}.", e, _value_embedding(t, i, tokens))
     if cfg["prelude_norm"]:
-        e = _rms(e, t["transformer.ln_prelude.weight"])
+        e = rms(e, t["transformer.ln_prelude.weight"], EPS)
     s = torch.zeros_like(e) if seed is None else torch.stack([random_start(seed, p) for p in range(len(ids))])
     dt = F.softplus(t["transformer.adapter.dt_bias"])
     decay = torch.exp(-dt * torch.exp(t["transformer.adapter.A_log"]))
@@ -198,11 +185,8 @@ def oracle_logits(t: dict, cfg: dict, ids: list[int], recurrence: int | None = N
     s = s @ t["transformer.C.weight"].T
     for i in range(cfg["n_layers_in_coda"]):
         s = _block(t, f"transformer.coda.{i}.", s, _value_embedding(t, prelude + core + i, tokens))
-    return _rms(s, t["transformer.ln_f.weight"]) @ t["lm_head.weight"].T
+    return rms(s, t["transformer.ln_f.weight"], EPS) @ t["lm_head.weight"].T
 
 
 def oracle_greedy(t: dict, cfg: dict, prompt: list[int], new_tokens: int, seed: int | None = None) -> list[int]:
-    ids = list(prompt)
-    for _ in range(new_tokens):
-        ids.append(int(oracle_logits(t, cfg, ids, seed=seed)[-1].argmax()))
-    return ids[len(prompt):]
+    return greedy(lambda ids: oracle_logits(t, cfg, ids, seed=seed), prompt, new_tokens)

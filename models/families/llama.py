@@ -43,11 +43,22 @@ def read_config(data: dict[str, Any]) -> ModelConfig:
             mlp_act=str(block.get("mlp_act", "silu-gated")),
             value_embed_blocks=tuple(integer(data, "speedc.block.value_embed_blocks", b)
                                      for b in block.get("value_embed_blocks", ())),
-            loop_norm=boolean("speedc.block.loop_norm", block.get("loop_norm", False)),
-            final_norm=boolean("speedc.block.final_norm", block.get("final_norm", True)),
+            loop_norm=_plan_norm(plan, block, "loop_norm", False), final_norm=_plan_norm(plan, block, "final_norm", True),
             depth_plan=plan, **common_fields(data))
     except (TypeError, ValueError) as bad:
         raise CheckpointError(f"config.json: {bad}") from None
+
+
+def _plan_norm(plan: DepthPlan | None, block: dict[str, Any], key: str, default: bool) -> bool:
+    """speedc.depth's KEY where a plan is recorded (the one place a config written today holds it), else
+    speedc.block's (configs written before the plan held the norms); both given, they must agree."""
+    declared = boolean(f"speedc.block.{key}", block.get(key, default))
+    if plan is None:
+        return declared
+    if key in block and declared != getattr(plan, key):
+        raise CheckpointError(f"config.json: speedc.block.{key} = {declared} but speedc.depth.{key} = "
+                              f"{getattr(plan, key)}; give it once, in speedc.depth")
+    return getattr(plan, key)
 
 
 register_family(Family("llama", ("LlamaForCausalLM",), ("llama",), read_config,

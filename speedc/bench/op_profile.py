@@ -38,7 +38,7 @@ def step_op_profile(directory: Path, manifest, *, threads: int | None, context: 
     from speedc.runtimes.backends.onnx import BatchBackend
 
     with tempfile.TemporaryDirectory() as tmp:
-        backend = BatchBackend(directory, manifest, 1, manifest.model["max_context"], threads=threads,
+        backend = BatchBackend(directory, manifest, 1, manifest.dims.max_context, threads=threads,
                                profile_prefix=f"{tmp}/")
         measure_step_times(backend, context, repeats)
         profile = backend.end_profiling()

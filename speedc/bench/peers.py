@@ -274,7 +274,7 @@ def prepare_peers(directory: Path, manifest, threads: int | None, workdir: Path,
     from speedc.runtimes.backends.torch_backend import load_model_from_artifact
 
     _set_threads(threads)
-    if manifest.model.get("architecture", "llama") != "llama":
+    if manifest.dims.architecture != "llama":
         return {}  # an unrolled Llama export cannot express a looped family's loop norm / sandwich norms
     tokenizer = directory / TOKENIZER
     hf_dir = save_unrolled_hf(load_model_from_artifact(directory, manifest), workdir / "hf",

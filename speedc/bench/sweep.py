@@ -43,7 +43,7 @@ def sweep_slots(engine: Engine, *, prompts: list[str] | None, new_tokens: int, r
     except ImportError:
         raise SpeedcError("--sweep slots recompiles the model: pip install 'speedc[compiler]'") from None
     manifest = engine.manifest
-    valid = set(manifest.schedule["valid_slots"])
+    valid = set(manifest.valid_slots)
     rows, skipped = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         model = load_model_from_artifact(engine.directory, manifest)
@@ -57,7 +57,7 @@ def sweep_slots(engine: Engine, *, prompts: list[str] | None, new_tokens: int, r
                 continue
             progress(f"P={slots}: compiling and measuring")
             options = BuildOptions(slots=slots, dtype=manifest.dtype, exit_layer=manifest.exit_layer,
-                                   block_size=manifest.weights.get("quantization", {}).get("block_size", 32))
+                                   block_size=manifest.store.block_size or 32)
             artifact = build(checkpoint, Path(tmp) / f"p{slots}", options, force=True).out
             depth_engine = Engine.load(artifact, backend=backend, device=device, threads=threads, verify=False)
             report = run_bench(depth_engine, prompts=prompts, new_tokens=new_tokens, repeats=repeats)
@@ -78,7 +78,7 @@ def sweep_length(engine: Engine, *, prompts: list[str] | None, new_tokens: int, 
                  progress=lambda message: None) -> dict:
     """One row per context size up to the model's limit: prompt of (context - new tokens) tokens."""
     prompts = prompts or DEFAULT_PROMPTS
-    limit = engine.manifest.model["max_context"]
+    limit = engine.manifest.dims.max_context
     rows, skipped = [], {}
     for context in SWEEP_CONTEXTS:
         if context > limit:

@@ -212,7 +212,7 @@ def end_to_end_row(engine, *, prompts: int, new_tokens: int, seed: int = 0, peer
     from speedc.runtimes.decode import pooled_acceptance
 
     peers = peers or {}
-    vocab = engine.manifest.model["vocab_size"]
+    vocab = engine.manifest.dims.vocab_size
     rng = np.random.default_rng(seed)
     modes = ("speed", "speed-always", "autoregressive")
     ms = {**{mode: [] for mode in modes}, **{name: [] for name in peers}}
@@ -305,8 +305,8 @@ def synthetic_step_costs(*, hidden: int = 1024, blocks: int = 4, passes: int = 4
                 row.update(end_to_end_row(engine, prompts=prompts, new_tokens=new_tokens,
                                           peers=peer_fns if slots == depths[-1] else None))
             rows.append(row)
-            stored, storage = engine.manifest.weights["stored_bytes"], engine.manifest.dtype
-            unique_fp32 = engine.manifest.weights["unique_bytes_fp32"]
+            stored, storage = engine.manifest.store.stored_bytes, engine.manifest.dtype
+            unique_fp32 = engine.manifest.store.unique_bytes_fp32
             del engine
             shutil.rmtree(art)  # one artifact on disk at a time
         peer_fns.clear()  # (llama.cpp's model and context freed before the temporary files go)

@@ -220,8 +220,8 @@ def artifact_command(artifact: Path, new_tokens: int, repeats: int, prompts, ear
             for system in ("speed", "autoregressive", *peer_fns):
                 spinner.update(f"peak RSS: {system} in a fresh process")
                 report.peak_rss_mb[system] = peak_rss_mb(system, artifact, workdir, new_tokens, threads, backend, device)
-    report.weight_bytes = {"speedc": engine.manifest.weights["stored_bytes"],
-                           "unrolled export": engine.manifest.weights["unrolled_bytes_fp32"], **peer_bytes}
+    report.weight_bytes = {"speedc": engine.manifest.store.stored_bytes,
+                           "unrolled export": engine.manifest.store.unrolled_bytes_fp32, **peer_bytes}
     with status.status("sweeps") if sweeps else contextlib.nullcontext() as spinner:
         if "slots" in sweeps:
             report.sweep["slots"] = sweep_slots(engine, prompts=list(prompts) or None, new_tokens=new_tokens,

@@ -90,6 +90,11 @@ class Manifest:
         return int(self.schedule["slots"])
 
     @property
+    def valid_slots(self) -> list[int]:
+        """The pipeline depths the build's plan allowed (serialised as schedule.valid_slots)."""
+        return [int(p) for p in self.schedule["valid_slots"]]
+
+    @property
     def stage_layers(self) -> int:
         return int(self.schedule["stage_layers"])
 

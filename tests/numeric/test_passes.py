@@ -112,12 +112,12 @@ def test_schedule_valid_slots_and_choice():
     assert derive_plan(cycle).valid_slots(4) == [1, 2, 4]
     assert derive_plan(cycle).valid_slots(5) == [1, 2]  # the exit must lie in the first stage
     assert derive_plan([0, 0, 1, 1]).valid_slots(1) == [1]
-    assert make_schedule(cycle, 4, alpha=0.8, requested=None).slots == 4
-    assert make_schedule(cycle, 4, alpha=0.05, requested=None).slots == 1  # speculation would not pay
-    plain = make_schedule(list(range(6)), 6, alpha=0.9, requested=None)
+    assert make_schedule(derive_plan(cycle), 4, alpha=0.8, requested=None).slots == 4
+    assert make_schedule(derive_plan(cycle), 4, alpha=0.05, requested=None).slots == 1  # speculation would not pay
+    plain = make_schedule(derive_plan(list(range(6))), 6, alpha=0.9, requested=None)
     assert plain.slots == 1 and "unshared" in plain.reason
     with pytest.raises(BuildError, match="--slots 3 does not divide the schedule"):
-        make_schedule(cycle, 4, alpha=0.8, requested=3)
+        make_schedule(derive_plan(cycle), 4, alpha=0.8, requested=3)
 
 
 def test_batch_step_graph_before_after(model):

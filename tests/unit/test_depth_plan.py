@@ -89,11 +89,11 @@ def test_pipeline_places_phases_on_slots():
 
 
 def test_schedule_records_the_plan_and_the_layout_follows_it():
-    sched = make_schedule([0, 1] * 4, 2, alpha=0.9, requested=4)
+    sched = make_schedule(derive_plan([0, 1] * 4), 2, alpha=0.9, requested=4)
     assert sched.depth_plan == DepthPlan((), (0, 1), 4) and sched.readouts["final"]["slot"] == 3
     assert sched.to_json()["depth_plan"] == DepthPlan((), (0, 1), 4).to_json()
     assert sched.cache_layout == CacheLayout.from_plan(sched.to_json()["depth_plan"], sched.slots) == CacheLayout.cycle(2, 4)
-    plain = make_schedule(MIDDLE, 3, alpha=0.9, requested=None)
+    plain = make_schedule(derive_plan(MIDDLE), 3, alpha=0.9, requested=None)
     assert plain.slots == 1 and "prelude" in plain.reason
     assert plain.cache_layout == CacheLayout.plain(8)
 
@@ -134,6 +134,23 @@ def test_config_round_trip_and_bad_plan(tmp_path):
     with pytest.raises(CheckpointError) as error:
         ModelConfig.load(path)
     assert "\n" not in str(error.value) and "at least one block" in str(error.value)
+
+
+def test_config_json_holds_the_loop_norms_once():
+    """The plan's norms are written in speedc.depth only; a config written when speedc.block held them too
+    reads the same, and one whose two copies disagree is refused in one line."""
+    cfg = dataclasses.replace(random_config(layers=8, blocks=4), loop_norm=True, final_norm=False)
+    data = cfg.to_json_dict()
+    assert "loop_norm" not in data["speedc"]["block"] and data["speedc"]["depth"]["loop_norm"] is True
+    assert (ModelConfig.from_json_dict(data).loop_norm, ModelConfig.from_json_dict(data).final_norm) == (True, False)
+    data["speedc"]["block"].update(loop_norm=True, final_norm=False)  # the older form, both copies agreeing
+    assert ModelConfig.from_json_dict(data).depth_plan == cfg.depth_plan
+    data["speedc"]["block"]["loop_norm"] = False
+    with pytest.raises(CheckpointError) as error:
+        ModelConfig.from_json_dict(data)
+    assert "\n" not in str(error.value) and "speedc.block.loop_norm = False but speedc.depth.loop_norm = True" in str(error.value)
+    del data["speedc"]["depth"]  # no plan recorded: the block's norms
+    assert ModelConfig.from_json_dict(data).loop_norm is False
 
 
 def test_speedc_middle_cycle_checkpoint_pipelines_losslessly(tmp_path):
