@@ -26,8 +26,8 @@ also reads slot 0's slab of j (repeat 0's K/V): slot 0's rows over [pool | their
 g = 1, their plain attention; the rows of later slots over the pool below their own position and, as their
 chunk, the pool's row at it (slot 0 wrote it a step earlier), gated against their own K/V's last W positions.
 Past and chunk split as plain decoding splits them (its chunk: repeat 0's row it just computed), so the
-softmax sums the same terms in the same order and SPEED's logits are plain decoding's bit for bit. A cycle: the readouts are every row's
-state at the tap and at the stage's end (the heads gather slot 0's and slot P-1's).
+softmax sums the same terms in the same order and SPEED's logits are plain decoding's bit for bit. A cycle:
+the readouts are every row's state at the tap and at the stage's end (the heads gather slot 0's and slot P-1's).
 
 The heads (passes/batch_step_graph.add_batch_heads) gather their rows from the readouts: exit rows are
 slot 0's, final rows slot P-1's (runtimes/batch.py). New K/V: present.{kind}.{j} per stage layer (the
