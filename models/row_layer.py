@@ -62,17 +62,41 @@ class RowContext:
 @dataclass
 class CrossRead:
     """What a cross-repeat layer reads beside its own cache: repeat 0's K/V of its core layer and its gate."""
-    past_k: torch.Tensor  # [R, kvh, T, hd]
+    past_k: torch.Tensor  # [R / slots, kvh, T, hd]: shared by the rows of every slot (a step's rows are slot-major)
     past_v: torch.Tensor
     past_mask: torch.Tensor  # [R, 1, 1, T]
-    new_k: torch.Tensor | None  # [R, kvh, L, hd]: the chunk's rows beside the past (plain decoding: repeat 0's, this
-    new_v: torch.Tensor | None  # call's; a step: the pool's row at each row's position); None: the layer's own
-    chunk_mask: torch.Tensor  # [g*L, L] or [R, 1, g*L, L]
+    new_k: torch.Tensor  # [R, kvh, L, hd]: the chunk's rows beside the past (plain decoding: repeat 0's, this call's;
+    new_v: torch.Tensor  # a step: the pool's row at each row's position)
+    chunk_mask: torch.Tensor  # [g*L, L], or one that broadcasts
     gate_weight: torch.Tensor  # [h, hd]
     gate_bias: torch.Tensor  # [h]
-    mixes: torch.Tensor | None = None  # [R, 1, 1, 1]: 1 a gated row, 0 a row taking A_shared alone (None: every row mixes)
+    later: torch.Tensor | None = None  # [R, 1, 1, 1] bool, a step: rows of slots 1.. (gated); slot 0's rows are repeat 0,
+    # their chunk their own new rows and g = 1 (A_shared, their own causal read, alone). None: every row gated
     past_len: int | None = None  # positions of past_k (None: ctx.past_len, the own past's)
-    own_chunk: torch.Tensor | None = None  # [R, 1, 1, 1] bool: rows whose chunk is their own new K/V, not new_k / new_v
+    slots: int = 1  # row groups sharing past_k
+
+
+def step_cross_read(slab_k: torch.Tensor, slab_v: torch.Tensor, positions: torch.Tensor, slots: int, gate,
+                    past_mask: torch.Tensor | None = None) -> CrossRead:
+    """A speed step's read of repeat 0's K/V, slot 0's slab of a stage layer (SLAB_K/V [n, kvh, T, hd]), by its
+    SLOTS x n rows (slot-major, at POSITIONS [R]): each row over the slab below its position (PAST_MASK
+    [R, 1, 1, T]; None: built here) and, as its chunk, the slab's row at its position, which slot 0 wrote a step
+    earlier: past and chunk split as plain decoding splits them (its chunk is the row it just computed), so the
+    softmax sums the same terms in the same order. The slab is read in place by every slot's rows, not copied."""
+    n, kvh, length, hd = slab_k.shape
+    keys = torch.arange(length, device=positions.device)  # [T]
+    if past_mask is None:
+        past_mask = torch.where(keys[None, :] < positions[:, None], 0.0, NEG_INF).to(slab_k.dtype)[:, None, None, :]
+    later = (torch.arange(positions.shape[0], device=positions.device) >= n)[:, None, None, None]  # [R, 1, 1, 1]
+    # a bubble's position may be the pool's scratch row: clamped (its output is never read)
+    at = torch.minimum(positions, keys[-1]).reshape(slots, -1).transpose(0, 1)  # [n, P]
+    index = at[:, None, :, None].expand(-1, kvh, -1, hd)  # [n, kvh, P, hd]
+
+    def rows(slab: torch.Tensor) -> torch.Tensor:  # [R, kvh, 1, hd], slot-major
+        return torch.gather(slab, 2, index).permute(2, 0, 1, 3).reshape(-1, kvh, 1, hd)
+
+    return CrossRead(slab_k, slab_v, past_mask, rows(slab_k), rows(slab_v), slab_k.new_zeros(1, 1, 1, 1), gate.weight,
+                     gate.bias, later, length, slots)
 
 
 def row_context(starts: torch.Tensor, length: int, past_len: int, inv_freq: torch.Tensor, groups: int,
@@ -120,8 +144,8 @@ def value_embedding(attn, xn: torch.Tensor, token_ids: torch.Tensor, kvh: int, h
 def _attend(qg: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, past_mask: torch.Tensor, new_k: torch.Tensor,
             new_v: torch.Tensor, chunk_mask: torch.Tensor, past_len: int) -> torch.Tensor:
     """qg [R, kvh, g*L, hd] over [past | chunk], softmaxed together -> [R, kvh, g*L, hd]."""
-    s_past = qg @ past_k.transpose(2, 3) + past_mask  # [R, kvh, g*L, T]
-    s_new = qg @ new_k.transpose(2, 3) + chunk_mask  # [R, kvh, g*L, L]
+    s_past = qg @ past_k.transpose(-2, -1) + past_mask  # [R, kvh, g*L, T]
+    s_new = qg @ new_k.transpose(-2, -1) + chunk_mask  # [R, kvh, g*L, L]
     w = torch.softmax(torch.cat((s_past, s_new), dim=-1), dim=-1)
     return w[..., :past_len] @ past_v + w[..., past_len:] @ new_v  # [R, kvh, g*L, hd]
 
@@ -163,16 +187,21 @@ def layer_over_rows(block: Block, x: torch.Tensor, ctx: RowContext, past_k: torc
         attended = _attend(qg, past_k, past_v, ctx.past_mask, k, v, ctx.chunk_mask, ctx.past_len)  # [R, kvh, g*L, hd]
     else:
         own = _attend(qg, past_k, past_v, ctx.window_past_mask, k, v, ctx.window_chunk_mask, ctx.past_len)
-        new_k, new_v = (k, v) if cross.new_k is None else (cross.new_k, cross.new_v)
-        if cross.own_chunk is not None:  # a step: repeat 0's rows read themselves, later rows the pool's row
-            new_k, new_v = torch.where(cross.own_chunk, k, new_k), torch.where(cross.own_chunk, v, new_v)
-        shared = _attend(qg, cross.past_k, cross.past_v, cross.past_mask, new_k, new_v, cross.chunk_mask,
-                         ctx.past_len if cross.past_len is None else cross.past_len)
+        new_k, new_v = cross.new_k, cross.new_v
+        if cross.later is not None:  # a step: slot 0's rows (repeat 0) read their own new rows
+            new_k, new_v = torch.where(cross.later, new_k, k), torch.where(cross.later, new_v, v)
+
+        def by_slot(t: torch.Tensor) -> torch.Tensor:  # [R, ...] -> [slots, R / slots, ...]: broadcast over the slots
+            return t if cross.slots == 1 else t.reshape(cross.slots, -1, *t.shape[1:])
+
+        shared = _attend(by_slot(qg), cross.past_k, cross.past_v, by_slot(cross.past_mask), by_slot(new_k), by_slot(new_v),
+                         cross.chunk_mask, ctx.past_len if cross.past_len is None else cross.past_len)
+        shared = shared.reshape(rows, kvh, g * length, hd)  # [R, kvh, g*L, hd]
         # the gate's weights feed Mul / Add as stored (an indexed view would be folded into a renamed constant)
         logit = (q.transpose(1, 2) * cross.gate_weight).sum(-1) + cross.gate_bias  # [R, L, h]
         gate = torch.sigmoid(logit).transpose(1, 2)[..., None]  # [R, h, L, 1]
-        if cross.mixes is not None:  # a row of repeat 0 in a step: g = 1, A_shared (its own causal read) alone
-            gate = gate * cross.mixes + (1.0 - cross.mixes)
+        if cross.later is not None:  # slot 0's rows: g = 1, A_shared alone
+            gate = torch.where(cross.later, gate, 1.0)
         gate = gate.reshape(rows, kvh, g * length, 1)  # [R, kvh, g*L, 1]: heads grouped as qg's
         attended = gate * shared + (1.0 - gate) * own  # [R, kvh, g*L, hd]
     attended = attended.reshape(rows, h, length, hd).transpose(1, 2).reshape(rows * length, h * hd)

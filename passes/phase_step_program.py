@@ -50,8 +50,8 @@ from speedc.errors import BuildError
 from speedc.models.config import ModelConfig
 from speedc.models.depth_plan import SlotPlan
 from speedc.models.llama import SharedLlama
-from speedc.models.row_layer import (NEG_INF, CrossRead, inject_entry, layer_over_rows, readout_entry, rms_norm,
-                                      row_context, rotary_inv_freq)
+from speedc.models.row_layer import (CrossRead, inject_entry, layer_over_rows, readout_entry, rms_norm, row_context,
+                                      rotary_inv_freq, step_cross_read)
 from speedc.passes.trace import OPSET, WeightsAsInputs
 
 STAGE_OUT_PREFIX = "hidden."  # hidden.{S-1}: the stage output (hidden_out)
@@ -133,9 +133,6 @@ class PhaseStepProgram(nn.Module):
         else:
             x = torch.cat((x, behind), dim=0)  # [R, H]
         ctx = row_context(positions, 1, past_len, self.inv_freq, groups, plan.cross_window)
-        later = None
-        if plan.cross_window:  # [R]: rows of slots 1.. (they read repeat 0's K/V of their own position from the pool)
-            later = ((torch.arange(p)[:, None] > 0) & (by_slot >= 0)).reshape(-1)  # (by_slot >= 0: [P, n], every row)
         stage_blocks, taps, core_k, core_v = self.pipeline.stage_blocks, [], [], []
         tap = self.pipeline.draft_layer - layout.prelude_layers - 1  # stage layer after which the draft reads out
         for j, block in enumerate(stage_blocks):
@@ -144,7 +141,10 @@ class PhaseStepProgram(nn.Module):
             past_v = torch.cat([core[step + 2 * s + 1] for s in range(p)], dim=0)
             if plan.injects_before(layout.prelude_layers + j):  # every slot's stage layer j starts a repeat alike
                 x = inject_entry(self.model, x, entry)
-            cross = self._cross_read(j, core, ctx, positions, later) if later is not None else None
+            cross = None
+            if plan.cross_window:  # slot 0's slab of j: repeat 0's K/V (see the module docstring)
+                gate = self.model.gate_projections[j % len(plan.core)]
+                cross = step_cross_read(core[step], core[step + 1], positions, p, gate, ctx.past_mask)
             x, (k,), (v,) = self._run([block], x, ctx, [(past_k, past_v)], layout.prelude_layers + j, token_ids, cross)
             core_k.append(k)
             core_v.append(v)
@@ -172,22 +172,6 @@ class PhaseStepProgram(nn.Module):
         coda_v = torch.stack((stacked(draft_v), stacked(final_v)), dim=1)
         presents = [t for pair in zip(core_k, core_v) for t in pair]
         return (readout_draft, readout_final, carried, stacked(prelude_k), stacked(prelude_v), coda_k, coda_v, *presents)
-
-    def _cross_read(self, j: int, core, ctx, positions: torch.Tensor, later: torch.Tensor) -> CrossRead:
-        """Stage layer J's read of repeat 0's K/V for every row: slot 0's slab of J (see the module docstring)."""
-        p = self.layout.slots
-        source_k = torch.cat([core[2 * j * p]] * p, dim=0)  # [R, kvh, T, hd]: slab (j, 0) for every slot's rows
-        source_v = torch.cat([core[2 * j * p + 1]] * p, dim=0)
-        keys = torch.arange(ctx.past_len)  # [T]
-        past_mask = torch.where(keys[None, :] < positions[:, None], 0.0, NEG_INF)[:, None, None, :]  # [R, 1, 1, T]
-        # the chunk: slot 0's rows their own new K/V, later rows the pool's row at their position (a bubble's
-        # position may be the pool's scratch row: clamped, its output is never read)
-        at = torch.minimum(positions, keys[-1])[:, None, None, None].expand(-1, source_k.shape[1], 1, source_k.shape[3])
-        chunk_k = torch.gather(source_k, 2, at)  # [R, kvh, 1, hd]
-        chunk_v = torch.gather(source_v, 2, at)
-        gate = self.model.gate_projections[j % len(self.pipeline.plan.core)]
-        return CrossRead(source_k, source_v, past_mask, chunk_k, chunk_v, torch.zeros(1, 1, 1, 1), gate.weight, gate.bias,
-                         later.to(torch.float32)[:, None, None, None], own_chunk=~later[:, None, None, None])
 
 
 def output_names(layout: CacheLayout) -> list[str]:

@@ -38,8 +38,8 @@ from speedc.format.artifact import (CONFIG, Manifest, checkpoint_tensor_names, d
 from speedc.errors import GenerationError, OutOfMemory, SpeedcError
 from speedc.models.config import ModelConfig
 from speedc.models.llama import SharedLlama
-from speedc.models.row_layer import (NEG_INF, CrossRead, RowContext, layer_over_rows, loop_boundary, rotary_inv_freq,
-                                     row_context)
+from speedc.models.row_layer import (CrossRead, RowContext, layer_over_rows, loop_boundary, rotary_inv_freq, row_context,
+                                     step_cross_read)
 from speedc.models.sampling import is_integer
 from speedc.runtimes.backends.protocol import (MIN_POOL_POSITIONS, SHRINK_AFTER_STEPS, DraftCandidates, HeadRows,
                                                SpeedStepResult, new_pool_buffers, pool_would_grow, resolve_threads)
@@ -258,22 +258,12 @@ class TorchBackend:
                          gate.weight, gate.bias)
 
     def _step_cross_read(self, j: int, width: int, starts: torch.Tensor, past: int) -> CrossRead:
-        """Stage layer J's read of repeat 0's K/V in a speed step: slot 0's slab of J for every slot's rows;
-        slot 0's rows over it and their own new rows (g = 1), later slots' below their own position with the
-        slab's row at it as their chunk (passes/phase_step_program.py: the same read in the graphs)."""
-        slots = self.slots
+        """Stage layer J's read of repeat 0's K/V in a speed step: slot 0's slab of J, read in place by every slot's
+        rows (models/row_layer.step_cross_read, the graphs' read too)."""
         length = min(past + 1, self.key.shape[4])  # slot 1.. rows read the row at their own position too
-        source_k = self.key[j, 0, :width, :, :length].repeat(slots, 1, 1, 1)  # [P*W, kvh, length, hd]
-        source_v = self.value[j, 0, :width, :, :length].repeat(slots, 1, 1, 1)
-        later = torch.arange(slots * width, device=self.device) >= width  # [P*W]: rows of slots 1..
-        visible = torch.arange(length, device=self.device)[None, :] < starts[:, None]  # [P*W, length]
-        past_mask = torch.where(visible, 0.0, NEG_INF).to(self.dtype)[:, None, None, :]  # [P*W, 1, 1, length]
-        at = starts.clamp(max=length - 1)[:, None, None, None].expand(-1, source_k.shape[1], 1, source_k.shape[3])
-        chunk_k, chunk_v = torch.gather(source_k, 2, at), torch.gather(source_v, 2, at)  # [P*W, kvh, 1, hd]
-        chunk_mask = torch.zeros(1, 1, 1, 1, dtype=self.dtype, device=self.device)
         gate = self.model.model.gate_projections[j % len(self.cfg.depth_plan.core)]
-        return CrossRead(source_k, source_v, past_mask, chunk_k, chunk_v, chunk_mask, gate.weight, gate.bias,
-                         later.to(self.dtype)[:, None, None, None], length, own_chunk=~later[:, None, None, None])
+        return step_cross_read(self.key[j, 0, :width, :, :length], self.value[j, 0, :width, :, :length], starts,
+                               self.slots, gate)
 
     def _check_positions(self, positions: np.ndarray) -> None:
         """Rows that hold a token sit below the scratch row T (bubbles write there; past it a write would
