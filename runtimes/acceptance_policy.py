@@ -300,9 +300,6 @@ class AlwaysSpeculate:
     def wants_speculation(self, state, cost: float | None = None, costs_settled: bool = True) -> bool:
         return True
 
-    def losing(self, state, costs: dict) -> bool:
-        return False
-
     def batch_speculates(self, states, speculating: bool = True, cost: float | None = None,
                          depth: int | None = None) -> bool:
         return True

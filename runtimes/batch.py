@@ -68,6 +68,9 @@ CONFIRM_AGE = 64
 EXPLORE_BELOW = 1.25
 ROW_TILE = 64  # rows ONNX Runtime's fused prefill computes together (_chunk_size)
 DEFAULT_ROW_BUDGET = 32  # RowPolicy's: 8 sequences at P = 4 (measured on zoo:small, docs/runtime.md "When to speculate")
+# a decoding mode -> the scheduler's (row budget: None no limit, 0 never speculate; whether the acceptance policy
+# decides per sequence): what `--mode` means to a batch (the server, the concurrency bench)
+BATCH_RULES = {"speed": (DEFAULT_ROW_BUDGET, True), "speed-always": (None, False), "autoregressive": (0, True)}
 
 
 @dataclass
@@ -406,7 +409,7 @@ class BatchScheduler:
         if not all(self.costs.measured_here(sequences, d) for d in self.depths):
             return False
         if (self.costs.plain_age(sequences, length) > CONFIRM_AGE
-                and any(self.acceptance.losing(s.acceptance, costs) for s in decoding if s.acceptance is not None)):
+                and any(self.acceptance.losing(s.acceptance, costs) for s in decoding)):
             self._confirm = True
             return False
         return True
@@ -440,8 +443,8 @@ class BatchScheduler:
 
     def _near_verdict(self, states: list, cost: float) -> bool:
         """Whether some sequence's bound at the chosen depth (cost COST) is below EXPLORE_BELOW: another depth's
-        cost could change what it does (a sequence the rule does not follow, None, always could)."""
-        return any(state is None or self.acceptance.bound(state, self.depth, cost) < EXPLORE_BELOW for state in states)
+        cost could change what it does (several depths run only under the per-sequence rule: every state is one)."""
+        return any(self.acceptance.bound(state, self.depth, cost) < EXPLORE_BELOW for state in states)
 
     def _record(self, kind: str | None, sequences: int, seconds: float, fresh: bool, depth: int) -> None:
         """A decode step of KIND ("plain", "speed", "full"; None: nothing ran) took SECONDS: a sample of this

@@ -17,7 +17,8 @@ layer i computes q, k, v from its input as usual (rotary on q and k), then
     attn   = o_proj(g * global + (1 - g) * local)
 
 then model.norm and lm_head. `residual_scale` shrinks o_proj and down_proj so the state after loop 0
-already predicts loop 1 (speculation accepted); the gates' bias is large, so loop 1 leans on loop 0's K/V.
+already predicts loop 1 (speculation accepted); the gates (weights 2x the others' scale, biases around 0) mix
+both reads.
 """
 
 from __future__ import annotations
@@ -27,19 +28,14 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
-INDEX = "model.safetensors.index.json"
+from looped_checkpoints import NANBEIGE_SHARDS as SHARDS, _llama_layer, _Random, _write_json, write_two_shards
+from oracle_ops import greedy
+
 BOS, EOS = 1, 2
 
 
-def _write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2) + "\n")
-
-
-def config_data(*, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, vocab: int, window: int,
-                loops: int = 2, max_positions: int = 256) -> dict:
+def config_data(*, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, vocab: int, window: int) -> dict:
     """config.json as the published checkpoint ships it, only the sizes tiny."""
     return {
         "architectures": ["IQuestLoopCoderForCausalLM"],
@@ -53,9 +49,9 @@ def config_data(*, layers: int, hidden: int, heads: int, kv_heads: int, intermed
         "hidden_size": hidden,
         "initializer_range": 0.02,
         "intermediate_size": intermediate,
-        "loop_num": loops,
+        "loop_num": 2,
         "loop_window_size": window,
-        "max_position_embeddings": max_positions,
+        "max_position_embeddings": 256,
         "mlp_bias": False,
         "num_attention_heads": heads,
         "num_hidden_layers": layers,
@@ -72,44 +68,22 @@ def config_data(*, layers: int, hidden: int, heads: int, kv_heads: int, intermed
 
 def write_iquest(directory, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
                  intermediate: int = 96, vocab: int = 96, window: int = 4, seed: int = 0,
-                 residual_scale: float = 1.0, gate_bias: float = 0.0, extra_config: dict | None = None) -> Path:
+                 residual_scale: float = 1.0, extra_config: dict | None = None) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator().manual_seed(seed)
+    rnd = _Random(seed)
     head_dim = hidden // heads
-
-    def matrix(rows: int, cols: int, scale: float = 1.0) -> torch.Tensor:
-        return (scale * 0.15 * torch.randn(rows, cols, generator=gen)).to(torch.bfloat16)
-
-    def norm(size: int) -> torch.Tensor:
-        return (1.0 + 0.1 * torch.randn(size, generator=gen)).to(torch.bfloat16)
-
-    first = {"model.embed_tokens.weight": matrix(vocab, hidden)}
+    first = {"model.embed_tokens.weight": rnd.matrix(vocab, hidden)}
     second: dict[str, torch.Tensor] = {}
     for i in range(layers):
         shard = first if i < (layers + 1) // 2 else second
-        p = f"model.layers.{i}"
-        shard.update({
-            f"{p}.self_attn.q_proj.weight": matrix(heads * head_dim, hidden),
-            f"{p}.self_attn.k_proj.weight": matrix(kv_heads * head_dim, hidden),
-            f"{p}.self_attn.v_proj.weight": matrix(kv_heads * head_dim, hidden),
-            f"{p}.self_attn.o_proj.weight": matrix(hidden, heads * head_dim, residual_scale),
-            f"{p}.mlp.gate_proj.weight": matrix(intermediate, hidden),
-            f"{p}.mlp.up_proj.weight": matrix(intermediate, hidden),
-            f"{p}.mlp.down_proj.weight": matrix(hidden, intermediate, residual_scale),
-            f"{p}.input_layernorm.weight": norm(hidden),
-            f"{p}.post_attention_layernorm.weight": norm(hidden),
-        })
-        second[f"model.gate_projections.{i}.weight"] = matrix(heads, head_dim, 2.0)
-        second[f"model.gate_projections.{i}.bias"] = (gate_bias + 0.5 * torch.randn(heads, generator=gen)).to(torch.bfloat16)
-    second["model.norm.weight"] = norm(hidden)
-    second["lm_head.weight"] = matrix(vocab, hidden)
-    weight_map = {}
-    for name, tensors in zip(SHARDS, (first, second)):
-        save_file(tensors, str(directory / name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, name))
-    total = sum(t.numel() * t.element_size() for t in (*first.values(), *second.values()))
-    _write_json(directory / INDEX, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+        shard.update(_llama_layer(rnd, f"model.layers.{i}", hidden=hidden, heads=heads, kv_heads=kv_heads,
+                                  head_dim=head_dim, intermediate=intermediate, branch_scale=residual_scale))
+        second[f"model.gate_projections.{i}.weight"] = rnd.matrix(heads, head_dim, 2.0)
+        second[f"model.gate_projections.{i}.bias"] = (0.5 * torch.randn(heads, generator=rnd.gen)).to(torch.bfloat16)
+    second["model.norm.weight"] = rnd.norm(hidden)
+    second["lm_head.weight"] = rnd.matrix(vocab, hidden)
+    write_two_shards(directory, first, second)
     config = config_data(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate,
                          vocab=vocab, window=window)
     _write_json(directory / "config.json", {**config, **(extra_config or {})})
@@ -187,7 +161,4 @@ class IQuestOracle:
         return self._rms(h, w["model.norm.weight"]) @ w["lm_head.weight"].T
 
     def greedy(self, prompt: list[int], new_tokens: int) -> list[int]:
-        ids = list(prompt)
-        for _ in range(new_tokens):
-            ids.append(int(self.logits(ids)[-1].argmax()))
-        return ids[len(prompt):]
+        return greedy(self.logits, prompt, new_tokens)

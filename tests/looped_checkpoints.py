@@ -70,6 +70,16 @@ def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
+def write_two_shards(directory: Path, first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> None:
+    """Two safetensors shards and their index (the layout Nanbeige and IQuest-Coder-V1-Loop ship)."""
+    weight_map = {}
+    for name, tensors in zip(NANBEIGE_SHARDS, (first, second)):
+        save_file(tensors, str(directory / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+    total = sum(t.numel() * t.element_size() for t in (*first.values(), *second.values()))
+    _write_json(directory / INDEX, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+
+
 def _llama_layer(rnd: _Random, prefix: str, *, hidden: int, heads: int, kv_heads: int, head_dim: int,
                  intermediate: int, branch_scale: float) -> dict[str, torch.Tensor]:
     return {
@@ -164,12 +174,7 @@ def write_nanbeige(directory, *, layers: int = 3, loops: int = 2, hidden: int = 
                                   head_dim=head_dim, intermediate=intermediate, branch_scale=residual_scale))
     second["model.norm.weight"] = rnd.norm(hidden)
     second["lm_head.weight"] = rnd.matrix(vocab, hidden)
-    weight_map = {}
-    for name, tensors in zip(NANBEIGE_SHARDS, (first, second)):
-        save_file(tensors, str(directory / name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, name))
-    total = sum(t.numel() * t.element_size() for t in (*first.values(), *second.values()))
-    _write_json(directory / INDEX, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+    write_two_shards(directory, first, second)
     bos, eos = nanbeige_token_ids(vocab)
     config = {
         "architectures": ["NanbeigeForCausalLM"],

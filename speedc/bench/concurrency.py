@@ -35,11 +35,11 @@ import numpy as np
 
 from speedc.errors import SpeedcError
 from speedc.models.sampling import SamplingParams
-from speedc.runtimes.batch import DEFAULT_ROW_BUDGET
+from speedc.runtimes.batch import BATCH_RULES
 from speedc.runtimes.engine import Engine
 
-SYSTEMS = {"speed-adaptive": dict(row_budget=DEFAULT_ROW_BUDGET), "speed-always": dict(row_budget=None, per_sequence=False),
-           "plain-batched": dict(row_budget=0)}  # system -> Engine.batch_scheduler options
+SYSTEMS = {name: dict(zip(("row_budget", "per_sequence"), BATCH_RULES[mode]))  # system -> Engine.batch_scheduler options
+           for name, mode in (("speed-adaptive", "speed"), ("speed-always", "speed-always"), ("plain-batched", "autoregressive"))}
 GENAI = "onnxruntime-genai"
 UNBATCHED = "speed-unbatched"
 

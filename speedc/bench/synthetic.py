@@ -65,6 +65,7 @@ class Shape:
     family: str = "huginn"  # with recurrent: whose published layout ("huginn", or "parcae": its diagonal
     #                         injection, non-gated ReLU^2 MLP and value-embedding tables)
     value_embeds: int = 0  # Parcae: [vocab, kv_heads * head_dim] value-embedding tables (alternating blocks)
+    cross_window: int = 0  # cross-repeat attention (IQuest-Coder-V1-Loop): later loops read loop 0's K/V, own window
 
     @property
     def gated_mlp(self) -> bool:
@@ -74,7 +75,6 @@ class Shape:
     def published_name(self) -> str:
         """The architecture as peers would name it."""
         return "Parcae" if self.family == "parcae" else "Huginn (RavenForCausalLM)"
-    cross_window: int = 0  # cross-repeat attention (IQuest-Coder-V1-Loop): later loops read loop 0's K/V, own window
 
     @property
     def published(self) -> bool:

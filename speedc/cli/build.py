@@ -73,6 +73,7 @@ def build(checkpoint, out, slots, weights, block_size, head_weights, target, exi
     from speedc.build import build as run_build
     from speedc.passes.base import BuildOptions
     from speedc.passes.block_quant import DEFAULT_BLOCK_SIZE
+    from speedc.runtimes.step_costs import seed_step_cost
 
     console = Console(stderr=True)
 
@@ -114,16 +115,16 @@ def build(checkpoint, out, slots, weights, block_size, head_weights, target, exi
         for note in result.notes:
             click.echo(f"  {note}", err=True)
     m = result.manifest
-    w = m.weights
+    w = m.store
     click.echo(f"built {out} in {result.seconds:.1f} s: P={m.slots} slots x {m.stage_layers} layers, "
-               f"weights {w['stored_bytes'] / 1e6:.2f} MB {m.dtype} = {w['stored_bytes'] / w['unique_bytes_fp32']:.3f} x unique fp32 "
-               f"bytes (an unrolled fp32 export stores {w['unrolled_bytes_fp32'] / 1e6:.2f} MB)")
+               f"weights {w.stored_bytes / 1e6:.2f} MB {m.dtype} = {w.stored_bytes / w.unique_bytes_fp32:.3f} x unique fp32 "
+               f"bytes (an unrolled fp32 export stores {w.unrolled_bytes_fp32 / 1e6:.2f} MB)")
     measured = m.build.get("step_cost_measured")
     if measured:
         click.echo(f"step cost c(P={measured['slots']}) = {measured['step_cost']:.2f} measured on this machine "
                    f"({measured['backend']}, {measured['threads']} threads); `speedc inspect {shlex.quote(str(out))}` "
                    "predicts from it")
-        if measured["step_cost"] < 1.0:
+        if seed_step_cost(m)[1] != "measured at build":  # the runtime's rule for a build-time c it will not trust
             click.echo("  below 1 it is no measurement (P rows never cost less than one row's pass: this machine was "
                        "busy); the runtime seeds with the cost model's c(P) and measures its own steps")
 

@@ -16,13 +16,11 @@ what it produces alone (the scheduler's lossless promise), so the server's answe
 from __future__ import annotations
 
 from speedc.runtimes.backends.onnx import pool_bytes_per_position
-from speedc.runtimes.batch import DEFAULT_ROW_BUDGET
+from speedc.runtimes.batch import BATCH_RULES
 from speedc.runtimes.detokenize import Piece
 from speedc.runtimes.engine_loop import EngineLoop, Submitted
 from speedc.serve.engine_adapter import FINISH_REASONS, GenerationRequest, QueueFull, RetryEstimate, encode
 
-# --mode -> (the scheduler's row policy (-1: its default rule), whether the acceptance policy decides per sequence)
-BATCH_RULES = {"speed": (DEFAULT_ROW_BUDGET, True), "speed-always": (None, False), "autoregressive": (0, True)}
 
 
 class BatchedGeneration:

@@ -73,7 +73,7 @@ def test_artifact_pipelines_one_loop_a_slot(case):
     _, _, artifact = case
     manifest = read_manifest(artifact)
     assert manifest.slots == 2
-    assert DepthPlan.from_json(manifest.schedule["depth_plan"]).cross_window == WINDOW
+    assert DepthPlan.from_json(manifest.depth_plan).cross_window == WINDOW
     assert contract.fused(contract.ENGINE) not in manifest.graphs  # two gated attentions: standard graphs only
 
 
