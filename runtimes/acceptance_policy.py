@@ -261,15 +261,16 @@ class AcceptancePolicy:
                 and max(self.bound(state, depth, c, optimistic) for depth, c in costs.items()) < 1.0)
 
     def wants_speculation(self, state: SequenceAcceptance, cost: float | dict | None = None,
-                          costs_settled: bool = True) -> bool:
+                          costs_settled: bool = True, losing: bool | None = None) -> bool:
         """Advance STATE's state machine at step cost COST (None: the seed; a dict: c per pipeline depth the
         runtime may run, the best of them judged); whether its sequence should speculate this step.
         COSTS_SETTLED False: COST is not yet measured on this host (the runtime is still timing its steps), so
         no fall-back is decided on it (the seed measured at build, on another host or under another load, put
-        c(4) at 2.7 where this host's steps gave 1.7-2.1, and a first sequence at acceptance 0.75 fell back)."""
+        c(4) at 2.7 where this host's steps gave 1.7-2.1, and a first sequence at acceptance 0.75 fell back).
+        LOSING: `losing(state, costs)` where the caller already worked it out this step (None: worked out here)."""
         costs = self.depth_costs(cost)
         if state.speculating:
-            if costs_settled and self.losing(state, costs):
+            if costs_settled and (self.losing(state, costs) if losing is None else losing):
                 if state.probing:  # the probe failed: wait longer next time
                     state.probe_after = min(2 * state.probe_after, self.max_probe_after)
                     self.learned_probe_after[state.kind] = state.probe_after
@@ -297,7 +298,8 @@ class AlwaysSpeculate:
     def stepped(self, state, accepted: int, failed: int, emitted: int | None = None, depth: int | None = None) -> None:
         pass
 
-    def wants_speculation(self, state, cost: float | None = None, costs_settled: bool = True) -> bool:
+    def wants_speculation(self, state, cost: float | None = None, costs_settled: bool = True,
+                          losing: bool | None = None) -> bool:
         return True
 
     def batch_speculates(self, states, speculating: bool = True, cost: float | None = None,

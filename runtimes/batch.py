@@ -374,9 +374,10 @@ class BatchScheduler:
         n, length = len(decoding), self.backend.length
         measured = {d: self.costs.step_cost(n, length, depth=d) for d in self.depths}
         costs = {d: cost for d, (cost, _) in measured.items()}
-        settled = self._costs_settled(decoding, costs, n, length)
-        for sequence in decoding:  # each sequence's own rule first (it advances its fall-back / probe state)
-            self.acceptance.wants_speculation(sequence.acceptance, costs if len(costs) > 1 else costs[slots], settled)
+        settled, losing = self._costs_settled(decoding, costs, n, length)
+        for sequence, verdict in zip(decoding, losing):  # each sequence's own rule first (it advances its state)
+            self.acceptance.wants_speculation(sequence.acceptance, costs if len(costs) > 1 else costs[slots], settled,
+                                              losing=verdict)
         states = [s.acceptance for s in decoding]
         self.depth_now = self._choose_depth(states, costs, n, length)
         depth = self.depth  # the chosen depth (also while another is being timed): what the stats report
@@ -400,19 +401,24 @@ class BatchScheduler:
                 stats.fallbacks, stats.probes = state.fallbacks, state.probes
         return self.acceptance_allows and self.rows_allow
 
-    def _costs_settled(self, decoding: list[Sequence], costs: dict[int, float], sequences: int, length: int) -> bool:
-        """Whether speculation may be left on COSTS: every depth's c rests on this host's steps (not the seed),
-        and where a sequence loses, the plain steps behind c were timed within CONFIRM_AGE steps; else a burst
-        of plain steps (real tokens) is asked for first and the verdict waits for it."""
+    def _costs_settled(self, decoding: list[Sequence], costs: dict[int, float], sequences: int,
+                       length: int) -> tuple[bool, list]:
+        """(Whether speculation may be left on COSTS, each sequence's fall-back verdict where this worked it out,
+        else None): every depth's c rests on this host's steps (not the seed), and where a sequence loses, the
+        plain steps behind c were timed within CONFIRM_AGE steps; else a burst of plain steps (real tokens) is
+        asked for first and the verdict waits for it."""
+        unknown = [None] * len(decoding)
         if not self.samples_plain:  # a rule that takes no measured costs
-            return True
+            return True, unknown
         if not all(self.costs.measured_here(sequences, d) for d in self.depths):
-            return False
-        if (self.costs.plain_age(sequences, length) > CONFIRM_AGE
-                and any(self.acceptance.losing(s.acceptance, costs) for s in decoding)):
+            return False, unknown
+        if self.costs.plain_age(sequences, length) <= CONFIRM_AGE:
+            return True, unknown
+        losing = [self.acceptance.losing(s.acceptance, costs) for s in decoding]
+        if any(losing):
             self._confirm = True
-            return False
-        return True
+            return False, losing
+        return True, losing
 
     def _choose_depth(self, states: list, costs: dict[int, float], sequences: int, length: int) -> int:
         """The depth the next speed step runs at: the policy's best at these costs, kept unless another
