@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from looped_checkpoints import NANBEIGE_SHARDS as SHARDS, _llama_layer, _Random, _write_json, write_two_shards
+from looped_checkpoints import NANBEIGE_SHARDS as SHARDS, _Random, _write_json, llama_shards, write_two_shards
 from oracle_ops import greedy
 
 BOS, EOS = 1, 2
@@ -73,16 +73,13 @@ def write_iquest(directory, *, layers: int = 2, hidden: int = 64, heads: int = 4
     directory.mkdir(parents=True, exist_ok=True)
     rnd = _Random(seed)
     head_dim = hidden // heads
-    first = {"model.embed_tokens.weight": rnd.matrix(vocab, hidden)}
-    second: dict[str, torch.Tensor] = {}
-    for i in range(layers):
-        shard = first if i < (layers + 1) // 2 else second
-        shard.update(_llama_layer(rnd, f"model.layers.{i}", hidden=hidden, heads=heads, kv_heads=kv_heads,
-                                  head_dim=head_dim, intermediate=intermediate, branch_scale=residual_scale))
-        second[f"model.gate_projections.{i}.weight"] = rnd.matrix(heads, head_dim, 2.0)
-        second[f"model.gate_projections.{i}.bias"] = (0.5 * torch.randn(heads, generator=rnd.gen)).to(torch.bfloat16)
-    second["model.norm.weight"] = rnd.norm(hidden)
-    second["lm_head.weight"] = rnd.matrix(vocab, hidden)
+
+    def gate(i: int) -> dict[str, torch.Tensor]:  # model.gate_projections.{i}: [heads, head_dim] and [heads]
+        return {f"model.gate_projections.{i}.weight": rnd.matrix(heads, head_dim, 2.0),
+                f"model.gate_projections.{i}.bias": (0.5 * torch.randn(heads, generator=rnd.gen)).to(torch.bfloat16)}
+
+    first, second = llama_shards(rnd, layers=layers, vocab=vocab, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                                 head_dim=head_dim, intermediate=intermediate, branch_scale=residual_scale, per_layer=gate)
     write_two_shards(directory, first, second)
     config = config_data(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate,
                          vocab=vocab, window=window)

@@ -70,6 +70,24 @@ def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
+def llama_shards(rnd: "_Random", *, layers: int, vocab: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                 intermediate: int, branch_scale: float, per_layer=None) -> tuple[dict, dict]:
+    """An untied Llama stack's tensors in two shards (the embedding and the first half of the layers, the rest
+    with the final norm and lm_head), drawn in that order; PER_LAYER(i) -> the tensors layer i adds beside
+    its own (drawn right after them, in the second shard)."""
+    first = {"model.embed_tokens.weight": rnd.matrix(vocab, hidden)}
+    second: dict[str, torch.Tensor] = {}
+    for i in range(layers):
+        shard = first if i < (layers + 1) // 2 else second
+        shard.update(_llama_layer(rnd, f"model.layers.{i}", hidden=hidden, heads=heads, kv_heads=kv_heads,
+                                  head_dim=head_dim, intermediate=intermediate, branch_scale=branch_scale))
+        if per_layer is not None:
+            second.update(per_layer(i))
+    second["model.norm.weight"] = rnd.norm(hidden)
+    second["lm_head.weight"] = rnd.matrix(vocab, hidden)
+    return first, second
+
+
 def write_two_shards(directory: Path, first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> None:
     """Two safetensors shards and their index (the layout Nanbeige and IQuest-Coder-V1-Loop ship)."""
     weight_map = {}
@@ -165,15 +183,8 @@ def write_nanbeige(directory, *, layers: int = 3, loops: int = 2, hidden: int = 
     """A Nanbeige4.2 checkpoint (config.json, generation_config.json, two bf16 shards + index)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    rnd = _Random(seed)
-    first = {"model.embed_tokens.weight": rnd.matrix(vocab, hidden)}
-    second: dict[str, torch.Tensor] = {}
-    for i in range(layers):
-        shard = first if i < (layers + 1) // 2 else second
-        shard.update(_llama_layer(rnd, f"model.layers.{i}", hidden=hidden, heads=heads, kv_heads=kv_heads,
-                                  head_dim=head_dim, intermediate=intermediate, branch_scale=residual_scale))
-    second["model.norm.weight"] = rnd.norm(hidden)
-    second["lm_head.weight"] = rnd.matrix(vocab, hidden)
+    first, second = llama_shards(_Random(seed), layers=layers, vocab=vocab, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                                 head_dim=head_dim, intermediate=intermediate, branch_scale=residual_scale)
     write_two_shards(directory, first, second)
     bos, eos = nanbeige_token_ids(vocab)
     config = {
