@@ -42,6 +42,12 @@ from speedc.cost_model import analytic_bound
 from speedc.runtimes.step_costs import seed_step_cost
 
 
+def _held(count: int, weight: float) -> float:
+    """Samples an average of COUNT samples holds: all of them, at most about (2 - w) / w once it is an exponential
+    average of weight w (the count its standard error is taken over)."""
+    return min(count, (2.0 - weight) / weight)
+
+
 @dataclass
 class SequenceAcceptance:
     """One sequence's record: its averaged acceptance and where it is in the state machine."""
@@ -192,9 +198,8 @@ class AcceptancePolicy:
         measured = self.measured_yield(state, depth, optimistic)
         if measured is not None:
             return measured
-        if state.outcomes < self.min_outcomes:
-            return 1.0 / (1.0 + (1.0 - self.prior) * (depth - 1))
-        return 1.0 / (1.0 + (1.0 - self.acceptance(state, optimistic)) * (depth - 1))
+        alpha = self.prior if state.outcomes < self.min_outcomes else self.acceptance(state, optimistic)
+        return 1.0 / (1.0 + (1.0 - alpha) * (depth - 1))
 
     def acceptance(self, state: SequenceAcceptance, optimistic: bool = False) -> float:
         """STATE's averaged acceptance; OPTIMISTIC: `confidence` standard errors above it, the standard error of
@@ -202,7 +207,7 @@ class AcceptancePolicy:
         taken at (k + 1) / (n + 2) so that a run of all misses is not certain after four."""
         if not optimistic or state.outcomes == 0:
             return state.alpha
-        held = min(state.outcomes, (2.0 - self.weight) / self.weight)
+        held = _held(state.outcomes, self.weight)
         rate = (state.alpha * held + 1.0) / (held + 2.0)
         return min(1.0, state.alpha + self.confidence * math.sqrt(rate * (1.0 - rate) / held))
 
@@ -223,7 +228,7 @@ class AcceptancePolicy:
             return None
         if not optimistic:
             return record[0]
-        held = min(record[1], (2.0 - self.yield_weight) / self.yield_weight)
+        held = _held(record[1], self.yield_weight)
         return record[0] + self.confidence * math.sqrt(max(record[2] - record[0] ** 2, 0.0) / held)
 
     def batch_speculates(self, states: list[SequenceAcceptance], speculating: bool = True,

@@ -79,7 +79,7 @@ class _Samples:
         return self.clocks[-1]
 
     def recent(self, count: int) -> list[float]:
-        return list(self.seconds)[-count:]
+        return list(itertools.islice(self.seconds, max(0, len(self.seconds) - count), None))
 
     def nearest(self, clock: int, count: int) -> list[float]:
         """The COUNT samples taken nearest to CLOCK (a run of consecutive ones: they are in clock order)."""
