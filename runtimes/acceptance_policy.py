@@ -192,14 +192,21 @@ class AcceptancePolicy:
 
     def tokens_per_step(self, state: SequenceAcceptance, depth: int | None = None, optimistic: bool = False) -> float:
         """Tokens a step of a DEPTH-slot pipeline (None: P) is expected to emit for STATE's sequence: its
-        measured yield once measured, else the bound's 1 / (1 + (1-a)(d-1)), at the prior until min_outcomes
-        outcomes judge it (as its own rule waits for them). OPTIMISTIC: `confidence` standard errors higher."""
+        measured yield once measured, else the bound's 1 / (1 + (1-a)(d-1)), at the prior until its outcomes
+        judge it (`judged`, as its own rule waits for them). OPTIMISTIC: `confidence` standard errors higher."""
         depth = self.slots if depth is None else depth
         measured = self.measured_yield(state, depth, optimistic)
         if measured is not None:
             return measured
-        alpha = self.prior if state.outcomes < self.min_outcomes else self.acceptance(state, optimistic)
+        alpha = self.acceptance(state, optimistic) if self.judged(state) else self.prior
         return 1.0 / (1.0 + (1.0 - alpha) * (depth - 1))
+
+    def judged(self, state: SequenceAcceptance) -> bool:
+        """Whether STATE's own outcomes decide for it: min_outcomes of them (probe_outcomes in a probe), or its
+        rule has left speculation (a probe that failed after 4 outcomes is judged: at the prior it would
+        carry its batch on speculating while it waits for its next probe)."""
+        return (not state.speculating
+                or state.outcomes >= (self.probe_outcomes if state.probing else self.min_outcomes))
 
     def acceptance(self, state: SequenceAcceptance, optimistic: bool = False) -> float:
         """STATE's averaged acceptance; OPTIMISTIC: `confidence` standard errors above it, the standard error of
@@ -252,7 +259,8 @@ class AcceptancePolicy:
         depth = self.slots if depth is None else depth
         if self.threshold_at(cost, depth) >= 1.0:
             return False
-        tokens = sum(self.tokens_per_step(state, depth, optimistic=speculating) for state in states)
+        # a sequence that left speculation counts at its estimate: it was judged losing, optimism stays with it
+        tokens = sum(self.tokens_per_step(state, depth, optimistic=speculating and state.speculating) for state in states)
         return tokens * depth / cost > len(states)
 
     def losing(self, state: SequenceAcceptance, costs: dict[int, float]) -> bool:
@@ -260,9 +268,8 @@ class AcceptancePolicy:
         and loses at every depth of COSTS ({depth: c}): the fall-back verdict. Judged at the optimistic estimate,
         except in a probe: a probe speculates on text that recently lost, so it must show that it wins (at
         acceptance 0.3, probes judged optimistically held by chance and reset the wait: 3-4 probes in 128 tokens)."""
-        judged = state.outcomes >= (self.probe_outcomes if state.probing else self.min_outcomes)
         optimistic = not state.probing
-        return (state.speculating and judged
+        return (state.speculating and self.judged(state)
                 and max(self.bound(state, depth, c, optimistic) for depth, c in costs.items()) < 1.0)
 
     def wants_speculation(self, state: SequenceAcceptance, cost: float | dict | None = None,

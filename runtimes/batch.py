@@ -240,8 +240,8 @@ class BatchScheduler:
                     sequence.stats.cost_samples += 1
             start = time.perf_counter()
             depth = self.depth_now
-            kind = self._speed_step(decoding, events, depth) if speculate else self._plain_step(decoding, events)
-            self._record(kind, len(decoding), time.perf_counter() - start, fresh, depth)
+            kind, heads = self._speed_step(decoding, events, depth) if speculate else self._plain_step(decoding, events)
+            self._record(kind, len(decoding), time.perf_counter() - start, fresh, depth, heads)
             self.decode_steps[len(decoding)] += 1
         for sequence in [s for s in self.occupied if s.state == DONE]:
             self._release(sequence)
@@ -452,19 +452,19 @@ class BatchScheduler:
         cost could change what it does (several depths run only under the per-sequence rule: every state is one)."""
         return any(self.acceptance.bound(state, self.depth, cost) < EXPLORE_BELOW for state in states)
 
-    def _record(self, kind: str | None, sequences: int, seconds: float, fresh: bool, depth: int) -> None:
+    def _record(self, kind: str | None, sequences: int, seconds: float, fresh: bool, depth: int, heads: int) -> None:
         """A decode step of KIND ("plain", "speed", "full"; None: nothing ran) took SECONDS: a sample of this
         host's step costs, unless it was the first run since the pool was reallocated (FRESH: new buffers,
-        new bindings). DEPTH: the pipeline depth a speed step ran at."""
+        new bindings). DEPTH: the pipeline depth a speed step ran at; HEADS: the head rows it ran."""
         if kind is None:
             return
         if fresh:
             self.costs.tick()
             return
         length, width, at = self.backend.length, self.backend.width, self.costs.kind_at
-        self.costs.record(kind if kind == "plain" else at("speed", depth), sequences, length, seconds, width)
+        self.costs.record(kind if kind == "plain" else at("speed", depth), sequences, length, seconds, width, heads)
         if kind == "full":
-            self.costs.record(at("full", depth), sequences, length, seconds, width)
+            self.costs.record(at("full", depth), sequences, length, seconds, width, heads)
 
     def _plain_burst(self, decoding: list[Sequence]) -> bool:
         """Whether this step, which the rules would speculate, runs as a plain step to time plain decoding here
@@ -575,7 +575,8 @@ class BatchScheduler:
             tokens[sequence.row], positions[sequence.row], valid[sequence.row] = frontier.token, frontier.pos, True
         return tokens, positions, valid, any(s.request.picker.needs_logits for s in decoding)
 
-    def _plain_step(self, decoding: list[Sequence], events: list[Event]) -> str:
+    def _plain_step(self, decoding: list[Sequence], events: list[Event]) -> tuple[str, int]:
+        """One plain step of DECODING. -> ("plain", 0: every plain step runs the same heads)."""
         tokens, positions, valid, want = self._plain_rows(decoding)
         start = time.perf_counter()
         argmax, logits = self.backend.plain_step(tokens, positions, valid, want)
@@ -588,12 +589,12 @@ class BatchScheduler:
             self.acceptance.waited(sequence.acceptance)
             self._emit(sequence, token, events)
             sequence.stats.decode_seconds += time.perf_counter() - start
-        return "plain"
+        return "plain", 0
 
-    def _speed_step(self, decoding: list[Sequence], events: list[Event], pipeline_depth: int) -> str | None:
+    def _speed_step(self, decoding: list[Sequence], events: list[Event], pipeline_depth: int) -> tuple[str | None, int]:
         """One speed step with the P slots run as a pipeline of PIPELINE_DEPTH slots (slot spacing
-        P / PIPELINE_DEPTH: decode.Pipeline.shift). -> "full" when every stepping pipeline held PIPELINE_DEPTH
-        tokens, "speed" else, None when no sequence stepped."""
+        P / PIPELINE_DEPTH: decode.Pipeline.shift). -> ("full" when every stepping pipeline held PIPELINE_DEPTH
+        tokens, "speed" else, None when no sequence stepped; the head rows it ran: step_costs groups by them)."""
         spacing = self.backend.slots // pipeline_depth
         slots, n = self.backend.slots, len(self.occupied)
         entering = np.zeros(n, np.int64)
@@ -622,7 +623,7 @@ class BatchScheduler:
             checked = [d for d in range(1, slots - 1) if pipeline.slots[d] is not None] if sequence.early_flush else []
             stepping.append((sequence, heads.add(b, n, [slot is not None for slot in pipeline.slots], checked)))
         if not stepping:
-            return None
+            return None, 0
         full = bool((valid[:, [s.row for s, _ in stepping]].sum(axis=0) == pipeline_depth).all())
         want = any(places.final is not None and s.request.picker.needs_logits for s, places in stepping)
         start = time.perf_counter()
@@ -638,7 +639,7 @@ class BatchScheduler:
             self.acceptance.stepped(sequence.acceptance, stats.accepted - accepted, stats.failed_speculations - failed,
                                     len(sequence.out) - emitted, pipeline_depth)
             stats.decode_seconds += time.perf_counter() - start
-        return "full" if full else "speed"
+        return "full" if full else "speed", len(heads.final) + len(heads.exit) + len(heads.check)
 
     def _absorb(self, sequence: Sequence, outcome: SequenceOutcome, events: list[Event]) -> None:
         """The bookkeeping after one step, for one sequence (decode.Pipeline's rules)."""

@@ -15,17 +15,24 @@ SPEED.md defines it). A pipeline run at a shallower depth d = P / g (decode.Pipe
 at most d tokens in flight, d rows a step) keeps its speed steps as "speed@d" / "full@d"; its c(d) is
 P x its step / a plain step (g steps of d rows a token, against a plain token's d slots of N / d layers).
 
-Each is the lower quartile of the last WINDOW samples (PLAIN_WINDOW for plain steps): on a shared host a step is only ever slowed, by
-other processes taking a core from a thread the step waits on (measured on zoo:small at a load of 4 on 2
-cores: plain tokens of 2.5 ms and of 10.6 ms, two of three slow), and the same quartile of both kinds
-keeps their ratio; the first WARMUP steps of each (kind, n) at each pool shape (length, width) are not samples
+Each is the unslowed mean (unslowed_mean) of WINDOW samples (PLAIN_WINDOW for plain steps): on a shared host
+a step is only ever slowed, by other processes taking a core from a thread the step waits on (measured on
+zoo:small at a load of 4 on 2 cores: plain tokens of 2.5 ms and of 10.6 ms, two of three slow), so steps
+beyond 1.5x the lower quartile are not counted; a lower quartile itself sits below the mean by the step's own
+jitter, larger for a speed step's, which made c low. A speed step's cost also follows the heads it runs (a
+vocabulary readout per draft and per token leaving the last slot, a candidates' check per early-flush
+check: measured at Ouro-1.4B's shapes, 4 layers, int4, 8.5 ms with none to 14.6 with four), and at a low
+acceptance most steps run few: the lower quartile of that mixture was its cheap steps' (c(4) 1.46 where
+speed-always's runs gave 1.8, and speculation at acceptance 0.3 went on for 200 steps). So samples are
+grouped by their count of head rows: the estimate is the mix of the last window, each group at its own
+level (_Samples.typical; c 1.71 against 1.73 from the runs). The first WARMUP steps of each (kind, n) at each pool shape (length, width) are not samples
 (the first runs of a shape bind buffers and warm ONNX Runtime's kernels: measured, the first plain
 tokens over a new pool length of a 4-layer Ouro-1.4B-shaped int4 model took ~125 ms against 14), nor
 is the first decode step after the pool was reallocated (the scheduler skips it: new bindings).
 
     c(n, band) = P * speed seconds / plain seconds        (the cost the policy's bound uses)
 
-where the speed seconds are the quartile of the WINDOW speed steps taken nearest in time to the newest plain
+where the speed seconds' levels are of the speed steps taken nearest in time to the newest plain
 samples (plain steps are timed in bursts, hundreds of speed steps apart: a ratio of two moments would follow
 the host's load, not the step).
 
@@ -37,11 +44,11 @@ Standard library only (the runtime path imports no torch).
 from __future__ import annotations
 
 import bisect
-import itertools
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
 MIN_BAND = 64
+SLOWED = 1.5
 REUSE_STEPS = 8
 DEPTH_REFRESH = 4
 
@@ -63,6 +70,14 @@ def lower_quartile(values: list[float]) -> float:
     return sorted(values)[len(values) // 4]
 
 
+def unslowed_mean(values: list[float]) -> float:
+    """The mean of VALUES that were not slowed: those within SLOWED x their lower quartile (a step slowed by
+    another process took 2-4x its time; the jitter of an unslowed one stays within 1.4x)."""
+    floor = SLOWED * lower_quartile(values)
+    kept = [value for value in values if value <= floor]
+    return sum(kept) / len(kept)
+
+
 def context_band(length: int) -> int:
     """The band of a pool of LENGTH positions: the smallest power of two >= it, at least MIN_BAND."""
     return max(MIN_BAND, 1 << max(int(length) - 1, 0).bit_length())
@@ -70,22 +85,30 @@ def context_band(length: int) -> int:
 
 @dataclass
 class _Samples:
-    """One (kind, n, band)'s step times in the order taken, with the StepCosts.clock of each."""
+    """One (kind, n, band)'s step times in the order taken, with the StepCosts.clock and head rows of each."""
     seconds: deque
     clocks: deque
+    heads: deque
 
     @property
     def newest(self) -> int:
         return self.clocks[-1]
 
-    def recent(self, count: int) -> list[float]:
-        return list(itertools.islice(self.seconds, max(0, len(self.seconds) - count), None))
-
-    def nearest(self, clock: int, count: int) -> list[float]:
-        """The COUNT samples taken nearest to CLOCK (a run of consecutive ones: they are in clock order)."""
-        at = bisect.bisect_left(self.clocks, clock)
-        start = max(0, min(at - count // 2, len(self.clocks) - count))
-        return list(itertools.islice(self.seconds, start, start + count))
+    def typical(self, count: int, nearest_to: int | None = None) -> float:
+        """A step at the mix of head rows of the last COUNT steps: per head-row count, the unslowed mean of
+        its COUNT samples taken nearest to clock NEAREST_TO (None: its newest), weighted by its share of the mix.
+        The mix is now's (what the batch's acceptance makes its steps run); the levels are of the moment asked
+        (a plain burst's, to pair with it)."""
+        clocks, seconds, heads = list(self.clocks), list(self.seconds), list(self.heads)
+        mix = Counter(heads[-count:])
+        clock = clocks[-1] if nearest_to is None else nearest_to
+        total = 0.0
+        for group, share in mix.items():
+            at = [i for i, h in enumerate(heads) if h == group]
+            middle = bisect.bisect_left([clocks[i] for i in at], clock)
+            start = max(0, min(middle - count // 2, len(at) - count))
+            total += share * unslowed_mean([seconds[i] for i in at[start:start + count]])
+        return total / sum(mix.values())
 
 
 @dataclass
@@ -122,8 +145,10 @@ class StepCosts:
         """The key of a KIND ("speed", "full") step at pipeline DEPTH (None or P: the artifact's own)."""
         return kind if depth in (None, self.slots) else f"{kind}@{depth}"
 
-    def record(self, kind: str, sequences: int, length: int, seconds: float, width: int = 1) -> None:
-        """One KIND step of SEQUENCES sequences over a pool of LENGTH positions (WIDTH rows) took SECONDS."""
+    def record(self, kind: str, sequences: int, length: int, seconds: float, width: int = 1, heads: int = 0) -> None:
+        """One KIND step of SEQUENCES sequences over a pool of LENGTH positions (WIDTH rows) that ran HEADS
+        head rows (a speed step's readouts and checks; 0 where every step of the kind runs the same) took
+        SECONDS."""
         if not kind.startswith("full"):  # a full step is also a speed step: counted once
             self.clock += 1
         if not self.measuring:
@@ -135,26 +160,20 @@ class StepCosts:
         samples = self._samples.get(key)
         if samples is None:
             history = self.plain_window if kind == "plain" else self.refresh_steps  # speed steps near each burst
-            samples = self._samples[key] = _Samples(deque(maxlen=history), deque(maxlen=history))
+            samples = self._samples[key] = _Samples(*(deque(maxlen=history) for _ in range(3)))
         samples.seconds.append(seconds)
         samples.clocks.append(self.clock)
+        samples.heads.append(heads)
         if kind == "plain" or self.clock % REUSE_STEPS == 0:
             self._answers.clear()
 
-    def seconds(self, kind: str, sequences: int, band: int) -> float | None:
-        """Seconds of a KIND step of SEQUENCES sequences in BAND (the lower quartile of the window), None
-        before min_samples."""
+    def seconds(self, kind: str, sequences: int, band: int, nearest_to: int | None = None) -> float | None:
+        """Seconds of a KIND step of SEQUENCES sequences in BAND (_Samples.typical over the window, plain_window
+        for plain steps; levels of the moment NEAREST_TO, None: now); None before min_samples."""
         samples = self._samples.get((kind, sequences, band))
         if samples is None or len(samples.seconds) < self.min_samples:
             return None
-        return lower_quartile(samples.recent(self.plain_window if kind == "plain" else self.window))
-
-    def seconds_near(self, kind: str, sequences: int, band: int, clock: int) -> float | None:
-        """Seconds of a KIND step as `seconds` says, over the WINDOW samples taken nearest to CLOCK."""
-        samples = self._samples.get((kind, sequences, band))
-        if samples is None or len(samples.seconds) < self.min_samples:
-            return None
-        return lower_quartile(samples.nearest(clock, self.window))
+        return samples.typical(self.plain_window if kind == "plain" else self.window, nearest_to)
 
     def needs_plain_sample(self, sequences: int, length: int) -> bool:
         """Whether the plain cost of SEQUENCES sequences at a pool of LENGTH positions is unknown or stale."""
@@ -195,7 +214,7 @@ class StepCosts:
             # (measured on zoo:small: a plain burst in a quiet second against later, slowed speed steps put c(4)
             # at 3.2 where paired samples gave 1.9-2.1, and speculation at acceptance 0.8 fell back).
             plain_clock = self._samples["plain", sequences, near].newest if plain is not None else 0
-            step = self.seconds_near(kind, sequences, near, plain_clock) if plain is not None else None
+            step = self.seconds(kind, sequences, near, nearest_to=plain_clock) if plain is not None else None
             if step is not None and plain is not None and self.slots * step >= plain:
                 where = "here" if near == band else f"at context band {near} (none yet at {band})"
                 return self.slots * step / plain, f"measured {where}"
@@ -247,7 +266,7 @@ class StepCosts:
             if seconds is not None:
                 row[f"{kind}_ms"] = round(1000 * seconds, 3)
                 if plain:  # c as the policy takes it: paired with the plain steps in time
-                    paired = self.seconds_near(self.kind_at(kind, depth), sequences, band, plain_clock)
+                    paired = self.seconds(self.kind_at(kind, depth), sequences, band, nearest_to=plain_clock)
                     row[name] = round(self.slots * paired / plain, 3)
         return row
 

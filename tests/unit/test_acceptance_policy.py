@@ -81,6 +81,9 @@ def test_the_batch_speculates_while_its_summed_bound_wins():
     good, bad = SequenceAcceptance(1.0, outcomes=8), SequenceAcceptance(0.0, outcomes=8)
     assert policy.batch_speculates([good]) and not policy.batch_speculates([bad])
     assert policy.batch_speculates([SequenceAcceptance(0.0, outcomes=7)])  # not judged yet: the prior
+    failed_probe = SequenceAcceptance(0.25, probing=True, outcomes=4)  # judged after 4 outcomes, at its estimate
+    assert not policy.wants_speculation(failed_probe) and failed_probe.fallbacks == 1
+    assert not policy.batch_speculates([failed_probe])  # its batch of one decodes plainly (at the prior it sped on)
     assert policy.batch_speculates([good, bad])  # 3.125 > 2
     assert policy.batch_speculates([good] * 2 + [bad] * 3)  # 6.875 > 5
     assert policy.batch_speculates([good] + [bad] * 3)  # 4.375 > 4
@@ -167,7 +170,7 @@ def test_a_new_sequence_starts_from_what_the_engine_learned():
 
 def test_step_costs_measured_per_batch_size_and_band_after_a_warm_up():
     """Scripted step times (no clock): the seed stands in until a band has min_samples of both kinds, then c =
-    P x speed / plain of that band (lower quartiles: a shared host only ever slows a step); a band without its
+    P x speed / plain of that band (unslowed means: a shared host only ever slows a step); a band without its
     own measurement borrows the nearest measured one; a plain estimate goes stale after refresh_steps; a depth
     not measured falls back to the seed, never to another depth's measurement."""
     from speedc.runtimes.step_costs import StepCosts, context_band
@@ -175,7 +178,7 @@ def test_step_costs_measured_per_batch_size_and_band_after_a_warm_up():
     assert [context_band(t) for t in (1, 64, 65, 144, 1024, 1025)] == [64, 64, 128, 256, 1024, 2048]
     costs = StepCosts(slots=4, seed=1.6, seed_source="seed", warmup=1, min_samples=3, refresh_steps=10)
     assert costs.step_cost(1, 200) == (1.6, "seed") and costs.needs_plain_sample(1, 200)
-    for seconds in (9.0, 0.011, 0.010, 0.010, 0.5):  # the first is warm-up, 0.5 a slowed step: the quartile holds
+    for seconds in (9.0, 0.010, 0.010, 0.010, 0.5):  # the first is warm-up, 0.5 a slowed step: not counted
         costs.record("plain", 1, 200, seconds)
     for seconds in (9.0, 0.005, 0.005, 0.005):
         costs.record("speed", 1, 200, seconds)
@@ -286,3 +289,24 @@ def test_the_seed_is_the_build_hosts_measurement_only_when_plausible():
         assert cost == assumed_step_cost(4) and source.endswith("not measured")
     seeded = manifest(4, {"slots": 4, "step_cost": 2.1})
     assert AcceptancePolicy.for_manifest(seeded).step_cost == StepCosts.for_manifest(seeded).seed == 2.1
+
+
+def test_speed_steps_are_costed_at_their_mix_of_head_rows():
+    """A speed step's cost follows the heads it runs (readouts, checks): at a low acceptance most steps run
+    few. Grouped by head rows, the estimate is the mix of each group's unslowed mean (3 cheap : 1 dear ->
+    (3 x 8 + 14) / 4 = 9.5 ms) where the lower quartile of the mixture would be a cheap step's 8 ms, and a
+    slowed step in either group still moves nothing."""
+    from speedc.runtimes.step_costs import StepCosts, unslowed_mean
+
+    assert unslowed_mean([0.010, 0.011, 0.012, 0.030]) == pytest.approx(0.011)  # 0.030: slowed (> 1.5 x 0.010)
+    costs = StepCosts(slots=4, seed=1.6, seed_source="seed", warmup=0, min_samples=3, window=16, plain_window=4)
+    for _ in range(4):
+        costs.record("plain", 1, 200, 0.010)
+    for step in range(16):
+        dear = step % 4 == 3
+        slowed = 3.0 if step in (5, 11) else 1.0  # another process took the core: one cheap step, one dear
+        costs.record("speed", 1, 200, slowed * (0.014 if dear else 0.008), heads=3 if dear else 1)
+    assert costs.seconds("speed", 1, 256) == pytest.approx(0.0095)
+    assert costs.step_cost(1, 200) == (pytest.approx(4 * 0.0095 / 0.010), "measured here")
+    costs.record("speed", 1, 200, 0.020)  # a step with no heads: a group of its own, 1 in the window of 16
+    assert costs.seconds("speed", 1, 256) == pytest.approx((11 * 0.008 + 4 * 0.014 + 0.020) / 16)
