@@ -639,7 +639,7 @@ class BatchScheduler:
             self.acceptance.stepped(sequence.acceptance, stats.accepted - accepted, stats.failed_speculations - failed,
                                     len(sequence.out) - emitted, pipeline_depth)
             stats.decode_seconds += time.perf_counter() - start
-        return "full" if full else "speed", len(heads.final) + len(heads.exit) + len(heads.check)
+        return "full" if full else "speed", len(heads)
 
     def _absorb(self, sequence: Sequence, outcome: SequenceOutcome, events: list[Event]) -> None:
         """The bookkeeping after one step, for one sequence (decode.Pipeline's rules)."""

@@ -25,8 +25,10 @@ check: measured at Ouro-1.4B's shapes, 4 layers, int4, 8.5 ms with none to 14.6 
 acceptance most steps run few: the lower quartile of that mixture was its cheap steps' (c(4) 1.46 where
 speed-always's runs gave 1.8, and speculation at acceptance 0.3 went on for 200 steps). So samples are
 grouped by their count of head rows: the estimate is the mix of the last window, each group at its own
-level (_Samples.typical; c 1.71 against 1.73 from the runs). The first WARMUP steps of each (kind, n) at each pool shape (length, width) are not samples
-(the first runs of a shape bind buffers and warm ONNX Runtime's kernels: measured, the first plain
+level (_Samples.typical; c 1.71 against 1.73 from the runs).
+
+The first WARMUP steps of each (kind, n) at each pool shape (length, width) are not samples (the first
+runs of a shape bind buffers and warm ONNX Runtime's kernels: measured, the first plain
 tokens over a new pool length of a 4-layer Ouro-1.4B-shaped int4 model took ~125 ms against 14), nor
 is the first decode step after the pool was reallocated (the scheduler skips it: new bindings).
 
@@ -44,6 +46,7 @@ Standard library only (the runtime path imports no torch).
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -85,29 +88,41 @@ def context_band(length: int) -> int:
 
 @dataclass
 class _Samples:
-    """One (kind, n, band)'s step times in the order taken, with the StepCosts.clock and head rows of each."""
-    seconds: deque
-    clocks: deque
-    heads: deque
+    """One (kind, n, band)'s step times, kept per count of head rows (in clock order, with the StepCosts.clock
+    of each), and the head rows of each step in the order taken (the mix)."""
+    history: int  # samples kept: of the mix, and of each head-row count
+    heads: deque = field(init=False)
+    groups: dict = field(default_factory=dict)  # head rows -> (seconds, clocks): deques of at most `history`
+    newest: int = 0  # clock of the newest sample
 
-    @property
-    def newest(self) -> int:
-        return self.clocks[-1]
+    def __post_init__(self):
+        self.heads = deque(maxlen=self.history)
+
+    def __len__(self) -> int:
+        return len(self.heads)
+
+    def add(self, seconds: float, clock: int, heads: int) -> None:
+        if heads not in self.groups:
+            self.groups[heads] = (deque(maxlen=self.history), deque(maxlen=self.history))
+        group_seconds, group_clocks = self.groups[heads]
+        group_seconds.append(seconds)
+        group_clocks.append(clock)
+        self.heads.append(heads)
+        self.newest = clock
 
     def typical(self, count: int, nearest_to: int | None = None) -> float:
         """A step at the mix of head rows of the last COUNT steps: per head-row count, the unslowed mean of
         its COUNT samples taken nearest to clock NEAREST_TO (None: its newest), weighted by its share of the mix.
         The mix is now's (what the batch's acceptance makes its steps run); the levels are of the moment asked
         (a plain burst's, to pair with it)."""
-        clocks, seconds, heads = list(self.clocks), list(self.seconds), list(self.heads)
-        mix = Counter(heads[-count:])
-        clock = clocks[-1] if nearest_to is None else nearest_to
+        mix = Counter(itertools.islice(self.heads, max(0, len(self.heads) - count), None))
+        clock = self.newest if nearest_to is None else nearest_to
         total = 0.0
         for group, share in mix.items():
-            at = [i for i, h in enumerate(heads) if h == group]
-            middle = bisect.bisect_left([clocks[i] for i in at], clock)
-            start = max(0, min(middle - count // 2, len(at) - count))
-            total += share * unslowed_mean([seconds[i] for i in at[start:start + count]])
+            seconds, clocks = self.groups[group]
+            middle = bisect.bisect_left(clocks, clock)
+            start = max(0, min(middle - count // 2, len(clocks) - count))
+            total += share * unslowed_mean(list(itertools.islice(seconds, start, start + count)))
         return total / sum(mix.values())
 
 
@@ -160,10 +175,8 @@ class StepCosts:
         samples = self._samples.get(key)
         if samples is None:
             history = self.plain_window if kind == "plain" else self.refresh_steps  # speed steps near each burst
-            samples = self._samples[key] = _Samples(*(deque(maxlen=history) for _ in range(3)))
-        samples.seconds.append(seconds)
-        samples.clocks.append(self.clock)
-        samples.heads.append(heads)
+            samples = self._samples[key] = _Samples(history)
+        samples.add(seconds, self.clock, heads)
         if kind == "plain" or self.clock % REUSE_STEPS == 0:
             self._answers.clear()
 
@@ -171,7 +184,7 @@ class StepCosts:
         """Seconds of a KIND step of SEQUENCES sequences in BAND (_Samples.typical over the window, plain_window
         for plain steps; levels of the moment NEAREST_TO, None: now); None before min_samples."""
         samples = self._samples.get((kind, sequences, band))
-        if samples is None or len(samples.seconds) < self.min_samples:
+        if samples is None or len(samples) < self.min_samples:
             return None
         return samples.typical(self.plain_window if kind == "plain" else self.window, nearest_to)
 
@@ -180,7 +193,7 @@ class StepCosts:
         if not self.measuring:
             return False
         samples = self._samples.get(("plain", sequences, context_band(length)))
-        return (samples is None or len(samples.seconds) < self.min_samples
+        return (samples is None or len(samples) < self.min_samples
                 or self.clock - samples.newest > self.refresh_steps)
 
     def needs_depth_sample(self, sequences: int, length: int, depth: int) -> bool:
@@ -191,7 +204,7 @@ class StepCosts:
         if not self.measuring:
             return False
         samples = self._samples.get((self.kind_at("speed", depth), sequences, context_band(length)))
-        return (samples is None or len(samples.seconds) < self.min_samples
+        return (samples is None or len(samples) < self.min_samples
                 or self.clock - samples.newest > DEPTH_REFRESH * self.refresh_steps)
 
     def _measured(self, kind: str, sequences: int, band: int) -> tuple[float, str] | None:

@@ -124,6 +124,10 @@ class HeadRows:
     exit: list[int] = field(default_factory=list)
     check: list[int] = field(default_factory=list)
 
+    def __len__(self) -> int:
+        """Head rows the step runs (what its cost follows beside its rows: runtimes/step_costs.py)."""
+        return len(self.final) + len(self.exit) + len(self.check)
+
     def add(self, row: int, sequences: int, filled: list[bool], checked: list[int]) -> SequenceHeads:
         """Pool row ROW's heads among SEQUENCES: the final head where its oldest slot holds a token (FILLED:
         per slot), the draft where slot 0 does, a check at each slot in CHECKED. -> where they come back
