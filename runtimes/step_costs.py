@@ -143,9 +143,10 @@ class StepCosts:
     clock: int = 0  # decode steps recorded or skipped so far
     _samples: dict = field(default_factory=dict)  # (kind, n, band) -> _Samples
     _seen: Counter = field(default_factory=Counter)  # (kind, n, pool length, pool width) -> steps seen (warm-up)
-    # (kind, n, band) -> _measured's answer: asked several times a step, it moves only with a burst's samples and
-    # the speed steps beside it, so it is recomputed after a plain sample and every REUSE_STEPS steps (the
-    # quartiles cost ~0.1 ms a step uncached, 5% of a 2 ms zoo:small step)
+    # (kind, n, band) -> _measured's answer: asked several times a step, it moves slowly (windows of 8-16 samples),
+    # so it is recomputed every REUSE_STEPS steps, when a burst's first plain sample arrives and when a kind
+    # first has min_samples (c moves from the seed to this host's). Recomputed at each plain sample, decoding
+    # plainly cost ~150 us a step (4% of a 1,024-position zoo:small token).
     _answers: dict = field(default_factory=dict)
 
     @classmethod
@@ -176,8 +177,9 @@ class StepCosts:
         if samples is None:
             history = self.plain_window if kind == "plain" else self.refresh_steps  # speed steps near each burst
             samples = self._samples[key] = _Samples(history)
+        burst_starts = kind == "plain" and self.clock - samples.newest > REUSE_STEPS
         samples.add(seconds, self.clock, heads)
-        if kind == "plain" or self.clock % REUSE_STEPS == 0:
+        if burst_starts or len(samples) == self.min_samples or self.clock % REUSE_STEPS == 0:
             self._answers.clear()
 
     def seconds(self, kind: str, sequences: int, band: int, nearest_to: int | None = None) -> float | None:

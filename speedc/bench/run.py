@@ -111,11 +111,26 @@ def _percentiles(samples: list[float]) -> dict[str, float]:
             "min": round(float(arr.min()), 4)}
 
 
+def warm_up(engine: Engine, prompt, modes) -> None:
+    """One short untimed run of each mode: the engine's first generate pays ONNX Runtime's first runs of its
+    graphs (measured: a first prompt at 0.68-0.87x plain where the others ran near 1.0x), which would count
+    against whichever mode is timed first."""
+    for mode in modes:
+        engine.generate(prompt, max_new_tokens=8, stop_at_eos=False, mode=mode)
+
+
+def rotated(modes: tuple, turn: int) -> tuple:
+    """MODES in the order of round TURN: each mode runs first, second, ... equally often, so what a run leaves
+    behind (caches, the host's clock) does not always fall on the same mode."""
+    shift = turn % len(modes)
+    return modes[shift:] + modes[:shift]
+
+
 def run_bench(engine: Engine, *, prompts: list[str] | None = None, new_tokens: int = 128, repeats: int = 3,
               early_flush: bool | None = None, peers: dict | None = None) -> BenchReport:
-    """Interleave, per prompt: speed, speed-always, autoregressive, then each peer (name -> LoadedPeer of
-    speedc.bench.peers: generate, must_match). The other modes' ids and those of every must_match peer
-    must equal SPEED's (else SpeedcError, no report); the others' agreement is measured."""
+    """Interleave, per prompt: speed, speed-always, autoregressive (rotated: each first in turn), then each
+    peer (name -> LoadedPeer of speedc.bench.peers: generate, must_match). The other modes' ids and those of
+    every must_match peer must equal SPEED's (else SpeedcError, no report); the others' agreement is measured."""
     prompts = prompts or DEFAULT_PROMPTS
     peers = peers or {}
     agreement = {name: Agreement(same_weights=peer.must_match) for name, peer in peers.items()}
@@ -126,11 +141,11 @@ def run_bench(engine: Engine, *, prompts: list[str] | None = None, new_tokens: i
     speed_runs, adaptive_runs, steps, emitted = [], [], 0, 0
     flushes = {"last_layer": 0, "early": 0, "tokens_discarded": 0}
     identical = True
-    engine.generate(prompts[0], max_new_tokens=8, stop_at_eos=False)  # warm-up
-    for _ in range(repeats):
-        for prompt in prompts:
+    warm_up(engine, prompts[0], modes)
+    for repeat in range(repeats):
+        for index, prompt in enumerate(prompts):
             results = {}
-            for mode in modes:
+            for mode in rotated(modes, repeat * len(prompts) + index):
                 start = time.perf_counter()
                 result = engine.generate(prompt, max_new_tokens=new_tokens, stop_at_eos=False, mode=mode,
                                          early_flush=early_flush)

@@ -201,13 +201,14 @@ def synthetic_checkpoint(shape: Shape, layers: int, directory: Path, residual_sc
 
 def end_to_end_row(engine, *, prompts: int, new_tokens: int, seed: int = 0, peers: dict | None = None) -> dict:
     """SPEED (the default mode: speculating while it pays on this host), SPEED speculating at every step
-    (speed-always) and plain decoding on random prompt ids, interleaved, greedy; ids must be identical. PEERS:
+    (speed-always) and plain decoding on random prompt ids, interleaved (after an untimed warm-up of each, in
+    a rotated order), greedy; ids must be identical. PEERS:
     name -> (generate(prompt ids, new tokens) -> (ids, decode seconds per token), what it ran), timed
     in the same rounds (after SPEED and plain decoding, per prompt); their ids' agreement with SPEED's
     is reported (another precision or architecture: not required equal)."""
     import numpy as np
 
-    from speedc.bench.run import Agreement, policy_summary
+    from speedc.bench.run import Agreement, policy_summary, rotated, warm_up
     from speedc.errors import GenerationError
     from speedc.runtimes.decode import pooled_acceptance
 
@@ -218,10 +219,11 @@ def end_to_end_row(engine, *, prompts: int, new_tokens: int, seed: int = 0, peer
     ms = {**{mode: [] for mode in modes}, **{name: [] for name in peers}}
     agreement = {name: Agreement(same_weights=False) for name in peers}
     speed_runs, adaptive_runs = [], []
-    for _ in range(prompts):
+    warm_up(engine, [int(i) for i in rng.integers(0, vocab, size=PROMPT_IDS)], modes)
+    for turn in range(prompts):
         prompt = [int(i) for i in rng.integers(0, vocab, size=PROMPT_IDS)]
         results = {mode: engine.generate(prompt, max_new_tokens=new_tokens, mode=mode, stop_at_eos=False)
-                   for mode in modes}
+                   for mode in rotated(modes, turn)}
         if not results["speed"].ids == results["speed-always"].ids == results["autoregressive"].ids:
             raise GenerationError("SPEED and plain decoding produced different ids on a random prompt: not lossless")
         for mode, result in results.items():

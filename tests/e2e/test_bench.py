@@ -49,6 +49,16 @@ def test_bench_json_fields(tiny_artifact):
     assert 0 < report["peak_rss_mb"]["onnxruntime-genai-int4"] < report["peak_rss_mb"]["pytorch-reference"]
 
 
+def test_modes_take_turns_running_first():
+    """Each round runs every mode once, each mode first (and last) in an equal share of rounds."""
+    from speedc.bench.run import rotated
+
+    modes = ("speed", "speed-always", "autoregressive")
+    orders = [rotated(modes, turn) for turn in range(6)]
+    assert all(sorted(order) == sorted(modes) for order in orders)
+    assert [order[0] for order in orders] == [*modes, *modes] and orders[0] == modes
+
+
 def test_peer_ids_refused_or_compared(tiny_artifact, capsys, monkeypatch):
     """A scripted stand-in peer returns plain decoding's ids with one token changed: on the artifact's
     weights (must_match) the bench refuses to report; at another precision it reports the agreement
