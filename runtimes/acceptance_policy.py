@@ -21,14 +21,11 @@ is passed). The state machine of one sequence:
 What the policy learned outlives the sequence: a new sequence starts from the acceptance the engine's
 recent outcomes of its kind of request averaged (`learned_alpha`, once min_outcomes were seen; greedy and
 sampled requests apart: a sampled token matches the draft's argmax far less often), held as `learned_weight`
-outcomes of its own, and the current wait between probes. A text that agrees well is judged on its own
-outcomes too: the engine's average is another text's (measured on zoo:small, 64-token requests: after one
-text at acceptance 0.71, four at 0.83-0.91 decoded plainly from their first token at 0.96-1.02x plain, where
-speculating ran 1.46-1.61x). But where the last probe of its kind failed (none held since), a new sequence
-is itself a probe whose first outcomes are the engine's: judged at once, as a probe is, it decodes plainly
-from its first token where they lose, and probes after the learned wait (measured on zoo:small at 1,024
-positions, acceptance 0.65 where 0.75 wins: the 8 speed steps each sequence took to judge its own outcomes
-cost 3% of a 120-token request).
+outcomes of its own, and the current wait between probes. So a checkpoint whose draft agrees rarely pays a
+few speculations per request, not min_outcomes and a probe, while a text that agrees well is judged on its
+own outcomes too: the engine's average is another text's (measured on zoo:small, 64-token requests: after
+one text at acceptance 0.71, four at 0.83-0.91 decoded plainly from their first token at 0.96-1.02x plain,
+where speculating ran 1.46-1.61x).
 
 The batch then speculates or decodes plainly as a whole (`batch_speculates`: the bound summed over its
 sequences; a split into a speed run and a plain run never pays, see there). Whatever it decides stays lossless: the scheduler only drops unverified work when a sequence switches.
@@ -63,7 +60,6 @@ class SequenceAcceptance:
     fallbacks: int = 0
     probes: int = 0
     kind: str = "greedy"  # of request: what the engine learned is kept per kind (AcceptancePolicy.start)
-    borrowed: int = 0  # of its outcomes, those that are the engine's learned average (AcceptancePolicy.start)
     # pipeline depth d -> [tokens per step of a d-slot pipeline while speculating (averaged), steps behind it];
     # a step of a d-slot pipeline is P / d speed steps (decode.Pipeline.shift's spacing), the bound's unit
     yields: dict = field(default_factory=dict)
@@ -146,13 +142,10 @@ class AcceptancePolicy:
     def start(self, kind: str = "greedy") -> SequenceAcceptance:
         """A new sequence's record (KIND of request: "greedy" or "sampled"): the engine's learned acceptance
         of that kind (counted as learned_weight outcomes: the sequence speculates until its own outcomes bring
-        it to min_outcomes) and wait between probes where it has them, else the prior. Where the last probe of
-        KIND failed, a probe (judged at once on the engine's outcomes, not optimistically)."""
+        it to min_outcomes) and wait between probes where it has them, else the prior."""
         state = SequenceAcceptance(self.prior, probe_after=self.learned_probe_after.get(kind, self.probe_after), kind=kind)
         if self.learned_outcomes[kind] >= self.min_outcomes:
-            state.borrowed = min(self.learned_weight, self.min_outcomes - 1)
-            state.alpha, state.outcomes = self.learned_alpha[kind], state.borrowed
-            state.probing = kind in self.learned_probe_after
+            state.alpha, state.outcomes = self.learned_alpha[kind], min(self.learned_weight, self.min_outcomes - 1)
         return state
 
     def observe(self, state: SequenceAcceptance, accepted: int, failed: int) -> None:
@@ -290,7 +283,7 @@ class AcceptancePolicy:
         costs = self.depth_costs(cost)
         if state.speculating:
             if costs_settled and (self.losing(state, costs) if losing is None else losing):
-                if state.probing and state.outcomes > state.borrowed:  # the probe failed: wait longer next time
+                if state.probing:  # the probe failed: wait longer next time
                     state.probe_after = min(2 * state.probe_after, self.max_probe_after)
                     self.learned_probe_after[state.kind] = state.probe_after
                 state.speculating, state.probing, state.plain_tokens = False, False, 0
@@ -300,7 +293,7 @@ class AcceptancePolicy:
                 self.learned_probe_after.pop(state.kind, None)
         elif state.plain_tokens >= state.probe_after:
             state.speculating, state.probing = True, True
-            state.alpha, state.outcomes, state.borrowed, state.yields = self.prior, 0, 0, {}
+            state.alpha, state.outcomes, state.yields = self.prior, 0, {}
             state.probes += 1
         return state.speculating and any(self.threshold_at(c, depth) < 1.0 for depth, c in costs.items())
 

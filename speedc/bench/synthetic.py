@@ -41,7 +41,7 @@ ZOO_RESIDUAL_SCALE = 0.0015
 # 0.005 -> 0.79; at hidden 2112: 0.0012 -> 0.92, 0.002 -> 0.79 (the update grows as sqrt(hidden)): its
 # budget is that extrapolated to 5280.
 LOOPED_RESIDUAL_BUDGET = {"sandwich": 0.025, "llama": 0.015, "huginn": 0.0085}
-PROMPT_IDS = 8  # --end-to-end's random prompts: this many ids each
+PROMPT_IDS = 8  # --end-to-end's random prompts: this many ids each (6 prompts: each of the 3 modes first twice)
 MAX_DEPTH = 8  # the deepest pipeline measured
 
 
@@ -219,7 +219,7 @@ def end_to_end_row(engine, *, prompts: int, new_tokens: int, seed: int = 0, peer
     ms = {**{mode: [] for mode in modes}, **{name: [] for name in peers}}
     agreement = {name: Agreement(same_weights=False) for name in peers}
     speed_runs, adaptive_runs = [], []
-    warm_up(engine, [int(i) for i in rng.integers(0, vocab, size=PROMPT_IDS)], modes)
+    warm_up(engine, [int(i) for i in rng.integers(0, vocab, size=PROMPT_IDS)], modes, new_tokens)
     for turn in range(prompts):
         prompt = [int(i) for i in rng.integers(0, vocab, size=PROMPT_IDS)]
         results = {mode: engine.generate(prompt, max_new_tokens=new_tokens, mode=mode, stop_at_eos=False)
@@ -252,7 +252,7 @@ def end_to_end_row(engine, *, prompts: int, new_tokens: int, seed: int = 0, peer
 def synthetic_step_costs(*, hidden: int = 1024, blocks: int = 4, passes: int = 4, context: int = 512,
                          threads: int | None = None, repeats: int = 100, backend: str = "onnx",
                          shape: Shape | None = None, layers: int | None = None, end_to_end: bool = False,
-                         residual_scale: float | None = None, new_tokens: int = 64, prompts: int = 4,
+                         residual_scale: float | None = None, new_tokens: int = 64, prompts: int = 6,
                          weights: str | None = None, profile: bool = False, peers: bool | None = None,
                          progress=lambda message: None) -> dict:
     """c(P) rows for SHAPE (default: the zoo shape at HIDDEN) at every valid depth 2..MAX_DEPTH, each
