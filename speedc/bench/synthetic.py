@@ -41,7 +41,7 @@ ZOO_RESIDUAL_SCALE = 0.0015
 # 0.005 -> 0.79; at hidden 2112: 0.0012 -> 0.92, 0.002 -> 0.79 (the update grows as sqrt(hidden)): its
 # budget is that extrapolated to 5280.
 LOOPED_RESIDUAL_BUDGET = {"sandwich": 0.025, "llama": 0.015, "huginn": 0.0085}
-PROMPT_IDS = 8  # --end-to-end's random prompts: this many ids each (6 prompts: each of the 3 modes first twice)
+PROMPT_IDS = 8  # --end-to-end's random prompts: this many ids each (6 prompts: each order of the 3 modes once)
 MAX_DEPTH = 8  # the deepest pipeline measured
 
 
@@ -202,13 +202,13 @@ def synthetic_checkpoint(shape: Shape, layers: int, directory: Path, residual_sc
 def end_to_end_row(engine, *, prompts: int, new_tokens: int, seed: int = 0, peers: dict | None = None) -> dict:
     """SPEED (the default mode: speculating while it pays on this host), SPEED speculating at every step
     (speed-always) and plain decoding on random prompt ids, interleaved (after an untimed warm-up of each, in
-    a rotated order), greedy; ids must be identical. PEERS:
+    every order in turn), greedy; ids must be identical. PEERS:
     name -> (generate(prompt ids, new tokens) -> (ids, decode seconds per token), what it ran), timed
     in the same rounds (after SPEED and plain decoding, per prompt); their ids' agreement with SPEED's
     is reported (another precision or architecture: not required equal)."""
     import numpy as np
 
-    from speedc.bench.run import Agreement, policy_summary, rotated, warm_up
+    from speedc.bench.run import Agreement, mode_order, policy_summary, warm_up
     from speedc.errors import GenerationError
     from speedc.runtimes.decode import pooled_acceptance
 
@@ -223,7 +223,7 @@ def end_to_end_row(engine, *, prompts: int, new_tokens: int, seed: int = 0, peer
     for turn in range(prompts):
         prompt = [int(i) for i in rng.integers(0, vocab, size=PROMPT_IDS)]
         results = {mode: engine.generate(prompt, max_new_tokens=new_tokens, mode=mode, stop_at_eos=False)
-                   for mode in rotated(modes, turn)}
+                   for mode in mode_order(modes, turn)}
         if not results["speed"].ids == results["speed-always"].ids == results["autoregressive"].ids:
             raise GenerationError("SPEED and plain decoding produced different ids on a random prompt: not lossless")
         for mode, result in results.items():

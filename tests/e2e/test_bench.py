@@ -49,14 +49,20 @@ def test_bench_json_fields(tiny_artifact):
     assert 0 < report["peak_rss_mb"]["onnxruntime-genai-int4"] < report["peak_rss_mb"]["pytorch-reference"]
 
 
-def test_modes_take_turns_running_first():
-    """Each round runs every mode once, each mode first (and last) in an equal share of rounds."""
-    from speedc.bench.run import rotated
+def test_modes_take_turns_running_first_and_after_each_other():
+    """Six rounds run every order of three modes: each mode first (and last) twice, and right after each other
+    mode twice."""
+    from collections import Counter
+
+    from speedc.bench.run import mode_order
 
     modes = ("speed", "speed-always", "autoregressive")
-    orders = [rotated(modes, turn) for turn in range(6)]
-    assert all(sorted(order) == sorted(modes) for order in orders)
-    assert [order[0] for order in orders] == [*modes, *modes] and orders[0] == modes
+    orders = [mode_order(modes, turn) for turn in range(6)]
+    assert len(set(orders)) == 6 and all(sorted(order) == sorted(modes) for order in orders)
+    assert Counter(order[0] for order in orders) == Counter(modes * 2)
+    assert Counter(pair for order in orders for pair in zip(order, order[1:])) == {
+        (a, b): 2 for a in modes for b in modes if a != b}
+    assert mode_order(modes, 6) == orders[0]
 
 
 def test_peer_ids_refused_or_compared(tiny_artifact, capsys, monkeypatch):
