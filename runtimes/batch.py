@@ -66,6 +66,12 @@ CONFIRM_AGE = 64
 # verdict needs (measured on Parcae-770M's shapes at acceptance 1.0, P = 8: 47 of 175 steps at depths 4 and 2
 # in 128 tokens, 1.05x plain against 1.26x speculating at 8 throughout).
 EXPLORE_BELOW = 1.25
+# Where every sequence speculates with a bound of at least this at the chosen depth (not in a probe), the
+# verdict is kept for DECISION_REUSE steps: one miss moves a bound by ~0.1, and the policy's work between two
+# runs of the session costs twice (ONNX Runtime's workers stop spinning and the next run waits to wake them:
+# measured on zoo:small, 100 us of it made each 1.47 ms step 0.11 ms longer; the policy took ~70 us a step).
+FAR_FROM_VERDICT = 1.15
+DECISION_REUSE = 4
 ROW_TILE = 64  # rows ONNX Runtime's fused prefill computes together (_chunk_size)
 DEFAULT_ROW_BUDGET = 32  # RowPolicy's: 8 sequences at P = 4 (measured on zoo:small, docs/runtime.md "When to speculate")
 # a decoding mode -> the scheduler's (row budget: None no limit, 0 never speculate; whether the acceptance policy
@@ -164,6 +170,7 @@ class BatchScheduler:
         self.depth_now = slots  # the depth this step runs at (the chosen one, or one being timed)
         self._confirm = False  # a fall-back waits for freshly timed plain steps (_costs_settled)
         self._exploring: list[int] | None = None  # [depth, steps left] while timing a depth it would not choose
+        self._reuse = (0, ())  # (steps the last verdict still stands, the sequences it is for): _speculate
         self._geometry = None  # the pool's (length, width) at the last decode step: a step after a change is no sample
         self.prefill_chunk = prefill_chunk
         self.waiting: deque[Sequence] = deque()
@@ -371,6 +378,10 @@ class BatchScheduler:
         slots = self.backend.slots
         if slots == 1:
             return False
+        left, batch = self._reuse
+        if left and batch == tuple(map(id, decoding)):
+            self._reuse = (left - 1, batch)
+            return self.acceptance_allows and self.rows_allow
         n, length = len(decoding), self.backend.length
         measured = {d: self.costs.step_cost(n, length, depth=d) for d in self.depths}
         costs = {d: cost for d, (cost, _) in measured.items()}
@@ -399,6 +410,10 @@ class BatchScheduler:
                                 else analytic_bound(depth, alpha, costs[depth]), 3)
             if state is not None:
                 stats.fallbacks, stats.probes = state.fallbacks, state.probes
+        far = self.acceptance_allows and self._exploring is None and all(
+            s.acceptance is not None and s.acceptance.speculating and not s.acceptance.probing
+            and s.stats.bound >= FAR_FROM_VERDICT for s in decoding)
+        self._reuse = (DECISION_REUSE - 1, tuple(map(id, decoding))) if far else (0, ())
         return self.acceptance_allows and self.rows_allow
 
     def _costs_settled(self, decoding: list[Sequence], costs: dict[int, float], sequences: int,

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 MIN_BAND = 64
 SLOWED = 1.5
-REUSE_STEPS = 8
+REUSE_STEPS = 32
 DEPTH_REFRESH = 4
 
 
@@ -144,10 +144,13 @@ class StepCosts:
     _samples: dict = field(default_factory=dict)  # (kind, n, band) -> _Samples
     _seen: Counter = field(default_factory=Counter)  # (kind, n, pool length, pool width) -> steps seen (warm-up)
     # (kind, n, band) -> _measured's answer: asked several times a step, it moves slowly (windows of 8-16 samples),
-    # so it is recomputed every REUSE_STEPS steps, when a burst's first plain sample arrives and when a kind
-    # first has min_samples (c moves from the seed to this host's). Recomputed at each plain sample, decoding
-    # plainly cost ~150 us a step (4% of a 1,024-position zoo:small token).
+    # so it is recomputed at each of the first plain_window plain samples in a row (a burst's), when a kind
+    # first has min_samples (c moves from the seed to this host's) and every REUSE_STEPS steps. Work between
+    # two runs of the session costs twice: ONNX Runtime's workers stop spinning and the next run waits to
+    # wake them (measured on zoo:small: 100 us of it made each 1.47 ms step 0.11 ms longer); recomputed every
+    # 8 steps and at each plain sample, c cost ~30 us a step speculating, ~150 us decoding plainly.
     _answers: dict = field(default_factory=dict)
+    _plain_run: int = 0  # plain samples recorded in a row
 
     @classmethod
     def for_manifest(cls, manifest, **knobs) -> "StepCosts":
@@ -177,9 +180,10 @@ class StepCosts:
         if samples is None:
             history = self.plain_window if kind == "plain" else self.refresh_steps  # speed steps near each burst
             samples = self._samples[key] = _Samples(history)
-        burst_starts = kind == "plain" and self.clock - samples.newest > REUSE_STEPS
         samples.add(seconds, self.clock, heads)
-        if burst_starts or len(samples) == self.min_samples or self.clock % REUSE_STEPS == 0:
+        self._plain_run = self._plain_run + 1 if kind == "plain" else 0
+        if (0 < self._plain_run <= self.plain_window or len(samples) == self.min_samples
+                or self.clock % REUSE_STEPS == 0):
             self._answers.clear()
 
     def seconds(self, kind: str, sequences: int, band: int, nearest_to: int | None = None) -> float | None:

@@ -280,6 +280,36 @@ def test_per_sequence_decisions_turn_the_batch_plain_and_back_losslessly(engine)
     assert sequences[0].acceptance.fallbacks == 0 and sequences[1].acceptance.fallbacks >= 2  # fell back, probed, fell back
 
 
+def test_a_verdict_far_from_changing_stands_for_a_few_steps(engine):
+    """Greedy zoo:tiny at a cheap scripted c: the bound sits far above 1, so the policy decides at every
+    DECISION_REUSE-th step only (its work between two runs slows the next run too); at a c where speculation
+    loses it decides at every step. The tokens are plain decoding's either way."""
+    from speedc.runtimes.acceptance_policy import AcceptancePolicy
+    from speedc.runtimes.batch import DECISION_REUSE, BatchScheduler, RowPolicy
+    from speedc.runtimes.step_costs import StepCosts
+
+    class CountingCosts(StepCosts):
+        decisions = 0
+
+        def step_cost(self, sequences, length, kind="speed", depth=None):
+            self.decisions += depth in (None, self.slots)  # asked once per depth at each decision
+            return super().step_cost(sequences, length, kind, depth)
+
+    slots = engine.manifest.slots
+    for cost, far in ((1.2, True), (3.9, False)):
+        costs = CountingCosts(slots, cost, "scripted", measuring=False)
+        scheduler = BatchScheduler(engine.backend, policy=RowPolicy(row_budget=None), prefill_chunk=64, costs=costs,
+                                   acceptance=AcceptancePolicy(slots, cost, "scripted"))
+        sequence = scheduler.submit(engine.request_from(PROMPTS[0], dict(max_new_tokens=40, stop_at_eos=False)))
+        scheduler.run()
+        assert sequence.out == _alone(engine, PROMPTS[0], {"stop_at_eos": False}, 40).ids
+        steps = sum(scheduler.decode_steps.values())
+        if far:
+            assert sequence.stats.fallbacks == 0 and costs.decisions <= steps // DECISION_REUSE + 2
+        else:
+            assert sequence.stats.fallbacks >= 1 and costs.decisions == steps
+
+
 class ScriptedAcceptance(AlwaysSpeculate):
     """A stand-in for the acceptance rule that says plain decoding for the batch decisions in PLAIN_CALLS."""
 
