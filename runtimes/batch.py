@@ -379,7 +379,7 @@ class BatchScheduler:
         if slots == 1:
             return False
         left, batch = self._reuse
-        if left and batch == tuple(map(id, decoding)):
+        if left and batch == tuple(s.id for s in decoding):
             self._reuse = (left - 1, batch)
             return self.acceptance_allows and self.rows_allow
         n, length = len(decoding), self.backend.length
@@ -413,7 +413,7 @@ class BatchScheduler:
         far = self.acceptance_allows and self._exploring is None and all(
             s.acceptance is not None and s.acceptance.speculating and not s.acceptance.probing
             and s.stats.bound >= FAR_FROM_VERDICT for s in decoding)
-        self._reuse = (DECISION_REUSE - 1, tuple(map(id, decoding))) if far else (0, ())
+        self._reuse = (DECISION_REUSE - 1, tuple(s.id for s in decoding)) if far else (0, ())
         return self.acceptance_allows and self.rows_allow
 
     def _costs_settled(self, decoding: list[Sequence], costs: dict[int, float], sequences: int,
