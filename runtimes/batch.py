@@ -67,9 +67,9 @@ CONFIRM_AGE = 64
 # in 128 tokens, 1.05x plain against 1.26x speculating at 8 throughout).
 EXPLORE_BELOW = 1.25
 # Where every sequence speculates with a bound of at least this at the chosen depth (not in a probe), the
-# verdict is kept for DECISION_REUSE steps: one miss moves a bound by ~0.1, and the policy's work between two
-# runs of the session costs twice (ONNX Runtime's workers stop spinning and the next run waits to wake them:
-# measured on zoo:small, 100 us of it made each 1.47 ms step 0.11 ms longer; the policy took ~70 us a step).
+# verdict is kept for DECISION_REUSE steps: one miss moves a bound by ~0.1, and Python work between two runs of
+# the session costs twice: ONNX Runtime's workers stop spinning and the next run waits to wake them (measured
+# on zoo:small: 100 us of it made each 1.47 ms step 0.11 ms longer).
 FAR_FROM_VERDICT = 1.15
 DECISION_REUSE = 4
 ROW_TILE = 64  # rows ONNX Runtime's fused prefill computes together (_chunk_size)

@@ -145,11 +145,9 @@ class StepCosts:
     _seen: Counter = field(default_factory=Counter)  # (kind, n, pool length, pool width) -> steps seen (warm-up)
     # (kind, n, band) -> _measured's answer: asked several times a step, it moves slowly (windows of 8-16 samples),
     # so it is recomputed at each of the first plain_window plain samples in a row (a burst's), when a kind
-    # first has min_samples (c moves from the seed to this host's) and every REUSE_STEPS steps. Work between
-    # two runs of the session costs twice: ONNX Runtime's workers stop spinning and the next run waits to
-    # wake them (measured on zoo:small: 100 us of it made each 1.47 ms step 0.11 ms longer). One answer takes
-    # ~21 us, four are asked at P = 4; recomputed at each plain sample, the policy took 150-208 us a step
-    # decoding plainly at 1,024 positions.
+    # first has min_samples (c moves from the seed to this host's) and every REUSE_STEPS steps. One answer
+    # takes ~21 us, four are asked a step at P = 4, and work between two session runs also slows the next
+    # run (runtimes/batch.py DECISION_REUSE).
     _answers: dict = field(default_factory=dict)
     _plain_run: int = 0  # plain samples recorded in a row
 

@@ -124,8 +124,7 @@ def warm_up(engine: Engine, prompt, modes, new_tokens: int) -> None:
 def mode_order(modes: tuple, turn: int) -> tuple:
     """MODES in the order of round TURN: every order in turn, so each mode runs first equally often and after
     each other mode equally often. A run slows the one after it when that runs another mode (measured on
-    zoo:small: a SPEED run 2-8% slower after a plain run than after a SPEED run); in a plain rotation SPEED
-    mostly followed plain decoding."""
+    zoo:small: a SPEED run 2-8% slower after a plain run than after a SPEED run)."""
     orders = list(itertools.permutations(modes))
     return orders[turn % len(orders)]
 

@@ -41,7 +41,7 @@ ZOO_RESIDUAL_SCALE = 0.0015
 # 0.005 -> 0.79; at hidden 2112: 0.0012 -> 0.92, 0.002 -> 0.79 (the update grows as sqrt(hidden)): its
 # budget is that extrapolated to 5280.
 LOOPED_RESIDUAL_BUDGET = {"sandwich": 0.025, "llama": 0.015, "huginn": 0.0085}
-PROMPT_IDS = 8  # --end-to-end's random prompts: this many ids each (6 prompts: each order of the 3 modes once)
+PROMPT_IDS = 8  # --end-to-end's random prompts: this many ids each
 MAX_DEPTH = 8  # the deepest pipeline measured
 
 
@@ -252,7 +252,8 @@ def end_to_end_row(engine, *, prompts: int, new_tokens: int, seed: int = 0, peer
 def synthetic_step_costs(*, hidden: int = 1024, blocks: int = 4, passes: int = 4, context: int = 512,
                          threads: int | None = None, repeats: int = 100, backend: str = "onnx",
                          shape: Shape | None = None, layers: int | None = None, end_to_end: bool = False,
-                         residual_scale: float | None = None, new_tokens: int = 64, prompts: int = 6,
+                         residual_scale: float | None = None, new_tokens: int = 64,
+                         prompts: int = 6,  # each order of the three modes once (bench.run.mode_order)
                          weights: str | None = None, profile: bool = False, peers: bool | None = None,
                          progress=lambda message: None) -> dict:
     """c(P) rows for SHAPE (default: the zoo shape at HIDDEN) at every valid depth 2..MAX_DEPTH, each
