@@ -91,6 +91,8 @@ def native_products(state: CompileState) -> CompileState:
     """Each engine graph of an int8/int4 artifact gets a twin whose products run speedc's own kernel."""
     artifact_id = uuid.uuid4().hex  # names this artifact's weights.bin at run time (runtimes/kernels/ort_op.py)
     for name, graph in state.graphs.items():
+        if not any(n.op == "MatMulNBits" for g in _subgraphs(graph) for n in g.nodes):
+            continue  # fp32 / 16-bit weights: no twin, and no copy of the graph to find that out
         twin, replaced, kept = native_twin(graph, artifact_id)
         if replaced:
             state.native_graphs[name] = twin
