@@ -100,8 +100,54 @@ def bench_artifact(artifact, new_tokens, repeats, prompts, early_flush, backend,
     weight bytes per system."""
     if only_peers and peers is False:
         raise GenerationError("--peer and --no-peers contradict each other")
-    artifact_command(artifact, new_tokens, repeats, prompts, early_flush, backend, device, threads, peers, only_peers,
-                     sweeps, memory, plot, as_json)
+    if plot is not None:
+        check_plot_path(plot)  # before minutes of measuring, not after
+
+    import tempfile
+
+    from rich.console import Console
+
+    from speedc.bench.memory import peak_rss_mb
+    from speedc.bench.peers import load_peers, peers_available
+    from speedc.bench.run import run_bench
+    from speedc.bench.sweep import sweep_length, sweep_slots
+    from speedc.runtimes.engine import Engine
+
+    status = Console(stderr=True)
+    engine = Engine.load(artifact, backend=backend, device=device, threads=threads)
+    use_peers = bool(only_peers) or (peers_available() if peers is None else peers)
+    with tempfile.TemporaryDirectory() as tmp, status.status("bench") as spinner:
+        workdir = Path(tmp)
+        if use_peers:
+            spinner.update("exporting and loading peers (the artifact's weights; GenAI also at int4)")
+        peer_fns, peer_bytes = load_peers(artifact, engine.manifest, threads, workdir,
+                                          tuple(only_peers) or None) if use_peers else ({}, {})
+        spinner.update(f"interleaved runs: speed, autoregressive{''.join(', ' + p for p in peer_fns)}")
+        report = run_bench(engine, prompts=list(prompts) or None, new_tokens=new_tokens, repeats=repeats,
+                           early_flush=early_flush, peers=peer_fns)
+        if memory:
+            for system in ("speed", "autoregressive", *peer_fns):
+                spinner.update(f"peak RSS: {system} in a fresh process")
+                report.peak_rss_mb[system] = peak_rss_mb(system, artifact, workdir, new_tokens, threads, backend, device)
+    report.weight_bytes = {"speedc": engine.manifest.store.stored_bytes,
+                           "unrolled export": engine.manifest.store.unrolled_bytes_fp32, **peer_bytes}
+    with status.status("sweeps") if sweeps else contextlib.nullcontext() as spinner:
+        if "slots" in sweeps:
+            report.sweep["slots"] = sweep_slots(engine, prompts=list(prompts) or None, new_tokens=new_tokens,
+                                                repeats=repeats, threads=threads, backend=backend, device=device,
+                                                progress=spinner.update)
+        if "length" in sweeps:
+            report.sweep["length"] = sweep_length(engine, prompts=list(prompts) or None, new_tokens=new_tokens,
+                                                  repeats=repeats, progress=spinner.update)
+    if as_json:
+        click.echo(json.dumps(report.to_json()))
+    else:
+        print_report(report, artifact, new_tokens)
+    if plot is not None:  # after the report is out: a failing plot never loses the measurements
+        from speedc.bench.plot import write_plot
+
+        write_plot(report.to_json(), plot)
+        status.print(f"wrote {plot}")
 
 
 @bench.command("memory-bound", cls=BenchCommand)
@@ -143,32 +189,7 @@ def bench_memory_bound(shape, hidden, layers, recurrence, repeats, weights, prof
     needs_end_to_end = given_options("new_tokens") + (["peers"] if peers else [])
     if needs_end_to_end and not end_to_end:
         raise GenerationError(f"{flag(needs_end_to_end[0])} goes with --end-to-end (it decodes; c(P) alone does not)")
-    memory_bound_command(hidden, repeats, shape, layers, recurrence, end_to_end, residual_scale, weights, profile,
-                         new_tokens, threads, backend, peers, as_json)
 
-
-@bench.command("concurrency", cls=BenchCommand)
-@click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--clients", default="1,2,4,8,16", show_default=True,
-              help="Client counts, comma-separated: a level runs that many sequences at once.")
-@new_tokens_option
-@click.option("--repeats", type=click.IntRange(1), default=3, show_default=True,
-              help="Rounds over every level and system, interleaved (medians over them).")
-@prompts_option
-@click.option("--peers/--no-peers", default=None, help="Also ORT GenAI's own batching (default: when installed).")
-@threads_option
-@plot_option("aggregate tokens/s and per-sequence ms/token vs clients")
-@json_option
-def bench_concurrency(artifact, clients, new_tokens, repeats, prompts, peers, threads, plot, as_json):
-    """Continuous batching on ARTIFACT at each client count: SPEED adaptive / always / batched plain
-    decoding (aggregate tokens/s, per-sequence ms/token p50/p99, TTFT), ids checked identical first.
-    Runs on ONNX Runtime on the CPU, early flush on."""
-    concurrency_command(artifact, clients, prompts, new_tokens, repeats, threads, peers, plot, as_json)
-
-
-def memory_bound_command(hidden, repeats, shape, layers, recurrence, end_to_end, residual_scale, weights, profile,
-                         new_tokens, threads, backend, peers, as_json) -> None:
-    """c(P) on a large random-weight model built per depth (speedc/bench/synthetic.py)."""
     from rich.console import Console
 
     from speedc.bench.synthetic import synthetic_step_costs
@@ -189,56 +210,51 @@ def memory_bound_command(hidden, repeats, shape, layers, recurrence, end_to_end,
         print_memory_bound(report)
 
 
-def artifact_command(artifact: Path, new_tokens: int, repeats: int, prompts, early_flush, backend, device, threads,
-                     peers, only_peers, sweeps, memory: bool, plot, as_json: bool) -> None:
-    """SPEED against plain decoding and peers on ARTIFACT, interleaved, ids checked first; sweeps; peak RSS."""
-    if plot is not None:
-        check_plot_path(plot)  # before minutes of measuring, not after
-    import tempfile
+MAX_CLIENTS = 1024  # --clients: a level's pool holds a pool row per client
 
+
+@bench.command("concurrency", cls=BenchCommand)
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--clients", "levels", default="1,2,4,8,16", show_default=True,
+              help="Client counts, comma-separated: a level runs that many sequences at once.")
+@new_tokens_option
+@click.option("--repeats", type=click.IntRange(1), default=3, show_default=True,
+              help="Rounds over every level and system, interleaved (medians over them).")
+@prompts_option
+@click.option("--peers/--no-peers", default=None, help="Also ORT GenAI's own batching (default: when installed).")
+@threads_option
+@plot_option("aggregate tokens/s and per-sequence ms/token vs clients")
+@json_option
+def bench_concurrency(artifact, levels, new_tokens, repeats, prompts, peers, threads, plot, as_json):
+    """Continuous batching on ARTIFACT at each client count: SPEED adaptive / always / batched plain
+    decoding (aggregate tokens/s, per-sequence ms/token p50/p99, TTFT), ids checked identical first.
+    Runs on ONNX Runtime on the CPU, early flush on."""
     from rich.console import Console
 
-    from speedc.bench.memory import peak_rss_mb
-    from speedc.bench.peers import load_peers, peers_available
-    from speedc.bench.run import run_bench
-    from speedc.bench.sweep import sweep_length, sweep_slots
+    from speedc.bench.concurrency import concurrency_bench, format_concurrency
+    from speedc.bench.run import DEFAULT_PROMPTS
     from speedc.runtimes.engine import Engine
 
-    status = Console(stderr=True)
-    engine = Engine.load(artifact, backend=backend, device=device, threads=threads)
-    use_peers = bool(only_peers) or (peers_available() if peers is None else peers)
-    with tempfile.TemporaryDirectory() as tmp, status.status("bench") as spinner:
-        workdir = Path(tmp)
-        if use_peers:
-            spinner.update("exporting and loading peers (the artifact's weights; GenAI also at int4)")
-        peer_fns, peer_bytes = load_peers(artifact, engine.manifest, threads, workdir,
-                                                  tuple(only_peers) or None) if use_peers else ({}, {})
-        spinner.update(f"interleaved runs: speed, autoregressive{''.join(', ' + p for p in peer_fns)}")
-        report = run_bench(engine, prompts=list(prompts) or None, new_tokens=new_tokens, repeats=repeats,
-                           early_flush=early_flush, peers=peer_fns)
-        if memory:
-            for system in ("speed", "autoregressive", *peer_fns):
-                spinner.update(f"peak RSS: {system} in a fresh process")
-                report.peak_rss_mb[system] = peak_rss_mb(system, artifact, workdir, new_tokens, threads, backend, device)
-    report.weight_bytes = {"speedc": engine.manifest.store.stored_bytes,
-                           "unrolled export": engine.manifest.store.unrolled_bytes_fp32, **peer_bytes}
-    with status.status("sweeps") if sweeps else contextlib.nullcontext() as spinner:
-        if "slots" in sweeps:
-            report.sweep["slots"] = sweep_slots(engine, prompts=list(prompts) or None, new_tokens=new_tokens,
-                                                repeats=repeats, threads=threads, backend=backend, device=device,
-                                                progress=spinner.update)
-        if "length" in sweeps:
-            report.sweep["length"] = sweep_length(engine, prompts=list(prompts) or None, new_tokens=new_tokens,
-                                                  repeats=repeats, progress=spinner.update)
-    if as_json:
-        click.echo(json.dumps(report.to_json()))
-    else:
-        print_report(report, artifact, new_tokens)
+    try:
+        clients = [int(x) for x in levels.split(",") if x.strip()]
+    except ValueError:
+        raise GenerationError(f"--clients must be comma-separated integers, got {levels!r}") from None
+    if not clients or min(clients) < 1:
+        raise GenerationError("--clients needs counts of at least 1")
+    if max(clients) > MAX_CLIENTS:
+        raise GenerationError(f"--clients: at most {MAX_CLIENTS} clients (every level's KV-cache pool is held at once)")
+    if plot is not None:
+        check_plot_path(plot)  # before minutes of measuring, not after
+    engine = Engine.load(artifact, threads=threads)
+    with Console(stderr=True).status("concurrency") as spinner:
+        report = concurrency_bench(engine, list(prompts) or DEFAULT_PROMPTS, clients, new_tokens, repeats, threads=threads,
+                                   peers=peers, progress=spinner.update)
+    click.echo(json.dumps(report) if as_json else format_concurrency(report))
     if plot is not None:  # after the report is out: a failing plot never loses the measurements
-        from speedc.bench.plot import write_plot
+        from speedc.bench.plot import write_concurrency_plot
 
-        write_plot(report.to_json(), plot)
-        status.print(f"wrote {plot}")
+        write_concurrency_plot(report, plot)
+        Console(stderr=True).print(f"wrote {plot}")
 
 
 def print_memory_bound(report: dict) -> None:
@@ -291,39 +307,6 @@ def print_memory_bound(report: dict) -> None:
             for op in row["profile"][:12]:
                 click.echo(f"      {op['op']:<30} {op['step_ms']:>8.3f} {op['token_share_ms']:>8.3f} "
                            f"{op['step_ms'] - op['token_share_ms']:>+15.3f}")
-
-
-MAX_CLIENTS = 1024  # --clients: a level's pool holds a pool row per client
-
-
-def concurrency_command(artifact: Path, levels: str, prompts, new_tokens: int, repeats: int, threads, peers, plot,
-                        as_json: bool) -> None:
-    from rich.console import Console
-
-    from speedc.bench.concurrency import concurrency_bench, format_concurrency
-    from speedc.bench.run import DEFAULT_PROMPTS
-    from speedc.runtimes.engine import Engine
-
-    try:
-        clients = [int(x) for x in levels.split(",") if x.strip()]
-    except ValueError:
-        raise GenerationError(f"--clients must be comma-separated integers, got {levels!r}") from None
-    if not clients or min(clients) < 1:
-        raise GenerationError("--clients needs counts of at least 1")
-    if max(clients) > MAX_CLIENTS:
-        raise GenerationError(f"--clients: at most {MAX_CLIENTS} clients (every level's KV-cache pool is held at once)")
-    if plot is not None:
-        check_plot_path(plot)  # before minutes of measuring, not after
-    engine = Engine.load(artifact, threads=threads)
-    with Console(stderr=True).status("concurrency") as spinner:
-        report = concurrency_bench(engine, list(prompts) or DEFAULT_PROMPTS, clients, new_tokens, repeats, threads=threads,
-                                   peers=peers, progress=spinner.update)
-    click.echo(json.dumps(report) if as_json else format_concurrency(report))
-    if plot is not None:  # after the report is out: a failing plot never loses the measurements
-        from speedc.bench.plot import write_concurrency_plot
-
-        write_concurrency_plot(report, plot)
-        Console(stderr=True).print(f"wrote {plot}")
 
 
 def check_plot_path(plot: Path) -> None:
