@@ -4,7 +4,8 @@ slots:  the artifact's weights are recompiled at every valid pipeline depth P in
         schedule pass says which the layer map allows); each depth gets the full interleaved
         speed / autoregressive measurement: speedup, acceptance, c(P) and the analytic bound.
 length: the artifact as built, with prompts cut to fill the context up to 128, 256, ... 2048 tokens
-        (up to the model's limit): ms/token of both modes, speedup and c(P) at that context.
+        (up to the model's limit): ms/token of both modes, speedup (and speculating at every step's), the
+        default mode's speed / plain steps and c(P) at that context.
 
 Recompiling needs the compiler (torch, onnx): the `compiler` extra.
 """
@@ -24,10 +25,13 @@ SWEEP_CONTEXTS = (128, 256, 512, 1024, 2048)
 
 
 def _row(report, **extra) -> dict:
-    """ms/token and speedup here are decode only (prefill excluded), as BenchReport.speedup_p50."""
+    """ms/token and speedups here are decode only (prefill excluded), as BenchReport.speedup_p50; beside the default
+    mode's, speculating at every step and the default mode's speed / plain steps (where it fell back)."""
     return {**extra, "ms_per_token_speed": report.ms_per_token["speed"]["p50"],
             "ms_per_token_autoregressive": report.ms_per_token["autoregressive"]["p50"],
-            "speedup": report.speedup_p50, "acceptance": report.acceptance_rate,
+            "speedup": report.speedup_p50, "speedup_always": report.speedup_always_p50,
+            "speed_steps": report.policy["speed_steps"], "plain_steps": report.policy["plain_steps"],
+            "acceptance": report.acceptance_rate,
             "tokens_per_step": report.tokens_per_step, "step_cost": report.step_cost, "bound": report.bound}
 
 

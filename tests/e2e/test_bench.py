@@ -135,6 +135,8 @@ def test_bench_sweeps_and_plot(tiny_artifact, tmp_path):
     length = report["sweep"]["length"]
     assert [row["context"] for row in length["rows"]] == [128, 256, 512]  # tiny's context is 512
     assert set(length["skipped"]) == {"1024", "2048"}
+    for row in length["rows"]:  # beside the default mode: speculating throughout, and where the default mode ran plain
+        assert row["speedup_always"] > 0 and row["speed_steps"] + row["plain_steps"] > 0
     assert report["peak_rss_mb"] == {}  # --no-memory
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(tmp_path.glob(".*partial*"))
