@@ -167,7 +167,7 @@ def test_bench_human_output_names_each_speedup(tiny_artifact):
     assert "speedup (p50)" not in text  # no unlabelled speedup left
     assert "decode-only speedup / bound" in line_with("analytic bound")
     assert "sweep length: decode only (prefill excluded)" in text
-    assert "speedup, decode only" in line_with("speed decode ms/token")
+    assert "always: speculating at every step" in text
 
 
 def test_bench_plot_needs_png(tiny_artifact, tmp_path):
