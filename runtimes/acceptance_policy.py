@@ -1,10 +1,11 @@
 """When one sequence of a batch should speculate: from its own acceptance (runtimes/batch.py asks per step).
 
 RowPolicy (batch.py) decides per step from the row count; this decides per sequence from how well its
-speculation has been doing. SPEED beats plain decoding of the same sequence only while the analytic
-bound (speedc/cost_model.py) is above 1:
+speculation has been doing. SPEED beats plain decoding of the same sequence only while its bound is above 1,
+the analytic bound (speedc/cost_model.py) with L, the steps a miss costs, learned as the engine runs (the
+analytic bound's P - 1 seeds it; miss_steps), until the sequence's own tokens per step are measured:
 
-    P / (c(P) (1 + (1 - alpha)(P - 1))) > 1   <=>   alpha > alpha* = 1 - (P / c(P) - 1) / (P - 1)
+    P / (c(P) (1 + (1 - alpha) L)) > 1   <=>   alpha > alpha* = 1 - (P / c(P) - 1) / L
 
 alpha is the sequence's average of its speculation outcomes (confirmed = 1, failed at the last layer or
 by an early flush = 0): a plain mean over the first 1/weight outcomes, then an exponential average, so it
@@ -38,7 +39,6 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from speedc.cost_model import analytic_bound
 from speedc.runtimes.step_costs import seed_step_cost
 
 
@@ -87,11 +87,18 @@ class AcceptancePolicy:
     # was 1.4; at acceptance 0.35 the optimistic estimate loses after ~19 outcomes.
     confidence: float = 1.0
     # A sequence's tokens per speed step are measured once it has run this many speed steps at a depth (until
-    # then the bound's 1 / (1 + (1 - a)(P - 1)) stands in): the bound counts P - 1 lost steps a miss, but a miss
-    # an early exit catches loses fewer (measured on zoo:small at acceptance 0.80: 0.73 tokens a step where
-    # the formula says 0.63), so judged by the formula alone SPEED fell back where speculating paid.
+    # then yield_at its acceptance stands in): a sequence's own text, not the engine's average, is what it
+    # emits (measured on zoo:small at acceptance 0.80: 0.73 tokens a step where the analytic bound says 0.63).
     yield_steps: int = 16
     yield_weight: float = 0.05  # of each speed step in the measured yield (about the last 20 steps count)
+    # Until then the steps a miss costs are the engine's, learned per depth (miss_steps) over its steady speed
+    # steps, each sum kept at (1 - miss_memory) a step: the bound's d - 1 counts a miss caught at the last
+    # slot, an early-flush check catches one a slot or two in (measured speed-always on zoo:small: 1.7-2.2
+    # steps at P = 4; the formula's 0.55 tokens a step at acceptance 0.73 where the runs made 0.62-0.68, and
+    # sequences judged on it fell back at 512 positions where speculating ran 1.12x plain). d - 1 counts as
+    # miss_prior misses of the sums.
+    miss_memory: float = 1.0 / 512
+    miss_prior: float = 4.0
     memory_weight: float = 0.05  # of each outcome in learned_alpha (about the last 20 outcomes of any sequence)
     learned_weight: int = 4  # outcomes learned_alpha counts as in a new sequence's average (< min_outcomes)
     # What the engine learned, per kind of request ("greedy", "sampled"): its recent acceptance over every
@@ -99,6 +106,8 @@ class AcceptancePolicy:
     learned_alpha: dict = field(default_factory=dict)
     learned_outcomes: Counter = field(default_factory=Counter)
     learned_probe_after: dict = field(default_factory=dict)
+    # depth -> decayed sums over steady speed steps: [steps of a depth-d pipeline, tokens, accepted, failed]
+    learned_misses: dict = field(default_factory=dict)
 
     @classmethod
     def for_manifest(cls, manifest, **knobs) -> "AcceptancePolicy":
@@ -115,7 +124,19 @@ class AcceptancePolicy:
         depth = self.slots if depth is None else depth
         if depth == 1:
             return float("inf")
-        return 1.0 - (depth / cost - 1.0) / (depth - 1)
+        return 1.0 - (depth / cost - 1.0) / self.miss_steps(depth)
+
+    def miss_steps(self, depth: int) -> float:
+        """Steps of a DEPTH-slot pipeline one failed speculation costs, as this engine's steady speed steps
+        show: (steps - tokens) / the misses a token's acceptance a gives, 1 - a a token, at the pooled acceptance;
+        the bound's DEPTH - 1 (a miss caught at the last slot) counted as miss_prior misses."""
+        steps, tokens, accepted, failed = self.learned_misses.get(depth, (0.0, 0.0, 0.0, 0.0))
+        misses = tokens * failed / (accepted + failed) if failed else 0.0
+        return (max(steps - tokens, 0.0) + self.miss_prior * (depth - 1)) / (misses + self.miss_prior)
+
+    def yield_at(self, alpha: float, depth: int) -> float:
+        """Tokens a step of a DEPTH-slot pipeline emits at acceptance ALPHA: 1 / (1 + (1 - a) x miss_steps)."""
+        return 1.0 / (1.0 + (1.0 - alpha) * self.miss_steps(depth))
 
     def depth_costs(self, cost: float | dict | None) -> dict[int, float]:
         """COST as {depth: c}: None is the seed at P, a number c at P, a dict c per depth the runtime may run."""
@@ -125,7 +146,7 @@ class AcceptancePolicy:
 
     def best_depth(self, states: list[SequenceAcceptance], costs: dict[int, float]) -> int:
         """The pipeline depth d (of COSTS' keys) that emits the most tokens per unit of time for STATES:
-        the largest sum_i t_i(d) x d / c(d), t_i(d) = 1 / (1 + (1 - a_i)(d - 1)) (the bound's units, a plain
+        the largest sum_i t_i(d) x d / c(d), t_i(d) = tokens_per_step (the bound's units, a plain
         token costing 1). A shallower pipeline loses less to a miss (d - 1 steps' work) and its steps run
         fewer rows; a deeper one shares each weight read among more. Ties go to the deeper."""
         return max(costs, key=lambda d: (self.depth_score(states, d, costs[d]), d))
@@ -182,6 +203,9 @@ class AcceptancePolicy:
             weight = max(self.yield_weight, 1.0 / record[1])
             record[0] += weight * (per_step - record[0])
             record[2] += weight * (per_step * per_step - record[2])
+            sums = self.learned_misses.setdefault(depth, [0.0, 0.0, 0.0, 0.0])
+            for i, value in enumerate((depth / self.slots, emitted, accepted, failed)):  # a speed step is d / P of a step at d
+                sums[i] = (1.0 - self.miss_memory) * sums[i] + value
 
     def waited(self, state: SequenceAcceptance) -> None:
         """STATE's sequence ran one decode step while it had chosen plain decoding (a plain token, or a
@@ -192,14 +216,13 @@ class AcceptancePolicy:
 
     def tokens_per_step(self, state: SequenceAcceptance, depth: int | None = None, optimistic: bool = False) -> float:
         """Tokens a step of a DEPTH-slot pipeline (None: P) is expected to emit for STATE's sequence: its
-        measured yield once measured, else the bound's 1 / (1 + (1-a)(d-1)), at the prior until its outcomes
-        judge it (`judged`, as its own rule waits for them). OPTIMISTIC: `confidence` standard errors higher."""
+        measured yield once measured, else yield_at its acceptance, at the prior until its outcomes judge it
+        (`judged`, as its own rule waits for them). OPTIMISTIC: `confidence` standard errors higher."""
         depth = self.slots if depth is None else depth
         measured = self.measured_yield(state, depth, optimistic)
         if measured is not None:
             return measured
-        alpha = self.acceptance(state, optimistic) if self.judged(state) else self.prior
-        return 1.0 / (1.0 + (1.0 - alpha) * (depth - 1))
+        return self.yield_at(self.acceptance(state, optimistic) if self.judged(state) else self.prior, depth)
 
     def judged(self, state: SequenceAcceptance) -> bool:
         """Whether STATE's own outcomes decide for it: min_outcomes of them (probe_outcomes in a probe), or its
@@ -220,11 +243,11 @@ class AcceptancePolicy:
 
     def bound(self, state: SequenceAcceptance, depth: int, cost: float, optimistic: bool = False) -> float:
         """SPEED's speedup over plain decoding for STATE's sequence in a DEPTH-slot pipeline whose step costs
-        COST: its measured tokens per step x DEPTH / COST once measured, else the analytic bound at its
-        acceptance (OPTIMISTIC: either `confidence` standard errors higher)."""
+        COST: its measured tokens per step x DEPTH / COST once measured, else yield_at its acceptance x DEPTH /
+        COST (OPTIMISTIC: either `confidence` standard errors higher)."""
         measured = self.measured_yield(state, depth, optimistic)
         if measured is None:
-            return analytic_bound(depth, self.acceptance(state, optimistic), cost)
+            measured = self.yield_at(self.acceptance(state, optimistic), depth)
         return measured * depth / cost
 
     def measured_yield(self, state: SequenceAcceptance, depth: int, optimistic: bool = False) -> float | None:
@@ -242,7 +265,7 @@ class AcceptancePolicy:
                          cost: float | None = None, depth: int | None = None) -> bool:
         """Whether one iteration's decoding sequences (STATES) speculate together or all decode plainly.
         The bound's cost units (a plain run costs 1, a speed run c/P) and each sequence's expected
-        tokens per speed step t_i = 1 / (1 + (1 - a_i)(P - 1)):
+        tokens per speed step t_i (tokens_per_step):
 
             speed:  sum_i t_i / (c/P)        plain:  n / 1
 

@@ -149,6 +149,35 @@ def test_measured_tokens_per_step_replace_the_formula_once_enough_steps_ran():
     assert policy.wants_speculation(state, cost=3.0) and state.probing and state.yields == {}
 
 
+def test_the_steps_a_miss_costs_are_learned_from_the_engines_steady_speed_steps():
+    """Before a sequence's own yield is measured, its tokens a step come from its acceptance and L, the steps a
+    miss costs: the analytic bound's P - 1 until the engine's steady speed steps show another (an early flush
+    catches a miss a slot or two in). Scripted: every fifth step emits nothing and one outcome of five fails,
+    0.8 tokens a step at acceptance 0.8, where the bound's L = 3 says 0.625."""
+    policy = AcceptancePolicy(slots=4, step_cost=2.4)
+    assert policy.miss_steps(4) == pytest.approx(3.0) and policy.miss_steps(2) == pytest.approx(1.0)
+    fresh = policy.start()
+    fresh.alpha, fresh.outcomes = 0.7, policy.min_outcomes
+    assert policy.bound(fresh, 4, 2.4) == pytest.approx(analytic_bound(4, 0.7, 2.4))  # 0.88: it would fall back
+    state = policy.start()
+    for step in range(600):
+        policy.stepped(state, accepted=int(step % 5 != 4), failed=int(step % 5 == 4), emitted=int(step % 5 != 4), depth=4)
+    assert policy.yield_at(0.8, 4) == pytest.approx(0.8, rel=0.02)
+    assert 1.25 < policy.miss_steps(4) < 1.4 and policy.miss_steps(2) == pytest.approx(1.0)  # the prior fades
+    assert policy.bound(fresh, 4, 2.4) == pytest.approx(4 / (2.4 * (1 + 0.3 * policy.miss_steps(4))))  # 1.2: it wins
+    assert policy.threshold_at(2.4, 4) < 0.7 < analytic_threshold(4, 2.4)
+    # Pipeline fills (a sequence's first P steps at a depth) are no misses: they teach nothing.
+    other = AcceptancePolicy(slots=4, step_cost=2.4)
+    for _ in range(200):
+        other.stepped(other.start(), accepted=0, failed=0, emitted=0, depth=4)
+    assert other.miss_steps(4) == pytest.approx(3.0)
+
+
+def analytic_threshold(slots: int, cost: float) -> float:
+    """alpha* of the analytic bound: where it crosses 1."""
+    return 1.0 - (slots / cost - 1.0) / (slots - 1)
+
+
 def test_a_new_sequence_starts_from_what_the_engine_learned():
     """A checkpoint whose draft agrees rarely: the first sequence pays min_outcomes speculations to learn it, the
     next only min_outcomes - learned_weight (the engine's average counts as learned_weight of its outcomes), then
