@@ -156,9 +156,9 @@ class AcceptancePolicy:
         return sum(self.tokens_per_step(s, depth) for s in states) * depth / cost
 
     def describe(self) -> str:
-        return (f"per sequence: speculate while the bound P/(c(1+(1-a)(P-1))) > 1 at c measured on this host as "
-                f"it runs (seed c={self.step_cost:.2f}, {self.step_cost_source}: acceptance > {self.threshold:.2f} "
-                f"at P={self.slots})")
+        return (f"per sequence: speculate while the bound P/(c(1+(1-a)L)) > 1 at c measured on this host as it runs "
+                f"and L the steps a miss costs, learned (now {self.miss_steps(self.slots):.2f}; seed c={self.step_cost:.2f}, "
+                f"{self.step_cost_source}: acceptance > {self.threshold:.2f} at P={self.slots})")
 
     def start(self, kind: str = "greedy") -> SequenceAcceptance:
         """A new sequence's record (KIND of request: "greedy" or "sampled"): the engine's learned acceptance
