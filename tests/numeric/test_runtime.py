@@ -57,14 +57,15 @@ def test_greedy_lossless_against_two_references(zoo, tmp_path):
 
 
 def test_early_flush_is_lossless_and_saves_steps(zoo):
+    """Speculating at every step: the default mode's steps follow this host's timing (it may decode plainly)."""
     _, _, engine = zoo
     saved = 0
     for prompt in held_out_prompts(engine, 6):
-        base = engine.generate(prompt, max_new_tokens=64, stop_at_eos=False, early_flush=False)
-        early = engine.generate(prompt, max_new_tokens=64, stop_at_eos=False, early_flush=True)
+        base = engine.generate(prompt, max_new_tokens=64, stop_at_eos=False, early_flush=False, mode="speed-always")
+        early = engine.generate(prompt, max_new_tokens=64, stop_at_eos=False, early_flush=True, mode="speed-always")
         assert early.ids == base.ids
         saved += base.stats.steps - early.stats.steps
-    assert saved >= 0
+    assert saved > 0
 
 
 @pytest.mark.parametrize("params", [
