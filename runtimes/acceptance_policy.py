@@ -126,6 +126,12 @@ class AcceptancePolicy:
             return float("inf")
         return 1.0 - (depth / cost - 1.0) / self.miss_steps(depth)
 
+    @staticmethod
+    def can_pay(cost: float, depth: int) -> bool:
+        """Whether a DEPTH-slot pipeline whose step costs COST wins at any acceptance (alpha* < 1): only while a
+        step of its d rows costs less than d plain tokens, whatever a miss costs."""
+        return 1 < depth and cost < depth
+
     def miss_steps(self, depth: int) -> float:
         """Steps of a DEPTH-slot pipeline one failed speculation costs, as this engine's steady speed steps
         show: (steps - tokens) / the misses a token's acceptance a gives, 1 - a a token, at the pooled acceptance;
@@ -280,7 +286,7 @@ class AcceptancePolicy:
         pipeline of DEPTH slots (None: P; the P slots run at a shallower depth: decode.Pipeline.shift)."""
         cost = self.step_cost if cost is None else cost
         depth = self.slots if depth is None else depth
-        if self.threshold_at(cost, depth) >= 1.0:
+        if not self.can_pay(cost, depth):
             return False
         # a sequence that left speculation counts at its estimate: it was judged losing, optimism stays with it
         tokens = sum(self.tokens_per_step(state, depth, optimistic=speculating and state.speculating) for state in states)
@@ -318,7 +324,7 @@ class AcceptancePolicy:
             state.speculating, state.probing = True, True
             state.alpha, state.outcomes, state.yields = self.prior, 0, {}
             state.probes += 1
-        return state.speculating and any(self.threshold_at(c, depth) < 1.0 for depth, c in costs.items())
+        return state.speculating and any(self.can_pay(c, depth) for depth, c in costs.items())
 
 
 class AlwaysSpeculate:
