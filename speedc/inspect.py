@@ -72,7 +72,7 @@ def _kernel_here() -> dict:
     kernel = native.load()
     if kernel is None:
         return {"path": None, "why": native.unavailable_reason()}
-    return {"path": kernel.path, "paths": [p for p in kernel.paths if p != "avx-vnni-standin"]}
+    return {"path": kernel.path, "paths": [p for p in kernel.paths if p not in native.STAND_INS]}
 
 
 def prediction(info: dict, alpha: float | None, measured: dict | None) -> dict:

@@ -124,8 +124,8 @@ def _native_products(directory: Path, manifest: Manifest, threads: int | None, o
     """(the weights registration, "speedc kernel (PATH)") where the native twin runs, with OPTIONS set
     for it; else (None, "MatMulNBits (why)"). SPEEDC_NATIVE_KERNEL: unset, the twin where the kernel
     loads and the products are large enough to pay for the operator's per-call cost; 1 wherever it
-    loads; a kernel path's name (portable, avx2, avx-vnni, avx512-vnni, avx-vnni-standin, dotprod, i8mm)
-    that path wherever this CPU runs it; 0 never."""
+    loads; a kernel path's name (portable, avx2, avx-vnni, avx512-vnni, amx, dotprod, i8mm,
+    avx-vnni-standin, amx-standin) that path wherever this CPU runs it; 0 never."""
     global _said_unavailable
     from speedc.runtimes.kernels import ort_op
 

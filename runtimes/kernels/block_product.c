@@ -24,8 +24,7 @@
    (plain decoding) and among the P rows of a step; MatMulNBits' 4-bit single-row kernel is not, so its
    graphs pad every product with a zero row. Here every row is summed in one fixed order whatever the
    row count, so 1 row and P rows give bitwise the same sums per row; the work is split over output
-   features only, so the thread count does not change a sum either. Each weight sub-block is unpacked
-   once and applied to up to 4 rows; the codes are read in place (weights.bin mapped), never copied.
+   features only, so the thread count does not change a sum either.
 
    Paths, chosen at run time from the CPU's features (each compiled with its own target attributes, so
    one build serves every CPU of its architecture); each is row-invariant on its own. Multiply
@@ -34,17 +33,21 @@
        path          instructions per superblock per row                          4 bits   8 bits
        avx2          maddubs x2 + madd per pair of sub-blocks (256-bit)              3        4
        avx-vnni      dpbusd x4 + dpwssd per 4 sub-blocks (256-bit, AVX-VNNI)        2.5       4
-       avx512-vnni   dpbusd x4 + dpwssd per superblock (512-bit, AVX-512 VNNI)      1.25      2
+       avx512-vnni   dpbusd x8 + mulld per sub-block and 16 features (512-bit)      1.1      1.1
+       amx           tdpbssd / tdpbsud per sub-block, 16 features x up to 16 rows    -        -
        dotprod       sdot x2 + mla per sub-block (128-bit, Arm dotprod)              6        6
        i8mm          smmla x4 + mla per sub-block, 2 rows x 2 features (Arm i8mm)    2.5      2.5
        portable      C, one value at a time
 
-   The x86 paths keep a superblock's integer sum spread over vector lanes (one conversion and one float
-   multiply-add per superblock for all lanes), so they may differ from each other in the last bits. The
-   Arm paths sum each superblock to one exact integer and scale it as the portable path does: they give
-   the portable path's bits exactly, whatever the row count. avx-vnni-standin is the avx-vnni path with
-   each dot-product instruction replaced by an exact AVX2 equivalent (u8 x s8 summed in int32, no
-   saturation): it tests that path's logic on CPUs without AVX-VNNI and is never chosen by itself.
+   avx2 and avx-vnni keep a superblock's integer sum spread over vector lanes (one conversion and one
+   float multiply-add per superblock for all lanes): they may differ from the others in the last bits.
+   Every other path sums each superblock to one exact integer per (row, feature) and scales it as the
+   portable path does: they give the portable path's bits exactly. avx512-vnni and amx read the weight
+   repacked once at load, 16 features side by side (block_product_lanes.h; the artifact's codes are then
+   not read again); amx runs products of AMX_MIN_ROWS rows or more on AMX tiles and fewer on the
+   avx512-vnni code, the same bits. avx-vnni-standin and amx-standin replace each AVX-VNNI or AMX
+   instruction by an exact equivalent (AVX2, or AMX's tile operations in plain C): they test those
+   paths' logic on any AVX2 CPU and are never chosen by themselves.
    Built by runtimes/kernels/native.py with the system C compiler; speedc falls back to ONNX Runtime's
    MatMulNBits where it cannot build or load this file. */
 
@@ -63,6 +66,9 @@
 /* AVX-VNNI and AVX-512 VNNI intrinsics: GCC 11 and clang 12 on */
 #if defined(__clang__) ? (__clang_major__ >= 12) : (defined(__GNUC__) && __GNUC__ >= 11)
 #define SPEEDC_VNNI 1
+#define SPEEDC_AMX 1  /* AMX intrinsics: the same compilers */
+#include <unistd.h>
+#include <sys/syscall.h>
 #endif
 #endif
 #if defined(__aarch64__)
@@ -77,14 +83,18 @@
 
 /* The paths (runtimes/kernels/native.py PATHS names them). */
 enum { PATH_AUTO = 0, PATH_PORTABLE = 1, PATH_AVX2 = 2, PATH_AVX_VNNI = 3, PATH_AVX512_VNNI = 4, PATH_VNNI_STANDIN = 5,
-       PATH_DOTPROD = 6, PATH_I8MM = 7, PATH_COUNT = 8 };
+       PATH_DOTPROD = 6, PATH_I8MM = 7, PATH_AMX = 8, PATH_AMX_STANDIN = 9, PATH_COUNT = 10 };
+
+/* The paths that read the lanes16 layout (block_product_lanes.h): the weight repacked at load. */
+static inline int lanes_layout(int path) { return path == PATH_AVX512_VNNI || path == PATH_AMX || path == PATH_AMX_STANDIN; }
 
 /* One call's operands. Activations, rows padded with zeros to whole superblocks:
    q   [m, supers * 32 * super] bytes  4-bit weights: q + 128 as uint8 (x86) or q as int8 (Arm, portable),
                                 each group of G sub-blocks j .. j + G - 1 as [j's even values | ... | j + G - 1's
                                 even | j's odd | ... | j + G - 1's odd] (16 bytes each: the order in which one
                                 load of their 16 G code bytes unpacks, low nibbles then high nibbles; G = 2 on
-                                avx2 / avx-vnni, 4 on avx512-vnni, 1 on Arm, group_of); 8-bit: q as int8, in order
+                                avx2 / avx-vnni, 1 on Arm, group_of); 8-bit: q as int8, in order; lanes16
+                                paths: their own order (block_product_lanes.h)
    dx  [m, supers] float
    The prepared weight (speedc_block_prepare): steps [n, supers * super] int16 (0 past the row), units
    [n, supers] float, offsets [n, supers] int32 (4 bits: 128 * sum of step * (code - zp) over the
@@ -97,6 +107,7 @@ typedef struct {
     const float *units;
     const int32_t *offsets;
     const uint8_t *q;
+    const int16_t *qs;  /* lanes16 only: [m, supers * super] each sub-block's sum of q */
     const float *dx;
     float *y;
 } product_t;
@@ -127,7 +138,7 @@ static inline const uint8_t *superblock_codes(const product_t *p, int64_t n, int
 
 /* Sub-blocks per 4-bit activation group on PATH (see product_t), and whether its 4-bit activations are
    stored as q + 128 (unsigned, for x86's u8 x s8 products) or as q. */
-static inline int group_of(int path) { return path == PATH_AVX512_VNNI ? 4 : (path == PATH_DOTPROD || path == PATH_I8MM ? 1 : 2); }
+static inline int group_of(int path) { return path == PATH_DOTPROD || path == PATH_I8MM ? 1 : 2; }
 static inline int shifted_q4(int path) { return path != PATH_PORTABLE && path != PATH_DOTPROD && path != PATH_I8MM; }
 
 /* Where value I of sub-block B of a superblock sits in its 4-bit activation bytes, groups of G (see product_t). */
@@ -171,7 +182,27 @@ typedef struct {
     int16_t *steps;
     float *units;
     int32_t *offsets;
+    uint8_t *packed;  /* lanes16: the repacked codes */
 } prepare_t;
+
+/* The steps of superblock S of feature N (SUPER of them) and its unit, as every layout stores them:
+   unit = largest |scale| / STEP_LIMIT, step = rint(scale / unit) (0 past the row). */
+static void superblock_steps(const prepare_t *w, int64_t n, int64_t s, int16_t *steps, float *unit_out) {
+    const int super = super_of(w->bits);
+    float scale[SUPER_MAX], largest = 0.0f;
+    for (int j = 0; j < super; j++) {
+        const int64_t b = s * super + j;
+        scale[j] = b < w->sub_blocks ? w->scales[n * w->blocks + (b >> w->scale_shift)] : 0.0f;
+        if (fabsf(scale[j]) > largest) largest = fabsf(scale[j]);  /* a NaN scale counts as none */
+    }
+    const float unit = largest / (float)STEP_LIMIT;
+    for (int j = 0; j < super; j++) {
+        float step = unit > 0.0f ? nearbyintf(scale[j] / unit) : 0.0f;
+        step = step > STEP_LIMIT ? STEP_LIMIT : (step < -STEP_LIMIT ? -STEP_LIMIT : (step == step ? step : 0.0f));
+        steps[j] = (int16_t)step;
+    }
+    *unit_out = unit > 0.0f ? unit : 0.0f;
+}
 
 static void prepare_part(const void *job, int part, int parts) {
     const prepare_t *w = job;
@@ -180,26 +211,16 @@ static void prepare_part(const void *job, int part, int parts) {
     const int super = super_of(w->bits);
     for (int64_t n = n0; n < n1; n++) {
         for (int64_t s = 0; s < w->supers; s++) {
-            float scale[SUPER_MAX], largest = 0.0f;
-            for (int j = 0; j < super; j++) {
-                const int64_t b = s * super + j;
-                scale[j] = b < w->sub_blocks ? w->scales[n * w->blocks + (b >> w->scale_shift)] : 0.0f;
-                if (fabsf(scale[j]) > largest) largest = fabsf(scale[j]);  /* a NaN scale counts as none */
-            }
-            const float unit = largest / (float)STEP_LIMIT;
+            int16_t *steps = w->steps + (n * w->supers + s) * super;
+            superblock_steps(w, n, s, steps, w->units + n * w->supers + s);
             int64_t offset = 0;
-            for (int j = 0; j < super; j++) {
-                float step = unit > 0.0f ? nearbyintf(scale[j] / unit) : 0.0f;
-                step = step > STEP_LIMIT ? STEP_LIMIT : (step < -STEP_LIMIT ? -STEP_LIMIT : (step == step ? step : 0.0f));
-                w->steps[(n * w->supers + s) * super + j] = (int16_t)step;
-                if (w->bits == 4 && step != 0.0f) {
-                    const uint8_t *c = w->codes + n * row_bytes + (s * super + j) * sub_bytes;
-                    int32_t sum = 0;
-                    for (int i = 0; i < SUB / 2; i++) sum += (c[i] & 15) + (c[i] >> 4) - 16;
-                    offset += (int64_t)step * sum;
-                }
+            for (int j = 0; w->bits == 4 && j < super; j++) {
+                if (!steps[j]) continue;
+                const uint8_t *c = w->codes + n * row_bytes + (s * super + j) * sub_bytes;
+                int32_t sum = 0;
+                for (int i = 0; i < SUB / 2; i++) sum += (c[i] & 15) + (c[i] >> 4) - 16;
+                offset += (int64_t)steps[j] * sum;
             }
-            w->units[n * w->supers + s] = unit > 0.0f ? unit : 0.0f;
             w->offsets[n * w->supers + s] = (int32_t)(128 * offset);  /* |.| <= 128 * 8 * 2047 * 256 < 2^31 */
         }
     }
@@ -245,6 +266,7 @@ static void features_portable(const product_t *p, int64_t n0, int64_t n1) {
 /* ---------------------------------------------------------------- vector paths */
 #ifdef SPEEDC_X86
 #include "block_product_x86.h"
+#include "block_product_lanes.h"
 #endif
 #ifdef SPEEDC_ARM
 #include "block_product_arm.h"
@@ -274,13 +296,23 @@ static pthread_mutex_t pool_start = PTHREAD_MUTEX_INITIALIZER;  /* one call at a
 static void product_part(const void *job, int part, int parts) {
     const product_t *p = job;
     const int64_t n0 = p->n * part / parts, n1 = p->n * (part + 1) / parts;
+#ifdef SPEEDC_X86
+    if (lanes_layout(p->path)) {  /* whole groups of 16 features a part */
+        const int64_t groups = lanes_groups(p->n), g0 = groups * part / parts, g1 = groups * (part + 1) / parts;
+        if (p->path == PATH_AMX_STANDIN) groups_amx_standin(p, g0, g1);
+#ifdef SPEEDC_AMX
+        else if (p->path == PATH_AMX && p->m >= amx_min_rows(p->bits)) groups_amx(p, g0, g1);
+        else groups_avx512_vnni(p, g0, g1);  /* amx's single rows too: the same bits */
+#endif
+        return;
+    }
+#endif
     switch (p->path) {
 #ifdef SPEEDC_X86
         case PATH_AVX2: features_avx2(p, n0, n1); break;
         case PATH_VNNI_STANDIN: features_vnni_standin(p, n0, n1); break;
 #ifdef SPEEDC_VNNI
         case PATH_AVX_VNNI: features_avx_vnni(p, n0, n1); break;
-        case PATH_AVX512_VNNI: features_avx512_vnni(p, n0, n1); break;
 #endif
 #endif
 #ifdef SPEEDC_ARM
@@ -377,7 +409,7 @@ unsigned speedc_block_product_paths(void) {
 
 /* The path PATH_AUTO takes on this CPU: the widest int8 dot products it has. */
 int speedc_block_product_path(void) {
-    static const int preferred[] = {PATH_AVX512_VNNI, PATH_AVX_VNNI, PATH_AVX2, PATH_I8MM, PATH_DOTPROD};
+    static const int preferred[] = {PATH_AMX, PATH_AVX512_VNNI, PATH_AVX_VNNI, PATH_AVX2, PATH_I8MM, PATH_DOTPROD};
     const unsigned paths = speedc_block_product_paths();
     for (size_t i = 0; i < sizeof preferred / sizeof preferred[0]; i++) {
         if (paths & 1u << preferred[i]) return preferred[i];
@@ -395,27 +427,53 @@ static int check_shape(int64_t k, int64_t blocks, int block_size, int bits, int 
     return (SUB << *shift) == block_size ? 0 : -2;
 }
 
-/* Superblocks per row of K values at BITS, and weight steps per superblock. */
-int64_t speedc_block_supers(int64_t k, int bits) { return (k + SUB * super_of(bits) - 1) / (SUB * super_of(bits)); }
-int speedc_block_super_steps(int bits) { return super_of(bits); }
+/* Superblocks per row of K values at BITS. */
+static int64_t supers_of(int64_t k, int bits) { return (k + SUB * super_of(bits) - 1) / (SUB * super_of(bits)); }
 
-/* The prepared form of one weight (see the top of this file), once before its products: STEPS
-   [n, supers * 8] int16, UNITS [n, supers] float, OFFSETS [n, supers] int32, supers =
-   speedc_block_supers(k). Returns 0 or check_shape's codes. */
+/* The sizes of one weight's prepared form on PATH: SIZES = {packed code bytes (0: the codes are read in
+   place), steps (int16), units (float), offsets (int32)}. */
+void speedc_block_prepared_sizes(int64_t n, int64_t k, int bits, int path, int64_t *sizes) {
+    const int64_t supers = supers_of(k, bits), super = super_of(bits);
+    if (path == PATH_AUTO) path = speedc_block_product_path();
+#ifdef SPEEDC_X86
+    if (lanes_layout(path)) {
+        const int64_t padded = lanes_groups(n) * LANES;
+        sizes[0] = lanes_groups(n) * supers * super * lanes_chunk(bits);
+        sizes[1] = padded * supers * super;
+        sizes[2] = padded * supers;
+        sizes[3] = 0;
+        return;
+    }
+#endif
+    sizes[0] = 0;
+    sizes[1] = n * supers * super;
+    sizes[2] = sizes[3] = n * supers;
+}
+
+/* The prepared form of one weight (see the top of this file and block_product_lanes.h) for PATH, once
+   before its products, into arrays of speedc_block_prepared_sizes: STEPS, UNITS, OFFSETS and, for a
+   lanes16 path, the repacked codes PACKED. Returns 0 or check_shape's codes, -3 a path this CPU lacks. */
 int speedc_block_prepare(const uint8_t *codes, const float *scales, int64_t n, int64_t k, int64_t blocks,
-                         int block_size, int bits, int16_t *steps, float *units, int32_t *offsets, int threads) {
+                         int block_size, int bits, int path, uint8_t *packed, int16_t *steps, float *units,
+                         int32_t *offsets, int threads) {
     int shift;
     const int bad = check_shape(k, blocks, block_size, bits, &shift);
     if (bad) return bad;
-    prepare_t w = {codes, scales, n, blocks, (k + SUB - 1) / SUB, speedc_block_supers(k, bits), block_size, bits, shift,
-                   steps, units, offsets};
-    if (n > 0) run_parallel(prepare_part, &w, threads);
+    if (path == PATH_AUTO) path = speedc_block_product_path();
+    if (path <= PATH_AUTO || path >= PATH_COUNT || !(speedc_block_product_paths() & 1u << path)) return -3;
+    prepare_t w = {codes, scales, n, blocks, (k + SUB - 1) / SUB, supers_of(k, bits), block_size, bits, shift,
+                   steps, units, offsets, packed};
+    if (n <= 0) return 0;
+#ifdef SPEEDC_X86
+    if (lanes_layout(path)) { run_parallel(prepare_lanes_part, &w, threads); return 0; }
+#endif
+    run_parallel(prepare_part, &w, threads);
     return 0;
 }
 
-/* y [m, n] = x [m, k] . W^T over a prepared weight (its codes, steps, units and offsets), see the top of
-   this file. Returns 0, or a negative number for arguments it does not take: check_shape's, -3 a path
-   this CPU lacks, -4 no memory. */
+/* y [m, n] = x [m, k] . W^T over a prepared weight (CODES: its codes, or the packed ones on a lanes16
+   path; its steps, units and offsets), see the top of this file. Returns 0, or a negative number for
+   arguments it does not take: check_shape's, -3 a path this CPU lacks, -4 no memory. */
 int speedc_block_product(const float *x, int64_t m, int64_t k, const uint8_t *codes, const int16_t *steps,
                          const float *units, const int32_t *offsets, int64_t n, int64_t blocks, int block_size,
                          int bits, float *y, int threads, int path) {
@@ -429,13 +487,17 @@ int speedc_block_product(const float *x, int64_t m, int64_t k, const uint8_t *co
     p.m = m; p.n = n; p.k = k; p.blocks = blocks; p.block_size = block_size; p.bits = bits; p.path = path;
     p.group = group_of(path);
     p.sub_blocks = (k + SUB - 1) / SUB;
-    p.supers = speedc_block_supers(k, bits);
+    p.supers = supers_of(k, bits);
     p.codes = codes; p.steps = steps; p.units = units; p.offsets = offsets; p.y = y;
     /* per-thread scratch, kept between calls: a step's products reuse it */
     static __thread uint8_t *q_buf = NULL;
     static __thread float *dx_buf = NULL;
-    static __thread int64_t q_capacity = 0, dx_capacity = 0;
-    const int64_t q_need = m * p.supers * SUB * super_of(bits), dx_need = m * p.supers;
+    static __thread int16_t *qs_buf = NULL;
+    static __thread int64_t q_capacity = 0, dx_capacity = 0, qs_capacity = 0;
+    const int lanes = lanes_layout(path);
+    const int64_t width = p.supers * SUB * super_of(bits);
+    const int64_t padded_rows = lanes && m > 16 ? (m + 15) / 16 * 16 : m;  /* whole tiles of rows */
+    const int64_t q_need = padded_rows * width, dx_need = m * p.supers, qs_need = lanes ? m * p.supers * super_of(bits) : 1;
     if (q_need > q_capacity) {
         free(q_buf);
         q_buf = malloc((size_t)q_need);
@@ -446,9 +508,20 @@ int speedc_block_product(const float *x, int64_t m, int64_t k, const uint8_t *co
         dx_buf = malloc((size_t)dx_need * sizeof(float));
         dx_capacity = dx_buf ? dx_need : 0;
     }
-    if (!q_buf || !dx_buf) return -4;
-    quantize_rows(x, &p, q_buf, dx_buf);
-    p.q = q_buf; p.dx = dx_buf;
+    if (qs_need > qs_capacity) {
+        free(qs_buf);
+        qs_buf = malloc((size_t)qs_need * sizeof(int16_t));
+        qs_capacity = qs_buf ? qs_need : 0;
+    }
+    if (!q_buf || !dx_buf || !qs_buf) return -4;
+#ifdef SPEEDC_X86
+    if (lanes) {
+        quantize_lanes(x, &p, (int8_t *)q_buf, qs_buf, dx_buf);
+        memset(q_buf + m * width, 0, (size_t)((padded_rows - m) * width));
+    } else
+#endif
+        quantize_rows(x, &p, q_buf, dx_buf);
+    p.q = q_buf; p.dx = dx_buf; p.qs = qs_buf;
     run_parallel(product_part, &p, m * n >= 2048 ? threads : 1);  /* tiny products: not worth a wake-up */
     return 0;
 }

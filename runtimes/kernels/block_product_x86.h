@@ -1,5 +1,6 @@
-/* block_product.c's x86 paths: avx2, avx-vnni (and its AVX2 stand-in), avx512-vnni. See the top of
-   block_product.c for the arithmetic and the instruction counts. */
+/* block_product.c's 256-bit x86 paths: avx2, avx-vnni (and its AVX2 stand-in); the 512-bit ones and AMX
+   are in block_product_lanes.h. See the top of block_product.c for the arithmetic and the instruction
+   counts. */
 
 #define INLINE_AVX2 static inline __attribute__((always_inline, target("avx2,fma")))
 
@@ -64,103 +65,33 @@ INLINE_AVX2 __m256i dpwssd_standin(__m256i acc, __m256i a, __m256i b) { return _
 #define DPWSSD _mm256_dpwssd_avx_epi32
 #include "block_product_rows256.h"
 
-/* ---------------------------------------------------------------- avx512-vnni */
+/* ---------------------------------------------------------------- avx512-vnni (block_product_lanes.h) */
 #define AVX512_TARGET "avx2,fma,avx512f,avx512bw,avx512vnni"
 #define INLINE_AVX512 static inline __attribute__((always_inline, target(AVX512_TARGET)))
-
-/* Rows R0 .. R0 + ROWS - 1 of feature N, one superblock a step, 16 int32 lanes a row. 4 bits: two
-   64-byte loads of codes unpack to [j even | .. | j + 3 even] and the odd ones for j = 0 and 4
-   (activations in groups of 4, see product_t); dpbusd sums each sub-block's products in its own 128-bit
-   lane (8 products of at most 255 x 8 a lane: int16 range), packs_epi32 puts all 8 sub-blocks in one
-   register and one dpwssd scales them by their steps. 8 bits: the superblock's 64 codes in one load,
-   |code - zp| x q with the code's sign (maddubs pairs at most 32512), scaled by dpwssd. */
-INLINE_AVX512 void feature_rows_avx512_vnni(const product_t *p, int64_t n, int64_t r0, const int rows, const int bits) {
-    const int super = super_of(bits);
-    const uint8_t *q[8];
-    const float *dx[8];
-    row_pointers(p, r0, rows, q, dx, 8);
-    const int16_t *steps = p->steps + n * p->supers * super;
-    const float *units = p->units + n * p->supers;
-    const int32_t *offsets = p->offsets + n * p->supers;
-    __m512 acc[8];
-    for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_ps();
-    uint8_t tail[SUPER_MAX * SUB];
-    const __m512i nibble = _mm512_set1_epi8(15), zp4 = _mm512_set1_epi8(8), flip = _mm512_set1_epi8((char)0x80);
-    const __m512i zero = _mm512_setzero_si512();
-    /* the 8 steps (16 bytes, in every 128-bit lane) as packs_epi32 lays the sums out: lane L = [L x 4, L + 4 x 4] */
-    const __m512i spread = _mm512_set_epi32(0x0F0E0F0E, 0x0F0E0F0E, 0x07060706, 0x07060706,
-                                            0x0D0C0D0C, 0x0D0C0D0C, 0x05040504, 0x05040504,
-                                            0x0B0A0B0A, 0x0B0A0B0A, 0x03020302, 0x03020302,
-                                            0x09080908, 0x09080908, 0x01000100, 0x01000100);
-    for (int64_t s = 0; s < p->supers; s++) {
-        const uint8_t *codes = superblock_codes(p, n, s, bits, tail);
-        const int16_t *step = steps + s * super;
-        const int64_t at = s * super * SUB;
-        /* each row's lanes start at minus the offset q + 128 adds (lane 0) */
-        const __m512i start = _mm512_zextsi128_si512(_mm_cvtsi32_si128(bits == 4 ? -offsets[s] : 0));
-        const __m512 unit = _mm512_set1_ps(units[s]);
-        __m512i lanes[8];
-        if (bits == 4) {
-            const __m512i c0 = _mm512_loadu_si512(codes), c1 = _mm512_loadu_si512(codes + 64);
-            const __m512i low0 = _mm512_sub_epi8(_mm512_and_si512(c0, nibble), zp4);
-            const __m512i high0 = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(c0, 4), nibble), zp4);
-            const __m512i low1 = _mm512_sub_epi8(_mm512_and_si512(c1, nibble), zp4);
-            const __m512i high1 = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(c1, 4), nibble), zp4);
-            const __m512i eight_steps = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)step)), spread);
-#pragma GCC unroll 8
-            for (int i = 0; i < rows; i++) {
-                const uint8_t *x = q[i] + at;
-                const __m512i d0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, _mm512_loadu_si512(x), low0), _mm512_loadu_si512(x + 64), high0);
-                const __m512i d1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, _mm512_loadu_si512(x + 128), low1), _mm512_loadu_si512(x + 192), high1);
-                lanes[i] = _mm512_dpwssd_epi32(start, _mm512_packs_epi32(d0, d1), eight_steps);
-            }
-        } else {
-            const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(codes), flip);
-            const __m512i magnitude = _mm512_abs_epi8(w);
-            const __mmask64 negative = _mm512_movepi8_mask(w);
-            const __m512i two_steps = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(step[0])), _mm256_set1_epi16(step[1]), 1);
-#pragma GCC unroll 8
-            for (int i = 0; i < rows; i++) {
-                const __m512i x = _mm512_loadu_si512(q[i] + at);
-                const __m512i signed_q = _mm512_mask_sub_epi8(x, negative, zero, x);
-                lanes[i] = _mm512_dpwssd_epi32(start, _mm512_maddubs_epi16(magnitude, signed_q), two_steps);
-            }
-        }
-#pragma GCC unroll 8
-        for (int i = 0; i < rows; i++) {
-            const __m512 scale = _mm512_mul_ps(unit, _mm512_set1_ps(dx[i][s]));  /* unit x dx, as one float product */
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes[i]), scale, acc[i]);
-        }
-    }
-#pragma GCC unroll 8
-    for (int i = 0; i < rows; i++) p->y[(r0 + i) * p->n + n] = _mm512_reduce_add_ps(acc[i]);
-}
-
-/* 8 rows a pass (32 registers hold their lanes and sums beside the unpacked weights). */
-static __attribute__((target(AVX512_TARGET))) void features_avx512_vnni(const product_t *p, int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n++) {
-        for (int64_t r = 0; r < p->m; r += 8) {
-            const int rows = p->m - r < 8 ? (int)(p->m - r) : 8;
-#define ROWS_CASE(R) case R: if (p->bits == 4) feature_rows_avx512_vnni(p, n, r, R, 4); else feature_rows_avx512_vnni(p, n, r, R, 8); break;
-            switch (rows) {  /* each case its own unrolled copy */
-                ROWS_CASE(8) ROWS_CASE(7) ROWS_CASE(6) ROWS_CASE(5) ROWS_CASE(4) ROWS_CASE(3) ROWS_CASE(2) default: ROWS_CASE(1)
-            }
-#undef ROWS_CASE
-        }
-    }
-}
 #endif
+
+/* Whether this process may use AMX tiles: Linux hands out the tile data state only on request. */
+static int amx_permitted(void) {
+#if defined(SPEEDC_AMX) && defined(__linux__)
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+#else
+    return 0;
+#endif
+}
 
 /* The x86 paths this CPU runs (a bit per PATH_*). */
 static unsigned x86_paths(void) {
     __builtin_cpu_init();
     unsigned paths = 0;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-        paths |= 1u << PATH_AVX2 | 1u << PATH_VNNI_STANDIN;
+        paths |= 1u << PATH_AVX2 | 1u << PATH_VNNI_STANDIN | 1u << PATH_AMX_STANDIN;
 #ifdef SPEEDC_VNNI
         if (__builtin_cpu_supports("avxvnni")) paths |= 1u << PATH_AVX_VNNI;
-        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni"))
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni")) {
             paths |= 1u << PATH_AVX512_VNNI;
+            if (__builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") && amx_permitted())
+                paths |= 1u << PATH_AMX;
+        }
 #endif
     }
     return paths;

@@ -26,9 +26,10 @@ import numpy as np
 SOURCE = Path(__file__).with_name("block_product.c")
 HEADERS = sorted(SOURCE.parent.glob("block_product_*.h"))  # the per-architecture paths it includes
 FLAGS = ("-O3", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-std=gnu11")
-# The kernel's paths (block_product.c PATH_*). avx-vnni-standin runs only when asked for by name.
+# The kernel's paths (block_product.c PATH_*). The stand-ins run only when asked for by name.
 PATHS = {"auto": 0, "portable": 1, "avx2": 2, "avx-vnni": 3, "avx512-vnni": 4, "avx-vnni-standin": 5, "dotprod": 6,
-         "i8mm": 7}
+         "i8mm": 7, "amx": 8, "amx-standin": 9}
+STAND_INS = ("avx-vnni-standin", "amx-standin")  # exact equivalents that test a path's logic on CPUs without it
 PATH_NAMES = {v: k for k, v in PATHS.items()}
 
 _lock = threading.Lock()
@@ -87,12 +88,9 @@ class BlockProductKernel:
         f.restype = cint
         self._product = f
         self._prepare = self._lib.speedc_block_prepare
-        self._prepare.argtypes = [ptr, ptr, i64, i64, i64, cint, cint, ptr, ptr, ptr, cint]
+        self._prepare.argtypes = [ptr, ptr, i64, i64, i64, cint, cint, cint, ptr, ptr, ptr, ptr, cint]
         self._prepare.restype = cint
-        self._lib.speedc_block_supers.argtypes = [i64, cint]
-        self._lib.speedc_block_supers.restype = i64
-        self._lib.speedc_block_super_steps.argtypes = [cint]
-        self._lib.speedc_block_super_steps.restype = cint
+        self._lib.speedc_block_prepared_sizes.argtypes = [i64, i64, cint, cint, ptr]
         self._lib.speedc_block_product_path.restype = ctypes.c_int
         self._lib.speedc_block_product_paths.restype = ctypes.c_uint
         self.path = PATH_NAMES[self._lib.speedc_block_product_path()]  # what "auto" runs on this CPU
@@ -118,15 +116,18 @@ class BlockProductKernel:
             raise KernelError(f"codes/scales hold fewer bytes than [{n}, {blocks}] blocks of {block_size} at {bits} bits")
         if not (codes.flags.c_contiguous and scales.flags.c_contiguous and scales.dtype == np.float32):
             raise KernelError("codes and scales must be C-contiguous (scales float32)")
-        supers = self._lib.speedc_block_supers(k, bits)
-        steps = np.empty((n, supers * self._lib.speedc_block_super_steps(bits)), np.int16)
-        units, offsets = np.empty((n, supers), np.float32), np.empty((n, supers), np.int32)
-        rc = self._prepare(codes.ctypes.data, scales.ctypes.data, n, k, blocks, block_size, bits, steps.ctypes.data,
-                           units.ctypes.data, offsets.ctypes.data, threads)
+        path_code = PATHS[path]
+        sizes = np.zeros(4, np.int64)  # packed code bytes, steps, units, offsets
+        self._lib.speedc_block_prepared_sizes(n, k, bits, path_code, sizes.ctypes.data)
+        packed = np.empty(int(sizes[0]), np.uint8)
+        steps, units, offsets = np.empty(int(sizes[1]), np.int16), np.empty(int(sizes[2]), np.float32), np.empty(int(sizes[3]), np.int32)
+        rc = self._prepare(codes.ctypes.data, scales.ctypes.data, n, k, blocks, block_size, bits, path_code,
+                           packed.ctypes.data, steps.ctypes.data, units.ctypes.data, offsets.ctypes.data, threads)
         if rc != 0:
-            raise KernelError(f"block_product refused its arguments (code {rc}: bits {bits}, block {block_size})")
-        run, path_code = self._product, PATHS[path]
-        pointers = (codes.ctypes.data, steps.ctypes.data, units.ctypes.data, offsets.ctypes.data)
+            raise KernelError(f"block_product refused its arguments (code {rc}: bits {bits}, block {block_size}, path {path})")
+        run = self._product
+        read = packed if packed.size else codes  # a lanes16 path reads its repacked codes, the others the artifact's
+        pointers = (read.ctypes.data, steps.ctypes.data, units.ctypes.data, offsets.ctypes.data)
 
         def product(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
             if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != k or not x.flags.c_contiguous:
@@ -139,6 +140,7 @@ class BlockProductKernel:
 
         product.weights = (codes, scales)  # the memory the pointers point into stays alive with the function
         product.prepared = (steps, units, offsets)
+        product.packed = packed
         return product
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import glob
 import importlib.machinery
 import importlib.util
+import mmap
 import os
 import threading
 import weakref
@@ -45,7 +46,9 @@ class WeightMap:
     """One artifact's weights.bin, memory-mapped read-only, and the products its native graphs run."""
 
     def __init__(self, weights_file: Path, index: dict, threads: int, path: str) -> None:
-        self.data = np.memmap(weights_file, dtype=np.uint8, mode="r")
+        with open(weights_file, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.data = np.frombuffer(self._map, np.uint8)
         self.index, self.threads, self.path = index, threads, path
         self.products: dict[tuple, object] = {}  # a node's attributes -> its bound kernel call
 
@@ -69,7 +72,19 @@ class WeightMap:
         if codes.size != n * blocks * block_size * bits // 8 or scales.size != n * blocks:
             raise ValueError(f"{attrs['codes']}: {codes.size} code bytes and {scales.size} scales do not make "
                              f"[{n}, {k}] at {bits} bits in blocks of {block_size}")
-        return _kernel.bound(codes, scales, n=n, k=k, bits=bits, block_size=block_size, threads=self.threads, path=self.path)
+        bound = _kernel.bound(codes, scales, n=n, k=k, bits=bits, block_size=block_size, threads=self.threads, path=self.path)
+        # what the product no longer reads leaves this process's memory (the page cache keeps it): the
+        # scales once prepared, the codes where the path repacked them
+        self._release(attrs["scales"])
+        if bound.packed.size:
+            self._release(attrs["codes"])
+        return bound
+
+    def _release(self, name: str) -> None:
+        entry, page = self.index[name], mmap.PAGESIZE
+        start, end = -(-entry["offset"] // page) * page, (entry["offset"] + entry["length"]) // page * page
+        if end > start and hasattr(self._map, "madvise"):
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def _load_extensions():

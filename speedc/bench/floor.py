@@ -197,7 +197,7 @@ def measure_kernel(shape, layers: int, *, weights: str, threads: int | None = No
     outputs = {(rows, n): np.empty((rows, n), np.float32) for rows in KERNEL_ROWS for _, _, n, _ in chain}
 
     # the paths a CPU would run: the portable one only where it has no other, never the AVX2 stand-in
-    paths = [p for p in kernel.paths if p not in ("portable", "avx-vnni-standin")] or ["portable"]
+    paths = [p for p in kernel.paths if p not in ("portable", *native.STAND_INS)] or ["portable"]
     bound = {path: [(kernel.bound(codes, scales, n=n, k=k, bits=floor.bits, block_size=BLOCK_SIZE, threads=threads,
                                   path=path), n, k) for codes, scales, n, k in chain]
              for path in paths}  # each weight prepared once, as a session's operator does

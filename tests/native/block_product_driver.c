@@ -15,10 +15,9 @@
 
 int speedc_block_product_path(void);
 unsigned speedc_block_product_paths(void);
-int64_t speedc_block_supers(int64_t k, int bits);
-int speedc_block_super_steps(int bits);
+void speedc_block_prepared_sizes(int64_t n, int64_t k, int bits, int path, int64_t *sizes);
 int speedc_block_prepare(const uint8_t *codes, const float *scales, int64_t n, int64_t k, int64_t blocks, int block_size,
-                         int bits, int16_t *steps, float *units, int32_t *offsets, int threads);
+                         int bits, int path, uint8_t *packed, int16_t *steps, float *units, int32_t *offsets, int threads);
 int speedc_block_product(const float *x, int64_t m, int64_t k, const uint8_t *codes, const int16_t *steps,
                          const float *units, const int32_t *offsets, int64_t n, int64_t blocks, int block_size, int bits,
                          float *y, int threads, int path);
@@ -42,15 +41,18 @@ int main(int argc, char **argv) {
     float *scales = read_exactly(in, (size_t)(n * blocks) * sizeof(float));
     fclose(in);
 
-    const int64_t supers = speedc_block_supers(k, bits);
-    int16_t *steps = malloc((size_t)(n * supers * speedc_block_super_steps(bits)) * sizeof(int16_t));
-    float *units = malloc((size_t)(n * supers) * sizeof(float));
-    int32_t *offsets = malloc((size_t)(n * supers) * sizeof(int32_t));
+    int64_t sizes[4];  /* packed code bytes, steps, units, offsets */
+    speedc_block_prepared_sizes(n, k, bits, path, sizes);
+    uint8_t *packed = malloc((size_t)sizes[0] + 1);
+    int16_t *steps = malloc((size_t)sizes[1] * sizeof(int16_t) + 1);
+    float *units = malloc((size_t)sizes[2] * sizeof(float) + 1);
+    int32_t *offsets = malloc((size_t)sizes[3] * sizeof(int32_t) + 1);
     float *together = malloc((size_t)(m * n) * sizeof(float)), *alone = malloc((size_t)(m * n) * sizeof(float));
-    int rc = speedc_block_prepare(codes, scales, n, k, blocks, block_size, bits, steps, units, offsets, threads);
-    if (!rc) rc = speedc_block_product(x, m, k, codes, steps, units, offsets, n, blocks, block_size, bits, together, threads, path);
+    const uint8_t *read = sizes[0] ? packed : codes;  /* a lanes16 path reads its repacked codes */
+    int rc = speedc_block_prepare(codes, scales, n, k, blocks, block_size, bits, path, packed, steps, units, offsets, threads);
+    if (!rc) rc = speedc_block_product(x, m, k, read, steps, units, offsets, n, blocks, block_size, bits, together, threads, path);
     for (int64_t r = 0; r < m && !rc; r++) {
-        rc = speedc_block_product(x + r * k, 1, k, codes, steps, units, offsets, n, blocks, block_size, bits, alone + r * n,
+        rc = speedc_block_product(x + r * k, 1, k, read, steps, units, offsets, n, blocks, block_size, bits, alone + r * n,
                                   threads, path);
     }
     if (rc) { fprintf(stderr, "driver: the kernel refused its arguments (code %d)\n", rc); return 1; }

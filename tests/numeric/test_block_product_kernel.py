@@ -4,8 +4,8 @@ superblock (256 values at 4 bits, 64 at 8 bits) held as one float unit (largest 
 integer steps rint(scale / unit); activations quantized to int8 per superblock (dx = max|x| / 127,
 q = rint(x * 127 / max|x|)); a superblock's sum of step x integer dot is exact, scaled once by unit x dx.
 Integer arithmetic is compared exactly, the float scaling within rounding; every row's sums are bitwise
-the same whatever the row count or thread count (what SPEED's losslessness needs), on both the AVX2 and
-the portable path."""
+the same whatever the row count or thread count (what SPEED's losslessness needs), on every path this
+CPU runs; the paths that sum each superblock to one exact integer give the portable path's bits."""
 
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ from speedc.runtimes.kernels.native import KernelError
 
 KERNEL = native.load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason=f"no native kernel here: {native.unavailable_reason()}")
-PATHS = KERNEL.paths if KERNEL is not None else []  # every path this CPU runs, the AVX2 stand-in of avx-vnni included
+PATHS = KERNEL.paths if KERNEL is not None else []  # every path this CPU runs, the AVX2 / plain-C stand-ins included
+LANE_SPREAD = ("avx2", "avx-vnni", "avx-vnni-standin")  # paths whose superblock sums are spread over lanes before scaling
+EXACT_PATHS = [path for path in PATHS if path not in LANE_SPREAD]  # the portable path's bits exactly
 
 
 def unpacked_codes(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -125,7 +127,7 @@ def test_integer_sums_are_exact(path, bits, block_size, k):
     """On exact_case's operands y must equal the exact sum bit for bit: a wrong code, nibble or
     activation order, zero point, step, offset or padding cannot hide in rounding."""
     n = 37
-    x, codes, scales = exact_case(k, bits, block_size, n=n, m=6)
+    x, codes, scales = exact_case(k, bits, block_size, n=n, m=12)  # amx: 12 rows run on tiles
     expected, totals, magnitude = reference(x, codes, scales, bits, block_size)
     assert magnitude.max() < 2 ** 24 * 2.0 ** -11 and np.abs(totals).max() > 0
     y = product(x, codes, scales, n, k, bits, block_size, path=path)
@@ -134,26 +136,74 @@ def test_integer_sums_are_exact(path, bits, block_size, k):
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_prepared_steps_and_units_follow_the_description(bits):
-    """The weight's prepared form: units largest |scale| / 2047 per superblock, steps rint(scale / unit)
-    (0 past the row), and at 4 bits the offsets 128 x sum over the superblock of step x (code - zp)."""
+    """The weight's prepared form in place (portable, avx2, avx-vnni, Arm): units largest |scale| / 2047
+    per superblock, steps rint(scale / unit) (0 past the row), and at 4 bits the offsets 128 x sum over
+    the superblock of step x (code - zp)."""
     rng = np.random.default_rng(bits)
     n, k, block_size = 19, 610, 64
     codes, scales = weights(rng, n, k, bits, block_size)
     scales[3] = 0  # a row of zero scales: unit 0, steps 0
-    bound = KERNEL.bound(codes, scales, n=n, k=k, bits=bits, block_size=block_size)
+    bound = KERNEL.bound(codes, scales, n=n, k=k, bits=bits, block_size=block_size, path="portable")
     steps, units, offsets = bound.prepared
     want_steps, want_units = prepared(scales, k, bits, block_size)
-    assert np.array_equal(units, want_units)
+    assert bound.packed.size == 0  # the codes are read where they are
+    assert np.array_equal(units.reshape(want_units.shape), want_units)
     assert np.array_equal(steps.reshape(want_steps.shape), want_steps)
     if bits == 4:
         sums = superblock_weights(codes, bits, k, want_units.shape[1]).sum(-1)
-        assert np.array_equal(offsets, 128 * (sums * want_steps).sum(-1))
+        assert np.array_equal(offsets.reshape(want_units.shape), 128 * (sums * want_steps).sum(-1))
     else:
         assert not offsets.any()
 
 
+@pytest.mark.skipif("amx-standin" not in PATHS, reason="no lanes16 path on this CPU (x86 with AVX2 has amx-standin)")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_lanes16_layout_follows_the_description(bits):
+    """avx512-vnni / amx / amx-standin repack a weight once: per group of 16 features, superblock and
+    sub-block, a chunk whose 4-byte column j of tile row r holds feature 16 g + j's code bytes 4 r' + e
+    (4 bits: 256 bytes, row r' = r // 2 of nibbles; 8 bits: 512 bytes), steps as int16 pairs
+    [g][s][b / 2][16][2], units [g][s][16]; features past n have zero steps and units."""
+    rng = np.random.default_rng(bits)
+    n, k, block_size = 19, 610, 64
+    codes, scales = weights(rng, n, k, bits, block_size)
+    bound = KERNEL.bound(codes, scales, n=n, k=k, bits=bits, block_size=block_size, path="amx-standin")
+    steps, units, _ = bound.prepared
+    want_steps, want_units = prepared(scales, k, bits, block_size)  # [N, supers, super], [N, supers]
+    groups, supers, sup = -(-n // 16), want_units.shape[1], super_blocks(bits)
+    padded_steps = np.zeros((groups * 16, supers, sup), np.int64)
+    padded_steps[:n] = want_steps
+    padded_units = np.zeros((groups * 16, supers), np.float32)
+    padded_units[:n] = want_units
+    pairs = steps.reshape(groups, supers, sup // 2, 16, 2)
+    assert np.array_equal(pairs.transpose(0, 3, 1, 2, 4).reshape(groups * 16, supers, sup), padded_steps)
+    assert np.array_equal(units.reshape(groups, supers, 16).transpose(0, 2, 1).reshape(-1, supers), padded_units)
+    sub_bytes = 32 * bits // 8
+    zero = 0x88 if bits == 4 else 0x80
+    by_sub = np.full((groups * 16, supers * sup, sub_bytes), zero, np.uint8)
+    sub_blocks = -(-k // 32)
+    by_sub[:n, :sub_blocks] = codes.reshape(n, -1)[:, :sub_blocks * sub_bytes].reshape(n, sub_blocks, sub_bytes)
+    chunks = by_sub.reshape(groups, 16, supers, sup, sub_bytes // 4, 4).transpose(0, 2, 3, 4, 1, 5)
+    assert np.array_equal(bound.packed.reshape(chunks.shape), chunks)
+
+
+@pytest.mark.parametrize("path", EXACT_PATHS)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_exact_paths_give_the_portable_bits(path, bits):
+    """Every path that sums each superblock to one exact integer per (row, feature) and scales it once
+    gives the portable path's bits: 1 row (amx: on avx512-vnni), a few, a whole tile, past a tile (amx:
+    a second group of tile rows), on 1 and 3 threads."""
+    rng = np.random.default_rng(bits + 3)
+    n, k = 83, 1000  # a partial group of 16 features and a partial superblock
+    codes, scales = weights(rng, n, k, bits, 32)
+    x = (rng.standard_normal((33, k)) * 3).astype(np.float32)
+    for rows in (1, 3, 8, 10, 16, 17, 33):
+        portable = product(x[:rows], codes, scales, n, k, bits, 32, path="portable")
+        for threads in (1, 3):
+            assert np.array_equal(product(x[:rows], codes, scales, n, k, bits, 32, path=path, threads=threads), portable), (rows, threads)
+
+
 @settings(max_examples=60, deadline=None)
-@given(m=st.integers(1, 9), n=st.integers(1, 70), k=st.integers(1, 300), bits=st.sampled_from([4, 8]),
+@given(m=st.integers(1, 20), n=st.integers(1, 70), k=st.integers(1, 300), bits=st.sampled_from([4, 8]),
        block_size=st.sampled_from([32, 64, 128]), seed=st.integers(0, 2**31 - 1), path=st.sampled_from(PATHS or ["avx2"]))
 def test_fuzzed_shapes_match_the_reference(m, n, k, bits, block_size, seed, path):
     rng = np.random.default_rng(seed)
@@ -169,22 +219,23 @@ def test_fuzzed_shapes_match_the_reference(m, n, k, bits, block_size, seed, path
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_row_sums_the_same_alone_among_rows_and_on_any_thread_count(path, bits):
-    """Row invariance: rows computed alone, in any batch of 1..9 rows, on 1, 2 or 3 threads, are
-    bitwise equal (plain decoding runs one row, a SPEED step P; nothing pads a row to make them agree)."""
+    """Row invariance: rows computed alone, in any batch of 1..12 rows (amx: on tiles from 8 or 10), on 1,
+    2 or 3 threads, are bitwise equal (plain decoding runs one row, a SPEED step P; nothing pads a row to
+    make them agree)."""
     rng = np.random.default_rng(bits)
     n, k = 203, 352  # 11 sub-blocks: a partial superblock at the end of every row (4 bits: 8 + 3; 8 bits: 2 x 5 + 1)
     codes, scales = weights(rng, n, k, bits, 32)
-    x = rng.standard_normal((9, k)).astype(np.float32)
-    alone = np.stack([product(x[i:i + 1], codes, scales, n, k, bits, 32, path=path)[0] for i in range(9)])
-    for rows in range(1, 10):
+    x = rng.standard_normal((12, k)).astype(np.float32)
+    alone = np.stack([product(x[i:i + 1], codes, scales, n, k, bits, 32, path=path)[0] for i in range(12)])
+    for rows in range(1, 13):
         for threads in (1, 2, 3):
             together = product(x[:rows], codes, scales, n, k, bits, 32, path=path, threads=threads)
             assert np.array_equal(together, alone[:rows]), (rows, threads)
 
 
 def test_paths_agree_within_rounding():
-    """Every path against the portable one: the same sums up to float rounding (how each path spreads a
-    superblock's integer over vector lanes before scaling it differs)."""
+    """Every path against the portable one: the same sums up to float rounding (avx2 and avx-vnni spread a
+    superblock's integer over vector lanes before scaling it)."""
     rng = np.random.default_rng(7)
     for bits in (4, 8):
         codes, scales = weights(rng, 64, 512, bits, 32)

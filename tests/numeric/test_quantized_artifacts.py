@@ -97,8 +97,8 @@ def test_both_outcomes_happen_and_logits_are_bitwise_plain_logits(quantized, sam
 @pytest.mark.skipif(not NATIVE, reason="the native kernel or onnxruntime-extensions is not available here")
 @pytest.mark.parametrize("kernel_path", KERNEL_PATHS)
 def test_every_kernel_path_keeps_speed_equal_to_plain_decoding(quantized_artifacts, kernel_path):
-    """Each path of speedc's kernel this CPU runs (SPEEDC_NATIVE_KERNEL names it; avx-vnni-standin runs the
-    avx-vnni path's logic on AVX2): SPEED == plain decoding of the same artifact, greedy and seeded,
+    """Each path of speedc's kernel this CPU runs (SPEEDC_NATIVE_KERNEL names it; avx-vnni-standin and
+    amx-standin run those paths' logic on AVX2): SPEED == plain decoding of the same artifact, greedy and seeded,
     through accepted and refused speculations."""
     accepted = mispredicted = 0
     for which, (_, art) in quantized_artifacts.items():
@@ -205,7 +205,7 @@ def test_inspect_and_quality_report_the_precision(quantized, tiny_artifact):
     info = describe(int8)
     assert info["dtype"] == "int8" and info["quantization"]["block_size"] == 32
     assert info["sizes"]["weights stored (int8, block 32: codes + scales)"] < info["sizes"]["unique weights (fp32)"] / 3
-    assert info["kernel_here"] == ({"path": native.load().path, "paths": [p for p in KERNEL_PATHS if p != "avx-vnni-standin"]}
+    assert info["kernel_here"] == ({"path": native.load().path, "paths": [p for p in KERNEL_PATHS if p not in native.STAND_INS]}
                                    if native.load() else {"path": None, "why": native.unavailable_reason()})
     shown = run_cli("inspect", int8)
     assert shown.returncode == 0 and (f"on this CPU: the kernel's {native.load().path} path" in shown.stdout or not native.load())
