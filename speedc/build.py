@@ -73,11 +73,29 @@ def check_options(options: BuildOptions) -> None:
 SAFETENSORS_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
 
 
-def default_storage(declared: dict[str, tuple[int, str]]) -> str:
-    """A checkpoint stored in 16 bits keeps that precision (an exact copy, half the bytes of fp32);
-    anything else is stored as fp32."""
-    floating = {dtype for _, dtype in declared.values() if dtype in ("F32", "F16", "BF16", "F64")}
+def default_storage(declared: dict[str, tuple[int, str]], ignored: tuple[str, ...] = ()) -> str:
+    """A checkpoint whose weights are stored in 16 bits keeps that precision (an exact copy, half the bytes
+    of fp32); anything else is stored as fp32. The weights are the floating-point tensors the 16-bit
+    storage would convert (cleanup's FP16_MIN_ELEMENTS and up) that the family reads: a small fp32 norm,
+    or a buffer the family drops (IGNORED prefixes: Parcae's and Huginn's fp32 freqs_cis), does not
+    make a bf16 checkpoint fp32."""
+    floating = {dtype for name, (size, dtype) in declared.items()
+                if dtype in ("F32", "F16", "BF16", "F64") and size // SAFETENSORS_ITEMSIZE[dtype] >= cleanup.FP16_MIN_ELEMENTS
+                and not name.startswith(ignored)}
     return {frozenset({"BF16"}): "bf16", frozenset({"F16"}): "fp16"}.get(frozenset(floating), "fp32")
+
+
+def family_ignored_tensors(checkpoint: Path) -> tuple[str, ...]:
+    """The tensor-name prefixes CHECKPOINT's family reads and drops (none where its config is unreadable:
+    reading the checkpoint then says why)."""
+    import json
+
+    from speedc.models.families import family_of
+
+    try:
+        return family_of(json.loads((checkpoint / "config.json").read_text())).ignored_tensors
+    except (OSError, ValueError, AttributeError, SpeedcError):
+        return ()
 
 
 def declared_elements(declared: dict[str, tuple[int, str]]) -> int:
@@ -163,7 +181,7 @@ def storage_options(checkpoint: Path, out: Path, options: BuildOptions) -> Build
     """OPTIONS with the storage dtype settled (the checkpoint's own when unset), after checking the disk holds it."""
     declared = declared_tensor_bytes(checkpoint) if checkpoint.is_dir() else {}
     if options.dtype is None:
-        options = dataclasses.replace(options, dtype=default_storage(declared))
+        options = dataclasses.replace(options, dtype=default_storage(declared, family_ignored_tensors(checkpoint)))
     check_disk_space(declared_elements(declared), out, options)
     return options
 

@@ -17,6 +17,7 @@ token carries from step to step (its hidden row, its draft's candidates: DraftCa
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -32,13 +33,39 @@ SHRINK_AFTER_STEPS = 64  # see next_pool_size
 
 
 def resolve_threads(threads: int | None) -> int:
-    """Intra-op threads: the argument, else $SPEEDC_THREADS, else every core (None or 0: not given)."""
+    """Intra-op threads: the argument, else $SPEEDC_THREADS, else default_threads() (None or 0: not given)."""
     if threads is not None and (not is_integer(threads) or threads < 0):
-        raise SpeedcError(f"threads must be a positive integer (or None for every core), not {threads!r:.20}")
+        raise SpeedcError(f"threads must be a positive integer (or None for one per physical core), not {threads!r:.20}")
     given = os.environ.get("SPEEDC_THREADS", "0").strip() or "0"
     if not given.isdigit():
         raise SpeedcError(f"SPEEDC_THREADS={given!r:.20} is not a number of threads")
-    return threads or int(given) or (os.cpu_count() or 1)
+    return threads or int(given) or default_threads()
+
+
+def default_threads(cpus: set[int] | None = None, sysfs: Path = Path("/sys/devices/system/cpu"),
+                    cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """One thread per physical core this process may run on: decoding reads every weight once a token,
+    and a second hardware thread on a core shares that core's load ports and caches without adding
+    bandwidth, while a thread with no core of its own stalls every product's join. The cores are those
+    of the CPU affinity (CPUS, taskset / cpuset), SMT siblings counted once (sysfs topology), at most
+    the cgroup's CPU quota (a container's cpu.max), which os.cpu_count() sees none of."""
+    if cpus is None:
+        cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in cpus:
+        try:
+            topology = sysfs / f"cpu{cpu}" / "topology"
+            cores.add(((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip()))
+        except OSError:
+            cores.add(("cpu", str(cpu)))  # no topology here: each logical CPU a core
+    count = len(cores) or 1
+    try:
+        quota, period = (cgroup / "cpu.max").read_text().split()[:2]
+        if quota != "max":
+            count = min(count, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return count
 
 
 def _pool_width(need: int, low: int, high: int) -> int:

@@ -82,34 +82,96 @@ def llama_cpp_installed() -> bool:
     return True
 
 
-def llama_cpp_peer(gguf: Path, threads: int | None, context: int):
-    """llama.cpp (through llama-cpp-python) decoding greedily on GGUF file GGUF (speedc/bench/gguf_export.py).
-    Returns generate(prompt ids, new tokens) -> (new ids, decode seconds per token after the first):
-    the prompt is evaluated in one batch, then one token a call, as speedc's plain decoding runs."""
-    import time
+class PeerFailed(SpeedcError):
+    """A peer's process crashed, hung or answered nonsense: its row says so and the bench goes on."""
 
-    import llama_cpp
-    import numpy as np
 
-    from speedc.runtimes.backends.protocol import resolve_threads
+PEER_ANSWER_SECONDS = 900  # one prompt's answer at most (a 1-4 B model's 128 tokens on 2 cores: about a minute)
 
-    threads = resolve_threads(threads)
-    # logits_all: llama-cpp-python keeps `scores` only then (without it they stay zeros); the extra cost
-    # is the prompt's logits, outside the timed decode
-    model = llama_cpp.Llama(model_path=str(gguf), n_ctx=context, n_batch=min(512, context), n_threads=threads,
-                            n_threads_batch=threads, logits_all=True, verbose=False)
+
+def process_peer(driver: str, args: list[str], *, answer_seconds: float = PEER_ANSWER_SECONDS):
+    """A peer run in a process of its own: DRIVER (Python source) loads the model from ARGS and then
+    answers one JSON line {"ids", "seconds"} per JSON line {"prompt", "new_tokens"} it reads. Returns
+    generate(prompt ids, new tokens) -> (ids, decode seconds per token), with .close(); a crash
+    (signal or exit), a hang (no answer in ANSWER_SECONDS) or a malformed answer raises PeerFailed and
+    ends the process, never the bench."""
+    import select
+    import signal
+
+    child = subprocess.Popen([sys.executable, "-c", driver, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, bufsize=1)
+
+    def why_ended() -> str:
+        code = child.wait()
+        if code < 0:
+            name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+            return f"crashed ({name})"
+        last = (child.stderr.read().strip().splitlines() or [""])[-1]
+        return f"exited with status {code}" + (f": {last[:200]}" if last else "")
 
     def generate(prompt: list[int], new_tokens: int) -> tuple[list[int], float]:
-        model.reset()
-        model.eval(prompt)
-        ids = [int(np.argmax(model.scores[model.n_tokens - 1]))]
-        start = time.perf_counter()
-        while len(ids) < new_tokens:
-            model.eval([ids[-1]])
-            ids.append(int(np.argmax(model.scores[model.n_tokens - 1])))
-        return ids, (time.perf_counter() - start) / max(1, new_tokens - 1)
+        if child.poll() is not None:
+            raise PeerFailed(why_ended())
+        try:
+            child.stdin.write(json.dumps({"prompt": prompt, "new_tokens": new_tokens}) + "\n")
+            child.stdin.flush()
+        except (BrokenPipeError, OSError):
+            raise PeerFailed(why_ended()) from None
+        ready, _, _ = select.select([child.stdout], [], [], answer_seconds)
+        if not ready:
+            child.kill()
+            child.wait()
+            raise PeerFailed(f"hung: no answer in {answer_seconds:.0f} s")
+        line = child.stdout.readline()
+        if not line:
+            raise PeerFailed(why_ended())
+        try:
+            answer = json.loads(line)
+            return [int(i) for i in answer["ids"]], float(answer["seconds"])
+        except (ValueError, KeyError, TypeError):
+            child.kill()
+            raise PeerFailed(f"answered {line.strip()[:80]!r}") from None
 
+    def close() -> None:
+        if child.poll() is None:
+            child.kill()
+        child.wait()
+        for stream in (child.stdin, child.stdout, child.stderr):
+            stream.close()
+
+    generate.close = close
     return generate
+
+
+# llama.cpp's side of process_peer: greedy decoding, the prompt in one batch, then one token a call (as
+# speedc's plain decoding runs); logits_all: llama-cpp-python keeps `scores` only then (without it they
+# stay zeros), the extra cost is the prompt's logits, outside the timed decode.
+_LLAMA_CPP_DRIVER = """
+import json, sys, time
+import llama_cpp, numpy as np
+gguf, threads, context = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+model = llama_cpp.Llama(model_path=gguf, n_ctx=context, n_batch=min(512, context), n_threads=threads,
+                        n_threads_batch=threads, logits_all=True, verbose=False)
+for line in sys.stdin:
+    ask = json.loads(line)
+    model.reset()
+    model.eval(ask["prompt"])
+    ids = [int(np.argmax(model.scores[model.n_tokens - 1]))]
+    start = time.perf_counter()
+    while len(ids) < ask["new_tokens"]:
+        model.eval([ids[-1]])
+        ids.append(int(np.argmax(model.scores[model.n_tokens - 1])))
+    print(json.dumps({"ids": ids, "seconds": (time.perf_counter() - start) / max(1, ask["new_tokens"] - 1)}), flush=True)
+"""
+
+
+def llama_cpp_peer(gguf: Path, threads: int | None, context: int):
+    """llama.cpp (through llama-cpp-python) decoding greedily on GGUF file GGUF (speedc/bench/gguf_export.py),
+    in a process of its own (process_peer: a crash of llama.cpp's CPU backend fails its row, not the bench).
+    Returns generate(prompt ids, new tokens) -> (new ids, decode seconds per token after the first)."""
+    from speedc.runtimes.backends.protocol import resolve_threads
+
+    return process_peer(_LLAMA_CPP_DRIVER, [str(gguf), str(resolve_threads(threads)), str(context)])
 
 
 # The builder's command line, run once per export in ONE interpreter: its imports (torch, transformers,

@@ -205,9 +205,11 @@ def end_to_end_row(engine, *, prompts: int, new_tokens: int, seed: int = 0, peer
     every order in turn), greedy; ids must be identical. PEERS:
     name -> (generate(prompt ids, new tokens) -> (ids, decode seconds per token), what it ran), timed
     in the same rounds (after SPEED and plain decoding, per prompt); their ids' agreement with SPEED's
-    is reported (another precision or architecture: not required equal)."""
+    is reported (another precision or architecture: not required equal). A peer that fails
+    (PeerFailed: it crashed or hung in its own process) is not asked again; its row says why."""
     import numpy as np
 
+    from speedc.bench.peers import PeerFailed
     from speedc.bench.run import Agreement, mode_order, policy_summary, warm_up
     from speedc.errors import GenerationError
     from speedc.runtimes.decode import pooled_acceptance
@@ -218,7 +220,7 @@ def end_to_end_row(engine, *, prompts: int, new_tokens: int, seed: int = 0, peer
     modes = ("speed", "speed-always", "autoregressive")
     ms = {**{mode: [] for mode in modes}, **{name: [] for name in peers}}
     agreement = {name: Agreement(same_weights=False) for name in peers}
-    speed_runs, adaptive_runs = [], []
+    speed_runs, adaptive_runs, failed = [], [], {}
     warm_up(engine, [int(i) for i in rng.integers(0, vocab, size=PROMPT_IDS)], modes, new_tokens)
     for turn in range(prompts):
         prompt = [int(i) for i in rng.integers(0, vocab, size=PROMPT_IDS)]
@@ -231,7 +233,13 @@ def end_to_end_row(engine, *, prompts: int, new_tokens: int, seed: int = 0, peer
         speed_runs.append(results["speed-always"].stats)  # acceptance: of a run that speculated throughout
         adaptive_runs.append(results["speed"].stats)
         for name, (generate, _) in peers.items():
-            ids, seconds = generate(prompt, new_tokens)
+            if name in failed:
+                continue
+            try:
+                ids, seconds = generate(prompt, new_tokens)
+            except PeerFailed as bad:
+                failed[name] = f"{bad} on prompt {turn + 1} of {prompts}"
+                continue
             ms[name].append(1000 * seconds)
             agreement[name].add(ids, results["speed"].ids)
     speed, plain = statistics.median(ms["speed"]), statistics.median(ms["autoregressive"])
@@ -242,9 +250,10 @@ def end_to_end_row(engine, *, prompts: int, new_tokens: int, seed: int = 0, peer
            "speedup_decode_always": round(plain / always, 3), "ids_identical": True,
            "policy": policy_summary(adaptive_runs)}
     if peers:
-        row["peers"] = {name: {"ms_per_token": round(statistics.median(ms[name]), 2),
-                               "speed_speedup": round(statistics.median(ms[name]) / speed, 3), "ran": ran,
-                               **agreement[name].to_json()}
+        row["peers"] = {name: ({"failed": failed[name], "ran": ran} if name in failed else
+                               {"ms_per_token": round(statistics.median(ms[name]), 2),
+                                "speed_speedup": round(statistics.median(ms[name]) / speed, 3), "ran": ran,
+                                **agreement[name].to_json()})
                         for name, (_, ran) in peers.items()}
     return row
 
@@ -312,7 +321,9 @@ def synthetic_step_costs(*, hidden: int = 1024, blocks: int = 4, passes: int = 4
             unique_fp32 = engine.manifest.store.unique_bytes_fp32
             del engine
             shutil.rmtree(art)  # one artifact on disk at a time
-        peer_fns.clear()  # (llama.cpp's model and context freed before the temporary files go)
+        for generate, _ in peer_fns.values():  # (llama.cpp's process ended before the temporary files go)
+            getattr(generate, "close", lambda: None)()
+        peer_fns.clear()
     note = "" if used == shape.layers else f"{used} of the real {shape.layers} layers (--layers)"
     label = ("SPEED vs plain decoding on random weights" + ("" if shape.published else ", LM head untied") + ", residual updates scaled by "
              f"{scale} (acceptance measured)" if end_to_end else "step cost only (random weights)")

@@ -300,6 +300,9 @@ def print_memory_bound(report: dict) -> None:
                      f"timed; last c(P) {policy['step_cost']:.2f} ({policy['step_cost_source']}), bound {policy['bound']:.2f}")
         click.echo(line)
         for name, peer in row.get("peers", {}).items():
+            if "failed" in peer:
+                click.echo(f"      {name}: failed, {peer['failed']}; ran {peer['ran']}")
+                continue
             click.echo(f"      {name}: {peer['ms_per_token']:.1f} ms/token, SPEED {peer['speed_speedup']:.2f}x faster; "
                        f"ids agree at {peer['agreement']:.0%} of positions; ran {peer['ran']}")
         if "profile" in row:

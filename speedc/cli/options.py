@@ -51,7 +51,7 @@ def device_option(fn):
 
 def threads_option(fn):
     return click.option("--threads", type=click.IntRange(min=1), default=None,
-                        help="Intra-op threads (default: all cores).")(fn)
+                        help="Intra-op threads (default: one per physical core this process may use).")(fn)
 
 
 def backend_options(fn):

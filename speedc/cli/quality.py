@@ -17,7 +17,7 @@ import click
               help="Validation positions (the tail of the bundled Shakespeare corpus, the zoo models' held-out split).")
 @click.option("--text", "text_file", type=click.Path(path_type=Path, exists=True, dir_okay=False),
               help="Validation text file instead of the bundled corpus tail.")
-@click.option("--threads", type=int, default=None, help="Intra-op threads (default: all cores).")
+@click.option("--threads", type=int, default=None, help="Intra-op threads (default: one per physical core this process may use).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def quality(reference, artifacts, prompts, new_tokens, val_tokens, text_file, threads, as_json):
     """Quality of ARTIFACTS (e.g. --weights int8 / int4 builds) against REFERENCE (the fp32 build of the

@@ -421,3 +421,57 @@ def test_step_cost_is_measured_at_valid_positions_for_a_short_bench(tiny_artifac
         engine = Engine.load(tiny_artifact, backend=backend)
         cost = measure_step_cost(engine, context=3, repeats=3)
         assert 0 < cost < 100, (backend, cost)
+
+
+# A peer's process as process_peer runs one: reads {"prompt", "new_tokens"} lines, answers {"ids", "seconds"};
+# this one answers its first prompt, then does what argv[1] says on the next.
+SCRIPTED_PEER = """
+import json, os, signal, sys, time
+then = sys.argv[1]
+for turn, line in enumerate(sys.stdin):
+    ask = json.loads(line)
+    if turn == 1 and then == "segfault":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if turn == 1 and then == "hang":
+        time.sleep(600)
+    if turn == 1 and then == "garbage":
+        print("llama_model_load: error", flush=True)
+    print(json.dumps({"ids": ask["prompt"][:ask["new_tokens"]], "seconds": 0.001}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("then, why", [("segfault", "crashed (SIGSEGV)"), ("hang", "hung: no answer in 2 s"),
+                                       ("garbage", "answered 'llama_model_load: error'")])
+def test_a_peer_that_crashes_or_hangs_fails_in_its_own_process(then, why):
+    """process_peer: a peer's crash, hang or nonsense raises PeerFailed saying which, and its process ends;
+    the bench's process goes on."""
+    from speedc.bench.peers import PeerFailed, process_peer
+
+    generate = process_peer(SCRIPTED_PEER, [then], answer_seconds=2)
+    assert generate([4, 5, 6], 2) == ([4, 5], 0.001)
+    with pytest.raises(PeerFailed) as failed:
+        generate([7, 8, 9], 2)
+    assert str(failed.value) == why
+    with pytest.raises(PeerFailed):
+        generate([7, 8, 9], 2)  # never answers again once ended
+    generate.close()
+
+
+def test_a_failed_peer_gets_a_row_that_says_so_and_the_bench_goes_on(tiny_artifact):
+    """end_to_end_row: the peer that crashed on the second prompt is asked no more, its row says why; SPEED's
+    rows and the peer that kept answering are whole."""
+    from speedc.bench.peers import process_peer
+    from speedc.bench.synthetic import end_to_end_row
+    from speedc.runtimes.engine import Engine
+
+    engine = Engine.load(tiny_artifact)
+    crashing, steady = process_peer(SCRIPTED_PEER, ["segfault"]), process_peer(SCRIPTED_PEER, ["answer"])
+    try:
+        row = end_to_end_row(engine, prompts=3, new_tokens=6, peers={"crashing": (crashing, "a scripted peer"),
+                                                                     "steady": (steady, "a scripted peer")})
+    finally:
+        crashing.close()
+        steady.close()
+    assert row["ids_identical"] and row["speedup_decode"] > 0
+    assert row["peers"]["crashing"] == {"failed": "crashed (SIGSEGV) on prompt 2 of 3", "ran": "a scripted peer"}
+    assert row["peers"]["steady"]["ms_per_token"] == 1.0 and "failed" not in row["peers"]["steady"]
