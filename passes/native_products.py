@@ -1,10 +1,19 @@
 r"""Pass `native_products` (phase finalize, after merge_programs): each engine graph of a block-quantized
-artifact gets a native twin whose weight products run speedc's own kernel (runtimes/kernels/).
+or 16-bit artifact gets a native twin whose weight products run speedc's own kernel (runtimes/kernels/).
 
     before (engine graph, int4):   x ── Concat(x, 0 [1, K]) ── MatMulNBits(W.q4, W.q4_scales) ── Slice(0..-1) ── y
            (int8):                 x ── MatMulNBits(W.q8, W.q8_scales) ── y
     after (its twin, both):        x ── ai.onnx.contrib SpeedcBlockProduct(artifact, codes=W.q4, scales=W.q4_scales,
                                                                           n, k, bits, block_size) ── y
+    before (bf16 / fp16):          W (16-bit) ── Cast(float) ──┐
+                                   x ────────────────────────── Gemm(transB=1) ── y
+    after (its twin):              x ── ai.onnx.contrib SpeedcHalfProduct(artifact, weight=W, n, k, dtype) ── y
+
+A 16-bit twin matters for memory as much as for speed: ONNX Runtime folds each Cast of a 16-bit weight
+into a float32 copy at load (the engine graph's session holds the weights three times over: 16-bit,
+fp32, and the file's pages), while the twin's operator reads the 16-bit weights where weights.bin is
+mapped. A weight that also feeds a Gather (the embedding of a tied head) is still loaded for it, as
+16 bits.
 
 The twin takes and returns exactly what its engine graph does (the manifest records it as the graph's
 `native_file`); only its products differ. Its operator reads the codes and scales from weights.bin by
@@ -20,6 +29,7 @@ from __future__ import annotations
 
 import uuid
 
+import ml_dtypes
 import numpy as np
 import onnx_graphsurgeon as gs
 
@@ -52,12 +62,44 @@ def _padding(product: gs.Node) -> tuple[gs.Node, gs.Node] | None:
     return concat, y.outputs[0]
 
 
+HALF_DTYPES = {np.dtype(np.float16): "fp16", np.dtype(ml_dtypes.bfloat16): "bf16"}
+
+
+def _half_weight(product: gs.Node) -> tuple[gs.Constant, str] | None:
+    """(W, "bf16" | "fp16") when PRODUCT is Gemm(x, Cast(W)^T) over a 16-bit constant W [N, K], nothing else."""
+    if product.op != "Gemm" or len(product.inputs) != 2 or product.attrs.get("transB", 0) != 1 or product.attrs.get("transA", 0):
+        return None
+    if product.attrs.get("alpha", 1.0) != 1.0:
+        return None
+    cast_out = product.inputs[1]
+    cast = cast_out.inputs[0] if len(cast_out.inputs) == 1 else None
+    if cast is None or cast.op != "Cast" or cast.attrs.get("to") != 1:
+        return None
+    weight = cast.inputs[0]
+    dtype = HALF_DTYPES.get(np.dtype(weight.dtype)) if isinstance(weight, gs.Constant) else None
+    if dtype is None or len(weight.shape) != 2:
+        return None
+    return weight, dtype
+
+
 def native_twin(graph: gs.Graph, artifact_id: str) -> tuple[gs.Graph, int, int]:
     """A copy of GRAPH with every MatMulNBits the kernel takes run as SpeedcBlockProduct.
     Returns (the twin, products replaced, products left on MatMulNBits)."""
     twin = graph.copy()
     replaced = kept = 0
     for g in _subgraphs(twin):
+        for node in [n for n in g.nodes if n.op == "Gemm"]:
+            found = _half_weight(node)
+            if found is None:
+                continue
+            (weight, dtype), x, y = found, node.inputs[0], node.outputs[0]
+            node.inputs.clear()
+            node.outputs.clear()
+            g.nodes.append(gs.Node(contract.NATIVE_HALF_PRODUCT, f"{node.name}/native", domain=contract.NATIVE_DOMAIN,
+                                   inputs=[x], outputs=[y], attrs={"artifact": artifact_id, "weight": weight.name,
+                                                                   "n": int(weight.shape[0]), "k": int(weight.shape[1]),
+                                                                   "dtype": dtype}))
+            replaced += 1
         for node in [n for n in g.nodes if n.op == "MatMulNBits" and n.domain == "com.microsoft"]:
             attrs = node.attrs
             if not contract.native_product_takes(int(attrs["bits"]), int(attrs["block_size"])) or len(node.inputs) != 3:
@@ -81,6 +123,7 @@ def native_twin(graph: gs.Graph, artifact_id: str) -> tuple[gs.Graph, int, int]:
             replaced += 1
         g.cleanup(remove_unused_graph_inputs=False).toposort()
     if replaced:
+        twin.cleanup(remove_unused_graph_inputs=False).toposort()  # the Casts no product reads any more
         import_domain(twin, contract.NATIVE_DOMAIN)
     return twin, replaced, kept
 
@@ -88,11 +131,11 @@ def native_twin(graph: gs.Graph, artifact_id: str) -> tuple[gs.Graph, int, int]:
 @register_pass("native_products", phase="finalize", requires=("engine_graph", "quantized_weights"),
                provides=("native_graphs",))
 def native_products(state: CompileState) -> CompileState:
-    """Each engine graph of an int8/int4 artifact gets a twin whose products run speedc's own kernel."""
+    """Each engine graph of an int8/int4 or 16-bit artifact gets a twin whose products run speedc's own kernel."""
     artifact_id = uuid.uuid4().hex  # names this artifact's weights.bin at run time (runtimes/kernels/ort_op.py)
     for name, graph in state.graphs.items():
-        if not any(n.op == "MatMulNBits" for g in _subgraphs(graph) for n in g.nodes):
-            continue  # fp32 / 16-bit weights: no twin, and no copy of the graph to find that out
+        if not any(n.op == "MatMulNBits" or _half_weight(n) for g in _subgraphs(graph) for n in g.nodes):
+            continue  # fp32 weights: no twin, and no copy of the graph to find that out
         twin, replaced, kept = native_twin(graph, artifact_id)
         if replaced:
             state.native_graphs[name] = twin

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from speedc.format import contract
-from speedc.format.artifact import Manifest
+from speedc.format.artifact import Manifest, is_quantized
 from speedc.errors import ArtifactError, SpeedcError
 from speedc.runtimes.backends.protocol import resolve_threads
 
@@ -65,10 +65,10 @@ def open_session(directory: Path, manifest: Manifest, name: str, providers: list
     workers spinning between runs (the one session an engine runs, see session_options).
     PROFILE_PREFIX: ONNX Runtime profiles its runs into PROFILE_PREFIX<graph>_<time>.json.
 
-    Where the graph has a native twin (an int8/int4 artifact, passes/native_products.py), its products
+    Where the graph has a native twin (an int8/int4 or 16-bit artifact, passes/native_products.py), its products
     are large enough to pay for the operator (_native_products) and speedc's kernel loads, the session
     runs the twin: its products on the kernel (with THREADS threads of its own), the weights read from
-    weights.bin in place. Otherwise it runs the graph's MatMulNBits; where the kernel was wanted but
+    weights.bin in place. Otherwise it runs the graph's own products; where the kernel was wanted but
     cannot load, it says why once per process on standard error. `session.speedc_products` says which."""
     ort = onnxruntime_module()
     spec = manifest.graphs.get(name)
@@ -76,7 +76,7 @@ def open_session(directory: Path, manifest: Manifest, name: str, providers: list
         raise ArtifactError(f"{directory}: has no {name} graph; rebuild it with this speedc "
                             "(speedc build CHECKPOINT -o OUT --force)")
     options = session_options(threads, spin_between_runs=True)
-    file, weight_map, products = spec["file"], None, "MatMulNBits" if "native_file" in spec else "ONNX Runtime"
+    file, weight_map, products = spec["file"], None, fallback_products(manifest) if "native_file" in spec else "ONNX Runtime"
     if "native_file" in spec:
         weight_map, products = _native_products(directory, manifest, threads, options)
         if weight_map is not None:
@@ -114,35 +114,43 @@ NATIVE_MIN_MEAN_PRODUCT_BYTES = 4 << 20
 
 
 def mean_product_bytes(manifest: Manifest) -> float:
-    """Mean bytes of codes per block-quantized weight of the artifact (0 where it has none)."""
-    sizes = [e["length"] for e in manifest.store.index.values()
-             if e.get("quantized", {}).get("role") == "codes" and "within" not in e]
+    """Mean stored bytes per weight product of the artifact: the codes of each block-quantized weight, or
+    each 16-bit matrix (0 where it has none)."""
+    sizes = [e["length"] for e in manifest.store.index.values() if "within" not in e
+             and (e.get("quantized", {}).get("role") == "codes"
+                  or (e.get("dtype") in ("bfloat16", "float16") and len(e.get("shape", ())) == 2))]
     return sum(sizes) / len(sizes) if sizes else 0.0
+
+
+def fallback_products(manifest: Manifest) -> str:
+    """What runs a native twin's products where the twin does not run: the engine graph's own."""
+    return "MatMulNBits" if is_quantized(manifest) else "ONNX Runtime (fp32 copies of the 16-bit weights)"
 
 
 def _native_products(directory: Path, manifest: Manifest, threads: int | None, options):
     """(the weights registration, "speedc kernel (PATH)") where the native twin runs, with OPTIONS set
-    for it; else (None, "MatMulNBits (why)"). SPEEDC_NATIVE_KERNEL: unset, the twin where the kernel
-    loads and the products are large enough to pay for the operator's per-call cost; 1 wherever it
-    loads; a kernel path's name (portable, avx2, avx-vnni, avx512-vnni, amx, dotprod, i8mm,
+    for it; else (None, "FALLBACK (why)", FALLBACK from fallback_products). SPEEDC_NATIVE_KERNEL: unset,
+    the twin where the kernel loads and the products are large enough to pay for the operator's per-call
+    cost; 1 wherever it loads; a kernel path's name (portable, avx2, avx-vnni, avx512-vnni, amx, dotprod, i8mm,
     avx-vnni-standin, amx-standin) that path wherever this CPU runs it; 0 never."""
     global _said_unavailable
     from speedc.runtimes.kernels import ort_op
 
     setting = os.environ.get("SPEEDC_NATIVE_KERNEL", "").strip()
+    fallback = fallback_products(manifest)
     if setting == "0":
-        return None, "MatMulNBits (SPEEDC_NATIVE_KERNEL=0)"
+        return None, f"{fallback} (SPEEDC_NATIVE_KERNEL=0)"
     if not setting and mean_product_bytes(manifest) < NATIVE_MIN_MEAN_PRODUCT_BYTES:
-        return None, (f"MatMulNBits (products of {mean_product_bytes(manifest) / 1e6:.2f} MB on average: below "
+        return None, (f"{fallback} (products of {mean_product_bytes(manifest) / 1e6:.2f} MB on average: below "
                       f"{NATIVE_MIN_MEAN_PRODUCT_BYTES >> 20} MiB the native operator's per-call cost outweighs it)")
     library = ort_op.custom_ops_library()
     path, why = ort_op.choose_path(setting) if library is not None else (None, ort_op.unavailable_reason())
     if path is None:
         if not _said_unavailable:
             _said_unavailable = True
-            print(f"speedc: the native int8/int4 kernel is unavailable ({why}); products run on ONNX Runtime's "
-                  "MatMulNBits", file=sys.stderr)
-        return None, f"MatMulNBits ({why})"
+            print(f"speedc: the native product kernel is unavailable ({why}); products run on {fallback}",
+                  file=sys.stderr)
+        return None, f"{fallback} ({why})"
     options.register_custom_ops_library(library)
     kernel_threads = resolve_threads(threads)
     # ONNX Runtime's workers sleep between its ops instead of spinning: during a product the kernel's own

@@ -271,6 +271,7 @@ static void features_portable(const product_t *p, int64_t n0, int64_t n1) {
 #ifdef SPEEDC_ARM
 #include "block_product_arm.h"
 #endif
+#include "half_product.h"
 
 /* ---------------------------------------------------------------- threads */
 
@@ -523,5 +524,20 @@ int speedc_block_product(const float *x, int64_t m, int64_t k, const uint8_t *co
         quantize_rows(x, &p, q_buf, dx_buf);
     p.q = q_buf; p.dx = dx_buf; p.qs = qs_buf;
     run_parallel(product_part, &p, m * n >= 2048 ? threads : 1);  /* tiny products: not worth a wake-up */
+    return 0;
+}
+
+/* y [m, n] = x [m, k] . W^T over 16-bit weights W [n, k] (DTYPE 0: bfloat16, 1: float16) read in place,
+   see half_product.h; PATH a block-product path (its width). Returns 0, -1 a dtype it does not take, -3
+   a path this CPU lacks. */
+int speedc_half_product(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, int dtype, float *y,
+                        int threads, int path) {
+    if (dtype != HALF_BF16 && dtype != HALF_FP16) return -1;
+    if (path == PATH_AUTO) path = speedc_block_product_path();
+    if (path <= PATH_AUTO || path >= PATH_COUNT || !(speedc_block_product_paths() & 1u << path)) return -3;
+    if (m <= 0 || n <= 0) return 0;
+    const half_t h = {m, n, k, dtype, x, w, y};
+    const half_job_t job = {&h, half_width(path)};
+    run_parallel(half_part, &job, m * n >= 2048 ? threads : 1);  /* tiny products: not worth a wake-up */
     return 0;
 }

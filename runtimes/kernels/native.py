@@ -24,13 +24,14 @@ from pathlib import Path
 import numpy as np
 
 SOURCE = Path(__file__).with_name("block_product.c")
-HEADERS = sorted(SOURCE.parent.glob("block_product_*.h"))  # the per-architecture paths it includes
+HEADERS = sorted(SOURCE.parent.glob("*.h"))  # the per-architecture paths and 16-bit products it includes
 FLAGS = ("-O3", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-std=gnu11")
 # The kernel's paths (block_product.c PATH_*). The stand-ins run only when asked for by name.
 PATHS = {"auto": 0, "portable": 1, "avx2": 2, "avx-vnni": 3, "avx512-vnni": 4, "avx-vnni-standin": 5, "dotprod": 6,
          "i8mm": 7, "amx": 8, "amx-standin": 9}
 STAND_INS = ("avx-vnni-standin", "amx-standin")  # exact equivalents that test a path's logic on CPUs without it
 PATH_NAMES = {v: k for k, v in PATHS.items()}
+HALF_DTYPES = {"bf16": 0, "fp16": 1}  # half_product.h HALF_*
 
 _lock = threading.Lock()
 _loaded: "BlockProductKernel | None" = None
@@ -93,6 +94,9 @@ class BlockProductKernel:
         self._lib.speedc_block_prepared_sizes.argtypes = [i64, i64, cint, cint, ptr]
         self._lib.speedc_block_product_path.restype = ctypes.c_int
         self._lib.speedc_block_product_paths.restype = ctypes.c_uint
+        self._half = self._lib.speedc_half_product
+        self._half.argtypes = [ptr, i64, i64, ptr, i64, cint, ptr, cint, cint]
+        self._half.restype = cint
         self.path = PATH_NAMES[self._lib.speedc_block_product_path()]  # what "auto" runs on this CPU
         mask = self._lib.speedc_block_product_paths()
         self.paths = [name for name, code in PATHS.items() if code and mask >> code & 1]  # what this CPU can run
@@ -141,6 +145,30 @@ class BlockProductKernel:
         product.weights = (codes, scales)  # the memory the pointers point into stays alive with the function
         product.prepared = (steps, units, offsets)
         product.packed = packed
+        return product
+
+
+    def half_bound(self, weight: np.ndarray, *, n: int, k: int, dtype: str, threads: int = 1, path: str = "auto"):
+        """y = x . W^T over 16-bit weights WEIGHT [N, K] (DTYPE "bf16" or "fp16", any 2-byte numpy view of
+        them, C-contiguous: read in place, nothing prepared or copied): a function (x [M, K], out=None)
+        -> y [M, N] float32, every path the portable path's bits (half_product.h)."""
+        if dtype not in HALF_DTYPES:
+            raise KernelError(f"16-bit products take {' or '.join(HALF_DTYPES)} weights, not {dtype}")
+        if weight.nbytes != n * k * 2 or weight.itemsize != 2 or not weight.flags.c_contiguous:
+            raise KernelError(f"the weight must be C-contiguous 16-bit [{n}, {k}], not {weight.dtype} {weight.shape}")
+        run, code, pointer = self._half, HALF_DTYPES[dtype], weight.ctypes.data
+        path_code = PATHS[path]
+
+        def product(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+            if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != k or not x.flags.c_contiguous:
+                raise KernelError(f"x must be C-contiguous float32 [M, {k}], not {x.dtype} {x.shape}")
+            y = np.empty((x.shape[0], n), np.float32) if out is None else out
+            rc = run(x.ctypes.data, x.shape[0], k, pointer, n, code, y.ctypes.data, threads, path_code)
+            if rc != 0:
+                raise KernelError(f"half_product refused its arguments (code {rc}: {dtype}, path {path})")
+            return y
+
+        product.weights = (weight,)  # the memory the pointer points into stays alive with the function
         return product
 
 

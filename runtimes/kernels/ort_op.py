@@ -1,11 +1,13 @@
-"""speedc's block-quantized product (runtimes/kernels/block_product.c) as an ONNX Runtime operator.
+"""speedc's weight products (runtimes/kernels/block_product.c) as ONNX Runtime operators.
 
 An artifact's native engine graphs (passes/native_products.py) run each weight product as
 
     x [M, K] ── ai.onnx.contrib SpeedcBlockProduct(artifact, codes, scales, n, k, bits, block_size) ── y [M, N]
+    x [M, K] ── ai.onnx.contrib SpeedcHalfProduct(artifact, weight, n, k, dtype) ── y [M, N]   (bf16 / fp16)
 
-a Python operator of onnxruntime-extensions whose body is one ctypes call into the kernel. The node
-names its weight by the artifact's id and the weight index names of its codes and scales; the
+Python operators of onnxruntime-extensions whose body is one ctypes call into the kernel. The node
+names its weight by the artifact's id and the weight index names of its codes and scales (or its 16-bit
+weight); the
 operator reads them from a read-only memory map of the artifact's weights.bin (registered by the
 backend that opens the session, `register_weights`), so ONNX Runtime never holds a copy of them.
 
@@ -65,7 +67,14 @@ class WeightMap:
         return np.frombuffer(self.data, dtype=dtype, count=entry["length"] // np.dtype(dtype).itemsize, offset=entry["offset"])
 
     def _bind(self, attrs: dict):
-        """The kernel bound to one node's weight, its codes and scales checked against the node's shape."""
+        """The kernel bound to one node's weight, checked against the node's shape: a 16-bit weight read
+        where it is mapped, or block-quantized codes and scales prepared."""
+        if "weight" in attrs:  # contract.NATIVE_HALF_PRODUCT
+            n, k, dtype = int(attrs["n"]), int(attrs["k"]), attrs["dtype"]
+            weight = self.tensor(attrs["weight"], np.uint16)
+            if weight.size != n * k:
+                raise ValueError(f"{attrs['weight']}: {weight.size} 16-bit values do not make [{n}, {k}]")
+            return _kernel.half_bound(weight, n=n, k=k, dtype=dtype, threads=self.threads, path=self.path)
         n, k, bits, block_size = (int(attrs[a]) for a in ("n", "k", "bits", "block_size"))
         codes, scales = self.tensor(attrs["codes"], np.uint8), self.tensor(attrs["scales"], np.float32)
         blocks = -(-k // block_size)
@@ -104,8 +113,6 @@ def _load_extensions():
 
 
 def _install(module) -> None:
-    definition = module.PyCustomOpDef()
-    casts = contract.NATIVE_PRODUCT_ATTRIBUTES
     node_attrs: dict[tuple, dict] = {}
 
     def handle(op_id, feed, raw):  # onnxruntime-extensions calls this for every run of every Python op
@@ -113,6 +120,7 @@ def _install(module) -> None:
             key = tuple(raw.items())
             node = node_attrs.get(key)
             if node is None:  # (artifact id, the node's attributes as the weight map keys them)
+                casts = contract.NATIVE_HALF_PRODUCT_ATTRIBUTES if "weight" in raw else contract.NATIVE_PRODUCT_ATTRIBUTES
                 attrs = {name: casts[name](value) for name, value in raw.items()}
                 node = node_attrs[key] = (attrs["artifact"], tuple(sorted(attrs.items())))
             weights = _artifacts.get(node[0])
@@ -125,14 +133,17 @@ def _install(module) -> None:
             return op_id, (0,), np.empty(0, np.float32)
 
     module.PyCustomOpDef.install_hooker(handle)
-    definition.op_type = contract.NATIVE_PRODUCT
-    definition.obj_id = id(definition)
-    definition.input_types = [module.PyCustomOpDef.dt_float]
-    definition.output_types = [module.PyCustomOpDef.dt_float]
-    definition.attrs = {name: (module.PyCustomOpDef.dt_string if cast is str else module.PyCustomOpDef.dt_int64)
-                        for name, cast in casts.items()}
-    module.add_custom_op(definition)
-    _keep.append(definition)
+    for op_type, casts in ((contract.NATIVE_PRODUCT, contract.NATIVE_PRODUCT_ATTRIBUTES),
+                           (contract.NATIVE_HALF_PRODUCT, contract.NATIVE_HALF_PRODUCT_ATTRIBUTES)):
+        definition = module.PyCustomOpDef()
+        definition.op_type = op_type
+        definition.obj_id = id(definition)
+        definition.input_types = [module.PyCustomOpDef.dt_float]
+        definition.output_types = [module.PyCustomOpDef.dt_float]
+        definition.attrs = {name: (module.PyCustomOpDef.dt_string if cast is str else module.PyCustomOpDef.dt_int64)
+                            for name, cast in casts.items()}
+        module.add_custom_op(definition)
+        _keep.append(definition)
 
 
 def custom_ops_library() -> str | None:

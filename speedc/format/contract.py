@@ -85,6 +85,10 @@ NATIVE_PRODUCT = "SpeedcBlockProduct"
 NATIVE_PRODUCT_ATTRIBUTES = {"artifact": str, "codes": str, "scales": str, "n": int, "k": int, "bits": int,
                              "block_size": int}
 NATIVE_SUFFIX = ".native"  # a twin's file: the graph's file name with this before ".onnx"
+# A 16-bit artifact's twin runs its products on 16-bit weights read in place (bf16 or fp16, [n, k]):
+#   x [M, K] -> NATIVE_HALF_PRODUCT(artifact, weight, n, k, dtype) -> y [M, N]
+NATIVE_HALF_PRODUCT = "SpeedcHalfProduct"
+NATIVE_HALF_PRODUCT_ATTRIBUTES = {"artifact": str, "weight": str, "n": int, "k": int, "dtype": str}
 
 
 def native_product_takes(bits: int, block_size: int) -> bool:

@@ -1,7 +1,8 @@
 """Pass native_products: an int8/int4 artifact's engine graphs each get a native twin whose weight
 products run speedc's kernel (ai.onnx.contrib SpeedcBlockProduct) instead of MatMulNBits, without the
-zero rows; the twin takes and returns what its graph does, stores no product weight, and runs; the
-runtime uses it where the kernel loads and says in one line when it falls back."""
+zero rows; a bf16 / fp16 artifact's twin runs SpeedcHalfProduct on the 16-bit weights instead of Gemm
+over their fp32 Casts. The twin takes and returns what its graph does, stores no product weight, and
+runs; the runtime uses it where the kernel loads and says in one line when it falls back."""
 
 from __future__ import annotations
 
@@ -124,16 +125,17 @@ def test_without_the_kernel_the_runtime_falls_back_and_says_so_once(tiny_int4, t
                             timeout=300)
     assert fallback.returncode == 0 and chosen.returncode == 0, fallback.stderr + chosen.stderr
     said = [line for line in fallback.stderr.splitlines() if line.strip()]
-    assert said == ["speedc: the native int8/int4 kernel is unavailable (no C compiler found (cc, gcc or clang; or set CC)); "
-                    "products run on ONNX Runtime's MatMulNBits"]
+    assert said == ["speedc: the native product kernel is unavailable (no C compiler found (cc, gcc or clang; or set CC)); "
+                    "products run on MatMulNBits"]
     assert chosen.stderr.strip() == ""  # asked for: nothing to say
     import json
 
     assert json.loads(fallback.stdout)["ids"] == json.loads(chosen.stdout)["ids"]
 
 
-def test_float_artifacts_have_no_twin(tiny_artifact):
+def test_fp32_artifacts_have_no_twin(tiny_artifact):
     manifest = read_manifest(tiny_artifact)
+    assert manifest.dtype == "fp32"
     assert "native_artifact" not in manifest.weights
     assert all("native_file" not in spec for spec in manifest.graphs.values())
     assert not list(tiny_artifact.glob("*.native.onnx"))
@@ -154,3 +156,75 @@ def test_small_products_choose_matmulnbits_unless_asked(tiny_int4):
         asked = open_session(tiny_int4, manifest, "engine", ["CPUExecutionProvider"], 1)
     assert chosen.speedc_products.startswith("MatMulNBits (products of 0.") and "per-call cost" in chosen.speedc_products
     assert asked.speedc_products.startswith("speedc kernel" if NATIVE else "MatMulNBits")
+
+
+@pytest.fixture(scope="module")
+def random_16bit(tmp_path_factory):
+    """A random model (drafts often wrong) built at bf16 and at fp16."""
+    from conftest import random_config, randomize
+    from speedc.models.llama import SharedLlama
+
+    model = randomize(SharedLlama(random_config(hidden=64, heads=4, kv_heads=2, blocks=2, layers=8)), seed=5, scale=0.4)
+    root = tmp_path_factory.mktemp("native16")
+    return {dtype: build_artifact(model, root / dtype, dtype=dtype) for dtype in ("bf16", "fp16")}
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_16_bit_before_and_after(random_16bit, dtype):
+    """Before: Gemm(x, Cast(W)^T) over each 16-bit weight. After: as many SpeedcHalfProducts naming their
+    weight, its shape and dtype; no Gemm and no Cast of a product weight left, so ONNX Runtime loads no
+    product's weight (the embedding: for its lookup alone, at 16 bits)."""
+    art = random_16bit[dtype]
+    manifest = read_manifest(art)
+    index = manifest.weights["index"]
+    for name, spec in manifest.graphs.items():
+        graph, twin = (onnx.load(str(art / f), load_external_data=False).graph for f in (GRAPH_FILES[name], spec["native_file"]))
+        cast_of = {n.output[0]: n.input[0] for n in onnx_nodes(graph) if n.op_type == "Cast"}
+        products = [n for n in onnx_nodes(graph) if n.op_type == "Gemm" and n.input[1] in cast_of]
+        assert products and all(n.op_type != "MatMulNBits" for n in onnx_nodes(graph))
+        halves = [n for n in onnx_nodes(twin) if n.op_type == contract.NATIVE_HALF_PRODUCT]
+        attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in halves]
+        assert len(halves) == len(products) and not [n for n in onnx_nodes(twin) if n.op_type == "Gemm"]
+        assert sorted(a["weight"].decode() for a in attrs) == sorted(cast_of[n.input[1]] for n in products)
+        for a in attrs:
+            entry = index[a["weight"].decode()]
+            assert entry["shape"] == [a["n"], a["k"]] and a["dtype"].decode() == dtype
+            assert entry["dtype"] == {"bf16": "bfloat16", "fp16": "float16"}[dtype]
+        named = {a["weight"].decode() for a in attrs}
+        initializers = {t.name for part in onnx_graphs(twin) for t in part.initializer}
+        lookups = {n.input[0] for n in onnx_nodes(twin) if n.op_type == "Gather"}
+        assert initializers & named <= lookups
+        assert not {n.input[0] for n in onnx_nodes(twin) if n.op_type == "Cast"} & (named - lookups)
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native kernel or onnxruntime-extensions is not available here")
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_16_bit_twin_keeps_speed_equal_to_plain_decoding(random_16bit, dtype):
+    """On the twin, SPEED == plain decoding (greedy and seeded) through accepted and refused drafts; its
+    logits match the engine graph's fp32 products to float32 rounding (a different summation order)."""
+    art = random_16bit[dtype]
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SPEEDC_NATIVE_KERNEL", "1")
+        native = Engine.load(art)
+        env.setenv("SPEEDC_NATIVE_KERNEL", "0")
+        onnx_fp32 = Engine.load(art)
+    assert native.backend.session.speedc_products.startswith("speedc kernel")
+    assert onnx_fp32.backend.session.speedc_products == "ONNX Runtime (fp32 copies of the 16-bit weights) (SPEEDC_NATIVE_KERNEL=0)"
+    accepted = mispredicted = 0
+    for params in ({}, {"temperature": 0.9, "seed": 4}):
+        for prompt in ([5, 9, 2], [1, 40, 7, 7, 3, 12, 30]):
+            speed = native.generate(prompt, max_new_tokens=24, stop_at_eos=False, mode="speed-always", **params)
+            plain = native.generate(prompt, max_new_tokens=24, stop_at_eos=False, mode="autoregressive", **params)
+            assert speed.ids == plain.ids, (params, prompt)
+            accepted, mispredicted = accepted + speed.stats.accepted, mispredicted + speed.stats.mispredicted
+    assert accepted > 5 and mispredicted > 5
+    manifest = read_manifest(art)
+    outputs = {}
+    for name, engine in (("native", native), ("fp32", onnx_fp32)):
+        ids = np.array([[5, 17, 3, 9, 42, 7]], np.int64)
+        cache = {f"cache.{kind}.{i}": np.zeros((1, manifest.model["num_kv_heads"], 0, manifest.model["head_dim"]), np.float32)
+                 for kind in ("key", "value") for i in range(manifest.model["num_layers"])}
+        outputs[name] = run_engine_program(engine.backend.session, contract.PREFILL, {
+            "input_ids": ids, "positions": np.zeros(1, np.int64), "chunk_lengths": np.array([6], np.int64), **cache})
+    scale = np.abs(outputs["fp32"]["logits"]).max()
+    assert np.abs(outputs["native"]["logits"] - outputs["fp32"]["logits"]).max() < 1e-4 * scale

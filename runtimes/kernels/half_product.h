@@ -1,0 +1,179 @@
+/* 16-bit weight products: y [M, N] = x [M, K] . W^T with W [N, K] bfloat16 or float16, read in place
+   (weights.bin mapped: never copied or widened in memory), each weight converted to float32 exactly in
+   registers. Included by block_product.c (its thread pool and paths).
+
+   One summation order, the same on every path, so every path gives the portable path's bits and a row
+   sums the same alone or among any rows, on any thread count (work is split over output features):
+
+       16 lanes; lane l adds x[m, k] * w[n, k] for k = l, l + 16, l + 32, ... in order, each a fused
+       multiply-add in float32; then lane l += lane l + 8, l += l + 4, l += l + 2, l += l + 1; y is lane 0.
+
+   Paths (half_width): 512-bit (one register of 16 lanes) where the CPU has AVX-512, 256-bit (two
+   registers: lanes 0-7 and 8-15) with AVX2, FMA and F16C, and the portable C loop elsewhere (Arm
+   included: the compiler vectorizes its 16 lanes). AVX-512 BF16's vdpbf16ps and AMX-BF16 are not
+   used: both multiply bfloat16 activations, so a row's sums would change by the activations' rounding
+   to 8 bits of mantissa. */
+
+enum { HALF_BF16 = 0, HALF_FP16 = 1 };
+
+typedef struct {
+    int64_t m, n, k;
+    int dtype;
+    const float *x;
+    const uint16_t *w;
+    float *y;
+} half_t;
+
+/* float16 -> float32, exactly (subnormals, infinities and NaNs included) */
+static inline float fp16_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 31, mantissa = h & 1023;
+    uint32_t bits;
+    if (exponent == 31) bits = sign | 0x7F800000u | (mantissa << 13);
+    else if (exponent) bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    else if (!mantissa) bits = sign;
+    else {  /* subnormal: normalise */
+        int e = -1;
+        uint32_t m = mantissa;
+        do { m <<= 1; e++; } while (!(m & 1024));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 1023) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline float half_to_float(uint16_t h, int dtype) {
+    if (dtype == HALF_FP16) return fp16_to_float(h);
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline float half_reduce(float *lane) {
+    for (int width = 8; width >= 1; width /= 2)
+        for (int l = 0; l < width; l++) lane[l] += lane[l + width];
+    return lane[0];
+}
+
+static void half_portable(const half_t *h, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) {
+        const uint16_t *w = h->w + n * h->k;
+        for (int64_t r = 0; r < h->m; r++) {
+            const float *x = h->x + r * h->k;
+            float lane[16] = {0};
+            for (int64_t k = 0; k < h->k; k++) lane[k % 16] = fmaf(x[k], half_to_float(w[k], h->dtype), lane[k % 16]);
+            h->y[r * h->n + n] = half_reduce(lane);
+        }
+    }
+}
+
+#ifdef SPEEDC_X86
+/* 256-bit: lanes 0-7 in LO, 8-15 in HI, rows R0 .. R0 + ROWS - 1 of feature N (ROWS <= 4, a constant
+   after inlining: the weights' conversion is shared by the rows) */
+#define HALF256_TARGET "avx2,fma,f16c"
+static inline __attribute__((always_inline, target(HALF256_TARGET))) __m256 half8(const uint16_t *w, int dtype) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)w);
+    return dtype == HALF_FP16 ? _mm256_cvtph_ps(raw) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+static inline __attribute__((always_inline, target(HALF256_TARGET))) void half_rows256(const half_t *h, int64_t n, int64_t r0, const int rows) {
+    const uint16_t *w = h->w + n * h->k;
+    __m256 lo[4], hi[4];
+    for (int i = 0; i < 4; i++) lo[i] = hi[i] = _mm256_setzero_ps();
+    const int64_t whole = h->k / 16 * 16;
+    for (int64_t k = 0; k < whole; k += 16) {
+        const __m256 w0 = half8(w + k, h->dtype), w1 = half8(w + k + 8, h->dtype);
+        for (int i = 0; i < rows; i++) {
+            const float *x = h->x + (r0 + i) * h->k + k;
+            lo[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x), w0, lo[i]);
+            hi[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 8), w1, hi[i]);
+        }
+    }
+    for (int i = 0; i < rows; i++) {
+        float lane[16];
+        _mm256_storeu_ps(lane, lo[i]);
+        _mm256_storeu_ps(lane + 8, hi[i]);
+        const float *x = h->x + (r0 + i) * h->k;
+        for (int64_t k = whole; k < h->k; k++) lane[k % 16] = fmaf(x[k], half_to_float(w[k], h->dtype), lane[k % 16]);
+        h->y[(r0 + i) * h->n + n] = half_reduce(lane);
+    }
+}
+
+static __attribute__((target(HALF256_TARGET))) void half_avx2(const half_t *h, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) {
+        for (int64_t r = 0; r < h->m; r += 4) {
+            switch (h->m - r < 4 ? (int)(h->m - r) : 4) {  /* each case its own unrolled copy */
+                case 4: half_rows256(h, n, r, 4); break;
+                case 3: half_rows256(h, n, r, 3); break;
+                case 2: half_rows256(h, n, r, 2); break;
+                default: half_rows256(h, n, r, 1); break;
+            }
+        }
+    }
+}
+
+#ifdef SPEEDC_VNNI
+#define HALF512_TARGET "avx2,fma,f16c,avx512f,avx512bw,avx512vl"
+static inline __attribute__((always_inline, target(HALF512_TARGET))) void half_rows512(const half_t *h, int64_t n, int64_t r0, const int rows) {
+    const uint16_t *w = h->w + n * h->k;
+    __m512 acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < h->k; k += 16) {
+        const __mmask16 keep = h->k - k >= 16 ? 0xFFFF : (__mmask16)((1u << (h->k - k)) - 1);  /* the tail: no lane changes */
+        const __m256i raw = _mm256_maskz_loadu_epi16(keep, w + k);
+        const __m512 wk = h->dtype == HALF_FP16 ? _mm512_cvtph_ps(raw) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+        for (int i = 0; i < rows; i++)
+            acc[i] = _mm512_mask3_fmadd_ps(_mm512_maskz_loadu_ps(keep, h->x + (r0 + i) * h->k + k), wk, acc[i], keep);
+    }
+    for (int i = 0; i < rows; i++) {
+        float lane[16];
+        _mm512_storeu_ps(lane, acc[i]);
+        h->y[(r0 + i) * h->n + n] = half_reduce(lane);
+    }
+}
+
+static __attribute__((target(HALF512_TARGET))) void half_avx512(const half_t *h, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) {
+        for (int64_t r = 0; r < h->m; r += 8) {
+            switch (h->m - r < 8 ? (int)(h->m - r) : 8) {
+                case 8: half_rows512(h, n, r, 8); break;
+                case 7: half_rows512(h, n, r, 7); break;
+                case 6: half_rows512(h, n, r, 6); break;
+                case 5: half_rows512(h, n, r, 5); break;
+                case 4: half_rows512(h, n, r, 4); break;
+                case 3: half_rows512(h, n, r, 3); break;
+                case 2: half_rows512(h, n, r, 2); break;
+                default: half_rows512(h, n, r, 1); break;
+            }
+        }
+    }
+}
+#endif
+#endif
+
+/* The width a block-product path runs 16-bit products at: 512 on the AVX-512 paths, 256 on the AVX2
+   ones (with F16C), else the portable loop. */
+static int half_width(int path) {
+#ifdef SPEEDC_X86
+    __builtin_cpu_init();
+    if ((path == PATH_AVX512_VNNI || path == PATH_AMX) && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")) return 512;
+    if (path != PATH_PORTABLE && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return 256;
+#endif
+    (void)path;
+    return 0;
+}
+
+typedef struct { const half_t *h; int width; } half_job_t;
+
+static void half_part(const void *job, int part, int parts) {
+    const half_job_t *j = job;
+    const int64_t n0 = j->h->n * part / parts, n1 = j->h->n * (part + 1) / parts;
+#ifdef SPEEDC_X86
+#ifdef SPEEDC_VNNI
+    if (j->width == 512) { half_avx512(j->h, n0, n1); return; }
+#endif
+    if (j->width == 256) { half_avx2(j->h, n0, n1); return; }
+#endif
+    half_portable(j->h, n0, n1);
+}
