@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Kernel check: speedc's int4/int8 product kernel (runtimes/kernels/) on this CPU, for CPUs this
-# project's machines lack (AVX-VNNI, AVX-512 VNNI, Arm dotprod / i8mm): the paths it runs, every path's
-# tests (exact integer sums, row and thread invariance, the reference; tests/numeric/test_block_product_kernel.py),
+# Kernel check: speedc's int4/int8 and 16-bit product kernel (runtimes/kernels/) on this CPU, for CPUs
+# this project's machines may lack (AVX-VNNI, AVX-512 VNNI, AMX, Arm dotprod / i8mm): the paths it runs,
+# every path's tests (exact integer sums, row and thread invariance, the reference, the portable path's
+# bits; tests/numeric/test_block_product_kernel.py and test_half_product_kernel.py),
 # then each path's time for 1, 2, 4 and 8 rows over Ouro-1.4B's products beside MatMulNBits and the
 # memory floor (speedc.bench.floor.measure_kernel, int4 and int8). Written to kernel_check.json (or
 # $OUT/kernel_check.json) with the CPU's model and flags.
@@ -18,7 +19,8 @@ source "$(dirname "$0")/checkout_python.sh"
 export SPEEDC_KERNEL_CACHE="$STAGE/kernels"
 tests="$(mktemp)"
 set +e
-timeout 300 "$PYTHON" -m pytest -q -p no:cacheprovider "$REPO/tests/numeric/test_block_product_kernel.py" >"$tests" 2>&1
+timeout 300 "$PYTHON" -m pytest -q -p no:cacheprovider "$REPO/tests/numeric/test_block_product_kernel.py" \
+    "$REPO/tests/numeric/test_half_product_kernel.py" >"$tests" 2>&1
 passed=$?
 set -e
 tail -5 "$tests"
@@ -36,7 +38,7 @@ model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if 
 flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith(("flags", "Features"))), [])
 kernel = native.load()
 result = {"cpu": model, "machine": platform.machine(), "cpus": len([l for l in cpuinfo.splitlines() if l.startswith("processor")]),
-          "flags": sorted(f for f in flags if any(k in f for k in ("avx", "vnni", "asimddp", "i8mm", "fma"))),
+          "flags": sorted(f for f in flags if any(k in f for k in ("avx", "vnni", "amx", "f16c", "asimddp", "i8mm", "fma"))),
           "paths": kernel.paths if kernel else None, "auto": kernel.path if kernel else native.unavailable_reason(),
           "tests_passed": status == 0, "tests": Path(log).read_text().strip().splitlines()[-3:], "layers": layers,
           "measured": {}}

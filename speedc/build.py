@@ -152,6 +152,7 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
         specs, index = write_files(state, checkpoint, tokenizer, tmp, on_weight_bytes)
         manifest = artifact_manifest(state, checkpoint, specs, index, reports)
         write_manifest(tmp, manifest)
+        notes, state = state.notes, None  # the graphs go before the measurement opens the artifact beside them
         if measure_step_cost and options.target == "onnx" and manifest.slots > 1:
             progress("measuring the step cost c(P) on this machine")
             measure_into_manifest(tmp, manifest)
@@ -166,7 +167,7 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return BuildResult(out, manifest, reports, state.notes, time.perf_counter() - started)
+    return BuildResult(out, manifest, reports, notes, time.perf_counter() - started)
 
 
 # The stages of build(), in its order.
