@@ -21,6 +21,10 @@ from speedc.runtimes.backends.protocol import resolve_threads
 
 MEASURE_CONTEXT = 256  # cache rows of the measured step (prompt + generation of a short request)
 MEASURE_REPEATS = 100
+# At most this long timing rounds (after MIN_ROUNDS): a real-size bf16 model's round (a step and a plain
+# token) takes about 0.8 s on 2 cores, so 100 rounds made the build's measurement longer than the build.
+MEASURE_SECONDS = 10.0
+MIN_ROUNDS = 9
 RUNTIME_NEW_TOKENS = 64  # decode steps of each generation the runtime times (the rest of the context: prompt)
 
 
@@ -47,18 +51,25 @@ def measure_artifact(directory: Path, *, backend: str = "onnx", threads: int | N
     if slots == 1:
         return None
     context = min(context, engine.manifest.dims.max_context)
-    cost = measure_step_cost(engine, context=context, repeats=repeats)
+    cost = measure_step_cost(engine, context=context, repeats=repeats, seconds=MEASURE_SECONDS)
     return {"slots": slots, "step_cost": round(cost, 3), "context": context, "backend": engine.backend_name,
             "threads": resolve_threads(threads), "machine": machine_description(),
             "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             **({"runtime": runtime_step_costs(engine, context)} if runtime else {})}
 
 
-def interleaved_medians(*runs, repeats: int, warmup: int) -> tuple[float, ...]:
+def interleaved_medians(*runs, repeats: int, warmup: int, seconds: float | None = None) -> tuple[float, ...]:
     """Median seconds of each of RUNS (callables), run in turn, round after round (a slow stretch of a
-    shared machine hits them alike), after WARMUP untimed rounds."""
+    shared machine hits them alike), after WARMUP untimed rounds; REPEATS timed rounds, or fewer (at
+    least MIN_ROUNDS) once the timed rounds have taken SECONDS."""
     times: list[list[float]] = [[] for _ in runs]
+    timed_from = None
     for round_ in range(warmup + repeats):
+        if round_ == warmup:
+            timed_from = time.perf_counter()
+        elif (seconds is not None and timed_from is not None and round_ - warmup >= MIN_ROUNDS
+              and time.perf_counter() - timed_from > seconds):
+            break
         for run, kept in zip(runs, times):
             start = time.perf_counter()
             run()
@@ -67,7 +78,7 @@ def interleaved_medians(*runs, repeats: int, warmup: int) -> tuple[float, ...]:
     return tuple(statistics.median(kept) for kept in times)
 
 
-def measure_step_times(backend, context: int, repeats: int = 200) -> tuple[float, float]:
+def measure_step_times(backend, context: int, repeats: int = 200, seconds: float | None = None) -> tuple[float, float]:
     """(seconds of one full P-slot step, seconds of one plain token) of one sequence on BACKEND (a batch
     backend), both at a cache of `context` rows with the newest position in the middle, interleaved, medians."""
     from speedc.runtimes.backends.protocol import HeadRows
@@ -81,15 +92,17 @@ def measure_step_times(backend, context: int, repeats: int = 200) -> tuple[float
     heads = HeadRows(final=[slots - 1], exit=[0])  # the oldest slot's final head, slot 0's draft
     token = np.ones(1, np.int64)  # [1]
     return interleaved_medians(lambda: backend.speed_step(token, positions, filled, heads, False),
-                               lambda: backend.plain_step(token, positions[0], filled[0], False), repeats=repeats, warmup=5)
+                               lambda: backend.plain_step(token, positions[0], filled[0], False), repeats=repeats, warmup=5,
+                               seconds=seconds)
 
 
-def measure_step_cost(engine_or_backend, context: int, repeats: int = 200) -> float:
-    """c(P): a full P-slot step against P single-slot stage passes (one plain token / P)."""
+def measure_step_cost(engine_or_backend, context: int, repeats: int = 200, seconds: float | None = None) -> float:
+    """c(P): a full P-slot step against P single-slot stage passes (one plain token / P), SECONDS at most
+    of timed rounds (interleaved_medians)."""
     backend = getattr(engine_or_backend, "backend", engine_or_backend)
     if backend.slots == 1:
         return 1.0
-    step, token = measure_step_times(backend, context, repeats)
+    step, token = measure_step_times(backend, context, repeats, seconds)
     return step / (token / backend.slots)
 
 

@@ -44,7 +44,7 @@
    Every other path sums each superblock to one exact integer per (row, feature) and scales it as the
    portable path does: they give the portable path's bits exactly. avx512-vnni and amx read the weight
    repacked once at load, 16 features side by side (block_product_lanes.h; the artifact's codes are then
-   not read again); amx runs products of AMX_MIN_ROWS rows or more on AMX tiles and fewer on the
+   not read again); amx runs products of amx_min_rows or more rows on AMX tiles and fewer on the
    avx512-vnni code, the same bits. avx-vnni-standin and amx-standin replace each AVX-VNNI or AMX
    instruction by an exact equivalent (AVX2, or AMX's tile operations in plain C): they test those
    paths' logic on any AVX2 CPU and are never chosen by themselves.
@@ -144,7 +144,12 @@ static inline int shifted_q4(int path) { return path != PATH_PORTABLE && path !=
 /* Where value I of sub-block B of a superblock sits in its 4-bit activation bytes, groups of G (see product_t). */
 static inline int q4_index(int b, int i, int g) { return (b / g) * g * SUB + (i & 1) * g * (SUB / 2) + (b % g) * (SUB / 2) + i / 2; }
 
-static void quantize_rows(const float *x, const product_t *p, uint8_t *q, float *dx) {
+/* Where value I of a 4-bit sub-block sits in the lanes16 paths' activations (block_product_lanes.h). */
+static inline int lanes_q4_index(int i) { return 8 * (i / 8) + 4 * (i & 1) + (i % 8) / 2; }
+
+/* The activations X [m, k] as int8 per superblock into Q (the path's order, see product_t) and DX; QS:
+   each sub-block's sum of q (lanes16 paths, else NULL). */
+static void quantize_rows(const float *x, const product_t *p, uint8_t *q, int16_t *qs, float *dx) {
     const int super = super_of(p->bits), values = SUB * super, shift = shifted_q4(p->path) ? 128 : 0;
     const int64_t width = p->supers * values;
     for (int64_t r = 0; r < p->m; r++) {
@@ -160,12 +165,16 @@ static void quantize_rows(const float *x, const product_t *p, uint8_t *q, float 
             const float inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
             uint8_t *out = q + r * width + start;
             for (int b = 0; b < super; b++) {
+                int sum = 0;
                 for (int i = 0; i < SUB; i++) {
                     const int64_t at = b * SUB + i;
                     const int v = at < count ? (int)nearbyintf(row[start + at] * inverse) : 0;
-                    if (p->bits == 4) out[q4_index(b, i, p->group)] = (uint8_t)(v + shift);
+                    sum += v;
+                    if (qs) out[b * SUB + (p->bits == 4 ? lanes_q4_index(i) : i)] = (uint8_t)(int8_t)v;
+                    else if (p->bits == 4) out[q4_index(b, i, p->group)] = (uint8_t)(v + shift);
                     else out[b * SUB + i] = (uint8_t)(int8_t)v;
                 }
+                if (qs) qs[r * p->supers * super + s * super + b] = (int16_t)sum;  /* |sum| <= 32 x 127 */
             }
             dx[r * p->supers + s] = largest / 127.0f;
         }
@@ -515,13 +524,8 @@ int speedc_block_product(const float *x, int64_t m, int64_t k, const uint8_t *co
         qs_capacity = qs_buf ? qs_need : 0;
     }
     if (!q_buf || !dx_buf || !qs_buf) return -4;
-#ifdef SPEEDC_X86
-    if (lanes) {
-        quantize_lanes(x, &p, (int8_t *)q_buf, qs_buf, dx_buf);
-        memset(q_buf + m * width, 0, (size_t)((padded_rows - m) * width));
-    } else
-#endif
-        quantize_rows(x, &p, q_buf, dx_buf);
+    quantize_rows(x, &p, q_buf, lanes ? qs_buf : NULL, dx_buf);
+    memset(q_buf + m * width, 0, (size_t)((padded_rows - m) * width));  /* a tile's rows past m */
     p.q = q_buf; p.dx = dx_buf; p.qs = qs_buf;
     run_parallel(product_part, &p, m * n >= 2048 ? threads : 1);  /* tiny products: not worth a wake-up */
     return 0;

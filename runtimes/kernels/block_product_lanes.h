@@ -20,16 +20,14 @@
 
    in int32, wrapping (a product may leave int32; the total, the exact sum of step x (code - zp) x q,
    does not: see STEP_LIMIT). Steps are stored as int16 pairs [g][s][b / 2][16][2] (one 64-byte load
-   gives two sub-blocks' steps, as vpdpwssd pairs them with qs), units [g][s][16].
+   gives two sub-blocks' steps, as vpdpwssd pairs them with qs), units [g][s][16]. The tile path
+   unpacks 4-bit codes as code - zp instead (block_product_tiles.h): the same integers.
 
    Padding: features past n and sub-blocks past the row have zero steps and codes at the zero point. */
 
 #define LANES 16
-#ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 2
-#endif
+#define PREFETCH_AHEAD 2  /* superblocks: the rows' work between reads left the memory idle without it */
 
-static inline int lanes_q4_index(int i) { return 8 * (i / 8) + 4 * (i & 1) + (i % 8) / 2; }
 static inline int64_t lanes_groups(int64_t n) { return (n + LANES - 1) / LANES; }
 static inline int lanes_chunk(int bits) { return bits == 4 ? 256 : 512; }  /* packed bytes per group and sub-block */
 
@@ -57,38 +55,6 @@ static void prepare_lanes_part(const void *job, int part, int parts) {
                     for (int t = 0; t < sub_bytes; t++) out[(t / 4) * 64 + 4 * j + t % 4] = in ? in[t] : zero;
                 }
             }
-        }
-    }
-}
-
-/* Rows R0 .. R0 + ROWS - 1 of lanes16 activations: q [m, supers * super * 32] int8 (4 bits in
-   lanes_q4_index order) and qs [m, supers * super] int16, each sub-block's sum of q. */
-static void quantize_lanes(const float *x, const product_t *p, int8_t *q, int16_t *qs, float *dx) {
-    const int super = super_of(p->bits), values = SUB * super;
-    const int64_t width = p->supers * values;
-    for (int64_t r = 0; r < p->m; r++) {
-        const float *row = x + r * p->k;
-        for (int64_t s = 0; s < p->supers; s++) {
-            const int64_t start = s * values;
-            const int64_t count = p->k - start < values ? p->k - start : values;
-            float largest = 0.0f;
-            for (int64_t i = 0; i < count; i++) {
-                const float a = fabsf(row[start + i]);
-                largest = a > largest ? a : largest;
-            }
-            const float inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
-            int8_t *out = q + r * width + start;
-            for (int b = 0; b < super; b++) {
-                int sum = 0;
-                for (int i = 0; i < SUB; i++) {
-                    const int64_t at = b * SUB + i;
-                    const int v = at < count ? (int)nearbyintf(row[start + at] * inverse) : 0;
-                    out[b * SUB + (p->bits == 4 ? lanes_q4_index(i) : i)] = (int8_t)v;
-                    sum += v;
-                }
-                qs[r * p->supers * super + s * super + b] = (int16_t)sum;  /* |sum| <= 32 x 127 */
-            }
-            dx[r * p->supers + s] = largest / 127.0f;
         }
     }
 }

@@ -9,8 +9,8 @@
        multiply-add in float32; then lane l += lane l + 8, l += l + 4, l += l + 2, l += l + 1; y is lane 0.
 
    Paths (half_width): 512-bit (one register of 16 lanes) where the CPU has AVX-512, 256-bit (two
-   registers: lanes 0-7 and 8-15) with AVX2, FMA and F16C, and the portable C loop elsewhere (Arm
-   included: the compiler vectorizes its 16 lanes). AVX-512 BF16's vdpbf16ps and AMX-BF16 are not
+   registers: lanes 0-7 and 8-15) with AVX2, FMA and F16C, NEON (four registers) on the Arm paths, and
+   the portable C loop elsewhere. AVX-512 BF16's vdpbf16ps and AMX-BF16 are not
    used: both multiply bfloat16 activations, so a row's sums would change by the activations' rounding
    to 8 bits of mantissa. */
 
@@ -62,7 +62,10 @@ static void half_portable(const half_t *h, int64_t n0, int64_t n1) {
         for (int64_t r = 0; r < h->m; r++) {
             const float *x = h->x + r * h->k;
             float lane[16] = {0};
-            for (int64_t k = 0; k < h->k; k++) lane[k % 16] = fmaf(x[k], half_to_float(w[k], h->dtype), lane[k % 16]);
+            const int64_t whole = h->k / 16 * 16;
+            for (int64_t k = 0; k < whole; k += 16)
+                for (int l = 0; l < 16; l++) lane[l] = fmaf(x[k + l], half_to_float(w[k + l], h->dtype), lane[l]);
+            for (int64_t k = whole; k < h->k; k++) lane[k - whole] = fmaf(x[k], half_to_float(w[k], h->dtype), lane[k - whole]);
             h->y[r * h->n + n] = half_reduce(lane);
         }
     }
@@ -152,13 +155,41 @@ static __attribute__((target(HALF512_TARGET))) void half_avx512(const half_t *h,
 #endif
 #endif
 
+#ifdef SPEEDC_ARM
+/* NEON: the 16 lanes in four registers, each weight widened exactly (bf16: shifted; fp16: fcvtl) */
+static inline float32x4_t half4(const uint16_t *w, int dtype) {
+    const uint16x4_t raw = vld1_u16(w);
+    return dtype == HALF_FP16 ? vcvt_f32_f16(vreinterpret_f16_u16(raw)) : vreinterpretq_f32_u32(vshll_n_u16(raw, 16));
+}
+
+static void half_neon(const half_t *h, int64_t n0, int64_t n1) {
+    const int64_t whole = h->k / 16 * 16;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint16_t *w = h->w + n * h->k;
+        for (int64_t r = 0; r < h->m; r++) {
+            const float *x = h->x + r * h->k;
+            float32x4_t acc[4] = {vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f)};
+            for (int64_t k = 0; k < whole; k += 16)
+                for (int j = 0; j < 4; j++) acc[j] = vfmaq_f32(acc[j], vld1q_f32(x + k + 4 * j), half4(w + k + 4 * j, h->dtype));
+            float lane[16];
+            for (int j = 0; j < 4; j++) vst1q_f32(lane + 4 * j, acc[j]);
+            for (int64_t k = whole; k < h->k; k++) lane[k - whole] = fmaf(x[k], half_to_float(w[k], h->dtype), lane[k - whole]);
+            h->y[r * h->n + n] = half_reduce(lane);
+        }
+    }
+}
+#endif
+
 /* The width a block-product path runs 16-bit products at: 512 on the AVX-512 paths, 256 on the AVX2
-   ones (with F16C), else the portable loop. */
+   ones (with F16C), 128 (NEON) on the Arm ones, else the portable loop. */
 static int half_width(int path) {
 #ifdef SPEEDC_X86
     __builtin_cpu_init();
     if ((path == PATH_AVX512_VNNI || path == PATH_AMX) && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")) return 512;
     if (path != PATH_PORTABLE && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return 256;
+#endif
+#ifdef SPEEDC_ARM
+    if (path == PATH_DOTPROD || path == PATH_I8MM) return 128;
 #endif
     (void)path;
     return 0;
@@ -174,6 +205,9 @@ static void half_part(const void *job, int part, int parts) {
     if (j->width == 512) { half_avx512(j->h, n0, n1); return; }
 #endif
     if (j->width == 256) { half_avx2(j->h, n0, n1); return; }
+#endif
+#ifdef SPEEDC_ARM
+    if (j->width == 128) { half_neon(j->h, n0, n1); return; }
 #endif
     half_portable(j->h, n0, n1);
 }

@@ -97,46 +97,57 @@ def process_peer(driver: str, args: list[str], *, answer_seconds: float = PEER_A
     ends the process, never the bench."""
     import select
     import signal
+    import tempfile
 
+    said = tempfile.TemporaryFile("w+")  # its standard error: a file, so a chatty peer never blocks on a full pipe
     child = subprocess.Popen([sys.executable, "-c", driver, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, bufsize=1)
+                             stderr=said, text=True, bufsize=1)
 
     def why_ended() -> str:
         code = child.wait()
         if code < 0:
             name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
             return f"crashed ({name})"
-        last = (child.stderr.read().strip().splitlines() or [""])[-1]
+        said.seek(0)
+        last = (said.read().strip().splitlines() or [""])[-1]
         return f"exited with status {code}" + (f": {last[:200]}" if last else "")
 
+    ended: list[str] = []  # why the peer failed: once failed it is asked no more
+
+    def fail(why: str) -> PeerFailed:
+        if child.poll() is None:
+            child.kill()
+        child.wait()
+        ended.append(why)
+        return PeerFailed(why)
+
     def generate(prompt: list[int], new_tokens: int) -> tuple[list[int], float]:
+        if ended:
+            raise PeerFailed(ended[0])
         if child.poll() is not None:
-            raise PeerFailed(why_ended())
+            raise fail(why_ended())
         try:
             child.stdin.write(json.dumps({"prompt": prompt, "new_tokens": new_tokens}) + "\n")
             child.stdin.flush()
         except (BrokenPipeError, OSError):
-            raise PeerFailed(why_ended()) from None
+            raise fail(why_ended()) from None
         ready, _, _ = select.select([child.stdout], [], [], answer_seconds)
         if not ready:
-            child.kill()
-            child.wait()
-            raise PeerFailed(f"hung: no answer in {answer_seconds:.0f} s")
+            raise fail(f"hung: no answer in {answer_seconds:.0f} s")
         line = child.stdout.readline()
         if not line:
-            raise PeerFailed(why_ended())
+            raise fail(why_ended())
         try:
             answer = json.loads(line)
             return [int(i) for i in answer["ids"]], float(answer["seconds"])
         except (ValueError, KeyError, TypeError):
-            child.kill()
-            raise PeerFailed(f"answered {line.strip()[:80]!r}") from None
+            raise fail(f"answered {line.strip()[:80]!r}") from None
 
     def close() -> None:
         if child.poll() is None:
             child.kill()
         child.wait()
-        for stream in (child.stdin, child.stdout, child.stderr):
+        for stream in (child.stdin, child.stdout, said):
             stream.close()
 
     generate.close = close

@@ -436,12 +436,16 @@ for turn, line in enumerate(sys.stdin):
         time.sleep(600)
     if turn == 1 and then == "garbage":
         print("llama_model_load: error", flush=True)
+    if turn == 1 and then == "exit":
+        print("llama.cpp: out of memory", file=sys.stderr)
+        sys.exit(3)
     print(json.dumps({"ids": ask["prompt"][:ask["new_tokens"]], "seconds": 0.001}), flush=True)
 """
 
 
 @pytest.mark.parametrize("then, why", [("segfault", "crashed (SIGSEGV)"), ("hang", "hung: no answer in 2 s"),
-                                       ("garbage", "answered 'llama_model_load: error'")])
+                                       ("garbage", "answered 'llama_model_load: error'"),
+                                       ("exit", "exited with status 3: llama.cpp: out of memory")])
 def test_a_peer_that_crashes_or_hangs_fails_in_its_own_process(then, why):
     """process_peer: a peer's crash, hang or nonsense raises PeerFailed saying which, and its process ends;
     the bench's process goes on."""
@@ -475,3 +479,25 @@ def test_a_failed_peer_gets_a_row_that_says_so_and_the_bench_goes_on(tiny_artifa
     assert row["ids_identical"] and row["speedup_decode"] > 0
     assert row["peers"]["crashing"] == {"failed": "crashed (SIGSEGV) on prompt 2 of 3", "ran": "a scripted peer"}
     assert row["peers"]["steady"]["ms_per_token"] == 1.0 and "failed" not in row["peers"]["steady"]
+
+
+def test_interleaved_medians_stop_at_their_time_budget_after_the_fewest_rounds():
+    """A budget of SECONDS ends the timed rounds early (a real-size model's rounds take most of a second),
+    but never before MIN_ROUNDS; without one every round runs."""
+    import time
+
+    from speedc.step_cost import MIN_ROUNDS, interleaved_medians
+
+    calls = {"a": 0, "b": 0}
+
+    def run(name, pause):
+        def go():
+            calls[name] += 1
+            time.sleep(pause)
+        return go
+
+    interleaved_medians(run("a", 0.002), run("b", 0.001), repeats=200, warmup=2, seconds=0.0)
+    assert calls == {"a": 2 + MIN_ROUNDS, "b": 2 + MIN_ROUNDS}
+    calls.update(a=0, b=0)
+    interleaved_medians(run("a", 0.0), run("b", 0.0), repeats=30, warmup=1)
+    assert calls == {"a": 31, "b": 31}

@@ -4,7 +4,8 @@
        block_product_driver IN OUT PATH THREADS
 
    IN   int64 m, n, k, blocks; int32 block_size, bits; float x [m, k]; uint8 codes [n, blocks * block_size *
-        bits / 8]; float scales [n, blocks]
+        bits / 8]; float scales [n, blocks]. Or bits 16: a 16-bit product (half_product.h), block_size its
+        dtype (0 bf16, 1 fp16), then float x [m, k]; uint16 w [n, k]
    OUT  int32 the path PATH_AUTO takes; uint32 the paths this CPU runs (a bit each); float y [m, n] (all
         rows in one call); float y [m, n] (each row in a call of its own)
    Exit status: 0, or 1 with one line on stderr. */
@@ -18,6 +19,8 @@ unsigned speedc_block_product_paths(void);
 void speedc_block_prepared_sizes(int64_t n, int64_t k, int bits, int path, int64_t *sizes);
 int speedc_block_prepare(const uint8_t *codes, const float *scales, int64_t n, int64_t k, int64_t blocks, int block_size,
                          int bits, int path, uint8_t *packed, int16_t *steps, float *units, int32_t *offsets, int threads);
+int speedc_half_product(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, int dtype, float *y,
+                        int threads, int path);
 int speedc_block_product(const float *x, int64_t m, int64_t k, const uint8_t *codes, const int16_t *steps,
                          const float *units, const int32_t *offsets, int64_t n, int64_t blocks, int block_size, int bits,
                          float *y, int threads, int path);
@@ -26,6 +29,20 @@ static void *read_exactly(FILE *f, size_t size) {
     void *data = malloc(size ? size : 1);
     if (!data || fread(data, 1, size, f) != size) { fprintf(stderr, "driver: short input\n"); exit(1); }
     return data;
+}
+
+/* OUT: the path PATH_AUTO takes, the paths this CPU runs, then TOGETHER and ALONE (COUNT floats each). */
+static int write_result(const char *name, const float *together, const float *alone, int64_t count) {
+    FILE *out = fopen(name, "wb");
+    const int32_t chosen = speedc_block_product_path();
+    const uint32_t paths = speedc_block_product_paths();
+    if (!out || fwrite(&chosen, sizeof chosen, 1, out) != 1 || fwrite(&paths, sizeof paths, 1, out) != 1
+        || fwrite(together, sizeof(float), (size_t)count, out) != (size_t)count
+        || fwrite(alone, sizeof(float), (size_t)count, out) != (size_t)count || fclose(out) != 0) {
+        fprintf(stderr, "driver: cannot write %s\n", name);
+        return 1;
+    }
+    return 0;
 }
 
 int main(int argc, char **argv) {
@@ -37,6 +54,15 @@ int main(int argc, char **argv) {
     const int64_t m = shape[0], n = shape[1], k = shape[2], blocks = shape[3];
     const int block_size = kind[0], bits = kind[1], path = atoi(argv[3]), threads = atoi(argv[4]);
     float *x = read_exactly(in, (size_t)(m * k) * sizeof(float));
+    if (bits == 16) {  /* the 16-bit product: all rows in one call, then each alone */
+        const uint16_t *w = read_exactly(in, (size_t)(n * k) * sizeof(uint16_t));
+        fclose(in);
+        float *together = malloc((size_t)(m * n) * sizeof(float) + 1), *alone = malloc((size_t)(m * n) * sizeof(float) + 1);
+        int rc = speedc_half_product(x, m, k, w, n, block_size, together, threads, path);
+        for (int64_t r = 0; r < m && !rc; r++) rc = speedc_half_product(x + r * k, 1, k, w, n, block_size, alone + r * n, threads, path);
+        if (rc) { fprintf(stderr, "driver: the kernel refused its arguments (code %d)\n", rc); return 1; }
+        return write_result(argv[2], together, alone, m * n);
+    }
     uint8_t *codes = read_exactly(in, (size_t)(n * blocks * block_size * bits / 8));
     float *scales = read_exactly(in, (size_t)(n * blocks) * sizeof(float));
     fclose(in);
@@ -57,14 +83,5 @@ int main(int argc, char **argv) {
     }
     if (rc) { fprintf(stderr, "driver: the kernel refused its arguments (code %d)\n", rc); return 1; }
 
-    FILE *out = fopen(argv[2], "wb");
-    const int32_t chosen = speedc_block_product_path();
-    const uint32_t paths = speedc_block_product_paths();
-    if (!out || fwrite(&chosen, sizeof chosen, 1, out) != 1 || fwrite(&paths, sizeof paths, 1, out) != 1
-        || fwrite(together, sizeof(float), (size_t)(m * n), out) != (size_t)(m * n)
-        || fwrite(alone, sizeof(float), (size_t)(m * n), out) != (size_t)(m * n) || fclose(out) != 0) {
-        fprintf(stderr, "driver: cannot write %s\n", argv[2]);
-        return 1;
-    }
-    return 0;
+    return write_result(argv[2], together, alone, m * n);
 }
