@@ -10,9 +10,8 @@ or 16-bit artifact gets a native twin whose weight products run speedc's own ker
     after (its twin):              x ── ai.onnx.contrib SpeedcHalfProduct(artifact, weight=W, n, k, dtype) ── y
 
 A 16-bit twin matters for memory as much as for speed: ONNX Runtime folds each Cast of a 16-bit weight
-into a float32 copy at load (the engine graph's session holds the weights three times over: 16-bit,
-fp32, and the file's pages), while the twin's operator reads the 16-bit weights where weights.bin is
-mapped. A weight that also feeds a Gather (the embedding of a tied head) is still loaded for it, as
+into a float32 copy at load (twice the bytes of the weights, beside them while it loads), while the
+twin's operator reads the 16-bit weights where weights.bin is mapped. A weight that also feeds a Gather (the embedding of a tied head) is still loaded for it, as
 16 bits.
 
 The twin takes and returns exactly what its engine graph does (the manifest records it as the graph's

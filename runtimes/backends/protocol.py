@@ -17,8 +17,8 @@ token carries from step to step (its hidden row, its draft's candidates: DraftCa
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Protocol
 
 import numpy as np

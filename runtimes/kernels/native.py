@@ -147,7 +147,6 @@ class BlockProductKernel:
         product.packed = packed
         return product
 
-
     def half_bound(self, weight: np.ndarray, *, n: int, k: int, dtype: str, threads: int = 1, path: str = "auto"):
         """y = x . W^T over 16-bit weights WEIGHT [N, K] (DTYPE "bf16" or "fp16", any 2-byte numpy view of
         them, C-contiguous: read in place, nothing prepared or copied): a function (x [M, K], out=None)

@@ -6,10 +6,10 @@ An artifact's native engine graphs (passes/native_products.py) run each weight p
     x [M, K] ── ai.onnx.contrib SpeedcHalfProduct(artifact, weight, n, k, dtype) ── y [M, N]   (bf16 / fp16)
 
 Python operators of onnxruntime-extensions whose body is one ctypes call into the kernel. The node
-names its weight by the artifact's id and the weight index names of its codes and scales (or its 16-bit
-weight); the
-operator reads them from a read-only memory map of the artifact's weights.bin (registered by the
-backend that opens the session, `register_weights`), so ONNX Runtime never holds a copy of them.
+names its weight by the artifact's id and the weight index names of its codes and scales (or of its
+16-bit weight); the operator reads them from a read-only memory map of the artifact's weights.bin
+(registered by the backend that opens the session, `register_weights`), so ONNX Runtime never holds a
+copy of them.
 
 Only onnxruntime-extensions' native module is loaded (its package __init__ imports transformers and
 torch), with our own result handler: its default turns every result into a Python list (3 ms for an
