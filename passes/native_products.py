@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import uuid
 
-import ml_dtypes
 import numpy as np
 import onnx_graphsurgeon as gs
 
 from speedc.format import contract
 from speedc.passes.base import CompileState, register_pass
+from speedc.passes.cleanup import STORAGE_DTYPES
 from speedc.passes.graph_utils import import_domain
 
 
@@ -61,7 +61,7 @@ def _padding(product: gs.Node) -> tuple[gs.Node, gs.Node] | None:
     return concat, y.outputs[0]
 
 
-HALF_DTYPES = {np.dtype(np.float16): "fp16", np.dtype(ml_dtypes.bfloat16): "bf16"}
+STORAGE_OF = {np.dtype(dtype): name for name, dtype in STORAGE_DTYPES.items()}  # 16-bit numpy dtype -> "fp16" | "bf16"
 
 
 def _half_weight(product: gs.Node) -> tuple[gs.Constant, str] | None:
@@ -75,7 +75,7 @@ def _half_weight(product: gs.Node) -> tuple[gs.Constant, str] | None:
     if cast is None or cast.op != "Cast" or cast.attrs.get("to") != 1:
         return None
     weight = cast.inputs[0]
-    dtype = HALF_DTYPES.get(np.dtype(weight.dtype)) if isinstance(weight, gs.Constant) else None
+    dtype = STORAGE_OF.get(np.dtype(weight.dtype)) if isinstance(weight, gs.Constant) else None
     if dtype is None or len(weight.shape) != 2:
         return None
     return weight, dtype

@@ -62,6 +62,12 @@ static void prepare_lanes_part(const void *job, int part, int parts) {
 #ifdef SPEEDC_VNNI
 /* ---------------------------------------------------------------- avx512-vnni, lanes16 */
 
+/* Sub-block B's 16 steps as int32, from the pair [b & ~1, b | 1] of each feature */
+INLINE_AVX512 __m512i lanes_step(const int16_t *pairs, int b) {
+    const __m512i pair = _mm512_loadu_si512(pairs + (b / 2) * 2 * LANES);
+    return b & 1 ? _mm512_srai_epi32(pair, 16) : _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16);
+}
+
 /* Rows R0 .. R0 + ROWS - 1 (ROWS <= 8, a constant after inlining) of the 16 features of group G: each
    sub-block's codes are unpacked once into 8 registers (a tile's 8 rows of 16 features x 4 bytes) and
    applied to every row with 8 vpdpbusd, the activations' 4 bytes broadcast from memory. */
@@ -80,8 +86,7 @@ INLINE_AVX512 void group_rows_avx512_vnni(const product_t *p, int64_t g, int64_t
         __m512i total[8], fix[8];
         for (int i = 0; i < 8; i++) total[i] = fix[i] = _mm512_setzero_si512();
         for (int b = 0; b < super; b++) {
-            const __m512i pair = _mm512_loadu_si512(pairs + (b / 2) * 2 * LANES);
-            const __m512i step = b & 1 ? _mm512_srai_epi32(pair, 16) : _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16);
+            const __m512i pair = _mm512_loadu_si512(pairs + (b / 2) * 2 * LANES), step = lanes_step(pairs, b);
             for (int t = 0; t < chunk; t += 64) _mm_prefetch((const char *)codes + PREFETCH_AHEAD * super * chunk + b * chunk + t, _MM_HINT_T0);
             __m512i w[8];
             if (bits == 4) {
@@ -145,6 +150,7 @@ typedef struct {
 } tile_config_t;
 
 #define TILE_ROWS 16
+#define B_TILE_BYTES (SUB / 4 * 64)  /* one sub-block's codes as a B tile: K / 4 rows of 16 features x 4 bytes */
 
 /* The fewest rows amx runs on tiles: below them the avx512-vnni code is faster (a tile product costs
    about as much for 1 row as for 8; docs/benchmarks.md, "AMX"). */
@@ -226,10 +232,6 @@ static inline void rows_c(float acc[][LANES], int32_t sums[][TILE_ROWS][LANES], 
 #include "block_product_tiles.h"
 
 #ifdef SPEEDC_AMX
-INLINE_AVX512 __m512i lanes_step(const int16_t *pairs, int b) {
-    const __m512i pair = _mm512_loadu_si512(pairs + (b / 2) * 2 * LANES);
-    return b & 1 ? _mm512_srai_epi32(pair, 16) : _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16);
-}
 
 /* rows_c in AVX-512: 4 bits pairs D_b, D_b+1 (int16 each) into one vpdpwssd with their steps */
 INLINE_AVX512 void rows_avx512(float acc[][LANES], int32_t sums[][TILE_ROWS][LANES], const int16_t *pairs, const float *units,

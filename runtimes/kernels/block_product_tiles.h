@@ -22,7 +22,7 @@ static __attribute__((target(TILES_TARGET))) void TILES_CAT(groups_, TILES_NAME)
     tile_config_t config;
     tile_config(&config, rows);
     TILE_CONFIG(&config);
-    int8_t unpacked[SUPER_MAX][SUB / 4 * 64] __attribute__((aligned(64)));  /* 4-bit codes as B tiles, code - zp */
+    int8_t unpacked[SUPER_MAX][B_TILE_BYTES] __attribute__((aligned(64)));  /* 4-bit codes as B tiles, code - zp */
     int32_t sums[SUPER_MAX][TILE_ROWS][LANES] __attribute__((aligned(64)));  /* D_b per sub-block */
     float acc[TILE_ROWS][LANES] __attribute__((aligned(64)));
     for (int64_t g = g0; g < g1; g++) {
@@ -52,7 +52,7 @@ static __attribute__((target(TILES_TARGET))) void TILES_CAT(groups_, TILES_NAME)
 #define SUBBLOCK(J, A, B)                                                                                     \
                     if (J < count) {                                                                       \
                         TILE_LOAD(A, q + (s * super + j0 + J) * SUB, width);                                 \
-                        TILE_LOAD(B, (const uint8_t *)b_tiles + (j0 + J) * 512, 64);                         \
+                        TILE_LOAD(B, (const uint8_t *)b_tiles + (j0 + J) * B_TILE_BYTES, 64);                \
                         TILE_ZERO(J);                                                                      \
                         if (bits == 4) TILE_DP_SIGNED(J, A, B); else TILE_DP_UNSIGNED(J, A, B);              \
                     }
