@@ -211,7 +211,9 @@ PLAIN_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.co
 
 
 def start_server(artifact: Path, clients: int, threads: int | None,
-                 max_batch: int | None, chat_template: Path | None = None) -> tuple[subprocess.Popen, str, str]:
+                 max_batch: int | None, chat_template: Path | None = None,
+                 log_level: str = "warning") -> tuple[subprocess.Popen, str, str]:
+    """(the `speedc serve` process, its URL, the model id); process.log_name: the file its output goes to."""
     import socket
 
     with socket.socket() as probe:
@@ -219,7 +221,7 @@ def start_server(artifact: Path, clients: int, threads: int | None,
         port = probe.getsockname()[1]
     exe = Path(sys.executable).with_name("speedc")
     # room for every client's request to wait, n choices each (--mixed asks for 3)
-    args = [str(exe), "serve", str(artifact), "--port", str(port), "--max-queue", str(3 * clients), "--log-level", "warning"]
+    args = [str(exe), "serve", str(artifact), "--port", str(port), "--max-queue", str(3 * clients), "--log-level", log_level]
     if threads:
         args += ["--threads", str(threads)]
     if max_batch:
@@ -228,6 +230,7 @@ def start_server(artifact: Path, clients: int, threads: int | None,
         args += ["--chat-template", str(chat_template)]
     log = tempfile.NamedTemporaryFile("w", prefix="speedc-serve-", suffix=".log", delete=False)
     process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    process.log_name = log.name
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and process.poll() is None:

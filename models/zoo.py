@@ -4,6 +4,10 @@ checkpoint.
 They ship inside the package (pyproject package-data), so their directory is found from this file,
 not from the working directory: `zoo:tiny` works wherever speedc is installed. Reads only JSON, so
 listing them (e.g. in --help) imports nothing heavy.
+
+They carry no tokenizer_config.json of their own: `speedc build` writes this module's into their
+artifacts (tokenizer_config_text), so `speedc serve` finds their chat template where it finds a
+Hugging Face checkpoint's.
 """
 
 from __future__ import annotations
@@ -12,10 +16,18 @@ import json
 from pathlib import Path
 
 from speedc.errors import CheckpointError
-from speedc.models.checkpoint.files import CONFIG_FILE
+from speedc.models.checkpoint.files import CONFIG_FILE, TOKENIZER_CONFIG_FILE
 
 PREFIX = "zoo:"
 ZOO_DIR = Path(__file__).resolve().parent / "zoo"
+
+# The bundled models' chat template (Jinja, rendered as transformers' apply_chat_template does). They
+# were trained on play text, so each message is a speech: the speaker's name in capitals and a full stop
+# on a line of its own (the role: USER., SYSTEM., ASSISTANT.), the text, a blank line; the generation
+# prompt opens the assistant's speech. Play text has no token that ends a speech, so a reply ends at the
+# model's end of text: the eos_token the tokenizer_config names (a chat completion stops there).
+CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] | upper }}.\n{{ message['content'] }}\n\n{% endfor %}"
+                 "{% if add_generation_prompt %}ASSISTANT.\n{% endif %}")
 
 
 def names() -> list[str]:
@@ -57,3 +69,17 @@ def resolve(spec: str | Path) -> Path:
     if not path.exists() and text in names():  # the old way of naming them, from inside the repo
         raise CheckpointError(f"{text}: no such directory; the bundled model is {PREFIX}{text}")
     return path
+
+
+def tokenizer_config_text(checkpoint: str | Path) -> str | None:
+    """The tokenizer_config.json a bundled model's artifact carries (the chat template and the special
+    tokens it names, as a Hugging Face checkpoint holds them); None for any other checkpoint."""
+    directory = Path(checkpoint).resolve()
+    bundled = directory.parent == ZOO_DIR and (directory / CONFIG_FILE).is_file()
+    if not bundled or (directory / TOKENIZER_CONFIG_FILE).exists():  # (one it carries itself is copied)
+        return None
+    from speedc.models.tokenizer import EOS_TOKEN  # (tokenizers: imported only when building one)
+
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOS_TOKEN, "eos_token": EOS_TOKEN,
+              "chat_template": CHAT_TEMPLATE}
+    return json.dumps(config, indent=2) + "\n"

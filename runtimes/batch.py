@@ -8,7 +8,8 @@ One scheduler iteration (`BatchScheduler.step`):
        while none is free or the pool cannot grow to hold it (out of memory) beside the running ones,
        one longer than a pool row's capacity is refused at submit, never cut); the pool's width follows
        the occupied pool rows, its length the longest request (BatchBackend.reserve)
-    2. prefill: one chunk (<= prefill_chunk tokens) of the sequence in the lowest pool row still prefilling;
+    2. prefill: one chunk (<= prefill_chunk tokens) of one sequence still prefilling, each in turn (in order
+       of arrival: a long prompt never holds a later one's first token for more than one chunk a turn);
        when that chunk starts its prompt, batched with the first chunks of the sequences in the pool rows
        right after it that start theirs too (one run, right padded, within prefill_chunk tokens in all);
        a sequence's last chunk yields its first token
@@ -22,7 +23,9 @@ One scheduler iteration (`BatchScheduler.step`):
                 them beside the token's hidden row: DraftCandidates)
          plain: n rows; each sequence's last confirmed token through all N layers
     4. finished sequences (EOS, stop string, max tokens, cancelled) free their pool row at once; the last
-       occupied pool row moves into the hole so the occupied rows stay a prefix (contiguous cache views)
+       occupied pool row moves into the hole so the occupied rows stay a prefix (contiguous cache views).
+       A sequence whose own work fails (its grammar, its picker) ends alone with its error; only a failed
+       graph run fails the step's sequences (EngineLoop)
 
 Lossless: every emitted token of a sequence is picked by its own TokenPicker from the final logits of
 its verified predecessor, whatever else shares the step; a switch between speed and plain steps only
@@ -173,6 +176,7 @@ class BatchScheduler:
         self._reuse = (0, ())  # (steps the last verdict still stands, the sequences it is for): _speculate
         self._geometry = None  # the pool's (length, width) at the last decode step: a step after a change is no sample
         self.prefill_chunk = prefill_chunk
+        self._prefill_turn = -1  # the id of the sequence the last prefill chunk was for (_prefill_group)
         self.waiting: deque[Sequence] = deque()
         self.occupied: list[Sequence] = []  # index = pool row
         self._ids = itertools.count()
@@ -307,6 +311,13 @@ class BatchScheduler:
         """SEQUENCE, at the head of the queue, cannot be admitted: it ends alone with ERROR (Sequence.error)."""
         with self._lock:
             self.waiting.popleft()
+        self._fail_alone(sequence, error, events)
+
+    @staticmethod
+    def _fail_alone(sequence: Sequence, error: Exception, events: list[Event]) -> None:
+        """An error of SEQUENCE's own (its grammar, sampling, stop rule, or an admission it cannot get): it ends
+        with ERROR (Sequence.error, stop_reason "error") and the step goes on for the others, whose outputs do
+        not depend on it. Only a failed graph run (the shared step) fails them all (EngineLoop)."""
         sequence.error = error
         sequence.stats.stop_reason, sequence.state = "error", DONE
         events.append((sequence, None))
@@ -520,9 +531,13 @@ class BatchScheduler:
         (sequences x longest first chunk) stays within prefill_chunk tokens: requests arriving together
         share each weight read of their prefill (one run), and a decode step still waits for at most
         prefill_chunk tokens of prefill. Only first chunks batch (BatchBackend.prefill says why)."""
-        head = next((s for s in self.occupied if s.state == PREFILL), None)
-        if head is None:
+        prefilling = sorted((s for s in self.occupied if s.state == PREFILL), key=lambda s: s.id)
+        if not prefilling:
             return []
+        # turns go round the prefilling sequences in order of arrival: a long prompt (or one prefilled a token a run
+        # for its log-probabilities) takes one chunk in turn, never every chunk before a later request's first
+        head = next((s for s in prefilling if s.id > self._prefill_turn), prefilling[0])
+        self._prefill_turn = head.id
         group = [head]
         if head.prefilled == 0 and head.request.prompt_logprobs is None:
             longest = min(len(head.request.prompt), self.prefill_chunk)
@@ -548,8 +563,12 @@ class BatchScheduler:
         argmax, logits = self.backend.prefill(group[0].row, chunks, group[0].prefilled, want or echo)
         if echo and not last[0]:
             request = group[0].request
-            request.prompt_logprob_values.append(
-                token_logprob(logits[0], request.prompt[group[0].prefilled + 1], request.prompt_logprobs))
+            try:
+                request.prompt_logprob_values.append(
+                    token_logprob(logits[0], request.prompt[group[0].prefilled + 1], request.prompt_logprobs))
+            except Exception as error:
+                self._fail_alone(group[0], error, events)
+                return
         self.steps["prefill"] += 1
         elapsed = time.perf_counter() - start
         for row, (sequence, chunk, done) in enumerate(zip(group, chunks, last)):
@@ -560,8 +579,11 @@ class BatchScheduler:
                 request.history = list(request.prompt)
                 sequence.stats.prompt_tokens = len(request.prompt)
                 sequence.state = DECODE
-                self._emit(sequence, request.picker.pick(logits[row] if want else None, int(argmax[row]), request.history),
-                           events)
+                try:
+                    token = request.picker.pick(logits[row] if want else None, int(argmax[row]), request.history)
+                    self._emit(sequence, token, events)
+                except Exception as error:
+                    self._fail_alone(sequence, error, events)
 
     def _chunk_size(self, sequence: Sequence) -> int:
         """A sequence whose prompt's log-probabilities are asked prefills a token a run: the prefill graph's
@@ -600,9 +622,12 @@ class BatchScheduler:
             sequence.stats.steps += 1
             sequence.stats.plain_steps += 1
             b = sequence.row
-            token = sequence.request.picker.pick(logits[b] if want else None, int(argmax[b]), sequence.request.history)
-            self.acceptance.waited(sequence.acceptance)
-            self._emit(sequence, token, events)
+            try:
+                token = sequence.request.picker.pick(logits[b] if want else None, int(argmax[b]), sequence.request.history)
+                self.acceptance.waited(sequence.acceptance)
+                self._emit(sequence, token, events)
+            except Exception as error:
+                self._fail_alone(sequence, error, events)
             sequence.stats.decode_seconds += time.perf_counter() - start
         return "plain", 0
 
@@ -650,7 +675,11 @@ class BatchScheduler:
             stats.speed_steps += 1
             stats.depth_steps[pipeline_depth] = stats.depth_steps.get(pipeline_depth, 0) + 1
             accepted, failed, emitted = stats.accepted, stats.failed_speculations, len(sequence.out)
-            self._absorb(sequence, result.of_sequence(places), events)
+            try:
+                self._absorb(sequence, result.of_sequence(places), events)
+            except Exception as error:
+                self._fail_alone(sequence, error, events)
+                continue
             self.acceptance.stepped(sequence.acceptance, stats.accepted - accepted, stats.failed_speculations - failed,
                                     len(sequence.out) - emitted, pipeline_depth)
             stats.decode_seconds += time.perf_counter() - start

@@ -400,13 +400,13 @@ class Engine:
 
     def make_request(self, prompt, max_new_tokens: int, sampling: SamplingParams, stop: list[str] | None,
                      stop_at_eos: bool, stop_token_ids=None, prompt_logprobs: int | None = None,
-                     grammar: str | None = None) -> Request:
+                     grammar=None) -> Request:
         """A checked request (GenerationError on bad input): ids, limits, its own TokenPicker, stop rule.
         STOP_TOKEN_IDS: ids that end the generation as an end-of-text id does (a chat template's end of
         turn), even with stop_at_eos off. PROMPT_LOGPROBS: record the prompt's own log-probabilities with
         this many top alternatives (the prompt then prefills a token a run). GRAMMAR: an llguidance grammar
         (runtimes/constraint.py; e.g. llguidance.LLMatcher.grammar_from_json_schema(schema)) the output
-        follows, ending at an end id (stop_at_eos's or STOP_TOKEN_IDS)."""
+        follows, ending at an end id (stop_at_eos's or STOP_TOKEN_IDS), or one compiled by grammar_constraint."""
         require(max_new_tokens, "max new tokens", "an integer")
         max_new_tokens = int(max_new_tokens)  # a numpy integer would reach the pool's sizes (int.bit_length)
         if max_new_tokens < 1:
@@ -462,22 +462,20 @@ class Engine:
                                                            self.manifest.dims.vocab_size)
         return self._grammar_tokenizer.for_ends(frozenset(ends))
 
-    def grammar_problem(self, grammar: str, ends) -> str:
-        """Why GRAMMAR cannot constrain this artifact's output ending at ENDS ('' when it can)."""
-        from speedc.runtimes.constraint import check_grammar
-
-        return check_grammar(grammar, self.grammar_tokenizer(frozenset(ends)))
-
-    def grammar_constraint(self, grammar: str, ends):
+    def grammar_constraint(self, grammar, ends):
+        """GRAMMAR (an llguidance grammar string) compiled and tried for an output ending at ENDS; or GRAMMAR's
+        copy when it is a GrammarConstraint already compiled for the same ends (a server compiles off its engine
+        thread, once for all of a request's choices). GenerationError when it cannot constrain this output."""
         from speedc.runtimes.constraint import GrammarConstraint
 
+        if isinstance(grammar, GrammarConstraint):
+            if grammar.ends != frozenset(ends):
+                raise GenerationError("internal: a grammar compiled for other end ids")
+            return grammar.copy()
         if not isinstance(grammar, str):
             raise GenerationError(f"grammar must be an llguidance grammar string, not {type(grammar).__name__}")
-        tokenizer = self.grammar_tokenizer(frozenset(ends))
-        problem = self.grammar_problem(grammar, ends)
-        if problem and not problem.startswith("WARNING"):
-            raise GenerationError(f"the grammar is not valid: {problem}")
-        return GrammarConstraint(tokenizer, grammar, self.manifest.dims.vocab_size)
+        return GrammarConstraint(self.grammar_tokenizer(frozenset(ends)), grammar, self.manifest.dims.vocab_size,
+                                 frozenset(ends))
 
     def _stop_ids(self, ids) -> frozenset[int]:
         if ids is None:

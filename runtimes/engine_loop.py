@@ -17,9 +17,11 @@ One task drives the scheduler: each iteration runs one BatchScheduler.step in a 
 event loop stays free), then hands the confirmed tokens to each request's queue. It sleeps while no
 request is waiting or running and wakes on submit. Text follows the single-sequence stream's rule
 (detokenize.IncrementalText.take_settled): no incomplete UTF-8 character, no text that may begin a stop
-string; each token decodes a few ids, not the whole output. A step
-that fails (a backend error) ends every request it was running with that error (those that had
-already ended, end as they did); waiting requests stay queued and the loop carries on. A request
+string; each token decodes a few ids, not the whole output. A sequence whose own work fails in a step
+(its grammar, its sampling) ends alone with its error (Sequence.error) and the step goes on for the
+others (BatchScheduler._fail_alone). A step that fails (a backend error) ends every request it was
+running with that error (those that had already ended, end as they did); waiting requests stay queued
+and the loop carries on. A request
 whose KV cache cannot be allocated even alone ends with OutOfMemory; the others are unaffected.
 """
 
@@ -31,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from speedc.runtimes.batch import DONE, BatchScheduler, Sequence
 from speedc.runtimes.detokenize import Piece
 from speedc.runtimes.engine import Engine, GenerationResult
+from speedc.runtimes.heap import return_freed_memory
 
 
 class Submitted:
@@ -170,6 +173,9 @@ class EngineLoop:
         while True:
             if not self.scheduler.busy:
                 self._wake.clear()
+                # idle: what the requests freed goes back to the OS (runtimes/heap.py: 3-6 ms after a batch of
+                # zoo:small), in a thread of its own so that a request arriving meanwhile does not wait for it
+                loop.run_in_executor(None, return_freed_memory)
                 await self._wake.wait()
                 continue
             try:

@@ -22,6 +22,7 @@ from speedc.build_output import check_output, install
 from speedc.errors import BuildError, SpeedcError
 from speedc.models.checkpoint.torch_io import checkpoint_hash, open_checkpoint, read_tokenizer_json
 from speedc.models.checkpoint.files import acceptance_hint_from_training, declared_tensor_bytes, has_speedc_section
+from speedc.models import zoo
 from speedc.passes import (batch_step_graph, cleanup, exit_heads, fuse_projections, fuse_skip_norm,  # noqa: F401
                            gqa_attention, kv_cache,
                            merge_programs, native_products, quantize_weights, schedule, share, trace, trt_lint,
@@ -237,6 +238,9 @@ def write_files(state: CompileState, checkpoint: Path, tokenizer: str | None, tm
     for name in (TOKENIZER_CONFIG, CHAT_TEMPLATE):  # the chat template travels with the artifact
         if checkpoint.is_dir() and (checkpoint / name).is_file():
             shutil.copyfile(checkpoint / name, tmp / name)
+    bundled = zoo.tokenizer_config_text(checkpoint)  # the bundled models' chat template (models/zoo.py)
+    if bundled is not None:
+        (tmp / TOKENIZER_CONFIG).write_text(bundled)
     return specs, index
 
 

@@ -74,6 +74,8 @@ def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_q
                    "answers 429 with Retry-After.")
 @click.option("--request-timeout", type=FiniteFloat(), default=600.0, show_default=True,
               help="Seconds a request may take from arrival (queueing included) before it is stopped.")
+@click.option("--max-request-bytes", type=int, default=4 << 20, show_default=True,
+              help="Largest request body; a larger one is answered 413 before it is read.")
 @backend_options
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True)
@@ -85,7 +87,7 @@ def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_q
               help="--ray: requests a replica holds at once (default: --max-batch running + --max-queue waiting).")
 @click.option("--replica-cpus", type=FiniteFloat(), default=1.0, show_default=True, help="--ray: CPUs reserved per replica.")
 def serve(artifact, host, port, model_name, chat_template, mode, max_batch, kv_cache_mb, prefix_cache_mb, max_queue,
-          request_timeout,
+          request_timeout, max_request_bytes,
           backend, device, threads, log_level, use_ray, replicas, autoscale, max_ongoing_requests, replica_cpus):
     """Serve a compiled ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics)."""
@@ -93,6 +95,8 @@ def serve(artifact, host, port, model_name, chat_template, mode, max_batch, kv_c
 
     _check_up_front(artifact, chat_template, port, max_queue, request_timeout, max_batch, kv_cache_mb, backend, device,
                     prefix_cache_mb)
+    if max_request_bytes < 1024:
+        raise SpeedcError("--max-request-bytes must be at least 1024")
     ray_only = given_options("replicas", "autoscale", "max_ongoing_requests", "replica_cpus")
     if ray_only and not use_ray:  # they shape the Ray deployment; a local server silently ignored them, bad values too
         raise SpeedcError(f"{flag(ray_only[0])} goes with --ray (scale-out on Ray Serve); this serves one process")
@@ -103,7 +107,7 @@ def serve(artifact, host, port, model_name, chat_template, mode, max_batch, kv_c
     settings = ServeSettings(artifact=artifact.resolve(), model_name=model_name,
                              backend=backend, device=device, threads=threads, mode=mode, max_batch=max_batch,
                              kv_cache_mb=kv_cache_mb, prefix_cache_mb=prefix_cache_mb, max_queue=max_queue,
-                             request_timeout=request_timeout,
+                             request_timeout=request_timeout, max_request_bytes=max_request_bytes,
                              chat_template=chat_template.resolve() if chat_template else None)
     if use_ray:
         from speedc.serve.ray_deployment import ScaleOut, run_on_ray

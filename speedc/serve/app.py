@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +28,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from speedc.errors import GenerationError, OutOfMemory, SpeedcError
 from speedc.runtimes.detokenize import Piece
+from speedc.runtimes.heap import return_freed_memory
 from speedc.serve.batched_engine import BatchedEngine, BatchedGeneration
 from speedc.serve.chat_template import ChatTemplate, TemplateRenderError, load_chat_template
 from speedc.serve.engine_adapter import Generation, GenerationRequest, QueueFull, ThreadedEngine, prompt_char_limit
@@ -42,6 +45,9 @@ from speedc.serve.responses import Reply, error_event, usage
 
 log = logging.getLogger("uvicorn.error")  # uvicorn formats and prints it beside its own lines
 CLIENT_GONE_STATUS = 499  # nobody reads it: the client closed the connection
+BODY_SECONDS = 30.0  # a request body must arrive within this (a client trickling bytes holds no handler longer)
+GRAMMAR_SECONDS = 10.0  # a grammar must compile (and pass its first two tokens) within this, else 400
+GRAMMAR_THREADS = 2  # grammars compile here, never on the engine's thread or the event loop
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,7 @@ class ServeSettings:
     prefix_cache_mb: float | None = None  # None: as much as the KV-cache pool may hold; 0: off
     max_queue: int = 64
     request_timeout: float = 600.0  # seconds from arrival, queueing included
+    max_request_bytes: int = 4 << 20  # a larger body is refused (413) before it is read
     chat_template: Path | None = None  # overrides the artifact's
 
 
@@ -105,6 +112,31 @@ class Service:
         self.token_texts = TokenTexts(self.adapter.engine.tokenizer)
         self.end_of_turn_ids: tuple[int, ...] = tuple(self.template.end_of_turn_ids(self.adapter.engine.tokenizer)
                                                       if self.template is not None else ())
+        self.grammar_threads = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="speedc-grammar")
+
+    async def compile_grammar(self, request: GenerationRequest, field: str) -> GenerationRequest:
+        """REQUEST with its grammar compiled and tried (runtimes/constraint.py) in a grammar thread within
+        GRAMMAR_SECONDS: the engine steps and the other requests go on meanwhile (llguidance computes without
+        the GIL). Each choice's request copies it. A grammar that fails, or takes longer, is a 400."""
+        if request.grammar is None:
+            return request
+        engine = self.adapter.engine
+        ends = frozenset(request.stop_token_ids) | (engine.eos_token_ids if request.stop_at_eos else frozenset())
+        def compile_and_trim():
+            try:
+                return engine.grammar_constraint(request.grammar, ends)
+            finally:
+                return_freed_memory()  # a big or failed compile frees 100+ MB that glibc would otherwise keep
+
+        work = asyncio.get_running_loop().run_in_executor(self.grammar_threads, compile_and_trim)
+        try:
+            constraint = await asyncio.wait_for(asyncio.shield(work), GRAMMAR_SECONDS)
+        except asyncio.TimeoutError:  # llguidance's own limits end the compile; its thread is free then
+            raise ApiError(400, f"{field}: the grammar did not compile within {GRAMMAR_SECONDS:g} s; give a smaller one",
+                           param=field, code="grammar_too_complex") from None
+        except GenerationError as bad:
+            raise ApiError(400, f"{field}: {bad}", param=field, code="invalid_grammar") from None
+        return dataclasses.replace(request, grammar=constraint)
 
     def prompt_ids(self, parsed: ParsedRequest) -> list[int]:
         """The request's prompt as ids (tokenized, or rendered through the chat template first). Called
@@ -152,14 +184,9 @@ class Service:
         stop_ids = self.stop_token_ids(parsed)
         if parsed.tools:
             s = dataclasses.replace(s, grammar=call_grammar(parsed.tools, parsed.tool_choice), grammar_field="tools")
-        if s.grammar is not None:
-            ends = set(stop_ids) | (set(self.adapter.engine.eos_token_ids) if not s.ignore_eos else set())
-            if not ends:
-                raise ApiError(400, f"{s.grammar_field} needs an end: not with ignore_eos (or give stop_token_ids)",
-                               param=s.grammar_field)
-            problem = self.adapter.engine.grammar_problem(s.grammar, ends)
-            if problem and not problem.startswith("WARNING"):
-                raise ApiError(400, f"{s.grammar_field}: {problem.splitlines()[0]}", param=s.grammar_field)
+        if s.grammar is not None and not stop_ids and (s.ignore_eos or not self.adapter.engine.eos_token_ids):
+            raise ApiError(400, f"{s.grammar_field} needs an end: not with ignore_eos (or give stop_token_ids)",
+                           param=s.grammar_field)
         # best_of ranks its generations by their tokens' log-probabilities: recorded even where not shown
         logprobs = s.logprobs if s.logprobs is not None or s.best_of == s.n else 0
         return GenerationRequest(ids, max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
@@ -254,10 +281,62 @@ async def until_disconnect(request: Request, work: asyncio.Future):
     return work.result()
 
 
-def out_of_memory(error: OutOfMemory) -> ApiError:
-    """The request's KV cache could not be allocated even with no other request running: the server's
-    memory, not the request, is the limit (503, with the engine's advice)."""
-    return ApiError(503, str(error), kind="server_error", code="out_of_memory")
+def parse_body(raw: bytes, kind: str) -> ParsedRequest:
+    try:
+        return parse_request(read_json(raw), kind)
+    finally:
+        if len(raw) > BIG_BODY:
+            return_freed_memory()
+
+
+BIG_BODY = 1 << 20  # bytes: the JSON of a body this large takes many times its size while it is parsed
+
+
+def generation_failed(error: Exception, param: str) -> ApiError:
+    """What a client is told when its own generation ended with ERROR. Its KV cache could not be allocated even
+    alone: 503, the server's memory is the limit. Its own input failed in the engine (a grammar that fails part
+    way, a setting the checks let through): 400 about PARAM. Else the step it ran in failed: 500, the server's
+    log has why (never the client)."""
+    if isinstance(error, OutOfMemory):
+        return ApiError(503, str(error), kind="server_error", code="out_of_memory")
+    if isinstance(error, GenerationError):
+        return ApiError(400, f"{param}: {str(error).splitlines()[0] if str(error) else 'the generation failed'}",
+                        param=param, code="generation_failed")
+    log.error("generation failed: %s: %s", type(error).__name__, error)
+    return ApiError(500, "the generation failed on the server", kind="server_error", code="server_error")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's JSON body, refused before it is read where it cannot be one: not application/json (415:
+    a web page's cross-origin form or text/plain post never reaches the engine), over LIMIT bytes (413, by its
+    Content-Length or as it arrives), not in within BODY_SECONDS (408). ClientGone when the client aborts."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/json":
+        raise ApiError(415, f"the request body must be application/json, not {kind or 'unstated'}",
+                       code="unsupported_media_type")
+    declared = request.headers.get("content-length")
+    too_large = ApiError(413, f"the request body is over this server's limit of {limit:,} bytes (--max-request-bytes)",
+                         code="request_too_large")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise too_large
+    chunks, size = [], 0
+
+    async def receive() -> None:
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(receive(), BODY_SECONDS)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {BODY_SECONDS:g} s", code="body_timeout",
+                       headers={"Connection": "close"}) from None  # the rest of a slow body is not waited for
+    except ClientDisconnect:
+        raise ClientGone from None
+    return b"".join(chunks)
 
 
 @dataclass
@@ -296,7 +375,9 @@ class Shown:
     prompt_text: str  # echo: the prompt as sent (or its ids' text)
     echo: bool
     logprobs: bool
-    tools: bool = False  # chat with tools offered: an output that is a call becomes tool_calls
+    tools: bool  # chat with tools offered: an output that is a call becomes tool_calls
+    metrics: Metrics  # where the response's outcome is counted
+    param: str  # the request field its generation's own errors (a grammar's) are about
 
     def logprobs_of(self, entries: list, offset: int = 0) -> dict | None:
         if not self.logprobs:
@@ -325,10 +406,11 @@ async def whole_response(request: Request, shown: Shown, choices: list[Choice], 
         texts = await until_disconnect(request, asyncio.ensure_future(collect_all()))
     except asyncio.TimeoutError:
         raise choices[0].tracker.timed_out() from None
-    except OutOfMemory as full:
-        raise out_of_memory(full) from None
     except ClientGone:
+        shown.metrics.record_outcome(CLIENT_GONE_STATUS)
         return Response(status_code=CLIENT_GONE_STATUS)
+    except Exception as failed:
+        raise generation_failed(failed, shown.param) from None
     finally:
         for choice in choices:
             choice.tracker.abandon()  # no-op when finished; stops the engine if this handler itself was cancelled
@@ -349,6 +431,7 @@ async def whole_response(request: Request, shown: Shown, choices: list[Choice], 
         if calls:
             body["message"]["tool_calls"] = calls
         bodies.append(body)
+    shown.metrics.record_outcome(200)
     return JSONResponse(shown.reply.body(bodies, shown.usage(choices)))
 
 
@@ -367,6 +450,7 @@ async def stream_events(shown: Shown, choices: list[Choice]) -> AsyncIterator[st
     pumps = [asyncio.ensure_future(pump(choice)) for choice in choices]
     offsets = {choice.index: 0 for choice in choices}  # completions' text_offset so far
     echoed: set[int] = set()
+    ended = False  # with its last event or an error event; else the client went away mid-stream
     try:
         for item in reply.opening_events(len(choices)):
             yield item
@@ -374,13 +458,10 @@ async def stream_events(shown: Shown, choices: list[Choice]) -> AsyncIterator[st
         while running:
             choice, item = await queue.get()
             if isinstance(item, Exception):
-                if isinstance(item, asyncio.TimeoutError):
-                    yield error_event(choice.tracker.timed_out().body())
-                elif isinstance(item, OutOfMemory):
-                    yield error_event(out_of_memory(item).body())
-                else:
-                    log.error("generation failed", exc_info=item)
-                    yield error_event(ApiError(500, "the generation failed on the server", kind="server_error").body())
+                error = choice.tracker.timed_out() if isinstance(item, asyncio.TimeoutError) else generation_failed(item, shown.param)
+                shown.metrics.record_outcome(error.status, error.code or error.kind, streamed=True)
+                ended = True
+                yield error_event(error.body())
                 return
             if shown.echo and choice.index not in echoed:  # the prompt first (its log-probabilities are known now)
                 echoed.add(choice.index)
@@ -398,9 +479,13 @@ async def stream_events(shown: Shown, choices: list[Choice]) -> AsyncIterator[st
             entries = choice.logprob_entries(choice.generation.completion_tokens - choice._given)
             yield reply.text_event(item.text, choice.index, shown.logprobs_of(entries, offsets[choice.index]))
             offsets[choice.index] += len(item.text)
+        ended = True
+        shown.metrics.record_outcome(200)
         for item in reply.closing_events(shown.usage(choices)):
             yield item
     finally:
+        if not ended:
+            shown.metrics.record_outcome(CLIENT_GONE_STATUS)
         for task in pumps:
             task.cancel()
         for choice in choices:
@@ -441,14 +526,14 @@ def create_app(settings: ServeSettings, *, load_in_background: bool = True,
             loading.cancel()
         if app.state.service is not None:
             await app.state.service.adapter.aclose()
+            app.state.service.grammar_threads.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="speedc", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.metrics = metrics
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError):
-        if 400 <= error.status < 500 and error.status != 429:
-            metrics.refused.labels(str(error.status)).inc()
+        metrics.record_outcome(error.status, error.code or error.kind)
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -459,6 +544,7 @@ def create_app(settings: ServeSettings, *, load_in_background: bool = True,
     @app.exception_handler(Exception)
     async def server_error(request: Request, error: Exception):
         log.exception("request failed")
+        metrics.record_outcome(500, "server_error")
         return JSONResponse(ApiError(500, "internal server error", kind="server_error").body(), status_code=500)
 
     def service_of(request: Request) -> Service:
@@ -489,14 +575,27 @@ def create_app(settings: ServeSettings, *, load_in_background: bool = True,
     async def respond(request: Request, kind: str) -> Response:
         arrived = time.perf_counter()
         service = service_of(request)
-        parsed = parse_request(read_json(await request.body()), kind)
+        try:
+            raw = await read_body(request, settings.max_request_bytes)
+        except ClientGone:  # an upload aborted part way: nothing to answer, nothing to trace
+            log.info("%s %s: the client closed the connection before its request body arrived",
+                     request.method, request.url.path)
+            metrics.record_outcome(CLIENT_GONE_STATUS)
+            return Response(status_code=CLIENT_GONE_STATUS)
+        # parsing a body of megabytes, or a schema into a grammar, takes a worker thread, not the event loop
+        parsed = await asyncio.to_thread(parse_body, raw, kind)
         if parsed.model != settings.model_name:
             raise ApiError(404, f"the model {parsed.model!r} does not exist (this server serves "
                                 f"{settings.model_name!r})", param="model", code="model_not_found")
-        generations = []
+        generations, s = [], parsed.sampling
+        # the field a failure of the request's own generation is about (its grammar's, else its prompt's)
+        param = "tools" if parsed.tools else s.grammar_field or ("messages" if kind == "chat" else "prompt")
         try:
             ids = await asyncio.to_thread(service.prompt_ids, parsed)
             requests = service.choice_requests(parsed, ids)
+            if requests[0].grammar is not None:
+                compiled = await service.compile_grammar(requests[0], param)
+                requests = [dataclasses.replace(one, grammar=compiled.grammar) for one in requests]
             if service.adapter.running + service.adapter.waiting + len(requests) > service.adapter.max_batch + service.adapter.max_queue:
                 raise QueueFull(service.adapter.retry_after())
             for one in requests:
@@ -508,13 +607,11 @@ def create_app(settings: ServeSettings, *, load_in_background: bool = True,
         except QueueFull as full:
             for generation in generations:
                 generation.cancel()
-            metrics.rejected.inc()
             raise ApiError(429, f"the server is full ({service.adapter.max_batch} running, {service.adapter.max_queue} "
                                 f"waiting); retry later",
                            kind="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": str(full.retry_after)}) from None
         metrics.prompt_tokens.inc(len(ids))
-        s = parsed.sampling
         scoring_only = s.echo and s.max_tokens == 0
         choices = [Choice(i, Tracker(metrics, generation, arrived, settings.request_timeout), show_tokens=not scoring_only)
                    for i, generation in enumerate(generations)]
@@ -522,7 +619,8 @@ def create_app(settings: ServeSettings, *, load_in_background: bool = True,
         prompt_text = ""
         if s.echo:
             prompt_text = parsed.prompt if isinstance(parsed.prompt, str) else service.adapter.engine.decode_text(ids)
-        shown = Shown(reply, service.token_texts, ids, prompt_text, s.echo, s.logprobs is not None, bool(parsed.tools))
+        shown = Shown(reply, service.token_texts, ids, prompt_text, s.echo, s.logprobs is not None, bool(parsed.tools),
+                      metrics, param)
         if parsed.stream:
             async def abandon_all() -> None:
                 for choice in choices:

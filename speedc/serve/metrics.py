@@ -1,7 +1,8 @@
 """Prometheus metrics of one server (its own registry, so several apps in one process never clash).
 
-Requests: running / waiting (read from the engine adapter when scraped), rejected (429), cancelled
-(client gone), timed out, finished by finish_reason, refused (4xx). Engine steps by the number of
+Requests: running / waiting (read from the engine adapter when scraped), by outcome (ok, refused 4xx,
+failed 5xx, cancelled, with status and reason), streams that failed after their 200, generations cancelled
+(client gone), timed out, finished by finish_reason. Engine steps by the number of
 sequences decoded together (continuous batching at work: steps with sequences > 1). Tokens: prompt and generated.
 Latency: time to first token (from the request's arrival, queueing included) and inter-token latency
 (between streamed pieces; a piece is one confirmed token unless UTF-8 holds bytes back). SPEED:
@@ -26,14 +27,17 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.running = Gauge("speedc_requests_running", "Generations running on the engine", registry=r)
         self.waiting = Gauge("speedc_requests_waiting", "Admitted requests waiting for the engine", registry=r)
-        self.rejected = Counter("speedc_requests_rejected", "Requests refused with 429: the queue was full", registry=r)
         self.cancelled = Counter("speedc_requests_cancelled", "Generations stopped because the client went away",
                                  registry=r)
         self.timed_out = Counter("speedc_requests_timed_out", "Generations stopped by the request timeout", registry=r)
         self.finished = Counter("speedc_requests_finished", "Generations that ran to the end", ["finish_reason"],
                                 registry=r)
-        self.refused = Counter("speedc_requests_invalid", "Requests answered with a 4xx error other than 429",
-                               ["status"], registry=r)
+        self.outcomes = Counter("speedc_request_outcomes", "Requests by how they ended: ok, refused (4xx: the "
+                                "request's own fault or the server full), failed (5xx), cancelled (the client went "
+                                "away); a stream counts by its error event's status", ["outcome", "status", "reason"],
+                                registry=r)
+        self.stream_failures = Counter("speedc_stream_failures", "Streams that ended with an error event after "
+                                       "their 200 (the error's status and code)", ["status", "reason"], registry=r)
         self.prompt_tokens = Counter("speedc_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("speedc_generation_tokens", "Generated (confirmed) tokens", registry=r)
         self.cached_prompt_tokens = Counter("speedc_prompt_tokens_cached", "Prompt tokens whose K/V came from the "
@@ -68,6 +72,13 @@ class Metrics:
         self.prefix_cache_bytes.set_function(lambda: adapter.prefix_cache.nbytes if adapter.prefix_cache else 0)
         self.registry.register(_EngineSteps(adapter))
         self.registry.register(_HostCosts(adapter))
+
+    def record_outcome(self, status: int, reason: str = "", streamed: bool = False) -> None:
+        """A request ended with HTTP STATUS (a stream: its error event's, or 200), REASON: the error's code."""
+        outcome = ("ok" if status < 400 else "cancelled" if status == 499 else "refused" if status < 500 else "failed")
+        self.outcomes.labels(outcome, str(status), reason).inc()
+        if streamed and status >= 400:
+            self.stream_failures.labels(str(status), reason).inc()
 
     def record_finished(self, finish_reason: str, stats) -> None:
         self.finished.labels(finish_reason).inc()

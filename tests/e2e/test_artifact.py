@@ -26,7 +26,7 @@ from speedc.serve.chat_template import load_chat_template
 def test_artifact_layout_and_weight_bytes(tiny_artifact):
     m = read_manifest(tiny_artifact)
     assert {"manifest.json", "engine.onnx", "engine.gqa.onnx", "weights.bin", "tokenizer.json",
-            "config.json"} == {p.name for p in tiny_artifact.iterdir()}
+            "tokenizer_config.json", "config.json"} == {p.name for p in tiny_artifact.iterdir()}  # (its chat template)
     for graph in ("engine.onnx", "engine.gqa.onnx"):
         onnx.checker.check_model(str(tiny_artifact / graph), full_check=True)
     # One engine graph per variant (standard, fused GroupQueryAttention), each holding the prefill and the

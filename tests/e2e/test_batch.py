@@ -398,3 +398,28 @@ def test_candidate_checks_keep_early_flush_lossless(engine):
         for prompt, result in zip(PROMPTS, batched):
             assert outcomes(result) == outcomes(alone[prompt]), (max_batch, prompt)
     assert sum(checks) > len(checks)  # about two checks a step per sequence once the pipelines are full
+
+
+def test_prefill_takes_turns_so_a_long_prompt_never_holds_a_later_first_token(engine):
+    """Before: the sequence in the lowest pool row took every prefill chunk until its prompt was in, so a new
+    request waited behind a long prompt, and behind a prompt whose log-probabilities are asked (a token a run:
+    ~190 runs here). Now prefill chunks go round the prefilling sequences in order of arrival: the later short
+    request has its first token within a few iterations. Both outputs (and the prompt's log-probabilities)
+    equal each alone."""
+    text = "To be, or not to be, that is the question: " * 12
+    scheduler = engine.batch_scheduler(max_batch=2, prefill_chunk=32)
+    echo = scheduler.submit(engine.request_from(text, dict(max_new_tokens=4, prompt_logprobs=1, stop_at_eos=False)))
+    scheduler.step()
+    later = scheduler.submit(engine.request_from(PROMPTS[0], dict(max_new_tokens=4, stop_at_eos=False)))
+    iterations = 0
+    while not later.out:
+        scheduler.step()
+        iterations += 1
+    assert iterations <= 3 and echo.prefilled < len(echo.request.prompt) // 2 and len(echo.request.prompt) > 150
+    scheduler.run()
+    alone = engine.batch_scheduler(max_batch=1, prefill_chunk=32)
+    echo_alone = alone.submit(engine.request_from(text, dict(max_new_tokens=4, prompt_logprobs=1, stop_at_eos=False)))
+    alone.run()
+    assert echo.out == echo_alone.out and later.out == _alone(engine, PROMPTS[0], {"stop_at_eos": False}, 4).ids
+    assert [(e.token, e.logprob) for e in echo.request.prompt_logprob_values] == \
+        [(e.token, e.logprob) for e in echo_alone.request.prompt_logprob_values]

@@ -7,6 +7,7 @@ no request is cut short or left hanging, and the scheduler stays consistent."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -174,6 +175,96 @@ def test_requests_that_ended_before_a_step_failed_end_as_they_did(engine):
                     "running": "injected ONNX Runtime failure", "queued": "max_new_tokens"}
     assert not leaked
     assert one_token.result.ids == _alone(engine, PROMPTS[2], 1) and queued.result.ids == _alone(engine, PROMPTS[3], 6)
+
+
+class FailsAtPick:
+    """A stand-in for a request's own failure (its grammar, its sampling): the real TokenPicker, except that
+    its K-th pick raises."""
+
+    def __init__(self, picker, k: int) -> None:
+        self.picker, self.k, self.picks = picker, k, 0
+
+    def __getattr__(self, name):
+        return getattr(self.picker, name)
+
+    def pick(self, *args):
+        self.picks += 1
+        if self.picks == self.k:
+            raise GenerationError(f"scripted failure at pick {self.k}")
+        return self.picker.pick(*args)
+
+
+@pytest.mark.parametrize("row_budget", [None, 0], ids=["speed-steps", "plain-steps"])
+def test_a_sequence_whose_own_work_fails_ends_alone(engine, row_budget):
+    """Before: an error raised by one sequence's own work in the shared step (its picker, its grammar) failed
+    every sequence of the step. Now it ends that sequence alone (Sequence.error), at its first pick (after
+    its prefill) or later (in a speed or plain step), and the others' outputs equal plain decoding alone."""
+    from speedc.runtimes.batch import RowPolicy
+
+    backend = BatchBackend(engine.directory, engine.manifest, max_batch=4, capacity=256)
+    scheduler = BatchScheduler(backend, policy=RowPolicy(row_budget=row_budget))
+    normal = [scheduler.submit(_request(engine, prompt, 24)) for prompt in PROMPTS[:2]]
+    failing = {}
+    for k in (1, 6):
+        request = _request(engine, PROMPTS[2 + (k > 1)], 24)
+        request.picker = FailsAtPick(request.picker, k)
+        failing[k] = scheduler.submit(request)
+    scheduler.run()
+    for prompt, sequence in zip(PROMPTS, normal):
+        assert sequence.error is None and sequence.out == _alone(engine, prompt, 24)
+    for k, sequence in failing.items():
+        assert sequence.stats.stop_reason == "error" and sequence.state == DONE
+        assert str(sequence.error) == f"scripted failure at pick {k}" and len(sequence.out) == k - 1
+        assert sequence.out == _alone(engine, PROMPTS[2 + (k > 1)], 24)[:k - 1]
+    assert not scheduler.occupied and not scheduler.waiting
+
+
+def test_a_grammar_that_fails_in_the_step_ends_its_request_alone(engine):
+    """A real grammar error raised inside the shared step (llguidance refuses a parser row of 2,501 items once
+    the first token is in). A compile tries a grammar's first two tokens and refuses this one up front
+    (GrammarConstraint); here its matcher is handed over untried, as a grammar whose error comes later would
+    be. Before, every request in flight failed with it; now that request alone does, and the others equal
+    plain decoding alone."""
+    import json
+
+    import llguidance
+
+    from speedc.runtimes.constraint import GrammarConstraint
+
+    grammar = llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(f"item{i}") for i in range(2500)))
+    ends = frozenset(engine.eos_token_ids)
+    with pytest.raises(GenerationError, match="^the grammar failed: Parser Error: Current row has 2501 items"):
+        engine.request_from(PROMPTS[3], dict(max_new_tokens=20, grammar=grammar))
+    untried = GrammarConstraint(None, None, engine.manifest.dims.vocab_size, ends,
+                                matcher=llguidance.LLMatcher(engine.grammar_tokenizer(ends), grammar, log_level=0))
+    scheduler = BatchScheduler(BatchBackend(engine.directory, engine.manifest, max_batch=4, capacity=256))
+    normal = [scheduler.submit(_request(engine, prompt, 20)) for prompt in PROMPTS[:3]]
+    bad_request = engine.request_from(PROMPTS[3], dict(max_new_tokens=20))
+    bad_request.picker.constraint = untried
+    bad = scheduler.submit(bad_request)
+    scheduler.run()
+    assert [s.out for s in normal] == [_alone(engine, prompt, 20) for prompt in PROMPTS[:3]]
+    assert bad.stats.stop_reason == "error" and len(bad.out) == 1
+    assert re.fullmatch(r"the grammar failed: Parser Error: Current row has 2501 items; max is 2000;[^\n]*", str(bad.error))
+
+
+def test_engine_loop_ends_a_failed_sequence_with_its_own_error(engine):
+    """The loop hands a sequence's own error to its request alone: the others run on, and so does the loop."""
+    async def scenario():
+        loop = EngineLoop(engine, max_batch=4)
+        normal = [loop.submit(prompt, max_new_tokens=20, stop_at_eos=False) for prompt in PROMPTS[:3]]
+        bad = loop.submit(PROMPTS[3], max_new_tokens=20, stop_at_eos=False)
+        bad.sequence.request.picker = FailsAtPick(bad.sequence.request.picker, 3)
+        with pytest.raises(GenerationError, match="^scripted failure at pick 3$"):
+            await bad.wait()
+        results = [await request.wait() for request in normal]
+        after = await loop.submit(PROMPTS[3], max_new_tokens=8, stop_at_eos=False).wait()
+        await loop.aclose()
+        return results, after, bad
+
+    results, after, bad = asyncio.run(scenario())
+    assert [r.ids for r in results] == [_alone(engine, prompt, 20) for prompt in PROMPTS[:3]]
+    assert after.ids == _alone(engine, PROMPTS[3], 8) and bad.ids == _alone(engine, PROMPTS[3], 20)[:2]
 
 
 def test_cancel_from_another_thread_wakes_the_loop(engine):

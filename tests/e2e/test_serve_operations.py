@@ -1,27 +1,32 @@
 """`speedc serve` operations: 429 with Retry-After when every batch slot and queue place is taken (and
 requests that give up free their places), the request timeout stops a generation (streamed or whole),
-a model without a chat template answers chat with a 400, SIGTERM lets in-flight requests finish before
-the process exits, the single-sequence engine (--max-batch 1) still serves, and a batched server opens
-only the batch scheduler's sessions, and a request whose KV cache cannot be allocated gets a 503 while the
-others are served. One `speedc serve` subprocess for the module (--max-batch 2
---max-queue 1; the SIGTERM test ends it, so it runs last); other settings run the app in this process."""
+a bundled model's chat template renders its chat prompts and a model without one answers chat with a
+400, SIGTERM lets in-flight requests finish before the process exits, the single-sequence engine
+(--max-batch 1) still serves, and a batched server opens only the batch scheduler's sessions, and a
+request whose KV cache cannot be allocated gets a 503 while the others are served. One `speedc serve`
+subprocess for the module (--max-batch 2 --max-queue 1; the SIGTERM test ends it, so it runs last);
+other settings run the app in this process."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import signal
 
 import httpx
 import openai
 import pytest
+from tokenizers import Tokenizer
 
-from conftest import assert_one_line_error, run_cli
+from conftest import ZOO, assert_one_line_error, build_artifact, run_cli
 from serve_server import server_in_this_process, start_server
 from speedc import Engine
 from speedc.cli.serve import _check_up_front
 from speedc.errors import SpeedcError
+from speedc.format.artifact import TOKENIZER_CONFIG
 from speedc.serve.app import ServeSettings, make_adapter
+from speedc.serve.chat_template import load_chat_template
 
 LONG = 480  # tokens: about half a second on zoo:tiny here
 BODY = {"model": "tiny", "prompt": "ROMEO:", "temperature": 0, "ignore_eos": True}
@@ -77,10 +82,31 @@ def test_bad_command_lines_are_one_line_errors(tiny_artifact, tmp_path):
             _check_up_front(tiny_artifact, None, 8000, 4, 60.0, **options)
 
 
-def test_chat_without_a_template_is_a_400(server):
+def test_chat_on_a_bundled_model_renders_its_template(server, tiny_artifact):
+    """zoo:tiny's artifact carries a plain-text chat template (models/zoo.py): a chat completion answers
+    with text, its prompt the template's rendering (the completions route given the rendered text's ids
+    answers the same), and it stops at the model's end of text."""
+    messages = [{"role": "user", "content": "Good morrow, sir."}]
+    rendered = load_chat_template(tiny_artifact).render(messages)
+    assert rendered == "USER.\nGood morrow, sir.\n\nASSISTANT.\n"
+    ids = Tokenizer.from_file(str(tiny_artifact / "tokenizer.json")).encode(rendered, add_special_tokens=False).ids
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-    with pytest.raises(openai.BadRequestError, match="no chat template") as refused:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    plain = client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0)
+    assert chat.choices[0].message.content and chat.choices[0].message.content == plain.choices[0].text
+    assert chat.usage.prompt_tokens == plain.usage.prompt_tokens == len(ids)
+    assert chat.choices[0].finish_reason == plain.choices[0].finish_reason
+
+
+def test_chat_without_a_template_is_a_400(tmp_path):
+    """A model without a chat template answers chat with a 400 that says so: zoo:tiny's checkpoint copied
+    out of the zoo, which carries no template of its own (the build writes the bundled models')."""
+    bare = build_artifact(shutil.copytree(ZOO / "tiny", tmp_path / "tiny"), tmp_path / "art")
+    assert not (bare / TOKENIZER_CONFIG).exists()
+    with server_in_this_process(ServeSettings(artifact=bare, model_name="tiny", threads=1)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="no chat template") as refused:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
     assert refused.value.body["code"] == "no_chat_template"
 
 
@@ -108,7 +134,8 @@ def test_full_queue_answers_429_with_retry_after(server):
     cancelled = server.wait_metric("speedc_requests_cancelled_total",
                                    lambda v: v >= before["speedc_requests_cancelled_total"] + 3)
     assert cancelled == before["speedc_requests_cancelled_total"] + 3
-    assert server.metrics()["speedc_requests_rejected_total"] - before["speedc_requests_rejected_total"] == 1
+    full = 'speedc_request_outcomes_total{outcome="refused",reason="rate_limit_exceeded",status="429"}'
+    assert server.metrics()[full] - before.get(full, 0) == 1
     server.wait_metric("speedc_requests_running", lambda v: v == 0)
     assert server.metrics()["speedc_requests_waiting"] == 0
     ok = httpx.post(f"{server.url}/v1/completions", json=dict(BODY, max_tokens=3), timeout=30)
@@ -130,6 +157,9 @@ def test_request_timeout_stops_streamed_and_whole_generations(tiny_artifact):
         assert late.value.status_code == 408 and late.value.body["type"] == "timeout_error"
         metrics = httpx.get(f"{url}/metrics").text
         assert "speedc_requests_timed_out_total 2.0" in metrics and "speedc_requests_running 0.0" in metrics
+        # each counted by outcome, the stream also as a stream that failed after its 200
+        assert 'speedc_request_outcomes_total{outcome="refused",reason="timeout",status="408"} 2.0' in metrics
+        assert 'speedc_stream_failures_total{reason="timeout",status="408"} 1.0' in metrics
 
 
 def test_a_request_whose_cache_cannot_be_allocated_gets_503_and_the_others_are_served(tiny_artifact,

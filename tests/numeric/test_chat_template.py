@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerFast
 
 from conftest import ZOO
 from speedc.errors import SpeedcError
+from speedc.models import zoo
 from speedc.serve.chat_template import ChatTemplate, TemplateRenderError, load_chat_template
 
 SPECIAL = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
@@ -57,8 +58,8 @@ def oracle() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_file=str(ZOO / "tiny" / "tokenizer.json"), **SPECIAL)
 
 
-@pytest.mark.parametrize("template", [CHATML, HEADERS, BLOCKS, GENERATION_BLOCK],
-                         ids=["chatml", "headers", "blocks", "generation-block"])
+@pytest.mark.parametrize("template", [CHATML, HEADERS, BLOCKS, GENERATION_BLOCK, zoo.CHAT_TEMPLATE],
+                         ids=["chatml", "headers", "blocks", "generation-block", "zoo"])
 @pytest.mark.parametrize("messages", [CONVERSATION, CONVERSATION[1:2]], ids=["conversation", "one-message"])
 def test_renders_like_transformers(oracle, template, messages):
     ours = ChatTemplate(template, SPECIAL)
@@ -100,3 +101,18 @@ def test_where_templates_are_found(tmp_path):
     assert load_chat_template(tmp_path, tmp_path / "override.jinja").render([]) == "O"
     with pytest.raises(SpeedcError, match="--chat-template"):
         load_chat_template(tmp_path, tmp_path / "missing.jinja")
+
+
+def test_the_bundled_models_template_writes_play_text(tmp_path):
+    """zoo:tiny / zoo:small carry a plain-text template (models/zoo.py, written into their artifacts by
+    the build): each message a speech of its role, the generation prompt the assistant's speaker line; a
+    reply ends at the model's end of text, the tokenizer_config's eos_token."""
+    (tmp_path / "tokenizer_config.json").write_text(zoo.tokenizer_config_text(ZOO / "tiny"))
+    template = load_chat_template(tmp_path)
+    chat = [{"role": "user", "content": "Who goes there?"}, {"role": "assistant", "content": "A friend."}]
+    assert template.render(chat, add_generation_prompt=False) == "USER.\nWho goes there?\n\nASSISTANT.\nA friend.\n\n"
+    assert template.render(chat[:1]) == "USER.\nWho goes there?\n\nASSISTANT.\n"
+    from tokenizers import Tokenizer
+
+    assert template.end_of_turn_ids(Tokenizer.from_file(str(ZOO / "tiny" / "tokenizer.json"))) == [0]  # <|endoftext|>
+    assert zoo.tokenizer_config_text(tmp_path) is None  # any other checkpoint: its own files or none
