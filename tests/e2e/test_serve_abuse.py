@@ -137,10 +137,11 @@ def test_aborted_uploads_leave_no_trace_and_the_server_serves(server):
 
 
 def test_a_prompt_scored_a_token_a_run_does_not_hold_a_new_request(server):
-    """Echo with log-probabilities prefills a token a run (~480 runs here). Before, a request arriving after it
-    waited for all of them; now prefill takes turns, and the new request is answered first."""
+    """Echo with log-probabilities prefills a token a run (~480 runs here, for each of its 3 choices). Before, a
+    request arriving after it waited for all of them; now prefill takes turns, and the new request, admitted
+    once the echo's prefill is under way, is answered first."""
     long = {"model": "tiny", "prompt": "To be, or not to be, that is the question: " * 30, "max_tokens": 1,
-            "echo": True, "logprobs": 1}
+            "echo": True, "logprobs": 1, "n": 3}
 
     async def scenario():
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
@@ -153,7 +154,10 @@ def test_a_prompt_scored_a_token_a_run_does_not_hold_a_new_request(server):
                 return response.json()
 
             echo = asyncio.ensure_future(send("echo", long))
-            await asyncio.sleep(0.3)
+            deadline = time.monotonic() + 30
+            while server.metrics()["speedc_requests_running"] < 3:  # its choices hold pool rows: prefilling
+                assert time.monotonic() < deadline and not echo.done()
+                await asyncio.sleep(0.01)
             await send("new", {"model": "tiny", "prompt": "ROMEO:", "max_tokens": 4, "temperature": 0})
             scored = await echo
             return order, scored
