@@ -1,6 +1,6 @@
-"""When one sequence of a batch should speculate: from its own acceptance (runtimes/batch.py asks per step).
+"""When one sequence of a batch should speculate: from its own acceptance (runtimes/speculation.py asks per step).
 
-RowPolicy (batch.py) decides per step from the row count; this decides per sequence from how well its
+RowPolicy (speculation.py) decides per step from the row count; this decides per sequence from how well its
 speculation has been doing. SPEED beats plain decoding of the same sequence only while its bound is above 1,
 the analytic bound (speedc/cost_model.py) with L, the steps a miss costs, learned as the engine runs (the
 analytic bound's P - 1 seeds it; miss_steps), until the sequence's own tokens per step are measured:

@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 from speedc.format.artifact import TOKENIZER, Manifest, read_manifest
 from speedc.errors import ArtifactError, BatchError, GenerationError, SpeedcError
 from speedc.models.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenPicker, is_integer, require
-from speedc.runtimes.batch import DEFAULT_ROW_BUDGET
+from speedc.runtimes.speculation import DEFAULT_ROW_BUDGET
 from speedc.runtimes.decode import DecodeStats, Decoding, Request, run_to_end
 from speedc.runtimes.detokenize import DecodeRule, IncrementalText, StopStrings, cut_at_stop, decode_rule, not_unicode
 
@@ -382,7 +382,8 @@ class Engine:
         prefill chunk. Cheap: the backend keeps its pool and step bindings between calls, the engine its
         policy and step costs."""
         from speedc.runtimes.acceptance_policy import AlwaysSpeculate
-        from speedc.runtimes.batch import BatchScheduler, RowPolicy
+        from speedc.runtimes.batch import BatchScheduler
+        from speedc.runtimes.speculation import RowPolicy
 
         policy = RowPolicy(row_budget=0 if mode == "autoregressive" else None)
         acceptance = self.speculation_policy if mode == "speed" else AlwaysSpeculate()
@@ -508,7 +509,8 @@ class Engine:
         that take turns on one pool, never at once (the concurrency bench's policies). PREFIX_CACHE_MB:
         a prefix cache of its own of that many MiB (runtimes/prefix_cache.py; None or 0: none)."""
         from speedc.runtimes.acceptance_policy import AlwaysSpeculate
-        from speedc.runtimes.batch import BatchScheduler, RowPolicy
+        from speedc.runtimes.batch import BatchScheduler
+        from speedc.runtimes.speculation import RowPolicy
         from speedc.runtimes.backends.onnx import row_capacity
         from speedc.runtimes.prefix_cache import PrefixCache
 

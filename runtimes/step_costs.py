@@ -147,7 +147,7 @@ class StepCosts:
     # so it is recomputed at each of the first plain_window plain samples in a row (a burst's), when a kind
     # first has min_samples (c moves from the seed to this host's) and every REUSE_STEPS steps. One answer
     # takes ~21 us, four are asked a step at P = 4, and work between two session runs also slows the next
-    # run (runtimes/batch.py DECISION_REUSE).
+    # run (runtimes/speculation.py DECISION_REUSE).
     _answers: dict = field(default_factory=dict)
     _plain_run: int = 0  # plain samples recorded in a row
 

@@ -38,7 +38,8 @@ def _generate(backend, prompt: list[int], new_tokens: int, mode: str):
     """One greedy sequence through a BatchScheduler on BACKEND: speed steps (early flush on) or plain
     ones (row budget 0). -> (ids, stats, seconds of the whole run, prefill included)."""
     from speedc.models.sampling import SamplingParams, TokenPicker
-    from speedc.runtimes.batch import BatchScheduler, RowPolicy
+    from speedc.runtimes.batch import BatchScheduler
+    from speedc.runtimes.speculation import RowPolicy
     from speedc.runtimes.decode import Request
 
     scheduler = BatchScheduler(backend, policy=RowPolicy(row_budget=None if mode == "speed" else 0))

@@ -10,7 +10,7 @@ level's pool is held at once: the bench's memory is their sum):
 
     speed-adaptive     the default policies: per sequence, speculate while its own acceptance keeps the
                        analytic bound above 1 (runtimes/acceptance_policy.py), per step, while the
-                       speculating sequences take at most row_budget rows (runtimes/batch.py RowPolicy)
+                       speculating sequences take at most row_budget rows (runtimes/speculation.py RowPolicy)
     speed-always       SPEED steps for every sequence at every concurrency (no budget, no per-sequence rule)
     plain-batched      plain decoding of all sequences in one graph run per token (the baseline)
     speed-unbatched    (concurrency 1 only) the single-sequence engine, Engine.generate in speed mode (a
@@ -35,7 +35,7 @@ import numpy as np
 
 from speedc.errors import SpeedcError
 from speedc.models.sampling import SamplingParams
-from speedc.runtimes.batch import BATCH_RULES
+from speedc.runtimes.speculation import BATCH_RULES
 from speedc.runtimes.engine import Engine
 
 SYSTEMS = {name: dict(zip(("row_budget", "per_sequence"), BATCH_RULES[mode]))  # system -> Engine.batch_scheduler options

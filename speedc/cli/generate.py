@@ -10,7 +10,7 @@ import click
 
 from speedc.cli.options import FiniteFloat, backend_options, flag, given_options
 from speedc.errors import BatchError, GenerationError
-from speedc.runtimes.batch import DEFAULT_ROW_BUDGET
+from speedc.runtimes.speculation import DEFAULT_ROW_BUDGET
 
 
 def _parse_ids(text: str) -> list[int]:

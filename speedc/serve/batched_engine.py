@@ -16,7 +16,7 @@ what it produces alone (the scheduler's lossless promise), so the server's answe
 from __future__ import annotations
 
 from speedc.runtimes.backends.onnx import pool_bytes_per_position
-from speedc.runtimes.batch import BATCH_RULES
+from speedc.runtimes.speculation import BATCH_RULES
 from speedc.runtimes.detokenize import Piece
 from speedc.runtimes.engine_loop import EngineLoop, Submitted
 from speedc.serve.engine_adapter import FINISH_REASONS, GenerationRequest, QueueFull, RetryEstimate, encode

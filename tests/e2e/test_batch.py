@@ -261,7 +261,8 @@ def test_per_sequence_decisions_turn_the_batch_plain_and_back_losslessly(engine)
     speculate, hot-sampled ones (low acceptance) fall back, probe and fall back again; the batch runs
     speed and plain steps as their sum decides, and every sequence equals plain decoding of it alone."""
     from speedc.runtimes.acceptance_policy import AcceptancePolicy
-    from speedc.runtimes.batch import BatchScheduler, RowPolicy
+    from speedc.runtimes.batch import BatchScheduler
+    from speedc.runtimes.speculation import RowPolicy
     from speedc.runtimes.backends.onnx import make_batch_backend
     from speedc.runtimes.step_costs import StepCosts
 
@@ -285,7 +286,8 @@ def test_a_verdict_far_from_changing_stands_for_a_few_steps(engine):
     DECISION_REUSE-th step only (its work between two runs slows the next run too); at a c where speculation
     loses it decides at every step. The tokens are plain decoding's either way."""
     from speedc.runtimes.acceptance_policy import AcceptancePolicy
-    from speedc.runtimes.batch import DECISION_REUSE, BatchScheduler, RowPolicy
+    from speedc.runtimes.batch import BatchScheduler
+    from speedc.runtimes.speculation import DECISION_REUSE, RowPolicy
     from speedc.runtimes.step_costs import StepCosts
 
     class CountingCosts(StepCosts):
@@ -327,7 +329,8 @@ def test_a_batch_the_acceptance_rule_turned_plain_speculates_again_at_the_row_bu
     (scripted) says plain for decisions 4-8, then speculate: the batch must speculate again, though its
     rows sit above the row rule's resume mark (each rule's hysteresis follows its own verdict); it had
     stayed plain to the end. Both equal plain decoding alone."""
-    from speedc.runtimes.batch import BatchScheduler, RowPolicy
+    from speedc.runtimes.batch import BatchScheduler
+    from speedc.runtimes.speculation import RowPolicy
     from speedc.runtimes.backends.onnx import make_batch_backend
 
     backend = make_batch_backend(engine.directory, engine.manifest, max_batch=2, capacity=64)

@@ -199,7 +199,7 @@ def test_a_sequence_whose_own_work_fails_ends_alone(engine, row_budget):
     """Before: an error raised by one sequence's own work in the shared step (its picker, its grammar) failed
     every sequence of the step. Now it ends that sequence alone (Sequence.error), at its first pick (after
     its prefill) or later (in a speed or plain step), and the others' outputs equal plain decoding alone."""
-    from speedc.runtimes.batch import RowPolicy
+    from speedc.runtimes.speculation import RowPolicy
 
     backend = BatchBackend(engine.directory, engine.manifest, max_batch=4, capacity=256)
     scheduler = BatchScheduler(backend, policy=RowPolicy(row_budget=row_budget))

@@ -86,7 +86,8 @@ def family_engines(tmp_path_factory) -> dict[str, Engine]:
 def _adaptive(engine: Engine, prompt: list[int], params: dict):
     """One sequence on the engine's backend under the real acceptance rule (quick knobs) at scripted costs."""
     from speedc.runtimes.acceptance_policy import AcceptancePolicy
-    from speedc.runtimes.batch import BatchScheduler, RowPolicy
+    from speedc.runtimes.batch import BatchScheduler
+    from speedc.runtimes.speculation import RowPolicy
 
     slots = engine.manifest.slots
     costs = ScriptedCosts(slots)

@@ -118,7 +118,8 @@ def test_int4_speed_logprobs_are_plain_decodings_bit_for_bit(tmp_path):
 def _scheduled(backend, params, speculate: bool) -> list:
     """PROMPTS decoded together on BACKEND by the batch scheduler: speculating at every step, or plain."""
     from speedc.models.sampling import TokenPicker
-    from speedc.runtimes.batch import BatchScheduler, RowPolicy
+    from speedc.runtimes.batch import BatchScheduler
+    from speedc.runtimes.speculation import RowPolicy
     from speedc.runtimes.decode import Request
 
     scheduler = BatchScheduler(backend, policy=RowPolicy(row_budget=None if speculate else 0))

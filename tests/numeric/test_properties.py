@@ -151,7 +151,8 @@ def test_batched_sequences_equal_plain_decoding_alone(pool, data, which, fused, 
     (shrinking after 1 or 3 steps of lower need); each finished sequence's ids equal plain
     decoding of it alone on the same graphs (greedy or seeded sampling), a cancelled one's are a prefix."""
     from speedc.runtimes.acceptance_policy import AcceptancePolicy
-    from speedc.runtimes.batch import BatchScheduler, RowPolicy
+    from speedc.runtimes.batch import BatchScheduler
+    from speedc.runtimes.speculation import RowPolicy
     from speedc.runtimes.backends.onnx import BatchBackend
 
     model, engines = pool[which]

@@ -128,7 +128,8 @@ def test_a_kernel_path_this_cpu_lacks_falls_back_in_one_line(quantized_artifacts
 
 
 def test_batched_sequences_equal_plain_decoding_alone(quantized):
-    from speedc.runtimes.batch import BatchScheduler, RowPolicy
+    from speedc.runtimes.batch import BatchScheduler
+    from speedc.runtimes.speculation import RowPolicy
     from speedc.runtimes.backends.onnx import BatchBackend
 
     for which, fused, kernel in (("random-int4", True, ""), ("tiny-int8", False, ""), ("random-int4", False, "/MatMulNBits")):

@@ -21,7 +21,8 @@ from speedc.models.generate import generate as reference_generate
 from speedc.models.llama import SharedLlama
 from speedc.models.sampling import SamplingParams, TokenPicker
 from speedc.runtimes.backends import torch_backend
-from speedc.runtimes.batch import BatchScheduler, RowPolicy
+from speedc.runtimes.batch import BatchScheduler
+from speedc.runtimes.speculation import RowPolicy
 from speedc.runtimes.backends.onnx import BatchBackend
 from speedc.runtimes.backends.protocol import HeadRows
 from speedc.runtimes.decode import Request

@@ -18,7 +18,8 @@ import pytest
 
 from speedc.models.sampling import SamplingParams, TokenPicker
 from speedc.runtimes.acceptance_policy import AlwaysSpeculate
-from speedc.runtimes.batch import BatchScheduler, RowPolicy
+from speedc.runtimes.batch import BatchScheduler
+from speedc.runtimes.speculation import RowPolicy
 from speedc.runtimes.backends.protocol import SpeedStepResult
 from speedc.runtimes.decode import Request, run_to_end
 from speedc.runtimes.engine import scheduled
