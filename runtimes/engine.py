@@ -60,7 +60,8 @@ def _onnx_numpy(directory: Path, manifest: Manifest, max_batch: int, capacity: i
     return make_batch_backend(directory, manifest, max_batch, capacity, device=device, threads=threads, fused=False)
 
 
-def _torch(directory: Path, manifest: Manifest, max_batch: int, capacity: int, device: str, threads: int | None):
+def _torch(directory: Path, manifest: Manifest, max_batch: int, capacity: int, device: str, threads: int | None,
+           compile_step: bool = False):
     try:
         from speedc.runtimes.backends.torch_backend import TorchBackend
     except ImportError as missing:
@@ -68,7 +69,8 @@ def _torch(directory: Path, manifest: Manifest, max_batch: int, capacity: int, d
             raise
         raise SpeedcError(f"the PyTorch backend needs the compiler extra: pip install 'speedc[compiler]' "
                           f"({missing.name} is missing)") from None
-    return TorchBackend(directory, manifest, max_batch=max_batch, capacity=capacity, device=device, threads=threads)
+    return TorchBackend(directory, manifest, max_batch=max_batch, capacity=capacity, device=device, threads=threads,
+                        compile_step=compile_step)
 
 
 @dataclass(frozen=True)
@@ -87,13 +89,24 @@ DEFAULT_BACKEND = "onnx"
 
 
 def make_backend(directory: Path, manifest: Manifest, backend: str, device: str, threads: int | None, *,
-                 max_batch: int = 1, capacity: int | None = None):
-    """The batch backend BACKEND names, of MAX_BATCH pool rows of CAPACITY positions (None: the context)."""
+                 max_batch: int = 1, capacity: int | None = None, compile_step: bool = False):
+    """The batch backend BACKEND names, of MAX_BATCH pool rows of CAPACITY positions (None: the context).
+    COMPILE_STEP: its step through torch.compile (the PyTorch backend's)."""
     entry = BACKENDS.get(backend)
     if entry is None:
         raise SpeedcError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
     capacity = manifest.dims.max_context if capacity is None else capacity
+    if compile_step:
+        check_compile(backend)
+        return entry.make(directory, manifest, max_batch, capacity, device, threads, compile_step=True)
     return entry.make(directory, manifest, max_batch, capacity, device, threads)
+
+
+def check_compile(backend: str) -> None:
+    """--compile (a step through torch.compile) is the PyTorch backend's alone."""
+    if backend != "torch":
+        raise SpeedcError(f"--compile compiles the PyTorch backend's step (torch.compile): use it with --backend torch, "
+                          f"not {backend}")
 
 
 def scheduled(scheduler, sequence) -> Decoding:
@@ -285,9 +298,11 @@ class Engine:
 
     @classmethod
     def load(cls, path: str | Path, *, backend: str = "onnx", device: str = "cpu", threads: int | None = None,
-             verify: bool = False, lazy: bool = False, prefix_cache_mb: float | None = None) -> "Engine":
+             verify: bool = False, lazy: bool = False, prefix_cache_mb: float | None = None,
+             compile_step: bool = False) -> "Engine":
         """LAZY: open the backend (its session) only when a call first needs it. PREFIX_CACHE_MB:
-        set_prefix_cache's."""
+        set_prefix_cache's. COMPILE_STEP (backend torch): the step through torch.compile, one compile per
+        step shape on first use (seconds to minutes), then no Python between its operations."""
         directory = Path(path)
         manifest = read_manifest(directory, verify_hashes=verify)
         tokenizer = None
@@ -303,7 +318,7 @@ class Engine:
                                     "rebuild the artifact") from None
 
         def make() -> object:
-            return make_backend(directory, manifest, backend, device, threads)
+            return make_backend(directory, manifest, backend, device, threads, compile_step=compile_step)
 
         engine = cls(directory, manifest, None if lazy else make(), tokenizer, device=device, make_backend=make,
                      backend_name=backend, threads=threads)

@@ -91,10 +91,12 @@ class TorchBackend:
 
     def __init__(self, directory: Path, manifest: Manifest, max_batch: int = 1, capacity: int | None = None,
                  device: str = "cpu", threads: int | None = None, min_length: int = MIN_POOL_POSITIONS,
-                 shrink_after: int = SHRINK_AFTER_STEPS, cuda_graphs: bool = False, exact: bool = False) -> None:
+                 shrink_after: int = SHRINK_AFTER_STEPS, cuda_graphs: bool = False, exact: bool = False,
+                 compile_step: bool = False) -> None:
         """CAPACITY: positions each of MAX_BATCH pool rows may hold (None: the model's context).
         CUDA_GRAPHS (device cuda): each step's layers replay a captured CUDA graph (see _run).
-        EXACT: batch-invariant decoding, SPEED's logits bitwise plain decoding's (see plain_step)."""
+        EXACT: batch-invariant decoding, SPEED's logits bitwise plain decoding's (see plain_step).
+        COMPILE_STEP: each step's layers run through torch.compile (see _run)."""
         if is_quantized(manifest):
             raise SpeedcError(f"{directory}: the PyTorch backend runs float artifacts; this one stores {manifest.dtype} "
                               "weights for ONNX Runtime's MatMulNBits: use --backend onnx, or build with --weights fp32/fp16/bf16")
@@ -102,24 +104,26 @@ class TorchBackend:
             raise SpeedcError(f"{directory}: the PyTorch backend pipelines one repeated cycle; this artifact's depth plan "
                               "has a prelude / coda: use --backend onnx-numpy")
         self._setup(load_model_from_artifact(directory, manifest), manifest.slots, max_batch, capacity, device, threads,
-                    min_length=min_length, shrink_after=shrink_after, cuda_graphs=cuda_graphs, exact=exact)
+                    min_length=min_length, shrink_after=shrink_after, cuda_graphs=cuda_graphs, exact=exact,
+                    compile_step=compile_step)
 
     @classmethod
     def from_model(cls, model: SharedLlama, slots: int, max_batch: int = 1, capacity: int | None = None,
                    device: str = "cpu", threads: int | None = None, min_length: int = MIN_POOL_POSITIONS,
                    shrink_after: int = SHRINK_AFTER_STEPS, cuda_graphs: bool = False,
-                   exact: bool = False) -> "TorchBackend":
+                   exact: bool = False, compile_step: bool = False) -> "TorchBackend":
         """A backend over an in-memory model (no artifact): what the GPU check uses where only torch is
         installed. SLOTS (P) must be a valid slot count of its depth plan (DepthPlan.valid_slots)."""
         if slots not in model.cfg.depth_plan.valid_slots(model.cfg.exit_layer):
             raise SpeedcError(f"{slots} slots do not fit the layer map {model.cfg.layer_map} (exit after {model.cfg.exit_layer})")
         backend = cls.__new__(cls)
         backend._setup(model, slots, max_batch, capacity, device, threads, min_length=min_length, shrink_after=shrink_after,
-                       cuda_graphs=cuda_graphs, exact=exact)
+                       cuda_graphs=cuda_graphs, exact=exact, compile_step=compile_step)
         return backend
 
     def _setup(self, model: SharedLlama, slots: int, max_batch: int, capacity: int | None, device: str,
-               threads: int | None, *, min_length: int, shrink_after: int, cuda_graphs: bool, exact: bool) -> None:
+               threads: int | None, *, min_length: int, shrink_after: int, cuda_graphs: bool, exact: bool,
+               compile_step: bool = False) -> None:
         cfg = model.cfg
         plan = cfg.depth_plan
         if plan.injection or plan.readout_norm or cfg.embed_scale != 1.0:  # its trip loop is the layer map's alone
@@ -128,11 +132,12 @@ class TorchBackend:
         self.device = _device(device)
         if cuda_graphs and self.device.type != "cuda":
             raise SpeedcError(f"CUDA graphs need a CUDA device, not {device!r}")
-        self.cuda_graphs, self.exact = bool(cuda_graphs), bool(exact)
+        self.cuda_graphs, self.exact, self.compile_step = bool(cuda_graphs), bool(exact), bool(compile_step)
         # attend over the whole pool (fixed shapes; every row's softmax and products the same length), not
         # up to the newest position
         self.full_past = self.cuda_graphs or self.exact
         self._graphs: dict[tuple, StepGraph] = {}  # (role, rows) -> its captured graph over the current pool
+        self._compiled: dict[str, object] = {}  # a step's layers function -> it through torch.compile
         if threads:
             torch.set_num_threads(resolve_threads(threads))
         if not is_integer(max_batch) or max_batch < 1:
@@ -141,6 +146,8 @@ class TorchBackend:
         capacity = context if capacity is None else capacity
         if not is_integer(capacity) or not 2 <= capacity <= context:
             raise GenerationError(f"a KV-cache row of {capacity!r:.20} positions: it must be 2..{context} (the context)")
+        if self.compile_step:  # the pool at its full length from the start: a compiled step has one shape per row count
+            min_length = capacity
         self.model = model.to(self.device).eval()
         self.cfg = cfg
         self.dtype = next(self.model.parameters()).dtype  # the pool and every product in the weights' precision
@@ -326,7 +333,7 @@ class TorchBackend:
         if self.exact:
             return self._plain_as_speed_passes(tokens, at, valid, want_logits)
         inputs = self._ints(tokens, at, np.where(valid, at, self.length))
-        x = self._run(("plain", len(tokens)), self._plain_layers, inputs, int(at.max(initial=0)))
+        x = self._run(("plain", len(tokens)), self._plain_layers, self._write_plain_rows, inputs, int(at.max(initial=0)))
         return self._heads_out(self.model.final_head(x), want_logits)  # [n, V]
 
     def _plain_as_speed_passes(self, tokens: np.ndarray, at: np.ndarray, valid: np.ndarray,
@@ -344,7 +351,7 @@ class TorchBackend:
             written = np.full((slots, width), self.length, np.int64)  # bubbles write the scratch row T
             written[slot, :n] = np.where(valid, at, self.length)
             inputs = self._ints(entering, grid, written)
-            x, _ = self._run(("speed", width), self._speed_layers, inputs, int(at.max(initial=0)))
+            x, _ = self._run(("speed", width), self._speed_layers, self._write_speed_rows, inputs, int(at.max(initial=0)))
             self.hidden[:, :width] = x.view(slots, width, -1)
         last = torch.arange(n, device=self.device) + (slots - 1) * width  # the last slot's rows
         return self._heads_out(self._final_head_rows(x, last), want_logits)  # [n, V]
@@ -358,13 +365,12 @@ class TorchBackend:
         first = (self.slots - 1) * self.width
         return self.model.final_head(x[first:])[rows - first]  # [W, V] -> [F, V]
 
-    def _plain_layers(self, tokens: torch.Tensor, starts: torch.Tensor, written: torch.Tensor, past: int) -> torch.Tensor:
+    def _plain_layers(self, tokens: torch.Tensor, starts: torch.Tensor, past: int) -> tuple[torch.Tensor, list]:
         """The N layers over n rows of one token (row b: pool row b) at STARTS, attending to the first
-        PAST positions; row b's K/V land at WRITTEN[b]. -> hidden [n, H] (pure but for the pool writes, so
-        a CUDA graph's warm-up run may repeat it)."""
+        PAST positions. -> (hidden [n, H], each logical layer's new K/V rows ([n, kvh, hd] each): pure, the pool
+        unchanged; _write_plain_rows stores them)."""
         cfg, model = self.cfg, self.model
         n = tokens.shape[0]
-        rows = torch.arange(n, device=self.device)
         x = model.model.embed_tokens(tokens)  # [n, H]
         ctx = self._context(starts, 1, past)
         present = {}  # layer -> its new rows (k, v): a cross-repeat layer reads repeat 0's
@@ -375,9 +381,16 @@ class TorchBackend:
                                       cross=self._plain_cross_read(layer, ctx, slice(0, n), past, present))
             present[layer] = (k, v)
             x = loop_boundary(x, model.model.norm.weight, cfg, layer)
-            # the indexed target is [n, kvh, hd] (rows, positions split by a slice)
-            key[rows, :, written], value[rows, :, written] = k[:, :, 0], v[:, :, 0]
-        return x
+        return x, [(k[:, :, 0], v[:, :, 0]) for k, v in present.values()]
+
+    def _write_plain_rows(self, new: list, written: torch.Tensor) -> None:
+        """NEW (_plain_layers' K/V rows, one pair per logical layer) into the pool: row b's at WRITTEN[b]."""
+        n = written.shape[0]
+        rows = torch.arange(n, device=self.device)
+        for layer, (k, v) in enumerate(new):
+            slab = self.layout.locate(layer)
+            key, value = self.key[slab.layer, slab.depth, :n], self.value[slab.layer, slab.depth, :n]  # [n, kvh, T+1, hd]
+            key[rows, :, written], value[rows, :, written] = k, v  # the indexed target is [n, kvh, hd]
 
     @torch.no_grad()
     def speed_step(self, entering: np.ndarray, positions: np.ndarray, valid: np.ndarray, heads: HeadRows,
@@ -399,7 +412,7 @@ class TorchBackend:
         candidates = self.drafts.checks(heads.check, n)  # [C, K]
         *inputs, final_rows, exit_rows, candidates = self._ints(entering_w, grid, written, _on_grid(heads.final, n, width),
                                                                  _on_grid(heads.exit + heads.check, n, width), candidates)
-        x, tap = self._run(("speed", width), self._speed_layers, inputs, int(grid.max()))
+        x, tap = self._run(("speed", width), self._speed_layers, self._write_speed_rows, inputs, int(grid.max()))
         self.hidden[:, :width] = x.view(slots, width, -1)  # each slot's state, read by the next slot next step
         final_logits = self._final_head_rows(x, final_rows)  # [F, V]
         exit_logits = model.exit_head(tap[exit_rows])  # [E + C, V]: drafts, then early-flush checks
@@ -412,19 +425,20 @@ class TorchBackend:
         return SpeedStepResult(ids[:finals], final_logits.float().cpu().numpy() if want_logits else None,
                                exit_candidates[:, 0], exit_candidates, ids[finals + exits * width_k:])
 
-    def _speed_layers(self, entering: torch.Tensor, starts: torch.Tensor, written: torch.Tensor,
-                      past: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _speed_layers(self, entering: torch.Tensor, starts: torch.Tensor,
+                      past: int) -> tuple[tuple[torch.Tensor, torch.Tensor], list]:
         """The S stage layers over P*W rows (row s*W + b: slot s of pool row b; slot 0 enters ENTERING,
-        slots 1..P-1 carry on from self.hidden) at STARTS, attending to the first PAST positions; each
-        row's K/V land at WRITTEN. -> (hidden [P*W, H], exit tap [P*W, H]); self.hidden is left as it was
-        (the caller moves it on), so a CUDA graph's warm-up run may repeat it."""
+        slots 1..P-1 carry on from self.hidden) at STARTS, attending to the first PAST positions.
+        -> ((hidden [P*W, H], exit tap [P*W, H]), each stage layer's new K/V rows ([P*W, kvh, hd] each)): pure, the
+        pool and self.hidden unchanged (_write_speed_rows stores the rows; the caller moves self.hidden on).
+        No row reads a row written in its own step: each attends below its own position, its own K/V from
+        the chunk, and a cross read (slots 1..) repeat 0's rows, written when its token was in slot 0."""
         cfg, model, slots = self.cfg, self.model, self.slots
         width = entering.shape[0]
-        rows = torch.arange(slots * width, device=self.device)
         behind = self.hidden[:slots - 1, :width].reshape((slots - 1) * width, -1)  # slots 1..P-1 [(P-1)W, H]
         x = torch.cat((model.model.embed_tokens(entering), behind))  # [P*W, H]
         ctx = self._context(starts, 1, past)
-        tap = x
+        tap, new = x, []
         for j in range(self.stage_layers):
             key = self.key[j].view(slots * width, *self.key.shape[3:])  # [P*W, kvh, T+1, hd], a view
             value = self.value[j].view(slots * width, *self.value.shape[3:])
@@ -432,22 +446,54 @@ class TorchBackend:
             x, k, v = layer_over_rows(model.model.blocks[cfg.layer_map[j]], x, ctx, key[:, :, :past], value[:, :, :past], cfg,
                                       cross=cross)
             x = loop_boundary(x, model.model.norm.weight, cfg, j)  # stage j of every slot: the same loop position
-            key[rows, :, written], value[rows, :, written] = k[:, :, 0], v[:, :, 0]  # [P*W, kvh, hd]
+            new.append((k[:, :, 0], v[:, :, 0]))  # [P*W, kvh, hd]
             if j + 1 == cfg.exit_layer:
                 tap = x
-        return x, tap
+        return (x, tap), new
 
-    def _run(self, role: tuple, layers, inputs: list[torch.Tensor], past: int):
-        """LAYERS(*INPUTS, past): eagerly over the first PAST positions, or (cuda_graphs) the whole pool
-        through a CUDA graph captured once per ROLE and pool (every shape fixed, one launch a step)."""
+    def _write_speed_rows(self, new: list, written: torch.Tensor) -> None:
+        """NEW (_speed_layers' K/V rows, one pair per stage layer) into the pool: row r's at WRITTEN[r]."""
+        rows = torch.arange(written.shape[0], device=self.device)
+        for j, (k, v) in enumerate(new):
+            key = self.key[j].view(written.shape[0], *self.key.shape[3:])  # [P*W, kvh, T+1, hd], a view
+            value = self.value[j].view(written.shape[0], *self.value.shape[3:])
+            key[rows, :, written], value[rows, :, written] = k, v
+
+    def _run(self, role: tuple, layers, write, inputs: list[torch.Tensor], past: int):
+        """LAYERS(ids, starts, past) -> (result, new K/V rows), then WRITE(new rows, written): INPUTS are ids, starts,
+        written. Eagerly over the first PAST positions; through torch.compile (compile_step) over PAST rounded up to
+        a power of two (a cache bucket: positions past PAST are masked, the same softmax), one compile per row
+        count and bucket, the pool written after the compiled graph (written inside it, torch copies the whole
+        pool each step: measured 4x the step on zoo:small); or (cuda_graphs) over the whole pool, layers and
+        writes in one CUDA graph captured once per ROLE and pool (one launch a step). -> result."""
+        run = self._compiled_layers(layers) if self.compile_step else layers
+        if self.full_past:
+            past = self.length + 1
+        elif self.compile_step:  # a few attention lengths, each compiled once, rather than one per position
+            past = min(self.length + 1, max(MIN_POOL_POSITIONS, 1 << (past - 1).bit_length()))
+
+        def step(ids: torch.Tensor, starts: torch.Tensor, written: torch.Tensor):
+            result, new = run(ids, starts, past)
+            write(new, written)
+            return result
+
         if not self.cuda_graphs:
-            return layers(*inputs, self.length + 1 if self.full_past else past)
+            return step(*inputs)
         graph = self._graphs.get(role)
         if graph is None:
             if len(self._graphs) >= MAX_GRAPHS:
                 del self._graphs[next(iter(self._graphs))]
-            graph = self._graphs[role] = StepGraph(lambda *static: layers(*static, self.length + 1), inputs)
+            graph = self._graphs[role] = StepGraph(step, inputs)
         return graph(inputs)
+
+    def _compiled_layers(self, layers):
+        """LAYERS (a bound _plain_layers or _speed_layers) through torch.compile: fullgraph, so a graph break is an
+        error rather than a silent fall-back to Python; static shapes, so torch compiles once per row count (the
+        pool keeps its full length: _setup) and every later step reuses it."""
+        compiled = self._compiled.get(layers.__name__)
+        if compiled is None:
+            compiled = self._compiled[layers.__name__] = torch.compile(layers, fullgraph=True, dynamic=False)
+        return compiled
 
 
 class StepGraph:

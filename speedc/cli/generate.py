@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from speedc.cli.options import FiniteFloat, backend_options, flag, given_options
+from speedc.cli.options import FiniteFloat, backend_options, compile_option, flag, given_options
 from speedc.errors import BatchError, GenerationError
 from speedc.runtimes.speculation import DEFAULT_ROW_BUDGET
 
@@ -55,11 +55,12 @@ def _refuse_batch_options_without_file() -> None:
 @click.option("--early-flush/--no-early-flush", default=None,
               help="Flush as soon as a deeper exit head contradicts the in-flight successor (default: on).")
 @backend_options
+@compile_option
 @click.option("--stream", is_flag=True, help="Print text as tokens are confirmed.")
 @click.option("--stats", is_flag=True, help="Print decode statistics to stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with ids, text and stats.")
 def generate(artifact, prompt, prompt_ids, prompts_file, max_batch, kv_cache_mb, row_budget, max_new_tokens, mode, temperature, top_k, top_p, repetition_penalty, seed,
-             stop, ignore_eos, early_flush, backend, device, threads, stream, stats, as_json):
+             stop, ignore_eos, early_flush, backend, device, threads, compile_step, stream, stats, as_json):
     """Generate from a compiled ARTIFACT with SPEED (or plain autoregressive decoding)."""
     from speedc.runtimes.engine import Engine
 
@@ -72,7 +73,8 @@ def generate(artifact, prompt, prompt_ids, prompts_file, max_batch, kv_cache_mb,
         if stream:
             raise GenerationError("--stream prints one sequence; with --prompts-file use --json or plain output")
         prompts = _read_prompts(prompts_file)
-        engine = Engine.load(artifact, backend=backend, device=device, threads=threads, lazy=True)  # opened when the batch starts
+        engine = Engine.load(artifact, backend=backend, device=device, threads=threads, lazy=True,  # opened when the batch starts
+                             compile_step=compile_step)
         chosen = options.pop("mode")
         budget = 0 if chosen == "autoregressive" else (DEFAULT_ROW_BUDGET if row_budget is None else row_budget)
         failure = None
@@ -101,7 +103,7 @@ def generate(artifact, prompt, prompt_ids, prompts_file, max_batch, kv_cache_mb,
     if stream and as_json:
         raise GenerationError("--stream prints text as it comes, --json one object at the end: choose one")
     source = prompt if prompt is not None else _parse_ids(prompt_ids)
-    engine = Engine.load(artifact, backend=backend, device=device, threads=threads)
+    engine = Engine.load(artifact, backend=backend, device=device, threads=threads, compile_step=compile_step)
     if stream:
         pieces = engine.stream(source, **options)
         for piece in pieces:

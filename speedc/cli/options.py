@@ -54,6 +54,12 @@ def threads_option(fn):
                         help="Intra-op threads (default: one per physical core this process may use).")(fn)
 
 
+def compile_option(fn):
+    return click.option("--compile", "compile_step", is_flag=True,
+                        help="--backend torch: run each step through torch.compile (one compile per step shape on "
+                             "first use, seconds to minutes; the KV cache is allocated at its full length).")(fn)
+
+
 def backend_options(fn):
     """--backend, --device, --threads: how an artifact is run."""
     return backend_option(device_option(threads_option(fn)))

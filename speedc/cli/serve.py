@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from speedc.cli.options import FiniteFloat, backend_options, flag, given_options
+from speedc.cli.options import FiniteFloat, backend_options, compile_option, flag, given_options
 from speedc.errors import SpeedcError
 from speedc.runtimes.detokenize import not_unicode
 
@@ -77,6 +77,7 @@ def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_q
 @click.option("--max-request-bytes", type=int, default=4 << 20, show_default=True,
               help="Largest request body; a larger one is answered 413 before it is read.")
 @backend_options
+@compile_option
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True)
 @click.option("--ray", "use_ray", is_flag=True, help="Serve on Ray Serve (one engine per replica; needs the ray extra).")
@@ -88,7 +89,7 @@ def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_q
 @click.option("--replica-cpus", type=FiniteFloat(), default=1.0, show_default=True, help="--ray: CPUs reserved per replica.")
 def serve(artifact, host, port, model_name, chat_template, mode, max_batch, kv_cache_mb, prefix_cache_mb, max_queue,
           request_timeout, max_request_bytes,
-          backend, device, threads, log_level, use_ray, replicas, autoscale, max_ongoing_requests, replica_cpus):
+          backend, device, threads, compile_step, log_level, use_ray, replicas, autoscale, max_ongoing_requests, replica_cpus):
     """Serve a compiled ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics)."""
     from speedc.serve.app import ServeSettings
@@ -97,6 +98,10 @@ def serve(artifact, host, port, model_name, chat_template, mode, max_batch, kv_c
                     prefix_cache_mb)
     if max_request_bytes < 1024:
         raise SpeedcError("--max-request-bytes must be at least 1024")
+    if compile_step:
+        from speedc.runtimes.engine import check_compile
+
+        check_compile(backend)
     ray_only = given_options("replicas", "autoscale", "max_ongoing_requests", "replica_cpus")
     if ray_only and not use_ray:  # they shape the Ray deployment; a local server silently ignored them, bad values too
         raise SpeedcError(f"{flag(ray_only[0])} goes with --ray (scale-out on Ray Serve); this serves one process")
@@ -105,7 +110,8 @@ def serve(artifact, host, port, model_name, chat_template, mode, max_batch, kv_c
     if problem:
         raise SpeedcError(f"the model name is not Unicode text ({problem}); give one with --model-name")
     settings = ServeSettings(artifact=artifact.resolve(), model_name=model_name,
-                             backend=backend, device=device, threads=threads, mode=mode, max_batch=max_batch,
+                             backend=backend, device=device, threads=threads, compile_step=compile_step, mode=mode,
+                             max_batch=max_batch,
                              kv_cache_mb=kv_cache_mb, prefix_cache_mb=prefix_cache_mb, max_queue=max_queue,
                              request_timeout=request_timeout, max_request_bytes=max_request_bytes,
                              chat_template=chat_template.resolve() if chat_template else None)

@@ -57,6 +57,7 @@ class ServeSettings:
     backend: str = "onnx"
     device: str = "cpu"
     threads: int | None = None
+    compile_step: bool = False  # --compile: the PyTorch backend's step through torch.compile
     mode: str = "speed"
     max_batch: int = 8  # requests decoded together (continuous batching); 1: one at a time, single-sequence engine
     kv_cache_mb: float | None = None  # the batching KV-cache pool (None: the model's context per request)
@@ -73,7 +74,8 @@ def make_adapter(settings: ServeSettings):
     from speedc.runtimes.engine import Engine
 
     batched = settings.max_batch > 1
-    engine = Engine.load(settings.artifact, backend=settings.backend, device=settings.device, threads=settings.threads)
+    engine = Engine.load(settings.artifact, backend=settings.backend, device=settings.device, threads=settings.threads,
+                         compile_step=settings.compile_step)
     if engine.tokenizer is None:
         raise SpeedcError(f"{settings.artifact}: the server needs an artifact with a tokenizer.json")
     if not batched:
