@@ -23,7 +23,7 @@ from speedc.errors import BuildError
 from speedc.models.config import ModelConfig
 from speedc.models.depth_plan import DepthPlan
 from speedc.models.checkpoint.tensor_source import TensorSource
-from speedc.passes.source_weights import constant_nbytes
+from speedc.format.graph_values import constant_nbytes
 from speedc.cost_model import Schedule
 
 PassFn = Callable[["CompileState"], "CompileState"]

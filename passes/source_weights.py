@@ -28,20 +28,8 @@ from onnx import numpy_helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from speedc.errors import CheckpointError
+from speedc.format.graph_values import non_finite_count
 from speedc.models.checkpoint.tensor_source import TensorSource
-
-# Exponent bits of the 16-bit float formats: all ones is inf or nan.
-EXPONENT_MASK = {"float16": 0x7C00, "bfloat16": 0x7F80}
-
-
-def non_finite_count(chunk: np.ndarray) -> int:
-    """How many values of a float array are nan or inf (16-bit formats by their bits: ml_dtypes' isfinite
-    on bfloat16 is ~20x slower than this)."""
-    mask = EXPONENT_MASK.get(chunk.dtype.name)
-    if mask is not None:
-        return int(np.count_nonzero((chunk.view(np.uint16) & mask) == mask))
-    return int(chunk.size - np.count_nonzero(np.isfinite(chunk)))
-
 
 class SourceWeight(LazyValues):
     """PARTS (checkpoint tensors, stacked along axis 0) seen by the graph as DTYPE."""
@@ -111,20 +99,6 @@ class SourceWeight(LazyValues):
         return f"SourceWeight(shape={self.shape}, dtype={self.dtype}, parts={len(self.parts)})"
 
 
-class WrittenWeight(LazyValues):
-    """A weight the artifact writer has streamed into weights.bin: PROTO is its external-data reference
-    (location, offset, length), which graphsurgeon's exporter puts in the graph as it is."""
-
-    def __init__(self, proto, shape, dtype) -> None:  # no super().__init__: it cannot name bfloat16
-        self.tensor = proto
-        self.shape = tuple(shape)
-        self.dtype = np.dtype(dtype)
-        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
-
-    def load(self) -> np.ndarray:
-        raise RuntimeError("internal: a written weight's values are in weights.bin, not in the graph")
-
-
 class SameBytes(LazyValues):
     """The values of the stored weight VIEW_OF under another name: the writer references its bytes in
     weights.bin instead of writing them again (see passes/untie_head.py)."""
@@ -151,11 +125,6 @@ class SameBytes(LazyValues):
 def source_weight(constant: gs.Constant) -> SourceWeight | None:
     values = constant._values  # graphsurgeon's own storage; .values would load it
     return values if isinstance(values, SourceWeight) else None
-
-
-def constant_nbytes(constant: gs.Constant) -> int:
-    """Bytes of a constant's values, without loading them."""
-    return math.prod(constant.shape) * np.dtype(constant.dtype).itemsize
 
 
 def weight_constant(name: str, source: TensorSource) -> gs.Constant:

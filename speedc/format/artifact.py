@@ -292,7 +292,7 @@ def _stored_constants(graphs: dict, ordered: list[str], weight_names: set[str]) 
     """name -> every graph Constant of that name that goes to weights.bin (first use first)."""
     import onnx_graphsurgeon as gs
 
-    from speedc.passes.source_weights import constant_nbytes
+    from speedc.format.graph_values import constant_nbytes
 
     stored: dict[str, list] = {}
     for graph_name in ordered:
@@ -316,7 +316,7 @@ def _chunks(constant):
         return values.chunks()
     array = np.ascontiguousarray(constant.values)
     if is_weight_name(constant.name) and array.dtype.kind == "f":
-        from speedc.passes.source_weights import non_finite_count
+        from speedc.format.graph_values import non_finite_count
 
         bad = non_finite_count(array)
         if bad:
@@ -348,7 +348,7 @@ def _reference(index: dict[str, dict], name: str, uses: list, weight_parts: dict
     """Complete NAME's index entry (its byte range is set) and point every graph's constant at those bytes."""
     import onnx
 
-    from speedc.passes.source_weights import WrittenWeight
+    from speedc.format.graph_values import WrittenWeight
 
     dtype = np.dtype(uses[0].dtype)
     entry = index[name]
@@ -406,7 +406,7 @@ def write_graphs(graphs: dict, directory: Path, weight_names: set[str], weight_p
     import onnx
     import onnx_graphsurgeon as gs
 
-    from speedc.passes.source_weights import constant_nbytes
+    from speedc.format.graph_values import constant_nbytes
 
     unknown = sorted(set(graphs) - set(contract.GRAPHS))
     if unknown:
