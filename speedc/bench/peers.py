@@ -71,7 +71,7 @@ def genai_installed() -> bool:
 
 
 LLAMA_CPP_INSTALL = ("pip install 'speedc[peers]' (llama-cpp-python has no wheels on the registry: "
-                     "its install compiles llama.cpp, 12-25 minutes on 2 cores)")
+                     "its install compiles llama.cpp, 4-25 minutes on 2 cores)")
 
 
 def llama_cpp_installed() -> bool:
