@@ -450,7 +450,7 @@ class Engine:
             raise GenerationError("a stop string must be a non-empty string")
         for text in stop or []:
             check_text(text, "a stop string")
-        eos = (self.eos_token_ids if stop_at_eos else frozenset()) | self._stop_ids(stop_token_ids)
+        eos = self.end_ids(stop_at_eos, stop_token_ids)
 
         stop_strings = StopStrings(self.tokenizer.decode, stop, self.decode_rule) if stop else None
 
@@ -492,6 +492,10 @@ class Engine:
             raise GenerationError(f"grammar must be an llguidance grammar string, not {type(grammar).__name__}")
         return GrammarConstraint(self.grammar_tokenizer(frozenset(ends)), grammar, self.manifest.dims.vocab_size,
                                  frozenset(ends))
+
+    def end_ids(self, stop_at_eos: bool, stop_token_ids=None) -> frozenset[int]:
+        """The ids that end a request: the end-of-text ids (STOP_AT_EOS) and STOP_TOKEN_IDS (checked)."""
+        return (self.eos_token_ids if stop_at_eos else frozenset()) | self._stop_ids(stop_token_ids)
 
     def _stop_ids(self, ids) -> frozenset[int]:
         if ids is None:

@@ -123,7 +123,7 @@ class Service:
         if request.grammar is None:
             return request
         engine = self.adapter.engine
-        ends = frozenset(request.stop_token_ids) | (engine.eos_token_ids if request.stop_at_eos else frozenset())
+        ends = engine.end_ids(request.stop_at_eos, request.stop_token_ids)  # the ids make_request will end at
         def compile_and_trim():
             try:
                 return engine.grammar_constraint(request.grammar, ends)
