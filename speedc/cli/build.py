@@ -87,8 +87,14 @@ def build(checkpoint, out, slots, weights, block_size, head_weights, target, exi
     if verbose:
         click.echo(f"building {checkpoint} -> {out}\n     phase | pass            time | graph nodes | initializer bytes", err=True)
     # SIGTERM (a CI timeout, `kill`) exits like Ctrl-C: the build's cleanup removes its unfinished folder
+    terminated = []
+
+    def on_sigterm(*_) -> None:
+        terminated.append(True)
+        sys.exit(128 + signal.SIGTERM)
+
     with contextlib.suppress(ValueError):  # (ValueError: not the main thread, e.g. a CliRunner in a thread)
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+        signal.signal(signal.SIGTERM, on_sigterm)
     with console.status("compiling", spinner="dots") if not verbose else contextlib.nullcontext() as status:
         def progress(message: str) -> None:
             if verbose:
@@ -105,12 +111,19 @@ def build(checkpoint, out, slots, weights, block_size, head_weights, target, exi
                 shown[0] = percent
                 progress(weights_bar(done, total))
 
-        result = run_build(checkpoint, out, BuildOptions(slots=slots, dtype=weights, target=target, exit_layer=exit_layer,
-                                                         alpha=alpha, eos_token_id=eos_token_id, recurrence=recurrence,
-                                                         state_init=state_init, state_seed=seed or 0,
-                                                         block_size=int(block_size or DEFAULT_BLOCK_SIZE), head_dtype=head_weights),
-                           force=force, allow_pickle=allow_pickle, dump_after=list(dump_after), on_pass=on_pass,
-                           measure_step_cost=measure, progress=progress, on_weight_bytes=on_weight_bytes)
+        try:
+            result = run_build(checkpoint, out, BuildOptions(slots=slots, dtype=weights, target=target, exit_layer=exit_layer,
+                                                             alpha=alpha, eos_token_id=eos_token_id, recurrence=recurrence,
+                                                             state_init=state_init, state_seed=seed or 0,
+                                                             block_size=int(block_size or DEFAULT_BLOCK_SIZE), head_dtype=head_weights),
+                               force=force, allow_pickle=allow_pickle, dump_after=list(dump_after), on_pass=on_pass,
+                               measure_step_cost=measure, progress=progress, on_weight_bytes=on_weight_bytes)
+        except Exception:
+            # the SystemExit raised inside torch's `with torch.device(...)` can surface as another error (its mode
+            # stack unwound twice: "trying to pop from empty mode stack"); the build cleaned up all the same
+            if terminated:
+                sys.exit(128 + signal.SIGTERM)
+            raise
     if verbose:
         for note in result.notes:
             click.echo(f"  {note}", err=True)
