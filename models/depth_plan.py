@@ -52,6 +52,8 @@ class LayerStep:
     repeat: int  # core repeat (0 outside the core)
     norm_after: bool  # model.norm replaces the state after it (the end of a normed repeat)
     injects: bool = False  # the state entering it is adapter(cat[state, e]) first (a repeat's first layer)
+    enters_core: bool = False  # the first core layer: the prelude's output becomes the core's input here
+    ends_core: bool = False  # the last core layer: the state after it is what the final readout takes
 
 
 @dataclass(frozen=True)
@@ -113,31 +115,31 @@ class DepthPlan:
         return not self.prelude and not self.coda
 
     def trip(self) -> Iterator[LayerStep]:
-        """Every logical layer of one plain trip, in order."""
+        """Every logical layer of one plain trip, in order (models/trip.py walks them)."""
         layer = 0
         for block in self.prelude:
             yield LayerStep(layer, block, PRELUDE, 0, False)
             layer += 1
+        last = len(self.core) * self.repeats - 1
         for repeat in range(self.repeats):
             for index, block in enumerate(self.core):
-                yield LayerStep(layer, block, CORE, repeat, self.loop_norm and index == len(self.core) - 1,
-                                bool(self.injection) and index == 0)
+                core_at = repeat * len(self.core) + index
+                yield LayerStep(layer, block, CORE, repeat, self.ends_loop(layer), bool(self.injection) and index == 0,
+                                enters_core=core_at == 0, ends_core=core_at == last)
                 layer += 1
         for block in self.coda:
             yield LayerStep(layer, block, CODA, 0, False)
             layer += 1
+
+    def coda_steps(self) -> list[LayerStep]:
+        """The steps a readout runs after its entry (models/trip.read_out)."""
+        return [step for step in self.trip() if step.phase == CODA]
 
     def ends_loop(self, layer: int) -> bool:
         """Whether model.norm follows logical layer LAYER (the end of a core repeat, when the plan norms there)."""
         core_at = layer - len(self.prelude)
         return (self.loop_norm and 0 <= core_at < len(self.core) * self.repeats
                 and (core_at + 1) % len(self.core) == 0)
-
-    def injects_before(self, layer: int) -> bool:
-        """Whether logical layer LAYER starts a core repeat that reads adapter(cat[state, e])."""
-        core_at = layer - len(self.prelude)
-        return (bool(self.injection) and 0 <= core_at < len(self.core) * self.repeats
-                and core_at % len(self.core) == 0)
 
     def cross_source(self, layer: int) -> int | None:
         """The logical layer whose K/V logical layer LAYER reads across repeats (repeat 0's layer at the same
@@ -248,6 +250,11 @@ class SlotPlan:
         """The block sequence every slot's core stage runs (P = 1: the whole layer map)."""
         return self.plan.layer_map[len(self.plan.prelude):len(self.plan.prelude) + self.stage_layers] \
             if self.slots > 1 else self.plan.layer_map
+
+    def entry_steps(self) -> list[LayerStep]:
+        """The steps slot 0 runs for the token entering it: the prelude, then one stage of core layers (the
+        stage every slot runs: a stage holds whole repeats, so its norms and injections sit alike in each)."""
+        return [step for step in self.plan.trip() if step.layer < len(self.plan.prelude) + self.stage_layers]
 
     def slot_layers(self) -> list[list[int]]:
         """Slot s -> the logical layers it runs: slot 0 the prelude then its repeats; the coda belongs to

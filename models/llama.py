@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speedc.models.config import VALUE_GATE_CHANNELS, ModelConfig
+from speedc.models.trip import read_out, walk
 
 # torch.nn.functional.rms_norm's eps when given none, for float32 (finfo.eps): what Parcae's weightless q/k norm uses
 QK_NORM_EPS = float(torch.finfo(torch.float32).eps)
@@ -286,7 +287,7 @@ class SharedLlama(nn.Module):
                 with_exit: bool = False) -> ForwardOutput:
         """input_ids [B, L] at positions start_pos.. ; writes K/V into `cache` when given (one per logical layer).
 
-        The trip is the depth plan's (models/depth_plan.py): prelude, core repeats (a repeat injecting e
+        The trip is the depth plan's, walked by models/trip.py: prelude, core repeats (a repeat injecting e
         reads adapter(cat[state, e]), the state starting at zero), [readout norm], coda, head. The exit
         head reads after exit_layer layers; with a coda it reads through the coda (full sequences only:
         over a cache the draft readout's coda would need K/V of its own)."""
@@ -295,44 +296,55 @@ class SharedLlama(nn.Module):
         positions = torch.arange(start_pos, start_pos + length, device=input_ids.device).expand(b, length)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
         x = self.model.embed_tokens(input_ids) * cfg.embed_scale  # [B, L, H]
-        core_end = len(plan.prelude) + len(plan.core) * plan.repeats
-        exit_logits = entry = None
         if plan.cross_window and cache is None:  # later repeats read repeat 0's K/V: a cache of this call's own
             cache = new_kv_cache(cfg, b, length, x.dtype, x.device)
-        for step in plan.trip():
-            layer = step.layer
-            if plan.prelude_norm and layer == len(plan.prelude):  # the prelude's output is normed (Parcae)
-                x = self.model.prelude_norm(x)
-            if plan.injection and layer == len(plan.prelude):  # entering the core: e, and a zero state
-                entry, x = x, torch.zeros_like(x)
-            if step.injects:
-                x = self.model.inject(x, entry)
-            source = plan.cross_source(layer)
-            cross = None if source is None else CrossRepeat(cache[source], self.model.gate_projections[source - len(plan.prelude)],
-                                                            plan.cross_window)
-            x = self.model.blocks[step.block](x, cos, sin, None if cache is None else cache[layer], start_pos, input_ids,
-                                              cross)
-            if step.norm_after:
-                x = self.model.norm(x)
-            if layer + 1 == core_end:
-                x = self._readout_entry(x)
-            if with_exit and layer + 1 == cfg.exit_layer:
-                exit_logits = self._exit_readout(x, cos, sin, cache, input_ids)
-        return ForwardOutput(self.final_head(x), exit_logits)
+        ops = _ReferenceOps(self, cos, sin, cache, start_pos, input_ids, with_exit)
+        x = walk(plan, plan.trip(), ops, x)
+        return ForwardOutput(self.final_head(x), ops.exit_logits)
 
-    def _readout_entry(self, x: torch.Tensor) -> torch.Tensor:
-        """The core's state as a readout's coda takes it: [readout norm] (Huginn), [readout projection] (Parcae)."""
-        plan = self.cfg.depth_plan
-        x = self.model.norm(x) if plan.readout_norm else x
-        return self.model.readout(x) if plan.readout_projection else x
 
-    def _exit_readout(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, input_ids) -> torch.Tensor:
-        plan = self.cfg.depth_plan
-        if not plan.coda:
-            return self.exit_head(x)
-        if cache is not None:
+class _ReferenceOps:
+    """The walker's ops (models/trip.py) for SharedLlama.forward: the model's modules over [B, L, H]."""
+
+    def __init__(self, llama: SharedLlama, cos, sin, cache: list[LayerCache] | None, start_pos: int,
+                 input_ids: torch.Tensor, with_exit: bool) -> None:
+        self.llama, self.decoder, self.plan = llama, llama.model, llama.cfg.depth_plan
+        self.cos, self.sin, self.cache, self.start_pos, self.input_ids = cos, sin, cache, start_pos, input_ids
+        self.with_exit, self.exit_logits = with_exit, None
+
+    def layer(self, step, x: torch.Tensor) -> torch.Tensor:
+        source = self.plan.cross_source(step.layer)
+        cross = None if source is None else CrossRepeat(self.cache[source], self.decoder.gate_projections[source - len(self.plan.prelude)],
+                                                        self.plan.cross_window)
+        return self.decoder.blocks[step.block](x, self.cos, self.sin, None if self.cache is None else self.cache[step.layer],
+                                               self.start_pos, self.input_ids, cross)
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder.norm(x)
+
+    def prelude_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder.prelude_norm(x)
+
+    def start_state(self, entry: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(entry)
+
+    def inject(self, x: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
+        return self.decoder.inject(x, entry)
+
+    def project_readout(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder.readout(x)
+
+    def enter_core(self, x: torch.Tensor, entry):
+        return x, entry
+
+    def after(self, step, x: torch.Tensor) -> None:
+        if self.with_exit and step.layer + 1 == self.llama.cfg.exit_layer:
+            self.exit_logits = self._exit_readout(x)
+
+    def _exit_readout(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.plan.coda:
+            return self.llama.exit_head(x)
+        if self.cache is not None:
             raise ValueError("the exit readout of a plan with a coda runs over full sequences only (no cache)")
-        x = self._readout_entry(x)
-        for block in plan.coda:
-            x = self.model.blocks[block](x, cos, sin, token_ids=input_ids)
-        return self.final_head(x)
+        return self.llama.final_head(read_out(self.plan, _ReferenceOps(self.llama, self.cos, self.sin, None, 0,
+                                                                      self.input_ids, False), x))

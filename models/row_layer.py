@@ -232,14 +232,35 @@ def inject_entry(decoder: Decoder, x: torch.Tensor, entry: torch.Tensor) -> torc
     return inject(x, entry, decoder.adapter.weight)
 
 
-def readout_entry(decoder: Decoder, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """The core's state x [r, H] as a readout's coda takes it: [model.norm] (Huginn), [model.readout] (Parcae's C)."""
-    plan = cfg.depth_plan
-    if plan.readout_norm:
-        x = rms_norm(x, decoder.norm.weight, cfg.rms_norm_eps)
-    return F.linear(x, decoder.readout.weight) if plan.readout_projection else x
+class RowOps:
+    """The walker's ops (models/trip.py) over the 2-D residual stream [r, H], written as the exported
+    programs and the PyTorch backend compute them; each caller adds `layer` (its cache, its rows) and, where
+    it needs them, `enter_core` (the rows that run the core) and `after` (taps, outputs)."""
 
+    def __init__(self, decoder: Decoder, cfg: ModelConfig, initial: torch.Tensor | None = None) -> None:
+        self.decoder, self.cfg = decoder, cfg
+        self.initial = initial  # [r, H]: the entering tokens' drawn start states (a random state_init), else zeros
 
-def loop_boundary(x: torch.Tensor, norm_weight: torch.Tensor, cfg: ModelConfig, layer: int) -> torch.Tensor:
-    """The state after logical layer LAYER: replaced by model.norm(state) where a loop ends."""
-    return rms_norm(x, norm_weight, cfg.rms_norm_eps) if cfg.depth_plan.ends_loop(layer) else x
+    def layer(self, step, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.decoder.norm.weight, self.cfg.rms_norm_eps)
+
+    def prelude_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.decoder.prelude_norm.weight, self.cfg.rms_norm_eps)
+
+    def start_state(self, entry: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(entry) if self.initial is None else self.initial
+
+    def inject(self, x: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
+        return inject_entry(self.decoder, x, entry)
+
+    def project_readout(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.decoder.readout.weight)
+
+    def enter_core(self, x: torch.Tensor, entry):
+        return x, entry
+
+    def after(self, step, x: torch.Tensor) -> None:
+        pass

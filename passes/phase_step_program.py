@@ -50,8 +50,9 @@ from speedc.errors import BuildError
 from speedc.models.config import ModelConfig
 from speedc.models.depth_plan import SlotPlan
 from speedc.models.llama import SharedLlama
-from speedc.models.row_layer import (CrossRead, inject_entry, layer_over_rows, readout_entry, rms_norm, row_context,
-                                      rotary_inv_freq, step_cross_read)
+from speedc.models.depth_plan import PRELUDE
+from speedc.models.row_layer import RowOps, layer_over_rows, row_context, rotary_inv_freq, step_cross_read
+from speedc.models.trip import read_out, walk
 from speedc.passes.trace import OPSET, WeightsAsInputs
 
 STAGE_OUT_PREFIX = "hidden."  # hidden.{S-1}: the stage output (hidden_out)
@@ -82,23 +83,6 @@ class PhaseStepProgram(nn.Module):
         self.register_buffer("inv_freq", rotary_inv_freq(self.cfg), persistent=False)
         self.layout = pipeline.plan.cache_layout(pipeline.slots)  # the runtime's addressing
 
-    def _run(self, blocks, x, ctx, slabs, first_layer: int, token_ids, cross: CrossRead | None = None):
-        """x [r, H] through BLOCKS against SLABS [(k, v)] -> (x, [k], [v]), model.norm where a repeat ends.
-        TOKEN_IDS [r]: the rows' tokens (value embeddings); CROSS: a cross-repeat layer's read of repeat 0."""
-        keys, values = [], []
-        for offset, (block, (past_k, past_v)) in enumerate(zip(blocks, slabs)):
-            x, k, v = layer_over_rows(self.model.blocks[block], x, ctx, past_k, past_v, self.cfg, token_ids, cross)
-            if self.cfg.depth_plan.ends_loop(first_layer + offset):
-                x = rms_norm(x, self.model.norm.weight, self.cfg.rms_norm_eps)
-            keys.append(k)
-            values.append(v)
-        return x, keys, values
-
-    def _readout(self, x, ctx, slabs, token_ids):
-        """x [n, H]: a readout's state -> [readout norm / projection] -> coda (its own K/V) -> (x, [k], [v])."""
-        plan = self.pipeline.plan
-        return self._run(plan.coda, readout_entry(self.model, x, self.cfg), ctx, slabs, plan.num_layers, token_ids)
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_in: torch.Tensor, *slabs: torch.Tensor):
         cfg, layout, plan = self.cfg, self.layout, self.pipeline.plan
         initial = None
@@ -117,45 +101,19 @@ class PhaseStepProgram(nn.Module):
         if cfg.embed_scale != 1.0:
             x = x * cfg.embed_scale
         entering = input_ids.reshape(-1)  # [n]: slot 0's tokens
-        pairs = [(prelude[2 * i], prelude[2 * i + 1]) for i in range(layout.prelude_layers)]
-        x, prelude_k, prelude_v = self._run(plan.prelude, x, first_ctx, pairs, 0, entering)
-        if plan.prelude_norm:
-            x = rms_norm(x, self.model.prelude_norm.weight, cfg.rms_norm_eps)
         behind = hidden_in.reshape(-1, cfg.state_width)  # [(P-1)n, H], [state | e] 2H, or [state | e | id] 2H + 1
-        vectors = hidden * plan.carried_vectors
-        token_ids = entering  # [R]: every row's token, where value embeddings read it past slot 0
-        if cfg.carries_token_id:
-            token_ids = torch.cat((entering, behind[:, vectors].round().to(torch.long)), dim=0)
-        entry = None
-        if plan.injection:  # slot 0: e = the prelude's output, the state from zero (or its draw)
-            entry = torch.cat((x, behind[:, hidden:vectors]), dim=0)  # [R, H]
-            x = torch.cat((torch.zeros_like(x) if initial is None else initial, behind[:, :hidden]), dim=0)  # [R, H]
-        else:
-            x = torch.cat((x, behind), dim=0)  # [R, H]
         ctx = row_context(positions, 1, past_len, self.inv_freq, groups, plan.cross_window)
-        stage_blocks, taps, core_k, core_v = self.pipeline.stage_blocks, [], [], []
+        stage = _StageOps(self, initial, first_ctx, ctx, prelude, core, entering, behind, positions)
+        x = walk(plan, self.pipeline.entry_steps(), stage, x)  # slot 0's prelude, then every slot's stage (models/trip.py)
+        token_ids, entry, taps = stage.token_ids, stage.entry, stage.taps
         tap = self.pipeline.draft_layer - layout.prelude_layers - 1  # stage layer after which the draft reads out
-        for j, block in enumerate(stage_blocks):
-            step = 2 * j * p  # core slabs: (j, s) for s < P, key then value
-            past_k = torch.cat([core[step + 2 * s] for s in range(p)], dim=0)  # [R, kvh, T, hd]
-            past_v = torch.cat([core[step + 2 * s + 1] for s in range(p)], dim=0)
-            if plan.injects_before(layout.prelude_layers + j):  # every slot's stage layer j starts a repeat alike
-                x = inject_entry(self.model, x, entry)
-            cross = None
-            if plan.cross_window:  # slot 0's slab of j: repeat 0's K/V (see the module docstring)
-                gate = self.model.gate_projections[j % len(plan.core)]
-                cross = step_cross_read(core[step], core[step + 1], positions, p, gate, ctx.past_mask)
-            x, (k,), (v,) = self._run([block], x, ctx, [(past_k, past_v)], layout.prelude_layers + j, token_ids, cross)
-            core_k.append(k)
-            core_v.append(v)
-            taps.append(x)
         rows = taps[tap].reshape(p, -1, hidden)  # [P, n, H]
         out = x.reshape(p, -1, hidden)  # [P, n, H]
-        draft_pairs = [(coda[2 * (i * 2)], coda[2 * (i * 2) + 1]) for i in range(layout.coda_layers)]
-        final_pairs = [(coda[2 * (i * 2 + 1)], coda[2 * (i * 2 + 1) + 1]) for i in range(layout.coda_layers)]
         last_ids = token_ids.reshape(p, -1)[p - 1] if cfg.carries_token_id else None  # [n]: slot P-1's tokens
-        draft, draft_k, draft_v = self._readout(rows[0], first_ctx, draft_pairs, entering)
-        final, final_k, final_v = self._readout(out[p - 1], last_ctx, final_pairs, last_ids)
+        draft_coda = _CodaOps(self, first_ctx, coda[0::4], coda[1::4], entering)  # coda slabs (i, depth 0)
+        final_coda = _CodaOps(self, last_ctx, coda[2::4], coda[3::4], last_ids)  # (i, depth 1)
+        draft, final = read_out(plan, draft_coda, rows[0]), read_out(plan, final_coda, out[p - 1])
+        draft_k, draft_v, final_k, final_v = draft_coda.keys, draft_coda.values, final_coda.keys, final_coda.values
         zeros = torch.zeros_like(behind[:, :hidden])  # [(P-1)n, H]: rows no readout reads
         readout_draft = torch.cat((draft, zeros), dim=0)  # [R, H]
         readout_final = torch.cat((zeros, final), dim=0)  # [R, H]
@@ -166,12 +124,84 @@ class PhaseStepProgram(nn.Module):
             carried = torch.cat((carried, token_ids.to(x.dtype)[:, None]), dim=-1)
 
         def stacked(parts):  # [k, n, kvh, 1, hd] (an empty phase: [0, ...])
-            return torch.stack(parts) if parts else torch.zeros((0, *core_k[0].shape), dtype=x.dtype)
+            return torch.stack(parts) if parts else torch.zeros((0, *stage.core_k[0].shape), dtype=x.dtype)
 
         coda_k = torch.stack((stacked(draft_k), stacked(final_k)), dim=1)  # [Lc, 2, n, kvh, 1, hd]
         coda_v = torch.stack((stacked(draft_v), stacked(final_v)), dim=1)
-        presents = [t for pair in zip(core_k, core_v) for t in pair]
-        return (readout_draft, readout_final, carried, stacked(prelude_k), stacked(prelude_v), coda_k, coda_v, *presents)
+        presents = [t for pair in zip(stage.core_k, stage.core_v) for t in pair]
+        return (readout_draft, readout_final, carried, stacked(stage.prelude_k), stacked(stage.prelude_v), coda_k, coda_v,
+                *presents)
+
+
+class _StageOps(RowOps):
+    """The walker's ops for slot 0's prelude (its n rows, the prelude slabs) and then the stage of all R rows:
+    entering the core adds the slots behind (their state, e and token id ride in HIDDEN_IN); stage layer j
+    reads the concatenation of its P slot slabs."""
+
+    def __init__(self, program: PhaseStepProgram, initial, first_ctx, ctx, prelude, core, entering, behind, positions) -> None:
+        super().__init__(program.model, program.cfg, initial)
+        self.program, self.ctx, self.core, self.behind, self.positions = program, first_ctx, core, behind, positions
+        self.stage_ctx, self.prelude, self.token_ids = ctx, prelude, entering
+        self.prelude_k, self.prelude_v, self.core_k, self.core_v, self.taps = [], [], [], [], []
+        self.entry = None
+
+    def enter_core(self, x: torch.Tensor, entry):
+        cfg, plan, hidden, behind = self.cfg, self.cfg.depth_plan, self.cfg.hidden_size, self.behind
+        vectors = hidden * plan.carried_vectors
+        if cfg.carries_token_id:  # [R]: every row's token, where value embeddings read it past slot 0
+            self.token_ids = torch.cat((self.token_ids, behind[:, vectors].round().to(torch.long)), dim=0)
+        if plan.injection:  # slot 0: e = the prelude's output beside its start state
+            entry = torch.cat((entry, behind[:, hidden:vectors]), dim=0)  # [R, H]
+            x = torch.cat((x, behind[:, :hidden]), dim=0)  # [R, H]
+        else:
+            x = torch.cat((x, behind), dim=0)  # [R, H]
+        self.ctx, self.entry = self.stage_ctx, entry
+        return x, entry
+
+    def layer(self, step, x: torch.Tensor) -> torch.Tensor:
+        block = self.decoder.blocks[step.block]
+        if step.phase == PRELUDE:
+            past_k, past_v = self.prelude[2 * step.layer], self.prelude[2 * step.layer + 1]
+            x, k, v = layer_over_rows(block, x, self.ctx, past_k, past_v, self.cfg, self.token_ids)
+            self.prelude_k.append(k)
+            self.prelude_v.append(v)
+            return x
+        p, plan = self.program.layout.slots, self.cfg.depth_plan
+        j = step.layer - len(plan.prelude)
+        at = 2 * j * p  # core slabs: (j, s) for s < P, key then value
+        past_k = torch.cat([self.core[at + 2 * s] for s in range(p)], dim=0)  # [R, kvh, T, hd]
+        past_v = torch.cat([self.core[at + 2 * s + 1] for s in range(p)], dim=0)
+        cross = None
+        if plan.cross_window:  # slot 0's slab of j: repeat 0's K/V (see the module docstring)
+            gate = self.decoder.gate_projections[j % len(plan.core)]
+            cross = step_cross_read(self.core[at], self.core[at + 1], self.positions, p, gate, self.ctx.past_mask)
+        x, k, v = layer_over_rows(block, x, self.ctx, past_k, past_v, self.cfg, self.token_ids, cross)
+        self.core_k.append(k)
+        self.core_v.append(v)
+        return x
+
+    def after(self, step, x: torch.Tensor) -> None:
+        if step.phase != PRELUDE:
+            self.taps.append(x)
+
+
+class _CodaOps(RowOps):
+    """The walker's ops for one readout's coda: coda layer i reads KEYS[i] / VALUES[i] (that readout depth's own
+    K/V) at CTX; its new rows are kept in self.keys / self.values."""
+
+    def __init__(self, program: PhaseStepProgram, ctx, keys, values, token_ids) -> None:
+        super().__init__(program.model, program.cfg)
+        self.ctx, self.past_keys, self.past_values, self.token_ids = ctx, keys, values, token_ids
+        self.first = program.pipeline.plan.num_layers - len(program.pipeline.plan.coda)
+        self.keys, self.values = [], []
+
+    def layer(self, step, x: torch.Tensor) -> torch.Tensor:
+        i = step.layer - self.first
+        x, k, v = layer_over_rows(self.decoder.blocks[step.block], x, self.ctx, self.past_keys[i], self.past_values[i],
+                                  self.cfg, self.token_ids)
+        self.keys.append(k)
+        self.values.append(v)
+        return x
 
 
 def output_names(layout: CacheLayout) -> list[str]:

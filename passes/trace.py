@@ -40,7 +40,8 @@ from speedc.format import contract
 from speedc.errors import BuildError
 from speedc.models.config import ModelConfig
 from speedc.models.llama import SharedLlama
-from speedc.models.row_layer import CrossRead, inject_entry, layer_over_rows, readout_entry, rms_norm, row_context, rotary_inv_freq
+from speedc.models.row_layer import CrossRead, RowOps, layer_over_rows, rms_norm, row_context, rotary_inv_freq
+from speedc.models.trip import read_out, walk
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.graph_utils import linear_to_gemm, replace_uses
 from speedc.passes.source_weights import weight_constant
@@ -78,51 +79,55 @@ class DecodeProgram(nn.Module):
         token_ids = input_ids.reshape(-1)  # [B*L]: the rows' tokens (value embeddings)
         ctx = row_context(positions, length, past[0].shape[2], self.inv_freq,
                           cfg.num_attention_heads // cfg.num_key_value_heads, plan.cross_window)
-        core_end = len(plan.prelude) + len(plan.core) * plan.repeats
-        hidden_out, present = [], []
-        exit_logits = tap = entry = None
-        for step in plan.trip():  # prelude, core repeats (model.norm after each where the plan says), coda
-            layer = step.layer
-            if plan.prelude_norm and layer == len(plan.prelude):  # the prelude's output, normed (Parcae)
-                x = rms_norm(x, self.model.prelude_norm.weight, cfg.rms_norm_eps)
-            if plan.injection and layer == len(plan.prelude):  # entering the core: e, and the start state
-                entry, x = x, (torch.zeros_like(x) if initial is None else initial)
-            if step.injects:
-                x = inject_entry(self.model, x, entry)
-            x, k, v = layer_over_rows(self.model.blocks[step.block], x, ctx, past[2 * layer], past[2 * layer + 1], cfg,
-                                      token_ids, self._cross_read(layer, ctx, past, present))
-            if step.norm_after:
-                x = rms_norm(x, self.model.norm.weight, cfg.rms_norm_eps)
-            if layer + 1 == core_end:  # the readout's norm / projection, before the coda
-                x = readout_entry(self.model, x, cfg)
-            hidden_out.append(x)
-            present += [k, v]
-            if layer + 1 == cfg.exit_layer:
-                tap = x
-                norm = {"own": getattr(self.model, "exit_norm", None), "final": self.model.norm, "none": None}[cfg.exit_norm]
-                exit_logits = self._head(x, None if norm is None else norm.weight).reshape(b, length, -1)
+        ops = _TraceOps(self, ctx, past, token_ids, initial)
+        x = walk(plan, plan.trip(), ops, x)  # prelude, core repeats, coda (models/trip.py)
         final_norm = self.model.norm.weight if cfg.final_norm else None
         logits = self._head(x, final_norm).reshape(b, length, -1)
+        exit_logits = None if ops.tap is None else ops.exit_logits.reshape(b, length, -1)
         if draft_coda(cfg):  # the draft readout's own coda over the tap (cache entries N..N+Lc-1)
-            tap = readout_entry(self.model, tap, cfg)
-            for index, block in enumerate(plan.coda):
-                entry_index = cfg.num_hidden_layers + index
-                tap, k, v = layer_over_rows(self.model.blocks[block], tap, ctx, past[2 * entry_index], past[2 * entry_index + 1], cfg,
-                                            token_ids)
-                present += [k, v]
-            exit_logits = self._head(tap, final_norm).reshape(b, length, -1)
-        return (logits, exit_logits, embeddings, *hidden_out, *present)
+            readout = _TraceOps(self, ctx, past, token_ids, initial, cache_offset=len(plan.coda), present=ops.present)
+            exit_logits = self._head(read_out(plan, readout, ops.tap), final_norm).reshape(b, length, -1)
+        return (logits, exit_logits, embeddings, *ops.hidden_out, *ops.present)
 
-    def _cross_read(self, layer: int, ctx, past, present) -> CrossRead | None:
+
+class _TraceOps(RowOps):
+    """The walker's ops for the decode program: each layer reads its cache input, returns its new rows
+    (PRESENT) and its output (HIDDEN_OUT); the exit head taps after exit_layer layers. A readout's coda with
+    its own K/V reads the cache entries CACHE_OFFSET past its logical layers."""
+
+    def __init__(self, program: DecodeProgram, ctx, past, token_ids, initial, *, cache_offset: int = 0,
+                 present: list | None = None) -> None:
+        super().__init__(program.model, program.cfg, initial)
+        self.program, self.ctx, self.past, self.token_ids, self.cache_offset = program, ctx, past, token_ids, cache_offset
+        self.present = [] if present is None else present  # key, value per layer so far
+        self.hidden_out, self.tap, self.exit_logits = [], None, None
+
+    def layer(self, step, x: torch.Tensor) -> torch.Tensor:
+        entry = step.layer + self.cache_offset
+        x, k, v = layer_over_rows(self.decoder.blocks[step.block], x, self.ctx, self.past[2 * entry], self.past[2 * entry + 1],
+                                  self.cfg, self.token_ids, self._cross_read(step.layer))
+        self.present += [k, v]
+        return x
+
+    def after(self, step, x: torch.Tensor) -> None:
+        if self.cache_offset:  # a readout's coda: its rows are not the trip's hidden outputs
+            return
+        self.hidden_out.append(x)
+        if step.layer + 1 == self.cfg.exit_layer:
+            self.tap = x
+            norm = {"own": getattr(self.decoder, "exit_norm", None), "final": self.decoder.norm, "none": None}[self.cfg.exit_norm]
+            self.exit_logits = self.program._head(x, None if norm is None else norm.weight)
+
+    def _cross_read(self, layer: int) -> CrossRead | None:
         """Logical layer LAYER's read of repeat 0's K/V (cross-repeat attention): that layer's cache input
-        and the chunk's rows it returned this call (PRESENT: key, value per layer so far)."""
+        and the chunk's rows it returned this call."""
         plan = self.cfg.depth_plan
         source = plan.cross_source(layer)
         if source is None:
             return None
-        gate = self.model.gate_projections[source - len(plan.prelude)]
-        return CrossRead(past[2 * source], past[2 * source + 1], ctx.past_mask, present[2 * source], present[2 * source + 1],
-                         ctx.chunk_mask, gate.weight, gate.bias)
+        gate = self.decoder.gate_projections[source - len(plan.prelude)]
+        return CrossRead(self.past[2 * source], self.past[2 * source + 1], self.ctx.past_mask, self.present[2 * source],
+                         self.present[2 * source + 1], self.ctx.chunk_mask, gate.weight, gate.bias)
 
 
 def random_state(cfg: ModelConfig) -> bool:

@@ -39,6 +39,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+from speedc.cost_model import assumed_step_cost, describe_assumed_step_cost
 from speedc.runtimes.step_costs import seed_step_cost
 
 
@@ -108,6 +109,12 @@ class AcceptancePolicy:
     learned_probe_after: dict = field(default_factory=dict)
     # depth -> decayed sums over steady speed steps: [steps of a depth-d pipeline, tokens, accepted, failed]
     learned_misses: dict = field(default_factory=dict)
+
+    weighs_costs = True  # decides with the step costs measured on this host (several depths, plain steps timed)
+
+    def cost_seed(self, slots: int) -> tuple[float, str]:
+        """c(P) and where it comes from, until this host's steps are timed (runtimes/step_costs.py)."""
+        return self.step_cost, self.step_cost_source
 
     @classmethod
     def for_manifest(cls, manifest, **knobs) -> "AcceptancePolicy":
@@ -328,7 +335,13 @@ class AcceptancePolicy:
 
 
 class AlwaysSpeculate:
-    """The per-sequence rule switched off: every sequence speculates whenever the row policy lets it."""
+    """The per-sequence rule switched off: every sequence speculates whenever the row policy lets it. It keeps
+    no state per sequence and weighs no costs, so the controller never asks it for a bound, a depth or a verdict
+    on costs (runtimes/speculation.py reads `weighs_costs`)."""
+    weighs_costs = False
+
+    def cost_seed(self, slots: int) -> tuple[float, str]:
+        return assumed_step_cost(slots), describe_assumed_step_cost()
 
     def start(self, kind: str = "greedy") -> None:
         return None

@@ -107,7 +107,7 @@ class BatchScheduler:
         self.backend = backend
         # only where a prompt's rows do not depend on its chunking (the fused graphs; the standard ones' chunked
         # prefill differs ~1e-6 by where chunks begin), so a hit changes no output
-        self.prefix_cache = prefix_cache if getattr(backend, "fused", False) and hasattr(backend, "read_rows") else None
+        self.prefix_cache = prefix_cache if backend.keeps_prefixes else None
         self.first_token_alone = first_token_alone
         self.controller = SpeculationController(backend.slots, backend.speculative, policy=policy,
                                                 acceptance=acceptance, costs=costs)
@@ -128,9 +128,9 @@ class BatchScheduler:
         if not request.prompt:
             raise GenerationError("empty prompt: give at least one token")
         need = len(request.prompt) + request.max_new_tokens
-        if need > self.backend.capacity:
+        if need > self.backend.pool.capacity:
             raise GenerationError(f"prompt ({len(request.prompt)} tokens) + max new tokens ({request.max_new_tokens}) "
-                                  f"exceeds the KV-cache row of {self.backend.capacity} positions (a larger KV-cache "
+                                  f"exceeds the KV-cache row of {self.backend.pool.capacity} positions (a larger KV-cache "
                                   "budget or fewer sequences: kv_cache_mb / max_batch, --kv-cache-mb / --max-batch)")
         mode = "batch speed" if self.backend.speculative and self.controller.policy.row_budget != 0 else "batch autoregressive"
         # a constrained draft masks slot 0's exit only (Pipeline via _absorb): no early-flush checks
@@ -169,7 +169,7 @@ class BatchScheduler:
         first_token = any(token is not None for _, token in events)  # only a prefill confirms one so far
         decoding = [s for s in self.occupied if s.state == DECODE]
         if decoding and not (first_token and self.first_token_alone):
-            plan = self.controller.decide(decoding, self.backend.length, self.backend.width)
+            plan = self.controller.decide(decoding, self.backend.pool.length, self.backend.pool.width)
             if plan.speculate != self.speculating:
                 self.mode_switches += 1
                 self.speculating = plan.speculate
@@ -194,7 +194,7 @@ class BatchScheduler:
         hold them. One whose cache the pool cannot grow to hold (out of memory) waits, and the requests
         behind it too, until running sequences leave; when none is left and it still does not fit, it
         ends alone with that error (Sequence.error), never cut short and never failing the others."""
-        while len(self.occupied) < self.backend.max_batch:
+        while len(self.occupied) < self.backend.pool.max_batch:
             with self._lock:
                 if not self.waiting:
                     return
@@ -224,7 +224,7 @@ class BatchScheduler:
             return
         entry, reuse = self.prefix_cache.lookup(sequence.request.prompt, keep=2)
         if entry is not None:
-            self.backend.write_rows(sequence.row, entry.rows, reuse)
+            self.backend.pool.write_rows(sequence.row, entry.rows, reuse)
             sequence.prefilled = sequence.stats.cached_tokens = reuse
 
     def _keep_prefix(self, sequence: Sequence) -> None:
@@ -236,7 +236,7 @@ class BatchScheduler:
             return
         tokens = sequence.request.prompt[:sequence.prefilled]
         if len(tokens) > 1:
-            self.prefix_cache.store(tokens, self.backend.read_rows(sequence.row, len(tokens)))
+            self.prefix_cache.store(tokens, self.backend.pool.read_rows(sequence.row, len(tokens)))
 
     def _refuse(self, sequence: Sequence, error: Exception, events: list[Event]) -> None:
         """SEQUENCE, at the head of the queue, cannot be admitted: it ends alone with ERROR (Sequence.error)."""
@@ -256,7 +256,7 @@ class BatchScheduler:
     def _grow_pool(self, sequences: list[Sequence]) -> None:
         """Grow the pool to hold SEQUENCES at their longest (no-op when it does); OutOfMemory when it cannot."""
         positions = max(s.positions for s in sequences)
-        if not self.backend.would_grow(positions, len(sequences)):
+        if not self.backend.pool.would_grow(positions, len(sequences)):
             return
         try:
             self.backend.reserve(positions, len(sequences))
@@ -315,7 +315,7 @@ class BatchScheduler:
 
     def _cached(self, sequence: Sequence) -> int:
         """Cache positions of SEQUENCE that may hold K/V it will read: prompt, emitted tokens, in-flight ones."""
-        return min(self.backend.capacity, len(sequence.request.prompt) + len(sequence.out) + self.backend.slots)
+        return min(self.backend.pool.capacity, len(sequence.request.prompt) + len(sequence.out) + self.backend.slots)
 
     def _bubble_positions(self) -> list[int]:
         """Where each occupied sequence's bubbles run (index: pool row): just past what it may read
@@ -323,7 +323,7 @@ class BatchScheduler:
         so at T each cost an attention over the whole row (measured: the batch step's attention 3.5x
         the single-sequence step's at zoo:small, whose row holds its 1,024-token context); what it
         writes there is overwritten before any row reads it (every position a row reads is below _cached)."""
-        return [min(self._cached(sequence), self.backend.length) for sequence in self.occupied]
+        return [min(self._cached(sequence), self.backend.pool.length) for sequence in self.occupied]
 
     def _prefill_group(self) -> list[Sequence]:
         """The sequences prefilled in this iteration: the one in the lowest pool row still prefilling, and when it starts

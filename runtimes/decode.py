@@ -152,17 +152,17 @@ class Pipeline:
             self.pending = InFlightToken(y, q)
 
     def speculate(self, exit_token_at: Callable[[int], int], early_flush: bool) -> None:
-        """EXIT_TOKEN_AT(depth): the exit head's argmax for the token in slot DEPTH this step."""
+        """EXIT_TOKEN_AT(s): the exit head's argmax for the token in slot s this step."""
         if self.pending is None and early_flush:
-            for depth in range(len(self.slots) - 2, 0, -1):  # deepest (best informed) first
-                slot = self.slots[depth]
-                if slot is None:
+            for s in range(len(self.slots) - 2, 0, -1):  # deepest (best informed) first
+                token = self.slots[s]
+                if token is None:
                     continue
-                guess = exit_token_at(depth)
-                successor = self.holder(slot.pos + 1)
+                guess = exit_token_at(s)
+                successor = self.holder(token.pos + 1)
                 if successor is not None and successor.token != guess:
-                    self.flush_from(slot.pos + 1)
-                    self.pending = InFlightToken(guess, slot.pos + 1)
+                    self.flush_from(token.pos + 1)
+                    self.pending = InFlightToken(guess, token.pos + 1)
                     self.stats.early_flushes += 1
                     break
         if self.pending is None and self.slots[0] is not None:

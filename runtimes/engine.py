@@ -26,14 +26,10 @@ from typing import Callable, Iterator
 from speedc.format.artifact import TOKENIZER, Manifest, read_manifest
 from speedc.errors import ArtifactError, BatchError, GenerationError, SpeedcError
 from speedc.models.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenPicker, is_integer, require
-from speedc.runtimes.speculation import DEFAULT_ROW_BUDGET
+from speedc.runtimes.speculation import DEFAULT_ROW_BUDGET, MODES
 from speedc.runtimes.decode import DecodeStats, Decoding, Request, run_to_end
 from speedc.runtimes.detokenize import DecodeRule, IncrementalText, StopStrings, cut_at_stop, decode_rule, not_unicode
 
-# speed: speculate while it pays on this host (runtimes/acceptance_policy.py at the step costs measured as it
-# runs, runtimes/step_costs.py), plain decoding else; speed-always: every step speculates (for measuring SPEED
-# itself and for tests); autoregressive: plain decoding only. All three emit the same tokens.
-MODES = ("speed", "speed-always", "autoregressive")
 
 
 @dataclass
@@ -385,10 +381,10 @@ class Engine:
         from speedc.runtimes.step_costs import StepCosts
 
         backend = backend or self.backend
-        session = getattr(backend, "session", backend)
-        costs = self._costs.get(id(session))
+        runner = backend.runner
+        costs = self._costs.get(id(runner))
         if costs is None:
-            costs = self._costs[id(session)] = StepCosts.for_manifest(self.manifest)
+            costs = self._costs[id(runner)] = StepCosts.for_manifest(self.manifest)
         return costs
 
     def _single_scheduler(self, mode: str):
@@ -398,11 +394,10 @@ class Engine:
         policy and step costs."""
         from speedc.runtimes.acceptance_policy import AlwaysSpeculate
         from speedc.runtimes.batch import BatchScheduler
-        from speedc.runtimes.speculation import RowPolicy
 
-        policy = RowPolicy(row_budget=0 if mode == "autoregressive" else None)
-        acceptance = self.speculation_policy if mode == "speed" else AlwaysSpeculate()
-        return BatchScheduler(self.backend, policy=policy, acceptance=acceptance, costs=self.step_costs(),
+        rules = MODES[mode]
+        acceptance = self.speculation_policy if rules.per_sequence else AlwaysSpeculate()
+        return BatchScheduler(self.backend, policy=rules.row_policy(batch=False), acceptance=acceptance, costs=self.step_costs(),
                               prefill_chunk=self.manifest.dims.max_context, first_token_alone=True,
                               prefix_cache=self.prefix_cache)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from speedc.cost_model import analytic_bound, assumed_step_cost, describe_assumed_step_cost
+from speedc.cost_model import analytic_bound
 from speedc.runtimes.acceptance_policy import AcceptancePolicy, AlwaysSpeculate
 from speedc.runtimes.step_costs import StepCosts
 
@@ -51,9 +51,27 @@ FAR_FROM_VERDICT = 1.15
 DECISION_REUSE = 4
 
 DEFAULT_ROW_BUDGET = 32  # RowPolicy's: 8 sequences at P = 4 (measured on zoo:small, docs/runtime.md "When to speculate")
-# a decoding mode -> the scheduler's (row budget: None no limit, 0 never speculate; whether the acceptance policy
-# decides per sequence): what `--mode` means to a batch (the server, the concurrency bench)
-BATCH_RULES = {"speed": (DEFAULT_ROW_BUDGET, True), "speed-always": (None, False), "autoregressive": (0, True)}
+
+
+@dataclass(frozen=True)
+class Mode:
+    """What a decoding mode (`--mode`, Engine.generate's mode=) sets in a scheduler. All emit the same tokens."""
+    speculates: bool  # whether it may run speed steps at all
+    per_sequence: bool  # the acceptance policy decides per sequence (runtimes/acceptance_policy.py); else every
+    # sequence speculates whenever the row policy lets it (AlwaysSpeculate)
+    batch_row_budget: int | None  # a batch's row budget (the server, the concurrency bench); one sequence has none
+
+    def row_policy(self, batch: bool) -> "RowPolicy":
+        if not self.speculates:
+            return RowPolicy(row_budget=0)
+        return RowPolicy(row_budget=self.batch_row_budget if batch else None)
+
+
+# speed: speculate while it pays on this host (the acceptance policy at the step costs measured as it runs,
+# runtimes/step_costs.py), plain decoding else; speed-always: every step speculates (for measuring SPEED itself
+# and for tests); autoregressive: plain decoding only.
+MODES = {"speed": Mode(True, True, DEFAULT_ROW_BUDGET), "speed-always": Mode(True, False, None),
+         "autoregressive": Mode(False, False, 0)}
 
 
 @dataclass
@@ -97,13 +115,9 @@ class SpeculationController:
         self.slots = slots
         self.policy = policy or RowPolicy()
         self.acceptance = acceptance or AlwaysSpeculate()
-        if costs is None:
-            seed = getattr(self.acceptance, "step_cost", None)
-            costs = (StepCosts(slots, seed, self.acceptance.step_cost_source) if seed is not None else
-                     StepCosts(slots, assumed_step_cost(slots), describe_assumed_step_cost()))
-        self.costs = costs
+        self.costs = costs or StepCosts(slots, *self.acceptance.cost_seed(slots))
         # Plain steps are timed while speculating only where a rule decides with their cost.
-        self.samples_plain = isinstance(self.acceptance, AcceptancePolicy)
+        self.samples_plain = self.acceptance.weighs_costs
         self._burst = 0  # plain steps run so far in a burst timing plain decoding (0: none running)
         # The depths the P slots may run at (decode.Pipeline.shift's spacing P / d), where a rule chooses: P and
         # its divisors above 1 (P = 4: 4 and 2); plain decoding is the rules' other choice.

@@ -277,7 +277,7 @@ def artifact_manifest(state: CompileState, checkpoint: Path, specs, index, repor
 
 def measure_into_manifest(tmp: Path, manifest: Manifest) -> None:
     """c(P) of the artifact staged in TMP, measured here and written into its manifest."""
-    from speedc.step_cost import measure_artifact
+    from speedc.step_timer import measure_artifact
 
     try:
         manifest.build["step_cost_measured"] = measure_artifact(tmp)

@@ -55,7 +55,7 @@ def measure_step_cost(backend, context: int, repeats: int = 50) -> float:
     position in the middle of a CONTEXT-row cache, interleaved medians."""
     import numpy as np
 
-    from speedc.step_cost import interleaved_medians
+    from speedc.step_timer import interleaved_medians
     from speedc.runtimes.backends.protocol import HeadRows
 
     slots = backend.slots

@@ -102,7 +102,7 @@ def describe(path: Path, alpha: float | None = None, *, measure: bool = False, v
         info = _from_artifact(path, alpha, verify)
         measured = info["step_cost_measured"]
         if measure:
-            from speedc.step_cost import measure_artifact
+            from speedc.step_timer import measure_artifact
 
             measured = measure_artifact(path, runtime=True)
             if measured is not None:

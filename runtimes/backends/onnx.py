@@ -48,10 +48,10 @@ import numpy as np
 from speedc.format import contract
 from speedc.format.initial_state import initial_states
 from speedc.format.artifact import Manifest
-from speedc.format.cache_layout import CORE, CacheLayout
-from speedc.errors import ArtifactError, GenerationError, OutOfMemory, SpeedcError
-from speedc.runtimes.backends.protocol import (MIN_POOL_POSITIONS, SHRINK_AFTER_STEPS, DraftCandidates, HeadRows,
-                                               SpeedStepResult, new_pool_buffers, pool_would_grow)
+from speedc.format.cache_layout import CacheLayout
+from speedc.errors import GenerationError, SpeedcError
+from speedc.runtimes.backends.kv_pool import MIN_POOL_POSITIONS, SHRINK_AFTER_STEPS, KVPool
+from speedc.runtimes.backends.protocol import DraftCandidates, HeadRows, SpeedStepResult
 from speedc.runtimes.backends.onnx_session import bound_address, onnxruntime_module, open_session, program_sessions
 
 F32 = np.float32
@@ -145,20 +145,28 @@ class BatchBackend:
             directory, manifest, self.graph_name, ["CPUExecutionProvider"], threads, profile_prefix)
         self.programs = program_sessions(self.session, self.graph_name, manifest)  # role -> its branch
         self.products = self.session.speedc_products
-        self.max_batch, self.capacity = max_batch, capacity
         self.hidden = np.zeros((self.slots, max_batch, dims.state_width), F32)  # last hidden_out, [slot, sequence]
         self.drafts = DraftCandidates(self.slots, max_batch, self.check_width)  # beside it, each token's draft's top K
         self._prefill_bindings: dict[tuple, object] = {}  # fused: (first pool row, count) -> its prefill binding
         self._steps: dict[tuple, StepBinding] = {}  # fused steps: (role, shape of the step) -> StepBinding, oldest first
         self._buffers: dict[tuple, np.ndarray] = {}  # (name, shape) -> the buffer every StepBinding binds NAME of SHAPE to
         self._layouts: dict[tuple, StepLayout] = {}  # (n, valid pattern, head rows) -> _layout's
-        self.min_length, self.shrink_after = min_length, shrink_after
-        self._shrink_pending = 0  # reserve calls in a row that asked for a smaller pool
-        self.length = 0  # positions T the pool holds per pool row now (reserve), at most capacity
-        self.width = 0  # pool rows W the pool holds now (reserve), at most max_batch
-        self.key = self.value = None  # the core pool (every layer of a cycle)
-        self.phase_pools: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # a depth plan's prelude / coda pools
+        self.pool = KVPool(self._pool_shapes, lambda shape: np.zeros(shape, F32), np.dtype(F32).itemsize, max_batch=max_batch,
+                           capacity=capacity, min_length=min_length, shrink_after=shrink_after)
         self.reserve(0, 1)
+
+    def _pool_shapes(self, length: int, width: int) -> dict[str, tuple]:
+        return {phase: self.layout.pool_shape(phase, width, self.dims.kv_heads, length, self.dims.head_dim)
+                for phase in self.layout.phases}
+
+    @property
+    def keeps_prefixes(self) -> bool:
+        """Whether pool rows can be copied out and back in (the prefix cache): the fused graphs' pool."""
+        return self.fused
+
+    @property
+    def runner(self):
+        return self.session
 
     @property
     def speculative(self) -> bool:
@@ -170,48 +178,14 @@ class BatchBackend:
         return self.session.end_profiling()
 
     def reserve(self, positions: int, sequences: int | None = None) -> None:
-        """Make the pool hold POSITIONS (<= capacity) positions for each of SEQUENCES (<= max_batch; None:
-        as now) pool rows, sized by _pool_length and _pool_width: at once where it must
-        grow, and where it may only shrink, once SHRINK_AFTER calls in a row asked for less (called once a
-        step: a burst of requests ending together does not shrink the pool just before the next burst
-        grows it again, each time copying it and remaking every step binding). The occupied pool rows (a
-        prefix) keep every position below min(old T, new T) (the scratch row T never matters)."""
-        def shapes(length: int, width: int) -> dict:
-            return {phase: self.layout.pool_shape(phase, width, self.dims.kv_heads, length, self.dims.head_dim)
-                    for phase in self.layout.phases}
-
-        def allocate(length: int, width: int) -> dict:
-            return {phase: (np.zeros(shape, F32), np.zeros(shape, F32)) for phase, shape in shapes(length, width).items()}
-
-        def mib(length: int, width: int) -> float:
-            return sum(2 * np.prod(shape, dtype=np.float64) for shape in shapes(length, width).values()) * np.dtype(F32).itemsize / (1 << 20)
-
-        resized = new_pool_buffers(self, positions, sequences, allocate, mib)
-        if resized is None:
-            return
-        length, width, pools = resized
-        keep, kept = min(self.length, length), min(self.width, width)
-        if keep and kept and self.key is not None:
-            for phase, old in self._pools.items():
-                for new, pool in zip(pools[phase], old):
-                    new[:, :, :kept, :, :keep] = pool[:, :, :kept, :, :keep]
-        self.key, self.value = pools.pop(CORE)
-        self.phase_pools = pools
-        self.length, self.width = length, width
-        self._shrink_pending = 0
-        self._drop_bindings()
-
-    def would_grow(self, positions: int, sequences: int) -> bool:
-        """Whether reserve(POSITIONS, SEQUENCES) has to allocate a larger pool."""
-        return pool_would_grow(self, positions, sequences)
+        """The pool holds POSITIONS for each of SEQUENCES pool rows (KVPool.reserve, called once a step);
+        where it was replaced, every binding into the old buffers is dropped."""
+        if self.pool.reserve(positions, sequences):
+            self._drop_bindings()
 
     def free_pool(self) -> None:
-        """Drop the pool's buffers while no sequence holds a pool row: reserve then allocates the new pool
-        without the old one beside it (a grow copies the old pool, so both are held at once)."""
-        self.key = self.value = None
-        self.phase_pools = {}
-        self.length = self.width = 0
-        self._shrink_pending = 0
+        """Drop the pool's buffers while no sequence holds a pool row (KVPool.free)."""
+        self.pool.free()
         self._drop_bindings()
 
     def _drop_bindings(self) -> None:
@@ -222,29 +196,11 @@ class BatchBackend:
     def move(self, source: int, target: int, length: int | None = None) -> None:
         """Pool row SOURCE's cache (its first LENGTH positions; None: all) and pipeline state now live
         in pool row TARGET."""
-        cut = slice(None, length)
-        for pair in self._pools.values():
-            for pool in pair:
-                pool[:, :, target, :, cut] = pool[:, :, source, :, cut]
+        self.pool.move(source, target, length)
         self.hidden[:, target] = self.hidden[:, source]
         self.drafts.move(source, target)
 
-    def read_rows(self, row: int, length: int) -> list[np.ndarray]:
-        """Copies of pool row ROW's first LENGTH positions, every pool's K and V (the prefix cache's entry)."""
-        return [pool[:, :, row, :, :length].copy() for pair in self._pools.values() for pool in pair]
-
-    def write_rows(self, row: int, rows: list[np.ndarray], length: int) -> None:
-        """Pool row ROW's first LENGTH positions from ROWS (read_rows' list, of at least LENGTH positions)."""
-        pools = [pool for pair in self._pools.values() for pool in pair]
-        for pool, saved in zip(pools, rows, strict=True):
-            pool[:, :, row, :, :length] = saved[:, :, :, :length]
-
     # ---- running a graph -------------------------------------------------------------------------
-    @property
-    def _pools(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """The layout's pools by phase: (K, V) each."""
-        return {CORE: (self.key, self.value), **self.phase_pools}
-
     @property
     def early_checks(self) -> bool:
         """Whether the batch step can check a deeper slot's draft (early flush): a cycle's slots all read
@@ -253,16 +209,16 @@ class BatchBackend:
 
     def _logical_slabs(self, rows: slice) -> dict[str, np.ndarray]:
         """Prefill-graph cache inputs over pool rows ROWS (CacheLayout.prefill_slabs)."""
-        return self.layout.prefill_slabs(self._pools, rows)
+        return self.layout.prefill_slabs(self.pool.buffers, rows)
 
     def _stage_slabs(self, n: int) -> dict[str, np.ndarray]:
         """Batch-step cache inputs of sequences 0..n-1 (CacheLayout.step_slabs)."""
-        return self.layout.step_slabs(self._pools, n, self.fused)
+        return self.layout.step_slabs(self.pool.buffers, n, self.fused)
 
     def _new_rows(self, result: dict[str, np.ndarray]) -> dict:
         """A standard graph's new K/V rows by kind, and by (kind, phase) for a plan's prelude / coda."""
         rows = {kind: result[contract.new_rows(kind)] for kind in contract.KV_KINDS}
-        rows.update({(kind, phase): result[contract.phase_new_rows(kind, phase)] for phase in self.phase_pools
+        rows.update({(kind, phase): result[contract.phase_new_rows(kind, phase)] for phase in self.pool.phase_buffers
                      for kind in contract.KV_KINDS if contract.phase_new_rows(kind, phase) in result})
         return rows
 
@@ -294,14 +250,14 @@ class BatchBackend:
     def _check_positions(self, positions: np.ndarray) -> None:
         """Fused graphs write K/V in place through raw pointers: a position past the scratch row T would
         write outside the pool, so it is refused, not run."""
-        if positions.max(initial=0) > self.length:
-            raise GenerationError(f"internal: a row at position {int(positions.max())} in a pool of {self.length} positions")
+        if positions.max(initial=0) > self.pool.length:
+            raise GenerationError(f"internal: a row at position {int(positions.max())} in a pool of {self.pool.length} positions")
 
     def _run_standard(self, role: str, feeds: dict, slabs: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
         """A standard graph: cache slabs fed as inputs, new K/V rows returned with OUTPUTS."""
         names = outputs + [contract.new_rows(kind) for kind in contract.KV_KINDS]
         if role == contract.BATCH_STEP:  # a depth plan's phases return their own new rows
-            names += [contract.phase_new_rows(kind, phase) for phase in self.phase_pools for kind in contract.KV_KINDS]
+            names += [contract.phase_new_rows(kind, phase) for phase in self.pool.phase_buffers for kind in contract.KV_KINDS]
         return dict(zip(names, self.programs[role].run(names, {**feeds, **slabs})))
 
     def prefill(self, first: int, chunks: list[list[int]], start: int, want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
@@ -329,7 +285,7 @@ class BatchBackend:
         sequences = slice(first, first + count)
         if not self.fused:
             result = self._run_standard(contract.PREFILL, feeds, self._logical_slabs(sequences), outputs)
-            self.layout.write_prefill_rows(self._pools, self._new_rows(result), first, start, lengths)
+            self.layout.write_prefill_rows(self.pool.buffers, self._new_rows(result), first, start, lengths)
             return result[contract.NEXT_TOKEN], (result[contract.LOGITS] if want_logits else None)
         self._check_positions(np.asarray([start + longest - 1]))
         # The chunk length varies, so the ids are bound per call; the slabs' binding is kept per range of pool rows
@@ -361,7 +317,7 @@ class BatchBackend:
                 feeds[contract.INITIAL_STATE] = self._initial_states(positions, valid)
             outputs = [contract.NEXT_TOKEN] + ([contract.LOGITS] if want_logits else [])
             result = self._run_standard(contract.PREFILL, feeds, self._logical_slabs(slice(0, n)), outputs)
-            self.layout.write_token_rows(self._pools, self._new_rows(result), np.flatnonzero(valid), positions)
+            self.layout.write_token_rows(self.pool.buffers, self._new_rows(result), np.flatnonzero(valid), positions)
             return result[contract.NEXT_TOKEN], (result[contract.LOGITS] if want_logits else None)
         self._check_positions(positions)
 
@@ -396,7 +352,7 @@ class BatchBackend:
             outputs = [contract.FINAL_TOKEN, contract.EXIT_TOKENS, contract.EXIT_CANDIDATES, contract.CHECK_TOKENS,
                        contract.HIDDEN_OUT] + ([contract.FINAL_LOGITS] if want_logits else [])
             result = self._run_standard(contract.BATCH_STEP, feeds, self._stage_slabs(n), outputs)
-            self.layout.write_step_rows(self._pools, self._new_rows(result), slots, n, valid, positions)
+            self.layout.write_step_rows(self.pool.buffers, self._new_rows(result), slots, n, valid, positions)
             self.hidden[:, :n] = result[contract.HIDDEN_OUT].reshape(slots, n, self.dims.state_width)
             self.drafts.stepped(heads.exit, result[contract.EXIT_CANDIDATES])
             return SpeedStepResult.of(result, want_logits)

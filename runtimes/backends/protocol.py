@@ -2,8 +2,8 @@
 backend reads. runtimes/backends/onnx.py (ONNX Runtime) implements it; so does the PyTorch backend.
 
 The scheduler keeps all bookkeeping (which slot holds which token, what to flush, who holds which
-pool row); a backend owns the KV-cache pool [S, P, W, kvh, T+1, hd] (stage layer j, pipeline
-slot s, pool row b, ...: logical layer s*S + j of sequence b is pool[j, s, b]), what each in-flight
+pool row); a backend holds the KV-cache pool (a KVPool, runtimes/backends/kv_pool.py: [S, P, W, kvh, T+1, hd],
+stage layer j, pipeline slot s, pool row b, ...: logical layer s*S + j of sequence b is pool[j, s, b]), what each in-flight
 token carries from step to step (its hidden row, its draft's candidates: DraftCandidates) and runs graphs:
 
     prefill(first, chunks, start, want_logits)   prompt chunks of pool rows first.. through all N layers
@@ -19,17 +19,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 
-from speedc.errors import GenerationError, OutOfMemory, SpeedcError
+from speedc.errors import SpeedcError
 from speedc.format import contract
 from speedc.models.sampling import is_integer
-
-
-MIN_POOL_POSITIONS = 64  # the pool's smallest length T (a regrow copies the pool: not for every short request)
-SHRINK_AFTER_STEPS = 64  # see next_pool_size
+from speedc.runtimes.backends.kv_pool import KVPool
 
 
 def resolve_threads(threads: int | None) -> int:
@@ -68,72 +65,6 @@ def default_threads(cpus: set[int] | None = None, sysfs: Path = Path("/sys/devic
     return count
 
 
-def _pool_width(need: int, low: int, high: int) -> int:
-    """The pool width for NEED pool rows: the smallest power of two >= need, at least LOW, at most HIGH
-    (a pool swinging around one width is not copied back and forth)."""
-    return min(high, max(low, 1 << max(need - 1, 0).bit_length()))
-
-
-def _pool_length(need: int, low: int, high: int) -> int:
-    """The pool length T for NEED positions: the smallest of 8, 9, ..., 15 x 2^k >= need (at most an eighth
-    more than asked), at least LOW, at most HIGH. Attention costs by T, not by the positions in use
-    (ONNX Runtime's GroupQueryAttention runs over the whole bound buffer: zoo:small's step 2.66 ms at
-    T = 256 and 3.32 at T = 512 for the same 128 positions), so a 131-position request takes 144, not 256."""
-    need = max(need, low, 1)
-    step = 1 << max(need.bit_length() - 4, 0)  # an eighth of the power of two at or below need
-    return min(high, -(-need // step) * step)
-
-
-def next_pool_size(pool, positions: int, sequences: int | None) -> tuple[int, int, bool] | None:
-    """(length T, width W, whether it grows) a pool (BatchBackend, TorchBackend) is to take for POSITIONS
-    x SEQUENCES (None: its width now), or None where it stays as it is: it grows at once, and shrinks only
-    once POOL.shrink_after calls in a row asked for less (counted in POOL._shrink_pending)."""
-    if positions > pool.capacity:
-        raise GenerationError(f"{positions} positions exceed the KV-cache row of {pool.capacity}")
-    sequences = pool.width if sequences is None else sequences
-    if not 0 < sequences <= pool.max_batch:
-        raise GenerationError(f"internal: {sequences} sequences for a pool of {pool.max_batch}")
-    length = _pool_length(positions, pool.min_length, pool.capacity)
-    width = _pool_width(sequences, 1, pool.max_batch)
-    grow = length > pool.length or width > pool.width
-    if not grow and (length, width) == (pool.length, pool.width):
-        pool._shrink_pending = 0
-        return None
-    if not grow:  # a shrink waits until the need has stayed low for shrink_after calls
-        pool._shrink_pending += 1
-        if pool._shrink_pending < pool.shrink_after:
-            return None
-    return length, width, grow
-
-
-def new_pool_buffers(pool, positions: int, sequences: int | None, allocate: Callable[[int, int], object],
-                     mib: Callable[[int, int], float], where: str = ""):
-    """(length T, width W, allocate(T, W)) where POOL (BatchBackend, TorchBackend) is to be resized for
-    POSITIONS x SEQUENCES (next_pool_size's rules), else None. Every new buffer is allocated before the
-    caller replaces the old ones, so a growth that does not fit is an OutOfMemory with the pool intact;
-    a shrink that does not fit is simply retried later (the pool in place still holds what is needed)."""
-    size = next_pool_size(pool, positions, sequences)
-    if size is None:
-        return None
-    length, width, grow = size
-    try:
-        buffers = allocate(length, width)
-    except (MemoryError, OutOfMemory):
-        if not grow:
-            pool._shrink_pending = 0
-            return None
-        raise OutOfMemory(f"the KV-cache pool cannot grow to {length} positions x {width} pool rows "
-                          f"({mib(length, width):,.0f} MiB{where}): out of memory; a smaller KV-cache budget or "
-                          "fewer sequences (kv_cache_mb / max_batch, --kv-cache-mb / --max-batch)") from None
-    return length, width, buffers
-
-
-def pool_would_grow(pool, positions: int, sequences: int) -> bool:
-    """Whether POOL (BatchBackend, TorchBackend) has to allocate a larger pool for POSITIONS x SEQUENCES."""
-    return (_pool_length(positions, pool.min_length, pool.capacity) > pool.length
-            or _pool_width(sequences, 1, pool.max_batch) > pool.width)
-
-
 @dataclass(frozen=True)
 class SequenceHeads:
     """Where one sequence's heads sit in a speed step's results (HeadRows.add)."""
@@ -167,9 +98,9 @@ class HeadRows:
             exit = len(self.exit)
             self.exit.append(row)
         checks = {}
-        for depth in checked:
-            checks[depth] = len(self.check)
-            self.check.append(depth * sequences + row)
+        for slot in checked:
+            checks[slot] = len(self.check)
+            self.check.append(slot * sequences + row)
         return SequenceHeads(final, exit, checks)
 
 
@@ -199,7 +130,7 @@ class SpeedStepResult:
     def of_sequence(self, heads: SequenceHeads) -> SequenceOutcome:
         """The outcome of the heads HeadRows.add placed for one sequence."""
         final = heads.final
-        guesses = {depth: int(self.check_tokens[i]) for depth, i in heads.checks.items()}
+        guesses = {slot: int(self.check_tokens[i]) for slot, i in heads.checks.items()}
         if heads.exit is not None:
             guesses[0] = int(self.exit_tokens[heads.exit])
         return SequenceOutcome(None if final is None else int(self.final_tokens[final]),
@@ -220,8 +151,8 @@ class DraftCandidates:
         self.ids = np.zeros((slots, max_batch, count), np.int64)  # [P, B, K]
 
     def checks(self, rows: list[int], sequences: int) -> np.ndarray:
-        depth, row = np.divmod(np.asarray(rows, np.int64), sequences)
-        return self.ids[depth - 1, row]  # [C, K]
+        slot, row = np.divmod(np.asarray(rows, np.int64), sequences)
+        return self.ids[slot - 1, row]  # [C, K]
 
     def stepped(self, exit_rows: list[int], drafts: np.ndarray) -> None:
         self.ids[1:] = self.ids[:-1].copy()
@@ -236,12 +167,18 @@ class BatchBackendProtocol(Protocol):
     stage_layers: int  # S
     vocab_size: int
     max_context: int
-    max_batch: int  # pool rows the pool may grow to
-    capacity: int  # positions a pool row may grow to
-    length: int  # positions T the pool holds now (row T: the scratch row bubbles may write)
-    width: int  # pool rows W the pool holds now
+    pool: KVPool  # its size now (length T: row T is the scratch row bubbles may write; width W) and limits
     check_width: int  # K: candidate ids an early-flush check scores
     products: str  # what runs the weight products ("speedc kernel (avx2, 2 threads)", "MatMulNBits (why)", ...)
+
+    @property
+    def keeps_prefixes(self) -> bool:
+        """Whether pool rows may be copied out and back in (pool.read_rows / write_rows: the prefix cache)."""
+
+    @property
+    def runner(self) -> object:
+        """What runs the steps (an ONNX Runtime session, shared by the backends of one engine): step times
+        measured on one backend hold for every backend of the same runner (runtimes/step_costs.py)."""
 
     @property
     def speculative(self) -> bool:
@@ -252,10 +189,8 @@ class BatchBackendProtocol(Protocol):
         """Whether a speed step can check a deeper slot's draft (early flush)."""
 
     def reserve(self, positions: int, sequences: int | None = None) -> None:
-        """Make the pool hold POSITIONS positions for SEQUENCES pool rows (OutOfMemory when it cannot)."""
-
-    def would_grow(self, positions: int, sequences: int) -> bool:
-        """Whether reserve(POSITIONS, SEQUENCES) allocates a larger pool."""
+        """Make the pool hold POSITIONS positions for SEQUENCES pool rows (OutOfMemory when it cannot;
+        pool.would_grow says whether it must grow)."""
 
     def free_pool(self) -> None:
         """Drop the pool while no sequence holds a pool row."""

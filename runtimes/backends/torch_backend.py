@@ -32,17 +32,18 @@ import numpy as np
 import torch
 
 from speedc.format import contract
-from speedc.format.cache_layout import CacheLayout
+from speedc.format.cache_layout import CORE, CacheLayout
 from speedc.format.artifact import (CONFIG, Manifest, checkpoint_tensor_names, dequantized_weights, is_quantized,
                              read_weight)
 from speedc.errors import GenerationError, OutOfMemory, SpeedcError
 from speedc.models.config import ModelConfig
 from speedc.models.llama import SharedLlama
-from speedc.models.row_layer import (CrossRead, RowContext, layer_over_rows, loop_boundary, rotary_inv_freq, row_context,
+from speedc.models.row_layer import (CrossRead, RowContext, RowOps, layer_over_rows, rotary_inv_freq, row_context,
                                      step_cross_read)
 from speedc.models.sampling import is_integer
-from speedc.runtimes.backends.protocol import (MIN_POOL_POSITIONS, SHRINK_AFTER_STEPS, DraftCandidates, HeadRows,
-                                               SpeedStepResult, new_pool_buffers, pool_would_grow, resolve_threads)
+from speedc.models.trip import walk
+from speedc.runtimes.backends.kv_pool import MIN_POOL_POSITIONS, SHRINK_AFTER_STEPS, KVPool
+from speedc.runtimes.backends.protocol import DraftCandidates, HeadRows, SpeedStepResult, resolve_threads
 
 
 def load_model_from_artifact(directory: Path, manifest: Manifest) -> SharedLlama:
@@ -153,20 +154,17 @@ class TorchBackend:
         self.dtype = next(self.model.parameters()).dtype  # the pool and every product in the weights' precision
         self.slots, self.stage_layers, self.num_layers = slots, cfg.num_hidden_layers // slots, cfg.num_hidden_layers
         self.layout = CacheLayout.cycle(self.stage_layers, slots)  # logical layer -> its [stage layer, slot] slab
+        self.stage_steps = cfg.depth_plan.pipeline(slots, cfg.exit_layer).entry_steps()  # a cycle's stage (slot 0's share)
         self.vocab_size, self.max_context = cfg.vocab_size, context
         self.kv_heads, self.head_dim, self.hidden_size = cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
         self.check_width = contract.candidate_count(self.vocab_size)  # K of an early-flush check's candidates
         self.products = f"PyTorch ({self.device})"
         self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
         self.inv_freq = rotary_inv_freq(cfg, self.device)
-        self.max_batch, self.capacity = max_batch, capacity
         self.hidden = torch.zeros(slots, max_batch, cfg.hidden_size, dtype=self.dtype, device=self.device)  # [P, B, H]
         self.drafts = DraftCandidates(slots, max_batch, self.check_width)  # beside it, each token's draft's top K
-        self.min_length, self.shrink_after = min_length, shrink_after
-        self._shrink_pending = 0  # reserve calls in a row that asked for a smaller pool
-        self.length = 0  # positions T the pool holds per pool row now (reserve), at most capacity
-        self.width = 0  # pool rows W the pool holds now (reserve), at most max_batch
-        self.key = self.value = None
+        self.pool = KVPool(self._pool_shapes, self._zeros, self.hidden.element_size(), max_batch=max_batch, capacity=capacity,
+                           min_length=min_length, shrink_after=shrink_after, where=f" on {self.device}")
         self.reserve(0, 1)
 
     @property
@@ -178,31 +176,22 @@ class TorchBackend:
         return self.speculative
 
     # ---- the pool --------------------------------------------------------------------------------
+    @property
+    def keeps_prefixes(self) -> bool:  # the prefix cache copies rows of the ONNX backend's host pool only
+        return False
+
+    @property
+    def runner(self):  # its own modules: nothing shared with another backend
+        return self
+
+    def _pool_shapes(self, length: int, width: int) -> dict[str, tuple]:
+        return {CORE: (self.stage_layers, self.slots, width, self.kv_heads, length + 1, self.head_dim)}
+
     def reserve(self, positions: int, sequences: int | None = None) -> None:
-        """BatchBackend.reserve's rules: the pool holds POSITIONS for each of SEQUENCES (None: as now)
-        pool rows, grown at once, shrunk only after shrink_after calls in a row asked for less; the
-        occupied pool rows (a prefix) keep every position below min(old T, new T)."""
-        def shape(length: int, width: int) -> tuple:
-            return (self.stage_layers, self.slots, width, self.kv_heads, length + 1, self.head_dim)
-
-        def allocate(length: int, width: int) -> tuple:
-            return self._zeros(shape(length, width)), self._zeros(shape(length, width))
-
-        def mib(length: int, width: int) -> float:
-            return 2 * np.prod(shape(length, width), dtype=np.float64) * self.hidden.element_size() / (1 << 20)
-
-        resized = new_pool_buffers(self, positions, sequences, allocate, mib, f" on {self.device}")
-        if resized is None:
-            return
-        length, width, (key, value) = resized
-        keep, kept = min(self.length, length), min(self.width, width)
-        if keep and kept:
-            key[:, :, :kept, :, :keep] = self.key[:, :, :kept, :, :keep]
-            value[:, :, :kept, :, :keep] = self.value[:, :, :kept, :, :keep]
-        self.key, self.value = key, value
-        self.length, self.width = length, width
-        self._shrink_pending = 0
-        self._graphs.clear()  # captured over the old buffers
+        """The pool holds POSITIONS for each of SEQUENCES pool rows (KVPool.reserve); where it was replaced,
+        the graphs captured over the old buffers are dropped."""
+        if self.pool.reserve(positions, sequences):
+            self._graphs.clear()
 
     def _zeros(self, shape: tuple) -> torch.Tensor:
         """A zeroed pool buffer; OutOfMemory (caught by reserve) where the device cannot hold it."""
@@ -213,15 +202,9 @@ class TorchBackend:
                 raise OutOfMemory(str(error).splitlines()[0] if str(error) else "out of memory") from None
             raise
 
-    def would_grow(self, positions: int, sequences: int) -> bool:
-        """Whether reserve(POSITIONS, SEQUENCES) has to allocate a larger pool."""
-        return pool_would_grow(self, positions, sequences)
-
     def free_pool(self) -> None:
-        """Drop the pool while no sequence holds a pool row (reserve then allocates without the old one beside it)."""
-        self.key = self.value = None
-        self.length = self.width = 0
-        self._shrink_pending = 0
+        """Drop the pool while no sequence holds a pool row (KVPool.free)."""
+        self.pool.free()
         self._graphs.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # hand the blocks back, so the next allocation may take them whole
@@ -229,9 +212,7 @@ class TorchBackend:
     def move(self, source: int, target: int, length: int | None = None) -> None:
         """Pool row SOURCE's cache (its first LENGTH positions; None: all) and pipeline state now live
         in pool row TARGET."""
-        cut = slice(None, length)
-        for pool in (self.key, self.value):
-            pool[:, :, target, :, cut] = pool[:, :, source, :, cut]
+        self.pool.move(source, target, length)
         self.hidden[:, target] = self.hidden[:, source]
         self.drafts.move(source, target)
 
@@ -259,7 +240,7 @@ class TorchBackend:
         if source is None:
             return None
         slab = self.layout.locate(source)
-        key, value = self.key[slab.layer, slab.depth, sequences], self.value[slab.layer, slab.depth, sequences]
+        key, value = self.pool.key[slab.layer, slab.column, sequences], self.pool.value[slab.layer, slab.column, sequences]
         gate = self.model.model.gate_projections[source]
         return CrossRead(key[:, :, :past], value[:, :, :past], ctx.past_mask, *present[source], ctx.chunk_mask,
                          gate.weight, gate.bias)
@@ -267,16 +248,16 @@ class TorchBackend:
     def _step_cross_read(self, j: int, width: int, starts: torch.Tensor, past: int) -> CrossRead:
         """Stage layer J's read of repeat 0's K/V in a speed step: slot 0's slab of J, read in place by every slot's
         rows (models/row_layer.step_cross_read, the graphs' read too)."""
-        length = min(past + 1, self.key.shape[4])  # slot 1.. rows read the row at their own position too
+        length = min(past + 1, self.pool.key.shape[4])  # slot 1.. rows read the row at their own position too
         gate = self.model.model.gate_projections[j % len(self.cfg.depth_plan.core)]
-        return step_cross_read(self.key[j, 0, :width, :, :length], self.value[j, 0, :width, :, :length], starts,
+        return step_cross_read(self.pool.key[j, 0, :width, :, :length], self.pool.value[j, 0, :width, :, :length], starts,
                                self.slots, gate)
 
     def _check_positions(self, positions: np.ndarray) -> None:
         """Rows that hold a token sit below the scratch row T (bubbles write there; past it a write would
         index outside the pool, a device assert on CUDA): anything else is refused, not run."""
-        if positions.size and (positions.max() >= self.length or positions.min() < 0):
-            raise GenerationError(f"internal: a row at position {int(positions.max())} in a pool of {self.length} positions")
+        if positions.size and (positions.max() >= self.pool.length or positions.min() < 0):
+            raise GenerationError(f"internal: a row at position {int(positions.max())} in a pool of {self.pool.length} positions")
 
     def _heads_out(self, logits: torch.Tensor, want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
         """logits [B, V] -> (argmax [B], logits [B, V] float32 or None) on the host."""
@@ -303,17 +284,8 @@ class TorchBackend:
         ids, last, starts = self._ints(ids, last, np.full(count, start))
         x = model.model.embed_tokens(ids)  # [B*L, H]
         ctx = self._context(starts, longest, start)
-        sequences = slice(first, first + count)
-        present = {}  # layer -> its new rows (k, v): a cross-repeat layer reads repeat 0's
-        for layer, block in enumerate(cfg.layer_map):
-            slab = self.layout.locate(layer)
-            key, value = self.key[slab.layer, slab.depth, sequences], self.value[slab.layer, slab.depth, sequences]  # [B, kvh, T+1, hd]
-            x, k, v = layer_over_rows(model.model.blocks[block], x, ctx, key[:, :, :start], value[:, :, :start], cfg,
-                                      cross=self._plain_cross_read(layer, ctx, sequences, start, present))
-            present[layer] = (k, v)
-            x = loop_boundary(x, model.model.norm.weight, cfg, layer)
-            # A padded token's K/V land past its chunk's end, where its own token writes before anything reads.
-            key[:, :, start:start + longest], value[:, :, start:start + longest] = k, v  # [B, kvh, L, hd]
+        ops = _PlainOps(self, ctx, slice(first, first + count), start, write=True)
+        x = walk(cfg.depth_plan, cfg.depth_plan.trip(), ops, x)  # models/trip.py
         return self._heads_out(model.final_head(x[last]), want_logits)  # [B, V]
 
     @torch.no_grad()
@@ -332,7 +304,7 @@ class TorchBackend:
         self._check_positions(at[valid])
         if self.exact:
             return self._plain_as_speed_passes(tokens, at, valid, want_logits)
-        inputs = self._ints(tokens, at, np.where(valid, at, self.length))
+        inputs = self._ints(tokens, at, np.where(valid, at, self.pool.length))
         x = self._run(("plain", len(tokens)), self._plain_layers, self._write_plain_rows, inputs, int(at.max(initial=0)))
         return self._heads_out(self.model.final_head(x), want_logits)  # [n, V]
 
@@ -341,15 +313,15 @@ class TorchBackend:
         """plain_step (EXACT): pass s runs the tokens in slot s of _speed_layers, every other row a bubble;
         slot s+1 of the next pass reads what slot s wrote to self.hidden. Leaves self.hidden as SPEED
         would find it after a flush: nothing it reads (a plain step follows a flush of every pipeline)."""
-        slots, width, n = self.slots, self.width, len(tokens)
+        slots, width, n = self.slots, self.pool.width, len(tokens)
         entering = np.zeros(width, np.int64)
         entering[:n] = tokens
         x = None
         for slot in range(slots):
             grid = np.zeros((slots, width), np.int64)  # [P, W]: the tokens in slot SLOT, bubbles at 0
             grid[slot, :n] = at
-            written = np.full((slots, width), self.length, np.int64)  # bubbles write the scratch row T
-            written[slot, :n] = np.where(valid, at, self.length)
+            written = np.full((slots, width), self.pool.length, np.int64)  # bubbles write the scratch row T
+            written[slot, :n] = np.where(valid, at, self.pool.length)
             inputs = self._ints(entering, grid, written)
             x, _ = self._run(("speed", width), self._speed_layers, self._write_speed_rows, inputs, int(at.max(initial=0)))
             self.hidden[:, :width] = x.view(slots, width, -1)
@@ -362,7 +334,7 @@ class TorchBackend:
         shape at every step, however many sequences have a token leaving."""
         if not self.exact:
             return self.model.final_head(x[rows])
-        first = (self.slots - 1) * self.width
+        first = (self.slots - 1) * self.pool.width
         return self.model.final_head(x[first:])[rows - first]  # [W, V] -> [F, V]
 
     def _plain_layers(self, tokens: torch.Tensor, starts: torch.Tensor, past: int) -> tuple[torch.Tensor, list]:
@@ -372,16 +344,9 @@ class TorchBackend:
         cfg, model = self.cfg, self.model
         n = tokens.shape[0]
         x = model.model.embed_tokens(tokens)  # [n, H]
-        ctx = self._context(starts, 1, past)
-        present = {}  # layer -> its new rows (k, v): a cross-repeat layer reads repeat 0's
-        for layer, block in enumerate(cfg.layer_map):
-            slab = self.layout.locate(layer)
-            key, value = self.key[slab.layer, slab.depth, :n], self.value[slab.layer, slab.depth, :n]  # [n, kvh, T+1, hd]
-            x, k, v = layer_over_rows(model.model.blocks[block], x, ctx, key[:, :, :past], value[:, :, :past], cfg,
-                                      cross=self._plain_cross_read(layer, ctx, slice(0, n), past, present))
-            present[layer] = (k, v)
-            x = loop_boundary(x, model.model.norm.weight, cfg, layer)
-        return x, [(k[:, :, 0], v[:, :, 0]) for k, v in present.values()]
+        ops = _PlainOps(self, self._context(starts, 1, past), slice(0, n), past)
+        x = walk(cfg.depth_plan, cfg.depth_plan.trip(), ops, x)  # models/trip.py
+        return x, [(k[:, :, 0], v[:, :, 0]) for k, v in ops.present.values()]
 
     def _write_plain_rows(self, new: list, written: torch.Tensor) -> None:
         """NEW (_plain_layers' K/V rows, one pair per logical layer) into the pool: row b's at WRITTEN[b]."""
@@ -389,7 +354,7 @@ class TorchBackend:
         rows = torch.arange(n, device=self.device)
         for layer, (k, v) in enumerate(new):
             slab = self.layout.locate(layer)
-            key, value = self.key[slab.layer, slab.depth, :n], self.value[slab.layer, slab.depth, :n]  # [n, kvh, T+1, hd]
+            key, value = self.pool.key[slab.layer, slab.column, :n], self.pool.value[slab.layer, slab.column, :n]  # [n, kvh, T+1, hd]
             key[rows, :, written], value[rows, :, written] = k, v  # the indexed target is [n, kvh, hd]
 
     @torch.no_grad()
@@ -398,15 +363,15 @@ class TorchBackend:
         """One pipelined step of sequences 0..n-1: entering [n] tokens enter slot 0; positions/valid [P, n]
         (slot, sequence); HEADS: the rows (row = s*n + b) whose heads run. The step runs all W sequence
         slots (row s*W + b); bubbles run at 0 and write the scratch row T."""
-        model, slots, width = self.model, self.slots, self.width
+        model, slots, width = self.model, self.slots, self.pool.width
         n = positions.shape[1]
         grid = np.zeros((slots, width), np.int64)  # [P, W] each row's position, bubbles (and free pool rows) at 0
         grid[:, :n] = np.where(valid, positions, 0)
         self._check_positions(positions[valid])
         if self.exact and min(heads.final, default=slots * n) < (slots - 1) * n:
             raise GenerationError("internal: an exact speed step's final rows are the last slot's")
-        written = np.full((slots, width), self.length, np.int64)  # [P, W]: bubbles write the scratch row T
-        written[:, :n] = np.where(valid, positions, self.length)
+        written = np.full((slots, width), self.pool.length, np.int64)  # [P, W]: bubbles write the scratch row T
+        written[:, :n] = np.where(valid, positions, self.pool.length)
         entering_w = np.zeros(width, np.int64)
         entering_w[:n] = entering
         candidates = self.drafts.checks(heads.check, n)  # [C, K]
@@ -437,26 +402,16 @@ class TorchBackend:
         width = entering.shape[0]
         behind = self.hidden[:slots - 1, :width].reshape((slots - 1) * width, -1)  # slots 1..P-1 [(P-1)W, H]
         x = torch.cat((model.model.embed_tokens(entering), behind))  # [P*W, H]
-        ctx = self._context(starts, 1, past)
-        tap, new = x, []
-        for j in range(self.stage_layers):
-            key = self.key[j].view(slots * width, *self.key.shape[3:])  # [P*W, kvh, T+1, hd], a view
-            value = self.value[j].view(slots * width, *self.value.shape[3:])
-            cross = self._step_cross_read(j, width, starts, past) if cfg.depth_plan.cross_window else None
-            x, k, v = layer_over_rows(model.model.blocks[cfg.layer_map[j]], x, ctx, key[:, :, :past], value[:, :, :past], cfg,
-                                      cross=cross)
-            x = loop_boundary(x, model.model.norm.weight, cfg, j)  # stage j of every slot: the same loop position
-            new.append((k[:, :, 0], v[:, :, 0]))  # [P*W, kvh, hd]
-            if j + 1 == cfg.exit_layer:
-                tap = x
-        return (x, tap), new
+        ops = _StageOps(self, self._context(starts, 1, past), starts, past, width, x)
+        x = walk(cfg.depth_plan, self.stage_steps, ops, x)  # stage j of every slot: the same loop position (models/trip.py)
+        return (x, ops.tap), ops.new
 
     def _write_speed_rows(self, new: list, written: torch.Tensor) -> None:
         """NEW (_speed_layers' K/V rows, one pair per stage layer) into the pool: row r's at WRITTEN[r]."""
         rows = torch.arange(written.shape[0], device=self.device)
         for j, (k, v) in enumerate(new):
-            key = self.key[j].view(written.shape[0], *self.key.shape[3:])  # [P*W, kvh, T+1, hd], a view
-            value = self.value[j].view(written.shape[0], *self.value.shape[3:])
+            key = self.pool.key[j].view(written.shape[0], *self.pool.key.shape[3:])  # [P*W, kvh, T+1, hd], a view
+            value = self.pool.value[j].view(written.shape[0], *self.pool.value.shape[3:])
             key[rows, :, written], value[rows, :, written] = k, v
 
     def _run(self, role: tuple, layers, write, inputs: list[torch.Tensor], past: int):
@@ -468,9 +423,9 @@ class TorchBackend:
         writes in one CUDA graph captured once per ROLE and pool (one launch a step). -> result."""
         run = self._compiled_layers(layers) if self.compile_step else layers
         if self.full_past:
-            past = self.length + 1
+            past = self.pool.length + 1
         elif self.compile_step:  # a few attention lengths, each compiled once, rather than one per position
-            past = min(self.length + 1, max(MIN_POOL_POSITIONS, 1 << (past - 1).bit_length()))
+            past = min(self.pool.length + 1, max(MIN_POOL_POSITIONS, 1 << (past - 1).bit_length()))
 
         def step(ids: torch.Tensor, starts: torch.Tensor, written: torch.Tensor):
             result, new = run(ids, starts, past)
@@ -516,6 +471,57 @@ class StepGraph:
             static.copy_(value)
         self.graph.replay()
         return self.outputs
+
+
+class _PlainOps(RowOps):
+    """The walker's ops for plain decoding and prefill: logical layer l reads its slab of pool rows SEQUENCES
+    below PAST; its new rows are kept (self.present: a cross-repeat layer reads repeat 0's) and, with WRITE,
+    stored at PAST.. at once (prefill: a padded token's K/V land past its chunk's end, where its own token
+    writes before anything reads)."""
+
+    def __init__(self, backend: TorchBackend, ctx: RowContext, sequences: slice, past: int, write: bool = False) -> None:
+        super().__init__(backend.model.model, backend.cfg)
+        self.backend, self.ctx, self.sequences, self.past, self.write = backend, ctx, sequences, past, write
+        self.present: dict[int, tuple] = {}  # logical layer -> its new rows (k, v) [B, kvh, L, hd]
+
+    def layer(self, step, x: torch.Tensor) -> torch.Tensor:
+        backend, past = self.backend, self.past
+        slab = backend.layout.locate(step.layer)
+        key = backend.pool.key[slab.layer, slab.column, self.sequences]  # [B, kvh, T+1, hd]
+        value = backend.pool.value[slab.layer, slab.column, self.sequences]
+        cross = backend._plain_cross_read(step.layer, self.ctx, self.sequences, past, self.present)
+        x, k, v = layer_over_rows(self.decoder.blocks[step.block], x, self.ctx, key[:, :, :past], value[:, :, :past],
+                                  self.cfg, cross=cross)
+        self.present[step.layer] = (k, v)
+        if self.write:
+            key[:, :, past:past + k.shape[2]], value[:, :, past:past + k.shape[2]] = k, v  # [B, kvh, L, hd]
+        return x
+
+
+class _StageOps(RowOps):
+    """The walker's ops for a speed step's stage over P*W rows: stage layer j reads every slot's slab of j
+    at once (a view of the pool); its new rows are kept (self.new), the exit tap after exit_layer layers."""
+
+    def __init__(self, backend: TorchBackend, ctx: RowContext, starts: torch.Tensor, past: int, width: int,
+                 x: torch.Tensor) -> None:
+        super().__init__(backend.model.model, backend.cfg)
+        self.backend, self.ctx, self.starts, self.past, self.width = backend, ctx, starts, past, width
+        self.new: list[tuple] = []  # per stage layer: (k, v) [P*W, kvh, hd]
+        self.tap = x
+
+    def layer(self, step, x: torch.Tensor) -> torch.Tensor:
+        backend, j, rows, past = self.backend, step.layer, x.shape[0], self.past
+        key = backend.pool.key[j].view(rows, *backend.pool.key.shape[3:])  # [P*W, kvh, T+1, hd], a view
+        value = backend.pool.value[j].view(rows, *backend.pool.value.shape[3:])
+        cross = backend._step_cross_read(j, self.width, self.starts, past) if self.cfg.depth_plan.cross_window else None
+        x, k, v = layer_over_rows(self.decoder.blocks[step.block], x, self.ctx, key[:, :, :past], value[:, :, :past],
+                                  self.cfg, cross=cross)
+        self.new.append((k[:, :, 0], v[:, :, 0]))
+        return x
+
+    def after(self, step, x: torch.Tensor) -> None:
+        if step.layer + 1 == self.cfg.exit_layer:
+            self.tap = x
 
 
 def _on_grid(rows: list[int], n: int, width: int) -> np.ndarray:

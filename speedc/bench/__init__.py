@@ -1,7 +1,7 @@
 """`speedc bench`'s measurements (the CLI commands themselves are speedc/cli/bench.py).
 
     run        SPEED against plain decoding (and peers), interleaved, ids checked first: run_bench,
-               BenchReport; c(P) is measured by speedc.step_cost (the build path), the bound is
+               BenchReport; c(P) is measured by speedc.step_timer (the build path), the bound is
                speedc.cost_model.analytic_bound
     peers      peer systems: PyTorch reference, transformers, ORT GenAI fp32 (the artifact's weights: ids
                must match) and ORT GenAI int4 (other precision: agreement reported); PEERS registry

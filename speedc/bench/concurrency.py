@@ -35,10 +35,10 @@ import numpy as np
 
 from speedc.errors import SpeedcError
 from speedc.models.sampling import SamplingParams
-from speedc.runtimes.speculation import BATCH_RULES
+from speedc.runtimes.speculation import MODES
 from speedc.runtimes.engine import Engine
 
-SYSTEMS = {name: dict(zip(("row_budget", "per_sequence"), BATCH_RULES[mode]))  # system -> Engine.batch_scheduler options
+SYSTEMS = {name: {"row_budget": MODES[mode].batch_row_budget, "per_sequence": MODES[mode].per_sequence}  # -> Engine.batch_scheduler's
            for name, mode in (("speed-adaptive", "speed"), ("speed-always", "speed-always"), ("plain-batched", "autoregressive"))}
 GENAI = "onnxruntime-genai"
 UNBATCHED = "speed-unbatched"

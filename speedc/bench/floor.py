@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from speedc.step_cost import interleaved_medians
+from speedc.step_timer import interleaved_medians
 
 WEIGHT_SCALE = 0.02
 QUANTIZED_BITS = {"int8": 8, "int4": 4}

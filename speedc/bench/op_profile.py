@@ -12,7 +12,7 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from speedc.step_cost import measure_step_times
+from speedc.step_timer import measure_step_times
 
 
 def kernel_ms_per_run(profile_file: str, program: str) -> dict[str, float]:

@@ -26,8 +26,9 @@ import numpy as np
 from speedc.errors import SpeedcError
 from speedc.runtimes.decode import pooled_acceptance
 from speedc.runtimes.engine import Engine
+from speedc.runtimes.speculation import MODES
 from speedc.cost_model import analytic_bound
-from speedc.step_cost import measure_step_cost
+from speedc.step_timer import measure_step_cost
 
 DEFAULT_PROMPTS = ["ROMEO:\n", "First Citizen:\nBefore we proceed any further, hear me speak.\n", "KING HENRY:\n",
                    "To be, or not to be, that is the question:\n", "JULIET:\nO Romeo, Romeo!"]
@@ -137,7 +138,7 @@ def run_bench(engine: Engine, *, prompts: list[str] | None = None, new_tokens: i
     prompts = prompts or DEFAULT_PROMPTS
     peers = peers or {}
     agreement = {name: Agreement(same_weights=peer.must_match) for name, peer in peers.items()}
-    modes = ("speed", "speed-always", "autoregressive")
+    modes = tuple(MODES)
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     e2e: dict[str, list[float]] = {name: [] for name in (*modes, *peers)}
     prefill: list[float] = []

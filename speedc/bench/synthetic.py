@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from speedc.bench.floor import measure_floor, measure_kernel
-from speedc.step_cost import measure_step_times
+from speedc.step_timer import measure_step_times
 from speedc.errors import SpeedcError
+from speedc.runtimes.speculation import MODES
 
 # Residual scale for --end-to-end on random weights: each block then adds little to the residual
 # stream, so the state after the first pass predicts the last (as in a trained looped model). The zoo
@@ -217,7 +218,7 @@ def end_to_end_row(engine, *, prompts: int, new_tokens: int, seed: int = 0, peer
     peers = peers or {}
     vocab = engine.manifest.dims.vocab_size
     rng = np.random.default_rng(seed)
-    modes = ("speed", "speed-always", "autoregressive")
+    modes = tuple(MODES)
     ms = {**{mode: [] for mode in modes}, **{name: [] for name in peers}}
     agreement = {name: Agreement(same_weights=False) for name in peers}
     speed_runs, adaptive_runs, failed = [], [], {}

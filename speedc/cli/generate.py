@@ -10,7 +10,7 @@ import click
 
 from speedc.cli.options import FiniteFloat, backend_options, compile_option, flag, given_options
 from speedc.errors import BatchError, GenerationError
-from speedc.runtimes.speculation import DEFAULT_ROW_BUDGET
+from speedc.runtimes.speculation import DEFAULT_ROW_BUDGET, MODES
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -41,7 +41,7 @@ def _refuse_batch_options_without_file() -> None:
               help=f"With --prompts-file: speculate while a step has at most this many rows (default {DEFAULT_ROW_BUDGET}; "
                    "0: never).")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
-@click.option("--mode", type=click.Choice(["speed", "speed-always", "autoregressive"]), default="speed", show_default=True,
+@click.option("--mode", type=click.Choice(list(MODES)), default="speed", show_default=True,
               help="speed: SPEED while it pays on this host (step costs measured as it runs, the text's acceptance), "
                    "plain decoding else; speed-always: speculate at every step (to measure SPEED itself); "
                    "autoregressive: plain decoding. The same tokens in every mode.")
@@ -75,12 +75,12 @@ def generate(artifact, prompt, prompt_ids, prompts_file, max_batch, kv_cache_mb,
         prompts = _read_prompts(prompts_file)
         engine = Engine.load(artifact, backend=backend, device=device, threads=threads, lazy=True,  # opened when the batch starts
                              compile_step=compile_step)
-        chosen = options.pop("mode")
-        budget = 0 if chosen == "autoregressive" else (DEFAULT_ROW_BUDGET if row_budget is None else row_budget)
+        rules = MODES[options.pop("mode")]
+        budget = rules.batch_row_budget if row_budget is None or not rules.speculates else row_budget
         failure = None
         try:
             results = engine.generate_batch(prompts, max_batch=max_batch, kv_cache_mb=kv_cache_mb, row_budget=budget,
-                                            per_sequence=chosen != "speed-always", threads=threads, **options)
+                                            per_sequence=rules.per_sequence, threads=threads, **options)
         except BatchError as failed:  # some prompts could not run: print the others, then the error
             results, failure = failed.results, failed
         for number, result in enumerate(results, 1):

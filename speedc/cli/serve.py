@@ -10,6 +10,7 @@ import click
 from speedc.cli.options import FiniteFloat, backend_options, compile_option, flag, given_options
 from speedc.errors import SpeedcError
 from speedc.runtimes.detokenize import not_unicode
+from speedc.runtimes.speculation import MODES
 
 
 def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_queue: int, timeout: float,
@@ -52,7 +53,7 @@ def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_q
 @click.option("--model-name", default=None, help="The model id clients send (default: the artifact folder's name).")
 @click.option("--chat-template", type=click.Path(path_type=Path), default=None,
               help="A Jinja chat template file (default: the one in the artifact, from tokenizer_config.json).")
-@click.option("--mode", type=click.Choice(["speed", "speed-always", "autoregressive"]), default="speed", show_default=True,
+@click.option("--mode", type=click.Choice(list(MODES)), default="speed", show_default=True,
               help="speed: SPEED while it pays on this host (step costs measured as it runs, each request's "
                    "acceptance, the batching row policy), plain decoding steps else; speed-always: every step "
                    "speculates; autoregressive: plain decoding only. The same tokens in every mode.")

@@ -3,14 +3,14 @@
 A token's trip through the model is a depth plan (models/depth_plan.py; the manifest records it as
 JSON): prelude layers once, a core of C layers repeated R times, coda layers at each readout. In
 the SPEED pipeline P slots each run K = R/P core repeats; one stage is S = K*C layers (slot 0 also
-runs the prelude, see below). Every K/V row belongs to one (phase, depth, layer) address:
+runs the prelude, see below). Every K/V row belongs to one (phase, column, layer) address:
 
-    phase "core"     depth = pipeline slot s (0..P-1), layer = stage layer j (0..S-1)
+    phase "core"     column = pipeline slot s (0..P-1), layer = stage layer j (0..S-1)
                      logical layer  prelude + s*S + j          pool [S, P, W, kvh, T+1, hd]
-    phase "prelude"  depth 0, layer i                          pool [Lp, 1, W, kvh, T+1, hd]
-    phase "coda"     depth = readout d (draft 0, final 1)      pool [Lc, 2, W, kvh, T+1, hd]
-                     each readout depth owns its coda K/V: the final readout's coda only ever sees
-                     final-depth states, whatever the draft readout computed
+    phase "prelude"  column 0, layer i                         pool [Lp, 1, W, kvh, T+1, hd]
+    phase "coda"     column = readout r (draft 0, final 1)     pool [Lc, 2, W, kvh, T+1, hd]
+                     each readout owns its coda K/V: the final readout's coda only ever sees
+                     final states, whatever the draft readout computed
 
 With P = 1 (a plain engine) the whole trip is one stage: one "core" pool [N, 1, ...] and nothing
 else. Cross-repeat attention (IQuest-Coder-V1-Loop) needs no address of its own: every slot's rows of
@@ -36,14 +36,14 @@ from speedc.format import contract
 from speedc.errors import ArtifactError
 
 CORE, PRELUDE, CODA = "core", "prelude", "coda"
-DRAFT_READOUT = 0  # coda depth of the draft readout; the final readout's is the last (readouts - 1)
+DRAFT_READOUT = 0  # coda column of the draft readout; the final readout's is the last (readouts - 1)
 
 
 @dataclass(frozen=True)
 class Address:
-    """Where one cache entry's K/V rows live: POOL's [layer, depth] slab."""
+    """Where one cache entry's K/V rows live: POOL's [layer, column] slab (column: the slot, or the readout)."""
     phase: str
-    depth: int
+    column: int
     layer: int
 
 
@@ -53,7 +53,7 @@ class CacheLayout:
     stage_layers: int  # S: layers of one slot's share of the core (K repeats x C layers)
     slots: int  # P
     coda_layers: int = 0  # Lc
-    readouts: int = 1  # coda depths that own K/V (1: no pipeline readout besides the final one)
+    readouts: int = 1  # readouts whose coda owns K/V (1: no pipeline readout besides the final one)
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -100,7 +100,7 @@ class CacheLayout:
     @cached_property
     def entries(self) -> tuple[Address, ...]:
         """Every cache entry in the prefill graph's order: the N logical layers of a plain trip (the coda
-        at the final readout), then the coda K/V of the earlier readout depths."""
+        at the final readout), then the coda K/V of the earlier readouts."""
         final = self.readouts - 1
         out = [Address(PRELUDE, 0, i) for i in range(self.prelude_layers)]
         out += [Address(CORE, s, j) for s in range(self.slots) for j in range(self.stage_layers)]
@@ -110,14 +110,14 @@ class CacheLayout:
 
     @cached_property
     def _by_phase(self) -> dict[str, tuple[slice, np.ndarray, np.ndarray]]:
-        """phase -> (its entries' span, their pool layers, their pool depths [e]): a phase's entries are
+        """phase -> (its entries' span, their pool layers, their pool columns [e]): a phase's entries are
         contiguous (`entries`), so NEW[kind][span] is a view, not a copy of the new rows."""
         grouped = {}
         for phase in self.phases:
-            picked = [(i, at.layer, at.depth) for i, at in enumerate(self.entries) if at.phase == phase]
-            indices, layers, depths = (np.asarray(column, np.int64) for column in zip(*picked))
+            picked = [(i, at.layer, at.column) for i, at in enumerate(self.entries) if at.phase == phase]
+            indices, layers, columns = (np.asarray(column, np.int64) for column in zip(*picked))
             assert (np.diff(indices) == 1).all(), f"{phase} entries are not contiguous"
-            grouped[phase] = (slice(int(indices[0]), int(indices[-1]) + 1), layers, depths)
+            grouped[phase] = (slice(int(indices[0]), int(indices[-1]) + 1), layers, columns)
         return grouped
 
     def locate(self, layer: int) -> Address:
@@ -127,7 +127,7 @@ class CacheLayout:
         return self.entries[layer]
 
     def pool_layers(self, phase: str) -> tuple[int, int]:
-        """(layers, depths) of PHASE's pool; (0, 0) when the layout has none."""
+        """(layers, columns) of PHASE's pool; (0, 0) when the layout has none."""
         return {CORE: (self.stage_layers, self.slots), PRELUDE: (self.prelude_layers, 1 if self.prelude_layers else 0),
                 CODA: (self.coda_layers, self.readouts if self.coda_layers else 0)}[phase]
 
@@ -137,8 +137,8 @@ class CacheLayout:
 
     def pool_shape(self, phase: str, width: int, kv_heads: int, length: int, head_dim: int) -> tuple[int, ...]:
         """PHASE's pool for WIDTH pool rows of LENGTH positions (+1: the scratch row bubbles write)."""
-        layers, depths = self.pool_layers(phase)
-        return (layers, depths, width, kv_heads, length + 1, head_dim)
+        layers, columns = self.pool_layers(phase)
+        return (layers, columns, width, kv_heads, length + 1, head_dim)
 
     @property
     def pipelined_phases(self) -> bool:
@@ -154,18 +154,18 @@ class CacheLayout:
 
     # ---- the slabs a graph input names -------------------------------------------------------
     def prefill_slabs(self, pools: dict[str, tuple[np.ndarray, np.ndarray]], rows: slice) -> dict[str, np.ndarray]:
-        """Prefill-graph cache inputs over pool rows ROWS: entry e reads its pool[layer, depth, rows]: the N
+        """Prefill-graph cache inputs over pool rows ROWS: entry e reads its pool[layer, column, rows]: the N
         logical layers, then the draft readout's coda layers but its last (prefill_reads)."""
         slabs = {}
         for index, at in enumerate(self.entries[:self.prefill_reads]):
             for kind, pool in zip(contract.KV_KINDS, pools[at.phase]):
-                slabs[contract.cache_input(kind, index)] = pool[at.layer, at.depth, rows]  # [B, kvh, T+1, hd]
+                slabs[contract.cache_input(kind, index)] = pool[at.layer, at.column, rows]  # [B, kvh, T+1, hd]
         return slabs
 
     def step_slabs(self, pools: dict[str, tuple[np.ndarray, np.ndarray]], n: int, fused: bool) -> dict[str, np.ndarray]:
         """Batch-step cache inputs: fused, stage layer j's whole core pool [P*W, kvh, T+1, hd] (one attention
         a layer); standard, one slab pool[j, s, :n] per (stage layer, slot), and the phases' slabs:
-        prelude layer i pool[i, 0, :n], coda layer i at readout depth d pool[i, d, :n]."""
+        prelude layer i pool[i, 0, :n], coda layer i of readout r pool[i, r, :n]."""
         if fused:
             self._core_only("the fused batch step")
         views = {}
@@ -174,8 +174,8 @@ class CacheLayout:
                 views[contract.phase_cache_input(kind, PRELUDE, i)] = pool[i, 0, :n]  # [n, kvh, T+1, hd]
         for kind, pool in zip(contract.KV_KINDS, pools.get(CODA, ())):
             for i in range(self.coda_layers):
-                for depth in range(self.readouts):
-                    views[contract.phase_cache_input(kind, CODA, i, depth)] = pool[i, depth, :n]
+                for readout in range(self.readouts):
+                    views[contract.phase_cache_input(kind, CODA, i, readout)] = pool[i, readout, :n]
         for j in range(self.stage_layers):
             for kind, pool in zip(contract.KV_KINDS, pools[CORE]):
                 if fused:
@@ -190,27 +190,27 @@ class CacheLayout:
                            first: int, start: int, lengths) -> None:
         """Prefill's new rows NEW[kind] [E, B, kvh, L, hd] (entry e, chunk row b) into the pools: row b is
         pool row first + b at positions start .. start + lengths[b] - 1 (its padding dropped)."""
-        for phase, (span, layers, depths) in self._by_phase.items():
+        for phase, (span, layers, columns) in self._by_phase.items():
             for kind, pool in zip(contract.KV_KINDS, pools[phase]):
                 rows = new[kind][span]  # [e, B, kvh, L, hd] (a view)
-                for row, length in enumerate(lengths):  # advanced (layers, depths, slot) first: [e, kvh, length, hd]
-                    pool[layers, depths, first + row, :, start:start + length] = rows[:, row, :, :length]
+                for row, length in enumerate(lengths):  # advanced (layers, columns, slot) first: [e, kvh, length, hd]
+                    pool[layers, columns, first + row, :, start:start + length] = rows[:, row, :, :length]
 
     def write_token_rows(self, pools: dict[str, tuple[np.ndarray, np.ndarray]], new: dict[str, np.ndarray],
                          rows: np.ndarray, positions: np.ndarray) -> None:
         """Plain decoding's new rows NEW[kind] [E, n, kvh, 1, hd]: pool row b of ROWS at positions[b]."""
-        for phase, (span, layers, depths) in self._by_phase.items():
+        for phase, (span, layers, columns) in self._by_phase.items():
             for kind, pool in zip(contract.KV_KINDS, pools[phase]):
                 part = new[kind][span][:, rows][:, :, :, 0]  # [e, k, kvh, hd]: the span a view, the rows one copy
                 # advanced indices (entries x rows, positions) split by a slice: the target is [e, k, kvh, hd]
-                pool[layers[:, None], depths[:, None], rows[None], :, positions[rows][None]] = part
+                pool[layers[:, None], columns[:, None], rows[None], :, positions[rows][None]] = part
 
     def write_step_rows(self, pools: dict[str, tuple[np.ndarray, np.ndarray]], new: dict[str, np.ndarray],
                         slots: int, n: int, valid: np.ndarray, positions: np.ndarray) -> None:
         """The batch step's new rows NEW[kind] [S, P*n, kvh, 1, hd] (row s*n + b) into pool[j, s, b, :, positions[s, b]]
         for the valid (slot, sequence) pairs only (bubbles never write). With phases, NEW[(kind, PRELUDE)]
         [Lp, n, kvh, 1, hd] are slot 0's rows, NEW[(kind, CODA)] [Lc, 2, n, kvh, 1, hd] the draft readout's
-        (slot 0's rows) and the final readout's (slot P-1's): each readout depth writes only its own K/V."""
+        (slot 0's rows) and the final readout's (slot P-1's): each readout writes only its own K/V."""
         s_index, b_index = np.nonzero(valid)
         at = positions[s_index, b_index]
         for kind, pool in zip(contract.KV_KINDS, pools[CORE]):
@@ -222,8 +222,8 @@ class CacheLayout:
             pool[:, 0, entering, :, positions[0, entering]] = rows[:, entering].transpose(1, 0, 2, 3)  # target [k, Lp, kvh, hd]
         for kind, pool in zip(contract.KV_KINDS, pools.get(CODA, ())):
             rows = new[(kind, CODA)][:, :, :, :, 0]  # [Lc, 2, n, kvh, hd]
-            for depth, (picked, slot) in ((DRAFT_READOUT, (entering, 0)), (self.readouts - 1, (leaving, slots - 1))):
-                pool[:, depth, picked, :, positions[slot, picked]] = rows[:, depth, picked].transpose(1, 0, 2, 3)
+            for readout, (picked, slot) in ((DRAFT_READOUT, (entering, 0)), (self.readouts - 1, (leaving, slots - 1))):
+                pool[:, readout, picked, :, positions[slot, picked]] = rows[:, readout, picked].transpose(1, 0, 2, 3)
 
     def _core_only(self, what: str) -> None:
         if self.pipelined_phases:

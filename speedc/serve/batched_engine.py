@@ -16,7 +16,7 @@ what it produces alone (the scheduler's lossless promise), so the server's answe
 from __future__ import annotations
 
 from speedc.runtimes.backends.onnx import pool_bytes_per_position
-from speedc.runtimes.speculation import BATCH_RULES
+from speedc.runtimes.speculation import MODES
 from speedc.runtimes.detokenize import Piece
 from speedc.runtimes.engine_loop import EngineLoop, Submitted
 from speedc.serve.engine_adapter import FINISH_REASONS, GenerationRequest, QueueFull, RetryEstimate, encode
@@ -76,22 +76,22 @@ class BatchedEngine:
                  mode: str = "speed", threads: int | None = None, fused: bool | None = None,
                  prefix_cache_mb: float | None = None) -> None:
         self.engine, self.max_queue, self.max_batch = engine, max_queue, max_batch
-        row_budget, per_sequence = BATCH_RULES[mode]
-        self.loop = EngineLoop(engine, max_batch=max_batch, kv_cache_mb=kv_cache_mb, row_budget=row_budget,
-                               per_sequence=per_sequence, threads=threads, fused=fused, prefix_cache_mb=prefix_cache_mb)
+        rules = MODES[mode]
+        self.loop = EngineLoop(engine, max_batch=max_batch, kv_cache_mb=kv_cache_mb, row_budget=rules.batch_row_budget,
+                               per_sequence=rules.per_sequence, threads=threads, fused=fused, prefix_cache_mb=prefix_cache_mb)
         self._retry = RetryEstimate(max_batch)
 
     def describe(self) -> str:
         backend = self.loop.scheduler.backend
-        mib = pool_bytes_per_position(self.engine.manifest) * self.max_batch * (backend.capacity + 1) / (1 << 20)
+        mib = pool_bytes_per_position(self.engine.manifest) * self.max_batch * (backend.pool.capacity + 1) / (1 << 20)
         return (f"continuous batching: up to {self.max_batch} requests at once, {self.max_queue} may wait; KV-cache pool "
-                f"up to {mib:.0f} MiB (it grows with the requests in it), {backend.capacity} positions per request")
+                f"up to {mib:.0f} MiB (it grows with the requests in it), {backend.pool.capacity} positions per request")
 
     # ---- what the server asks of the model and the metrics ---------------------------------------
     @property
     def max_context(self) -> int:
         """Prompt + completion tokens one request may hold: its KV-cache row (at most the model's context)."""
-        return self.loop.scheduler.backend.capacity
+        return self.loop.scheduler.backend.pool.capacity
 
     def encode(self, text: str, *, special_tokens: bool = True) -> list[int]:
         return encode(self.engine, text, special_tokens)

@@ -136,7 +136,7 @@ def test_one_session_serves_single_and_batched_calls(tiny_artifact, engine):
 
 def test_pool_limits_are_refused_in_one_line_not_truncated(engine):
     scheduler = engine.batch_scheduler(max_batch=2, kv_cache_mb=0.1)
-    capacity = scheduler.backend.capacity
+    capacity = scheduler.backend.pool.capacity
     assert capacity < engine.manifest.model["max_context"]
     with pytest.raises(GenerationError, match="exceeds the KV-cache row"):
         scheduler.submit(engine.request_from([1, 2, 3], dict(max_new_tokens=capacity)))
@@ -172,12 +172,12 @@ def test_pool_length_follows_the_longest_request_losslessly(engine):
         if late is None and long is not None and len(long.out) >= 185:
             late = submit(PROMPTS[2], 24)
         scheduler.step()
-        if not lengths or lengths[-1] != backend.length:
-            lengths.append(backend.length)
-    from speedc.runtimes.backends.protocol import _pool_length
+        if not lengths or lengths[-1] != backend.pool.length:
+            lengths.append(backend.pool.length)
+    from speedc.runtimes.backends.kv_pool import pool_length
 
     needs = [len(engine.encode(prompt)) + new for prompt, new in ((PROMPTS[0], 20), (PROMPTS[1], 200), (PROMPTS[2], 24))]
-    assert lengths == [_pool_length(need, 16, backend.capacity) for need in needs] and lengths[0] < lengths[1] > lengths[2]
+    assert lengths == [pool_length(need, 16, backend.pool.capacity) for need in needs] and lengths[0] < lengths[1] > lengths[2]
     for sequence, prompt, new in ((short, PROMPTS[0], 20), (long, PROMPTS[1], 200), (late, PROMPTS[2], 24)):
         assert sequence.out == _alone(engine, prompt, {}, new).ids
 
@@ -202,8 +202,8 @@ def test_pool_width_follows_the_occupied_slots_losslessly(engine):
         if not others and len(first.out) >= 5:
             others = [submit(PROMPTS[1], 10), submit(PROMPTS[2], 12)]
         scheduler.step()
-        if not widths or widths[-1] != backend.width:
-            widths.append(backend.width)
+        if not widths or widths[-1] != backend.pool.width:
+            widths.append(backend.pool.width)
     assert widths[0] == 1 and max(widths) == 4 and widths[-1] == 1  # 4 -> 2 -> 1 or 4 -> 1 as the two leave
     for sequence, prompt, new in ((first, PROMPTS[0], 40), (others[0], PROMPTS[1], 10), (others[1], PROMPTS[2], 12)):
         assert sequence.out == _alone(engine, prompt, {}, new).ids
@@ -354,8 +354,8 @@ def test_pool_shrink_that_cannot_allocate_keeps_the_pool_and_fused_rows_stay_ins
 
     backend = BatchBackend(engine.directory, engine.manifest, max_batch=2, capacity=512, shrink_after=1)
     backend.reserve(300, 2)
-    assert (backend.width, backend.length) == (2, 320)  # 300 positions: 5 x 64
-    pool = backend.key
+    assert (backend.pool.width, backend.pool.length) == (2, 320)  # 300 positions: 5 x 64
+    pool = backend.pool.key
 
     def no_memory(*args, **kwargs):
         raise MemoryError
@@ -363,9 +363,9 @@ def test_pool_shrink_that_cannot_allocate_keeps_the_pool_and_fused_rows_stay_ins
     monkeypatch.setattr(batch_backend.np, "zeros", no_memory)
     backend.reserve(10, 1)
     monkeypatch.undo()
-    assert backend.key is pool and (backend.width, backend.length) == (2, 320)
+    assert backend.pool.key is pool and (backend.pool.width, backend.pool.length) == (2, 320)
     if backend.fused:
-        positions = np.full((backend.slots, 1), backend.length + 1, np.int64)
+        positions = np.full((backend.slots, 1), backend.pool.length + 1, np.int64)
         with pytest.raises(GenerationError, match="internal: a row at position"):
             backend.speed_step(np.zeros(1, np.int64), positions, np.ones((backend.slots, 1), bool), HeadRows(exit=[0]), False)
 

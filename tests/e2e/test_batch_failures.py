@@ -15,7 +15,7 @@ from speedc import Engine
 from speedc.errors import BatchError, GenerationError, OutOfMemory
 from speedc.runtimes.batch import DONE, BatchScheduler
 from speedc.runtimes.backends.onnx import BatchBackend
-from speedc.runtimes.backends.protocol import MIN_POOL_POSITIONS
+from speedc.runtimes.backends.kv_pool import MIN_POOL_POSITIONS
 from speedc.runtimes.engine_loop import EngineLoop
 
 PROMPTS = ["ROMEO:", "JULIET: O", "KING HENRY:", "First Citizen:\nBefore"]
@@ -40,10 +40,10 @@ def test_pool_allocates_what_requests_need_and_refuses_growth_that_does_not_fit(
     """A slot capacity whose full pool could never be allocated still serves short requests: the pool
     holds what they need. Growing past memory is a one-line OutOfMemory that leaves the pool as it was."""
     backend = BatchBackend(engine.directory, engine.manifest, max_batch=2, capacity=HUGE)
-    assert backend.length == MIN_POOL_POSITIONS and backend.key.nbytes < (64 << 20)
+    assert backend.pool.length == MIN_POOL_POSITIONS and backend.pool.key.nbytes < (64 << 20)
     with pytest.raises(OutOfMemory, match=r"cannot grow to \d+ positions x 1 pool rows .*out of memory"):
         backend.reserve(HUGE - 1)
-    assert backend.length == MIN_POOL_POSITIONS
+    assert backend.pool.length == MIN_POOL_POSITIONS
     scheduler = BatchScheduler(backend)
     sequence = scheduler.submit(_request(engine, PROMPTS[0], 16))
     scheduler.run()
@@ -64,7 +64,7 @@ def test_a_request_the_pool_cannot_hold_waits_then_fails_alone(engine, memory_fo
     waited = ended = 0
     while scheduler.busy:
         events = scheduler.step()
-        assert len(scheduler.occupied) <= backend.width  # never more sequences than the pool holds
+        assert len(scheduler.occupied) <= backend.pool.width  # never more sequences than the pool holds
         if first.state != DONE:
             assert huge in scheduler.waiting and behind in scheduler.waiting
             waited += 1
@@ -291,11 +291,11 @@ def test_cancel_from_another_thread_wakes_the_loop(engine):
 def test_pool_length_is_within_an_eighth_of_the_need():
     """T is the smallest of 8, 9, ..., 15 x 2^k at or above the need (attention runs over all T positions),
     at least the minimum, at most the capacity; the width stays a power of two."""
-    from speedc.runtimes.backends.protocol import _pool_length, _pool_width
+    from speedc.runtimes.backends.kv_pool import pool_length, pool_width
 
-    assert [_pool_length(n, 1, 4096) for n in (1, 5, 8, 9, 100, 128, 129, 131, 161)] == [1, 5, 8, 9, 104, 128, 144, 144, 176]
+    assert [pool_length(n, 1, 4096) for n in (1, 5, 8, 9, 100, 128, 129, 131, 161)] == [1, 5, 8, 9, 104, 128, 144, 144, 176]
     for need in range(1, 3000):
-        length = _pool_length(need, 1, 1 << 20)
+        length = pool_length(need, 1, 1 << 20)
         assert need <= length <= need * 9 // 8 + 1
-    assert _pool_length(3, 64, 4096) == 64 and _pool_length(5000, 64, 4096) == 4096
-    assert [_pool_width(n, 1, 8) for n in (1, 2, 3, 5, 9)] == [1, 2, 4, 8, 8]
+    assert pool_length(3, 64, 4096) == 64 and pool_length(5000, 64, 4096) == 4096
+    assert [pool_width(n, 1, 8) for n in (1, 2, 3, 5, 9)] == [1, 2, 4, 8, 8]

@@ -414,7 +414,7 @@ def test_concurrency_bench_rows_for_every_system(tiny_artifact):
 def test_step_cost_is_measured_at_valid_positions_for_a_short_bench(tiny_artifact):
     """A bench of prompt + new tokens under 2(P-1) measured c(P) at negative positions: ONNX Runtime's
     attention refused them (a traceback after every run) and the other backends measured nonsense."""
-    from speedc.step_cost import measure_step_cost
+    from speedc.step_timer import measure_step_cost
     from speedc.runtimes.engine import Engine
 
     for backend in ("onnx", "onnx-numpy"):
@@ -486,7 +486,7 @@ def test_interleaved_medians_stop_at_their_time_budget_after_the_fewest_rounds()
     but never before MIN_ROUNDS; without one every round runs."""
     import time
 
-    from speedc.step_cost import MIN_ROUNDS, interleaved_medians
+    from speedc.step_timer import MIN_ROUNDS, interleaved_medians
 
     calls = {"a": 0, "b": 0}
 

@@ -135,7 +135,7 @@ def test_default_mode_measures_decides_and_reports(family_engines):
             assert runs["speed-always"].stats.plain_steps == 0 and runs["autoregressive"].stats.speed_steps == 0
     measured = runs["speed"].stats.host_costs["measured"]
     assert any("plain_ms" in row and "speed_ms" in row for row in measured), measured
-    assert engine.step_costs().step_cost(1, engine.backend.length)[1].startswith("measured")
+    assert engine.step_costs().step_cost(1, engine.backend.pool.length)[1].startswith("measured")
 
 
 def test_cli_modes_and_stats(family_engines, tmp_path):

@@ -36,8 +36,8 @@ def test_fused_attention_writes_the_cache_in_place(zoo_artifacts):
         engine.generate("ROMEO:\n", max_new_tokens=40, stop_at_eos=False)
     written = len(numpy_engine.encode("ROMEO:\n")) + 40 - 1  # the last token is never fed back
     for kind in ("key", "value"):  # pool [S, P, W, kvh, T + 1, hd]: pool row 0
-        expected = getattr(numpy_engine.backend, kind)[:, :, 0, :, :written]
-        got = getattr(bound_engine.backend, kind)[:, :, 0, :, :written]
+        expected = getattr(numpy_engine.backend.pool, kind)[:, :, 0, :, :written]
+        got = getattr(bound_engine.backend.pool, kind)[:, :, 0, :, :written]
         np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
 
 

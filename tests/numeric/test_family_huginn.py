@@ -103,7 +103,7 @@ def test_final_readout_coda_holds_final_depth_states(case):
     for mode, row_budget in (("speed", None), ("plain", 0)):
         scheduler = engine.batch_scheduler(max_batch=1, row_budget=row_budget)
         engine.generate_batch([list(PROMPTS[0])], max_new_tokens=NEW_TOKENS, stop_at_eos=False, scheduler=scheduler)
-        pools[mode] = [pool.copy() for pool in scheduler.backend.phase_pools[CODA]]  # [Lc, 2, W, kvh, T+1, hd]
+        pools[mode] = [pool.copy() for pool in scheduler.backend.pool.buffers[CODA]]  # [Lc, 2, W, kvh, T+1, hd]
     written = len(PROMPTS[0]) + NEW_TOKENS - 1
     for speed, plain in zip(pools["speed"], pools["plain"]):
         assert np.abs(plain[:, 1, 0, :, :written]).max() > 0

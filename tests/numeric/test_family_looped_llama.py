@@ -176,7 +176,7 @@ def test_final_readout_coda_holds_final_depth_states(case):
     for mode, row_budget in (("speed", None), ("plain", 0)):
         scheduler = engine.batch_scheduler(max_batch=1, row_budget=row_budget)
         engine.generate_batch([prompt(0)], max_new_tokens=NEW_TOKENS, stop_at_eos=False, scheduler=scheduler)
-        pools[mode] = [pool.copy() for pool in scheduler.backend.phase_pools[CODA]]  # [Lc, 2, W, kvh, T+1, hd]
+        pools[mode] = [pool.copy() for pool in scheduler.backend.pool.buffers[CODA]]  # [Lc, 2, W, kvh, T+1, hd]
     written = PROMPT_LEN + NEW_TOKENS - 1  # the last emitted token never runs
     for speed, plain in zip(pools["speed"], pools["plain"]):
         final = speed.shape[1] - 1

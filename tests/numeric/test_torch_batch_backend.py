@@ -129,7 +129,7 @@ def test_forced_mispredictions_with_staggered_arrivals_and_a_growing_pool(sampli
     sizes, slots = [], {}
 
     def watch(scheduler):
-        sizes.append((backend.length, backend.width))
+        sizes.append((backend.pool.length, backend.pool.width))
         for sequence in scheduler.occupied:
             slots.setdefault(sequence.id, set()).add(sequence.row)
 
@@ -149,10 +149,10 @@ def test_bubbles_write_only_the_scratch_row(step):
     backend = TorchBackend.from_model(model, 3, max_batch=2, capacity=32, min_length=32)
     backend.reserve(20, 2)
     gen = torch.Generator().manual_seed(0)
-    backend.key.copy_(torch.randn(backend.key.shape, generator=gen))
-    backend.value.copy_(torch.randn(backend.value.shape, generator=gen))
-    key, value = backend.key.clone(), backend.value.clone()
-    expected = torch.zeros(backend.key.shape[:3] + backend.key.shape[4:5], dtype=torch.bool)  # [S, P, W, T+1]
+    backend.pool.key.copy_(torch.randn(backend.pool.key.shape, generator=gen))
+    backend.pool.value.copy_(torch.randn(backend.pool.value.shape, generator=gen))
+    key, value = backend.pool.key.clone(), backend.pool.value.clone()
+    expected = torch.zeros(backend.pool.key.shape[:3] + backend.pool.key.shape[4:5], dtype=torch.bool)  # [S, P, W, T+1]
     if step == "speed":
         positions = np.array([[9, 5], [8, 5], [7, 5]])  # [P, n]: sequence 1's bubbles sit on rows sequence 1 holds
         valid = np.array([[True, False], [False, True], [True, False]])
@@ -167,9 +167,9 @@ def test_bubbles_write_only_the_scratch_row(step):
         tokens, logits = backend.plain_step(np.array([3, 4]), positions, valid, want_logits=False)
         assert tokens.shape == (2,) and logits is None
         expected[:, :, 1, 5] = True  # every logical layer (stage layer, slot) of sequence 1 at its position
-    bubbles = (key != backend.key).any(dim=(3, 5))
-    assert torch.equal(bubbles[..., :backend.length], expected[..., :backend.length])
-    assert torch.equal((value != backend.value).any(dim=(3, 5))[..., :backend.length], expected[..., :backend.length])
+    bubbles = (key != backend.pool.key).any(dim=(3, 5))
+    assert torch.equal(bubbles[..., :backend.pool.length], expected[..., :backend.pool.length])
+    assert torch.equal((value != backend.pool.value).any(dim=(3, 5))[..., :backend.pool.length], expected[..., :backend.pool.length])
 
 
 def test_attention_over_the_whole_pool_decodes_the_same(case):
@@ -236,11 +236,11 @@ def test_pool_sizes_follow_the_onnx_batch_backend(case):
     for positions, sequences in [(3, 1), (10, 2), (9, 3), (40, 1), (5, 1), (5, 1), (5, 1), (64, 3)]:
         mine.reserve(positions, sequences)
         theirs.reserve(positions, sequences)
-        assert (mine.length, mine.width) == (theirs.length, theirs.width)
-        assert mine.would_grow(positions + 30, 3) == theirs.would_grow(positions + 30, 3)
-    mine.key[:, :, 2] = 1.5
+        assert (mine.pool.length, mine.pool.width) == (theirs.pool.length, theirs.pool.width)
+        assert mine.pool.would_grow(positions + 30, 3) == theirs.pool.would_grow(positions + 30, 3)
+    mine.pool.key[:, :, 2] = 1.5
     mine.move(2, 0, 10)
-    assert torch.all(mine.key[:, :, 0, :, :10] == 1.5) and not torch.any(mine.key[:, :, 0, :, 10:] == 1.5)
+    assert torch.all(mine.pool.key[:, :, 0, :, :10] == 1.5) and not torch.any(mine.pool.key[:, :, 0, :, 10:] == 1.5)
     with pytest.raises(GenerationError, match="exceed the KV-cache row of 64"):
         mine.reserve(65, 1)
 
@@ -264,11 +264,11 @@ def test_a_pool_that_cannot_grow_fails_that_request_alone(pool_refused_past_64_p
     needing it ends alone with that error while the one beside it decodes to the end."""
     model = randomize(SharedLlama(random_config(blocks=2, layers=6, context=256)), seed=6)
     backend = TorchBackend.from_model(model, 3, max_batch=2, capacity=256, min_length=16)
-    key = backend.key
+    key = backend.pool.key
     with pytest.raises(OutOfMemory) as refused:
         backend.reserve(100, 1)
     assert "\n" not in str(refused.value) and "cannot grow to 104 positions" in str(refused.value)  # within an eighth of 100
-    assert backend.key is key and backend.length == 16
+    assert backend.pool.key is key and backend.pool.length == 16
     scheduler = BatchScheduler(backend)
     short = scheduler.submit(_request([1, 2, 3], 10, SamplingParams()))
     long = scheduler.submit(_request([4, 5], 120, SamplingParams()))
@@ -288,7 +288,7 @@ def test_bad_arguments_are_one_line_errors():
         TorchBackend.from_model(model, 2)
     backend = TorchBackend.from_model(model, 3, capacity=32)
     with pytest.raises(GenerationError, match="a row at position 32 in a pool of 32"):  # T is the bubbles' scratch row
-        backend.plain_step(np.array([1]), np.array([backend.length]), np.array([True]), False)
+        backend.plain_step(np.array([1]), np.array([backend.pool.length]), np.array([True]), False)
     with pytest.raises(SpeedcError, match="CUDA graphs need a CUDA device"):
         TorchBackend.from_model(model, 3, cuda_graphs=True)
     if not torch.cuda.is_available():

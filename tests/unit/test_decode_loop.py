@@ -13,6 +13,8 @@ check returns its scripted guess.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -53,11 +55,12 @@ def draft_candidates(guess: int, pos: int) -> np.ndarray:
 
 class ScriptedBackend:
     """A batch backend of one pool row (the scheduler's interface, runtimes/backends/protocol.py)."""
-    stage_layers, vocab_size, max_context, max_batch, width, check_width = 1, V, V, 1, 1, K
+    stage_layers, vocab_size, max_context, check_width, keeps_prefixes = 1, V, V, K, False
 
     def __init__(self, slots: int, wrong_guess=NO_MISS):
         self.slots, self.wrong_guess = slots, wrong_guess
-        self.capacity = self.length = V
+        # the pool's size and rules (a KVPool's fields): one row of every position, never growing
+        self.pool = SimpleNamespace(capacity=V, length=V, width=1, max_batch=1, would_grow=lambda positions, sequences: False)
         self.calls: list[tuple] = []  # ("prefill" | "plain", ids, start) | ("step", token, positions, valid)
         self.deepest_wrong = -1  # deepest slot a wrong (unclean) token ever ran in
         self.rows = [dict() for _ in range(self.slots)]  # pass -> {pos: row written cleanly?}
@@ -72,10 +75,7 @@ class ScriptedBackend:
         return self.speculative
 
     def reserve(self, positions: int, sequences: int | None = None) -> None:
-        assert positions <= self.capacity and sequences in (None, 1)
-
-    def would_grow(self, positions: int, sequences: int) -> bool:
-        return False
+        assert positions <= self.pool.capacity and sequences in (None, 1)
 
     def free_pool(self) -> None:
         pass
@@ -91,7 +91,7 @@ class ScriptedBackend:
 
     def _through_all_layers(self, kind: str, ids: list[int], start: int, want: bool):
         self.calls.append((kind, list(ids), start))
-        assert start + len(ids) <= self.capacity
+        assert start + len(ids) <= self.pool.capacity
         for j, tok in enumerate(ids):  # every layer at every position: rows of all passes
             clean = tok == TRUTH[start + j] and self._clean_before(range(self.slots), start + j)
             for s in range(self.slots):
@@ -125,7 +125,7 @@ class ScriptedBackend:
                 continue
             # The loop may only mark valid a slot whose token really entered and moved here.
             assert shifted[s] is not None and shifted[s][1] == positions[s], (s, shifted, positions)
-            assert positions[s] < self.capacity
+            assert positions[s] < self.pool.capacity
             tok, pos, clean, _ = shifted[s]
             clean = clean and tok == TRUTH[pos] and self._clean_before([s], pos)
             self.rows[s][pos] = shifted[s][2] = clean

@@ -100,12 +100,12 @@ def test_unknown_pass_and_fact_are_refused(checkpoint, tmp_path):
 def test_a_graph_that_fails_while_measuring_is_one_error_and_no_artifact(checkpoint, tmp_path, monkeypatch):
     """ONNX Runtime raising its own exception types during the build's c(P) measurement (a scripted stand-in
     here) is a BuildError naming it, and OUT never appears (CLI: one line, exit 1)."""
-    import speedc.step_cost
+    import speedc.step_timer
 
     def failing(directory, **_):
         raise RuntimeError("[ONNXRuntimeError] : 1 : FAIL : invalid dimensions for output hidden_out\nmore detail")
 
-    monkeypatch.setattr(speedc.step_cost, "measure_artifact", failing)
+    monkeypatch.setattr(speedc.step_timer, "measure_artifact", failing)
     with pytest.raises(BuildError, match=r"failed to run while measuring c\(P\) \(\[ONNXRuntimeError\] : 1 : FAIL : invalid"):
         build(checkpoint, tmp_path / "art", measure_step_cost=True)
     assert not (tmp_path / "art").exists() and not list(tmp_path.glob(".art.partial-*"))

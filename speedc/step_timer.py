@@ -1,4 +1,4 @@
-"""c(P) of an artifact, measured on the machine at hand: what `speedc build` stores in the manifest
+"""The step timer: c(P) of an artifact, measured on the machine at hand: what `speedc build` stores in the manifest
 and `speedc inspect --measure` shows, so predicted speedups rest on a measurement, not an assumption.
 
 c(P) = (time of one full P-slot step) / (time of one plain token / P), interleaved medians
@@ -117,6 +117,6 @@ def runtime_step_costs(engine, context: int) -> dict:
     for mode in ("autoregressive", "speed-always"):
         engine.generate(prompt, max_new_tokens=new_tokens, mode=mode, stop_at_eos=False)
     report = engine.step_costs().report()
-    band = context_band(engine.backend.length)
+    band = context_band(engine.backend.pool.length)
     row = next((r for r in report["measured"] if r["sequences"] == 1 and r["context_band"] == band), {})
-    return {"new_tokens": new_tokens, "pool_length": engine.backend.length, **row}
+    return {"new_tokens": new_tokens, "pool_length": engine.backend.pool.length, **row}
