@@ -150,6 +150,31 @@ def _attend(qg: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, past_m
     return w[..., :past_len] @ past_v + w[..., past_len:] @ new_v  # [R, kvh, g*L, hd]
 
 
+def _cross_attend(qg: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: torch.Tensor,
+                  past_v: torch.Tensor, ctx: RowContext, cross: CrossRead, grouped: tuple) -> torch.Tensor:
+    """A cross-repeat layer's attention (the module docstring): qg [R, kvh, g*L, hd] over its own K/V's window and
+    over repeat 0's, mixed per head by the gate of q [R, h, L, hd] -> [R, kvh, g*L, hd] (GROUPED: those sizes)."""
+    rows, kvh, gl, hd = grouped
+    own = _attend(qg, past_k, past_v, ctx.window_past_mask, k, v, ctx.window_chunk_mask, ctx.past_len)
+    new_k, new_v = cross.new_k, cross.new_v
+    if cross.later is not None:  # a step: slot 0's rows (repeat 0) read their own new rows
+        new_k, new_v = torch.where(cross.later, new_k, k), torch.where(cross.later, new_v, v)
+
+    def by_slot(t: torch.Tensor) -> torch.Tensor:  # [R, ...] -> [slots, R / slots, ...]: broadcast over the slots
+        return t if cross.slots == 1 else t.reshape(cross.slots, -1, *t.shape[1:])
+
+    shared = _attend(by_slot(qg), cross.past_k, cross.past_v, by_slot(cross.past_mask), by_slot(new_k), by_slot(new_v),
+                     cross.chunk_mask, ctx.past_len if cross.past_len is None else cross.past_len)
+    shared = shared.reshape(rows, kvh, gl, hd)  # [R, kvh, g*L, hd]
+    # the gate's weights feed Mul / Add as stored (an indexed view would be folded into a renamed constant)
+    logit = (q.transpose(1, 2) * cross.gate_weight).sum(-1) + cross.gate_bias  # [R, L, h]
+    gate = torch.sigmoid(logit).transpose(1, 2)[..., None]  # [R, h, L, 1]
+    if cross.later is not None:  # slot 0's rows: g = 1, A_shared alone
+        gate = torch.where(cross.later, gate, 1.0)
+    gate = gate.reshape(rows, kvh, gl, 1)  # [R, kvh, g*L, 1]: heads grouped as qg's
+    return gate * shared + (1.0 - gate) * own
+
+
 def layer_over_rows(block: Block, x: torch.Tensor, ctx: RowContext, past_k: torch.Tensor, past_v: torch.Tensor,
                     cfg: ModelConfig, token_ids: torch.Tensor | None = None,
                     cross: CrossRead | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -186,24 +211,7 @@ def layer_over_rows(block: Block, x: torch.Tensor, ctx: RowContext, past_k: torc
     if cross is None:
         attended = _attend(qg, past_k, past_v, ctx.past_mask, k, v, ctx.chunk_mask, ctx.past_len)  # [R, kvh, g*L, hd]
     else:
-        own = _attend(qg, past_k, past_v, ctx.window_past_mask, k, v, ctx.window_chunk_mask, ctx.past_len)
-        new_k, new_v = cross.new_k, cross.new_v
-        if cross.later is not None:  # a step: slot 0's rows (repeat 0) read their own new rows
-            new_k, new_v = torch.where(cross.later, new_k, k), torch.where(cross.later, new_v, v)
-
-        def by_slot(t: torch.Tensor) -> torch.Tensor:  # [R, ...] -> [slots, R / slots, ...]: broadcast over the slots
-            return t if cross.slots == 1 else t.reshape(cross.slots, -1, *t.shape[1:])
-
-        shared = _attend(by_slot(qg), cross.past_k, cross.past_v, by_slot(cross.past_mask), by_slot(new_k), by_slot(new_v),
-                         cross.chunk_mask, ctx.past_len if cross.past_len is None else cross.past_len)
-        shared = shared.reshape(rows, kvh, g * length, hd)  # [R, kvh, g*L, hd]
-        # the gate's weights feed Mul / Add as stored (an indexed view would be folded into a renamed constant)
-        logit = (q.transpose(1, 2) * cross.gate_weight).sum(-1) + cross.gate_bias  # [R, L, h]
-        gate = torch.sigmoid(logit).transpose(1, 2)[..., None]  # [R, h, L, 1]
-        if cross.later is not None:  # slot 0's rows: g = 1, A_shared alone
-            gate = torch.where(cross.later, gate, 1.0)
-        gate = gate.reshape(rows, kvh, g * length, 1)  # [R, kvh, g*L, 1]: heads grouped as qg's
-        attended = gate * shared + (1.0 - gate) * own  # [R, kvh, g*L, hd]
+        attended = _cross_attend(qg, q, k, v, past_k, past_v, ctx, cross, (rows, kvh, g * length, hd))
     attended = attended.reshape(rows, h, length, hd).transpose(1, 2).reshape(rows * length, h * hd)
     attn_out = F.linear(attended, attn.o_proj.weight)  # [R*L, H]
     if cfg.post_norms:  # Huginn: norm2(x + attn), then norm4(h + mlp(norm3(h)))

@@ -206,58 +206,12 @@ def train(out: str | Path, opts: TrainOptions, *, resume: bool = False,
     docs = load_documents(opts.corpus)
     digest = corpus_hash(docs)
     if resume:
-        if not (out / STATE_FILE).exists():
-            raise SpeedcError(f"{out}: nothing to resume (no {STATE_FILE})")
-        state = _saved_state(out)
-        if state["corpus_sha256"] != digest:
-            raise SpeedcError(f"{out}: was trained on another corpus (sha256 {state['corpus_sha256'][:12]}…)")
-        opts = _resumed_options(out, state["options"], opts, given)
-        if opts.steps <= state["step"]:  # it printed "saved" and wrote nothing
-            raise SpeedcError(f"{out}: the run is already at step {state['step']}; --steps is the new total, "
-                              f"so give more than {state['step']}")
-        try:
-            tokenizer_json = (out / TOKENIZER_FILE).read_text()
-        except (OSError, UnicodeDecodeError) as bad:
-            raise SpeedcError(f"{out / TOKENIZER_FILE}: unreadable ({type(bad).__name__}); cannot resume this "
-                              "run") from None
-        cfg, tensors = load_checkpoint(out)
-        model = model_from_state(cfg, tensors).train()
+        opts, state, tokenizer_json, model = _resumed_run(out, opts, given, digest)
     else:
-        if (out / STATE_FILE).exists():
-            raise SpeedcError(f"{out}: already holds a training run; pass --resume to continue it or choose another OUT")
-        if out.exists() and (not out.is_dir() or any(out.iterdir())):  # a checkpoint, an artifact, anything else
-            raise SpeedcError(f"{out} exists and is not empty; train into a new folder (checkpoints there would be "
-                              "written over)")
-        preset = dict(PRESETS[opts.preset])
-        if opts.seq_len > preset["max_position_embeddings"]:  # it trained, on windows the model's config disowns
-            raise SpeedcError(f"--seq-len {opts.seq_len} is beyond the {opts.preset} preset's context of "
-                              f"{preset['max_position_embeddings']} positions")
-        tokenizer = train_tokenizer(docs, preset.pop("vocab_size"))
-        tokenizer_json = tokenizer.to_str()
-        cfg = ModelConfig.from_json_dict({
-            "model_type": "llama", "vocab_size": tokenizer.get_vocab_size(),
-            **{k: v for k, v in preset.items() if k not in ("layer_map", "exit_layer")},
-            "speedc": {"layer_map": preset["layer_map"], "exit": {"layer": preset["exit_layer"], "norm": "own"}},
-            "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 0,
-        })
-        model = SharedLlama(cfg)
-        _init_weights(model, cfg)
-        model.train()
-        state = {"step": 0, "corpus": opts.corpus, "corpus_sha256": digest, "options": asdict(opts),
-                 "wall_seconds": 0.0, "tokens_seen": 0, "history": []}
+        state, tokenizer_json, model = _new_run(out, opts, docs, digest)
     stream = TokenStream(docs, Tokenizer.from_str(tokenizer_json))
     state["corpus_tokens"] = {"train": len(stream.train), "val": len(stream.val)}
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": opts.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=opts.lr, betas=(0.9, 0.95))
-    if resume and (out / OPTIMIZER_FILE).exists():
-        moments = _saved_moments(out, model)
-        for name, param in model.named_parameters():
-            if f"{name}::exp_avg" in moments:
-                optimizer.state[param] = {"step": torch.tensor(state.get("adam_step", state["step"])),
-                                          "exp_avg": moments[f"{name}::exp_avg"],
-                                          "exp_avg_sq": moments[f"{name}::exp_avg_sq"]}
+    optimizer = _optimizer(model, opts, out if resume else None, state)
     gen = torch.Generator().manual_seed(opts.seed + state["step"])
     started = time.time() - state["wall_seconds"]
     # Ctrl-C finishes the current step, saves, then stops: no work is lost.
@@ -275,6 +229,69 @@ def train(out: str | Path, opts: TrainOptions, *, resume: bool = False,
         state["history"].append({"step": state["step"], "wall_seconds": state["wall_seconds"], **evaluate(model, stream, opts)})
         _save(out, model, optimizer, state, tokenizer_json)
     return state
+
+
+def _resumed_run(out: Path, opts: TrainOptions, given: frozenset[str], digest: str):
+    """(options, state, tokenizer.json text, model) of the run saved in OUT, checked against the corpus (DIGEST)
+    and the options GIVEN now."""
+    if not (out / STATE_FILE).exists():
+        raise SpeedcError(f"{out}: nothing to resume (no {STATE_FILE})")
+    state = _saved_state(out)
+    if state["corpus_sha256"] != digest:
+        raise SpeedcError(f"{out}: was trained on another corpus (sha256 {state['corpus_sha256'][:12]}…)")
+    opts = _resumed_options(out, state["options"], opts, given)
+    if opts.steps <= state["step"]:  # it printed "saved" and wrote nothing
+        raise SpeedcError(f"{out}: the run is already at step {state['step']}; --steps is the new total, "
+                          f"so give more than {state['step']}")
+    try:
+        tokenizer_json = (out / TOKENIZER_FILE).read_text()
+    except (OSError, UnicodeDecodeError) as bad:
+        raise SpeedcError(f"{out / TOKENIZER_FILE}: unreadable ({type(bad).__name__}); cannot resume this "
+                          "run") from None
+    cfg, tensors = load_checkpoint(out)
+    return opts, state, tokenizer_json, model_from_state(cfg, tensors).train()
+
+
+def _new_run(out: Path, opts: TrainOptions, docs, digest: str):
+    """(state, tokenizer.json text, model) of a new run into OUT (empty or absent): a tokenizer trained on DOCS,
+    the preset's model at its initial weights."""
+    if (out / STATE_FILE).exists():
+        raise SpeedcError(f"{out}: already holds a training run; pass --resume to continue it or choose another OUT")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # a checkpoint, an artifact, anything else
+        raise SpeedcError(f"{out} exists and is not empty; train into a new folder (checkpoints there would be "
+                          "written over)")
+    preset = dict(PRESETS[opts.preset])
+    if opts.seq_len > preset["max_position_embeddings"]:  # it trained, on windows the model's config disowns
+        raise SpeedcError(f"--seq-len {opts.seq_len} is beyond the {opts.preset} preset's context of "
+                          f"{preset['max_position_embeddings']} positions")
+    tokenizer = train_tokenizer(docs, preset.pop("vocab_size"))
+    cfg = ModelConfig.from_json_dict({
+        "model_type": "llama", "vocab_size": tokenizer.get_vocab_size(),
+        **{k: v for k, v in preset.items() if k not in ("layer_map", "exit_layer")},
+        "speedc": {"layer_map": preset["layer_map"], "exit": {"layer": preset["exit_layer"], "norm": "own"}},
+        "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 0,
+    })
+    model = SharedLlama(cfg)
+    _init_weights(model, cfg)
+    state = {"step": 0, "corpus": opts.corpus, "corpus_sha256": digest, "options": asdict(opts),
+             "wall_seconds": 0.0, "tokens_seen": 0, "history": []}
+    return state, tokenizer.to_str(), model.train()
+
+
+def _optimizer(model, opts: TrainOptions, resumed: Path | None, state: dict):
+    """AdamW, weight decay on matrices only; RESUMED: with the moments saved in that run."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": opts.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=opts.lr, betas=(0.9, 0.95))
+    if resumed is not None and (resumed / OPTIMIZER_FILE).exists():
+        moments = _saved_moments(resumed, model)
+        for name, param in model.named_parameters():
+            if f"{name}::exp_avg" in moments:
+                optimizer.state[param] = {"step": torch.tensor(state.get("adam_step", state["step"])),
+                                          "exp_avg": moments[f"{name}::exp_avg"],
+                                          "exp_avg_sq": moments[f"{name}::exp_avg_sq"]}
+    return optimizer
 
 
 def _loop(out, model, optimizer, stream, opts, state, tokenizer_json, gen, started, progress, interrupted) -> None:

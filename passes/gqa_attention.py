@@ -269,20 +269,10 @@ class BatchPool:
         return add_layer(self.graph, op="Gather", inputs=[out, self.index], outputs=[name], attrs={"axis": 0})[0]
 
 
-def lower_to_gqa(graph: gs.Graph, *, slots: int, heads: int, kv_heads: int, head_dim: int, theta: float,
-                 max_context: int) -> gs.Graph:
-    """GRAPH with one fused GroupQueryAttention per layer. SLOTS: the batch step's pipeline depth P (its
-    per-slot cache slabs become the pool), 0 for the prefill."""
-    graph = graph.copy()
-    standard = graph.name  # the graph this fused variant stands in for
-    layers = _layers(graph)
-    original_nodes = list(graph.nodes)  # before any rewiring: what falls away is checked against them at the end
-    paths = check_layer_paths(graph, layers, head_dim)
-    check_rotary_frequencies(graph, rotary_inv_freq(head_dim, theta))
-    graph.name = contract.fused(graph.name)
-    known = graph.tensors()  # looked up once: graph.tensors() scans the whole graph (per layer: minutes)
+def _sequence_lengths(graph: gs.Graph, known: dict) -> tuple[gs.Tensor, gs.Tensor, gs.Tensor, gs.Tensor]:
+    """(input_ids' shape, L (the chunk length) [1], the per-row sequence lengths GQA expects (int32 [R]: the
+    last real token's position), GQA's total sequence length (int32 scalar: the longest row's end))."""
     positions, input_ids = known[contract.POSITIONS], known[contract.INPUT_IDS]
-    # L (chunk length) as [1] and as a scalar; the per-row sequence lengths GQA expects.
     ids_shape = add_layer(graph, op="Shape", inputs=[input_ids], outputs=["gqa.ids_shape"])[0]
     chunk = add_layer(graph, op="Slice", inputs=[ids_shape, gs.Constant("gqa.one", np.array([1], np.int64)),
                                                  gs.Constant("gqa.two", np.array([2], np.int64))], outputs=["gqa.chunk"])[0]  # [1]
@@ -297,6 +287,47 @@ def lower_to_gqa(graph: gs.Graph, *, slots: int, heads: int, kv_heads: int, head
     longest = add_layer(graph, op="ReduceMax", inputs=[last], outputs=["gqa.longest"], attrs={"keepdims": 0})[0]  # scalar
     total = add_layer(graph, op="Add", inputs=[longest, gs.Constant("gqa.one_s", np.array(1, np.int64))], outputs=["gqa.total64"])[0]
     total = add_layer(graph, op="Cast", inputs=[total], outputs=["gqa.total"], attrs={"to": 6})[0]  # int32 scalar
+    return ids_shape, chunk, seqlens, total
+
+
+def _add_pool_inputs(graph: gs.Graph, known: dict, layers: int, kv_heads: int, head_dim: int) -> None:
+    """The batch step's pool inputs, pool.{key,value}.{j} [P*W, kvh, T+1, hd]: stage layer j's whole pool."""
+    for layer in range(layers):
+        for kind in contract.KV_KINDS:
+            name = contract.pool_input(kind, layer)
+            known[name] = gs.Variable(name, np.float32, ["pool_rows", kv_heads, "context", head_dim])
+            graph.inputs.append(known[name])
+
+
+def _attention(graph: gs.Graph, prefix: str, qkv: gs.Tensor, seqlens_k: gs.Tensor, caches: list[gs.Tensor],
+               cache_outputs: list, *, heads: int, kv_heads: int, total: gs.Tensor, cos_sin: tuple) -> gs.Tensor:
+    """One GroupQueryAttention over packed rows q|k|v [r, L, (h + 2 kvh) hd] and their cache slabs CACHES (K, V),
+    written in place (key and value inputs left empty: GroupQueryAttention's packed form); the cache outputs
+    (the same buffers) are added to CACHE_OUTPUTS. -> its output [r, L, h*hd]."""
+    out = gs.Variable(f"{prefix}.out", np.float32)
+    presents = [gs.Variable(contract.in_place_output(past.name), np.float32, past.shape) for past in caches]
+    graph.nodes.append(gs.Node(
+        "GroupQueryAttention", f"{prefix}/GroupQueryAttention", domain="com.microsoft",
+        attrs={"num_heads": heads, "kv_num_heads": kv_heads, "do_rotary": 1, "rotary_interleaved": 0},
+        inputs=[qkv, gs.Variable.empty(), gs.Variable.empty(), *caches, seqlens_k, total, *cos_sin],
+        outputs=[out, *presents]))
+    cache_outputs.extend(presents)
+    return out
+
+
+def lower_to_gqa(graph: gs.Graph, *, slots: int, heads: int, kv_heads: int, head_dim: int, theta: float,
+                 max_context: int) -> gs.Graph:
+    """GRAPH with one fused GroupQueryAttention per layer. SLOTS: the batch step's pipeline depth P (its
+    per-slot cache slabs become the pool), 0 for the prefill."""
+    graph = graph.copy()
+    standard = graph.name  # the graph this fused variant stands in for
+    layers = _layers(graph)
+    original_nodes = list(graph.nodes)  # before any rewiring: what falls away is checked against them at the end
+    paths = check_layer_paths(graph, layers, head_dim)
+    check_rotary_frequencies(graph, rotary_inv_freq(head_dim, theta))
+    graph.name = contract.fused(graph.name)
+    known = graph.tensors()  # looked up once: graph.tensors() scans the whole graph (per layer: minutes)
+    ids_shape, chunk, seqlens, total = _sequence_lengths(graph, known)
     cos_cache, sin_cache = rotary_tables(graph, head_dim, theta, max_context + 1)  # + the runtime's scratch row
 
     chunk_shapes: dict[int, gs.Tensor] = {}  # width -> [-1, L, width], made once for every layer
@@ -313,27 +344,13 @@ def lower_to_gqa(graph: gs.Graph, *, slots: int, heads: int, kv_heads: int, head
         return add_layer(graph, op="Reshape", inputs=[x, shape], outputs=[f"{name}.3d"])[0]
 
     def attention(prefix: str, qkv: gs.Tensor, seqlens_k: gs.Tensor, cache_names: list[str]) -> gs.Tensor:
-        """One GroupQueryAttention over packed rows q|k|v [r, L, (h + 2 kvh) hd] and their cache slabs,
-        written in place (key and value inputs left empty: GroupQueryAttention's packed form)."""
-        past_key, past_value = (known[name] for name in cache_names)
-        out = gs.Variable(f"{prefix}.out", np.float32)
-        presents = [gs.Variable(contract.in_place_output(name), np.float32, past.shape) for name, past in zip(cache_names, (past_key, past_value))]
-        graph.nodes.append(gs.Node(
-            "GroupQueryAttention", f"{prefix}/GroupQueryAttention", domain="com.microsoft",
-            attrs={"num_heads": heads, "kv_num_heads": kv_heads, "do_rotary": 1, "rotary_interleaved": 0},
-            inputs=[qkv, gs.Variable.empty(), gs.Variable.empty(), past_key, past_value, seqlens_k, total, cos_cache, sin_cache],
-            outputs=[out, *presents]))
-        cache_outputs.extend(presents)
-        return out
+        return _attention(graph, prefix, qkv, seqlens_k, [known[name] for name in cache_names], cache_outputs,
+                          heads=heads, kv_heads=kv_heads, total=total, cos_sin=(cos_cache, sin_cache))
 
     width = (heads + 2 * kv_heads) * head_dim  # packed q|k|v
     pool = None
     if slots:  # the pool inputs replace the per-slot slabs (their Concats fall away with the old attention)
-        for layer in range(len(layers)):
-            for kind in contract.KV_KINDS:
-                name = contract.pool_input(kind, layer)
-                known[name] = gs.Variable(name, np.float32, ["pool_rows", kv_heads, "context", head_dim])
-                graph.inputs.append(known[name])
+        _add_pool_inputs(graph, known, len(layers), kv_heads, head_dim)
         pool = BatchPool(graph, ids_shape, seqlens, slots, known[contract.pool_input("key", 0)], known["slot_inputs"], width)
     cache_name = contract.pool_input if slots else contract.cache_input
     cache_outputs = []

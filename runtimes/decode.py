@@ -205,3 +205,32 @@ def emit_token(request: Request, out: list[int], token: int, stats: DecodeStats)
         stats.stop_reason = reason
         return True
     return False
+
+
+def absorb(pipeline: Pipeline, request: Request, out: list[int], outcome, early_flush: bool,
+           emit: Callable[[int], bool]) -> None:
+    """One speed step's OUTCOME (backends/protocol.SequenceOutcome) for one sequence: the token leaving the
+    last slot is picked from its final logits and emitted (EMIT -> whether the sequence is done; it appends to
+    OUT), verifying the draft behind it; then the next draft, and with EARLY_FLUSH the deeper slots' checks.
+    Under a grammar the draft is slot 0's exit masked by the grammar after the confirmed and in-flight tokens
+    (runtimes/constraint.py), and no early-flush check runs (it would score an unmasked exit)."""
+    guesses = outcome.guesses
+    oldest = pipeline.slots[-1]
+    if oldest is not None:
+        y = request.picker.pick(outcome.final_logits, outcome.final_token, request.history)
+        if emit(y):
+            return
+        pipeline.confirm(oldest.pos + 1, y)
+    constraint = request.picker.constraint
+    if constraint is None:
+        pipeline.speculate(guesses.__getitem__, early_flush)
+        return
+    confirmed = len(request.prompt) + len(out) - 1  # the position of the last emitted token
+
+    def draft(slot: int) -> int:
+        in_flight = sorted((s for s in pipeline.slots if s is not None and s.pos > confirmed), key=lambda s: s.pos)
+        candidates = outcome.draft_candidates if outcome.draft_candidates is not None else [guesses[slot]]
+        masked = constraint.draft(candidates, [s.token for s in in_flight])
+        return guesses[slot] if masked is None else masked
+
+    pipeline.speculate(draft, False)

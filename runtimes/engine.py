@@ -25,10 +25,11 @@ from typing import Callable, Iterator
 
 from speedc.format.artifact import TOKENIZER, Manifest, read_manifest
 from speedc.errors import ArtifactError, BatchError, GenerationError, SpeedcError
-from speedc.models.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenPicker, is_integer, require
+from speedc.models.sampling import SamplingParams, require
 from speedc.runtimes.speculation import DEFAULT_ROW_BUDGET, MODES
 from speedc.runtimes.decode import DecodeStats, Decoding, Request, run_to_end
-from speedc.runtimes.detokenize import DecodeRule, IncrementalText, StopStrings, cut_at_stop, decode_rule, not_unicode
+from speedc.runtimes.detokenize import DecodeRule, IncrementalText, cut_at_stop, decode_rule
+from speedc.runtimes.requests import RequestChecks, sampling_params
 
 
 
@@ -108,7 +109,7 @@ def check_compile(backend: str) -> None:
 def scheduled(scheduler, sequence) -> Decoding:
     """SEQUENCE's confirmed tokens as SCHEDULER (which runs it alone) confirms them; returns (ids, stats).
     Steps run only while the consumer asks for the next token, so a stream left early stops stepping."""
-    from speedc.runtimes.batch import DONE
+    from speedc.runtimes.sequence import DONE
 
     start = time.perf_counter()
     while sequence.state != DONE:
@@ -122,24 +123,38 @@ def scheduled(scheduler, sequence) -> Decoding:
     return sequence.out, stats
 
 
-def sampling_params(temperature, top_k, top_p, repetition_penalty, seed, presence_penalty=0.0, frequency_penalty=0.0,
-                    logit_bias=None, logprobs=None) -> SamplingParams:
-    """SamplingParams from generate()'s keyword arguments (LOGIT_BIAS: {token id: bias})."""
-    if logit_bias is not None and not isinstance(logit_bias, dict):
-        raise GenerationError(f"logit_bias must be a dict of token id -> bias, not {type(logit_bias).__name__}")
-    bad = next((key for key in logit_bias or {} if not is_integer(key)), None)
-    if bad is not None:
-        raise GenerationError(f"logit_bias keys must be token ids (integers), not {bad!r:.20}")
-    bias = tuple(sorted((logit_bias or {}).items()))
-    return SamplingParams(temperature, top_k, top_p, repetition_penalty, seed, presence_penalty, frequency_penalty,
-                          bias, logprobs)
+def pool_backend(engine: "Engine", max_batch: int, capacity: int, fused: bool | None, threads: int | None):
+    """A batch backend with a pool of its own on ENGINE's session (its graph opened once per process); a new
+    session only where FUSED or THREADS differ from the engine's."""
+    from speedc.runtimes.backends.onnx import make_batch_backend
+
+    own = engine.backend
+    if fused in (None, own.fused) and threads in (None, engine.threads):
+        return make_batch_backend(engine.directory, engine.manifest, max_batch, capacity, device=engine.device,
+                                  fused=own.fused, session=own.session)
+    return make_batch_backend(engine.directory, engine.manifest, max_batch, capacity, device=engine.device,
+                              threads=threads, fused=fused)
 
 
-def check_text(text: str, what: str) -> None:
-    """GenerationError where TEXT is not Unicode text (detokenize.not_unicode)."""
-    problem = not_unicode(text)
-    if problem:
-        raise GenerationError(f"{what} is not valid Unicode text: {problem}")
+def check_batching(backend_name: str) -> None:
+    from speedc.runtimes.backends.onnx import BATCHING_BACKENDS
+
+    if backend_name not in BATCHING_BACKENDS:
+        raise GenerationError(f"continuous batching runs on ONNX Runtime on the CPU, not --backend {backend_name}")
+
+
+def load_tokenizer(path: Path):
+    """The artifact's tokenizer (tokenizers.Tokenizer), or None where it has no tokenizer.json."""
+    if not path.exists():
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise SpeedcError("text prompts need the tokenizers package: pip install tokenizers") from None
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as bad:  # the tokenizers package raises its own Exception type
+        raise ArtifactError(f"{path}: cannot be loaded ({str(bad).splitlines()[0]}); rebuild the artifact") from None
 
 
 class EngineLock:
@@ -262,6 +277,7 @@ class Engine:
         self._costs: dict[int, object] = {}  # id of a session -> its StepCosts (step times measured on this host)
         self.prefix_cache = None  # single-sequence calls' prefix cache (set_prefix_cache)
         self.decode_rule = decode_rule(tokenizer) if tokenizer is not None else DecodeRule()
+        self.requests = RequestChecks(manifest.dims, tokenizer, directory / TOKENIZER, self.decode_rule)
 
     def set_prefix_cache(self, megabytes: float | None) -> None:
         """Keep up to MEGABYTES MiB of K/V rows of the prompts and outputs of generate / stream, so a call
@@ -301,17 +317,7 @@ class Engine:
         step shape on first use (seconds to minutes), then no Python between its operations."""
         directory = Path(path)
         manifest = read_manifest(directory, verify_hashes=verify)
-        tokenizer = None
-        if (directory / TOKENIZER).exists():
-            try:
-                from tokenizers import Tokenizer
-            except ImportError:
-                raise SpeedcError("text prompts need the tokenizers package: pip install tokenizers") from None
-            try:
-                tokenizer = Tokenizer.from_file(str(directory / TOKENIZER))
-            except Exception as bad:  # the tokenizers package raises its own Exception type
-                raise ArtifactError(f"{directory / TOKENIZER}: cannot be loaded ({str(bad).splitlines()[0]}); "
-                                    "rebuild the artifact") from None
+        tokenizer = load_tokenizer(directory / TOKENIZER)
 
         def make() -> object:
             return make_backend(directory, manifest, backend, device, threads, compile_step=compile_step)
@@ -323,26 +329,7 @@ class Engine:
 
     # ---- helpers ---------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise GenerationError("this artifact has no tokenizer.json: pass token ids instead of text")
-            check_text(prompt, "the prompt")
-            ids = self.tokenizer.encode(prompt).ids
-        elif isinstance(prompt, (bytes, bytearray)) or not hasattr(prompt, "__iter__"):  # bytes would run as ids
-            raise GenerationError(f"a prompt is text (str) or a list of token ids, not {type(prompt).__name__}")
-        else:
-            ids = list(prompt)
-            bad = next((i for i in ids if not is_integer(i)), None)
-            if bad is not None:  # int() would turn 1.7 into 1 and "5" into 5
-                raise GenerationError(f"prompt ids must be integers, not {type(bad).__name__} ({bad!r:.20})")
-            ids = [int(i) for i in ids]
-        if not ids:
-            raise GenerationError("empty prompt: give at least one token")
-        vocab = self.manifest.dims.vocab_size
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
-            raise GenerationError(f"prompt id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        return ids
+        return self.requests.encode(prompt)
 
     def decode_text(self, ids: list[int]) -> str | None:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else None
@@ -412,97 +399,15 @@ class Engine:
     def make_request(self, prompt, max_new_tokens: int, sampling: SamplingParams, stop: list[str] | None,
                      stop_at_eos: bool, stop_token_ids=None, prompt_logprobs: int | None = None,
                      grammar=None) -> Request:
-        """A checked request (GenerationError on bad input): ids, limits, its own TokenPicker, stop rule.
-        STOP_TOKEN_IDS: ids that end the generation as an end-of-text id does (a chat template's end of
-        turn), even with stop_at_eos off. PROMPT_LOGPROBS: record the prompt's own log-probabilities with
-        this many top alternatives (the prompt then prefills a token a run). GRAMMAR: an llguidance grammar
-        (runtimes/constraint.py; e.g. llguidance.LLMatcher.grammar_from_json_schema(schema)) the output
-        follows, ending at an end id (stop_at_eos's or STOP_TOKEN_IDS), or one compiled by grammar_constraint."""
-        require(max_new_tokens, "max new tokens", "an integer")
-        max_new_tokens = int(max_new_tokens)  # a numpy integer would reach the pool's sizes (int.bit_length)
-        if max_new_tokens < 1:
-            raise GenerationError("max new tokens must be at least 1")
-        if not isinstance(stop_at_eos, bool):
-            raise GenerationError(f"stop_at_eos must be True or False, not {type(stop_at_eos).__name__}")
-        if stop is not None and not isinstance(stop, (list, tuple)):  # a str: it would stop at any one character
-            example = f"stop=[{stop!r}]" if isinstance(stop, str) else "stop=['\\n\\n']"
-            raise GenerationError(f"stop must be a list of strings, e.g. {example}")
-        ids = self.encode(prompt)
-        vocab = self.manifest.dims.vocab_size
-        bad = next((i for i, _ in sampling.logit_bias if not 0 <= i < vocab), None)
-        if bad is not None:
-            raise GenerationError(f"logit bias: token id {bad} is outside the vocabulary (0..{vocab - 1})")
-        require(prompt_logprobs, "prompt logprobs", "an integer", optional=True)
-        if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_TOP_LOGPROBS:
-            raise GenerationError(f"prompt logprobs must be in 0..{MAX_TOP_LOGPROBS}")
-        limit = self.manifest.dims.max_context
-        if len(ids) + max_new_tokens > limit:
-            raise GenerationError(f"prompt ({len(ids)} tokens) + max new tokens ({max_new_tokens}) exceeds the "
-                                  f"model's context of {limit}")
-        if stop and self.tokenizer is None:
-            raise GenerationError("stop strings need a tokenizer; this artifact has none")
-        if stop and not all(isinstance(s, str) and s for s in stop):
-            raise GenerationError("a stop string must be a non-empty string")
-        for text in stop or []:
-            check_text(text, "a stop string")
-        eos = self.end_ids(stop_at_eos, stop_token_ids)
-
-        stop_strings = StopStrings(self.tokenizer.decode, stop, self.decode_rule) if stop else None
-
-        def stop_reason(new_ids: list[int]) -> str | None:
-            if new_ids[-1] in eos:
-                return "eos"
-            if stop_strings is not None and stop_strings(new_ids):
-                return "stop_string"
-            return None
-
-        constraint = self.grammar_constraint(grammar, eos) if grammar is not None else None
-        return Request(ids, max_new_tokens, TokenPicker(sampling, constraint), stop_reason, prompt_logprobs=prompt_logprobs)
-
-    def grammar_tokenizer(self, ends: frozenset[int]):
-        """llguidance's tokenizer for this artifact whose end-of-sequence ids are ENDS (built once each)."""
-        from speedc.runtimes.constraint import GrammarTokenizer
-
-        if self.tokenizer is None:
-            raise GenerationError("a grammar needs a tokenizer; this artifact has none")
-        if not ends:
-            raise GenerationError("a grammar needs an end: stop at the end-of-text id (stop_at_eos) or stop_token_ids")
-        with self._backend_lock:
-            if getattr(self, "_grammar_tokenizer", None) is None:
-                self._grammar_tokenizer = GrammarTokenizer((self.directory / TOKENIZER).read_text(),
-                                                           self.manifest.dims.vocab_size)
-        return self._grammar_tokenizer.for_ends(frozenset(ends))
+        """A checked request (GenerationError on bad input): RequestChecks.make (runtimes/requests.py)."""
+        return self.requests.make(prompt, max_new_tokens, sampling, stop, stop_at_eos, stop_token_ids, prompt_logprobs,
+                                  grammar)
 
     def grammar_constraint(self, grammar, ends):
-        """GRAMMAR (an llguidance grammar string) compiled and tried for an output ending at ENDS; or GRAMMAR's
-        copy when it is a GrammarConstraint already compiled for the same ends (a server compiles off its engine
-        thread, once for all of a request's choices). GenerationError when it cannot constrain this output."""
-        from speedc.runtimes.constraint import GrammarConstraint
-
-        if isinstance(grammar, GrammarConstraint):
-            if grammar.ends != frozenset(ends):
-                raise GenerationError("internal: a grammar compiled for other end ids")
-            return grammar.copy()
-        if not isinstance(grammar, str):
-            raise GenerationError(f"grammar must be an llguidance grammar string, not {type(grammar).__name__}")
-        return GrammarConstraint(self.grammar_tokenizer(frozenset(ends)), grammar, self.manifest.dims.vocab_size,
-                                 frozenset(ends))
+        return self.requests.grammar_constraint(grammar, ends)
 
     def end_ids(self, stop_at_eos: bool, stop_token_ids=None) -> frozenset[int]:
-        """The ids that end a request: the end-of-text ids (STOP_AT_EOS) and STOP_TOKEN_IDS (checked)."""
-        return (self.eos_token_ids if stop_at_eos else frozenset()) | self._stop_ids(stop_token_ids)
-
-    def _stop_ids(self, ids) -> frozenset[int]:
-        if ids is None:
-            return frozenset()
-        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
-            raise GenerationError(f"stop_token_ids must be a list of token ids, not {type(ids).__name__}")
-        ids = list(ids)
-        vocab = self.manifest.dims.vocab_size
-        bad = next((i for i in ids if not is_integer(i) or not 0 <= i < vocab), None)
-        if bad is not None:
-            raise GenerationError(f"stop token id {bad!r:.20} is not a token id (0..{vocab - 1})")
-        return frozenset(int(i) for i in ids)
+        return self.requests.end_ids(stop_at_eos, stop_token_ids)
 
     def trim(self, text: str | None, stop: list[str] | None) -> str | None:
         """TEXT cut before the first stop string in it."""
@@ -528,7 +433,7 @@ class Engine:
         from speedc.runtimes.backends.onnx import row_capacity
         from speedc.runtimes.prefix_cache import PrefixCache
 
-        self._check_batching()
+        check_batching(self.backend_name)
         require(max_batch, "max_batch", "an integer")  # 2.0 pool rows or a float chunk would fail deep inside a step
         require(prefill_chunk, "prefill_chunk", "an integer")
         require(row_budget, "row_budget", "an integer", optional=True)
@@ -539,7 +444,7 @@ class Engine:
             raise GenerationError("prefill_chunk must be at least 1")
         if backend is None:
             capacity = row_capacity(self.manifest, max_batch, kv_cache_mb)
-            backend = self._pool_backend(max_batch, capacity, fused, threads)
+            backend = pool_backend(self, max_batch, capacity, fused, threads)
         policy = RowPolicy(row_budget=row_budget)
         acceptance = self.speculation_policy if per_sequence else AlwaysSpeculate()
         require(prefix_cache_mb, "prefix_cache_mb", "a number", optional=True)
@@ -566,7 +471,7 @@ class Engine:
             raise GenerationError(f"{len(settings)} settings for {len(prompts)} prompts")
         if settings is not None and not all(isinstance(one, dict) for one in settings):
             raise GenerationError("settings must be a list of dicts of generate()'s keyword arguments, one a prompt")
-        self._check_batching()
+        check_batching(self.backend_name)
         requests = []  # every prompt checked before any is queued: a bad one leaves nothing behind
         for number, prompt in enumerate(prompts, 1):
             params = {**common, **(settings[number - 1] if settings else {})}
@@ -594,39 +499,10 @@ class Engine:
                              f"prompts {numbers}: {failed[0][1]}", results)
         return results
 
-    def _pool_backend(self, max_batch: int, capacity: int, fused: bool | None, threads: int | None):
-        """A batch backend with a pool of its own on the engine's session (its graph opened once per
-        process); a new session only where FUSED or THREADS differ from the engine's."""
-        from speedc.runtimes.backends.onnx import make_batch_backend
-
-        own = self.backend
-        if fused in (None, own.fused) and threads in (None, self.threads):
-            return make_batch_backend(self.directory, self.manifest, max_batch, capacity, device=self.device,
-                                      fused=own.fused, session=own.session)
-        return make_batch_backend(self.directory, self.manifest, max_batch, capacity, device=self.device,
-                                  threads=threads, fused=fused)
-
-    def _check_batching(self) -> None:
-        from speedc.runtimes.backends.onnx import BATCHING_BACKENDS
-
-        if self.backend_name not in BATCHING_BACKENDS:
-            raise GenerationError(f"continuous batching runs on ONNX Runtime on the CPU, not --backend {self.backend_name}")
-
     def request_from(self, prompt, params: dict) -> Request:
         """make_request from generate()'s keyword arguments."""
-        unknown = set(params) - {"max_new_tokens", "temperature", "top_k", "top_p", "seed", "repetition_penalty", "stop",
-                                 "stop_at_eos", "early_flush", "stop_token_ids", "presence_penalty",
-                                 "frequency_penalty", "logit_bias", "logprobs", "prompt_logprobs", "grammar"}
-        if unknown:
-            raise GenerationError(f"unknown generation setting {sorted(unknown)[0]!r}")
         self.flush_setting(params.get("early_flush"))  # checked with the rest, before anything is queued
-        sampling = sampling_params(params.get("temperature", 0.0), params.get("top_k", 0), params.get("top_p", 1.0),
-                                   params.get("repetition_penalty", 1.0), params.get("seed"),
-                                   params.get("presence_penalty", 0.0), params.get("frequency_penalty", 0.0),
-                                   params.get("logit_bias"), params.get("logprobs"))
-        return self.make_request(prompt, params.get("max_new_tokens", 64), sampling, params.get("stop"),
-                                 params.get("stop_at_eos", True), params.get("stop_token_ids"),
-                                 params.get("prompt_logprobs"), params.get("grammar"))
+        return self.requests.from_settings(prompt, params)
 
     def flush_setting(self, early_flush: bool | None) -> bool:
         """Early flush as asked, else the engine's default."""

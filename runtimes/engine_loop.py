@@ -30,7 +30,8 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-from speedc.runtimes.batch import DONE, BatchScheduler, Sequence
+from speedc.runtimes.batch import BatchScheduler
+from speedc.runtimes.sequence import DONE, Sequence
 from speedc.runtimes.detokenize import Piece
 from speedc.runtimes.engine import Engine, GenerationResult
 from speedc.runtimes.heap import return_freed_memory

@@ -24,7 +24,7 @@ from speedc.runtimes.acceptance_policy import AcceptancePolicy, AlwaysSpeculate
 from speedc.runtimes.step_costs import StepCosts
 
 if TYPE_CHECKING:
-    from speedc.runtimes.batch import Sequence  # read here: id, acceptance (its policy record), stats, pipeline
+    from speedc.runtimes.sequence import Sequence  # read here: id, acceptance (its policy record), stats, pipeline
 
 # A shallower or deeper pipeline replaces the current one only when its expected tokens per unit of time
 # beat the current depth's by this much (the estimates move with every outcome; a change costs a refill).
@@ -104,6 +104,7 @@ class StepPlan:
     fresh: bool
     length: int
     width: int
+    leaves_speed: bool = False  # the last decode step speculated and this one does not: in-flight work is dropped
 
 
 class SpeculationController:
@@ -129,6 +130,7 @@ class SpeculationController:
         self._reuse = (0, ())  # (steps the last verdict still stands, the sequences it is for): _speculate
         self._geometry = None  # the pool's (length, width) at the last decode step: a step after a change is no sample
         self.acceptance_allows = self.rows_allow = speculative  # each policy's last verdict (_speculate)
+        self.speculating, self.mode_switches = speculative, 0  # the last decode step's kind; changes of it so far
 
     def decide(self, decoding: list[Sequence], length: int, width: int) -> StepPlan:
         """The next decode step of DECODING (the scheduler's decoding sequences) on a pool of LENGTH x WIDTH."""
@@ -137,7 +139,11 @@ class SpeculationController:
         geometry = (length, width)
         fresh, self._geometry = geometry != self._geometry, geometry  # reallocated: the next run binds anew
         fresh = fresh or self._burst == 1  # a burst's first plain step runs cold
-        return StepPlan(speculate and not burst, self.depth_now, burst, fresh, length, width)
+        speculate, left = speculate and not burst, False
+        if speculate != self.speculating:
+            self.mode_switches += 1
+            left, self.speculating = not speculate, speculate
+        return StepPlan(speculate, self.depth_now, burst, fresh, length, width, left)
 
     def _speculate(self, decoding: list[Sequence], length: int) -> bool:
         """Speed or plain step: each sequence's own choice (advancing its fall-back / probe state), the

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from speedc.format.artifact import MANIFEST, read_manifest
-from speedc.errors import ArtifactError, SpeedcError
+from speedc.errors import SpeedcError
 from speedc.models.checkpoint.files import CONFIG_FILE, TRAINING_FILE
 from speedc.cost_model import ALPHA_GRID, DEFAULT_ALPHA, analytic_bound, assumed_step_cost, describe_assumed_step_cost
 
@@ -157,7 +157,6 @@ def _megabytes(n: int) -> str:
 
 def render(info: dict) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
     sched = info["schedule"]
@@ -179,24 +178,35 @@ def render(info: dict) -> None:
         console.print(f"config: {note}")
     console.print(f"layer map: {info['layer_map']}  (exit after layer {info['exit_layer']})")
     if info["kind"] == "artifact":
-        q = info.get("quantization")
-        stored = next(v for k, v in info["sizes"].items() if k.startswith("weights stored"))
-        unique = info["sizes"]["unique weights (fp32)"]
-        head = f" (embedding / LM head {q['head_bits']}-bit)" if q and q.get("head_bits", q["bits"]) != q["bits"] else ""
-        how = (f"block-quantized, {q['bits']}-bit codes{head}, block {q['block_size']}, one fp32 scale per block, "
-               f"accuracy level {q['accuracy_level']} (MatMulNBits)" if q else "float")
-        console.print(f"weights: {info['dtype']} ({how}): {_megabytes(stored)} stored once, "
-                      f"{stored / max(unique, 1):.3f} x the unique fp32 bytes")
-        twins = [g["native_file"] for g in info["graphs"].values() if "native_file" in g]
-        if twins:
-            console.print(f"products: speedc's int8 kernel where it loads ({', '.join(twins)}: the same graphs with the "
-                          "products as SpeedcBlockProduct, reading weights.bin in place), else ONNX Runtime's MatMulNBits")
-            here = info["kernel_here"]
-            console.print(f"  on this CPU: the kernel's {here['path']} path (it runs {', '.join(here['paths'])})" if here["path"]
-                          else f"  on this CPU: MatMulNBits (the kernel cannot load: {here['why']})")
-        console.print("files: every one present and its sha256 the manifest's" if info.get("files_verified") else
-                      "files: every one present at its recorded size, the small ones by sha256, as every load checks "
-                      "(--verify: every file's sha256, weights.bin too)")
+        _render_weights(console, info)
+    _render_schedule(console, sched)
+    _render_prediction(console, info, sched)
+    _render_tables(console, info, sched)
+
+
+def _render_weights(console, info: dict) -> None:
+    """An artifact's weights: storage, the products' kernel on this CPU, the files' check."""
+    q = info.get("quantization")
+    stored = next(v for k, v in info["sizes"].items() if k.startswith("weights stored"))
+    unique = info["sizes"]["unique weights (fp32)"]
+    head = f" (embedding / LM head {q['head_bits']}-bit)" if q and q.get("head_bits", q["bits"]) != q["bits"] else ""
+    how = (f"block-quantized, {q['bits']}-bit codes{head}, block {q['block_size']}, one fp32 scale per block, "
+           f"accuracy level {q['accuracy_level']} (MatMulNBits)" if q else "float")
+    console.print(f"weights: {info['dtype']} ({how}): {_megabytes(stored)} stored once, "
+                  f"{stored / max(unique, 1):.3f} x the unique fp32 bytes")
+    twins = [g["native_file"] for g in info["graphs"].values() if "native_file" in g]
+    if twins:
+        console.print(f"products: speedc's int8 kernel where it loads ({', '.join(twins)}: the same graphs with the "
+                      "products as SpeedcBlockProduct, reading weights.bin in place), else ONNX Runtime's MatMulNBits")
+        here = info["kernel_here"]
+        console.print(f"  on this CPU: the kernel's {here['path']} path (it runs {', '.join(here['paths'])})" if here["path"]
+                      else f"  on this CPU: MatMulNBits (the kernel cannot load: {here['why']})")
+    console.print("files: every one present and its sha256 the manifest's" if info.get("files_verified") else
+                  "files: every one present at its recorded size, the small ones by sha256, as every load checks "
+                  "(--verify: every file's sha256, weights.bin too)")
+
+
+def _render_schedule(console, sched: dict) -> None:
     if sched.get("depth_plan"):  # artifacts built before the depth plan have none
         from speedc.models.depth_plan import DepthPlan
 
@@ -208,6 +218,9 @@ def render(info: dict) -> None:
         console.print("pipeline (steps ->):")
         for line in schedule_diagram(sched["slots"], sched["slots"] + 3):
             console.print("  " + line)
+
+
+def _render_prediction(console, info: dict, sched: dict) -> None:
     pred = info["prediction"]
     if info["kind"] == "artifact":
         console.print(depths_line(sched["slots"], info.get("step_cost_measured_now")))
@@ -223,6 +236,12 @@ def render(info: dict) -> None:
                   f"({pred['alpha_source']}): [bold]{pred['speedup_bound']:.2f}x[/bold]"
                   + ("" if pred["measured"] else "  [yellow](assumed c(P): run `speedc inspect ART --measure` or "
                                                  "`speedc bench artifact ART` for this machine's)[/yellow]"))
+
+
+def _render_tables(console, info: dict, sched: dict) -> None:
+    from rich.table import Table
+
+    pred = info["prediction"]
     by_alpha = Table(title=f"predicted speedup at P={pred['slots']}, c(P) = {pred['step_cost']:.2f} "
                            f"({'measured' if pred['measured'] else 'assumed'}), by acceptance alpha")
     for a in pred["by_alpha"]:

@@ -91,40 +91,34 @@ class TorchBackend:
     name = "torch"
 
     def __init__(self, directory: Path, manifest: Manifest, max_batch: int = 1, capacity: int | None = None,
-                 device: str = "cpu", threads: int | None = None, min_length: int = MIN_POOL_POSITIONS,
-                 shrink_after: int = SHRINK_AFTER_STEPS, cuda_graphs: bool = False, exact: bool = False,
-                 compile_step: bool = False) -> None:
-        """CAPACITY: positions each of MAX_BATCH pool rows may hold (None: the model's context).
-        CUDA_GRAPHS (device cuda): each step's layers replay a captured CUDA graph (see _run).
-        EXACT: batch-invariant decoding, SPEED's logits bitwise plain decoding's (see plain_step).
-        COMPILE_STEP: each step's layers run through torch.compile (see _run)."""
+                 **options) -> None:
+        """CAPACITY: positions each of MAX_BATCH pool rows may hold (None: the model's context). OPTIONS: _setup's
+        (device, threads, min_length, shrink_after, cuda_graphs, exact, compile_step)."""
         if is_quantized(manifest):
             raise SpeedcError(f"{directory}: the PyTorch backend runs float artifacts; this one stores {manifest.dtype} "
                               "weights for ONNX Runtime's MatMulNBits: use --backend onnx, or build with --weights fp32/fp16/bf16")
         if CacheLayout.from_manifest(manifest).pipelined_phases:  # its stages are one cycle's layers
             raise SpeedcError(f"{directory}: the PyTorch backend pipelines one repeated cycle; this artifact's depth plan "
                               "has a prelude / coda: use --backend onnx-numpy")
-        self._setup(load_model_from_artifact(directory, manifest), manifest.slots, max_batch, capacity, device, threads,
-                    min_length=min_length, shrink_after=shrink_after, cuda_graphs=cuda_graphs, exact=exact,
-                    compile_step=compile_step)
+        self._setup(load_model_from_artifact(directory, manifest), manifest.slots, max_batch, capacity, **options)
 
     @classmethod
     def from_model(cls, model: SharedLlama, slots: int, max_batch: int = 1, capacity: int | None = None,
-                   device: str = "cpu", threads: int | None = None, min_length: int = MIN_POOL_POSITIONS,
-                   shrink_after: int = SHRINK_AFTER_STEPS, cuda_graphs: bool = False,
-                   exact: bool = False, compile_step: bool = False) -> "TorchBackend":
+                   **options) -> "TorchBackend":
         """A backend over an in-memory model (no artifact): what the GPU check uses where only torch is
         installed. SLOTS (P) must be a valid slot count of its depth plan (DepthPlan.valid_slots)."""
         if slots not in model.cfg.depth_plan.valid_slots(model.cfg.exit_layer):
             raise SpeedcError(f"{slots} slots do not fit the layer map {model.cfg.layer_map} (exit after {model.cfg.exit_layer})")
         backend = cls.__new__(cls)
-        backend._setup(model, slots, max_batch, capacity, device, threads, min_length=min_length, shrink_after=shrink_after,
-                       cuda_graphs=cuda_graphs, exact=exact, compile_step=compile_step)
+        backend._setup(model, slots, max_batch, capacity, **options)
         return backend
 
-    def _setup(self, model: SharedLlama, slots: int, max_batch: int, capacity: int | None, device: str,
-               threads: int | None, *, min_length: int, shrink_after: int, cuda_graphs: bool, exact: bool,
-               compile_step: bool = False) -> None:
+    def _setup(self, model: SharedLlama, slots: int, max_batch: int, capacity: int | None, *, device: str = "cpu",
+               threads: int | None = None, min_length: int = MIN_POOL_POSITIONS, shrink_after: int = SHRINK_AFTER_STEPS,
+               cuda_graphs: bool = False, exact: bool = False, compile_step: bool = False) -> None:
+        """CUDA_GRAPHS (device cuda): each step's layers replay a captured CUDA graph; COMPILE_STEP: they run
+        through torch.compile (LayerExecutor). EXACT: batch-invariant decoding, SPEED's logits bitwise plain
+        decoding's (see plain_step)."""
         cfg = model.cfg
         plan = cfg.depth_plan
         if plan.injection or plan.readout_norm or cfg.embed_scale != 1.0:  # its trip loop is the layer map's alone
@@ -133,12 +127,8 @@ class TorchBackend:
         self.device = _device(device)
         if cuda_graphs and self.device.type != "cuda":
             raise SpeedcError(f"CUDA graphs need a CUDA device, not {device!r}")
-        self.cuda_graphs, self.exact, self.compile_step = bool(cuda_graphs), bool(exact), bool(compile_step)
-        # attend over the whole pool (fixed shapes; every row's softmax and products the same length), not
-        # up to the newest position
-        self.full_past = self.cuda_graphs or self.exact
-        self._graphs: dict[tuple, StepGraph] = {}  # (role, rows) -> its captured graph over the current pool
-        self._compiled: dict[str, object] = {}  # a step's layers function -> it through torch.compile
+        self.exact = bool(exact)
+        self.executor = LayerExecutor(bool(cuda_graphs), bool(compile_step), full_past=bool(cuda_graphs or exact))
         if threads:
             torch.set_num_threads(resolve_threads(threads))
         if not is_integer(max_batch) or max_batch < 1:
@@ -147,7 +137,7 @@ class TorchBackend:
         capacity = context if capacity is None else capacity
         if not is_integer(capacity) or not 2 <= capacity <= context:
             raise GenerationError(f"a KV-cache row of {capacity!r:.20} positions: it must be 2..{context} (the context)")
-        if self.compile_step:  # the pool at its full length from the start: a compiled step has one shape per row count
+        if compile_step:  # the pool at its full length from the start: a compiled step has one shape per row count
             min_length = capacity
         self.model = model.to(self.device).eval()
         self.cfg = cfg
@@ -191,7 +181,7 @@ class TorchBackend:
         """The pool holds POSITIONS for each of SEQUENCES pool rows (KVPool.reserve); where it was replaced,
         the graphs captured over the old buffers are dropped."""
         if self.pool.reserve(positions, sequences):
-            self._graphs.clear()
+            self.executor.forget()
 
     def _zeros(self, shape: tuple) -> torch.Tensor:
         """A zeroed pool buffer; OutOfMemory (caught by reserve) where the device cannot hold it."""
@@ -205,7 +195,7 @@ class TorchBackend:
     def free_pool(self) -> None:
         """Drop the pool while no sequence holds a pool row (KVPool.free)."""
         self.pool.free()
-        self._graphs.clear()
+        self.executor.forget()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # hand the blocks back, so the next allocation may take them whole
 
@@ -232,26 +222,6 @@ class TorchBackend:
                                                                  window_chunk_mask=ctx.window_chunk_mask.to(self.dtype))
         return dataclasses.replace(ctx, cos=ctx.cos.to(self.dtype), sin=ctx.sin.to(self.dtype),
                                    past_mask=ctx.past_mask.to(self.dtype), chunk_mask=ctx.chunk_mask.to(self.dtype), **windowed)
-
-    def _plain_cross_read(self, layer: int, ctx: RowContext, sequences, past: int, present: dict) -> CrossRead | None:
-        """Logical layer LAYER's read of repeat 0's K/V in plain decoding / prefill (cross-repeat attention):
-        that layer's slab of SEQUENCES below PAST, and the rows it returned this call (PRESENT[layer])."""
-        source = self.cfg.depth_plan.cross_source(layer)
-        if source is None:
-            return None
-        slab = self.layout.locate(source)
-        key, value = self.pool.key[slab.layer, slab.column, sequences], self.pool.value[slab.layer, slab.column, sequences]
-        gate = self.model.model.gate_projections[source]
-        return CrossRead(key[:, :, :past], value[:, :, :past], ctx.past_mask, *present[source], ctx.chunk_mask,
-                         gate.weight, gate.bias)
-
-    def _step_cross_read(self, j: int, width: int, starts: torch.Tensor, past: int) -> CrossRead:
-        """Stage layer J's read of repeat 0's K/V in a speed step: slot 0's slab of J, read in place by every slot's
-        rows (models/row_layer.step_cross_read, the graphs' read too)."""
-        length = min(past + 1, self.pool.key.shape[4])  # slot 1.. rows read the row at their own position too
-        gate = self.model.model.gate_projections[j % len(self.cfg.depth_plan.core)]
-        return step_cross_read(self.pool.key[j, 0, :width, :, :length], self.pool.value[j, 0, :width, :, :length], starts,
-                               self.slots, gate)
 
     def _check_positions(self, positions: np.ndarray) -> None:
         """Rows that hold a token sit below the scratch row T (bubbles write there; past it a write would
@@ -305,7 +275,8 @@ class TorchBackend:
         if self.exact:
             return self._plain_as_speed_passes(tokens, at, valid, want_logits)
         inputs = self._ints(tokens, at, np.where(valid, at, self.pool.length))
-        x = self._run(("plain", len(tokens)), self._plain_layers, self._write_plain_rows, inputs, int(at.max(initial=0)))
+        x = self.executor.run(("plain", len(tokens)), self._plain_layers, self._write_plain_rows, inputs, int(at.max(initial=0)),
+                              self.pool.length)
         return self._heads_out(self.model.final_head(x), want_logits)  # [n, V]
 
     def _plain_as_speed_passes(self, tokens: np.ndarray, at: np.ndarray, valid: np.ndarray,
@@ -323,7 +294,8 @@ class TorchBackend:
             written = np.full((slots, width), self.pool.length, np.int64)  # bubbles write the scratch row T
             written[slot, :n] = np.where(valid, at, self.pool.length)
             inputs = self._ints(entering, grid, written)
-            x, _ = self._run(("speed", width), self._speed_layers, self._write_speed_rows, inputs, int(at.max(initial=0)))
+            x, _ = self.executor.run(("speed", width), self._speed_layers, self._write_speed_rows, inputs, int(at.max(initial=0)),
+                                    self.pool.length)
             self.hidden[:, :width] = x.view(slots, width, -1)
         last = torch.arange(n, device=self.device) + (slots - 1) * width  # the last slot's rows
         return self._heads_out(self._final_head_rows(x, last), want_logits)  # [n, V]
@@ -377,7 +349,8 @@ class TorchBackend:
         candidates = self.drafts.checks(heads.check, n)  # [C, K]
         *inputs, final_rows, exit_rows, candidates = self._ints(entering_w, grid, written, _on_grid(heads.final, n, width),
                                                                  _on_grid(heads.exit + heads.check, n, width), candidates)
-        x, tap = self._run(("speed", width), self._speed_layers, self._write_speed_rows, inputs, int(grid.max()))
+        x, tap = self.executor.run(("speed", width), self._speed_layers, self._write_speed_rows, inputs, int(grid.max()),
+                                  self.pool.length)
         self.hidden[:, :width] = x.view(slots, width, -1)  # each slot's state, read by the next slot next step
         final_logits = self._final_head_rows(x, final_rows)  # [F, V]
         exit_logits = model.exit_head(tap[exit_rows])  # [E + C, V]: drafts, then early-flush checks
@@ -414,18 +387,34 @@ class TorchBackend:
             value = self.pool.value[j].view(written.shape[0], *self.pool.value.shape[3:])
             key[rows, :, written], value[rows, :, written] = k, v
 
-    def _run(self, role: tuple, layers, write, inputs: list[torch.Tensor], past: int):
+
+class LayerExecutor:
+    """How a step's layers run: eagerly over the positions in use; through torch.compile (COMPILE_STEP) over
+    cache buckets; or (CUDA_GRAPHS) over the whole pool, layers and writes in one CUDA graph captured once per
+    role and pool (one launch a step). FULL_PAST: attend over the whole pool (fixed shapes; every row's softmax
+    and products the same length), not up to the newest position."""
+
+    def __init__(self, cuda_graphs: bool, compile_step: bool, full_past: bool) -> None:
+        self.cuda_graphs, self.compile_step, self.full_past = cuda_graphs, compile_step, full_past
+        self._graphs: dict[tuple, StepGraph] = {}  # (role, rows) -> its captured graph over the current pool
+        self._compiled: dict[str, object] = {}  # a step's layers function -> it through torch.compile
+
+    def forget(self) -> None:
+        """The pool was replaced or freed: graphs captured over its buffers are stale."""
+        self._graphs.clear()
+
+    def run(self, role: tuple, layers, write, inputs: list[torch.Tensor], past: int, length: int):
         """LAYERS(ids, starts, past) -> (result, new K/V rows), then WRITE(new rows, written): INPUTS are ids, starts,
-        written. Eagerly over the first PAST positions; through torch.compile (compile_step) over PAST rounded up to
-        a power of two (a cache bucket: positions past PAST are masked, the same softmax), one compile per row
-        count and bucket, the pool written after the compiled graph (written inside it, torch copies the whole
-        pool each step: measured 4x the step on zoo:small); or (cuda_graphs) over the whole pool, layers and
-        writes in one CUDA graph captured once per ROLE and pool (one launch a step). -> result."""
+        written; LENGTH: the pool's T. Eagerly over the first PAST positions; through torch.compile over PAST
+        rounded up to a power of two (a cache bucket: positions past PAST are masked, the same softmax), one
+        compile per row count and bucket, the pool written after the compiled graph (written inside it, torch
+        copies the whole pool each step: measured 4x the step on zoo:small); or over the whole pool in a
+        captured CUDA graph. -> result."""
         run = self._compiled_layers(layers) if self.compile_step else layers
         if self.full_past:
-            past = self.pool.length + 1
+            past = length + 1
         elif self.compile_step:  # a few attention lengths, each compiled once, rather than one per position
-            past = min(self.pool.length + 1, max(MIN_POOL_POSITIONS, 1 << (past - 1).bit_length()))
+            past = min(length + 1, max(MIN_POOL_POSITIONS, 1 << (past - 1).bit_length()))
 
         def step(ids: torch.Tensor, starts: torch.Tensor, written: torch.Tensor):
             result, new = run(ids, starts, past)
@@ -489,13 +478,25 @@ class _PlainOps(RowOps):
         slab = backend.layout.locate(step.layer)
         key = backend.pool.key[slab.layer, slab.column, self.sequences]  # [B, kvh, T+1, hd]
         value = backend.pool.value[slab.layer, slab.column, self.sequences]
-        cross = backend._plain_cross_read(step.layer, self.ctx, self.sequences, past, self.present)
+        cross = self._cross_read(step.layer)
         x, k, v = layer_over_rows(self.decoder.blocks[step.block], x, self.ctx, key[:, :, :past], value[:, :, :past],
                                   self.cfg, cross=cross)
         self.present[step.layer] = (k, v)
         if self.write:
             key[:, :, past:past + k.shape[2]], value[:, :, past:past + k.shape[2]] = k, v  # [B, kvh, L, hd]
         return x
+
+    def _cross_read(self, layer: int) -> CrossRead | None:
+        """Logical layer LAYER's read of repeat 0's K/V (cross-repeat attention): that layer's slab of the pool
+        rows below PAST, and the rows it returned this call (self.present)."""
+        source = self.cfg.depth_plan.cross_source(layer)
+        if source is None:
+            return None
+        pool, slab = self.backend.pool, self.backend.layout.locate(source)
+        key, value = pool.key[slab.layer, slab.column, self.sequences], pool.value[slab.layer, slab.column, self.sequences]
+        gate = self.decoder.gate_projections[source]
+        return CrossRead(key[:, :, :self.past], value[:, :, :self.past], self.ctx.past_mask, *self.present[source],
+                         self.ctx.chunk_mask, gate.weight, gate.bias)
 
 
 class _StageOps(RowOps):
@@ -513,7 +514,12 @@ class _StageOps(RowOps):
         backend, j, rows, past = self.backend, step.layer, x.shape[0], self.past
         key = backend.pool.key[j].view(rows, *backend.pool.key.shape[3:])  # [P*W, kvh, T+1, hd], a view
         value = backend.pool.value[j].view(rows, *backend.pool.value.shape[3:])
-        cross = backend._step_cross_read(j, self.width, self.starts, past) if self.cfg.depth_plan.cross_window else None
+        cross = None
+        if self.cfg.depth_plan.cross_window:  # slot 0's slab of j, read in place by every slot's rows (step_cross_read)
+            length = min(past + 1, backend.pool.key.shape[4])  # slot 1.. rows read the row at their own position too
+            gate = self.decoder.gate_projections[j % len(self.cfg.depth_plan.core)]
+            cross = step_cross_read(backend.pool.key[j, 0, :self.width, :, :length],
+                                    backend.pool.value[j, 0, :self.width, :, :length], self.starts, backend.slots, gate)
         x, k, v = layer_over_rows(self.decoder.blocks[step.block], x, self.ctx, key[:, :, :past], value[:, :, :past],
                                   self.cfg, cross=cross)
         self.new.append((k[:, :, 0], v[:, :, 0]))

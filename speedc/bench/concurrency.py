@@ -74,7 +74,7 @@ def _submit(scheduler, engine: Engine, prompts: list[str], clients: int, new_tok
 
 
 def _run_once(scheduler, engine: Engine, prompts: list[str], clients: int, new_tokens: int) -> dict:
-    scheduler.steps, scheduler.mode_switches = dict.fromkeys(scheduler.steps, 0), 0  # count this run only
+    scheduler.steps, scheduler.controller.mode_switches = dict.fromkeys(scheduler.steps, 0), 0  # count this run only
     start = time.perf_counter()
     sequences = _submit(scheduler, engine, prompts, clients, new_tokens)
     first, last = {}, {}

@@ -128,6 +128,28 @@ def _encode(gguf, block: np.ndarray, ggml_type) -> np.ndarray:
     return gguf.quants.quantize(block, ggml_type)
 
 
+def _add_header(writer, gguf, config: dict, plan: dict) -> None:
+    """The model's sizes and loop rule as llama.cpp's nanbeige architecture reads them (no vocabulary)."""
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config.get("max_position_embeddings", 4096))
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.get("num_key_value_heads", heads))
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(plan["eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_uint32(f"{ARCHITECTURE}.num_loops", plan["loops"])
+    writer.add_bool(f"{ARCHITECTURE}.skip_loop_final_norm", plan["skip_loop_final_norm"])
+    writer.add_tokenizer_model("no_vocab")
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
 def write_gguf(checkpoint: Path, out: Path, gguf_type: str, *, progress: Callable[[str], None] = lambda m: None) -> dict:
     """Write CHECKPOINT (a Nanbeige or Ouro checkpoint directory) as a GGUF file OUT whose matrices are
     GGUF_TYPE (GGUF_TYPES). Returns {"path", "bytes", "gguf_type", "ran"}. OUT appears only when complete."""
@@ -140,25 +162,9 @@ def write_gguf(checkpoint: Path, out: Path, gguf_type: str, *, progress: Callabl
     types = gguf.GGMLQuantizationType
     matrix_type = {"f16": types.F16, "bf16": types.BF16, "q8_0": types.Q8_0, "q4_0": types.Q4_0}[gguf_type]
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
     partial = out.with_name(out.name + ".partial")
     writer = gguf.GGUFWriter(partial, ARCHITECTURE)
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config.get("max_position_embeddings", 4096))
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
-    writer.add_layer_norm_rms_eps(plan["eps"])
-    writer.add_vocab_size(config["vocab_size"])
-    writer.add_uint32(f"{ARCHITECTURE}.num_loops", plan["loops"])
-    writer.add_bool(f"{ARCHITECTURE}.skip_loop_final_norm", plan["skip_loop_final_norm"])
-    writer.add_tokenizer_model("no_vocab")
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    _add_header(writer, gguf, config, plan)
     tensors = []
     for name, source in _checkpoint_sources(checkpoint).items():
         target = _gguf_name(name)

@@ -89,69 +89,76 @@ class PeerFailed(SpeedcError):
 PEER_ANSWER_SECONDS = 900  # one prompt's answer at most (a 1-4 B model's 128 tokens on 2 cores: about a minute)
 
 
-def process_peer(driver: str, args: list[str], *, answer_seconds: float = PEER_ANSWER_SECONDS):
+def process_peer(driver: str, args: list[str], *, answer_seconds: float = PEER_ANSWER_SECONDS) -> "PeerProcess":
     """A peer run in a process of its own: DRIVER (Python source) loads the model from ARGS and then
     answers one JSON line {"ids", "seconds"} per JSON line {"prompt", "new_tokens"} it reads. Returns
     generate(prompt ids, new tokens) -> (ids, decode seconds per token), with .close(); a crash
     (signal or exit), a hang (no answer in ANSWER_SECONDS) or a malformed answer raises PeerFailed and
     ends the process, never the bench."""
-    import select
-    import signal
-    import tempfile
+    return PeerProcess(driver, args, answer_seconds)
 
-    said = tempfile.TemporaryFile("w+")  # its standard error: a file, so a chatty peer never blocks on a full pipe
-    child = subprocess.Popen([sys.executable, "-c", driver, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=said, text=True, bufsize=1)
 
-    def why_ended() -> str:
-        code = child.wait()
-        if code < 0:
-            name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
-            return f"crashed ({name})"
-        said.seek(0)
-        last = (said.read().strip().splitlines() or [""])[-1]
-        return f"exited with status {code}" + (f": {last[:200]}" if last else "")
+class PeerProcess:
+    """process_peer's generate: the peer's process, asked one prompt at a time."""
 
-    ended: list[str] = []  # why the peer failed: once failed it is asked no more
+    def __init__(self, driver: str, args: list[str], answer_seconds: float) -> None:
+        import tempfile
 
-    def fail(why: str) -> PeerFailed:
-        if child.poll() is None:
-            child.kill()
-        child.wait()
-        ended.append(why)
-        return PeerFailed(why)
+        self.answer_seconds = answer_seconds
+        self.said = tempfile.TemporaryFile("w+")  # its standard error: a file, so a chatty peer never blocks on a full pipe
+        self.child = subprocess.Popen([sys.executable, "-c", driver, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=self.said, text=True, bufsize=1)
+        self.ended: list[str] = []  # why the peer failed: once failed it is asked no more
 
-    def generate(prompt: list[int], new_tokens: int) -> tuple[list[int], float]:
-        if ended:
-            raise PeerFailed(ended[0])
+    def __call__(self, prompt: list[int], new_tokens: int) -> tuple[list[int], float]:
+        import select
+
+        child = self.child
+        if self.ended:
+            raise PeerFailed(self.ended[0])
         if child.poll() is not None:
-            raise fail(why_ended())
+            raise self._fail(self._why_ended())
         try:
             child.stdin.write(json.dumps({"prompt": prompt, "new_tokens": new_tokens}) + "\n")
             child.stdin.flush()
         except (BrokenPipeError, OSError):
-            raise fail(why_ended()) from None
-        ready, _, _ = select.select([child.stdout], [], [], answer_seconds)
+            raise self._fail(self._why_ended()) from None
+        ready, _, _ = select.select([child.stdout], [], [], self.answer_seconds)
         if not ready:
-            raise fail(f"hung: no answer in {answer_seconds:.0f} s")
+            raise self._fail(f"hung: no answer in {self.answer_seconds:.0f} s")
         line = child.stdout.readline()
         if not line:
-            raise fail(why_ended())
+            raise self._fail(self._why_ended())
         try:
             answer = json.loads(line)
             return [int(i) for i in answer["ids"]], float(answer["seconds"])
         except (ValueError, KeyError, TypeError):
-            raise fail(f"answered {line.strip()[:80]!r}") from None
+            raise self._fail(f"answered {line.strip()[:80]!r}") from None
 
-    def close() -> None:
-        if child.poll() is None:
-            child.kill()
-        child.wait()
-        for stream in (child.stdin, child.stdout, said):
+    def close(self) -> None:
+        if self.child.poll() is None:
+            self.child.kill()
+        self.child.wait()
+        for stream in (self.child.stdin, self.child.stdout, self.said):
             stream.close()
 
-    generate.close = close
-    return generate
+    def _why_ended(self) -> str:
+        import signal
+
+        code = self.child.wait()
+        if code < 0:
+            name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+            return f"crashed ({name})"
+        self.said.seek(0)
+        last = (self.said.read().strip().splitlines() or [""])[-1]
+        return f"exited with status {code}" + (f": {last[:200]}" if last else "")
+
+    def _fail(self, why: str) -> PeerFailed:
+        if self.child.poll() is None:
+            self.child.kill()
+        self.child.wait()
+        self.ended.append(why)
+        return PeerFailed(why)
 
 
 # llama.cpp's side of process_peer: greedy decoding, the prompt in one batch, then one token a call (as

@@ -158,15 +158,7 @@ def run_bench(engine: Engine, *, prompts: list[str] | None = None, new_tokens: i
                 times[mode].append(1000 * result.stats.decode_seconds / max(result.stats.new_tokens - 1, 1))
                 prefill.append(1000 * result.stats.prefill_seconds)
             identical &= results["speed"].ids == results["speed-always"].ids == results["autoregressive"].ids
-            ids = engine.encode(prompt)
-            for name, peer in peers.items():
-                start = time.perf_counter()
-                peer_ids = peer.generate(ids, new_tokens)
-                e2e[name].append(1000 * (time.perf_counter() - start) / new_tokens)
-                if peer.must_match and peer_ids != results["speed"].ids:
-                    raise SpeedcError(f"{name} runs the artifact's weights but produced different ids than SPEED: "
-                                      "refusing to report speeds")
-                agreement[name].add(peer_ids, results["speed"].ids)
+            run_peers(peers, engine.encode(prompt), new_tokens, results["speed"].ids, e2e, agreement)
             s = results["speed-always"].stats
             speed_runs.append(s)
             adaptive_runs.append(results["speed"].stats)
@@ -195,6 +187,19 @@ def run_bench(engine: Engine, *, prompts: list[str] | None = None, new_tokens: i
         peer_agreement={name: a.to_json() for name, a in agreement.items()},
         speedup_always_p50=round(ms["autoregressive"]["p50"] / ms["speed-always"]["p50"], 3),
         policy=policy_summary(adaptive_runs))
+
+
+def run_peers(peers: dict, ids: list[int], new_tokens: int, speed_ids: list[int], e2e: dict, agreement: dict) -> None:
+    """Each peer on the prompt IDS: its time per token into E2E, its agreement with SPEED's ids (SPEED_IDS) into
+    AGREEMENT; a peer that runs the artifact's weights (must_match) and differs is an error."""
+    for name, peer in peers.items():
+        start = time.perf_counter()
+        peer_ids = peer.generate(ids, new_tokens)
+        e2e[name].append(1000 * (time.perf_counter() - start) / new_tokens)
+        if peer.must_match and peer_ids != speed_ids:
+            raise SpeedcError(f"{name} runs the artifact's weights but produced different ids than SPEED: "
+                              "refusing to report speeds")
+        agreement[name].add(peer_ids, speed_ids)
 
 
 def policy_summary(runs) -> dict:

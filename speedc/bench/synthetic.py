@@ -301,48 +301,60 @@ def synthetic_step_costs(*, hidden: int = 1024, blocks: int = 4, passes: int = 4
             art = build(checkpoint, Path(tmp) / f"p{slots}", BuildOptions(slots=slots, dtype=weights), force=True).out
             opened = time.perf_counter()
             engine = Engine.load(art, backend=backend, threads=threads, verify=False)
-            load_seconds = time.perf_counter() - opened
-            progress(f"{shape.name}: measuring P={slots} and its weight floor")
-            step, token = measure_step_times(engine.backend, context, repeats)
-            row = {"slots": slots, "step_cost": round(step / (token / slots), 3), "step_ms": round(1000 * step, 3),
-                   "token_ms": round(1000 * token, 3), "load_seconds": round(load_seconds, 2),
-                   "products": engine.backend.products,
-                   **measure_floor(shape, used, slots, weights=weights, threads=threads, repeats=max(20, repeats // 2),
-                                   step_passes=shape.loops // slots if shape.recurrent else 1)}
-            if profile:
-                from speedc.bench.op_profile import step_op_profile
-
-                progress(f"{shape.name}: profiling P={slots} per op")
-                row["profile"] = step_op_profile(art, engine.manifest, threads=threads, context=context)
+            row = _depth_row(engine, art, shape, used, slots, load_seconds=time.perf_counter() - opened, threads=threads,
+                             context=context, repeats=repeats, weights=weights, profile=profile, progress=progress)
             if end_to_end:
                 row.update(end_to_end_row(engine, prompts=prompts, new_tokens=new_tokens,
                                           peers=peer_fns if slots == depths[-1] else None))
             rows.append(row)
-            stored, storage = engine.manifest.store.stored_bytes, engine.manifest.dtype
-            unique_fp32 = engine.manifest.store.unique_bytes_fp32
+            manifest = engine.manifest
             del engine
             shutil.rmtree(art)  # one artifact on disk at a time
         for generate, _ in peer_fns.values():  # (llama.cpp's process ended before the temporary files go)
             getattr(generate, "close", lambda: None)()
         peer_fns.clear()
+    report = {**_report_head(shape, used, scale, end_to_end, manifest), "backend": backend, "context": context,
+              "rows": rows, **({"kernel": kernel} if kernel is not None else {})}
+    if end_to_end:
+        report["end_to_end"] = end_to_end_summary(rows[-1], missing)
+    return report
+
+
+def _report_head(shape: Shape, used: int, scale: float, end_to_end: bool, manifest) -> dict:
+    """What a memory-bound report measured: the shape, the layers used, the weights (MANIFEST: an artifact's)."""
     note = "" if used == shape.layers else f"{used} of the real {shape.layers} layers (--layers)"
     label = ("SPEED vs plain decoding on random weights" + ("" if shape.published else ", LM head untied") + ", residual updates scaled by "
              f"{scale} (acceptance measured)" if end_to_end else "step cost only (random weights)")
-    report = {"label": label, "backend": backend, "shape": shape.name, "weights": storage, "hidden": shape.hidden,
-              "blocks": used, "passes": shape.loops, "real_layers": shape.layers, "note": note,
-              "residual_scale": scale, "unique_weight_mb": round(unique_fp32 / 1e6, 1),
-              "stored_weight_mb": round(stored / 1e6, 1), "context": context, "rows": rows,
-              **({"kernel": kernel} if kernel is not None else {})}
-    if end_to_end:  # the deepest pipeline's row, under the names other tools read
-        deepest = rows[-1]
-        report["end_to_end"] = {"slots": deepest["slots"], "speedup": deepest["speedup_decode"],
-                                "acceptance_rate": deepest["acceptance"], "identical_ids": deepest["ids_identical"],
-                                "speed_ms_per_token": deepest["speed_ms_per_token"],
-                                "autoregressive_ms_per_token": deepest["autoregressive_ms_per_token"],
-                                "peers": deepest.get("peers", {})}
-        if missing:
-            report["end_to_end"]["peers_missing"] = missing
-    return report
+    return {"label": label, "shape": shape.name, "weights": manifest.dtype, "hidden": shape.hidden,
+            "blocks": used, "passes": shape.loops, "real_layers": shape.layers, "note": note, "residual_scale": scale,
+            "unique_weight_mb": round(manifest.store.unique_bytes_fp32 / 1e6, 1),
+            "stored_weight_mb": round(manifest.store.stored_bytes / 1e6, 1)}
+
+
+def end_to_end_summary(deepest: dict, missing: dict) -> dict:
+    """The deepest pipeline's end-to-end row under the names other tools read (MISSING: peers not installed)."""
+    summary = {"slots": deepest["slots"], "speedup": deepest["speedup_decode"], "acceptance_rate": deepest["acceptance"],
+               "identical_ids": deepest["ids_identical"], "speed_ms_per_token": deepest["speed_ms_per_token"],
+               "autoregressive_ms_per_token": deepest["autoregressive_ms_per_token"], "peers": deepest.get("peers", {})}
+    return {**summary, "peers_missing": missing} if missing else summary
+
+
+def _depth_row(engine, art: Path, shape: Shape, used: int, slots: int, *, load_seconds: float, threads: int | None,
+               context: int, repeats: int, weights: str | None, profile: bool, progress) -> dict:
+    """The step cost row of ENGINE (the artifact ART at P = SLOTS) beside its weight floor's."""
+    progress(f"{shape.name}: measuring P={slots} and its weight floor")
+    step, token = measure_step_times(engine.backend, context, repeats)
+    row = {"slots": slots, "step_cost": round(step / (token / slots), 3), "step_ms": round(1000 * step, 3),
+           "token_ms": round(1000 * token, 3), "load_seconds": round(load_seconds, 2),
+           "products": engine.backend.products,
+           **measure_floor(shape, used, slots, weights=weights, threads=threads, repeats=max(20, repeats // 2),
+                           step_passes=shape.loops // slots if shape.recurrent else 1)}
+    if profile:
+        from speedc.bench.op_profile import step_op_profile
+
+        progress(f"{shape.name}: profiling P={slots} per op")
+        row["profile"] = step_op_profile(art, engine.manifest, threads=threads, context=context)
+    return row
 
 
 def memory_bound_peers(shape: Shape, checkpoint: Path, workdir: Path, weights: str | None, threads: int | None,

@@ -73,28 +73,12 @@ def build(checkpoint, out, slots, weights, block_size, head_weights, target, exi
     from speedc.build import build as run_build
     from speedc.passes.base import BuildOptions
     from speedc.passes.block_quant import DEFAULT_BLOCK_SIZE
-    from speedc.runtimes.step_costs import seed_step_cost
 
     console = Console(stderr=True)
 
-    def on_pass(report):
-        if verbose:
-            nodes = " ".join(f"{g}={n}" for g, n in report.nodes.items())
-            weights = " ".join(f"{g}={b / 1e6:.2f}MB" for g, b in report.initializer_bytes.items())
-            click.echo(f"  {report.phase:>8} | {report.name:<10} {report.seconds * 1000:8.1f} ms | nodes {nodes} | weights {weights}",
-                       err=True)
-
     if verbose:
         click.echo(f"building {checkpoint} -> {out}\n     phase | pass            time | graph nodes | initializer bytes", err=True)
-    # SIGTERM (a CI timeout, `kill`) exits like Ctrl-C: the build's cleanup removes its unfinished folder
-    terminated = []
-
-    def on_sigterm(*_) -> None:
-        terminated.append(True)
-        sys.exit(128 + signal.SIGTERM)
-
-    with contextlib.suppress(ValueError):  # (ValueError: not the main thread, e.g. a CliRunner in a thread)
-        signal.signal(signal.SIGTERM, on_sigterm)
+    terminated = exit_on_sigterm()
     with console.status("compiling", spinner="dots") if not verbose else contextlib.nullcontext() as status:
         def progress(message: str) -> None:
             if verbose:
@@ -116,7 +100,7 @@ def build(checkpoint, out, slots, weights, block_size, head_weights, target, exi
                                                              alpha=alpha, eos_token_id=eos_token_id, recurrence=recurrence,
                                                              state_init=state_init, state_seed=seed or 0,
                                                              block_size=int(block_size or DEFAULT_BLOCK_SIZE), head_dtype=head_weights),
-                               force=force, allow_pickle=allow_pickle, dump_after=list(dump_after), on_pass=on_pass,
+                               force=force, allow_pickle=allow_pickle, dump_after=list(dump_after), on_pass=print_pass if verbose else None,
                                measure_step_cost=measure, progress=progress, on_weight_bytes=on_weight_bytes)
         except Exception:
             # the SystemExit raised inside torch's `with torch.device(...)` can surface as another error (its mode
@@ -127,6 +111,35 @@ def build(checkpoint, out, slots, weights, block_size, head_weights, target, exi
     if verbose:
         for note in result.notes:
             click.echo(f"  {note}", err=True)
+    print_built(result, out)
+
+
+def print_pass(report) -> None:
+    """One line of --verbose's pass table."""
+    nodes = " ".join(f"{g}={n}" for g, n in report.nodes.items())
+    weights = " ".join(f"{g}={b / 1e6:.2f}MB" for g, b in report.initializer_bytes.items())
+    click.echo(f"  {report.phase:>8} | {report.name:<10} {report.seconds * 1000:8.1f} ms | nodes {nodes} | weights {weights}",
+               err=True)
+
+
+def exit_on_sigterm() -> list:
+    """SIGTERM (a CI timeout, `kill`) exits like Ctrl-C, so the build's cleanup removes its unfinished folder.
+    -> a list that holds True once it came."""
+    terminated = []
+
+    def on_sigterm(*_) -> None:
+        terminated.append(True)
+        sys.exit(128 + signal.SIGTERM)
+
+    with contextlib.suppress(ValueError):  # (ValueError: not the main thread, e.g. a CliRunner in a thread)
+        signal.signal(signal.SIGTERM, on_sigterm)
+    return terminated
+
+
+def print_built(result, out) -> None:
+    """What a build made: its schedule, its weights, the step cost it measured."""
+    from speedc.runtimes.step_costs import seed_step_cost
+
     m = result.manifest
     w = m.store
     click.echo(f"built {out} in {result.seconds:.1f} s: P={m.slots} slots x {m.stage_layers} layers, "

@@ -75,29 +75,8 @@ def generate(artifact, prompt, prompt_ids, prompts_file, max_batch, kv_cache_mb,
         prompts = _read_prompts(prompts_file)
         engine = Engine.load(artifact, backend=backend, device=device, threads=threads, lazy=True,  # opened when the batch starts
                              compile_step=compile_step)
-        rules = MODES[options.pop("mode")]
-        budget = rules.batch_row_budget if row_budget is None or not rules.speculates else row_budget
-        failure = None
-        try:
-            results = engine.generate_batch(prompts, max_batch=max_batch, kv_cache_mb=kv_cache_mb, row_budget=budget,
-                                            per_sequence=rules.per_sequence, threads=threads, **options)
-        except BatchError as failed:  # some prompts could not run: print the others, then the error
-            results, failure = failed.results, failed
-        for number, result in enumerate(results, 1):
-            if result is None:
-                if as_json:
-                    click.echo(json.dumps({"error": str(failure)}))  # its place in input order
-                continue
-            if as_json:
-                click.echo(json.dumps(result.to_json() | {"products": getattr(engine.backend, "products", None)}))
-            else:
-                click.echo(_one_line(result.text) if result.text is not None else ",".join(map(str, result.ids)))
-        if stats and not as_json:
-            for result in results:
-                if result is not None:
-                    _print_stats(result.stats)
-        if failure is not None:
-            raise failure
+        _generate_file(engine, prompts, options, max_batch=max_batch, kv_cache_mb=kv_cache_mb, row_budget=row_budget,
+                       threads=threads, stats=stats, as_json=as_json)
         return
     _refuse_batch_options_without_file()
     if stream and as_json:
@@ -121,6 +100,35 @@ def generate(artifact, prompt, prompt_ids, prompts_file, max_batch, kv_cache_mb,
             click.echo(result.text if result.text is not None else ",".join(map(str, result.ids)))
     if stats and not as_json:
         _print_stats(result_stats)
+
+
+def _generate_file(engine, prompts: list[str], options: dict, *, max_batch: int, kv_cache_mb, row_budget, threads,
+                   stats: bool, as_json: bool) -> None:
+    """--prompts-file: every prompt decoded together (continuous batching), a line (or JSON object) each in
+    input order; prompts that could not run are reported after the others."""
+    rules = MODES[options.pop("mode")]
+    budget = rules.batch_row_budget if row_budget is None or not rules.speculates else row_budget
+    failure = None
+    try:
+        results = engine.generate_batch(prompts, max_batch=max_batch, kv_cache_mb=kv_cache_mb, row_budget=budget,
+                                        per_sequence=rules.per_sequence, threads=threads, **options)
+    except BatchError as failed:  # some prompts could not run: print the others, then the error
+        results, failure = failed.results, failed
+    for result in results:
+        if result is None:
+            if as_json:
+                click.echo(json.dumps({"error": str(failure)}))  # its place in input order
+            continue
+        if as_json:
+            click.echo(json.dumps(result.to_json() | {"products": getattr(engine.backend, "products", None)}))
+        else:
+            click.echo(_one_line(result.text) if result.text is not None else ",".join(map(str, result.ids)))
+    if stats and not as_json:
+        for result in results:
+            if result is not None:
+                _print_stats(result.stats)
+    if failure is not None:
+        raise failure
 
 
 def _one_line(text: str) -> str:

@@ -403,11 +403,6 @@ def write_graphs(graphs: dict, directory: Path, weight_names: set[str], weight_p
     reports progress.
     Returns (graph I/O specs, weight index).
     """
-    import onnx
-    import onnx_graphsurgeon as gs
-
-    from speedc.format.graph_values import constant_nbytes
-
     unknown = sorted(set(graphs) - set(contract.GRAPHS))
     if unknown:
         raise BuildError(f"internal: graph {unknown[0]!r} is not part of the artifact contract")
@@ -421,10 +416,25 @@ def write_graphs(graphs: dict, directory: Path, weight_names: set[str], weight_p
             raise BuildError(f"internal: weight {name} differs between graphs")
     views = {name: uses for name, uses in stored.items() if _view_of(uses[0]) in stored}
     owners = {name: uses for name, uses in stored.items() if name not in views}
+    index = _write_weights(directory / WEIGHTS, owners, weight_parts, on_bytes)
+    for name, uses in views.items():  # the same bytes in another shape: referenced, not written again
+        _within(index, name, _view_of(uses[0]))
+        _reference(index, name, uses, {})
+    for alias, target in (aliases or {}).items():  # model tensors no graph reads under their own name
+        if alias not in index and target in index:
+            _within(index, alias, target).update(dtype=index[target]["dtype"], shape=index[target]["shape"])
+    return _write_graph_files(graphs, native, ordered, directory), index
+
+
+def _write_weights(path: Path, owners: dict[str, list], weight_parts: dict[str, list],
+                   on_bytes: Callable[[int, int], None] | None) -> dict[str, dict]:
+    """Each of OWNERS' weights streamed into PATH (weights.bin) once, aligned -> the weight index."""
+    from speedc.format.graph_values import constant_nbytes
+
     total = sum(constant_nbytes(uses[0]) for uses in owners.values())
     index: dict[str, dict] = {}
     done = 0
-    with open(directory / WEIGHTS, "wb") as blob:
+    with open(path, "wb") as blob:
         for name, uses in owners.items():
             offset = -(-blob.tell() // WEIGHT_ALIGN) * WEIGHT_ALIGN
             blob.write(b"\0" * (offset - blob.tell()))
@@ -438,12 +448,15 @@ def write_graphs(graphs: dict, directory: Path, weight_names: set[str], weight_p
                 raise CheckpointError(f"weight {name}: {bad}") from None
             index[name] = {"offset": offset, "length": blob.tell() - offset}
             _reference(index, name, uses, weight_parts)
-    for name, uses in views.items():  # the same bytes in another shape: referenced, not written again
-        _within(index, name, _view_of(uses[0]))
-        _reference(index, name, uses, {})
-    for alias, target in (aliases or {}).items():  # model tensors no graph reads under their own name
-        if alias not in index and target in index:
-            _within(index, alias, target).update(dtype=index[target]["dtype"], shape=index[target]["shape"])
+    return index
+
+
+def _write_graph_files(graphs: dict, native: dict, ordered: list[str], directory: Path) -> dict[str, dict]:
+    """Each graph (and its native twin) as an ONNX file whose initializers reference weights.bin, checked
+    -> the graph I/O specs (a twin must take and return what its graph does)."""
+    import onnx
+    import onnx_graphsurgeon as gs
+
     specs: dict[str, dict] = {}
     written = []
     for name in ordered:
@@ -462,7 +475,7 @@ def write_graphs(graphs: dict, directory: Path, weight_names: set[str], weight_p
                 specs[name]["native_file"] = file
     for file in written:
         onnx.checker.check_model(str(directory / file), full_check=False)
-    return specs, index
+    return specs
 
 
 def native_file(graph: str) -> str:

@@ -499,6 +499,44 @@ def create_app(settings: ServeSettings, *, load_in_background: bool = True,
     """The application for SETTINGS. It loads the engine at startup: in the background (answering
     /health with 503 meanwhile) or before it accepts requests (Ray replicas: ready means loaded)."""
     metrics = Metrics()
+    app = FastAPI(title="speedc", lifespan=service_lifespan(settings, metrics, load_in_background, on_load_error),
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.metrics = metrics
+    add_error_handlers(app, metrics)
+
+    @app.get("/health")
+    async def health(request: Request):
+        if request.app.state.service is not None:
+            return {"status": "ok"}
+        status = "loading" if request.app.state.load_error is None else "failed"
+        return JSONResponse({"status": status}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        card = {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "speedc"}
+        if request.app.state.service is not None:
+            card["max_model_len"] = request.app.state.service.adapter.max_context
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await respond(request, "completion", settings, metrics)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await respond(request, "chat", settings, metrics)
+
+    return app
+
+
+def service_lifespan(settings: ServeSettings, metrics: Metrics, load_in_background: bool,
+                     on_load_error: Callable[[str], None] | None):
+    """The app's lifespan: the Service (engine, adapter, grammar threads) loaded at startup, closed at shutdown;
+    app.state.service stays None while it loads, app.state.load_error says why it did not."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -530,8 +568,11 @@ def create_app(settings: ServeSettings, *, load_in_background: bool = True,
             await app.state.service.adapter.aclose()
             app.state.service.grammar_threads.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="speedc", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.metrics = metrics
+    return lifespan
+
+
+def add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    """Every error as an OpenAI error body, counted by outcome; an unexpected one logged with its trace."""
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError):
@@ -549,95 +590,80 @@ def create_app(settings: ServeSettings, *, load_in_background: bool = True,
         metrics.record_outcome(500, "server_error")
         return JSONResponse(ApiError(500, "internal server error", kind="server_error").body(), status_code=500)
 
-    def service_of(request: Request) -> Service:
-        service = request.app.state.service
-        if service is None:
-            raise ApiError(503, "the model is still loading" if request.app.state.load_error is None
-                           else f"the model failed to load: {request.app.state.load_error}", kind="server_error")
-        return service
 
-    @app.get("/health")
-    async def health(request: Request):
-        if request.app.state.service is not None:
-            return {"status": "ok"}
-        status = "loading" if request.app.state.load_error is None else "failed"
-        return JSONResponse({"status": status}, status_code=503)
+def service_of(request: Request) -> Service:
+    service = request.app.state.service
+    if service is None:
+        raise ApiError(503, "the model is still loading" if request.app.state.load_error is None
+                       else f"the model failed to load: {request.app.state.load_error}", kind="server_error")
+    return service
 
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
-    async def models(request: Request):
-        card = {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "speedc"}
-        if request.app.state.service is not None:
-            card["max_model_len"] = request.app.state.service.adapter.max_context
-        return {"object": "list", "data": [card]}
+async def respond(request: Request, kind: str, settings: ServeSettings, metrics: Metrics) -> Response:
+    """One completion (KIND "completion") or chat completion ("chat") request, whole or streamed."""
+    arrived = time.perf_counter()
+    service = service_of(request)
+    try:
+        raw = await read_body(request, settings.max_request_bytes)
+    except ClientGone:  # an upload aborted part way: nothing to answer, nothing to trace
+        log.info("%s %s: the client closed the connection before its request body arrived",
+                 request.method, request.url.path)
+        metrics.record_outcome(CLIENT_GONE_STATUS)
+        return Response(status_code=CLIENT_GONE_STATUS)
+    # parsing a body of megabytes, or a schema into a grammar, takes a worker thread, not the event loop
+    parsed = await asyncio.to_thread(parse_body, raw, kind)
+    if parsed.model != settings.model_name:
+        raise ApiError(404, f"the model {parsed.model!r} does not exist (this server serves "
+                            f"{settings.model_name!r})", param="model", code="model_not_found")
+    s = parsed.sampling
+    # the field a failure of the request's own generation is about (its grammar's, else its prompt's)
+    param = "tools" if parsed.tools else s.grammar_field or ("messages" if kind == "chat" else "prompt")
+    ids, generations = await submit_choices(service, parsed, kind, param)
+    metrics.prompt_tokens.inc(len(ids))
+    scoring_only = s.echo and s.max_tokens == 0
+    choices = [Choice(i, Tracker(metrics, generation, arrived, settings.request_timeout), show_tokens=not scoring_only)
+               for i, generation in enumerate(generations)]
+    reply = Reply(kind, settings.model_name, include_usage=parsed.include_usage)
+    prompt_text = ""
+    if s.echo:
+        prompt_text = parsed.prompt if isinstance(parsed.prompt, str) else service.adapter.engine.decode_text(ids)
+    shown = Shown(reply, service.token_texts, ids, prompt_text, s.echo, s.logprobs is not None, bool(parsed.tools),
+                  metrics, param)
+    if parsed.stream:
+        async def abandon_all() -> None:
+            for choice in choices:
+                choice.tracker.abandon()
 
-    async def respond(request: Request, kind: str) -> Response:
-        arrived = time.perf_counter()
-        service = service_of(request)
-        try:
-            raw = await read_body(request, settings.max_request_bytes)
-        except ClientGone:  # an upload aborted part way: nothing to answer, nothing to trace
-            log.info("%s %s: the client closed the connection before its request body arrived",
-                     request.method, request.url.path)
-            metrics.record_outcome(CLIENT_GONE_STATUS)
-            return Response(status_code=CLIENT_GONE_STATUS)
-        # parsing a body of megabytes, or a schema into a grammar, takes a worker thread, not the event loop
-        parsed = await asyncio.to_thread(parse_body, raw, kind)
-        if parsed.model != settings.model_name:
-            raise ApiError(404, f"the model {parsed.model!r} does not exist (this server serves "
-                                f"{settings.model_name!r})", param="model", code="model_not_found")
-        generations, s = [], parsed.sampling
-        # the field a failure of the request's own generation is about (its grammar's, else its prompt's)
-        param = "tools" if parsed.tools else s.grammar_field or ("messages" if kind == "chat" else "prompt")
-        try:
-            ids = await asyncio.to_thread(service.prompt_ids, parsed)
-            requests = service.choice_requests(parsed, ids)
-            if requests[0].grammar is not None:
-                compiled = await service.compile_grammar(requests[0], param)
-                requests = [dataclasses.replace(one, grammar=compiled.grammar) for one in requests]
-            if service.adapter.running + service.adapter.waiting + len(requests) > service.adapter.max_batch + service.adapter.max_queue:
-                raise QueueFull(service.adapter.retry_after())
-            for one in requests:
-                generations.append(service.adapter.submit(one))
-        except GenerationError as bad:
-            for generation in generations:
-                generation.cancel()
-            raise ApiError(400, str(bad), param="messages" if kind == "chat" else "prompt") from None
-        except QueueFull as full:
-            for generation in generations:
-                generation.cancel()
-            raise ApiError(429, f"the server is full ({service.adapter.max_batch} running, {service.adapter.max_queue} "
-                                f"waiting); retry later",
-                           kind="rate_limit_error", code="rate_limit_exceeded",
-                           headers={"Retry-After": str(full.retry_after)}) from None
-        metrics.prompt_tokens.inc(len(ids))
-        scoring_only = s.echo and s.max_tokens == 0
-        choices = [Choice(i, Tracker(metrics, generation, arrived, settings.request_timeout), show_tokens=not scoring_only)
-                   for i, generation in enumerate(generations)]
-        reply = Reply(kind, settings.model_name, include_usage=parsed.include_usage)
-        prompt_text = ""
-        if s.echo:
-            prompt_text = parsed.prompt if isinstance(parsed.prompt, str) else service.adapter.engine.decode_text(ids)
-        shown = Shown(reply, service.token_texts, ids, prompt_text, s.echo, s.logprobs is not None, bool(parsed.tools),
-                      metrics, param)
-        if parsed.stream:
-            async def abandon_all() -> None:
-                for choice in choices:
-                    choice.tracker.abandon()
+        return StreamingResponse(stream_events(shown, choices), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"}, background=BackgroundTask(abandon_all))
+    return await whole_response(request, shown, choices, s.n)
 
-            return StreamingResponse(stream_events(shown, choices), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"}, background=BackgroundTask(abandon_all))
-        return await whole_response(request, shown, choices, s.n)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await respond(request, "completion")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await respond(request, "chat")
-
-    return app
+async def submit_choices(service: Service, parsed, kind: str, param: str) -> tuple[list[int], list]:
+    """(The prompt's ids, one generation per choice) submitted to the engine: the prompt encoded and the grammar
+    compiled off the event loop, all of a request's choices admitted or none (400 on its own bad input,
+    429 where the queue cannot take them)."""
+    generations = []
+    try:
+        ids = await asyncio.to_thread(service.prompt_ids, parsed)
+        requests = service.choice_requests(parsed, ids)
+        if requests[0].grammar is not None:
+            compiled = await service.compile_grammar(requests[0], param)
+            requests = [dataclasses.replace(one, grammar=compiled.grammar) for one in requests]
+        adapter = service.adapter
+        if adapter.running + adapter.waiting + len(requests) > adapter.max_batch + adapter.max_queue:
+            raise QueueFull(adapter.retry_after())
+        for one in requests:
+            generations.append(adapter.submit(one))
+    except GenerationError as bad:
+        for generation in generations:
+            generation.cancel()
+        raise ApiError(400, str(bad), param="messages" if kind == "chat" else "prompt") from None
+    except QueueFull as full:
+        for generation in generations:
+            generation.cancel()
+        raise ApiError(429, f"the server is full ({service.adapter.max_batch} running, {service.adapter.max_queue} "
+                            f"waiting); retry later",
+                       kind="rate_limit_error", code="rate_limit_exceeded",
+                       headers={"Retry-After": str(full.retry_after)}) from None
+    return ids, generations

@@ -43,7 +43,7 @@ def encode(engine, text: str, special_tokens: bool) -> list[int]:
     writes its own)."""
     if special_tokens or engine.tokenizer is None:
         return engine.encode(text)  # without a tokenizer: the engine's "no tokenizer" error
-    from speedc.runtimes.engine import check_text
+    from speedc.runtimes.requests import check_text
 
     check_text(text, "the rendered chat prompt")
     return engine.tokenizer.encode(text, add_special_tokens=False).ids

@@ -13,7 +13,8 @@ import pytest
 
 from speedc import Engine
 from speedc.errors import BatchError, GenerationError, OutOfMemory
-from speedc.runtimes.batch import DONE, BatchScheduler
+from speedc.runtimes.batch import BatchScheduler
+from speedc.runtimes.sequence import DONE
 from speedc.runtimes.backends.onnx import BatchBackend
 from speedc.runtimes.backends.kv_pool import MIN_POOL_POSITIONS
 from speedc.runtimes.engine_loop import EngineLoop
@@ -236,7 +237,7 @@ def test_a_grammar_that_fails_in_the_step_ends_its_request_alone(engine):
     with pytest.raises(GenerationError, match="^the grammar failed: Parser Error: Current row has 2501 items"):
         engine.request_from(PROMPTS[3], dict(max_new_tokens=20, grammar=grammar))
     untried = GrammarConstraint(None, None, engine.manifest.dims.vocab_size, ends,
-                                matcher=llguidance.LLMatcher(engine.grammar_tokenizer(ends), grammar, log_level=0))
+                                matcher=llguidance.LLMatcher(engine.requests.grammar_tokenizer(ends), grammar, log_level=0))
     scheduler = BatchScheduler(BatchBackend(engine.directory, engine.manifest, max_batch=4, capacity=256))
     normal = [scheduler.submit(_request(engine, prompt, 20)) for prompt in PROMPTS[:3]]
     bad_request = engine.request_from(PROMPTS[3], dict(max_new_tokens=20))

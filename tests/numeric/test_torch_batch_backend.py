@@ -177,7 +177,7 @@ def test_attention_over_the_whole_pool_decodes_the_same(case):
     the same ids as attending up to the newest position."""
     name, model, _, _, backends = case
     backend = TorchBackend.from_model(model, backends["torch"].slots, max_batch=3, capacity=CAPACITY)
-    backend.full_past = True
+    backend.executor.full_past = True
     params = SAMPLING["seeded"]
     sequences = _decode(backend, PROMPTS, NEW_TOKENS, params)
     assert [s.out for s in sequences] == [reference_generate(model, p, n, params) for p, n in zip(PROMPTS, NEW_TOKENS)]
