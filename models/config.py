@@ -2,7 +2,7 @@
 loop description every consumer (reference model, trace pass, PyTorch backend) reads.
 
 Which checkpoint families can be read, and how their config.json maps onto this, is the family
-registry's business (models/families/__init__.py): ModelConfig.from_json_dict dispatches there.
+registry's business (models/families/__init__.py: read_config, load_config).
 
 config.json example (the speedc section is what a plain Llama config lacks):
 
@@ -19,7 +19,7 @@ residual add: input_layernorm_2 / post_attention_layernorm_2), `post_norms` (wit
 (q_bias / k_bias added to q and k before rotary), `embed_scale` (the embedding's multiplier), `qk_norm`
 (a weightless RMS norm over each head's q and k after rotary), `mlp_act` ("silu-gated": down(silu(gate) * up);
 "relu2": down(0.5 * relu(up)^2), no gate), `value_embed_blocks` (blocks whose attention adds a gated
-embedding of the row's token to v, Parcae's value embeddings). A `speedc.depth` section (models/depth_plan.py,
+embedding of the row's token to v, Parcae's value embeddings). A `speedc.depth` section (speedc/format/depth_plan.py,
 written by speedc) carries the token's trip through the blocks: prelude / core x repeats / coda and the loop
 norms, `loop_norm` (model.norm replaces the state after every core repeat) and `final_norm` (the final head
 applies model.norm); without it the plan is derived from the layer map and `speedc.block`'s `loop_norm` /
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from speedc.errors import CheckpointError
-from speedc.models.depth_plan import DepthPlan, fit_plan
+from speedc.format.depth_plan import DepthPlan, fit_plan, with_repeats
 from speedc.models.layer_map import describe_layer_map, resolve_layer_map
 
 CONFIG_FORMAT_VERSION = 1
@@ -44,39 +44,16 @@ VALUE_GATE_CHANNELS = 32  # the value-embedding gate reads the first 32 channels
 MAX_CONTEXT = 1 << 22  # positions: 4 M (a 1e9-position config took 122 s to build an artifact that could not run)
 
 
-class FittedPlan:
-    """ModelConfig.depth_plan: set to the plan a family declares (None: nothing declared), read as that
-    plan fitted to the config's own layer_map / loop_norm / final_norm (fit_plan). The config keeps the
-    checkpoint's fields and the declaration; the plan is derived from them on read, never stored beside
-    them (dataclasses.replace hands the fitted plan on as the new config's declaration)."""
-
-    def __set_name__(self, owner, name: str) -> None:
-        self.declared, self.fitted = f"_{name}_declared", f"_{name}_fitted"
-
-    def __get__(self, config, owner=None) -> DepthPlan | None:
-        if config is None:
-            return None  # the dataclass field's default: nothing declared
-        fields = (tuple(config.layer_map), config.loop_norm, config.final_norm)
-        cached = config.__dict__.get(self.fitted)
-        if cached is None or cached[0] != fields:  # fitted once per state of those fields
-            cached = fields, fit_plan(list(fields[0]), config.__dict__.get(self.declared), *fields[1:])
-            config.__dict__[self.fitted] = cached
-        return cached[1]
-
-    def __set__(self, config, declared: DepthPlan | None) -> None:
-        config.__dict__[self.declared] = declared
-        config.__dict__.pop(self.fitted, None)
-
-
 @dataclasses.dataclass
 class ModelConfig:
     vocab_size: int
     hidden_size: int
     intermediate_size: int
-    num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
-    layer_map: list[int]
+    # The phases of a token's trip (speedc/format/depth_plan.py): the one form of the layer map, the number of
+    # logical layers and where model.norm sits (from_layer_map fits or derives it from a bare map).
+    depth_plan: DepthPlan
     exit_layer: int
     exit_norm: str = "own"  # "own" | "final" | "none"
     head_dim: int | None = None
@@ -96,11 +73,6 @@ class ModelConfig:
     mlp_act: str = "silu-gated"  # MLP_ACTS: "relu2" is Parcae's non-gated 0.5 * relu(up x)^2
     # Blocks whose attention adds 2 sigmoid(value_gate(xn[:32])) * value_embed[token] to v, per kv head (Parcae).
     value_embed_blocks: tuple[int, ...] = ()
-    loop_norm: bool = False  # looped models: state = model.norm(state) after every pass over the blocks
-    final_norm: bool = True  # the final head normalizes (False: the last loop-boundary norm already did)
-    # The phases of a token's trip (models/depth_plan.py): given, a family's declared loops; read, those
-    # fitted to layer_map / loop_norm / final_norm, else derived from the layer map (FittedPlan).
-    depth_plan: DepthPlan | None = FittedPlan()
 
     def __post_init__(self) -> None:
         if self.head_dim is None and isinstance(self.num_attention_heads, int) and self.num_attention_heads > 0:
@@ -109,10 +81,42 @@ class ModelConfig:
             self.eos_token_ids = (self.eos_token_id,)
         self.eos_token_ids = tuple(self.eos_token_ids)
         self.value_embed_blocks = tuple(self.value_embed_blocks)
+        if not isinstance(self.depth_plan, DepthPlan):
+            raise CheckpointError(f"internal: a model's depth plan must be a DepthPlan, not {type(self.depth_plan).__name__}")
         self.validate()
-        _ = self.depth_plan  # fitted now: a declared plan that does not fit the layer map is refused here
+
+    @classmethod
+    def from_layer_map(cls, layer_map: list[int], *, loop_norm: bool = False, final_norm: bool = True,
+                       declared: DepthPlan | None = None, **fields) -> "ModelConfig":
+        """A config over LAYER_MAP: the DECLARED plan relabelled to it where it fits (a family's loops, where its
+        norms sit), else the plan derived from the map (its most repeats); LOOP_NORM / FINAL_NORM: the norms."""
+        return cls(depth_plan=fit_plan(list(layer_map), declared, loop_norm, final_norm), **fields)
+
+    def with_layer_map(self, layer_map: list[int]) -> "ModelConfig":
+        """This model over LAYER_MAP (the blocks the share pass found): its plan fitted to the new map."""
+        return dataclasses.replace(self, depth_plan=fit_plan(list(layer_map), self.depth_plan, self.loop_norm,
+                                                             self.final_norm))
 
     # ---- derived ------------------------------------------------------------------------
+    @property
+    def layer_map(self) -> list[int]:
+        """Logical layer -> the block it runs: the plan's prelude, core x repeats, coda."""
+        return self.depth_plan.layer_map
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.depth_plan.num_layers
+
+    @property
+    def loop_norm(self) -> bool:
+        """Looped models: state = model.norm(state) after every pass over the core."""
+        return self.depth_plan.loop_norm
+
+    @property
+    def final_norm(self) -> bool:
+        """The final head normalizes (False: the last loop-boundary norm already did)."""
+        return self.depth_plan.final_norm
+
     @property
     def num_blocks(self) -> int:
         return max(self.layer_map) + 1
@@ -132,8 +136,6 @@ class ModelConfig:
 
     def with_recurrence(self, repeats: int) -> "ModelConfig":
         """This model with its recurrent core run REPEATS times (the draft tap and every weight unchanged)."""
-        from speedc.models.depth_plan import with_repeats
-
         plan = self.depth_plan
         if not plan.injection:  # a loop count of Ouro / Nanbeige is what it was trained at: only recurrent depth varies
             raise CheckpointError(f"--recurrence: this {self.architecture} model's depth ({plan.describe()}) is not a "
@@ -141,7 +143,7 @@ class ModelConfig:
         plan = with_repeats(plan, repeats)
         if self.exit_layer > plan.num_layers - len(plan.coda):
             raise CheckpointError(f"--recurrence {repeats}: the draft tap after layer {self.exit_layer} lies past the core")
-        return dataclasses.replace(self, num_hidden_layers=plan.num_layers, layer_map=plan.layer_map, depth_plan=plan)
+        return dataclasses.replace(self, depth_plan=plan)
 
     def with_state_init(self, kind: str, seed: int = 0) -> "ModelConfig":
         """This model with its recurrent core started from KIND ("zero", or "random" under SEED)."""
@@ -156,7 +158,7 @@ class ModelConfig:
             if not cond:
                 raise CheckpointError(f"config.json: {message}")
 
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        for name in ("vocab_size", "hidden_size", "intermediate_size",
                      "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
             value = getattr(self, name)
             need(isinstance(value, int) and value > 0, f"{name} must be a positive integer, got {value!r}")
@@ -214,33 +216,14 @@ class ModelConfig:
             "torch_dtype": "float32",
             "speedc": {
                 "format_version": CONFIG_FORMAT_VERSION,
-                "layer_map": self.layer_map,
                 "exit": {"layer": self.exit_layer, "norm": self.exit_norm},
                 "block": {"architecture": self.architecture, "sandwich_norms": self.sandwich_norms,
                           "post_norms": self.post_norms, "qk_bias": self.qk_bias, "embed_scale": self.embed_scale,
                           "qk_norm": self.qk_norm, "mlp_act": self.mlp_act,
                           "value_embed_blocks": list(self.value_embed_blocks)},
-                "depth": self.depth_plan.to_json(),  # the loop norms live here only
+                "depth": self.depth_plan.to_json(),  # the layer map and the loop norms live here only
             },
         }
 
-    @classmethod
-    def from_json_dict(cls, data: dict[str, Any]) -> "ModelConfig":
-        """Read a config.json of any registered family (models/families/__init__.py)."""
-        from speedc.models.families import read_config
-
-        return read_config(data)
-
     def save(self, path: Path) -> None:
         Path(path).write_text(json.dumps(self.to_json_dict(), indent=2) + "\n")
-
-    @classmethod
-    def load(cls, path: Path) -> "ModelConfig":
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise CheckpointError(f"{path}: not found") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as bad:
-            raise CheckpointError(f"{path}: not valid JSON ({bad})") from None
-        return cls.from_json_dict(data)

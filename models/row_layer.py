@@ -234,7 +234,7 @@ def inject(x: torch.Tensor, entry: torch.Tensor, adapter_weight: torch.Tensor) -
 
 
 def inject_entry(decoder: Decoder, x: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
-    """A core repeat's input by the plan's injection kind (models/depth_plan.py INJECTIONS), x and entry [r, H]."""
+    """A core repeat's input by the plan's injection kind (speedc/format/depth_plan.py INJECTIONS), x and entry [r, H]."""
     if decoder.injection_kind == "diagonal-decay":  # Parcae: decay * x + dt * (e B^T), per channel (one definition)
         return decoder.injection(x, entry)  # [r, H]
     return inject(x, entry, decoder.adapter.weight)

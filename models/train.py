@@ -31,6 +31,7 @@ from speedc.errors import SpeedcError
 from speedc.models.checkpoint.torch_io import load_checkpoint, model_from_state, write_atomic, write_checkpoint_files
 from speedc.models.checkpoint.files import TOKENIZER_FILE, TRAINING_FILE
 from speedc.models.config import ModelConfig
+from speedc.models.families import read_config
 from speedc.models.corpus import corpus_hash, load_documents
 from speedc.models.llama import SharedLlama
 from speedc.models.presets import PRESETS
@@ -265,7 +266,7 @@ def _new_run(out: Path, opts: TrainOptions, docs, digest: str):
         raise SpeedcError(f"--seq-len {opts.seq_len} is beyond the {opts.preset} preset's context of "
                           f"{preset['max_position_embeddings']} positions")
     tokenizer = train_tokenizer(docs, preset.pop("vocab_size"))
-    cfg = ModelConfig.from_json_dict({
+    cfg = read_config({
         "model_type": "llama", "vocab_size": tokenizer.get_vocab_size(),
         **{k: v for k, v in preset.items() if k not in ("layer_map", "exit_layer")},
         "speedc": {"layer_map": preset["layer_map"], "exit": {"layer": preset["exit_layer"], "norm": "own"}},

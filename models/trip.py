@@ -1,6 +1,6 @@
 r"""The one walker of a token's path: what happens between the layers of a depth plan, written once.
 
-    steps (LayerStep, models/depth_plan.py) ──┐
+    steps (LayerStep, speedc/format/depth_plan.py) ──┐
                                               ├─ walk ──> x after the last step
     ops (TripOps: this caller's tensors) ─────┘
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Protocol
 
-from speedc.models.depth_plan import DepthPlan, LayerStep
+from speedc.format.depth_plan import DepthPlan, LayerStep
 
 
 class TripOps(Protocol):

@@ -44,7 +44,9 @@ def description(name: str) -> str:
     """One line from the model's config.json: depth over shared blocks, width, vocabulary, size."""
     directory = ZOO_DIR / name
     cfg = json.loads((directory / CONFIG_FILE).read_text())
-    blocks = len(set(cfg["speedc"]["layer_map"]))  # bundled configs store the resolved list
+    speedc = cfg["speedc"]  # the depth plan (configs written since), else the resolved layer map
+    plan = speedc.get("depth")
+    blocks = len({*plan["prelude"], *plan["core"], *plan["coda"]}) if plan else len(set(speedc["layer_map"]))
     return (f"{cfg['num_hidden_layers']} layers over {blocks} shared blocks, hidden {cfg['hidden_size']}, "
             f"vocab {cfg['vocab_size']}, {_weight_bytes(directory) / 1e6:.1f} MB")
 

@@ -21,7 +21,7 @@ import onnx_graphsurgeon as gs
 
 from speedc.errors import BuildError
 from speedc.models.config import ModelConfig
-from speedc.models.depth_plan import DepthPlan
+from speedc.format.depth_plan import DepthPlan
 from speedc.models.checkpoint.tensor_source import TensorSource
 from speedc.format.graph_values import constant_nbytes
 from speedc.cost_model import Schedule

@@ -26,7 +26,7 @@ a sequence joins or leaves between steps. The standard graph concatenates the P 
 one buffer, runs one GroupQueryAttention a layer over it, written in place, and computes only the rows
 that hold a token (gqa_attention.BatchPool).
 
-A depth plan with a prelude or coda (models/depth_plan.py) gets its batch step from
+A depth plan with a prelude or coda (speedc/format/depth_plan.py) gets its batch step from
 passes/phase_step_program.py instead (slot 0 runs the prelude, each readout its coda with its own
 K/V); the heads below read its readouts. Standard graph only: the fused variant runs cycles. A cycle with
 cross-repeat attention (IQuest-Coder-V1-Loop) gets its step there too: its later slots attend otherwise than slot 0.

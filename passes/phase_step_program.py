@@ -1,4 +1,4 @@
-r"""The batch step of a depth plan with a prelude or a coda (models/depth_plan.py), traced from PyTorch.
+r"""The batch step of a depth plan with a prelude or a coda (speedc/format/depth_plan.py), traced from PyTorch.
 
 n sequences x P slots = R rows, slot-major (row s*n + b), as the cycle's batch step (passes/batch_step_graph.py);
 what differs is that slot 0's rows run the prelude first and each readout runs the coda on its own rows
@@ -48,9 +48,9 @@ from speedc.format import contract
 from speedc.format.cache_layout import CacheLayout
 from speedc.errors import BuildError
 from speedc.models.config import ModelConfig
-from speedc.models.depth_plan import SlotPlan
+from speedc.format.depth_plan import SlotPlan
 from speedc.models.llama import SharedLlama
-from speedc.models.depth_plan import PRELUDE
+from speedc.format.depth_plan import PRELUDE
 from speedc.models.row_layer import RowOps, layer_over_rows, row_context, rotary_inv_freq, step_cross_read
 from speedc.models.trip import read_out, walk
 from speedc.passes.trace import OPSET, WeightsAsInputs

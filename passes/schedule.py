@@ -25,8 +25,7 @@ def phases_pipeline(state: CompileState) -> bool:
     """Whether the graphs can pipeline the plan's prelude / coda: the decode program was traced with the
     same phases (and, with a coda, the draft readout's own coda at the same tap: trace.draft_coda)."""
     plan, traced, cfg = state.depth_plan, state.cfg.depth_plan, state.cfg
-    same = (len(plan.prelude), len(plan.core), plan.repeats, len(plan.coda)) == (
-        len(traced.prelude), len(traced.core), traced.repeats, len(traced.coda))
+    same = traced.fits(plan.layer_map) and traced.relabel(plan.layer_map) == plan  # the same trip over share's blocks
     return same and state.exit_layer == cfg.exit_layer and (draft_coda(cfg) or not plan.coda)
 
 
@@ -51,7 +50,7 @@ def found_plan_checkpoint(state: CompileState) -> tuple[ModelConfig, dict[str, T
         block = state.layer_map[layer]
         if state.layer_map.index(block) == layer:  # later copies of the block are the same values
             weights[f"model.blocks.{block}.{match.group(2)}"] = source
-    found = dataclasses.replace(cfg, layer_map=list(state.layer_map), exit_layer=state.exit_layer, depth_plan=plan)
+    found = dataclasses.replace(cfg, exit_layer=state.exit_layer, depth_plan=plan)
     return found, weights
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from speedc.errors import BuildError
-from speedc.models.depth_plan import fit_plan
+from speedc.format.depth_plan import fit_plan
 from speedc.models.layer_map import describe_layer_map, first_pass_length
 from speedc.passes.base import CompileState, register_pass
 from speedc.models.checkpoint.tensor_source import same_values
@@ -128,11 +128,9 @@ def model_tensor_aliases(cfg, layer_map: list[int], merged_into: dict[str, gs.Co
     renamed after the last block reading it), each -> the name now holding its values: the weight index lists
     them as views, so the model rebuilds from the artifact (PyTorch backend, peers) with every tensor.
     An unrolled checkpoint's later layers are not tensors of the compiled model and get none."""
-    import dataclasses
-
     from speedc.models.checkpoint.torch_io import expected_shapes
 
-    tensors = expected_shapes(dataclasses.replace(cfg, layer_map=list(layer_map)))
+    tensors = expected_shapes(cfg.with_layer_map(layer_map))
     return {name: twin.name for name, twin in merged_into.items() if name in tensors and name != twin.name}
 
 

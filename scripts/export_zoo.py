@@ -39,13 +39,15 @@ def main() -> None:
     config = json.loads((out / "config.json").read_text())
     last = state["history"][-1]
     params = sum(v.numel() for v in tensors.values())
+    plan = config["speedc"]["depth"]  # the layer map is the depth plan's: prelude, core x repeats, coda
+    layer_map = [*plan["prelude"], *plan["core"] * plan["repeats"], *plan["coda"]]
     card = f"""# speedc zoo model `{args.name}`
 
 A shared-weight Llama-style decoder trained by speedc on the bundled Shakespeare corpus.
 
 | | |
 |---|---|
-| shape | {config['num_hidden_layers']} logical layers over {config['speedc']['layer_map']}, hidden {config['hidden_size']}, MLP {config['intermediate_size']}, heads {config['num_attention_heads']} ({config['num_key_value_heads']} kv), vocab {config['vocab_size']} (byte-level BPE), context {config['max_position_embeddings']} |
+| shape | {config['num_hidden_layers']} logical layers over {layer_map}, hidden {config['hidden_size']}, MLP {config['intermediate_size']}, heads {config['num_attention_heads']} ({config['num_key_value_heads']} kv), vocab {config['vocab_size']} (byte-level BPE), context {config['max_position_embeddings']} |
 | early exit | after layer {config['speedc']['exit']['layer']}, own RMSNorm, shared (tied) LM head |
 | unique parameters | {params:,} ({args.dtype} storage, {(out / 'model.safetensors').stat().st_size / 1e6:.1f} MB) |
 | corpus | {', '.join(state['corpus'])}: sha256 `{state['corpus_sha256']}`, {state['corpus_tokens']['train']:,} train / {state['corpus_tokens']['val']:,} validation tokens |

@@ -259,7 +259,7 @@ def artifact_manifest(state: CompileState, checkpoint: Path, specs, index, repor
                "eos_token_ids": list(cfg.eos_token_ids),
                "num_unique_blocks": max(state.layer_map) + 1, "exit_norm": state.exit_norm,
                "bos_token_id": cfg.bos_token_id, "architecture": cfg.architecture},
-        layer_map=state.layer_map, exit_layer=state.exit_layer, schedule=state.schedule.to_json(), dtype=options.dtype,
+        exit_layer=state.exit_layer, schedule=state.schedule.to_json(), dtype=options.dtype,
         target=options.target, graphs=specs,
         weights={"file": WEIGHTS, "unique_bytes_fp32": unique_bytes, "unrolled_bytes_fp32": unrolled_bytes,
                  "stored_bytes": sum(e["length"] for e in stored_entries(index).values()), "index": index,

@@ -2,7 +2,7 @@
 
 Standard library only (no torch, no numpy), so the runtime path, bench and inspect can use it.
 
-The model's depth plan (models/depth_plan.py: prelude, core x R, coda) says which P are possible: P
+The model's depth plan (speedc/format/depth_plan.py: prelude, core x R, coda) says which P are possible: P
 divides the core repeats R, each slot runs K = R/P of them (a stage of S = K x core layers, the same
 block sequence in every slot, so one weight load serves all P slots), and the draft tap lies in slot 0.
 A plan with a prelude or coda is pipelined only where the graphs run those phases (plain engine else).
@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 from speedc.errors import BuildError
 from speedc.format.cache_layout import CacheLayout
-from speedc.models.depth_plan import DepthPlan
+from speedc.format.depth_plan import DepthPlan
 
 # beta of the assumed c(P) = 1 + beta (P - 1); not a measurement. 0.2: c(4) = 1.6 and c(8) = 2.4, the middle
 # of what this project measured on its 2-core CPU (SPEED.md, README): c(4) 1.15-1.4 for fp32 steps at the

@@ -207,10 +207,9 @@ def _render_weights(console, info: dict) -> None:
 
 
 def _render_schedule(console, sched: dict) -> None:
-    if sched.get("depth_plan"):  # artifacts built before the depth plan have none
-        from speedc.models.depth_plan import DepthPlan
+    from speedc.format.depth_plan import DepthPlan
 
-        console.print(f"depth plan: {DepthPlan.from_json(sched['depth_plan']).describe()}")
+    console.print(f"depth plan: {DepthPlan.from_json(sched['depth_plan']).describe()}")
     console.print(f"schedule: P={sched['slots']} slots x S={sched['stage_layers']} layers; {sched['reason']}")
     for s, layers in enumerate(sched["slot_layers"]):
         console.print(f"  slot {s}: logical layers {layers[0]}..{layers[-1]} (blocks {sched['stage_blocks']})")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from speedc.models.config import ModelConfig
+from speedc.models.families import read_config
 
 # Small models run fastest single-threaded, and a second training or test process on a 2-core
 # machine would otherwise make OpenMP threads spin against each other.
@@ -22,7 +23,7 @@ ZOO_MODELS = [name for name in ("tiny", "small") if (ZOO / name / "model.safeten
 def random_config(*, vocab=97, hidden=32, heads=4, kv_heads=2, layers=6, layer_map=None, blocks=2, exit_layer=None,
                   exit_norm="own", tie=True, theta=10000.0, intermediate=48, context=128) -> ModelConfig:
     spec = layer_map if layer_map is not None else {"pattern": "cycle", "num_blocks": blocks}
-    return ModelConfig.from_json_dict({
+    return read_config({
         "model_type": "llama", "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": intermediate,
         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
         "rope_theta": theta, "max_position_embeddings": context, "tie_word_embeddings": tie,

@@ -32,6 +32,7 @@ from speedc.errors import CheckpointError
 from speedc.models.checkpoint.files import (CONFIG_FILE, INDEX_FILE, TOKENIZER_FILE, WEIGHTS_FILE, generation_eos_ids,
                                            token_ids)
 from speedc.models.config import ModelConfig
+from speedc.models.families import load_config
 from speedc.models.families import FAMILIES
 from speedc.models.llama import SharedLlama
 from speedc.models.checkpoint.tensor_source import TensorSource, safetensors_sources, same_values
@@ -123,7 +124,7 @@ def open_checkpoint(path: str | Path, *, allow_pickle: bool = False) -> tuple[Mo
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a checkpoint directory")
     raw_config_path = directory / CONFIG_FILE
-    cfg = with_generation_token_ids(ModelConfig.load(raw_config_path), directory)
+    cfg = with_generation_token_ids(load_config(raw_config_path), directory)
     sources, weights_path = _read_weights(directory, allow_pickle)
     family = FAMILIES[cfg.architecture]
     ignored = family.ignored_tensors

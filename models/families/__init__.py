@@ -12,12 +12,14 @@ consumer branches on a family's name.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from speedc.errors import CheckpointError
 
-ConfigReader = Callable[[dict], "ModelConfig"]  # noqa: F821 (models.config imports this module lazily)
+ConfigReader = Callable[[dict], "ModelConfig"]  # noqa: F821 (a family module's reader; they import models.config)
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,20 @@ UNIMPLEMENTED_OPTIONS = {
 }
 
 
+def load_config(path: Path):
+    """The ModelConfig of a config.json of any registered family."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as bad:
+        raise CheckpointError(f"{path}: not valid JSON ({bad})") from None
+    return read_config(data)
+
+
 def read_config(data: dict[str, Any]):
+    """The ModelConfig of a config.json's contents (DATA), read by its family."""
     if not isinstance(data, dict):
         raise CheckpointError("config.json: top level must be an object")
     family = family_of(data)

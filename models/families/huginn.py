@@ -27,7 +27,7 @@ import numpy as np
 
 from speedc.errors import CheckpointError
 from speedc.models.config import ModelConfig
-from speedc.models.depth_plan import DepthPlan
+from speedc.format.depth_plan import DepthPlan
 from speedc.models.families import Family, boolean, common_fields, positive_int, refuse_options, register_family
 
 INJECTION = "adapter-concat"
@@ -62,8 +62,7 @@ def depth_plan(data: dict[str, Any], recurrence: int | None = None) -> DepthPlan
         raise CheckpointError(f"config.json: n_layers_in_coda must be a non-negative integer, got {coda!r}")
     repeats = recurrence if recurrence is not None else positive_int(data, "mean_recurrence", 32)
     return DepthPlan(tuple(range(prelude)), tuple(range(prelude, prelude + core)), repeats,
-                     tuple(range(prelude + core, prelude + core + coda)), loop_norm=False, final_norm=True,
-                     injection=INJECTION, readout_norm=True, state_std=random_state_std(hidden))
+                     tuple(range(prelude + core, prelude + core + coda)), injection=INJECTION, readout_norm=True, state_std=random_state_std(hidden))
 
 
 def random_state_std(hidden: Any) -> float:
@@ -90,10 +89,10 @@ def read_config(data: dict[str, Any]) -> ModelConfig:
                                                                       default=True)))
     for key in ("rope_parameters", "rope_scaling", "attention_bias", "mlp_bias", "hidden_act"):
         fields.pop(key, None)  # not Huginn keys: its own are checked above
-    return ModelConfig(num_hidden_layers=plan.num_layers, layer_map=plan.layer_map, exit_layer=plan.first_repeat_end(),
+    return ModelConfig(depth_plan=plan, exit_layer=plan.first_repeat_end(),
                        exit_norm="final", architecture="huginn", sandwich_norms=True, post_norms=True,
                        qk_bias=boolean("qk_bias", data.get("qk_bias", True)), embed_scale=math.sqrt(hidden),
-                       loop_norm=False, final_norm=True, depth_plan=plan, **common_fields(fields))
+                       **common_fields(fields))
 
 
 def half_split_order(heads: int, head_dim: int) -> np.ndarray:

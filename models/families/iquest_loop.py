@@ -21,7 +21,7 @@ from typing import Any
 
 from speedc.errors import CheckpointError
 from speedc.models.config import ModelConfig
-from speedc.models.depth_plan import DepthPlan
+from speedc.format.depth_plan import DepthPlan
 from speedc.models.families import Family, common_fields, off, positive_int, refuse_options, register_family
 
 REFUSED = {
@@ -46,9 +46,8 @@ def read_config(data: dict[str, Any]) -> ModelConfig:
         raise CheckpointError(f"config.json: IQuestLoopCoder head_dim={fields['head_dim']} differs from hidden_size / "
                               f"num_attention_heads = {derived} (the published implementations disagree there)")
     plan = DepthPlan((), tuple(range(layers)), loops, cross_window=window)
-    return ModelConfig(num_hidden_layers=plan.num_layers, layer_map=plan.layer_map, exit_layer=plan.first_repeat_end(),
-                       exit_norm="final", architecture="iquest_loop", loop_norm=False, final_norm=True,
-                       depth_plan=plan, **fields)
+    return ModelConfig(depth_plan=plan, exit_layer=plan.first_repeat_end(),
+                       exit_norm="final", architecture="iquest_loop", **fields)
 
 
 def config_notes(data: dict[str, Any]) -> list[str]:

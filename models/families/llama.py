@@ -9,7 +9,7 @@ from typing import Any
 from speedc.errors import CheckpointError
 from speedc.models.config import CONFIG_FORMAT_VERSION, ModelConfig
 from speedc.models.families import Family, boolean, common_fields, integer, positive_int, register_family, section
-from speedc.models.depth_plan import DepthPlan
+from speedc.format.depth_plan import DepthPlan
 from speedc.models.layer_map import first_pass_length, resolve_layer_map
 
 
@@ -23,15 +23,25 @@ def read_config(data: dict[str, Any]) -> ModelConfig:
     if speedc.get("format_version", CONFIG_FORMAT_VERSION) != CONFIG_FORMAT_VERSION:
         raise CheckpointError(f"config.json: speedc.format_version {speedc['format_version']!r} is not one this speedc "
                               f"reads ({CONFIG_FORMAT_VERSION})")
-    layer_map = resolve_layer_map(speedc["layer_map"], num_layers) if "layer_map" in speedc else list(range(num_layers))
-    # speedc.depth: the depth plan a build recorded (models/depth_plan.py); else derived from the layer map
+    # speedc.depth: the depth plan a build recorded (speedc/format/depth_plan.py: its layer map too); else the plan
+    # is derived from speedc.layer_map (configs written by hand, or before the plan was recorded)
     plan = DepthPlan.from_json(section(data, "speedc", "depth")) if speedc.get("depth") else None
+    if "layer_map" in speedc:
+        layer_map = resolve_layer_map(speedc["layer_map"], num_layers)
+    elif plan is not None:
+        if plan.num_layers != num_layers:
+            raise CheckpointError(f"config.json: speedc.depth ({plan.describe()}) does not fit the layer map of "
+                                  f"{num_layers} layers (num_hidden_layers)")
+        layer_map = plan.layer_map
+    else:
+        layer_map = list(range(num_layers))
     if plan is not None and not plan.fits(layer_map):
         raise CheckpointError(f"config.json: speedc.depth ({plan.describe()}) does not fit the layer map {layer_map}")
     exit_section, block = section(data, "speedc", "exit"), section(data, "speedc", "block")
     try:
-        return ModelConfig(
-            num_hidden_layers=num_layers, layer_map=layer_map,
+        return ModelConfig.from_layer_map(
+            layer_map, loop_norm=_plan_norm(plan, block, "loop_norm", False),
+            final_norm=_plan_norm(plan, block, "final_norm", True), declared=plan,
             exit_layer=integer(data, "speedc.exit.layer", exit_section.get("layer", first_pass_length(layer_map))),
             exit_norm=exit_section.get("norm", "final"),
             architecture=str(block.get("architecture", "llama")),
@@ -43,8 +53,7 @@ def read_config(data: dict[str, Any]) -> ModelConfig:
             mlp_act=str(block.get("mlp_act", "silu-gated")),
             value_embed_blocks=tuple(integer(data, "speedc.block.value_embed_blocks", b)
                                      for b in block.get("value_embed_blocks", ())),
-            loop_norm=_plan_norm(plan, block, "loop_norm", False), final_norm=_plan_norm(plan, block, "final_norm", True),
-            depth_plan=plan, **common_fields(data))
+            **common_fields(data))
     except (TypeError, ValueError) as bad:
         raise CheckpointError(f"config.json: {bad}") from None
 

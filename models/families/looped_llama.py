@@ -1,6 +1,6 @@
 """Family `looped_llama`: a Llama decoder whose middle layers loop (prelude, core x loops, coda), each
 unique layer stored once under Llama's tensor names. The whole description is a depth plan
-(models/depth_plan.py); nothing downstream knows this family.
+(speedc/format/depth_plan.py); nothing downstream knows this family.
 
     config.json: LlamaForCausalLM's fields, architectures ["LoopedLlamaForCausalLM"], model_type
     "looped_llama", num_hidden_layers = the stored (unique) layers, and
@@ -29,7 +29,7 @@ from typing import Any
 
 from speedc.errors import CheckpointError
 from speedc.models.config import ModelConfig
-from speedc.models.depth_plan import DepthPlan
+from speedc.format.depth_plan import DepthPlan
 from speedc.models.families import Family, boolean, common_fields, integer, positive_int, register_family
 
 
@@ -52,9 +52,8 @@ def depth_plan(data: dict[str, Any]) -> DepthPlan:
 def read_config(data: dict[str, Any]) -> ModelConfig:
     plan = depth_plan(data)
     draft_norm = "none" if plan.loop_norm else "final"  # a loop-normed state is read as it is
-    return ModelConfig(num_hidden_layers=plan.num_layers, layer_map=plan.layer_map, exit_layer=plan.first_repeat_end(),
-                       exit_norm=draft_norm, architecture="looped_llama", loop_norm=plan.loop_norm,
-                       final_norm=plan.final_norm, depth_plan=plan, **common_fields(data))
+    return ModelConfig(depth_plan=plan, exit_layer=plan.first_repeat_end(),
+                       exit_norm=draft_norm, architecture="looped_llama", **common_fields(data))
 
 
 def config_notes(data: dict[str, Any]) -> list[str]:

@@ -17,7 +17,7 @@ from typing import Any
 
 from speedc.models.config import ModelConfig
 from speedc.models.families import Family, common_fields, off, positive_int, refuse_options, register_family
-from speedc.models.depth_plan import looped_plan
+from speedc.format.depth_plan import looped_plan
 
 
 REFUSED = {name: off for name in (
@@ -40,9 +40,9 @@ def read_config(data: dict[str, Any]) -> ModelConfig:
     loops = loop_count(data)
     skip = bool(data.get("skip_loop_final_norm", False))
     plan = looped_plan(layers, loops, loop_norm=not skip, final_norm=skip)
-    return ModelConfig(num_hidden_layers=plan.num_layers, layer_map=plan.layer_map, exit_layer=plan.first_repeat_end(),
+    return ModelConfig(depth_plan=plan, exit_layer=plan.first_repeat_end(),
                        exit_norm="final" if skip else "none", architecture="nanbeige", sandwich_norms=False,
-                       loop_norm=plan.loop_norm, final_norm=plan.final_norm, depth_plan=plan, **common_fields(data))
+                       **common_fields(data))
 
 
 def config_notes(data: dict[str, Any]) -> list[str]:

@@ -19,7 +19,7 @@ from typing import Any
 
 from speedc.models.config import ModelConfig
 from speedc.models.families import Family, common_fields, positive_int, refuse_options, register_family
-from speedc.models.depth_plan import looped_plan
+from speedc.format.depth_plan import looped_plan
 
 # Options that would change the computation; None / False is what the checkpoints ship (sliding window and
 # layer types: models/families/__init__.py UNIMPLEMENTED_ATTENTION, for every family).
@@ -35,9 +35,8 @@ def read_config(data: dict[str, Any]) -> ModelConfig:
     layers = positive_int(data, "num_hidden_layers")
     loops = positive_int(data, "total_ut_steps", default=4)
     plan = looped_plan(layers, loops, loop_norm=True, final_norm=False)  # model.norm after every loop, none after
-    return ModelConfig(num_hidden_layers=plan.num_layers, layer_map=plan.layer_map, exit_layer=plan.first_repeat_end(),
-                       exit_norm="none", architecture="ouro", sandwich_norms=True, loop_norm=plan.loop_norm,
-                       final_norm=plan.final_norm, depth_plan=plan, **common_fields(data))
+    return ModelConfig(depth_plan=plan, exit_layer=plan.first_repeat_end(),
+                       exit_norm="none", architecture="ouro", sandwich_norms=True, **common_fields(data))
 
 
 def config_notes(data: dict[str, Any]) -> list[str]:

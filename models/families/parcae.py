@@ -36,7 +36,7 @@ from typing import Any
 
 from speedc.errors import CheckpointError
 from speedc.models.config import ModelConfig
-from speedc.models.depth_plan import DepthPlan
+from speedc.format.depth_plan import DepthPlan
 from speedc.models.families import Family, boolean, common_fields, positive_int, refuse_options, register_family
 from speedc.models.families.huginn import half_split_order
 
@@ -107,8 +107,7 @@ def value_embedding_use(data: dict[str, Any]) -> tuple[set[int], set[int]]:
 def depth_plan(data: dict[str, Any], hidden: int) -> DepthPlan:
     prelude, core, coda, repeats = phases(data)
     return DepthPlan(tuple(range(prelude)), tuple(range(prelude, prelude + core)), repeats,
-                     tuple(range(prelude + core, prelude + core + coda)), loop_norm=False, final_norm=True,
-                     injection=INJECTION, prelude_norm=boolean("prelude_norm", data.get("prelude_norm", False)),
+                     tuple(range(prelude + core, prelude + core + coda)), injection=INJECTION, prelude_norm=boolean("prelude_norm", data.get("prelude_norm", False)),
                      readout_projection=True, state_std=math.sqrt(2 / (5 * hidden)))  # like-init: the embedding's std
 
 
@@ -153,10 +152,9 @@ def read_config(data: dict[str, Any]) -> ModelConfig:
               "rope_theta": rope.get("rope_base", 50000), "max_position_embeddings": data.get("block_size", 4096),
               "tie_word_embeddings": boolean("tie_embeddings", data.get("tie_embeddings", False))}
     fields.update({key: data[key] for key in ("bos_token_id", "eos_token_id") if key in data})
-    return ModelConfig(num_hidden_layers=plan.num_layers, layer_map=plan.layer_map, exit_layer=plan.first_repeat_end(),
+    return ModelConfig(depth_plan=plan, exit_layer=plan.first_repeat_end(),
                        exit_norm="final", architecture="parcae", qk_norm=boolean("qk_norm", data.get("qk_norm", False)),
-                       mlp_act="relu2", value_embed_blocks=tuple(sorted(tables & gates)), loop_norm=False, final_norm=True,
-                       depth_plan=plan, **common_fields(fields))
+                       mlp_act="relu2", value_embed_blocks=tuple(sorted(tables & gates)), **common_fields(fields))
 
 
 def map_tensors(sources: dict, cfg: ModelConfig) -> dict:

@@ -102,8 +102,7 @@ def _disabled_optimizers(manifest: Manifest) -> list[str]:
     feed both attentions, a step's do not, so one program got FusedMatMul and the other MatMul, and their
     sums rounded apart (logits 1e-6 apart in fp32; at int4 the activations' int8 rounding made that 1e-2,
     and a greedy id differed). Without the rewrite both run MatMul on the same terms: bit-identical."""
-    plan = manifest.depth_plan or {}
-    return ["MatmulTransposeFusion"] if plan.get("cross_window") else []
+    return ["MatmulTransposeFusion"] if manifest.depth_plan.cross_window else []
 
 
 _said_unavailable = False

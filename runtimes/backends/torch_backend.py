@@ -36,7 +36,7 @@ from speedc.format.cache_layout import CORE, CacheLayout
 from speedc.format.artifact import (CONFIG, Manifest, checkpoint_tensor_names, dequantized_weights, is_quantized,
                              read_weight)
 from speedc.errors import GenerationError, OutOfMemory, SpeedcError
-from speedc.models.config import ModelConfig
+from speedc.models.families import load_config
 from speedc.models.llama import SharedLlama
 from speedc.models.row_layer import (CrossRead, RowContext, RowOps, layer_over_rows, rotary_inv_freq, row_context,
                                      step_cross_read)
@@ -50,9 +50,9 @@ def load_model_from_artifact(directory: Path, manifest: Manifest) -> SharedLlama
     """The artifact's weights as a PyTorch SharedLlama, with the layer map and exit the compiler chose."""
     from speedc.models.checkpoint.torch_io import model_from_state  # imports safetensors: not needed by from_model
 
-    base = ModelConfig.load(directory / CONFIG)
+    base = load_config(directory / CONFIG)
     # The artifact's layer map is the one the share pass derived from the weights.
-    cfg = dataclasses.replace(base, layer_map=list(manifest.layer_map), exit_layer=manifest.exit_layer,
+    cfg = dataclasses.replace(base.with_layer_map(manifest.layer_map), exit_layer=manifest.exit_layer,
                               exit_norm=manifest.dims.exit_norm)
     tensors = {name: torch.from_numpy(np.array(read_weight(directory, manifest, name), dtype=np.float32))
                for name in checkpoint_tensor_names(manifest)}
@@ -142,9 +142,10 @@ class TorchBackend:
         self.model = model.to(self.device).eval()
         self.cfg = cfg
         self.dtype = next(self.model.parameters()).dtype  # the pool and every product in the weights' precision
-        self.slots, self.stage_layers, self.num_layers = slots, cfg.num_hidden_layers // slots, cfg.num_hidden_layers
+        pipeline = cfg.depth_plan.pipeline(slots, cfg.exit_layer)
+        self.slots, self.stage_layers, self.num_layers = slots, pipeline.stage_layers, cfg.num_hidden_layers
         self.layout = CacheLayout.cycle(self.stage_layers, slots)  # logical layer -> its [stage layer, slot] slab
-        self.stage_steps = cfg.depth_plan.pipeline(slots, cfg.exit_layer).entry_steps()  # a cycle's stage (slot 0's share)
+        self.stage_steps = pipeline.entry_steps()  # a cycle's stage (slot 0's share)
         self.vocab_size, self.max_context = cfg.vocab_size, context
         self.kv_heads, self.head_dim, self.hidden_size = cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
         self.check_width = contract.candidate_count(self.vocab_size)  # K of an early-flush check's candidates

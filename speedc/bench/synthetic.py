@@ -137,18 +137,18 @@ def layers_that_fit(shape: Shape, requested: int | None = None) -> int:
 def shape_config(shape: Shape, layers: int):
     """ModelConfig of SHAPE with LAYERS unique blocks looped shape.loops times."""
     from speedc.models.config import ModelConfig
-    from speedc.models.depth_plan import DepthPlan
+    from speedc.format.depth_plan import DepthPlan
     from speedc.models.layer_map import cycle_map
 
     n = layers * shape.loops
     cross = DepthPlan((), tuple(range(layers)), shape.loops, cross_window=shape.cross_window) if shape.cross_window else None
-    return ModelConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-                       num_hidden_layers=n, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-                       layer_map=cycle_map(n, layers), exit_layer=layers, head_dim=shape.head_dim,
-                       exit_norm="none" if shape.looped else "final" if cross else "own", max_position_embeddings=1024,
-                       tie_word_embeddings=shape.tied, sandwich_norms=shape.sandwich_norms, loop_norm=shape.looped,
-                       final_norm=not shape.looped, depth_plan=cross,
-                       architecture=shape.name.split("-")[0] if shape.looped else "iquest_loop" if cross else "llama")
+    return ModelConfig.from_layer_map(
+        cycle_map(n, layers), loop_norm=shape.looped, final_norm=not shape.looped, declared=cross,
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, exit_layer=layers, head_dim=shape.head_dim,
+        exit_norm="none" if shape.looped else "final" if cross else "own", max_position_embeddings=1024,
+        tie_word_embeddings=shape.tied, sandwich_norms=shape.sandwich_norms,
+        architecture=shape.name.split("-")[0] if shape.looped else "iquest_loop" if cross else "llama")
 
 
 def pipeline_depths(shape: Shape, layers: int) -> list[int]:

@@ -37,11 +37,13 @@ from typing import Any, Callable
 import numpy as np
 
 from speedc.format import contract
+from speedc.format.depth_plan import DepthPlan
 from speedc.format.manifest_view import ModelDims, WeightStore
 from speedc.errors import ArtifactError, BuildError, CheckpointError
 
-FORMAT_VERSION = 4  # 2: the single-sequence step, step_flush and cache-writer graphs are gone; 3: one engine graph per
-# variant; 4: the schedule's depth plan names its loop-boundary norm loop_norm (was repeat_norm)
+FORMAT_VERSION = 5  # 2: the single-sequence step, step_flush and cache-writer graphs are gone; 3: one engine graph per
+# variant; 4: the schedule's depth plan names its loop-boundary norm loop_norm (was repeat_norm); 5: the layer map
+# is the depth plan's (schedule.depth_plan, always present), not a field beside it
 WEIGHT_PREFIXES = ("model.", "lm_head.")  # checkpoint tensor names (native or Hugging Face layout)
 MANIFEST = "manifest.json"
 # The ONNX IR version graphs are written at: every ONNX Runtime speedc supports reads it (a newer onnx's
@@ -73,7 +75,6 @@ class Manifest:
     onnx_opset: int
     source_checkpoint_sha256: str
     model: dict[str, Any]  # vocab_size, hidden_size, num_layers, num_kv_heads, head_dim, max_context, eos_token_id
-    layer_map: list[int]
     exit_layer: int
     schedule: dict[str, Any]  # passes.schedule.Schedule as JSON
     dtype: str
@@ -98,11 +99,19 @@ class Manifest:
     def stage_layers(self) -> int:
         return int(self.schedule["stage_layers"])
 
+    @cached_property
+    def depth_plan(self) -> DepthPlan:
+        """The phases of a token's trip the graphs were built for (the schedule's)."""
+        try:
+            return DepthPlan.from_json(self.schedule["depth_plan"])
+        except (CheckpointError, KeyError, TypeError) as bad:
+            raise ArtifactError(f"manifest: the schedule's depth plan is missing or malformed ({bad}); rebuild the "
+                                "artifact") from None
+
     @property
-    def depth_plan(self) -> dict | None:
-        """The schedule's depth plan as serialised (models/depth_plan.py DepthPlan.to_json; None in manifests
-        written before plans were stored: one cycle)."""
-        return self.schedule.get("depth_plan")
+    def layer_map(self) -> list[int]:
+        """Logical layer -> its block: the depth plan's."""
+        return self.depth_plan.layer_map
 
     @cached_property
     def dims(self) -> ModelDims:

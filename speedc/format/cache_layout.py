@@ -1,6 +1,6 @@
 """The KV-cache layout: where each logical layer's K/V lives, for every graph and backend.
 
-A token's trip through the model is a depth plan (models/depth_plan.py; the manifest records it as
+A token's trip through the model is a depth plan (speedc/format/depth_plan.py; the manifest records it as
 JSON): prelude layers once, a core of C layers repeated R times, coda layers at each readout. In
 the SPEED pipeline P slots each run K = R/P core repeats; one stage is S = K*C layers (slot 0 also
 runs the prelude, see below). Every K/V row belongs to one (phase, column, layer) address:
@@ -66,11 +66,6 @@ class CacheLayout:
         return cls(0, stage_layers, slots)
 
     @classmethod
-    def from_plan(cls, plan: dict, slots: int) -> "CacheLayout":
-        """From a depth plan's JSON (models/depth_plan.DepthPlan.to_json, in the manifest) pipelined over SLOTS."""
-        return cls.from_phases(len(plan["prelude"]), len(plan["core"]), int(plan["repeats"]), len(plan["coda"]), slots)
-
-    @classmethod
     def from_phases(cls, prelude: int, core: int, repeats: int, coda: int, slots: int) -> "CacheLayout":
         """A trip of PRELUDE layers, a CORE-layer core run REPEATS times and CODA layers, pipelined over SLOTS."""
         if slots == 1:  # the plain engine runs the whole trip as one stage
@@ -81,11 +76,8 @@ class CacheLayout:
 
     @classmethod
     def from_manifest(cls, manifest) -> "CacheLayout":
-        """The layout an artifact's graphs were built for (manifests before the depth plan: one cycle)."""
-        plan = manifest.depth_plan
-        if plan is None:
-            return cls.cycle(manifest.stage_layers, manifest.slots)
-        return cls.from_plan(plan, manifest.slots)
+        """The layout an artifact's graphs were built for."""
+        return manifest.depth_plan.cache_layout(manifest.slots)
 
     # ---- addressing --------------------------------------------------------------------------
     @property

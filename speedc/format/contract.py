@@ -197,7 +197,7 @@ class Dims:
     def from_manifest(cls, manifest) -> "Dims":
         model = manifest.dims
         plan = manifest.depth_plan if manifest.slots > 1 else None
-        phases = (len(plan["prelude"]), len(plan["coda"])) if plan else (0, 0)
+        phases = (len(plan.prelude), len(plan.coda)) if plan else (0, 0)
         return cls(manifest.slots, manifest.stage_layers, model.num_layers, model.kv_heads, model.head_dim,
                    model.hidden_size, model.vocab_size, *phases, model.state_width, model.initial_state is not None)
 

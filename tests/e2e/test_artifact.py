@@ -16,7 +16,7 @@ import pytest
 
 from conftest import (ZOO, assert_one_line_error, build_artifact, onnx_graphs, onnx_nodes, random_config, randomize,
                       run_cli)
-from speedc.format.artifact import read_manifest, read_weight
+from speedc.format.artifact import FORMAT_VERSION, read_manifest, read_weight
 from speedc.errors import ArtifactError
 from speedc.models.checkpoint.torch_io import load_model, save_unrolled_hf
 from speedc.models.llama import SharedLlama
@@ -48,7 +48,7 @@ def test_artifact_layout_and_weight_bytes(tiny_artifact):
         rows = [read_weight(tiny_artifact, m, part) for part in index[name]["parts"]]
         assert all(index[part]["within"] == name for part in index[name]["parts"])
         np.testing.assert_array_equal(np.concatenate(rows), read_weight(tiny_artifact, m, name))
-    assert m.source_checkpoint_sha256 and m.onnx_opset == 17 and m.format_version == 4
+    assert m.source_checkpoint_sha256 and m.onnx_opset == 17 and m.format_version == FORMAT_VERSION
     assert [p["name"] for p in m.build["passes"]] == ["trace", "share", "schedule", "batch_step_graph", "exit_heads",
                                                       "kv_cache", "gqa_attention", "fuse_projections", "cleanup",
                                                       "fuse_skip_norm", "quantize_weights", "untie_head", "trt_lint",

@@ -35,8 +35,8 @@ from speedc.errors import CheckpointError, SpeedcError
 from speedc.format.artifact import read_manifest
 from speedc.models.checkpoint.tensor_source import safetensors_sources
 from speedc.models.checkpoint.torch_io import load_model
-from speedc.models.config import ModelConfig
-from speedc.models.depth_plan import DepthPlan
+from speedc.models.families import load_config
+from speedc.format.depth_plan import DepthPlan
 from speedc.passes.base import BuildOptions
 
 NEW_TOKENS = 12
@@ -57,7 +57,7 @@ def case(request, tmp_path_factory):
 def test_config_emits_the_recurrent_depth_plan(case):
     name, directory, _, _ = case
     p, c = CASES[name].get("prelude", 1), CASES[name].get("coda", 1)
-    cfg = ModelConfig.load(directory / "config.json")
+    cfg = load_config(directory / "config.json")
     assert cfg.architecture == "huginn" and cfg.post_norms and cfg.sandwich_norms and cfg.qk_bias
     assert cfg.depth_plan == DepthPlan(tuple(range(p)), (p, p + 1), 4, tuple(range(p + 2, p + 2 + c)), loop_norm=False,
                                        final_norm=True, injection="adapter-concat", readout_norm=True, state_std=0.4 ** 0.5)
@@ -183,7 +183,7 @@ def test_bad_config_is_one_line(tmp_path, change, message):
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(CheckpointError) as error:
-        ModelConfig.load(directory / "config.json")
+        load_config(directory / "config.json")
     assert "\n" not in str(error.value) and message in str(error.value)
 
 

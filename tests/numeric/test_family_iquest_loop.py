@@ -25,8 +25,8 @@ from speedc.errors import CheckpointError
 from speedc.format import contract
 from speedc.format.artifact import read_manifest
 from speedc.models.checkpoint.torch_io import load_model, open_checkpoint
-from speedc.models.config import ModelConfig
-from speedc.models.depth_plan import DepthPlan
+from speedc.models.families import load_config
+from speedc.format.depth_plan import DepthPlan
 from speedc.passes.base import BuildOptions
 
 LAYERS, VOCAB, WINDOW = 2, 96, 3
@@ -46,7 +46,7 @@ def prompts() -> list[list[int]]:
 
 def test_family_reads_the_published_config(case):
     directory, _, _ = case
-    cfg = ModelConfig.load(directory / "config.json")
+    cfg = load_config(directory / "config.json")
     assert cfg.architecture == "iquest_loop"
     assert cfg.depth_plan == DepthPlan((), tuple(range(LAYERS)), 2, cross_window=WINDOW)
     assert cfg.layer_map == [0, 1, 0, 1] and cfg.exit_layer == LAYERS and cfg.exit_norm == "final"
@@ -73,7 +73,7 @@ def test_artifact_pipelines_one_loop_a_slot(case):
     _, _, artifact = case
     manifest = read_manifest(artifact)
     assert manifest.slots == 2
-    assert DepthPlan.from_json(manifest.depth_plan).cross_window == WINDOW
+    assert manifest.depth_plan.cross_window == WINDOW
     assert contract.fused(contract.ENGINE) not in manifest.graphs  # two gated attentions: standard graphs only
 
 
@@ -166,7 +166,7 @@ def test_plain_engine_at_p1(case, tmp_path):
 def test_refused_options_are_one_line(tmp_path, key, value, named):
     directory = write_iquest(tmp_path / "ckpt", layers=1, vocab=VOCAB, extra_config={key: value})
     with pytest.raises(CheckpointError) as error:
-        ModelConfig.load(directory / "config.json")
+        load_config(directory / "config.json")
     assert "\n" not in str(error.value) and named in str(error.value)
 
 

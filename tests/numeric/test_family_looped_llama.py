@@ -34,8 +34,8 @@ from speedc.format.artifact import read_manifest
 from speedc.build import build
 from speedc.errors import CheckpointError
 from speedc.models.checkpoint.torch_io import load_model
-from speedc.models.config import ModelConfig
-from speedc.models.depth_plan import DepthPlan
+from speedc.models.families import load_config
+from speedc.format.depth_plan import DepthPlan
 from speedc.passes.base import BuildOptions
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 96, 64, 4, 2, 16, 128
@@ -112,7 +112,7 @@ def case(request, tmp_path_factory):
 
 def test_family_emits_its_depth_plan(case):
     name, shape, directory, _, _ = case
-    cfg = ModelConfig.load(directory / "config.json")
+    cfg = load_config(directory / "config.json")
     assert cfg.architecture == "looped_llama"
     assert cfg.layer_map == unrolled_layers(**shape)
     p, c = shape["prelude"], shape["core"]
@@ -190,7 +190,7 @@ def test_bad_shape_is_one_line(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(data))
     with pytest.raises(CheckpointError) as error:
-        ModelConfig.load(path)
+        load_config(path)
     assert "\n" not in str(error.value) and "leave no core" in str(error.value)
 
 

@@ -32,8 +32,8 @@ from speedc.build import build
 from speedc.errors import CheckpointError, SpeedcError
 from speedc.format.artifact import read_manifest
 from speedc.models.checkpoint.torch_io import load_model, open_checkpoint
-from speedc.models.config import ModelConfig
-from speedc.models.depth_plan import DepthPlan
+from speedc.models.families import load_config, read_config
+from speedc.format.depth_plan import DepthPlan
 from speedc.passes.base import BuildOptions
 
 NEW_TOKENS = 12
@@ -54,7 +54,7 @@ def settled(tmp_path_factory):
 
 def test_config_emits_the_parcae_depth_plan(tmp_path):
     directory = write_checkpoint(tmp_path / "ckpt", weights_file="model.safetensors", **RANDOM)  # inspect reads no pickle
-    cfg = ModelConfig.load(directory / "config.json")
+    cfg = load_config(directory / "config.json")
     assert cfg.architecture == "parcae" and cfg.qk_norm and cfg.mlp_act == "relu2" and not cfg.post_norms
     assert cfg.value_embed_blocks == (1, 3, 5)  # prelude, core and coda blocks: alternating, the last included
     assert cfg.depth_plan == DepthPlan((0, 1), (2, 3), 8, (4, 5), loop_norm=False, final_norm=True,
@@ -63,7 +63,7 @@ def test_config_emits_the_parcae_depth_plan(tmp_path):
     assert cfg.layer_map == [0, 1, *[2, 3] * 8, 4, 5] and cfg.exit_layer == 4  # the draft: after one repeat
     assert cfg.carries_token_id and cfg.state_width == 2 * HIDDEN + 1  # [state | e | token id]
     assert cfg.depth_plan.valid_slots(cfg.exit_layer, pipelined_phases=True) == [1, 2, 4, 8]
-    assert ModelConfig.from_json_dict(cfg.to_json_dict()) == cfg  # what an artifact's config.json reads back as
+    assert read_config(cfg.to_json_dict()) == cfg  # what an artifact's config.json reads back as
     shown = run_cli("inspect", directory, env={"COLUMNS": "400"})
     assert shown.returncode == 0, shown.stderr
     assert "injection diagonal-decay (state from zero)" in shown.stdout and "projection at each readout" in shown.stdout
@@ -169,7 +169,7 @@ def test_random_start_state_is_the_same_in_plain_decoding_and_speed(settled, tmp
 ])
 def test_bad_config_is_one_line(change, message):
     with pytest.raises(CheckpointError) as error:
-        ModelConfig.from_json_dict({**config(2, 2, 2, 8), **change})
+        read_config({**config(2, 2, 2, 8), **change})
     assert "\n" not in str(error.value) and message in str(error.value)
 
 

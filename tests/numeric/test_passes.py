@@ -12,7 +12,7 @@ from conftest import random_config, randomize
 from speedc.build import PASS_ORDER
 from speedc.errors import BuildError
 from speedc.models.checkpoint.torch_io import open_checkpoint, save_unrolled_hf, sources_from_state
-from speedc.models.depth_plan import derive_plan
+from speedc.format.depth_plan import derive_plan
 from speedc.models.llama import SharedLlama
 from speedc.passes.base import BuildOptions, CompileState, run_passes
 from speedc.cost_model import make_schedule

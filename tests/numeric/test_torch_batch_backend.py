@@ -36,8 +36,9 @@ SAMPLING = {"greedy": SamplingParams(), "seeded": SamplingParams(temperature=0.9
 
 def _looped(**shape) -> object:
     """A looped model's config: model.norm after every pass, sandwich norms, heads on the normed state."""
-    return dataclasses.replace(random_config(exit_norm="none", **shape), loop_norm=True, sandwich_norms=True,
-                               final_norm=False)
+    cfg = random_config(exit_norm="none", **shape)
+    return dataclasses.replace(cfg, depth_plan=dataclasses.replace(cfg.depth_plan, loop_norm=True, final_norm=False),
+                               sandwich_norms=True)
 
 
 CONFIGS = {

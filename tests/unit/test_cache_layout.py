@@ -9,6 +9,7 @@ import pytest
 
 from speedc.format import contract
 from speedc.format.cache_layout import CODA, CORE, PRELUDE, Address, CacheLayout
+from speedc.format.depth_plan import DepthPlan
 from speedc.errors import ArtifactError
 
 KVH, T, HD, W = 2, 6, 4, 3
@@ -93,13 +94,13 @@ def test_token_and_step_rows():
         np.testing.assert_array_equal(pool, expected[kind])
 
 
-def middle_cycle_plan() -> dict:
+def middle_cycle_plan() -> DepthPlan:
     # layer map [0, 1, 2, 1, 2, 1, 2, 3]: one layer, a 2-block core x 3, one layer
-    return {"prelude": [0], "core": [1, 2], "repeats": 3, "coda": [3]}
+    return DepthPlan((0,), (1, 2), 3, (3,))
 
 
 def test_middle_cycle_layout_owns_coda_kv_per_readout():
-    layout = CacheLayout.from_plan(middle_cycle_plan(), slots=3)
+    layout = middle_cycle_plan().cache_layout(3)
     assert (layout.prelude_layers, layout.stage_layers, layout.slots, layout.coda_layers, layout.readouts) == (1, 2, 3, 1, 2)
     assert layout.phases == [CORE, PRELUDE, CODA]
     entries = layout.entries
@@ -125,7 +126,7 @@ def test_middle_cycle_layout_owns_coda_kv_per_readout():
 def test_middle_cycle_step_rows_write_each_readout_depth_from_its_own_slot():
     """Slot 0's rows write the prelude and the draft readout's coda; slot P-1's the final readout's coda;
     bubbles nothing (positions are each sequence's own)."""
-    layout = CacheLayout.from_plan(middle_cycle_plan(), slots=3)
+    layout = middle_cycle_plan().cache_layout(3)
     pools = pools_for(layout)
     expected = {phase: [pool.copy() for pool in pair] for phase, pair in pools.items()}
     rng = np.random.default_rng(3)
@@ -155,7 +156,7 @@ def test_middle_cycle_step_rows_write_each_readout_depth_from_its_own_slot():
 
 
 def test_plain_engine_is_one_stage_and_bad_slot_counts_refused():
-    layout = CacheLayout.from_plan(middle_cycle_plan(), slots=1)
+    layout = middle_cycle_plan().cache_layout(1)
     assert layout == CacheLayout.plain(8) and layout.phases == [CORE]
     with pytest.raises(ArtifactError, match="do not divide"):
-        CacheLayout.from_plan(middle_cycle_plan(), slots=2)
+        middle_cycle_plan().cache_layout(2)

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import assert_one_line_error, run_cli
 from speedc.format import contract
-from speedc.format.artifact import read_manifest, sha256_file
+from speedc.format.artifact import FORMAT_VERSION, read_manifest, sha256_file
 from speedc.errors import ArtifactError
 from speedc.runtimes.engine import Engine
 
@@ -99,8 +99,8 @@ def test_previous_format_versions(tiny_artifact, tmp_path):
         art = _copy(tiny_artifact, tmp_path / f"v{version}")
         _edit_manifest(art, lambda m: m.update(format_version=version))
         result = run_cli("generate", art, "--prompt-ids", "1,2", "--max-new-tokens", "2")
-        assert_one_line_error(result, f"format version {version} but this speedc reads version 4", "rebuild")
-        with pytest.raises(ArtifactError, match=f"format version {version} but this speedc reads version 4"):
+        assert_one_line_error(result, f"format version {version} but this speedc reads version {FORMAT_VERSION}", "rebuild")
+        with pytest.raises(ArtifactError, match=f"format version {version} but this speedc reads version {FORMAT_VERSION}"):
             Engine.load(art)
     art2 = Path(shutil.copytree(tiny_artifact, tmp_path / "art2"))
     _edit_manifest(art2, lambda m: m["build"].pop("step_cost_measured", None))

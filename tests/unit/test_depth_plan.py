@@ -1,4 +1,4 @@
-"""models/depth_plan.py: each family emits the phases of a token's trip, a bare layer map yields the
+"""speedc/format/depth_plan.py: each family emits the phases of a token's trip, a bare layer map yields the
 same plan, the pipeline places prelude / core / readouts on slots, the passes and the manifest carry
 the plan, and a bad plan in config.json is one line."""
 
@@ -14,7 +14,8 @@ from looped_checkpoints import write_nanbeige, write_ouro
 from speedc.format.cache_layout import CacheLayout
 from speedc.errors import CheckpointError
 from speedc.models.config import ModelConfig
-from speedc.models.depth_plan import CODA, CORE, PRELUDE, DepthPlan, derive_plan
+from speedc.models.families import load_config, read_config
+from speedc.format.depth_plan import CODA, CORE, PRELUDE, DepthPlan, derive_plan
 from speedc.passes.base import BuildOptions, CompileState, run_passes
 from speedc.cost_model import make_schedule
 
@@ -22,7 +23,7 @@ MIDDLE = [0, 1, 2, 1, 2, 1, 2, 3]  # one layer, a 2-block core x 3, one layer
 
 
 def read(directory) -> ModelConfig:
-    return ModelConfig.load(directory / "config.json")
+    return load_config(directory / "config.json")
 
 
 def test_looped_families_emit_their_loops(tmp_path):
@@ -61,16 +62,17 @@ def test_derived_plans():
 
 
 def test_refitted_when_the_layer_map_changes():
-    """dataclasses.replace (the share pass's aliases, the bench) keeps plan and map in step."""
+    """with_layer_map (the share pass's aliases, the torch backend's artifact model) keeps the plan's loops and
+    norms over the new labels; the layer map, its length and the norms are the plan's, never stored beside it."""
     ouro_like = random_config(layers=6, blocks=3)
-    looped = dataclasses.replace(ouro_like, loop_norm=True)
-    assert looped.depth_plan.loop_norm and looped.depth_plan.core == (0, 1, 2)
-    merged = dataclasses.replace(looped, layer_map=[0, 0, 1] * 2)  # two equal blocks merged: same loops, new labels
+    looped = dataclasses.replace(ouro_like, depth_plan=dataclasses.replace(ouro_like.depth_plan, loop_norm=True))
+    assert looped.loop_norm and looped.depth_plan.core == (0, 1, 2) and looped.layer_map == [0, 1, 2] * 2
+    merged = looped.with_layer_map([0, 0, 1] * 2)  # two equal blocks merged: same loops, new labels
     assert merged.depth_plan == DepthPlan((), (0, 0, 1), 2, (), loop_norm=True, final_norm=True)
+    assert merged.layer_map == [0, 0, 1] * 2 and merged.num_hidden_layers == 6
     assert [layer for layer in range(6) if merged.depth_plan.ends_loop(layer)] == [2, 5]
-    # The config stores its fields and the declaration; the plan is derived from them when read.
-    merged.loop_norm = False
-    assert merged.depth_plan == DepthPlan((), (0, 0, 1), 2, (), loop_norm=False, final_norm=True)
+    with pytest.raises(AttributeError):  # a derived fact: changed through the plan only
+        merged.loop_norm = False
 
 
 def test_pipeline_places_phases_on_slots():
@@ -92,7 +94,7 @@ def test_schedule_records_the_plan_and_the_layout_follows_it():
     sched = make_schedule(derive_plan([0, 1] * 4), 2, alpha=0.9, requested=4)
     assert sched.depth_plan == DepthPlan((), (0, 1), 4) and sched.readouts["final"]["slot"] == 3
     assert sched.to_json()["depth_plan"] == DepthPlan((), (0, 1), 4).to_json()
-    assert sched.cache_layout == CacheLayout.from_plan(sched.to_json()["depth_plan"], sched.slots) == CacheLayout.cycle(2, 4)
+    assert sched.cache_layout == DepthPlan.from_json(sched.to_json()["depth_plan"]).cache_layout(sched.slots) == CacheLayout.cycle(2, 4)
     plain = make_schedule(derive_plan(MIDDLE), 3, alpha=0.9, requested=None)
     assert plain.slots == 1 and "prelude" in plain.reason
     assert plain.cache_layout == CacheLayout.plain(8)
@@ -117,40 +119,41 @@ def test_config_round_trip_and_bad_plan(tmp_path):
     cfg = random_config(layers=8, layer_map={"pattern": "middle-cycle", "num_blocks": 4}, blocks=4, exit_layer=3)
     data = cfg.to_json_dict()
     assert data["speedc"]["depth"]["prelude"] == [0]
-    assert ModelConfig.from_json_dict(data).depth_plan == cfg.depth_plan
+    assert read_config(data).depth_plan == cfg.depth_plan
     data["speedc"]["depth"] = dict(data["speedc"]["depth"], repeats=2)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(data))
     with pytest.raises(CheckpointError) as error:
-        ModelConfig.load(path)
+        load_config(path)
     assert "\n" not in str(error.value) and "does not fit the layer map" in str(error.value)
     data["speedc"]["depth"] = dict(cfg.depth_plan.to_json(), injection="gated")
     path.write_text(json.dumps(data))
     with pytest.raises(CheckpointError) as error:
-        ModelConfig.load(path)
+        load_config(path)
     assert "\n" not in str(error.value) and "unknown injection 'gated'" in str(error.value)
     data["speedc"]["depth"] = {"prelude": [], "core": [], "repeats": 1}
     path.write_text(json.dumps(data))
     with pytest.raises(CheckpointError) as error:
-        ModelConfig.load(path)
+        load_config(path)
     assert "\n" not in str(error.value) and "at least one block" in str(error.value)
 
 
 def test_config_json_holds_the_loop_norms_once():
     """The plan's norms are written in speedc.depth only; a config written when speedc.block held them too
     reads the same, and one whose two copies disagree is refused in one line."""
-    cfg = dataclasses.replace(random_config(layers=8, blocks=4), loop_norm=True, final_norm=False)
+    base = random_config(layers=8, blocks=4)
+    cfg = dataclasses.replace(base, depth_plan=dataclasses.replace(base.depth_plan, loop_norm=True, final_norm=False))
     data = cfg.to_json_dict()
     assert "loop_norm" not in data["speedc"]["block"] and data["speedc"]["depth"]["loop_norm"] is True
-    assert (ModelConfig.from_json_dict(data).loop_norm, ModelConfig.from_json_dict(data).final_norm) == (True, False)
+    assert (read_config(data).loop_norm, read_config(data).final_norm) == (True, False)
     data["speedc"]["block"].update(loop_norm=True, final_norm=False)  # the older form, both copies agreeing
-    assert ModelConfig.from_json_dict(data).depth_plan == cfg.depth_plan
+    assert read_config(data).depth_plan == cfg.depth_plan
     data["speedc"]["block"]["loop_norm"] = False
     with pytest.raises(CheckpointError) as error:
-        ModelConfig.from_json_dict(data)
+        read_config(data)
     assert "\n" not in str(error.value) and "speedc.block.loop_norm = False but speedc.depth.loop_norm = True" in str(error.value)
     del data["speedc"]["depth"]  # no plan recorded: the block's norms
-    assert ModelConfig.from_json_dict(data).loop_norm is False
+    assert read_config(data).loop_norm is False
 
 
 def test_speedc_middle_cycle_checkpoint_pipelines_losslessly(tmp_path):

@@ -4,7 +4,7 @@ and the PyTorch backend all walk with their own ops; tests/numeric checks their 
 
 from __future__ import annotations
 
-from speedc.models.depth_plan import DepthPlan
+from speedc.format.depth_plan import DepthPlan
 from speedc.models.trip import read_out, walk
 
 
