@@ -47,6 +47,7 @@ from speedc.runtimes.prefix_cache import PrefixCache
 from speedc.runtimes.sequence import DECODE, DONE, PREFILL, Event, Sequence
 from speedc.runtimes.step_rows import bubble_positions, cached_positions, plain_rows, speed_rows
 
+
 class BatchScheduler:
     """Owns a BatchBackend's pool; `submit` and `cancel` may be called from any thread, `step` from one."""
 
@@ -83,7 +84,7 @@ class BatchScheduler:
                                   f"exceeds the KV-cache row of {self.backend.pool.capacity} positions (a larger KV-cache "
                                   "budget or fewer sequences: kv_cache_mb / max_batch, --kv-cache-mb / --max-batch)")
         mode = "batch speed" if self.backend.speculative and self.controller.policy.row_budget != 0 else "batch autoregressive"
-        # a constrained draft masks slot 0's exit only (Pipeline via _absorb): no early-flush checks
+        # a constrained draft masks slot 0's exit only (decode.absorb): no early-flush checks
         early_flush = early_flush and self.backend.early_checks and request.picker.constraint is None
         sequence = Sequence(next(self._ids), request, early_flush, DecodeStats(mode),
                             acceptance=self.acceptance.start("sampled" if request.picker.params.temperature > 0 else "greedy"))

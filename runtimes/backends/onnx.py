@@ -26,7 +26,7 @@ A pool that cannot grow is a one-line GenerationError, the old pool intact.
 Every slab a graph reads is a contiguous view of the pool (sequences 0..n-1: the scheduler keeps the
 occupied pool rows a prefix by moving the last one into a hole). Bubbles (empty pipeline slots,
 sequences still prefilling) sit where the scheduler says: just past what their sequence may read
-(runtimes/batch.py _bubble_positions), at most row T (`length`), the scratch row each slab has. With the
+(runtimes/step_rows.py bubble_positions), at most row T (`length`), the scratch row each slab has. With the
 fused graphs (GroupQueryAttention writes the cache in place, bound through IO binding) that is where
 their K/V land (in the batch step, zeros: bubbles skip the layers and only attend), and no valid row
 reads it before it is rewritten. With the standard graphs bubbles run at 0, new rows come back as
