@@ -30,7 +30,7 @@ from speedc.passes import (batch_step_graph, cleanup, exit_heads, fuse_projectio
 from speedc.passes.base import BuildOptions, CompileState, PassReport, require_facts, run_passes
 from speedc.passes.block_quant import ACCURACY_LEVEL, BITS, BLOCK_SIZES, quantized_bytes_per_element
 from speedc.passes.trace import OPSET
-from speedc.passes.schedule import found_plan_checkpoint
+from speedc.passes.schedule import found_plan_checkpoint, plan_in_weights
 
 PIPELINE: list[tuple[str, list[str]]] = [
     ("import", ["trace"]),
@@ -140,12 +140,15 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
     cfg, weights, tokenizer = read_checkpoint(checkpoint, options, allow_pickle)
     state = CompileState(cfg, weights, options, has_speedc_section=has_speedc_section(checkpoint),
                          acceptance_hint=acceptance_hint_from_training(checkpoint))
+    found = plan_in_weights(state)  # a prelude / core / coda in the stored layers: traced as phases, once
+    if found is not None:
+        state = found_plan_state(state, *found)
     tmp = staging_dir(out)
     try:
         state, reports = run_passes(state, passes, dump_after=set(dump_after or []), dump_dir=out.parent / f"{out.name}.dumps",
                                     on_pass=on_pass)
         found = found_plan_checkpoint(state)
-        if found is not None:  # share found a prelude / core / coda the trace ran as plain layers: trace it as phases
+        if found is not None:  # share's exact analysis of the graph saw another plan than the weights' digests: again
             state, reports = run_passes(found_plan_state(state, *found), passes, dump_after=set(dump_after or []),
                                         dump_dir=out.parent / f"{out.name}.dumps", on_pass=on_pass)
         check_writable(state, options)
@@ -213,8 +216,8 @@ def staging_dir(out: Path) -> Path:
 
 
 def found_plan_state(state: CompileState, cfg, weights) -> CompileState:
-    """A fresh compile state of CFG / WEIGHTS (the checkpoint as the plan share found in it) for a second trace."""
-    notes = [f"build: traced again with the depth plan share found in the weights ({cfg.depth_plan.describe()})"]
+    """A fresh compile state of CFG / WEIGHTS (the checkpoint as the plan found in its weights) for the trace."""
+    notes = [f"build: traced with the depth plan found in the weights ({cfg.depth_plan.describe()})"]
     return CompileState(cfg, weights, state.options, has_speedc_section=state.has_speedc_section,
                         acceptance_hint=state.acceptance_hint, notes=notes)
 

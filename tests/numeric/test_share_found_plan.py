@@ -2,8 +2,9 @@
 
 The checkpoint is a plain, unrolled LlamaForCausalLM (model_type llama, every layer stored) whose stored
 layers repeat as prelude / core / coda: layer map [0, 1, 2, 1, 2, 1, 2, 3]. Nothing declares the loops;
-`share` finds them in the weights and the build traces the model again with that plan, so the artifact
-pipelines P = 3 (slot 0 runs the prelude, the coda at each readout) instead of building a plain engine.
+the build finds them in the weights (before the trace, as `share` after it) and traces the model once with
+that plan, so the artifact pipelines P = 3 (slot 0 runs the prelude, the coda at each readout) instead of
+building a plain engine.
 
 Checked against transformers running the unrolled checkpoint itself (recomputing the sequence per token):
 batched SPEED ids == plain ids == the oracle's (greedy), SPEED == plain (seeded sampling), with
@@ -75,7 +76,9 @@ def prompt(seed: int) -> list[int]:
 def case(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param) / "ckpt"
     oracle = write_unrolled_checkpoint(directory, seed=5, layer_scale=LAYER_SCALES[request.param])
-    result = build(directory, directory.parent / "art", BuildOptions())
+    ran = []  # the passes run, in order
+    result = build(directory, directory.parent / "art", BuildOptions(), on_pass=lambda report: ran.append(report.name))
+    result.passes_run = ran
     return request.param, oracle, result
 
 
@@ -88,7 +91,8 @@ def test_share_finds_and_pipelines_the_plan(case):
     assert manifest.slots == 3, manifest.schedule["reason"]
     assert manifest.schedule["slot_layers"][0][:2] == [0, 1]  # slot 0 runs the prelude, then its loop
     assert manifest.schedule["readouts"]["draft"]["coda"]
-    assert any("traced again" in note for note in result.notes)
+    assert any("traced with the depth plan found in the weights" in note for note in result.notes)
+    assert result.passes_run.count("trace") == 1 and result.passes_run.count("share") == 1  # one trace, not two
 
 
 def test_greedy_and_sampled_ids(case):
