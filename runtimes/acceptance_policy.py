@@ -49,6 +49,15 @@ def _held(count: int, weight: float) -> float:
     return min(count, (2.0 - weight) / weight)
 
 
+@dataclass(frozen=True)
+class Outlook:
+    """One sequence's expectations at one pipeline depth, read once per decode step (the controller's
+    (sequence, depth) table, runtimes/speculation.py)."""
+    tokens: float  # AcceptancePolicy.tokens_per_step
+    hopeful: float  # the same, optimistic (`confidence` standard errors higher)
+    bound: float  # AcceptancePolicy.bound at that depth's step cost
+
+
 @dataclass
 class SequenceAcceptance:
     """One sequence's record: its averaged acceptance and where it is in the state machine."""
@@ -162,11 +171,26 @@ class AcceptancePolicy:
         the largest sum_i t_i(d) x d / c(d), t_i(d) = tokens_per_step (the bound's units, a plain
         token costing 1). A shallower pipeline loses less to a miss (d - 1 steps' work) and its steps run
         fewer rows; a deeper one shares each weight read among more. Ties go to the deeper."""
-        return max(costs, key=lambda d: (self.depth_score(states, d, costs[d]), d))
+        return self.best_of({d: self.depth_score(states, d, cost) for d, cost in costs.items()})
+
+    @staticmethod
+    def best_of(scores: dict[int, float]) -> int:
+        """The depth of the highest of SCORES (depth_score per depth); ties go to the deeper."""
+        return max(scores, key=lambda d: (scores[d], d))
 
     def depth_score(self, states: list[SequenceAcceptance], depth: int, cost: float) -> float:
         """Expected tokens per plain token's time of STATES in a DEPTH-slot pipeline whose step costs COST."""
-        return sum(self.tokens_per_step(s, depth) for s in states) * depth / cost
+        return self.score([self.tokens_per_step(s, depth) for s in states], depth, cost)
+
+    @staticmethod
+    def score(tokens: list[float], depth: int, cost: float) -> float:
+        """depth_score of sequences expecting TOKENS per step each."""
+        return sum(tokens) * depth / cost
+
+    def outlook(self, state: SequenceAcceptance, depth: int, cost: float) -> Outlook:
+        """STATE's expectations at DEPTH, its step costing COST: what every rule of one decode step reads."""
+        return Outlook(self.tokens_per_step(state, depth), self.tokens_per_step(state, depth, optimistic=True),
+                       self.bound(state, depth, cost))
 
     def describe(self) -> str:
         return (f"per sequence: speculate while the bound P/(c(1+(1-a)L)) > 1 at c measured on this host as it runs "
@@ -296,8 +320,12 @@ class AcceptancePolicy:
         if not self.can_pay(cost, depth):
             return False
         # a sequence that left speculation counts at its estimate: it was judged losing, optimism stays with it
-        tokens = sum(self.tokens_per_step(state, depth, optimistic=speculating and state.speculating) for state in states)
-        return tokens * depth / cost > len(states)
+        return self.batch_wins([self.tokens_per_step(state, depth, optimistic=speculating and state.speculating)
+                                for state in states], cost, depth)
+
+    def batch_wins(self, tokens: list[float], cost: float, depth: int) -> bool:
+        """batch_speculates of sequences expecting TOKENS per step each (the optimistic ones where it says)."""
+        return self.can_pay(cost, depth) and self.score(tokens, depth, cost) > len(tokens)
 
     def losing(self, state: SequenceAcceptance, costs: dict[int, float]) -> bool:
         """Whether STATE's sequence speculates, has been judged (min_outcomes outcomes, probe_outcomes in a probe)

@@ -164,7 +164,10 @@ class SpeculationController:
             self.acceptance.wants_speculation(sequence.acceptance, costs if len(costs) > 1 else costs[slots], settled,
                                               losing=verdict)
         states = [s.acceptance for s in decoding]
-        self.depth_now = self._choose_depth(states, costs, n, length)
+        # the (sequence, depth) table every rule below reads, once a step (a rule that weighs no costs has none)
+        table = ({d: [self.acceptance.outlook(state, d, cost) for state in states] for d, cost in costs.items()}
+                 if self.samples_plain else None)
+        self.depth_now = self._choose_depth(table, costs, n, length)
         depth = self.depth  # the chosen depth (also while another is being timed): what the stats report
         # Each rule's hysteresis follows its own last verdict, not the batch's mode: a batch the acceptance
         # rule turned plain at the row budget (8 sequences at P = 4, budget 32) must speculate again when
@@ -172,16 +175,13 @@ class SpeculationController:
         # The batch speculates where it wins at some depth (as a sequence falls back only where it loses at
         # every depth: judged at the chosen depth alone, a sequence that still won at another stayed plain, never
         # to probe), and leaves speculation only on settled costs.
-        self.acceptance_allows = (any(self.acceptance.batch_speculates(states, self.acceptance_allows, costs[d], d)
-                                      for d in costs)
-                                  or (self.acceptance_allows and not settled))
+        self.acceptance_allows = self._batch_wins(table, states, costs) or (self.acceptance_allows and not settled)
         self.rows_allow = self.policy.speculate(slots, n, self.rows_allow)
-        for sequence in decoding:  # what the decision rested on, in each sequence's stats
+        for i, sequence in enumerate(decoding):  # what the decision rested on, in each sequence's stats
             stats, state = sequence.stats, sequence.acceptance
-            alpha = state.alpha if state is not None else stats.acceptance_rate
             stats.step_cost, stats.step_cost_source, stats.depth = round(costs[depth], 3), measured[depth][1], depth
-            stats.bound = round(self.acceptance.bound(state, depth, costs[depth]) if state is not None
-                                else analytic_bound(depth, alpha, costs[depth]), 3)
+            stats.bound = round(table[depth][i].bound if table is not None
+                                else analytic_bound(depth, stats.acceptance_rate, costs[depth]), 3)
             if state is not None:
                 stats.fallbacks, stats.probes = state.fallbacks, state.probes
         far = self.acceptance_allows and self._exploring is None and all(
@@ -209,18 +209,26 @@ class SpeculationController:
             return False, losing
         return True, losing
 
-    def _choose_depth(self, states: list, costs: dict[int, float], sequences: int, length: int) -> int:
-        """The depth the next speed step runs at: the policy's best at these costs, kept unless another
-        beats it by DEPTH_MARGIN; while a depth's cost here is unknown or stale and the chosen one's bound is
-        near a verdict (_near_verdict), that depth for a few steps (its warm-up, samples and the pipeline's
-        change of spacing) so the choice rests on measurements, once the chosen depth itself is measured (a
-        fall-back verdict waits for every depth: _costs_settled).
+    def _batch_wins(self, table: dict | None, states: list, costs: dict[int, float]) -> bool:
+        """Whether the batch speculates at some depth by the acceptance rule (AcceptancePolicy.batch_speculates over
+        TABLE: a sequence still speculating counts at its optimistic estimate while the batch speculates)."""
+        if table is None:
+            return self.acceptance.batch_speculates(states)
+        return any(self.acceptance.batch_wins([o.hopeful if self.acceptance_allows and state.speculating else o.tokens
+                                               for o, state in zip(table[d], states)], cost, d) for d, cost in costs.items())
+
+    def _choose_depth(self, table: dict | None, costs: dict[int, float], sequences: int, length: int) -> int:
+        """The depth the next speed step runs at: the policy's best at these costs (TABLE: the step's outlooks),
+        kept unless another beats it by DEPTH_MARGIN; while a depth's cost here is unknown or stale and some
+        sequence's bound at the chosen depth is near a verdict (below EXPLORE_BELOW), that depth for a few steps
+        (its warm-up, samples and the pipeline's change of spacing) so the choice rests on measurements, once the
+        chosen depth itself is measured (a fall-back verdict waits for every depth: _costs_settled).
         A change of depth drops nothing: decode.Pipeline.shift only spaces new entries."""
         if len(self.depths) == 1:
             return self.depths[0]
-        best = self.acceptance.best_depth(states, costs)
-        score = self.acceptance.depth_score
-        if score(states, best, costs[best]) > score(states, self.depth, costs[self.depth]) * (1 + DEPTH_MARGIN):
+        scores = {d: self.acceptance.score([o.tokens for o in table[d]], d, cost) for d, cost in costs.items()}
+        best = self.acceptance.best_of(scores)  # AcceptancePolicy.best_depth, from the table
+        if scores[best] > scores[self.depth] * (1 + DEPTH_MARGIN):
             self.depth = best
         if self._exploring is not None:
             self._exploring[1] -= 1
@@ -228,18 +236,13 @@ class SpeculationController:
                 return self._exploring[0]
             self._exploring = None
         if (self.acceptance_allows and not self.costs.needs_depth_sample(sequences, length, self.depth)
-                and self._near_verdict(states, costs[self.depth])):
+                and any(o.bound < EXPLORE_BELOW for o in table[self.depth])):
             stale = next((d for d in self.depths if d != self.depth and self.costs.needs_depth_sample(sequences, length, d)),
                          None)
             if stale is not None:
                 self._exploring = [stale, self.costs.warmup + self.costs.min_samples + self.slots]
                 return stale
         return self.depth
-
-    def _near_verdict(self, states: list, cost: float) -> bool:
-        """Whether some sequence's bound at the chosen depth (cost COST) is below EXPLORE_BELOW: another depth's
-        cost could change what it does (several depths run only under the per-sequence rule: every state is one)."""
-        return any(self.acceptance.bound(state, self.depth, cost) < EXPLORE_BELOW for state in states)
 
     def record(self, kind: str | None, sequences: int, seconds: float, plan: "StepPlan", heads: int) -> None:
         """A decode step of KIND ("plain", "speed", "full"; None: nothing ran) took SECONDS: a sample of this
