@@ -18,9 +18,9 @@ over all T+1 rows (masked: the same softmax). The pool and the carried hidden st
 one copy brings the step's ids in, one takes every head's ids back (logits too when sampling).
 Precision: the model's (a bf16 model keeps a bf16 pool and computes in bf16).
 
-Sizes (reserve, would_grow, free_pool) follow BatchBackend's rules (next_pool_size: width a power of two, length within an eighth of the need), at least min_length
-positions, at most `capacity`; a shrink waits SHRINK_AFTER_STEPS calls; a pool that cannot grow is a
-one-line OutOfMemory with the old pool intact.
+The pool is a KVPool (runtimes/backends/kv_pool.py), sized by the same rules as the ONNX backend's: width a
+power of two, length within an eighth of the need, at least min_length positions, at most `capacity`; a
+shrink waits SHRINK_AFTER_STEPS calls; a pool that cannot grow is a one-line OutOfMemory with the old pool intact.
 """
 
 from __future__ import annotations
