@@ -16,9 +16,9 @@ import re
 
 from speedc.format.depth_plan import fit_plan
 from speedc.models.checkpoint.tensor_source import TensorSource, same_values
-from speedc.models.layer_map import first_pass_length
 from speedc.models.config import ModelConfig
 from speedc.passes.base import CompileState, register_pass
+from speedc.passes.share import chosen_exit_layer
 from speedc.passes.trace import draft_coda
 from speedc.cost_model import DEFAULT_ALPHA, make_schedule
 
@@ -71,9 +71,7 @@ def plan_in_weights(state: CompileState) -> tuple[ModelConfig, dict[str, TensorS
     plan = fit_plan(layer_map, cfg.depth_plan, cfg.loop_norm, cfg.final_norm)
     if plan.cycle or plan.repeats < 2 or layer_map == cfg.layer_map:
         return None
-    options = state.options
-    exit_layer = (options.exit_layer if options.exit_layer is not None else
-                  cfg.exit_layer if state.has_speedc_section or cfg.loop_norm else first_pass_length(layer_map))
+    exit_layer = chosen_exit_layer(state, layer_map)
     if not len(plan.prelude) < exit_layer <= plan.num_layers - len(plan.coda):
         return None  # a draft tap outside the core: the plain engine (share says so)
     return _checkpoint_as(state, plan, exit_layer)

@@ -134,6 +134,15 @@ def model_tensor_aliases(cfg, layer_map: list[int], merged_into: dict[str, gs.Co
     return {name: twin.name for name, twin in merged_into.items() if name in tensors and name != twin.name}
 
 
+def chosen_exit_layer(state: CompileState, layer_map: list[int]) -> int:
+    """The exit point: explicit option > the checkpoint's speedc section or family > end of the first pass."""
+    if state.options.exit_layer is not None:
+        return state.options.exit_layer
+    if state.has_speedc_section or state.cfg.loop_norm:
+        return state.cfg.exit_layer
+    return first_pass_length(layer_map)
+
+
 @register_pass("share", phase="analysis", requires=("decode_program",), provides=("layer_map",))
 def share(state: CompileState) -> CompileState:
     """Merge identical initializers, derive the layer map from the weights, fix the exit point."""
@@ -153,13 +162,7 @@ def share(state: CompileState) -> CompileState:
     if state.has_speedc_section and layer_map != state.cfg.layer_map:
         state.notes.append(f"share: config.json declares {state.cfg.layer_map}, the weights say {layer_map}; using the weights")
 
-    # The exit point: explicit option > the checkpoint's speedc section or family > end of the first pass.
-    if state.options.exit_layer is not None:
-        exit_layer = state.options.exit_layer
-    elif state.has_speedc_section or state.cfg.loop_norm:
-        exit_layer = state.cfg.exit_layer
-    else:
-        exit_layer = first_pass_length(layer_map)
+    exit_layer = chosen_exit_layer(state, layer_map)
     if not 1 <= exit_layer <= len(layer_map):
         raise BuildError(f"--exit-layer must be in 1..{len(layer_map)}, got {exit_layer}")
     declared = state.cfg.exit_norm if state.options.exit_layer is None else None

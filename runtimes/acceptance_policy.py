@@ -317,8 +317,6 @@ class AcceptancePolicy:
         pipeline of DEPTH slots (None: P; the P slots run at a shallower depth: decode.Pipeline.shift)."""
         cost = self.step_cost if cost is None else cost
         depth = self.slots if depth is None else depth
-        if not self.can_pay(cost, depth):
-            return False
         # a sequence that left speculation counts at its estimate: it was judged losing, optimism stays with it
         return self.batch_wins([self.tokens_per_step(state, depth, optimistic=speculating and state.speculating)
                                 for state in states], cost, depth)

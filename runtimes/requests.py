@@ -45,7 +45,6 @@ class RequestChecks:
 
     def __init__(self, dims, tokenizer, tokenizer_file: Path, decode_rule: DecodeRule) -> None:
         self.dims, self.tokenizer, self.tokenizer_file, self.decode_rule = dims, tokenizer, tokenizer_file, decode_rule
-        self.eos_token_ids = dims.eos_token_ids
         self._grammar_tokenizer = None
         self._lock = threading.Lock()
 
@@ -166,7 +165,7 @@ class RequestChecks:
 
     def end_ids(self, stop_at_eos: bool, stop_token_ids=None) -> frozenset[int]:
         """The ids that end a request: the end-of-text ids (STOP_AT_EOS) and STOP_TOKEN_IDS (checked)."""
-        return (frozenset(self.eos_token_ids) if stop_at_eos else frozenset()) | self._stop_ids(stop_token_ids)
+        return (self.dims.eos_token_ids if stop_at_eos else frozenset()) | self._stop_ids(stop_token_ids)
 
     def _stop_ids(self, ids) -> frozenset[int]:
         if ids is None:

@@ -56,10 +56,14 @@ DEFAULT_ROW_BUDGET = 32  # RowPolicy's: 8 sequences at P = 4 (measured on zoo:sm
 @dataclass(frozen=True)
 class Mode:
     """What a decoding mode (`--mode`, Engine.generate's mode=) sets in a scheduler. All emit the same tokens."""
-    speculates: bool  # whether it may run speed steps at all
     per_sequence: bool  # the acceptance policy decides per sequence (runtimes/acceptance_policy.py); else every
     # sequence speculates whenever the row policy lets it (AlwaysSpeculate)
     batch_row_budget: int | None  # a batch's row budget (the server, the concurrency bench); one sequence has none
+    # (0: the mode never speculates, one sequence neither)
+
+    @property
+    def speculates(self) -> bool:
+        return self.batch_row_budget != 0
 
     def row_policy(self, batch: bool) -> "RowPolicy":
         if not self.speculates:
@@ -70,8 +74,7 @@ class Mode:
 # speed: speculate while it pays on this host (the acceptance policy at the step costs measured as it runs,
 # runtimes/step_costs.py), plain decoding else; speed-always: every step speculates (for measuring SPEED itself
 # and for tests); autoregressive: plain decoding only.
-MODES = {"speed": Mode(True, True, DEFAULT_ROW_BUDGET), "speed-always": Mode(True, False, None),
-         "autoregressive": Mode(False, False, 0)}
+MODES = {"speed": Mode(True, DEFAULT_ROW_BUDGET), "speed-always": Mode(False, None), "autoregressive": Mode(False, 0)}
 
 
 @dataclass

@@ -145,7 +145,7 @@ class TorchBackend:
         pipeline = cfg.depth_plan.pipeline(slots, cfg.exit_layer)
         self.slots, self.stage_layers, self.num_layers = slots, pipeline.stage_layers, cfg.num_hidden_layers
         self.layout = CacheLayout.cycle(self.stage_layers, slots)  # logical layer -> its [stage layer, slot] slab
-        self.stage_steps = pipeline.entry_steps()  # a cycle's stage (slot 0's share)
+        self.trip_steps, self.stage_steps = tuple(cfg.depth_plan.trip()), pipeline.entry_steps()  # once: walked every step
         self.vocab_size, self.max_context = cfg.vocab_size, context
         self.kv_heads, self.head_dim, self.hidden_size = cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
         self.check_width = contract.candidate_count(self.vocab_size)  # K of an early-flush check's candidates
@@ -256,7 +256,7 @@ class TorchBackend:
         x = model.model.embed_tokens(ids)  # [B*L, H]
         ctx = self._context(starts, longest, start)
         ops = _PlainOps(self, ctx, slice(first, first + count), start, write=True)
-        x = walk(cfg.depth_plan, cfg.depth_plan.trip(), ops, x)  # models/trip.py
+        x = walk(cfg.depth_plan, self.trip_steps, ops, x)  # models/trip.py
         return self._heads_out(model.final_head(x[last]), want_logits)  # [B, V]
 
     @torch.no_grad()
@@ -318,7 +318,7 @@ class TorchBackend:
         n = tokens.shape[0]
         x = model.model.embed_tokens(tokens)  # [n, H]
         ops = _PlainOps(self, self._context(starts, 1, past), slice(0, n), past)
-        x = walk(cfg.depth_plan, cfg.depth_plan.trip(), ops, x)  # models/trip.py
+        x = walk(cfg.depth_plan, self.trip_steps, ops, x)  # models/trip.py
         return x, [(k[:, :, 0], v[:, :, 0]) for k, v in ops.present.values()]
 
     def _write_plain_rows(self, new: list, written: torch.Tensor) -> None:
