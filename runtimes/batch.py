@@ -41,7 +41,7 @@ from speedc.runtimes.speculation import RowPolicy, SpeculationController
 from speedc.runtimes.step_costs import StepCosts
 from speedc.runtimes.backends.protocol import BatchBackendProtocol
 from speedc.models.sampling import token_logprob
-from speedc.runtimes.decode import DecodeStats, Pipeline, Request, absorb, emit_token
+from speedc.runtimes.decode import DecodeStats, Pipeline, Request, absorb, absorb_exits, emit_token
 from speedc.runtimes.prefill import PrefillTurns
 from speedc.runtimes.prefix_cache import PrefixCache
 from speedc.runtimes.sequence import DECODE, DONE, PREFILL, Event, Sequence
@@ -89,6 +89,12 @@ class BatchScheduler:
         sequence = Sequence(next(self._ids), request, early_flush, DecodeStats(mode),
                             acceptance=self.acceptance.start("sampled" if request.picker.params.temperature > 0 else "greedy"))
         sequence.stats.policy = self.acceptance.describe()
+        rule = request.depth_rule
+        if rule is not None:  # always on speed steps, one loop a slot: speculating, or one token at a time
+            if not self.backend.speculative:
+                raise GenerationError("a depth rule runs on the pipeline's steps; this backend runs plain steps only")
+            sequence.early_flush, sequence.stats.depth_rule = False, rule.describe()
+            sequence.spacing = 1 if self.controller.policy.row_budget != 0 else self.backend.slots
         with self._lock:
             self.waiting.append(sequence)
         return sequence
@@ -120,22 +126,35 @@ class BatchScheduler:
         first_token = any(token is not None for _, token in events)  # only a prefill confirms one so far
         decoding = [s for s in self.occupied if s.state == DECODE]
         if decoding and not (first_token and self.first_token_alone):
-            plan = self.controller.decide(decoding, self.backend.pool.length, self.backend.pool.width)
-            if plan.leaves_speed:  # in-flight work is unverified
-                for sequence in decoding:
-                    sequence.pipeline.flush_from(0)
-                    sequence.pipeline.pending = None
-            if plan.burst:
-                for sequence in decoding:
-                    sequence.stats.cost_samples += 1
-            start = time.perf_counter()
-            kind, heads = (self._speed_step(decoding, events, plan.depth) if plan.speculate
-                           else self._plain_step(decoding, events))
-            self.controller.record(kind, len(decoding), time.perf_counter() - start, plan, heads)
-            self.decode_steps[len(decoding)] += 1
+            self._decode(decoding, events)
         for sequence in [s for s in self.occupied if s.state == DONE]:
             self._release(sequence)
         return events
+
+    def _decode(self, decoding: list[Sequence], events: list[Event]) -> None:
+        """Step 3: the controller's step for the sequences without a depth rule; those with one always take
+        speed steps (one loop a slot), in the same run when the others speculate, else in a run of their own."""
+        ruled = [s for s in decoding if s.request.depth_rule is not None]
+        free = [s for s in decoding if s.request.depth_rule is None]
+        if free:
+            plan = self.controller.decide(free, self.backend.pool.length, self.backend.pool.width)
+            if plan.leaves_speed:  # in-flight work is unverified
+                for sequence in free:
+                    sequence.pipeline.flush_from(0)
+                    sequence.pipeline.pending = None
+            if plan.burst:
+                for sequence in free:
+                    sequence.stats.cost_samples += 1
+            start = time.perf_counter()
+            together = ruled if plan.speculate else []
+            kind, heads = (self._speed_step(free + together, events, plan.depth) if plan.speculate
+                           else self._plain_step(free, events))
+            self.controller.record(kind, len(free + together), time.perf_counter() - start, plan, heads)
+            self.decode_steps[len(free + together)] += 1
+            ruled = [s for s in ruled if s not in together]
+        if ruled:
+            self._speed_step(ruled, events, self.backend.slots)
+            self.decode_steps[len(ruled)] += 1
 
     def _admit(self, events: list[Event]) -> None:
         """Waiting requests take free pool rows, first come first served, while the pool can grow to
@@ -163,6 +182,8 @@ class BatchScheduler:
             sequence.pipeline = Pipeline(self.backend.slots, sequence.stats)
             self.occupied.append(sequence)
             self._reuse_prefix(sequence)
+            if sequence.prefill_target == 0:  # a one-token prompt under a depth rule: nothing to prefill
+                self._prefilled(sequence)
 
     def _reuse_prefix(self, sequence: Sequence) -> None:
         """Its prompt's longest cached prefix goes into its pool row: prefill starts after it, with at least two
@@ -274,7 +295,7 @@ class BatchScheduler:
             return
         start = time.perf_counter()
         chunks = [s.request.prompt[s.prefilled:s.prefilled + self.prefill.chunk_size(s)] for s in group]
-        last = [s.prefilled + len(chunk) == len(s.request.prompt) for s, chunk in zip(group, chunks)]
+        last = [s.prefilled + len(chunk) == s.prefill_target for s, chunk in zip(group, chunks)]
         want = any(done and s.request.picker.needs_logits for s, done in zip(group, last))
         echo = group[0].request.prompt_logprobs is not None  # a group of one (PrefillTurns.group)
         argmax, logits = self.backend.prefill(group[0].row, chunks, group[0].prefilled, want or echo)
@@ -293,14 +314,20 @@ class BatchScheduler:
             sequence.prefilled += len(chunk)
             sequence.stats.prefill_seconds += elapsed
             if done:
-                request.history = list(request.prompt)
-                sequence.stats.prompt_tokens = len(request.prompt)
-                sequence.state = DECODE
+                self._prefilled(sequence)
+                if request.depth_rule is not None:  # its last prompt token runs on the decode steps
+                    continue
                 try:
                     token = request.picker.pick(logits[row] if want else None, int(argmax[row]), request.history)
                     self._emit(sequence, token, events)
                 except Exception as error:
                     self._fail_alone(sequence, error, events)
+
+    @staticmethod
+    def _prefilled(sequence: Sequence) -> None:
+        sequence.request.history = list(sequence.request.prompt)
+        sequence.stats.prompt_tokens = len(sequence.request.prompt)
+        sequence.state = DECODE
 
     def _plain_step(self, decoding: list[Sequence], events: list[Event]) -> tuple[str, int]:
         """One plain step of DECODING. -> ("plain", 0: every plain step runs the same heads)."""
@@ -335,15 +362,29 @@ class BatchScheduler:
             stats = sequence.stats
             stats.steps += 1
             stats.speed_steps += 1
-            stats.depth_steps[pipeline_depth] = stats.depth_steps.get(pipeline_depth, 0) + 1
+            depth = self.backend.slots // sequence.spacing if sequence.spacing else pipeline_depth
+            stats.depth_steps[depth] = stats.depth_steps.get(depth, 0) + 1
             accepted, failed, emitted = stats.accepted, stats.failed_speculations, len(sequence.out)
             try:
-                absorb(sequence.pipeline, sequence.request, sequence.out, result.of_sequence(places),
-                       sequence.early_flush, lambda token: self._emit(sequence, token, events))
+                self._absorb(sequence, result.of_sequence(places), events)
             except Exception as error:
                 self._fail_alone(sequence, error, events)
                 continue
-            self.acceptance.stepped(sequence.acceptance, stats.accepted - accepted, stats.failed_speculations - failed,
-                                    len(sequence.out) - emitted, pipeline_depth)
+            if sequence.request.depth_rule is None:  # (a rule's sequence speculates whatever its acceptance)
+                self.acceptance.stepped(sequence.acceptance, stats.accepted - accepted, stats.failed_speculations - failed,
+                                        len(sequence.out) - emitted, pipeline_depth)
             stats.decode_seconds += time.perf_counter() - start
         return "full" if rows.full else "speed", len(rows.heads)
+
+    def _absorb(self, sequence: Sequence, outcome, events: list[Event]) -> None:
+        """One sequence's share of a speed step: decode.absorb, or absorb_exits under a depth rule."""
+        request, row = sequence.request, sequence.row
+
+        def emit(token: int) -> bool:
+            return self._emit(sequence, token, events)
+
+        if request.depth_rule is None:
+            absorb(sequence.pipeline, request, sequence.out, outcome, sequence.early_flush, emit)
+        else:
+            absorb_exits(sequence.pipeline, request, sequence.out, outcome, request.depth_rule,
+                         lambda slot: self.backend.carried_state(slot, row), emit)

@@ -22,7 +22,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Generator
 
+import numpy as np
+
 from speedc.models.sampling import TokenPicker
+from speedc.runtimes.exit_rule import DepthRule, TokenExit
 
 
 @dataclass
@@ -52,6 +55,8 @@ class DecodeStats:
     bound: float = 0.0  # the analytic bound at its acceptance and that c(P), at the last decision
     policy: str = ""  # the rule that decided
     host_costs: dict = field(default_factory=dict)  # step times measured on this host (StepCosts.report)
+    depth_rule: str = ""  # the request's depth rule (runtimes/exit_rule.py; "": the artifact's full depth)
+    exit_loops: dict = field(default_factory=dict)  # loop (from 0) -> emitted tokens whose logits were read there
 
     @property
     def acceptance_rate(self) -> float:
@@ -88,9 +93,15 @@ def pooled_acceptance(runs) -> float:
 @dataclass
 class InFlightToken:
     """A token in flight: its id and the position it sits at (what its draft's top K ids and its hidden
-    row are, the backend keeps: runtimes/backends/protocol.py DraftCandidates)."""
+    row are, the backend keeps: runtimes/backends/protocol.py DraftCandidates). Under a depth rule
+    (absorb_exits) also its way through the rule, and once it exited, the logits read there until its
+    successor is emitted from them (RESULT), then EMITTED: it rides on for its K/V only."""
     token: int
     pos: int
+    exit: TokenExit | None = field(default=None, compare=False, repr=False)
+    exit_loop: int = -1  # the loop its logits were read at (-1: not yet)
+    result: tuple | None = field(default=None, compare=False, repr=False)  # (logits [V] or None, argmax)
+    emitted: bool = False
 
 
 class Pipeline:
@@ -180,6 +191,7 @@ class Request:
     # token a run (the prefill graph gives logits after each chunk's last token only)
     prompt_logprobs: int | None = None
     prompt_logprob_values: list = field(default_factory=list)  # TokenLogprob of prompt[1:], in order
+    depth_rule: DepthRule | None = None  # loops and exit rule (runtimes/exit_rule.py); None: the full depth as built
 
 
 Decoding = Generator[int, None, tuple[list[int], DecodeStats]]  # yields confirmed tokens, returns (ids, stats)
@@ -214,13 +226,19 @@ def absorb(pipeline: Pipeline, request: Request, out: list[int], outcome, early_
     OUT), verifying the draft behind it; then the next draft, and with EARLY_FLUSH the deeper slots' checks.
     Under a grammar the draft is slot 0's exit masked by the grammar after the confirmed and in-flight tokens
     (runtimes/constraint.py), and no early-flush check runs (it would score an unmasked exit)."""
-    guesses = outcome.guesses
     oldest = pipeline.slots[-1]
     if oldest is not None:
         y = request.picker.pick(outcome.final_logits, outcome.final_token, request.history)
         if emit(y):
             return
         pipeline.confirm(oldest.pos + 1, y)
+    draft_next(pipeline, request, out, outcome, early_flush)
+
+
+def draft_next(pipeline: Pipeline, request: Request, out: list[int], outcome, early_flush: bool) -> None:
+    """After a step's emissions: slot 0's exit guess becomes the pending draft (where none is pending), with
+    EARLY_FLUSH the deeper slots' checks first; under a grammar the draft is masked (absorb says how)."""
+    guesses = outcome.guesses
     constraint = request.picker.constraint
     if constraint is None:
         pipeline.speculate(guesses.__getitem__, early_flush)
@@ -234,3 +252,54 @@ def absorb(pipeline: Pipeline, request: Request, out: list[int], outcome, early_
         return guesses[slot] if masked is None else masked
 
     pipeline.speculate(draft, False)
+
+
+def exit_heads_wanted(pipeline: Pipeline, rule: DepthRule) -> list[int]:
+    """The slots whose final head a step runs under RULE (one loop a slot: slot s has just run loop s): each
+    token's that has not exited, within the loops its rule reads."""
+    slots = pipeline.slots
+    return [s for s in rule.head_loops if s < len(slots) and slots[s] is not None and slots[s].exit_loop < 0]
+
+
+def absorb_exits(pipeline: Pipeline, request: Request, out: list[int], outcome, rule: DepthRule,
+                 state_at: Callable[[int], np.ndarray], emit: Callable[[int], bool]) -> None:
+    """One step's OUTCOME for a sequence under a depth rule (runtimes/exit_rule.py), one loop a slot.
+
+        1. each token that ran a loop it may exit at (exit_heads_wanted) takes that loop's head
+           (OUTCOME.loop_heads: slot -> (argmax, logits or None)) and gate (of STATE_AT(slot): the state [H]
+           the slot ended the step with) through its TokenExit; one that exits keeps the logits read there
+        2. from the oldest: while the token at the last emitted position has exited, its successor is picked
+           from those logits and emitted (EMIT), verifying the draft behind it (Pipeline.confirm: a miss
+           flushes the younger tokens, the emitted one enters next); a younger token's exit waits its turn
+        3. an emitted token rides on to the deepest loop a later token may read (DepthRule.run_loops), then
+           leaves its slot
+        4. slot 0's exit guess drafts the next token, as without a rule
+
+    Every emitted token is picked from the logits its rule reads, of a token whose predecessors were all
+    verified, so the output equals the rule's plain decoding; drafts only decide which work is reused."""
+    for s in range(len(pipeline.slots) - 1, -1, -1):  # oldest first
+        token = pipeline.slots[s]
+        if s not in outcome.loop_heads or token is None:
+            continue
+        argmax, logits = outcome.loop_heads[s]
+        token.exit = token.exit or TokenExit(rule)
+        gate = rule.gate(state_at(s)) if rule.reads_gate and s < rule.loops - 1 else None
+        if token.exit.after_loop(s, gate, logits):
+            if rule.weighted:
+                logits = token.exit.expected
+                argmax = int(np.argmax(logits))
+            token.exit_loop, token.result = s, (None if logits is None else np.array(logits), argmax)
+    while True:
+        frontier = pipeline.holder(len(request.prompt) + len(out) - 1)
+        if frontier is None or frontier.result is None:
+            break
+        (logits, argmax), frontier.result, frontier.emitted = frontier.result, None, True
+        pipeline.stats.exit_loops[frontier.exit_loop] = pipeline.stats.exit_loops.get(frontier.exit_loop, 0) + 1
+        y = request.picker.pick(logits, argmax, request.history)
+        if emit(y):
+            return
+        pipeline.confirm(frontier.pos + 1, y)
+    for s in range(rule.run_loops - 1, len(pipeline.slots)):
+        if pipeline.slots[s] is not None and pipeline.slots[s].emitted:
+            pipeline.slots[s] = None
+    draft_next(pipeline, request, out, outcome, False)

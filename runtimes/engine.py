@@ -29,6 +29,7 @@ from speedc.models.sampling import SamplingParams, require
 from speedc.runtimes.speculation import DEFAULT_ROW_BUDGET, MODES
 from speedc.runtimes.decode import DecodeStats, Decoding, Request, run_to_end
 from speedc.runtimes.detokenize import DecodeRule, IncrementalText, cut_at_stop, decode_rule
+from speedc.runtimes.exit_rule import DepthRules, depth_settings
 from speedc.runtimes.requests import RequestChecks, sampling_params
 
 
@@ -277,7 +278,8 @@ class Engine:
         self._costs: dict[int, object] = {}  # id of a session -> its StepCosts (step times measured on this host)
         self.prefix_cache = None  # single-sequence calls' prefix cache (set_prefix_cache)
         self.decode_rule = decode_rule(tokenizer) if tokenizer is not None else DecodeRule()
-        self.requests = RequestChecks(manifest.dims, tokenizer, directory / TOKENIZER, self.decode_rule)
+        self.requests = RequestChecks(manifest.dims, tokenizer, directory / TOKENIZER, self.decode_rule,
+                                      DepthRules.of(manifest))
 
     def set_prefix_cache(self, megabytes: float | None) -> None:
         """Keep up to MEGABYTES MiB of K/V rows of the prompts and outputs of generate / stream, so a call
@@ -349,7 +351,7 @@ class Engine:
         early_flush = self.flush_setting(early_flush)
         scheduler = self._single_scheduler(mode)
         sequence = scheduler.submit(request, early_flush=early_flush)
-        sequence.stats.mode = self._mode_label(mode, early_flush)
+        sequence.stats.mode = self._mode_label(mode, sequence.early_flush)
         return scheduled(scheduler, sequence)
 
     @property
@@ -398,10 +400,10 @@ class Engine:
 
     def make_request(self, prompt, max_new_tokens: int, sampling: SamplingParams, stop: list[str] | None,
                      stop_at_eos: bool, stop_token_ids=None, prompt_logprobs: int | None = None,
-                     grammar=None) -> Request:
+                     grammar=None, depth: dict | None = None) -> Request:
         """A checked request (GenerationError on bad input): RequestChecks.make (runtimes/requests.py)."""
         return self.requests.make(prompt, max_new_tokens, sampling, stop, stop_at_eos, stop_token_ids, prompt_logprobs,
-                                  grammar)
+                                  grammar, depth)
 
     def grammar_constraint(self, grammar, ends):
         return self.requests.grammar_constraint(grammar, ends)
@@ -517,14 +519,17 @@ class Engine:
                  early_flush: bool | None = None, stop_token_ids: list[int] | None = None,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logit_bias: dict[int, float] | None = None,
                  logprobs: int | None = None, prompt_logprobs: int | None = None,
-                 grammar: str | None = None) -> GenerationResult:
+                 grammar: str | None = None, loops: int | None = None, exit_at_step: int | None = None,
+                 exit_threshold: float | None = None, weighted_exit: bool = False) -> GenerationResult:
         """LOGPROBS / PROMPT_LOGPROBS: record each new / prompt token's log-probability (the final head's,
         before bias and penalties) with this many top alternatives (result.logprobs, .prompt_logprobs).
-        GRAMMAR: an llguidance grammar string the output follows (make_request)."""
+        GRAMMAR: an llguidance grammar string the output follows (make_request). LOOPS, EXIT_AT_STEP,
+        EXIT_THRESHOLD, WEIGHTED_EXIT: a looped model's own depth rules (Ouro's; runtimes/exit_rule.py),
+        stats.exit_loops the loops tokens exited at."""
         sampling = sampling_params(temperature, top_k, top_p, repetition_penalty, seed, presence_penalty,
                                    frequency_penalty, logit_bias, logprobs)
         request = self.make_request(prompt, max_new_tokens, sampling, stop, stop_at_eos, stop_token_ids, prompt_logprobs,
-                                    grammar)
+                                    grammar, depth_settings(loops, exit_at_step, exit_threshold, weighted_exit))
         decoding = self._schedule(request, mode, early_flush)
         with self._lock:  # a decoding touches the backend (the one cache) only while it runs
             ids, stats = run_to_end(decoding)
@@ -538,7 +543,8 @@ class Engine:
                early_flush: bool | None = None, stop_token_ids: list[int] | None = None,
                presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logit_bias: dict[int, float] | None = None,
                logprobs: int | None = None, prompt_logprobs: int | None = None,
-               grammar: str | None = None) -> TextStream:
+               grammar: str | None = None, loops: int | None = None, exit_at_step: int | None = None,
+               exit_threshold: float | None = None, weighted_exit: bool = False) -> TextStream:
         """Text pieces as tokens are confirmed by the full model (never a speculated token). Bad
         requests fail here, before anything is yielded; the returned stream carries ids and stats."""
         if self.tokenizer is None:
@@ -547,7 +553,7 @@ class Engine:
                                    frequency_penalty, logit_bias, logprobs)
         # Checks run now; the decoding itself starts (and takes the lock) at the stream's first piece.
         request = self.make_request(prompt, max_new_tokens, sampling, stop, stop_at_eos, stop_token_ids, prompt_logprobs,
-                                    grammar)
+                                    grammar, depth_settings(loops, exit_at_step, exit_threshold, weighted_exit))
         decoding = self._schedule(request, mode, early_flush)
         stream = TextStream(decoding, self._lock, self.incremental_text(stop),
                             lambda ids: self.trim(self.decode_text(ids), stop))

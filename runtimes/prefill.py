@@ -31,11 +31,11 @@ class PrefillTurns:
         self._turn = head.id
         group = [head]
         if head.prefilled == 0 and head.request.prompt_logprobs is None:
-            longest = min(len(head.request.prompt), self.prefill_chunk)
+            longest = min(head.prefill_target, self.prefill_chunk)
             for sequence in occupied[head.row + 1:]:
                 if sequence.state != PREFILL or sequence.prefilled or sequence.request.prompt_logprobs is not None:
                     break
-                length = max(longest, min(len(sequence.request.prompt), self.prefill_chunk))
+                length = max(longest, min(sequence.prefill_target, self.prefill_chunk))
                 if (len(group) + 1) * length > self.prefill_chunk:
                     break
                 group.append(sequence)
@@ -51,7 +51,7 @@ class PrefillTurns:
         are bitwise the same however it is chunked, and whether a prefix came from the prefix cache."""
         if sequence.request.prompt_logprobs is not None:
             return 1
-        remaining = len(sequence.request.prompt) - sequence.prefilled
+        remaining = sequence.prefill_target - sequence.prefilled
         first = min(self.prefill_chunk, remaining)
         for size in range(first, max(first - ROW_TILE, 1), -1):
             rest = remaining - size

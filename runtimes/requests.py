@@ -12,11 +12,12 @@ from speedc.errors import GenerationError
 from speedc.models.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenPicker, is_integer, require
 from speedc.runtimes.decode import Request
 from speedc.runtimes.detokenize import DecodeRule, StopStrings, not_unicode
+from speedc.runtimes.exit_rule import SETTINGS as DEPTH_SETTINGS, DepthRules
 
 # generate()'s keyword arguments a request is made of (Engine.request_from)
 SETTINGS = frozenset({"max_new_tokens", "temperature", "top_k", "top_p", "seed", "repetition_penalty", "stop",
                       "stop_at_eos", "early_flush", "stop_token_ids", "presence_penalty", "frequency_penalty",
-                      "logit_bias", "logprobs", "prompt_logprobs", "grammar"})
+                      "logit_bias", "logprobs", "prompt_logprobs", "grammar", *DEPTH_SETTINGS})
 
 
 def sampling_params(temperature, top_k, top_p, repetition_penalty, seed, presence_penalty=0.0, frequency_penalty=0.0,
@@ -41,10 +42,12 @@ def check_text(text: str, what: str) -> None:
 
 class RequestChecks:
     """DIMS: the manifest's model sizes (vocabulary, context, end-of-text ids); TOKENIZER: the artifact's (None
-    where it has none), TOKENIZER_FILE its tokenizer.json (a grammar's tokenizer is built from it once)."""
+    where it has none), TOKENIZER_FILE its tokenizer.json (a grammar's tokenizer is built from it once);
+    DEPTH_RULES: the loops and exit rules the artifact allows a request."""
 
-    def __init__(self, dims, tokenizer, tokenizer_file: Path, decode_rule: DecodeRule) -> None:
+    def __init__(self, dims, tokenizer, tokenizer_file: Path, decode_rule: DecodeRule, depth_rules: DepthRules) -> None:
         self.dims, self.tokenizer, self.tokenizer_file, self.decode_rule = dims, tokenizer, tokenizer_file, decode_rule
+        self.depth_rules = depth_rules
         self._grammar_tokenizer = None
         self._lock = threading.Lock()
 
@@ -71,14 +74,18 @@ class RequestChecks:
         return ids
 
     def make(self, prompt, max_new_tokens: int, sampling: SamplingParams, stop: list[str] | None, stop_at_eos: bool,
-             stop_token_ids=None, prompt_logprobs: int | None = None, grammar=None) -> Request:
+             stop_token_ids=None, prompt_logprobs: int | None = None, grammar=None, depth: dict | None = None) -> Request:
         """A checked request: ids, limits, its own TokenPicker, stop rule. STOP_TOKEN_IDS: ids that end the
         generation as an end-of-text id does (a chat template's end of turn), even with stop_at_eos off.
         PROMPT_LOGPROBS: record the prompt's own log-probabilities with this many top alternatives (the prompt
         then prefills a token a run). GRAMMAR: an llguidance grammar (runtimes/constraint.py; e.g.
         llguidance.LLMatcher.grammar_from_json_schema(schema)) the output follows, ending at an end id
-        (stop_at_eos's or STOP_TOKEN_IDS), or one compiled by grammar_constraint."""
+        (stop_at_eos's or STOP_TOKEN_IDS), or one compiled by grammar_constraint. DEPTH: loops / exit_at_step /
+        exit_threshold / weighted_exit (runtimes/exit_rule.py), as the artifact allows."""
         max_new_tokens = self._check_limits(max_new_tokens, stop_at_eos, stop, prompt_logprobs)
+        rule = self.depth_rules.rule(**(depth or {}))
+        if rule is not None and prompt_logprobs is not None:
+            raise GenerationError("prompt logprobs are the full depth's: they cannot be asked with a depth rule")
         ids = self.encode(prompt)
         vocab = self.dims.vocab_size
         bad = next((i for i, _ in sampling.logit_bias if not 0 <= i < vocab), None)
@@ -99,7 +106,8 @@ class RequestChecks:
             return None
 
         constraint = self.grammar_constraint(grammar, eos) if grammar is not None else None
-        return Request(ids, max_new_tokens, TokenPicker(sampling, constraint), stop_reason, prompt_logprobs=prompt_logprobs)
+        return Request(ids, max_new_tokens, TokenPicker(sampling, constraint), stop_reason, prompt_logprobs=prompt_logprobs,
+                       depth_rule=rule)
 
     def _check_limits(self, max_new_tokens, stop_at_eos, stop, prompt_logprobs) -> int:
         """make's settings that need no prompt: max new tokens (-> as an int), the stop rule, prompt logprobs."""
@@ -134,7 +142,7 @@ class RequestChecks:
                                    params.get("logit_bias"), params.get("logprobs"))
         return self.make(prompt, params.get("max_new_tokens", 64), sampling, params.get("stop"),
                          params.get("stop_at_eos", True), params.get("stop_token_ids"), params.get("prompt_logprobs"),
-                         params.get("grammar"))
+                         params.get("grammar"), {name: params[name] for name in DEPTH_SETTINGS if name in params})
 
     def grammar_tokenizer(self, ends: frozenset[int]):
         """llguidance's tokenizer for this artifact whose end-of-sequence ids are ENDS (built once each)."""

@@ -31,6 +31,7 @@ class Sequence:
     first_token_seconds: float | None = None  # submit -> first confirmed token
     acceptance: object = None  # its record in the scheduler's acceptance policy
     error: Exception | None = None  # why it ended without finishing (stop_reason "error"), e.g. OutOfMemory
+    spacing: int | None = None  # under a depth rule, its pipeline's slot spacing (1: SPEED; P: plain decoding)
 
     @property
     def positions(self) -> int:
@@ -42,9 +43,16 @@ class Sequence:
         """A token at position q is worth computing only if position q+1 may still be emitted."""
         return self.positions - 2
 
+    @property
+    def prefill_target(self) -> int:
+        """Prompt tokens prefilled. Under a depth rule all but the last: the prefill reads out the last loop, so
+        the last prompt token runs its loops as the decode steps run a token's (decode.absorb_exits)."""
+        return len(self.request.prompt) - (self.request.depth_rule is not None)
+
     def frontier(self) -> InFlightToken:
-        """The last confirmed token at its position: what plain decoding runs next."""
-        return InFlightToken(self.out[-1], len(self.request.prompt) + len(self.out) - 1)
+        """The last confirmed token (the last prompt token before any) at its position: what decoding runs next."""
+        return InFlightToken(self.out[-1] if self.out else self.request.prompt[-1],
+                             len(self.request.prompt) + len(self.out) - 1)
 
 
 Event = tuple[Sequence, int | None]  # (sequence, confirmed token) or (sequence, None) when it finished

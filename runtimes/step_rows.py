@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from speedc.runtimes.backends.protocol import HeadRows, SequenceHeads
+from speedc.runtimes.decode import exit_heads_wanted
 from speedc.runtimes.sequence import DONE, Event, Sequence
 
 
@@ -69,7 +70,7 @@ def speed_rows(decoding: list[Sequence], bubbles: list[int], slots: int, pipelin
         pipeline = sequence.pipeline
         if pipeline.pending is None and pipeline.empty:
             pipeline.pending = sequence.frontier()  # (re)entering speculation after prefill or plain steps
-        enter = pipeline.shift(sequence.last_useful, spacing)
+        enter = pipeline.shift(sequence.last_useful, sequence.spacing or spacing)
         if pipeline.empty:
             sequence.stats.stop_reason = sequence.stats.stop_reason or "max_new_tokens"
             sequence.state = DONE
@@ -83,7 +84,11 @@ def speed_rows(decoding: list[Sequence], bubbles: list[int], slots: int, pipelin
         # The exit head drafts slot 0's successor over the whole vocabulary; an early-flush check of a
         # deeper slot scores only the candidates that token's own draft gave (kept by the backend).
         checked = [s for s in range(1, slots - 1) if pipeline.slots[s] is not None] if sequence.early_flush else []
-        stepping.append((sequence, heads.add(b, n, [token is not None for token in pipeline.slots], checked)))
-    full = bool((valid[:, [s.row for s, _ in stepping]].sum(axis=0) == pipeline_depth).all())
-    want = any(places.final is not None and s.request.picker.needs_logits for s, places in stepping)
+        rule = sequence.request.depth_rule
+        stepping.append((sequence, heads.add(b, n, [token is not None for token in pipeline.slots], checked,
+                                             None if rule is None else exit_heads_wanted(pipeline, rule))))
+    free = [s.row for s, _ in stepping if s.request.depth_rule is None]
+    full = bool((valid[:, free].sum(axis=0) == pipeline_depth).all())
+    want = any(s.request.picker.needs_logits and (places.final is not None or places.loop_finals)
+               or places.loop_finals and s.request.depth_rule.weighted for s, places in stepping)
     return SpeedRows(entering, positions, valid, heads, stepping, full, want)

@@ -20,7 +20,7 @@ from speedc.format.artifact import (CHAT_TEMPLATE, CONFIG, FORMAT_VERSION, TOKEN
                              stored_entries, weight_bytes, write_graphs, write_manifest)
 from speedc.build_output import check_output, install
 from speedc.errors import BuildError, SpeedcError
-from speedc.models.checkpoint.torch_io import checkpoint_hash, open_checkpoint, read_tokenizer_json
+from speedc.models.checkpoint.torch_io import checkpoint_hash, open_checkpoint, read_exit_gate, read_tokenizer_json
 from speedc.models.checkpoint.files import acceptance_hint_from_training, declared_tensor_bytes, has_speedc_section
 from speedc.models import zoo
 from speedc.passes import (batch_step_graph, cleanup, exit_heads, fuse_projections, fuse_skip_norm,  # noqa: F401
@@ -155,6 +155,9 @@ def build(checkpoint: str | Path, out: str | Path, options: BuildOptions | None 
         progress("writing the graphs and streaming the weights into the artifact")
         specs, index = write_files(state, checkpoint, tokenizer, tmp, on_weight_bytes)
         manifest = artifact_manifest(state, checkpoint, specs, index, reports)
+        gate = read_exit_gate(checkpoint, cfg, allow_pickle=allow_pickle)
+        if gate is not None and manifest.depth_plan.loop_exits:  # a request's exit rule reads it (runtimes/exit_rule.py)
+            manifest.model["exit_gate"] = gate
         write_manifest(tmp, manifest)
         notes, state = state.notes, None  # the graphs go before the measurement opens the artifact beside them
         if measure_step_cost and options.target == "onnx" and manifest.slots > 1:

@@ -144,6 +144,24 @@ def open_checkpoint(path: str | Path, *, allow_pickle: bool = False) -> tuple[Mo
     return cfg, sources
 
 
+def read_exit_gate(path: str | Path, cfg: ModelConfig, *, allow_pickle: bool = False) -> dict | None:
+    """The family's per-loop exit gate (Family.exit_gate) of the checkpoint at PATH as the manifest keeps it,
+    {"weight": [H floats], "bias": float} (float32 values), or None where the family has none."""
+    names = FAMILIES[cfg.architecture].exit_gate
+    directory = Path(path)
+    if names is None or not cfg.depth_plan.loop_exits or not directory.is_dir():
+        return None
+    sources, weights_path = _read_weights(directory, allow_pickle)
+    missing = [name for name in names if name not in sources]
+    if missing:
+        raise CheckpointError(f"{weights_path}: missing tensor {missing[0]} (the exit gate)")
+    weight, bias = (as_torch(sources[name]).float().reshape(-1) for name in names)
+    if weight.numel() != cfg.hidden_size or bias.numel() != 1:
+        raise CheckpointError(f"{weights_path}: the exit gate {names[0]} has {weight.numel()} values and {names[1]} "
+                              f"{bias.numel()}: expected {cfg.hidden_size} and 1")
+    return {"weight": weight.tolist(), "bias": float(bias[0])}
+
+
 def as_torch(source: TensorSource) -> torch.Tensor:
     array = source.read()
     if source.dtype == "bfloat16":  # torch cannot wrap ml_dtypes' bfloat16: reinterpret the bits

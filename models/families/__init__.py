@@ -28,7 +28,8 @@ class Family:
     architectures: tuple[str, ...]  # Hugging Face `architectures` values
     model_types: tuple[str, ...]
     read_config: ConfigReader
-    ignored_tensors: tuple[str, ...] = ()  # tensor-name prefixes read and dropped (e.g. exit gates)
+    ignored_tensors: tuple[str, ...] = ()  # tensor-name prefixes the model drops (e.g. exit gates)
+    exit_gate: tuple[str, str] | None = None  # (weight [1, H], bias [1]) of a per-loop exit gate, kept in the manifest
     description: str = ""
     notes: Callable[[dict], list[str]] = lambda data: []  # what inspect says about a config (e.g. ignored options)
     # The family's tensor names and fused layouts -> speedc's: {name: TensorSource}, ModelConfig -> the same

@@ -207,6 +207,9 @@ class BatchBackend:
         out at the same tap; a plan's prelude / coda readouts exist at slot 0 and slot P-1 only."""
         return self.speculative and not self.layout.pipelined_phases
 
+    def carried_state(self, slot: int, row: int) -> np.ndarray:
+        return self.hidden[slot, row].copy()
+
     def _logical_slabs(self, rows: slice) -> dict[str, np.ndarray]:
         """Prefill-graph cache inputs over pool rows ROWS (CacheLayout.prefill_slabs)."""
         return self.layout.prefill_slabs(self.pool.buffers, rows)

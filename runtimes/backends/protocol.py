@@ -71,6 +71,7 @@ class SequenceHeads:
     final: int | None  # index into final_tokens / final_logits (None: its oldest slot is a bubble)
     exit: int | None  # index into exit_tokens / exit_candidates (None: its slot 0 is a bubble)
     checks: dict[int, int]  # checked slot -> index into check_tokens
+    loop_finals: dict[int, int] = field(default_factory=dict)  # under a depth rule: slot -> index into final_*
 
 
 @dataclass
@@ -86,12 +87,18 @@ class HeadRows:
         """Head rows the step runs (what its cost follows beside its rows: runtimes/step_costs.py)."""
         return len(self.final) + len(self.exit) + len(self.check)
 
-    def add(self, row: int, sequences: int, filled: list[bool], checked: list[int]) -> SequenceHeads:
+    def add(self, row: int, sequences: int, filled: list[bool], checked: list[int],
+            loop_slots: list[int] | None = None) -> SequenceHeads:
         """Pool row ROW's heads among SEQUENCES: the final head where its oldest slot holds a token (FILLED:
-        per slot), the draft where slot 0 does, a check at each slot in CHECKED. -> where they come back
-        in the step's result (SpeedStepResult.of_sequence)."""
+        per slot), the draft where slot 0 does, a check at each slot in CHECKED. Under a depth rule the final
+        head runs at LOOP_SLOTS instead (decode.exit_heads_wanted: one loop a slot, each a readout). -> where
+        they come back in the step's result (SpeedStepResult.of_sequence)."""
         final = exit = None
-        if filled[-1]:
+        loop_finals = {}
+        for slot in loop_slots or []:
+            loop_finals[slot] = len(self.final)
+            self.final.append(slot * sequences + row)
+        if filled[-1] and loop_slots is None:
             final = len(self.final)
             self.final.append((len(filled) - 1) * sequences + row)
         if filled[0]:
@@ -101,7 +108,7 @@ class HeadRows:
         for slot in checked:
             checks[slot] = len(self.check)
             self.check.append(slot * sequences + row)
-        return SequenceHeads(final, exit, checks)
+        return SequenceHeads(final, exit, checks, loop_finals)
 
 
 @dataclass
@@ -111,6 +118,7 @@ class SequenceOutcome:
     final_logits: np.ndarray | None  # [V] when asked for
     guesses: dict[int, int]  # slot -> the exit head's token there (0: the draft; deeper: early-flush checks)
     draft_candidates: np.ndarray | None  # [K] the draft's top K ids (valid until the next step)
+    loop_heads: dict[int, tuple] = field(default_factory=dict)  # under a depth rule: slot -> (argmax, logits or None)
 
 
 @dataclass
@@ -133,9 +141,11 @@ class SpeedStepResult:
         guesses = {slot: int(self.check_tokens[i]) for slot, i in heads.checks.items()}
         if heads.exit is not None:
             guesses[0] = int(self.exit_tokens[heads.exit])
+        loop_heads = {slot: (int(self.final_tokens[i]), None if self.final_logits is None else self.final_logits[i])
+                      for slot, i in heads.loop_finals.items()}
         return SequenceOutcome(None if final is None else int(self.final_tokens[final]),
                                None if final is None or self.final_logits is None else self.final_logits[final],
-                               guesses, None if heads.exit is None else self.exit_candidates[heads.exit])
+                               guesses, None if heads.exit is None else self.exit_candidates[heads.exit], loop_heads)
 
 
 class DraftCandidates:
@@ -205,6 +215,10 @@ class BatchBackendProtocol(Protocol):
     def plain_step(self, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray,
                    want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
         """-> (argmax next tokens [n], logits [n, V] or None)."""
+
+    def carried_state(self, slot: int, row: int) -> np.ndarray:
+        """The state [H] slot SLOT of pool row ROW ended the last speed step with (float32; its readout's input
+        where the slot ends in one: a depth rule's gate reads it)."""
 
     def speed_step(self, entering: np.ndarray, positions: np.ndarray, valid: np.ndarray, heads: HeadRows,
                    want_logits: bool) -> SpeedStepResult:

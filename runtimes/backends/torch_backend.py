@@ -166,6 +166,9 @@ class TorchBackend:
     def early_checks(self) -> bool:  # every slot of a cycle reads out at the same tap (depth plans are refused)
         return self.speculative
 
+    def carried_state(self, slot: int, row: int) -> np.ndarray:
+        return self.hidden[slot, row].float().cpu().numpy()
+
     # ---- the pool --------------------------------------------------------------------------------
     @property
     def keeps_prefixes(self) -> bool:  # the prefix cache copies rows of the ONNX backend's host pool only
@@ -303,11 +306,14 @@ class TorchBackend:
 
     def _final_head_rows(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The final head of ROWS of x ([P*W, H], a speed pass's) -> [len(rows), V]; EXACT: computed over
-        all W rows of the last slot (where every final row is), then picked: the head's product has one
-        shape at every step, however many sequences have a token leaving."""
+        all W rows of the last slot (where every final row is but a depth rule's), then picked: the head's
+        product has one shape at every step, however many sequences have a token leaving; over all P*W
+        rows where a depth rule reads a shallower slot."""
         if not self.exact:
             return self.model.final_head(x[rows])
         first = (self.slots - 1) * self.pool.width
+        if len(rows) and int(rows.min()) < first:
+            return self.model.final_head(x)[rows]  # [P*W, V] -> [F, V]
         return self.model.final_head(x[first:])[rows - first]  # [W, V] -> [F, V]
 
     def _plain_layers(self, tokens: torch.Tensor, starts: torch.Tensor, past: int) -> tuple[torch.Tensor, list]:
@@ -341,8 +347,6 @@ class TorchBackend:
         grid = np.zeros((slots, width), np.int64)  # [P, W] each row's position, bubbles (and free pool rows) at 0
         grid[:, :n] = np.where(valid, positions, 0)
         self._check_positions(positions[valid])
-        if self.exact and min(heads.final, default=slots * n) < (slots - 1) * n:
-            raise GenerationError("internal: an exact speed step's final rows are the last slot's")
         written = np.full((slots, width), self.pool.length, np.int64)  # [P, W]: bubbles write the scratch row T
         written[:, :n] = np.where(valid, positions, self.pool.length)
         entering_w = np.zeros(width, np.int64)

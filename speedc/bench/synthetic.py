@@ -259,13 +259,61 @@ def end_to_end_row(engine, *, prompts: int, new_tokens: int, seed: int = 0, peer
     return row
 
 
+def exit_rule_rows(engine, rules: list[dict], *, prompts: int, new_tokens: int, seed: int = 1) -> list[dict]:
+    """Each depth RULE (Engine.generate's loops / exit_at_step / exit_threshold / weighted_exit) decoded with SPEED
+    (speculating at every step) and with plain decoding under the same rule, beside SPEED and plain decoding of
+    the full depth without a rule, all in the same interleaved rounds on random prompts, greedy; each rule's ids
+    must agree between its two modes. -> a row per rule: its ms/token, speedups, acceptance, exit histogram."""
+    import numpy as np
+
+    from speedc.bench.run import mode_order
+    from speedc.errors import GenerationError
+    from speedc.runtimes.decode import pooled_acceptance
+
+    rng = np.random.default_rng(seed)
+    vocab = engine.manifest.dims.vocab_size
+    runs = {"full": {}, **{str(i): rule for i, rule in enumerate(rules)}}
+    ms = {(name, mode): [] for name in runs for mode in ("speed-always", "autoregressive")}
+    stats: dict = {name: [] for name in runs}
+    for turn in range(prompts + 1):  # the first round warms every run up, untimed
+        prompt = [int(i) for i in rng.integers(0, vocab, size=PROMPT_IDS)]
+        for name in mode_order(tuple(runs), turn):
+            results = {mode: engine.generate(prompt, max_new_tokens=new_tokens, mode=mode, stop_at_eos=False, **runs[name])
+                       for mode in mode_order(("speed-always", "autoregressive"), turn)}
+            if results["speed-always"].ids != results["autoregressive"].ids:
+                raise GenerationError(f"depth rule {runs[name]}: SPEED and plain decoding gave different ids: not lossless")
+            if turn:
+                for mode, result in results.items():
+                    ms[name, mode].append(1000 * result.stats.decode_seconds / max(1, result.stats.new_tokens - 1))
+                stats[name].append(results["speed-always"].stats)
+    median = {key: statistics.median(values) for key, values in ms.items()}
+    rows = []
+    for name, rule in runs.items():
+        if name == "full":
+            continue
+        exits: dict = {}
+        for run in stats[name]:
+            for loop, count in run.exit_loops.items():
+                exits[loop] = exits.get(loop, 0) + count
+        speed, plain = median[name, "speed-always"], median[name, "autoregressive"]
+        rows.append({"rule": stats[name][0].depth_rule, "settings": rule, "acceptance": round(pooled_acceptance(stats[name]), 3),
+                     "exit_loops": dict(sorted(exits.items())), "speed_ms_per_token": round(speed, 2),
+                     "autoregressive_ms_per_token": round(plain, 2), "speedup_decode": round(plain / speed, 3),
+                     "full_speed_ms_per_token": round(median["full", "speed-always"], 2),
+                     "full_acceptance": round(pooled_acceptance(stats["full"]), 3),
+                     "vs_speed_full_depth": round(median["full", "speed-always"] / speed, 3),
+                     "full_autoregressive_ms_per_token": round(median["full", "autoregressive"], 2),
+                     "vs_plain_full_depth": round(median["full", "autoregressive"] / speed, 3), "ids_identical": True})
+    return rows
+
+
 def synthetic_step_costs(*, hidden: int = 1024, blocks: int = 4, passes: int = 4, context: int = 512,
                          threads: int | None = None, repeats: int = 100, backend: str = "onnx",
                          shape: Shape | None = None, layers: int | None = None, end_to_end: bool = False,
                          residual_scale: float | None = None, new_tokens: int = 64,
                          prompts: int = 6,  # each order of the three modes once (bench.run.mode_order)
                          weights: str | None = None, profile: bool = False, peers: bool | None = None,
-                         progress=lambda message: None) -> dict:
+                         exit_rules: list[dict] | None = None, progress=lambda message: None) -> dict:
     """c(P) rows for SHAPE (default: the zoo shape at HIDDEN) at every valid depth 2..MAX_DEPTH, each
     beside the weight floor's c(P) (speedc/bench/floor.py: the same weight products and nothing else),
     measured in the same run; WEIGHTS: the artifact's weight storage (the floor stays fp32); PROFILE:
@@ -273,7 +321,8 @@ def synthetic_step_costs(*, hidden: int = 1024, blocks: int = 4, passes: int = 4
     SPEED vs plain decoding per depth, on weights whose blocks' residual updates are scaled by
     RESIDUAL_SCALE so the early exit agrees often (the measured acceptance is reported); and, for a
     looped shape, PEERS (None: those installed): llama.cpp on a GGUF of the same checkpoint at the
-    artifact's precision (Q4_0 for int4, Q8_0 for int8, else F16), timed beside the deepest pipeline."""
+    artifact's precision (Q4_0 for int4, Q8_0 for int8, else F16), timed beside the deepest pipeline. EXIT_RULES:
+    depth rules (runtimes/exit_rule.py) decoded at the pipeline of one loop a slot (exit_rule_rows)."""
     from speedc.build import build
     from speedc.passes.base import BuildOptions
     from speedc.runtimes.engine import Engine
@@ -306,6 +355,9 @@ def synthetic_step_costs(*, hidden: int = 1024, blocks: int = 4, passes: int = 4
             if end_to_end:
                 row.update(end_to_end_row(engine, prompts=prompts, new_tokens=new_tokens,
                                           peers=peer_fns if slots == depths[-1] else None))
+            if exit_rules and slots == shape.loops:
+                progress(f"{shape.name}: decoding with the depth rules at P={slots}")
+                row["exit_rules"] = exit_rule_rows(engine, exit_rules, prompts=prompts, new_tokens=new_tokens)
             rows.append(row)
             manifest = engine.manifest
             del engine

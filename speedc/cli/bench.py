@@ -177,16 +177,21 @@ def bench_artifact(artifact, new_tokens, repeats, prompts, early_flush, backend,
 @click.option("--peers/--no-peers", default=None,
               help="With --end-to-end at a looped --shape: llama.cpp on a GGUF of the same checkpoint (default: when "
                    "installed).")
+@click.option("--exit-threshold", type=FiniteFloat(0, 1), multiple=True,
+              help="With --end-to-end at an Ouro shape: also decode with this exit threshold (repeatable), SPEED and "
+                   "plain decoding, beside the full depth in the same rounds.")
+@click.option("--exit-at-step", type=click.IntRange(0), multiple=True,
+              help="Likewise with this fixed exit loop (from 0; repeatable).")
 @backend_option
 @threads_option
 @json_option
 def bench_memory_bound(shape, hidden, layers, recurrence, repeats, weights, profile, end_to_end, residual_scale,
-                       new_tokens, peers, backend, threads, as_json):
+                       new_tokens, peers, exit_threshold, exit_at_step, backend, threads, as_json):
     """Build a large random-weight model at each pipeline depth and report its step cost c(P), each
     beside the weight floor's (the same weight products and nothing else) measured in the same run."""
     if given_options("hidden") and shape != "zoo":
         raise GenerationError(f"--hidden sizes the zoo shape; {shape} has its own")
-    needs_end_to_end = given_options("new_tokens") + (["peers"] if peers else [])
+    needs_end_to_end = given_options("new_tokens", "exit_threshold", "exit_at_step") + (["peers"] if peers else [])
     if needs_end_to_end and not end_to_end:
         raise GenerationError(f"{flag(needs_end_to_end[0])} goes with --end-to-end (it decodes; c(P) alone does not)")
 
@@ -199,11 +204,14 @@ def bench_memory_bound(shape, hidden, layers, recurrence, repeats, weights, prof
         if chosen is None or not chosen.recurrent:
             raise GenerationError("--recurrence goes with a recurrent-depth shape (--shape huginn-3.5b)")
         chosen = dataclasses.replace(chosen, loops=recurrence)
+    rules = [{"exit_threshold": t} for t in exit_threshold] + [{"exit_at_step": k} for k in exit_at_step]
+    if rules and (chosen is None or not chosen.name.startswith("ouro")):
+        raise GenerationError("--exit-threshold / --exit-at-step go with an Ouro shape (--shape ouro-1.4b or ouro-2.6b)")
     with Console(stderr=True).status("memory-bound step cost") as spinner:
         report = synthetic_step_costs(hidden=hidden, repeats=repeats, threads=threads, backend=backend,
                                       shape=chosen, layers=layers, end_to_end=end_to_end,
                                       residual_scale=residual_scale, new_tokens=new_tokens, weights=weights,
-                                      profile=profile, peers=peers, progress=spinner.update)
+                                      profile=profile, peers=peers, exit_rules=rules, progress=spinner.update)
     if as_json:
         click.echo(json.dumps(report))
     else:
@@ -305,6 +313,14 @@ def print_memory_bound(report: dict) -> None:
                 continue
             click.echo(f"      {name}: {peer['ms_per_token']:.1f} ms/token, SPEED {peer['speed_speedup']:.2f}x faster; "
                        f"ids agree at {peer['agreement']:.0%} of positions; ran {peer['ran']}")
+        for rule in row.get("exit_rules", []):
+            exits = ", ".join(f"loop {loop}: {count}" for loop, count in rule["exit_loops"].items())
+            click.echo(f"      {rule['rule']}: acceptance {rule['acceptance']:.2f}, exits {exits}; SPEED "
+                       f"{rule['speed_ms_per_token']:.1f} ms/token, plain decoding with the rule "
+                       f"{rule['autoregressive_ms_per_token']:.1f} ({rule['speedup_decode']:.2f}x); against the full depth "
+                       f"(SPEED {rule['full_speed_ms_per_token']:.1f} at acceptance {rule['full_acceptance']:.2f}, plain "
+                       f"{rule['full_autoregressive_ms_per_token']:.1f}): {rule['vs_speed_full_depth']:.2f}x, "
+                       f"{rule['vs_plain_full_depth']:.2f}x (ids identical)")
         if "profile" in row:
             click.echo(f"      {'op (kernel ms, profiled)':<30} {'step':>8} {'token/P':>8} {'step - token/P':>15}")
             for op in row["profile"][:12]:

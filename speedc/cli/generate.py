@@ -10,6 +10,7 @@ import click
 
 from speedc.cli.options import FiniteFloat, backend_options, compile_option, flag, given_options
 from speedc.errors import BatchError, GenerationError
+from speedc.runtimes.exit_rule import depth_settings
 from speedc.runtimes.speculation import DEFAULT_ROW_BUDGET, MODES
 
 
@@ -54,13 +55,23 @@ def _refuse_batch_options_without_file() -> None:
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-text token.")
 @click.option("--early-flush/--no-early-flush", default=None,
               help="Flush as soon as a deeper exit head contradicts the in-flight successor (default: on).")
+@click.option("--loops", type=int, default=None,
+              help="Loops each token runs (Ouro's total_ut_steps), up to the artifact's; default: all.")
+@click.option("--exit-at-step", type=int, default=None,
+              help="Read every token's logits after this loop (from 0; Ouro's exit_at_step). Deeper loops do not run.")
+@click.option("--exit-threshold", type=FiniteFloat(), default=None,
+              help="Read each token's logits at the first loop where its exit gate's cumulative probability reaches "
+                   "this (Ouro's exit_threshold, 0..1).")
+@click.option("--weighted-exit", is_flag=True,
+              help="Logits = every loop's, weighted by the exit gate's probabilities (Ouro's use_weighted_exit).")
 @backend_options
 @compile_option
 @click.option("--stream", is_flag=True, help="Print text as tokens are confirmed.")
 @click.option("--stats", is_flag=True, help="Print decode statistics to stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with ids, text and stats.")
 def generate(artifact, prompt, prompt_ids, prompts_file, max_batch, kv_cache_mb, row_budget, max_new_tokens, mode, temperature, top_k, top_p, repetition_penalty, seed,
-             stop, ignore_eos, early_flush, backend, device, threads, compile_step, stream, stats, as_json):
+             stop, ignore_eos, early_flush, loops, exit_at_step, exit_threshold, weighted_exit, backend, device, threads,
+             compile_step, stream, stats, as_json):
     """Generate from a compiled ARTIFACT with SPEED (or plain autoregressive decoding)."""
     from speedc.runtimes.engine import Engine
 
@@ -69,6 +80,8 @@ def generate(artifact, prompt, prompt_ids, prompts_file, max_batch, kv_cache_mb,
     options = dict(max_new_tokens=max_new_tokens, mode=mode, temperature=temperature, top_k=top_k, top_p=top_p,
                    seed=seed, repetition_penalty=repetition_penalty, stop=list(stop) or None,
                    stop_at_eos=not ignore_eos, early_flush=early_flush)
+    depth = depth_settings(loops, exit_at_step, exit_threshold, weighted_exit)
+    options.update({name: value for name, value in depth.items() if value not in (None, False)})
     if prompts_file is not None:
         if stream:
             raise GenerationError("--stream prints one sequence; with --prompts-file use --json or plain output")
@@ -166,7 +179,7 @@ def _print_stats(stats) -> None:
     for key in ("mode", "prompt_tokens", "new_tokens", "steps", "speed_steps", "depth_steps", "plain_steps", "fallbacks",
                 "probes", "cost_samples", "depth", "accepted", "mispredicted", "early_flushes", "flushed_tokens", "acceptance_rate",
                 "tokens_per_step", "step_cost", "step_cost_source", "bound", "prefill_seconds", "decode_seconds",
-                "decode_tokens_per_second", "stop_reason"):
+                "decode_tokens_per_second", "stop_reason", "depth_rule", "exit_loops"):
         value = data[key]
         table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
     if data["policy"]:

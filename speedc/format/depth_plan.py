@@ -77,6 +77,9 @@ class DepthPlan:
     # Cross-repeat attention (IQuest-Coder-V1-Loop), on when > 0: the window W of each later repeat's own K/V;
     # repeat 0's K/V of the same core layer is read in full (positions <= the token's), the two mixed per head.
     cross_window: int = 0
+    # Every repeat's normed state is a readout the head reads as it is (Ouro): a request may choose the loops
+    # run and the loop read (its exit rules: runtimes/exit_rule.py); needs loop_norm and no prelude or coda.
+    loop_exits: bool = False
 
     def __post_init__(self) -> None:
         if not self.core or self.repeats < 1:
@@ -91,6 +94,9 @@ class DepthPlan:
             raise CheckpointError("depth plan: an injection reads the prelude's output e; this plan has no prelude")
         if isinstance(self.cross_window, bool) or not isinstance(self.cross_window, int) or self.cross_window < 0:
             raise CheckpointError(f"depth plan: cross_window must be an integer >= 0, got {self.cross_window!r}")
+        if self.loop_exits and (not self.loop_norm or not self.cycle or self.final_norm):
+            raise CheckpointError("depth plan: loop exits read each repeat's normed state with the final head: they need "
+                                  "a norm after every repeat, no prelude or coda, and no second norm at the head")
         if self.cross_window and (self.prelude or self.coda or self.injection or self.repeats < 2):
             raise CheckpointError("depth plan: cross-repeat attention is built for one core repeated at least twice, "
                                   "without prelude, coda or injection")
@@ -196,7 +202,8 @@ class DepthPlan:
                 "loop_norm": self.loop_norm, "final_norm": self.final_norm, "injection": self.injection,
                 "readout_norm": self.readout_norm, "state_init": self.state_init, "state_seed": self.state_seed,
                 "state_std": self.state_std, "prelude_norm": self.prelude_norm,
-                "readout_projection": self.readout_projection, "cross_window": self.cross_window}
+                "readout_projection": self.readout_projection, "cross_window": self.cross_window,
+                "loop_exits": self.loop_exits}
 
     @classmethod
     def from_json(cls, data: dict) -> "DepthPlan":
@@ -206,7 +213,7 @@ class DepthPlan:
                        bool(data.get("readout_norm", False)), str(data.get("state_init", "zero")),
                        int(data.get("state_seed", 0)), float(data.get("state_std", 0.0)),
                        bool(data.get("prelude_norm", False)), bool(data.get("readout_projection", False)),
-                       int(data.get("cross_window", 0)))
+                       int(data.get("cross_window", 0)), bool(data.get("loop_exits", False)))
         except (KeyError, TypeError, ValueError) as bad:
             raise CheckpointError(f"depth plan: malformed ({bad!r})") from None
 
@@ -224,6 +231,8 @@ class DepthPlan:
             parts.append("projection at each readout")
         if self.cross_window:
             parts.append(f"cross-repeat attention (repeat 0's K/V, own window {self.cross_window})")
+        if self.loop_exits:
+            parts.append("a readout after every repeat (per-request loops and exit rules)")
         return ", ".join(parts)
 
 
@@ -322,9 +331,10 @@ def fit_plan(layer_map: list[int], declared: DepthPlan | None, loop_norm: bool, 
                                  or declared.readout_projection or declared.cross_window):  # not derivable from a map: it must fit
         if not declared.fits(layer_map):
             raise CheckpointError(f"depth plan ({declared.describe()}) does not fit the layer map {layer_map}")
-        return replace(declared.relabel(layer_map), loop_norm=loop_norm, final_norm=final_norm)
+        return replace(declared.relabel(layer_map), loop_norm=loop_norm, final_norm=final_norm, loop_exits=False)
     if declared is not None and declared.repeats > 1 and declared.fits(layer_map):
-        return replace(declared.relabel(layer_map), loop_norm=loop_norm, final_norm=final_norm)
+        return replace(declared.relabel(layer_map), loop_norm=loop_norm, final_norm=final_norm,
+                       loop_exits=declared.loop_exits and loop_norm and not final_norm)
     return derive_plan(layer_map, loop_norm, final_norm)
 
 
@@ -335,6 +345,6 @@ def with_repeats(plan: DepthPlan, repeats: int) -> DepthPlan:
     return replace(plan, repeats=repeats)
 
 
-def looped_plan(layers: int, loops: int, *, loop_norm: bool, final_norm: bool) -> DepthPlan:
+def looped_plan(layers: int, loops: int, *, loop_norm: bool, final_norm: bool, loop_exits: bool = False) -> DepthPlan:
     """A looped checkpoint (Ouro, Nanbeige): the whole stack of LAYERS blocks is the core, run LOOPS times."""
-    return DepthPlan((), tuple(range(layers)), loops, (), loop_norm=loop_norm, final_norm=final_norm)
+    return DepthPlan((), tuple(range(layers)), loops, (), loop_norm=loop_norm, final_norm=final_norm, loop_exits=loop_exits)

@@ -196,7 +196,7 @@ class Service:
                                  stop_at_eos=not s.ignore_eos, stop_token_ids=stop_ids, grammar=s.grammar,
                                  presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                                  logit_bias=s.logit_bias, logprobs=logprobs,
-                                 prompt_logprobs=s.logprobs if s.echo else None)
+                                 prompt_logprobs=s.logprobs if s.echo else None, depth=s.depth)
 
     def choice_requests(self, parsed: ParsedRequest, ids: list[int]) -> list[GenerationRequest]:
         """One generation per choice (best_of of them, n shown). With a seed, choice i draws from seed + i,

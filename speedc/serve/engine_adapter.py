@@ -91,6 +91,7 @@ class GenerationRequest:
     logprobs: int | None = None  # record each new token's log-probability with this many top alternatives
     prompt_logprobs: int | None = None  # the prompt's own, likewise (prefilled a token a run)
     grammar: str | None = None  # llguidance's grammar the output follows
+    depth: tuple = ()  # (name, value): loops / exit_at_step / exit_threshold / weighted_exit (runtimes/exit_rule.py)
 
     def engine_settings(self) -> dict:
         """The keyword arguments Engine.stream and EngineLoop.submit take for it."""
@@ -99,7 +100,7 @@ class GenerationRequest:
                     stop=list(self.stop) or None, stop_at_eos=self.stop_at_eos, stop_token_ids=list(self.stop_token_ids),
                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                     logit_bias=self.logit_bias, logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs,
-                    grammar=self.grammar)
+                    grammar=self.grammar, **dict(self.depth))
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,8 @@ class Metrics:
         self.early_flushes = Counter("speedc_early_flushes", "SPEED flushes triggered early by a deeper exit head",
                                      registry=r)
         self.flushed_tokens = Counter("speedc_flushed_tokens", "In-flight tokens discarded by flushes", registry=r)
+        self.exit_loops = Counter("speedc_token_exit_loop", "Generated tokens of requests with a depth rule, by the "
+                                  "loop (from 0) whose logits they were read from", ["loop"], registry=r)
         self.policy_steps = Counter("speedc_policy_decode_steps", "Decode steps of finished requests by what the "
                                     "speculation policy chose", ["kind"], registry=r)
         self.depth_steps = Counter("speedc_policy_depth_steps", "Speed steps of finished requests by the pipeline depth "
@@ -95,6 +97,8 @@ class Metrics:
             self.probes.inc(stats.probes)
             self.cost_samples.inc(stats.cost_samples)
             self.cached_prompt_tokens.inc(stats.cached_tokens)
+            for loop, tokens in stats.exit_loops.items():
+                self.exit_loops.labels(str(loop)).inc(tokens)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -54,6 +54,7 @@ class Sampling:
     echo: bool = False  # completions: the prompt (and its log-probabilities) before the completion
     grammar: str | None = None  # llguidance's grammar the output follows (structured output)
     grammar_field: str | None = None  # the request field it came from
+    depth: tuple = ()  # (name, value) of the depth settings given: loops, exit_at_step, exit_threshold, weighted_exit
 
 
 @dataclass(frozen=True)
@@ -412,7 +413,10 @@ COMMON: dict[str, Check] = {
     "top_k": integer, "repetition_penalty": number, "ignore_eos": boolean, "stop_token_ids": token_ids,
     "presence_penalty": penalty, "frequency_penalty": penalty, "logit_bias": logit_bias, "n": bounded(1, MAX_CHOICES),
     **GRAMMAR_FIELDS,
+    # a looped model's own depth rules (Ouro's forward arguments; the engine checks them against the artifact)
+    "loops": integer, "exit_at_step": integer, "exit_threshold": number, "weighted_exit": boolean,
 }
+DEPTH_FIELDS = ("loops", "exit_at_step", "exit_threshold", "weighted_exit")
 IMPLEMENTED: dict[str, dict[str, Check]] = {
     "completion": {**COMMON, "prompt": prompt, "logprobs": bounded(0, MAX_LOGPROBS), "echo": boolean,
                    "best_of": bounded(1, MAX_CHOICES)},
@@ -514,7 +518,8 @@ def sampling(values: dict[str, Any], kind: str = "completion") -> Sampling:
                       frequency_penalty=values.get("frequency_penalty", 0.0), logit_bias=values.get("logit_bias"),
                       n=n, best_of=best_of, logprobs=logprobs_asked(values, kind), echo=echo,
                       grammar=next((values[name] for name in GRAMMAR_FIELDS if values.get(name) is not None), None),
-                      grammar_field=next((name for name in GRAMMAR_FIELDS if values.get(name) is not None), None))
+                      grammar_field=next((name for name in GRAMMAR_FIELDS if values.get(name) is not None), None),
+                      depth=tuple((name, values[name]) for name in DEPTH_FIELDS if name in values))
     if result.grammar is not None and len(result.grammar) > MAX_GRAMMAR_BYTES:
         raise ApiError(400, f"{result.grammar_field}: the grammar it makes is {len(result.grammar):,} characters; this "
                             f"server compiles at most {MAX_GRAMMAR_BYTES:,}", param=result.grammar_field,

@@ -307,8 +307,14 @@ def test_memory_bound_on_a_looped_shape():
     from speedc.bench.synthetic import Shape, synthetic_step_costs
 
     tiny = Shape("ouro-tiny", 64, 4, 4, 16, 96, 128, 2, 4, looped=True, sandwich_norms=True)
-    report = synthetic_step_costs(shape=tiny, context=64, repeats=5, end_to_end=True, new_tokens=12, prompts=2, peers=False)
+    report = synthetic_step_costs(shape=tiny, context=64, repeats=5, end_to_end=True, new_tokens=12, prompts=2, peers=False,
+                                  exit_rules=[{"exit_threshold": 0.5}, {"exit_at_step": 0}])
     assert report["passes"] == 4 and [row["slots"] for row in report["rows"]] == [2, 4]
+    threshold, first = report["rows"][-1]["exit_rules"]  # at P = loops only (one loop a slot)
+    assert "exit_rules" not in report["rows"][0]
+    assert threshold["rule"] == "4 loops, exit threshold 0.5" and first["exit_loops"] == {0: 2 * 12}
+    assert sum(threshold["exit_loops"].values()) == 2 * 12 and all(row["ids_identical"] for row in (threshold, first))
+    assert first["acceptance"] == 0 and first["speedup_decode"] > 0 and first["vs_plain_full_depth"] > 0
     assert all(row["step_cost"] > 0 for row in report["rows"]) and report["note"] == ""
     assert report["residual_scale"] == round(0.025 / 6 ** 0.5, 5) and report["label"].startswith("SPEED vs plain decoding")
     for row in report["rows"]:
@@ -363,6 +369,8 @@ def test_memory_bound_peers_say_what_is_missing(monkeypatch, tmp_path):
     (["--peer", "transformers"], "--peer does not go with `speedc bench memory-bound`: it goes with `speedc bench artifact`"),
     (["--peers"], "--peers goes with --end-to-end"),
     (["--new-tokens", "8"], "--new-tokens goes with --end-to-end"),
+    (["--exit-threshold", "0.5"], "--exit-threshold goes with --end-to-end"),
+    (["--end-to-end", "--exit-at-step", "0"], "--exit-threshold / --exit-at-step go with an Ouro shape"),
     (["--shape", "ouro-1.4b", "--hidden", "64"], "--hidden sizes the zoo shape; ouro-1.4b has its own"),
     (["--no-such-option"], "`speedc bench memory-bound` has no option --no-such-option"),
 ])

@@ -15,7 +15,7 @@ from speedc.format.cache_layout import CacheLayout
 from speedc.errors import CheckpointError
 from speedc.models.config import ModelConfig
 from speedc.models.families import load_config, read_config
-from speedc.format.depth_plan import CODA, CORE, PRELUDE, DepthPlan, derive_plan
+from speedc.format.depth_plan import CODA, CORE, PRELUDE, DepthPlan, derive_plan, fit_plan
 from speedc.passes.base import BuildOptions, CompileState, run_passes
 from speedc.cost_model import make_schedule
 
@@ -28,7 +28,7 @@ def read(directory) -> ModelConfig:
 
 def test_looped_families_emit_their_loops(tmp_path):
     ouro = read(write_ouro(tmp_path / "ouro", layers=3, loops=4))
-    assert ouro.depth_plan == DepthPlan((), (0, 1, 2), 4, (), loop_norm=True, final_norm=False)
+    assert ouro.depth_plan == DepthPlan((), (0, 1, 2), 4, (), loop_norm=True, final_norm=False, loop_exits=True)
     nanbeige = read(write_nanbeige(tmp_path / "nb", layers=2, loops=3))
     assert nanbeige.depth_plan == DepthPlan((), (0, 1), 3, (), loop_norm=True, final_norm=False)
     skip = read(write_nanbeige(tmp_path / "nb-skip", layers=2, loops=3, skip_loop_final_norm=True))
@@ -36,6 +36,20 @@ def test_looped_families_emit_their_loops(tmp_path):
     # the loop-boundary norm sits where the published forward puts it: after each loop's last layer
     assert [layer for layer in range(12) if ouro.depth_plan.ends_loop(layer)] == [2, 5, 8, 11]
     assert not any(skip.depth_plan.ends_loop(layer) for layer in range(6))
+
+
+def test_loop_exits_need_readable_loops():
+    """A plan whose every repeat's normed state the head reads as it is; refused where a repeat's end is not that."""
+    plan = DepthPlan((), (0, 1), 4, loop_norm=True, final_norm=False, loop_exits=True)
+    assert DepthPlan.from_json(plan.to_json()) == plan and "per-request loops and exit rules" in plan.describe()
+    assert not DepthPlan.from_json({**plan.to_json(), "loop_exits": None}).loop_exits  # older manifests: off
+    for bad in (dict(loop_norm=False), dict(final_norm=True)):
+        with pytest.raises(CheckpointError, match="loop exits read each repeat's normed state"):
+            DepthPlan((), (0, 1), 4, **{"loop_norm": True, "final_norm": False, **bad}, loop_exits=True)
+    with pytest.raises(CheckpointError, match="loop exits"):
+        DepthPlan((0,), (1,), 4, loop_norm=True, final_norm=False, loop_exits=True)
+    # relabelled over another map of the same phases, it keeps them; derived from a bare map it has none
+    assert fit_plan([0, 1] * 4, plan, True, False).loop_exits and not fit_plan([0, 1] * 4, None, True, False).loop_exits
 
 
 def test_llama_layer_maps_are_instances():
@@ -109,7 +123,7 @@ def test_passes_fit_the_plan_to_the_weights(tmp_path):
     directory = write_ouro(tmp_path / "ouro", layers=2, loops=3)
     cfg, weights = open_checkpoint(directory)
     state, _ = run_passes(CompileState(cfg, weights, BuildOptions(), has_speedc_section=False), ["trace", "share", "schedule"])
-    assert state.depth_plan == DepthPlan((), (0, 1), 3, (), loop_norm=True, final_norm=False)
+    assert state.depth_plan == DepthPlan((), (0, 1), 3, (), loop_norm=True, final_norm=False, loop_exits=True)
     assert state.schedule.slots == 3 and state.schedule.depth_plan is state.depth_plan  # the one plan object
     assert state.layer_map == state.depth_plan.layer_map == [0, 1] * 3  # the found map is the found plan's
     assert state.exit_norm is None  # the draft reads the loop-normed state

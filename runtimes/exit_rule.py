@@ -1,0 +1,169 @@
+r"""A looped model's own depth rules at decode time, per request: how many loops a token runs and at which
+loop its logits are read (Ouro's published OuroForCausalLM.forward; the depth plan's `loop_exits`).
+
+    h_i      the state after loop i, normed at the loop boundary (what the head reads as it is)
+    lambda_i sigmoid(w . h_i + b)                             (model.early_exit_gate, kept in the manifest)
+    p_i      lambda_i * prod_{j<i} (1 - lambda_j), i < n-1;   p_{n-1} = what is left   (n: the loops run)
+
+    loops n           total_ut_steps: loops 0..n-1 run, the last read is n-1 (n <= the artifact's loops)
+    exit_at_step k    logits = lm_head(h_k)
+    exit_threshold t  logits = lm_head(h_k), k the first loop whose cumulative p reaches t (else n-1)
+    weighted_exit     logits = sum_i p_i * lm_head(h_i)
+    (none)            logits = lm_head(h_{n-1})
+
+A token's exit is decided a loop at a time (TokenExit.after_loop), by the same code in both decode modes:
+plain decoding runs the token's loops one step each with nothing behind it, SPEED lets the next token enter
+on a draft and verifies it at the exit (runtimes/decode.py absorb_exits). Which loops a token runs after its
+exit is the scheduler's: deeper loops still run for their K/V where a later token may read them (exits
+decided by the gate), and not at all beyond n.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from speedc.errors import GenerationError
+from speedc.models.sampling import is_integer
+
+SETTINGS = ("loops", "exit_at_step", "exit_threshold", "weighted_exit")  # generate()'s keyword arguments
+F32 = np.float32
+
+
+def depth_settings(loops=None, exit_at_step=None, exit_threshold=None, weighted_exit=False) -> dict:
+    """generate()'s depth keyword arguments as DepthRules.rule takes them."""
+    return {"loops": loops, "exit_at_step": exit_at_step, "exit_threshold": exit_threshold, "weighted_exit": weighted_exit}
+
+
+@dataclass(frozen=True)
+class DepthRule:
+    """One request's depth: LOOPS run, and the exit rule among them (at most one is set)."""
+    loops: int
+    exit_at_step: int | None = None
+    exit_threshold: float | None = None
+    weighted: bool = False
+    gate: "ExitGate | None" = field(default=None, compare=False, repr=False)  # where the rule reads it
+
+    @property
+    def reads_gate(self) -> bool:
+        return self.exit_threshold is not None or self.weighted
+
+    @property
+    def head_loops(self) -> range:
+        """The loops whose head a token may exit at (the gate's rules: every loop, reading the weights as they come)."""
+        if self.exit_at_step is not None:
+            return range(self.exit_at_step, self.exit_at_step + 1)
+        return range(self.loops) if self.reads_gate else range(self.loops - 1, self.loops)
+
+    @property
+    def run_loops(self) -> int:
+        """Loops every token runs: through the last a token may exit at, whose K/V later tokens read there. A
+        fixed exit step reads no deeper loop at all (loop k attends only loop k's K/V), so none deeper runs."""
+        return self.exit_at_step + 1 if self.exit_at_step is not None else self.loops
+
+    def describe(self) -> str:
+        rule = ("weighted exit" if self.weighted else f"exit at step {self.exit_at_step}" if self.exit_at_step is not None
+                else f"exit threshold {self.exit_threshold:g}" if self.exit_threshold is not None else "last loop")
+        return f"{self.loops} loops, {rule}"
+
+
+@dataclass(frozen=True)
+class DepthRules:
+    """What an artifact allows: its loops, whether each loop's state is a readout (the plan's loop_exits) and
+    runs in its own pipeline slot, and its exit gate (None: none stored)."""
+    family: str
+    loops: int
+    loop_exits: bool
+    one_loop_a_slot: bool
+    gate: "ExitGate | None"
+
+    @classmethod
+    def of(cls, manifest) -> "DepthRules":
+        """An artifact's (its Manifest): the depth plan's loops and loop_exits, its slots, the stored gate."""
+        plan = manifest.depth_plan
+        return cls(manifest.model.get("architecture", "this model"), plan.repeats, plan.loop_exits,
+                   manifest.slots == plan.repeats, ExitGate.from_manifest(manifest.model.get("exit_gate")))
+
+    def rule(self, loops=None, exit_at_step=None, exit_threshold=None, weighted_exit=False) -> DepthRule | None:
+        """The checked rule of a request's settings (None: none given: the artifact's full depth as built)."""
+        if loops is None and exit_at_step is None and exit_threshold is None and not weighted_exit:
+            return None
+        if not self.loop_exits:
+            raise GenerationError(f"{self.family} has no per-request depth rules in speedc (loops, exit_at_step, "
+                                  "exit_threshold, weighted_exit are Ouro's: its loops each end in a readable state)")
+        if not self.one_loop_a_slot:
+            raise GenerationError(f"depth rules need one loop per pipeline slot; this artifact pipelines its {self.loops} "
+                                  f"loops otherwise (rebuild with --slots {self.loops})")
+        if loops is not None and (not is_integer(loops) or not 1 <= loops <= self.loops):
+            raise GenerationError(f"loops must be an integer in 1..{self.loops} (the artifact was built for {self.loops}), "
+                                  f"not {loops!r:.20}")
+        loops = self.loops if loops is None else int(loops)
+        if not isinstance(weighted_exit, bool):
+            raise GenerationError(f"weighted_exit must be True or False, not {type(weighted_exit).__name__}")
+        if sum((exit_at_step is not None, exit_threshold is not None, weighted_exit)) > 1:
+            raise GenerationError("give one exit rule: exit_at_step, exit_threshold or weighted_exit")
+        if exit_at_step is not None and (not is_integer(exit_at_step) or not 0 <= exit_at_step < loops):
+            raise GenerationError(f"exit_at_step must be an integer in 0..{loops - 1} (loops count from 0), "
+                                  f"not {exit_at_step!r:.20}")
+        if exit_threshold is not None:
+            if isinstance(exit_threshold, bool) or not isinstance(exit_threshold, (int, float, np.floating)) \
+                    or not 0.0 <= float(exit_threshold) <= 1.0:
+                raise GenerationError(f"exit_threshold must be a number in 0..1, not {exit_threshold!r:.20}")
+            exit_threshold = float(exit_threshold)
+        if (exit_threshold is not None or weighted_exit) and self.gate is None:
+            raise GenerationError("exit_threshold and weighted_exit read the exit gate; this artifact has none stored")
+        reads_gate = exit_threshold is not None or weighted_exit
+        return DepthRule(loops, None if exit_at_step is None else int(exit_at_step), exit_threshold, weighted_exit,
+                         self.gate if reads_gate else None)
+
+
+@dataclass(frozen=True)
+class ExitGate:
+    """model.early_exit_gate: Linear(H, 1) over a loop's normed state."""
+    weight: np.ndarray  # [H] float32
+    bias: float
+
+    @classmethod
+    def from_manifest(cls, stored: dict | None) -> "ExitGate | None":
+        if not stored:
+            return None
+        return cls(np.asarray(stored["weight"], F32), float(stored["bias"]))
+
+    def __call__(self, state: np.ndarray) -> F32:
+        """lambda = sigmoid(w . h + b) of one state [H] (float32, as the published fp32 forward)."""
+        logit = F32(np.dot(state.astype(F32), self.weight)) + F32(self.bias)
+        return F32(1.0) / (F32(1.0) + np.exp(-logit, dtype=F32))
+
+
+class TokenExit:
+    """One token's way through its DepthRule, a loop at a time (loops in order 0, 1, ...)."""
+
+    def __init__(self, rule: DepthRule) -> None:
+        self.rule = rule
+        self.remaining = F32(1.0)  # prod_{j<i} (1 - lambda_j)
+        self.cumulative = F32(0.0)  # sum_{j<=i} p_j
+        self.expected: np.ndarray | None = None  # the weighted exit's sum_i p_i * logits_i so far
+
+    def needs_logits(self) -> bool:
+        """Whether every loop's logits are read (the weighted exit), not only the exit loop's."""
+        return self.rule.weighted
+
+    def after_loop(self, loop: int, gate: F32 | None, logits: np.ndarray | None) -> bool:
+        """LOOP has run (GATE: its lambda where the rule reads the gate; LOGITS: its [V] logits where
+        needs_logits). -> whether the token exits here (its logits: this loop's head, or `expected`)."""
+        rule, last = self.rule, loop == self.rule.loops - 1
+        if rule.exit_at_step is not None:
+            return loop == rule.exit_at_step
+        if not rule.reads_gate:
+            return last
+        if last:
+            p = self.remaining
+        else:
+            p, self.remaining = F32(gate * self.remaining), F32(self.remaining * (F32(1.0) - gate))
+        self.cumulative = F32(self.cumulative + p)
+        if rule.weighted:
+            term = logits.astype(F32) * p
+            self.expected = term if self.expected is None else self.expected + term
+            return last
+        return last or bool(self.cumulative >= F32(rule.exit_threshold))

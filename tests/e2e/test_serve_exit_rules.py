@@ -1,0 +1,68 @@
+"""A looped model's depth rules through `speedc serve`: the request body's loops / exit_at_step /
+exit_threshold / weighted_exit (the OpenAI clients' extra_body) give the engine's tokens for the same rule,
+requests with and without a rule share the batch, a rule the artifact cannot run is a 400 naming it, and
+/metrics counts the loops tokens exited at."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+
+import httpx
+import pytest
+
+from looped_checkpoints import write_ouro
+from serve_server import start_server
+from speedc import Engine
+from speedc.build import build
+from speedc.models import zoo
+from speedc.passes.base import BuildOptions
+
+PROMPT = [5, 17, 300, 42, 9, 77]
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def ouro_artifact(tmp_path_factory):
+    """A tiny Ouro checkpoint with the bundled tiny model's tokenizer (the server needs one)."""
+    root = tmp_path_factory.mktemp("serve-ouro")
+    checkpoint = write_ouro(root / "ckpt", layers=1, loops=4, seed=2, vocab=1024, residual_scale=0.3)
+    shutil.copy(zoo.ZOO_DIR / "tiny" / "tokenizer.json", checkpoint / "tokenizer.json")
+    return build(checkpoint, root / "art", BuildOptions()).out
+
+
+@pytest.fixture(scope="module")
+def server(ouro_artifact, tmp_path_factory):
+    running = start_server(ouro_artifact, tmp_path_factory.mktemp("serve-ouro-log"), "--model-name", "ouro")
+    yield running
+    assert running.stop() == -signal.SIGTERM, running.log.read_text()
+    assert "Traceback" not in running.log.read_text(), running.log.read_text()
+
+
+def complete(server, **extra) -> httpx.Response:
+    body = {"model": "ouro", "prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True, **extra}
+    return httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+
+
+def test_rules_in_the_body_give_the_engines_tokens(server, ouro_artifact):
+    engine = Engine.load(ouro_artifact, threads=1)
+    rules = [{}, {"exit_threshold": 0.5}, {"exit_at_step": 1}, {"loops": 2}, {"weighted_exit": True}]
+    texts = {}
+    for rule in rules:
+        response = complete(server, **rule)
+        assert response.status_code == 200, response.text
+        texts[str(rule)] = response.json()["choices"][0]["text"]
+        expected = engine.generate(PROMPT, max_new_tokens=NEW_TOKENS, mode="autoregressive", stop_at_eos=False, **rule)
+        assert texts[str(rule)] == expected.text, rule
+    assert len(set(texts.values())) > 1, "every rule gave the same text: the rules were not applied"
+    exits = {name: value for name, value in server.metrics().items() if name.startswith("speedc_token_exit_loop_total")}
+    assert sum(exits.values()) == NEW_TOKENS * (len(rules) - 1), exits
+    assert exits['speedc_token_exit_loop_total{loop="1"}'] >= NEW_TOKENS  # exit_at_step 1 and loops 2
+
+
+def test_rule_the_artifact_cannot_run_is_a_400(server):
+    response = complete(server, loops=9)
+    assert response.status_code == 400
+    assert "loops must be an integer in 1..4" in response.json()["error"]["message"]
+    response = complete(server, exit_threshold="high")
+    assert response.status_code == 400 and response.json()["error"]["param"] == "exit_threshold"
