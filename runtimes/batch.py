@@ -30,6 +30,7 @@ flushes in-flight (unverified) work. So each sequence's output equals plain deco
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -138,10 +139,9 @@ class BatchScheduler:
         free = [s for s in decoding if s.request.depth_rule is None]
         if free:
             plan = self.controller.decide(free, self.backend.pool.length, self.backend.pool.width)
-            if plan.leaves_speed:  # in-flight work is unverified
+            if plan.leaves_speed:
                 for sequence in free:
-                    sequence.pipeline.flush_from(0)
-                    sequence.pipeline.pending = None
+                    sequence.pipeline.drain()
             if plan.burst:
                 for sequence in free:
                     sequence.stats.cost_samples += 1
@@ -151,7 +151,7 @@ class BatchScheduler:
                            else self._plain_step(free, events))
             self.controller.record(kind, len(free + together), time.perf_counter() - start, plan, heads)
             self.decode_steps[len(free + together)] += 1
-            ruled = [s for s in ruled if s not in together]
+            ruled = [] if plan.speculate else ruled
         if ruled:
             self._speed_step(ruled, events, self.backend.slots)
             self.decode_steps[len(ruled)] += 1
@@ -181,46 +181,16 @@ class BatchScheduler:
             sequence.row, sequence.state = len(self.occupied), PREFILL
             sequence.pipeline = Pipeline(self.backend.slots, sequence.stats)
             self.occupied.append(sequence)
-            self._reuse_prefix(sequence)
+            if self.prefix_cache is not None:
+                self.prefix_cache.reuse(sequence, self.backend.pool)
             if sequence.prefill_target == 0:  # a one-token prompt under a depth rule: nothing to prefill
-                self._prefilled(sequence)
-
-    def _reuse_prefix(self, sequence: Sequence) -> None:
-        """Its prompt's longest cached prefix goes into its pool row: prefill starts after it, with at least two
-        tokens (PrefillTurns.chunk_size). (A prompt whose log-probabilities are asked runs whole: each of its tokens'
-        logits is needed.)"""
-        if self.prefix_cache is None or sequence.request.prompt_logprobs is not None:
-            return
-        entry, reuse = self.prefix_cache.lookup(sequence.request.prompt, keep=2)
-        if entry is not None:
-            self.backend.pool.write_rows(sequence.row, entry.rows, reuse)
-            sequence.prefilled = sequence.stats.cached_tokens = reuse
-
-    def _keep_prefix(self, sequence: Sequence) -> None:
-        """SEQUENCE is leaving: its prompt's rows (those prefilled) go to the prefix cache. Not the generated
-        tokens' rows: a decode step computes a token's rows a run of one (not bitwise a prefill's, see
-        PrefillTurns.chunk_size); a chat's next turn holds them in its prompt, prefilled then and kept after it. Nor
-        the rows of a prompt prefilled a token a run (its log-probabilities asked)."""
-        if self.prefix_cache is None or sequence.row < 0 or sequence.request.prompt_logprobs is not None:
-            return
-        tokens = sequence.request.prompt[:sequence.prefilled]
-        if len(tokens) > 1:
-            self.prefix_cache.store(tokens, self.backend.pool.read_rows(sequence.row, len(tokens)))
+                sequence.start_decoding()
 
     def _refuse(self, sequence: Sequence, error: Exception, events: list[Event]) -> None:
         """SEQUENCE, at the head of the queue, cannot be admitted: it ends alone with ERROR (Sequence.error)."""
         with self._lock:
             self.waiting.popleft()
-        self._fail_alone(sequence, error, events)
-
-    @staticmethod
-    def _fail_alone(sequence: Sequence, error: Exception, events: list[Event]) -> None:
-        """An error of SEQUENCE's own (its grammar, sampling, stop rule, or an admission it cannot get): it ends
-        with ERROR (Sequence.error, stop_reason "error") and the step goes on for the others, whose outputs do
-        not depend on it. Only a failed graph run (the shared step) fails them all (EngineLoop)."""
-        sequence.error = error
-        sequence.stats.stop_reason, sequence.state = "error", DONE
-        events.append((sequence, None))
+        events.append(sequence.fail_alone(error))
 
     def _grow_pool(self, sequences: list[Sequence]) -> None:
         """Grow the pool to hold SEQUENCES at their longest (no-op when it does); OutOfMemory when it cannot."""
@@ -274,8 +244,8 @@ class BatchScheduler:
         """Free SEQUENCE's pool row now; the last occupied row moves into the hole."""
         if sequence not in self.occupied:
             return
-        if sequence.error is None:
-            self._keep_prefix(sequence)
+        if sequence.error is None and self.prefix_cache is not None:
+            self.prefix_cache.keep(sequence, self.backend.pool)
         hole, last = sequence.row, len(self.occupied) - 1
         if hole != last:
             mover = self.occupied[last]
@@ -305,7 +275,7 @@ class BatchScheduler:
                 request.prompt_logprob_values.append(
                     token_logprob(logits[0], request.prompt[group[0].prefilled + 1], request.prompt_logprobs))
             except Exception as error:
-                self._fail_alone(group[0], error, events)
+                events.append(group[0].fail_alone(error))
                 return
         self.steps["prefill"] += 1
         elapsed = time.perf_counter() - start
@@ -314,20 +284,14 @@ class BatchScheduler:
             sequence.prefilled += len(chunk)
             sequence.stats.prefill_seconds += elapsed
             if done:
-                self._prefilled(sequence)
+                sequence.start_decoding()
                 if request.depth_rule is not None:  # its last prompt token runs on the decode steps
                     continue
                 try:
                     token = request.picker.pick(logits[row] if want else None, int(argmax[row]), request.history)
                     self._emit(sequence, token, events)
                 except Exception as error:
-                    self._fail_alone(sequence, error, events)
-
-    @staticmethod
-    def _prefilled(sequence: Sequence) -> None:
-        sequence.request.history = list(sequence.request.prompt)
-        sequence.stats.prompt_tokens = len(sequence.request.prompt)
-        sequence.state = DECODE
+                    events.append(sequence.fail_alone(error))
 
     def _plain_step(self, decoding: list[Sequence], events: list[Event]) -> tuple[str, int]:
         """One plain step of DECODING. -> ("plain", 0: every plain step runs the same heads)."""
@@ -344,7 +308,7 @@ class BatchScheduler:
                 self.acceptance.waited(sequence.acceptance)
                 self._emit(sequence, token, events)
             except Exception as error:
-                self._fail_alone(sequence, error, events)
+                events.append(sequence.fail_alone(error))
             sequence.stats.decode_seconds += time.perf_counter() - start
         return "plain", 0
 
@@ -368,7 +332,7 @@ class BatchScheduler:
             try:
                 self._absorb(sequence, result.of_sequence(places), events)
             except Exception as error:
-                self._fail_alone(sequence, error, events)
+                events.append(sequence.fail_alone(error))
                 continue
             if sequence.request.depth_rule is None:  # (a rule's sequence speculates whatever its acceptance)
                 self.acceptance.stepped(sequence.acceptance, stats.accepted - accepted, stats.failed_speculations - failed,
@@ -379,10 +343,7 @@ class BatchScheduler:
     def _absorb(self, sequence: Sequence, outcome, events: list[Event]) -> None:
         """One sequence's share of a speed step: decode.absorb, or absorb_exits under a depth rule."""
         request, row = sequence.request, sequence.row
-
-        def emit(token: int) -> bool:
-            return self._emit(sequence, token, events)
-
+        emit = functools.partial(self._emit, sequence, events=events)  # token -> whether the sequence is done
         if request.depth_rule is None:
             absorb(sequence.pipeline, request, sequence.out, outcome, sequence.early_flush, emit)
         else:

@@ -131,6 +131,11 @@ class Pipeline:
                 self.slots[i] = None
                 self.stats.flushed_tokens += 1
 
+    def drain(self) -> None:
+        """Leaving speculation: every in-flight token is unverified work, and the pending draft is dropped."""
+        self.flush_from(0)
+        self.pending = None
+
     def holder(self, q: int) -> InFlightToken | None:
         return next((s for s in self.slots if s is not None and s.pos == q), None)
 

@@ -29,7 +29,7 @@ from speedc.models.sampling import SamplingParams, require
 from speedc.runtimes.speculation import DEFAULT_ROW_BUDGET, MODES
 from speedc.runtimes.decode import DecodeStats, Decoding, Request, run_to_end
 from speedc.runtimes.detokenize import DecodeRule, IncrementalText, cut_at_stop, decode_rule
-from speedc.runtimes.exit_rule import DepthRules, depth_settings
+from speedc.runtimes.exit_rule import SETTINGS as DEPTH_SETTINGS, DepthRules, depth_settings
 from speedc.runtimes.requests import RequestChecks, sampling_params
 
 
@@ -461,12 +461,13 @@ class Engine:
                        stop: list[str] | None = None, stop_at_eos: bool = True, early_flush: bool | None = None,
                        settings: list[dict] | None = None, scheduler=None, **batch_options) -> list[GenerationResult]:
         """One result per prompt, in order, all decoded together (continuous batching). SETTINGS: per-prompt
-        overrides of the keyword arguments (e.g. each its own seed). Each result equals what its prompt
+        overrides of the keyword arguments (e.g. each its own seed; generate's depth rules too). Each result equals what its prompt
         produces alone with plain decoding. A prompt whose KV cache cannot be allocated even alone
         (out of memory) fails alone: BatchError, whose results hold the others'. BATCH_OPTIONS go to
         batch_scheduler (max_batch, kv_cache_mb, ...)."""
         common = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                      repetition_penalty=repetition_penalty, stop=stop, stop_at_eos=stop_at_eos, early_flush=early_flush)
+                      repetition_penalty=repetition_penalty, stop=stop, stop_at_eos=stop_at_eos, early_flush=early_flush,
+                      **{name: batch_options.pop(name) for name in DEPTH_SETTINGS if name in batch_options})
         if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):  # a str: one prompt a character
             raise GenerationError(f"prompts must be a list (of texts or id lists), not {type(prompts).__name__}")
         if settings is not None and len(settings) != len(prompts):

@@ -19,7 +19,7 @@ request is waiting or running and wakes on submit. Text follows the single-seque
 (detokenize.IncrementalText.take_settled): no incomplete UTF-8 character, no text that may begin a stop
 string; each token decodes a few ids, not the whole output. A sequence whose own work fails in a step
 (its grammar, its sampling) ends alone with its error (Sequence.error) and the step goes on for the
-others (BatchScheduler._fail_alone). A step that fails (a backend error) ends every request it was
+others (Sequence.fail_alone). A step that fails (a backend error) ends every request it was
 running with that error (those that had already ended, end as they did); waiting requests stay queued
 and the loop carries on. A request
 whose KV cache cannot be allocated even alone ends with OutOfMemory; the others are unaffected.

@@ -96,6 +96,31 @@ class PrefixCache:
             self._entries[next(self._keys)] = entry
             self.nbytes += entry.nbytes
 
+    # ---- a scheduler's sequences (runtimes/batch.py) ------------------------------------------------
+    def reuse(self, sequence, pool) -> None:
+        """SEQUENCE (runtimes/sequence.Sequence) just took its pool row in POOL (a KVPool): its prompt's longest
+        cached prefix goes there, and its prefill starts after it with at least two tokens (PrefillTurns.chunk_size;
+        its prefill_target is one short of the prompt under a depth rule). A prompt whose log-probabilities are
+        asked runs whole: each of its tokens' logits is needed."""
+        request = sequence.request
+        if request.prompt_logprobs is not None:
+            return
+        entry, reuse = self.lookup(request.prompt, keep=2 + len(request.prompt) - sequence.prefill_target)
+        if entry is not None:
+            pool.write_rows(sequence.row, entry.rows, reuse)
+            sequence.prefilled = sequence.stats.cached_tokens = reuse
+
+    def keep(self, sequence, pool) -> None:
+        """SEQUENCE is leaving its pool row in POOL: its prompt's rows (those prefilled) are stored. Not the generated
+        tokens' rows: a decode step computes a token's rows a run of one (not bitwise a prefill's, see
+        PrefillTurns.chunk_size); a chat's next turn holds them in its prompt, prefilled then and kept after it. Nor
+        the rows of a prompt prefilled a token a run (its log-probabilities asked)."""
+        if sequence.row < 0 or sequence.request.prompt_logprobs is not None:
+            return
+        tokens = sequence.request.prompt[:sequence.prefilled]
+        if len(tokens) > 1:
+            self.store(tokens, pool.read_rows(sequence.row, len(tokens)))
+
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()

@@ -49,6 +49,20 @@ class Sequence:
         the last prompt token runs its loops as the decode steps run a token's (decode.absorb_exits)."""
         return len(self.request.prompt) - (self.request.depth_rule is not None)
 
+    def start_decoding(self) -> None:
+        """Its prompt is prefilled (all but the last token under a depth rule): its history starts there."""
+        self.request.history = list(self.request.prompt)
+        self.stats.prompt_tokens = len(self.request.prompt)
+        self.state = DECODE
+
+    def fail_alone(self, error: Exception) -> "Event":
+        """An error of its own (its grammar, sampling, stop rule, or an admission it cannot get): it ends with
+        ERROR (stop_reason "error") and the step goes on for the others, whose outputs do not depend on it.
+        Only a failed graph run (the shared step) fails them all (EngineLoop). -> its event."""
+        self.error = error
+        self.stats.stop_reason, self.state = "error", DONE
+        return self, None
+
     def frontier(self) -> InFlightToken:
         """The last confirmed token (the last prompt token before any) at its position: what decoding runs next."""
         return InFlightToken(self.out[-1] if self.out else self.request.prompt[-1],

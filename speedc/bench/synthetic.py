@@ -259,13 +259,22 @@ def end_to_end_row(engine, *, prompts: int, new_tokens: int, seed: int = 0, peer
     return row
 
 
-def exit_rule_rows(engine, rules: list[dict], *, prompts: int, new_tokens: int, seed: int = 1) -> list[dict]:
+def close_peers(peers: dict) -> None:
+    """End the peers' own processes (PEERS: memory_bound_peers' name -> (generate, what it ran))."""
+    for generate, _ in peers.values():
+        getattr(generate, "close", lambda: None)()
+    peers.clear()
+
+
+def exit_rule_rows(engine, rules: list[dict], *, prompts: int, new_tokens: int, seed: int = 1,
+                   progress=lambda message: None) -> list[dict]:
     """Each depth RULE (Engine.generate's loops / exit_at_step / exit_threshold / weighted_exit) decoded with SPEED
     (speculating at every step) and with plain decoding under the same rule, beside SPEED and plain decoding of
     the full depth without a rule, all in the same interleaved rounds on random prompts, greedy; each rule's ids
     must agree between its two modes. -> a row per rule: its ms/token, speedups, acceptance, exit histogram."""
     import numpy as np
 
+    progress(f"decoding with the depth rules at P={engine.manifest.slots}")
     from speedc.bench.run import mode_order
     from speedc.errors import GenerationError
     from speedc.runtimes.decode import pooled_acceptance
@@ -356,15 +365,12 @@ def synthetic_step_costs(*, hidden: int = 1024, blocks: int = 4, passes: int = 4
                 row.update(end_to_end_row(engine, prompts=prompts, new_tokens=new_tokens,
                                           peers=peer_fns if slots == depths[-1] else None))
             if exit_rules and slots == shape.loops:
-                progress(f"{shape.name}: decoding with the depth rules at P={slots}")
-                row["exit_rules"] = exit_rule_rows(engine, exit_rules, prompts=prompts, new_tokens=new_tokens)
+                row["exit_rules"] = exit_rule_rows(engine, exit_rules, prompts=prompts, new_tokens=new_tokens, progress=progress)
             rows.append(row)
             manifest = engine.manifest
             del engine
             shutil.rmtree(art)  # one artifact on disk at a time
-        for generate, _ in peer_fns.values():  # (llama.cpp's process ended before the temporary files go)
-            getattr(generate, "close", lambda: None)()
-        peer_fns.clear()
+        close_peers(peer_fns)  # (llama.cpp's process ended before the temporary files go)
     report = {**_report_head(shape, used, scale, end_to_end, manifest), "backend": backend, "context": context,
               "rows": rows, **({"kernel": kernel} if kernel is not None else {})}
     if end_to_end:

@@ -314,18 +314,23 @@ def print_memory_bound(report: dict) -> None:
             click.echo(f"      {name}: {peer['ms_per_token']:.1f} ms/token, SPEED {peer['speed_speedup']:.2f}x faster; "
                        f"ids agree at {peer['agreement']:.0%} of positions; ran {peer['ran']}")
         for rule in row.get("exit_rules", []):
-            exits = ", ".join(f"loop {loop}: {count}" for loop, count in rule["exit_loops"].items())
-            click.echo(f"      {rule['rule']}: acceptance {rule['acceptance']:.2f}, exits {exits}; SPEED "
-                       f"{rule['speed_ms_per_token']:.1f} ms/token, plain decoding with the rule "
-                       f"{rule['autoregressive_ms_per_token']:.1f} ({rule['speedup_decode']:.2f}x); against the full depth "
-                       f"(SPEED {rule['full_speed_ms_per_token']:.1f} at acceptance {rule['full_acceptance']:.2f}, plain "
-                       f"{rule['full_autoregressive_ms_per_token']:.1f}): {rule['vs_speed_full_depth']:.2f}x, "
-                       f"{rule['vs_plain_full_depth']:.2f}x (ids identical)")
+            click.echo(exit_rule_line(rule))
         if "profile" in row:
             click.echo(f"      {'op (kernel ms, profiled)':<30} {'step':>8} {'token/P':>8} {'step - token/P':>15}")
             for op in row["profile"][:12]:
                 click.echo(f"      {op['op']:<30} {op['step_ms']:>8.3f} {op['token_share_ms']:>8.3f} "
                            f"{op['step_ms'] - op['token_share_ms']:>+15.3f}")
+
+
+def exit_rule_line(rule: dict) -> str:
+    """One row of speedc.bench.synthetic.exit_rule_rows."""
+    exits = ", ".join(f"loop {loop}: {count}" for loop, count in rule["exit_loops"].items())
+    return (f"      {rule['rule']}: acceptance {rule['acceptance']:.2f}, exits {exits}; SPEED "
+            f"{rule['speed_ms_per_token']:.1f} ms/token, plain decoding with the rule "
+            f"{rule['autoregressive_ms_per_token']:.1f} ({rule['speedup_decode']:.2f}x); against the full depth "
+            f"(SPEED {rule['full_speed_ms_per_token']:.1f} at acceptance {rule['full_acceptance']:.2f}, plain "
+            f"{rule['full_autoregressive_ms_per_token']:.1f}): {rule['vs_speed_full_depth']:.2f}x, "
+            f"{rule['vs_plain_full_depth']:.2f}x (ids identical)")
 
 
 def check_plot_path(plot: Path) -> None:

@@ -214,3 +214,14 @@ def test_cli_rule_and_refusal(gated):
     assert '"exit_loops"' in result.stdout
     bad = run_cli("generate", gated.artifact, "--prompt-ids", "1,2", "--loops", "9")
     assert_one_line_error(bad, "loops must be an integer in 1..4")
+
+
+def test_batch_takes_a_rule_for_every_prompt(gated):
+    """generate_batch's keyword arguments (what `speedc generate --prompts-file` passes) carry the rule to
+    every prompt: each as it decodes alone."""
+    prompts = [prompt(0), prompt(1)]
+    engine = gated.engine("onnx")
+    together = engine.generate_batch(prompts, max_new_tokens=8, stop_at_eos=False, exit_at_step=1, max_batch=2)
+    for ids, result in zip(prompts, together):
+        alone = engine.generate(ids, max_new_tokens=8, stop_at_eos=False, exit_at_step=1)
+        assert result.ids == alone.ids and result.stats.exit_loops == {1: 8}

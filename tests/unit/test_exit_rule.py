@@ -81,17 +81,22 @@ def run_step(pipeline: Pipeline, request: Request, out: list, heads: dict, gates
     return emitted
 
 
-def test_a_younger_exit_waits_and_is_flushed_with_its_result_on_a_miss():
+def two_in_flight():
+    """A threshold-0.5 pipeline after prompt [1, 2, 3]: the last prompt token (pos 2) in slot 1, past loop 0
+    without exiting (gate 0.1), its draft successor 50 (pos 3) in slot 0. -> (rule, stats, pipeline, request, out)"""
     rule = DepthRule(4, exit_threshold=0.5, gate=ExitGate(np.ones(1, np.float32), 0.0))
     stats = DecodeStats("speed")
     pipeline = Pipeline(4, stats)
     request = Request([1, 2, 3], 10, TokenPicker(SamplingParams()), lambda ids: None, history=[1, 2, 3])
-    out: list[int] = []
-    # the last prompt token (pos 2) is at slot 1, its draft successor 50 (pos 3) at slot 0
     pipeline.slots = [InFlightToken(50, 3), InFlightToken(3, 2), None, None]
-    # the younger token exits at loop 0 (gate 0.9) with 60; the older does not exit at loop 1 (0.1, 0.1)
     pipeline.slots[1].exit = TokenExit(rule)
     pipeline.slots[1].exit.after_loop(0, np.float32(0.1), None)
+    return rule, stats, pipeline, request, []
+
+
+def test_a_younger_exit_waits_and_is_flushed_with_its_result_on_a_miss():
+    rule, stats, pipeline, request, out = two_in_flight()
+    # the younger token exits at loop 0 (gate 0.9) with 60; the older does not exit at loop 1 (0.1, 0.1)
     assert run_step(pipeline, request, out, {0: 60, 1: 7}, {0: 0.9, 1: 0.1}, rule) == []
     assert pipeline.slots[0].result == (None, 60) and pipeline.slots[0].exit_loop == 0
     assert pipeline.pending.token == 99  # slot 0's draft enters behind it
@@ -103,14 +108,7 @@ def test_a_younger_exit_waits_and_is_flushed_with_its_result_on_a_miss():
 
 
 def test_a_verified_exit_emits_the_kept_result_of_its_successor_at_once():
-    rule = DepthRule(4, exit_threshold=0.5, gate=ExitGate(np.ones(1, np.float32), 0.0))
-    stats = DecodeStats("speed")
-    pipeline = Pipeline(4, stats)
-    request = Request([1, 2, 3], 10, TokenPicker(SamplingParams()), lambda ids: None, history=[1, 2, 3])
-    out: list[int] = []
-    pipeline.slots = [InFlightToken(50, 3), InFlightToken(3, 2), None, None]
-    pipeline.slots[1].exit = TokenExit(rule)
-    pipeline.slots[1].exit.after_loop(0, np.float32(0.1), None)
+    rule, stats, pipeline, request, out = two_in_flight()
     # both exit in the same step: the older (loop 1) with 50 = the draft in flight, the younger (loop 0) with 60
     assert run_step(pipeline, request, out, {0: 60, 1: 50}, {0: 0.9, 1: 0.9}, rule) == [50, 60]
     assert stats.accepted == 1 and stats.exit_loops == {1: 1, 0: 1} and pipeline.pending.token == 60
