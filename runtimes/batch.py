@@ -91,11 +91,11 @@ class BatchScheduler:
                             acceptance=self.acceptance.start("sampled" if request.picker.params.temperature > 0 else "greedy"))
         sequence.stats.policy = self.acceptance.describe()
         rule = request.depth_rule
-        if rule is not None:  # always on speed steps, one loop a slot: speculating, or one token at a time
+        if rule is not None:  # always on speed steps, one loop a slot, drafting unless the mode never speculates
             if not self.backend.speculative:
                 raise GenerationError("a depth rule runs on the pipeline's steps; this backend runs plain steps only")
             sequence.early_flush, sequence.stats.depth_rule = False, rule.describe()
-            sequence.spacing = 1 if self.controller.policy.row_budget != 0 else self.backend.slots
+            sequence.drafts = self.controller.policy.row_budget != 0
         with self._lock:
             self.waiting.append(sequence)
         return sequence
@@ -326,7 +326,7 @@ class BatchScheduler:
             stats = sequence.stats
             stats.steps += 1
             stats.speed_steps += 1
-            depth = self.backend.slots // sequence.spacing if sequence.spacing else pipeline_depth
+            depth = self.backend.slots if sequence.request.depth_rule else pipeline_depth
             stats.depth_steps[depth] = stats.depth_steps.get(depth, 0) + 1
             accepted, failed, emitted = stats.accepted, stats.failed_speculations, len(sequence.out)
             try:
@@ -348,4 +348,4 @@ class BatchScheduler:
             absorb(sequence.pipeline, request, sequence.out, outcome, sequence.early_flush, emit)
         else:
             absorb_exits(sequence.pipeline, request, sequence.out, outcome, request.depth_rule,
-                         lambda slot: self.backend.carried_state(slot, row), emit)
+                         lambda slot: self.backend.carried_state(slot, row), emit, sequence.drafts)

@@ -267,7 +267,7 @@ def exit_heads_wanted(pipeline: Pipeline, rule: DepthRule) -> list[int]:
 
 
 def absorb_exits(pipeline: Pipeline, request: Request, out: list[int], outcome, rule: DepthRule,
-                 state_at: Callable[[int], np.ndarray], emit: Callable[[int], bool]) -> None:
+                 state_at: Callable[[int], np.ndarray], emit: Callable[[int], bool], drafts: bool = True) -> None:
     """One step's OUTCOME for a sequence under a depth rule (runtimes/exit_rule.py), one loop a slot.
 
         1. each token that ran a loop it may exit at (exit_heads_wanted) takes that loop's head
@@ -278,7 +278,9 @@ def absorb_exits(pipeline: Pipeline, request: Request, out: list[int], outcome, 
            flushes the younger tokens, the emitted one enters next); a younger token's exit waits its turn
         3. an emitted token rides on to the deepest loop a later token may read (DepthRule.run_loops), then
            leaves its slot
-        4. slot 0's exit guess drafts the next token, as without a rule
+        4. with DRAFTS, slot 0's exit guess drafts the next token, as without a rule; without, only an emitted
+           token enters (plain decoding: nothing speculative in flight, the next token entering at its
+           predecessor's exit while that one's deeper loops run)
 
     Every emitted token is picked from the logits its rule reads, of a token whose predecessors were all
     verified, so the output equals the rule's plain decoding; drafts only decide which work is reused."""
@@ -307,4 +309,5 @@ def absorb_exits(pipeline: Pipeline, request: Request, out: list[int], outcome, 
     for s in range(rule.run_loops - 1, len(pipeline.slots)):
         if pipeline.slots[s] is not None and pipeline.slots[s].emitted:
             pipeline.slots[s] = None
-    draft_next(pipeline, request, out, outcome, False)
+    if drafts:
+        draft_next(pipeline, request, out, outcome, False)

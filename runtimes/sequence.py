@@ -31,7 +31,8 @@ class Sequence:
     first_token_seconds: float | None = None  # submit -> first confirmed token
     acceptance: object = None  # its record in the scheduler's acceptance policy
     error: Exception | None = None  # why it ended without finishing (stop_reason "error"), e.g. OutOfMemory
-    spacing: int | None = None  # under a depth rule, its pipeline's slot spacing (1: SPEED; P: plain decoding)
+    drafts: bool = True  # under a depth rule (whose pipeline runs every slot): drafts enter behind a token
+    # (SPEED), else only emitted tokens (plain decoding)
 
     @property
     def positions(self) -> int:

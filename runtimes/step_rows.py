@@ -70,7 +70,7 @@ def speed_rows(decoding: list[Sequence], bubbles: list[int], slots: int, pipelin
         pipeline = sequence.pipeline
         if pipeline.pending is None and pipeline.empty:
             pipeline.pending = sequence.frontier()  # (re)entering speculation after prefill or plain steps
-        enter = pipeline.shift(sequence.last_useful, sequence.spacing or spacing)
+        enter = pipeline.shift(sequence.last_useful, 1 if sequence.request.depth_rule else spacing)
         if pipeline.empty:
             sequence.stats.stop_reason = sequence.stats.stop_reason or "max_new_tokens"
             sequence.state = DONE

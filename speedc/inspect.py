@@ -180,6 +180,7 @@ def render(info: dict) -> None:
     if info["kind"] == "artifact":
         _render_weights(console, info)
     _render_schedule(console, sched)
+    _render_depth_rules(console, info, sched)
     _render_prediction(console, info, sched)
     _render_tables(console, info, sched)
 
@@ -204,6 +205,19 @@ def _render_weights(console, info: dict) -> None:
     console.print("files: every one present and its sha256 the manifest's" if info.get("files_verified") else
                   "files: every one present at its recorded size, the small ones by sha256, as every load checks "
                   "(--verify: every file's sha256, weights.bin too)")
+
+
+def _render_depth_rules(console, info: dict, sched: dict) -> None:
+    """What a request may choose of the depth (runtimes/exit_rule.py), where the plan allows it."""
+    plan = sched["depth_plan"]
+    if not plan.get("loop_exits"):
+        return
+    loops = plan["repeats"]
+    gate = "" if info["kind"] != "artifact" else (
+        ", exit_threshold and weighted_exit (its exit gate is stored)" if "exit_gate" in info["model"] else
+        " (no exit gate stored: exit_threshold and weighted_exit are refused; rebuild from the checkpoint)")
+    console.print(f"depth rules per request: loops 1..{loops}, exit_at_step 0..{loops - 1}{gate}; they run with one loop "
+                  f"a slot (P = {loops})" + ("" if sched["slots"] == loops else f": not this artifact's P={sched['slots']}"))
 
 
 def _render_schedule(console, sched: dict) -> None:

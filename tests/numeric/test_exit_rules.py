@@ -212,6 +212,8 @@ def test_cli_rule_and_refusal(gated):
                      str(NEW_TOKENS), "--ignore-eos", "--exit-threshold", "0.5", "--json")
     assert result.returncode == 0, result.stderr
     assert '"exit_loops"' in result.stdout
+    shown = run_cli("inspect", gated.artifact, env={"COLUMNS": "400"})  # rich wraps at the terminal width
+    assert "exit_threshold and weighted_exit (its exit gate is stored)" in " ".join(shown.stdout.split()), shown.stdout
     bad = run_cli("generate", gated.artifact, "--prompt-ids", "1,2", "--loops", "9")
     assert_one_line_error(bad, "loops must be an integer in 1..4")
 

@@ -346,7 +346,8 @@ def test_inspect_ouro_checkpoint(small_ouro):
     text = " ".join(result.stdout.split())
     for fragment in ("architecture ouro", "P=4", f"eos {OURO_GENERATION_EOS} (from generation_config.json)",
                      "bos 0 (from generation_config.json)", "1 layers looped total_ut_steps=4 times",
-                     "early_exit_threshold=1.0", "not applied", "--eos-token-id"):
+                     "early_exit_threshold=1.0", "not applied", "--eos-token-id",
+                     "depth rules per request: loops 1..4, exit_at_step 0..3"):
         assert fragment in text, (fragment, result.stdout)
 
 
