@@ -461,8 +461,8 @@ class Engine:
                        stop: list[str] | None = None, stop_at_eos: bool = True, early_flush: bool | None = None,
                        settings: list[dict] | None = None, scheduler=None, **batch_options) -> list[GenerationResult]:
         """One result per prompt, in order, all decoded together (continuous batching). SETTINGS: per-prompt
-        overrides of the keyword arguments (e.g. each its own seed; generate's depth rules too). Each result equals what its prompt
-        produces alone with plain decoding. A prompt whose KV cache cannot be allocated even alone
+        overrides of the keyword arguments (e.g. each its own seed; generate's depth rules too). Each result
+        equals what its prompt produces alone with plain decoding. A prompt whose KV cache cannot be allocated even alone
         (out of memory) fails alone: BatchError, whose results hold the others'. BATCH_OPTIONS go to
         batch_scheduler (max_batch, kv_cache_mb, ...)."""
         common = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,

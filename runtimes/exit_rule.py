@@ -11,11 +11,11 @@ loop its logits are read (Ouro's published OuroForCausalLM.forward; the depth pl
     weighted_exit     logits = sum_i p_i * lm_head(h_i)
     (none)            logits = lm_head(h_{n-1})
 
-A token's exit is decided a loop at a time (TokenExit.after_loop), by the same code in both decode modes:
-plain decoding runs the token's loops one step each with nothing behind it, SPEED lets the next token enter
-on a draft and verifies it at the exit (runtimes/decode.py absorb_exits). Which loops a token runs after its
-exit is the scheduler's: deeper loops still run for their K/V where a later token may read them (exits
-decided by the gate), and not at all beyond n.
+A token's exit is decided a loop at a time (TokenExit.after_loop), by the same code in both decode modes, on
+the pipeline's steps (one loop a slot): plain decoding lets the next token enter at the exit, SPEED lets it
+enter on a draft earlier and verifies it there (runtimes/decode.py absorb_exits). After its exit a token
+still runs the deeper loops a later token may read the K/V of (exits decided by the gate), none beyond n,
+and none beyond a fixed exit step.
 """
 
 from __future__ import annotations
@@ -145,13 +145,10 @@ class TokenExit:
         self.cumulative = F32(0.0)  # sum_{j<=i} p_j
         self.expected: np.ndarray | None = None  # the weighted exit's sum_i p_i * logits_i so far
 
-    def needs_logits(self) -> bool:
-        """Whether every loop's logits are read (the weighted exit), not only the exit loop's."""
-        return self.rule.weighted
-
     def after_loop(self, loop: int, gate: F32 | None, logits: np.ndarray | None) -> bool:
-        """LOOP has run (GATE: its lambda where the rule reads the gate; LOGITS: its [V] logits where
-        needs_logits). -> whether the token exits here (its logits: this loop's head, or `expected`)."""
+        """LOOP has run (GATE: its lambda where the rule reads the gate, but at the last loop; LOGITS: its [V]
+        logits under the weighted exit). -> whether the token exits here (its logits: this loop's head, or
+        `expected`)."""
         rule, last = self.rule, loop == self.rule.loops - 1
         if rule.exit_at_step is not None:
             return loop == rule.exit_at_step

@@ -5,6 +5,7 @@ requests with and without a rule share the batch, a rule the artifact cannot run
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 
@@ -58,6 +59,19 @@ def test_rules_in_the_body_give_the_engines_tokens(server, ouro_artifact):
     exits = {name: value for name, value in server.metrics().items() if name.startswith("speedc_token_exit_loop_total")}
     assert sum(exits.values()) == NEW_TOKENS * (len(rules) - 1), exits
     assert exits['speedc_token_exit_loop_total{loop="1"}'] >= NEW_TOKENS  # exit_at_step 1 and loops 2
+
+
+def test_streamed_under_a_rule_is_the_whole_text(server):
+    whole = complete(server, exit_threshold=0.5).json()["choices"][0]["text"]
+    pieces = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
+                      json={"model": "ouro", "prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0,
+                            "ignore_eos": True, "stream": True, "exit_threshold": 0.5}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                pieces.append(json.loads(line[6:])["choices"][0]["text"])
+    assert "".join(pieces) == whole
 
 
 def test_rule_the_artifact_cannot_run_is_a_400(server):
