@@ -80,3 +80,21 @@ def test_rule_the_artifact_cannot_run_is_a_400(server):
     assert "loops must be an integer in 1..4" in response.json()["error"]["message"]
     response = complete(server, exit_threshold="high")
     assert response.status_code == 400 and response.json()["error"]["param"] == "exit_threshold"
+
+
+def test_grammar_under_a_rule(ouro_artifact):
+    """A grammar masks the rule's logits at the exit loop and the drafts behind it: SPEED == plain, and the text
+    follows the grammar (greedy and seeded)."""
+    import re
+
+    from llguidance import grammar_from
+
+    engine = Engine.load(ouro_artifact, threads=1)
+    grammar = grammar_from("regex", r"[a-z ]{5,20}\.")
+    for rule in ({"exit_threshold": 0.5}, {"exit_at_step": 1}):
+        for sampling in ({}, {"temperature": 0.8, "seed": 3}):
+            runs = [engine.generate("hello", max_new_tokens=24, mode=mode, grammar=grammar, **sampling, **rule)
+                    for mode in ("speed-always", "autoregressive")]
+            assert runs[0].ids == runs[1].ids, (rule, sampling)
+            text = engine.decode_text(runs[0].ids[:-1])  # before the end-of-text id the grammar ends with
+            assert re.fullmatch(r"[a-z ]{5,20}\.", text) and runs[0].stats.stop_reason == "eos", runs[0]
