@@ -90,8 +90,9 @@ class DepthRules:
         if loops is None and exit_at_step is None and exit_threshold is None and not weighted_exit:
             return None
         if not self.loop_exits:
-            raise GenerationError(f"{self.family} has no per-request depth rules in speedc (loops, exit_at_step, "
-                                  "exit_threshold, weighted_exit are Ouro's: its loops each end in a readable state)")
+            raise GenerationError(f"{self.family} has no per-request depth rules in speedc: loops, exit_at_step, "
+                                  "exit_threshold and weighted_exit read a loop's state with the head as it is, which "
+                                  "only a model normed after every loop has (Ouro, Nanbeige)")
         if not self.one_loop_a_slot:
             raise GenerationError(f"depth rules need one loop per pipeline slot; this artifact pipelines its {self.loops} "
                                   f"loops otherwise (rebuild with --slots {self.loops})")
@@ -112,7 +113,8 @@ class DepthRules:
                 raise GenerationError(f"exit_threshold must be a number in 0..1, not {exit_threshold!r:.20}")
             exit_threshold = float(exit_threshold)
         if (exit_threshold is not None or weighted_exit) and self.gate is None:
-            raise GenerationError("exit_threshold and weighted_exit read the exit gate; this artifact has none stored")
+            raise GenerationError(f"exit_threshold and weighted_exit read an exit gate, which this {self.family} artifact "
+                                  "does not hold (Ouro's checkpoints have one; loops and exit_at_step need none)")
         reads_gate = exit_threshold is not None or weighted_exit
         return DepthRule(loops, None if exit_at_step is None else int(exit_at_step), exit_threshold, weighted_exit,
                          self.gate if reads_gate else None)

@@ -215,7 +215,7 @@ def _render_depth_rules(console, info: dict, sched: dict) -> None:
     loops = plan["repeats"]
     gate = "" if info["kind"] != "artifact" else (
         ", exit_threshold and weighted_exit (its exit gate is stored)" if "exit_gate" in info["model"] else
-        " (no exit gate stored: exit_threshold and weighted_exit are refused; rebuild from the checkpoint)")
+        " (no exit gate stored: exit_threshold and weighted_exit are refused)")
     console.print(f"depth rules per request: loops 1..{loops}, exit_at_step 0..{loops - 1}{gate}; they run with one loop "
                   f"a slot (P = {loops})" + ("" if sched["slots"] == loops else f": not this artifact's P={sched['slots']}"))
 

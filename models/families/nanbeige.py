@@ -7,7 +7,9 @@
     if skip_loop_final_norm: h = model.norm(h)           # once, at the end
     logits = lm_head(h)
 
-The draft is lm_head of the loop-1 state (through model.norm when the loops do not norm it). The
+The draft is lm_head of the loop-1 state (through model.norm when the loops do not norm it). With a norm
+after every loop each loop's state is a readout (the plan's loop_exits): a request may run fewer loops
+(`loops`, as num_loops set lower) or read an earlier one (`exit_at_step`); there is no exit gate. The
 published checkpoint turns every optional feature off; a config that turns one on is refused.
 """
 
@@ -39,7 +41,7 @@ def read_config(data: dict[str, Any]) -> ModelConfig:
     layers = positive_int(data, "num_hidden_layers")
     loops = loop_count(data)
     skip = bool(data.get("skip_loop_final_norm", False))
-    plan = looped_plan(layers, loops, loop_norm=not skip, final_norm=skip)
+    plan = looped_plan(layers, loops, loop_norm=not skip, final_norm=skip, loop_exits=not skip)
     return ModelConfig(depth_plan=plan, exit_layer=plan.first_repeat_end(),
                        exit_norm="final" if skip else "none", architecture="nanbeige", sandwich_norms=False,
                        **common_fields(data))

@@ -28,7 +28,7 @@ from speedc.build import build
 from speedc.errors import GenerationError
 from speedc.passes.base import BuildOptions
 from speedc.runtimes.engine import Engine
-from test_looped_checkpoints import OuroOracle
+from test_looped_checkpoints import NanbeigeOracle, OuroOracle
 
 LOOPS, VOCAB, PROMPT_LEN, NEW_TOKENS = 4, 128, 6, 16
 PROMPT_SEEDS = (0, 1)
@@ -202,9 +202,29 @@ def test_refusals(gated, rule, message):
 
 
 def test_family_without_the_rule_is_refused(tmp_path):
-    artifact = build(write_nanbeige(tmp_path / "ckpt", layers=1, loops=2, seed=1), tmp_path / "art", BuildOptions()).out
+    """Nanbeige with skip_loop_final_norm: its loops' states are not normed, no loop is a readout."""
+    checkpoint = write_nanbeige(tmp_path / "ckpt", layers=1, loops=2, seed=1, skip_loop_final_norm=True)
+    artifact = build(checkpoint, tmp_path / "art", BuildOptions()).out
     with pytest.raises(GenerationError, match="nanbeige has no per-request depth rules"):
         Engine.load(artifact).generate([1, 2, 3], max_new_tokens=4, loops=1)
+
+
+def test_nanbeige_loops_and_exit_step_match_its_oracle(tmp_path):
+    """Nanbeige normed after every loop: fewer loops (its num_loops set lower) and an earlier loop read, greedy
+    SPEED == plain == the published forward with that many loops; it has no exit gate."""
+    checkpoint = write_nanbeige(tmp_path / "ckpt", layers=2, loops=3, seed=2, residual_scale=0.3)
+    engine = Engine.load(build(checkpoint, tmp_path / "art", BuildOptions()).out)
+    oracle = NanbeigeOracle(checkpoint)
+    for rule, loops in ((dict(loops=1), 1), (dict(loops=2), 2), (dict(exit_at_step=1), 2)):
+        ids = list(prompt(0))
+        oracle.loops = loops
+        for _ in range(NEW_TOKENS):
+            ids.append(int(oracle(torch.tensor([ids]))[0, -1].argmax()))
+        for mode in ("speed-always", "autoregressive"):
+            result = engine.generate(prompt(0), max_new_tokens=NEW_TOKENS, mode=mode, stop_at_eos=False, **rule)
+            assert result.ids == ids[PROMPT_LEN:], (rule, mode)
+    with pytest.raises(GenerationError, match="does not hold"):
+        engine.generate(prompt(0), max_new_tokens=4, exit_threshold=0.5)
 
 
 def test_cli_rule_and_refusal(gated):

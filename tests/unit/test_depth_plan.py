@@ -30,7 +30,7 @@ def test_looped_families_emit_their_loops(tmp_path):
     ouro = read(write_ouro(tmp_path / "ouro", layers=3, loops=4))
     assert ouro.depth_plan == DepthPlan((), (0, 1, 2), 4, (), loop_norm=True, final_norm=False, loop_exits=True)
     nanbeige = read(write_nanbeige(tmp_path / "nb", layers=2, loops=3))
-    assert nanbeige.depth_plan == DepthPlan((), (0, 1), 3, (), loop_norm=True, final_norm=False)
+    assert nanbeige.depth_plan == DepthPlan((), (0, 1), 3, (), loop_norm=True, final_norm=False, loop_exits=True)
     skip = read(write_nanbeige(tmp_path / "nb-skip", layers=2, loops=3, skip_loop_final_norm=True))
     assert skip.depth_plan == DepthPlan((), (0, 1), 3, (), loop_norm=False, final_norm=True)
     # the loop-boundary norm sits where the published forward puts it: after each loop's last layer

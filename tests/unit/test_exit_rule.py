@@ -58,8 +58,8 @@ def test_rules_an_artifact_allows():
     assert ouro.rule(exit_threshold=0.5).gate is ouro.gate and ouro.rule(exit_at_step=1).gate is None
     with pytest.raises(GenerationError, match="rebuild with --slots 4"):
         DepthRules("ouro", 4, True, False, None).rule(loops=2)
-    with pytest.raises(GenerationError, match="has none stored"):
-        DepthRules("ouro", 4, True, True, None).rule(weighted_exit=True)
+    with pytest.raises(GenerationError, match="does not hold"):
+        DepthRules("nanbeige", 4, True, True, None).rule(weighted_exit=True)
     with pytest.raises(GenerationError, match="huginn has no per-request depth rules"):
         DepthRules("huginn", 32, False, False, None).rule(loops=8)
 
