@@ -90,12 +90,10 @@ class BatchScheduler:
         sequence = Sequence(next(self._ids), request, early_flush, DecodeStats(mode),
                             acceptance=self.acceptance.start("sampled" if request.picker.params.temperature > 0 else "greedy"))
         sequence.stats.policy = self.acceptance.describe()
-        rule = request.depth_rule
-        if rule is not None:  # always on speed steps, one loop a slot, drafting unless the mode never speculates
+        if request.depth_rule is not None:  # always on speed steps, one loop a slot
             if not self.backend.speculative:
                 raise GenerationError("a depth rule runs on the pipeline's steps; this backend runs plain steps only")
-            sequence.early_flush, sequence.stats.depth_rule = False, rule.describe()
-            sequence.drafts = self.controller.policy.row_budget != 0
+            sequence.follow_rule(drafts=self.controller.policy.row_budget != 0)  # (the mode never speculates: none)
         with self._lock:
             self.waiting.append(sequence)
         return sequence

@@ -50,6 +50,12 @@ class Sequence:
         the last prompt token runs its loops as the decode steps run a token's (decode.absorb_exits)."""
         return len(self.request.prompt) - (self.request.depth_rule is not None)
 
+    def follow_rule(self, drafts: bool) -> None:
+        """Its request has a depth rule: DRAFTS or not (plain decoding), no early-flush checks (the exit verifies)."""
+        self.drafts, self.early_flush, self.stats.depth_rule = drafts, False, self.request.depth_rule.describe()
+        self.stats.policy = ("depth rule: a draft behind every token, verified at its exit" if drafts
+                             else "depth rule: plain decoding (a token enters at its predecessor's exit)")
+
     def start_decoding(self) -> None:
         """Its prompt is prefilled (all but the last token under a depth rule): its history starts there."""
         self.request.history = list(self.request.prompt)

@@ -159,6 +159,7 @@ def test_exit_at_first_loop_never_flushes(gated):
     stats = result.stats
     assert stats.mispredicted == stats.flushed_tokens == 0 and stats.steps == NEW_TOKENS  # (the first from the last prompt token)
     assert stats.mode == "speed-always"  # no early-flush checks under a rule
+    assert stats.policy == "depth rule: a draft behind every token, verified at its exit"
 
 
 @pytest.mark.parametrize("rule", [dict(exit_threshold=0.5), dict(weighted_exit=True), dict(loops=3)])
