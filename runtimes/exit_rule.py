@@ -77,22 +77,26 @@ class DepthRules:
     loop_exits: bool
     one_loop_a_slot: bool
     gate: "ExitGate | None"
+    recurrent: bool = False  # a recurrent core (Huginn, Parcae): its repeats are chosen at build (--recurrence)
 
     @classmethod
     def of(cls, manifest) -> "DepthRules":
         """An artifact's (its Manifest): the depth plan's loops and loop_exits, its slots, the stored gate."""
         plan = manifest.depth_plan
         return cls(manifest.model.get("architecture", "this model"), plan.repeats, plan.loop_exits,
-                   manifest.slots == plan.repeats, ExitGate.from_manifest(manifest.model.get("exit_gate")))
+                   manifest.slots == plan.repeats, ExitGate.from_manifest(manifest.model.get("exit_gate")),
+                   plan.injection is not None)
 
     def rule(self, loops=None, exit_at_step=None, exit_threshold=None, weighted_exit=False) -> DepthRule | None:
         """The checked rule of a request's settings (None: none given: the artifact's full depth as built)."""
         if loops is None and exit_at_step is None and exit_threshold is None and not weighted_exit:
             return None
         if not self.loop_exits:
+            hint = (f"; its core's repeats ({self.loops} in this artifact) are chosen at build: speedc build "
+                    "--recurrence N" if self.recurrent else "")
             raise GenerationError(f"{self.family} has no per-request depth rules in speedc: loops, exit_at_step, "
                                   "exit_threshold and weighted_exit read a loop's state with the head as it is, which "
-                                  "only a model normed after every loop has (Ouro, Nanbeige)")
+                                  f"only a model normed after every loop has (Ouro, Nanbeige){hint}")
         if not self.one_loop_a_slot:
             raise GenerationError(f"depth rules need one loop per pipeline slot; this artifact pipelines its {self.loops} "
                                   f"loops otherwise (rebuild with --slots {self.loops})")

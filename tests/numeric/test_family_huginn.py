@@ -31,7 +31,7 @@ from huginn_checkpoints import (HEAD_DIM, HEADS, HIDDEN, load_tensors, oracle_gr
 from looped_checkpoints import assert_batch_lossless
 from speedc import Engine
 from speedc.build import build
-from speedc.errors import CheckpointError, SpeedcError
+from speedc.errors import CheckpointError, GenerationError, SpeedcError
 from speedc.format.artifact import read_manifest
 from speedc.models.checkpoint.tensor_source import safetensors_sources
 from speedc.models.checkpoint.torch_io import load_model
@@ -122,6 +122,9 @@ def test_recurrence_chosen_at_build(tmp_path):
     engine = Engine.load(tmp_path / "art", lazy=True)
     assert engine.generate(list(PROMPTS[1]), max_new_tokens=8, stop_at_eos=False).ids == expected
     assert engine.generate(list(PROMPTS[1]), max_new_tokens=8, stop_at_eos=False, mode="autoregressive").ids == expected
+    # the recurrence per request (its generate's num_steps) is not a depth rule here: the refusal says how to choose it
+    with pytest.raises(GenerationError, match=r"huginn has no per-request depth rules.*\(6 in this artifact\).*--recurrence N"):
+        engine.generate(list(PROMPTS[1]), max_new_tokens=8, loops=3)
     refused = run_cli("build", directory, "-o", tmp_path / "bad", "--recurrence", "6", "--slots", "4", "--no-measure")
     assert refused.returncode != 0 and "Traceback" not in refused.stderr and not (tmp_path / "bad").exists()
 

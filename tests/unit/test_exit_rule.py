@@ -60,8 +60,8 @@ def test_rules_an_artifact_allows():
         DepthRules("ouro", 4, True, False, None).rule(loops=2)
     with pytest.raises(GenerationError, match="does not hold"):
         DepthRules("nanbeige", 4, True, True, None).rule(weighted_exit=True)
-    with pytest.raises(GenerationError, match="huginn has no per-request depth rules"):
-        DepthRules("huginn", 32, False, False, None).rule(loops=8)
+    with pytest.raises(GenerationError, match="huginn has no per-request depth rules.*speedc build --recurrence N"):
+        DepthRules("huginn", 32, False, False, None, recurrent=True).rule(loops=8)
 
 
 # ---- absorb_exits over a scripted pipeline ----------------------------------------------------------------
