@@ -101,7 +101,11 @@ class InFlightToken:
     exit: TokenExit | None = field(default=None, compare=False, repr=False)
     exit_loop: int = -1  # the loop its logits were read at (-1: not yet)
     result: tuple | None = field(default=None, compare=False, repr=False)  # (logits [V] or None, argmax)
-    emitted: bool = False
+
+    @property
+    def emitted(self) -> bool:
+        """It exited and its successor was emitted from its result (which is then dropped)."""
+        return self.exit_loop >= 0 and self.result is None
 
 
 class Pipeline:
@@ -300,7 +304,7 @@ def absorb_exits(pipeline: Pipeline, request: Request, out: list[int], outcome, 
         frontier = pipeline.holder(len(request.prompt) + len(out) - 1)
         if frontier is None or frontier.result is None:
             break
-        (logits, argmax), frontier.result, frontier.emitted = frontier.result, None, True
+        (logits, argmax), frontier.result = frontier.result, None
         pipeline.stats.exit_loops[frontier.exit_loop] = pipeline.stats.exit_loops.get(frontier.exit_loop, 0) + 1
         y = request.picker.pick(logits, argmax, request.history)
         if emit(y):

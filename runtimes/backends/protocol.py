@@ -88,11 +88,11 @@ class HeadRows:
         return len(self.final) + len(self.exit) + len(self.check)
 
     def add(self, row: int, sequences: int, filled: list[bool], checked: list[int],
-            loop_slots: list[int] | None = None) -> SequenceHeads:
+            loop_slots: list[int] | None = None, drafts: bool = True) -> SequenceHeads:
         """Pool row ROW's heads among SEQUENCES: the final head where its oldest slot holds a token (FILLED:
-        per slot), the draft where slot 0 does, a check at each slot in CHECKED. Under a depth rule the final
-        head runs at LOOP_SLOTS instead (decode.exit_heads_wanted: one loop a slot, each a readout). -> where
-        they come back in the step's result (SpeedStepResult.of_sequence)."""
+        per slot), the draft where slot 0 does (and the sequence DRAFTS), a check at each slot in CHECKED. Under
+        a depth rule the final head runs at LOOP_SLOTS instead (decode.exit_heads_wanted: one loop a slot, each a
+        readout). -> where they come back in the step's result (SpeedStepResult.of_sequence)."""
         final = exit = None
         loop_finals = {}
         for slot in loop_slots or []:
@@ -101,7 +101,7 @@ class HeadRows:
         if filled[-1] and loop_slots is None:
             final = len(self.final)
             self.final.append((len(filled) - 1) * sequences + row)
-        if filled[0]:
+        if filled[0] and drafts:
             exit = len(self.exit)
             self.exit.append(row)
         checks = {}
