@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from speedc.errors import GenerationError
 from speedc.models.config import ModelConfig
 from speedc.models.families import read_config
 
@@ -113,6 +114,23 @@ def tiny_artifact(tmp_path_factory) -> Path:
 def zoo_artifacts(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("zoo")
     return {name: build_artifact(ZOO / name, root / name) for name in ZOO_MODELS}
+
+
+class FailsAtPick:
+    """A stand-in for a request's own failure (its grammar, its sampling): the real TokenPicker, except that
+    its K-th pick raises."""
+
+    def __init__(self, picker, k: int) -> None:
+        self.picker, self.k, self.picks = picker, k, 0
+
+    def __getattr__(self, name):
+        return getattr(self.picker, name)
+
+    def pick(self, *args):
+        self.picks += 1
+        if self.picks == self.k:
+            raise GenerationError(f"scripted failure at pick {self.k}")
+        return self.picker.pick(*args)
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: int = 300, stdin: str | None = None, cwd=None):

@@ -11,6 +11,7 @@ import re
 
 import pytest
 
+from conftest import FailsAtPick
 from speedc import Engine
 from speedc.errors import BatchError, GenerationError, OutOfMemory
 from speedc.runtimes.batch import BatchScheduler
@@ -176,23 +177,6 @@ def test_requests_that_ended_before_a_step_failed_end_as_they_did(engine):
                     "running": "injected ONNX Runtime failure", "queued": "max_new_tokens"}
     assert not leaked
     assert one_token.result.ids == _alone(engine, PROMPTS[2], 1) and queued.result.ids == _alone(engine, PROMPTS[3], 6)
-
-
-class FailsAtPick:
-    """A stand-in for a request's own failure (its grammar, its sampling): the real TokenPicker, except that
-    its K-th pick raises."""
-
-    def __init__(self, picker, k: int) -> None:
-        self.picker, self.k, self.picks = picker, k, 0
-
-    def __getattr__(self, name):
-        return getattr(self.picker, name)
-
-    def pick(self, *args):
-        self.picks += 1
-        if self.picks == self.k:
-            raise GenerationError(f"scripted failure at pick {self.k}")
-        return self.picker.pick(*args)
 
 
 @pytest.mark.parametrize("row_budget", [None, 0], ids=["speed-steps", "plain-steps"])

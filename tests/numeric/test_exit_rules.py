@@ -248,3 +248,30 @@ def test_batch_takes_a_rule_for_every_prompt(gated):
     for ids, result in zip(prompts, together):
         alone = engine.generate(ids, max_new_tokens=8, stop_at_eos=False, exit_at_step=1)
         assert result.ids == alone.ids and result.stats.exit_loops == {1: 8}
+
+
+def test_a_sequence_whose_own_work_fails_under_a_rule_ends_alone(gated):
+    """One request's own failure (its picker: a stand-in for a grammar's) inside the shared step, with and
+    without a rule beside it, speculating and not: it alone ends with its error; the others equal decoding alone."""
+    from conftest import FailsAtPick
+    from speedc.runtimes.sequence import DONE
+
+    engine = gated.engine("onnx")
+    for row_budget in (None, 0):
+        scheduler = engine.batch_scheduler(max_batch=4, row_budget=row_budget)
+        settings = [dict(exit_threshold=0.5), {}, dict(exit_at_step=1), dict(exit_threshold=0.5)]
+        requests = [engine.request_from(prompt(seed), dict(max_new_tokens=12, stop_at_eos=False, **one))
+                    for seed, one in enumerate(settings)]
+        requests[2].picker = FailsAtPick(requests[2].picker, 3)  # a rule's sequence fails at its third pick
+        requests[1].picker = FailsAtPick(requests[1].picker, 5)  # one without a rule at its fifth
+        sequences = [scheduler.submit(request) for request in requests]
+        scheduler.run()
+        for seed, (one, sequence) in enumerate(zip(settings, sequences)):
+            alone = engine.generate(prompt(seed), max_new_tokens=12, mode="autoregressive", stop_at_eos=False, **one).ids
+            if seed in (1, 2):
+                k = 5 if seed == 1 else 3
+                assert sequence.state == DONE and str(sequence.error) == f"scripted failure at pick {k}"
+                assert sequence.out == alone[:k - 1]
+            else:
+                assert sequence.error is None and sequence.out == alone, (row_budget, one)
+        assert not scheduler.occupied and not scheduler.waiting
