@@ -196,14 +196,15 @@ def build_phase_batch_step_graph(state: CompileState, decode: gs.Graph) -> gs.Gr
     # The family's plan: its block numbers are the checkpoint's (the decode program was traced with them).
     graph, layout = import_phase_step(cfg, cfg.depth_plan.pipeline(sched.slots, state.exit_layer))
     slabs = slab_names(layout)
-    initial = [contract.INITIAL_STATE] if random_state(cfg) else []
-    bind_as_decoded(graph, decode, state, [contract.INPUT_IDS, contract.POSITIONS, contract.HIDDEN_IN, *initial, *slabs])
+    per_sequence = [contract.INITIAL_STATE] if random_state(cfg) else []
+    per_sequence += [contract.READOUT_SLOTS] if cfg.depth_plan.recurrent else []
+    bind_as_decoded(graph, decode, state, [contract.INPUT_IDS, contract.POSITIONS, contract.HIDDEN_IN, *per_sequence, *slabs])
     linear_to_gemm(graph)
     graph.name = "speedc_batch_step"
     heads = head_inputs(cfg)
     known = graph.tensors()
     graph.inputs = [known[contract.INPUT_IDS], known[contract.POSITIONS], known[contract.HIDDEN_IN], *heads,
-                    *(known[name] for name in initial), *(known[name] for name in slabs)]
+                    *(known[name] for name in per_sequence), *(known[name] for name in slabs)]
     # a cycle's step (cross-repeat attention) returns no prelude / coda rows
     phase_rows = [t for t in graph.outputs if t.name.startswith("new_")] if layout.pipelined_phases else []
     presents = [t for t in graph.outputs if t.name.startswith("present.")]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import io
 import warnings
+from dataclasses import replace
 
 import onnx
 import onnx_graphsurgeon as gs
@@ -42,6 +43,7 @@ from speedc.models.config import ModelConfig
 from speedc.models.llama import SharedLlama
 from speedc.models.row_layer import CrossRead, RowOps, layer_over_rows, rms_norm, row_context, rotary_inv_freq
 from speedc.models.trip import read_out, walk
+from speedc.format.depth_plan import CODA
 from speedc.passes.base import CompileState, register_pass
 from speedc.passes.graph_utils import linear_to_gemm, replace_uses
 from speedc.passes.source_weights import weight_constant
@@ -69,9 +71,11 @@ class DecodeProgram(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *past: torch.Tensor):
         cfg, plan = self.cfg, self.cfg.depth_plan
         b, length = positions.shape[0], input_ids.shape[1]
-        initial = None
+        initial = readout_repeats = None
         if random_state(cfg):  # [B*L, H]: each token row's drawn start state
             initial, past = past[0], past[1:]
+        if plan.recurrent:  # [B]: the core repeats each row's final readout follows
+            readout_repeats, past = past[0], past[1:]
         x = self.model.embed_tokens(input_ids).reshape(-1, cfg.hidden_size)  # [B*L, H]: token rows (-1: a step embeds fewer rows than it runs)
         if cfg.embed_scale != 1.0:
             x = x * cfg.embed_scale
@@ -80,7 +84,14 @@ class DecodeProgram(nn.Module):
         ctx = row_context(positions, length, past[0].shape[2], self.inv_freq,
                           cfg.num_attention_heads // cfg.num_key_value_heads, plan.cross_window)
         ops = _TraceOps(self, ctx, past, token_ids, initial)
-        x = walk(plan, plan.trip(), ops, x)  # prelude, core repeats, coda (models/trip.py)
+        if readout_repeats is None:
+            x = walk(plan, plan.trip(), ops, x)  # prelude, core repeats, coda (models/trip.py)
+        else:  # every repeat runs; the state after each row's READOUT_REPEATS is what its readout takes
+            ops.readout_repeats = readout_repeats.repeat_interleave(length)[:, None]  # [B*L, 1]
+            walk(plan, core_trip(plan), ops, x)
+            x = read_out(plan, ops, ops.readout_state)  # its norm / projection, then the coda
+            if not plan.coda:  # hidden.{N-1}, what the head reads (exit_heads), is the readout
+                ops.hidden_out[-1] = x
         final_norm = self.model.norm.weight if cfg.final_norm else None
         logits = self._head(x, final_norm).reshape(b, length, -1)
         exit_logits = None if ops.tap is None else ops.exit_logits.reshape(b, length, -1)
@@ -101,6 +112,7 @@ class _TraceOps(RowOps):
         self.program, self.ctx, self.past, self.token_ids, self.cache_offset = program, ctx, past, token_ids, cache_offset
         self.present = [] if present is None else present  # key, value per layer so far
         self.hidden_out, self.tap, self.exit_logits = [], None, None
+        self.readout_repeats = self.readout_state = None  # [B*L, 1] repeats, and the state after them [B*L, H]
 
     def layer(self, step, x: torch.Tensor) -> torch.Tensor:
         entry = step.layer + self.cache_offset
@@ -113,6 +125,9 @@ class _TraceOps(RowOps):
         if self.cache_offset:  # a readout's coda: its rows are not the trip's hidden outputs
             return
         self.hidden_out.append(x)
+        if self.readout_repeats is not None and self.cfg.depth_plan.ends_repeat(step.layer):
+            chosen = self.readout_repeats == step.repeat + 1  # [B*L, 1]
+            self.readout_state = x if self.readout_state is None else torch.where(chosen, x, self.readout_state)
         if step.layer + 1 == self.cfg.exit_layer:
             self.tap = x
             norm = {"own": getattr(self.decoder, "exit_norm", None), "final": self.decoder.norm, "none": None}[self.cfg.exit_norm]
@@ -128,6 +143,11 @@ class _TraceOps(RowOps):
         gate = self.decoder.gate_projections[source - len(plan.prelude)]
         return CrossRead(self.past[2 * source], self.past[2 * source + 1], self.ctx.past_mask, self.present[2 * source],
                          self.present[2 * source + 1], self.ctx.chunk_mask, gate.weight, gate.bias)
+
+
+def core_trip(plan) -> list:
+    """The steps of a trip up to the end of the core, whose state is left for a readout to take (read_out)."""
+    return [replace(step, ends_core=False) for step in plan.trip() if step.phase != CODA]
 
 
 def random_state(cfg: ModelConfig) -> bool:
@@ -147,9 +167,11 @@ def cache_entries(cfg: ModelConfig) -> int:
     return cfg.num_hidden_layers + (len(cfg.depth_plan.coda) if draft_coda(cfg) else 0)
 
 
-def io_names(num_layers: int, entries: int | None = None, initial_state: bool = False) -> tuple[list[str], list[str]]:
+def io_names(num_layers: int, entries: int | None = None, initial_state: bool = False,
+             readout_repeats: bool = False) -> tuple[list[str], list[str]]:
     entries = num_layers if entries is None else entries
     inputs = [contract.INPUT_IDS, contract.POSITIONS] + ([contract.INITIAL_STATE] if initial_state else [])
+    inputs += [contract.READOUT_REPEATS] if readout_repeats else []
     for layer in range(entries):
         inputs += [f"past.key.{layer}", f"past.value.{layer}"]
     outputs = [*TRACED_HEADS, "embeddings"] + [f"hidden.{layer}" for layer in range(num_layers)]
@@ -186,12 +208,14 @@ def trace_decode_program(cfg: ModelConfig) -> onnx.ModelProto:
     batch, length, past_len = 2, 3, 5  # non-1 sizes so nothing specialises on them
     kv_shape = (batch, cfg.num_key_value_heads, past_len, cfg.head_dim)
     initial = [torch.zeros(batch * length, cfg.hidden_size)] if random_state(cfg) else []
-    args = (torch.zeros(batch, length, dtype=torch.long), torch.tensor([5, 2]), *initial,
+    readout = [torch.tensor([cfg.depth_plan.repeats, 1])] if cfg.depth_plan.recurrent else []  # [B]
+    args = (torch.zeros(batch, length, dtype=torch.long), torch.tensor([5, 2]), *initial, *readout,
             *[torch.zeros(kv_shape) for _ in range(2 * cache_entries(cfg))], *weights)
-    inputs, outputs = io_names(cfg.num_hidden_layers, cache_entries(cfg), random_state(cfg))
+    inputs, outputs = io_names(cfg.num_hidden_layers, cache_entries(cfg), random_state(cfg), bool(readout))
     dynamic = {contract.INPUT_IDS: {0: "batch", 1: "chunk"}, contract.POSITIONS: {0: "batch"},
-               **({contract.INITIAL_STATE: {0: "rows"}} if initial else {})}
-    for name in inputs[2 + len(initial):]:
+               **({contract.INITIAL_STATE: {0: "rows"}} if initial else {}),
+               **({contract.READOUT_REPEATS: {0: "batch"}} if readout else {})}
+    for name in inputs[2 + len(initial) + len(readout):]:
         dynamic[name] = {0: "batch", 2: "context"}
     for name in outputs:
         if name.startswith("present"):
@@ -212,7 +236,7 @@ def bind_weights(graph: gs.Graph, state: CompileState, program_inputs: list[str]
     """Each parameter input (every input not in PROGRAM_INPUTS; None: the decode program's) -> a constant
     over the checkpoint tensor of that name (nothing is read)."""
     program_inputs = set(program_inputs or io_names(state.cfg.num_hidden_layers, cache_entries(state.cfg),
-                                                    random_state(state.cfg))[0])
+                                                    random_state(state.cfg), state.cfg.depth_plan.recurrent)[0])
     bound = 0
     for inp in [i for i in graph.inputs if i.name not in program_inputs]:
         source = state.weights.get(inp.name)

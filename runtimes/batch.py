@@ -266,7 +266,9 @@ class BatchScheduler:
         last = [s.prefilled + len(chunk) == s.prefill_target for s, chunk in zip(group, chunks)]
         want = any(done and s.request.picker.needs_logits for s, done in zip(group, last))
         echo = group[0].request.prompt_logprobs is not None  # a group of one (PrefillTurns.group)
-        argmax, logits = self.backend.prefill(group[0].row, chunks, group[0].prefilled, want or echo)
+        readout = [s.readout_loops for s in group]
+        argmax, logits = self.backend.prefill(group[0].row, chunks, group[0].prefilled, want or echo,
+                                              None if readout == [None] * len(group) else readout)
         if echo and not last[0]:
             request = group[0].request
             try:

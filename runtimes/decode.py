@@ -264,15 +264,15 @@ def draft_next(pipeline: Pipeline, request: Request, out: list[int], outcome, ea
 
 
 def exit_heads_wanted(pipeline: Pipeline, rule: DepthRule) -> list[int]:
-    """The slots whose final head a step runs under RULE (one loop a slot: slot s has just run loop s): each
-    token's that has not exited, within the loops its rule reads."""
+    """The slots whose final head a step runs under RULE (slot s has just run its loops; an exit rule's: loop s):
+    each token's that has not exited, within the slots its rule reads out at."""
     slots = pipeline.slots
-    return [s for s in rule.head_loops if s < len(slots) and slots[s] is not None and slots[s].exit_loop < 0]
+    return [s for s in rule.head_slots if s < len(slots) and slots[s] is not None and slots[s].exit_loop < 0]
 
 
 def absorb_exits(pipeline: Pipeline, request: Request, out: list[int], outcome, rule: DepthRule,
                  state_at: Callable[[int], np.ndarray], emit: Callable[[int], bool], drafts: bool = True) -> None:
-    """One step's OUTCOME for a sequence under a depth rule (runtimes/exit_rule.py), one loop a slot.
+    """One step's OUTCOME for a sequence under a depth rule (runtimes/exit_rule.py), its readouts at slot ends.
 
         1. each token that ran a loop it may exit at (exit_heads_wanted) takes that loop's head
            (OUTCOME.loop_heads: slot -> (argmax, logits or None)) and gate (of STATE_AT(slot): the state [H]
@@ -280,7 +280,7 @@ def absorb_exits(pipeline: Pipeline, request: Request, out: list[int], outcome, 
         2. from the oldest: while the token at the last emitted position has exited, its successor is picked
            from those logits and emitted (EMIT), verifying the draft behind it (Pipeline.confirm: a miss
            flushes the younger tokens, the emitted one enters next); a younger token's exit waits its turn
-        3. an emitted token rides on to the deepest loop a later token may read (DepthRule.run_loops), then
+        3. an emitted token rides on to the deepest slot a later token may read (DepthRule.run_slots), then
            leaves its slot
         4. with DRAFTS, slot 0's exit guess drafts the next token, as without a rule; without, only an emitted
            token enters (plain decoding: nothing speculative in flight, the next token entering at its
@@ -294,12 +294,12 @@ def absorb_exits(pipeline: Pipeline, request: Request, out: list[int], outcome, 
             continue
         argmax, logits = outcome.loop_heads[s]
         token.exit = token.exit or TokenExit(rule)
-        gate = rule.gate(state_at(s)) if rule.reads_gate and s < rule.loops - 1 else None
+        gate = rule.gate(state_at(s)) if rule.reads_gate and s < rule.slots - 1 else None
         if token.exit.after_loop(s, gate, logits):
             if rule.weighted:
                 logits = token.exit.expected
                 argmax = int(np.argmax(logits))
-            token.exit_loop, token.result = s, (None if logits is None else np.array(logits), argmax)
+            token.exit_loop, token.result = rule.loop_at(s), (None if logits is None else np.array(logits), argmax)
     while True:
         frontier = pipeline.holder(len(request.prompt) + len(out) - 1)
         if frontier is None or frontier.result is None:
@@ -310,7 +310,7 @@ def absorb_exits(pipeline: Pipeline, request: Request, out: list[int], outcome, 
         if emit(y):
             return
         pipeline.confirm(frontier.pos + 1, y)
-    for s in range(rule.run_loops - 1, len(pipeline.slots)):
+    for s in range(rule.run_slots - 1, len(pipeline.slots)):
         if pipeline.slots[s] is not None and pipeline.slots[s].emitted:
             pipeline.slots[s] = None
     if drafts:

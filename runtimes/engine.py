@@ -525,8 +525,8 @@ class Engine:
         """LOGPROBS / PROMPT_LOGPROBS: record each new / prompt token's log-probability (the final head's,
         before bias and penalties) with this many top alternatives (result.logprobs, .prompt_logprobs).
         GRAMMAR: an llguidance grammar string the output follows (make_request). LOOPS, EXIT_AT_STEP,
-        EXIT_THRESHOLD, WEIGHTED_EXIT: a looped model's own depth rules (Ouro's; runtimes/exit_rule.py),
-        stats.exit_loops the loops tokens exited at."""
+        EXIT_THRESHOLD, WEIGHTED_EXIT: a looped model's own depth rules (Ouro's; a recurrent core's LOOPS: Huginn's
+        num_steps; runtimes/exit_rule.py), stats.exit_loops the loops tokens exited at."""
         sampling = sampling_params(temperature, top_k, top_p, repetition_penalty, seed, presence_penalty,
                                    frequency_penalty, logit_bias, logprobs)
         request = self.make_request(prompt, max_new_tokens, sampling, stop, stop_at_eos, stop_token_ids, prompt_logprobs,

@@ -11,6 +11,11 @@ loop its logits are read (Ouro's published OuroForCausalLM.forward; the depth pl
     weighted_exit     logits = sum_i p_i * lm_head(h_i)
     (none)            logits = lm_head(h_{n-1})
 
+A recurrent core (Huginn's num_steps, Parcae's recurrence; the plan's `recurrent`) takes `loops` alone: its
+repeats, a multiple of those one pipeline slot runs; the readout (coda and head, its own K/V at that depth)
+then reads the state after the token's last slot, in the prefill (contract.READOUT_REPEATS) and the steps
+(contract.READOUT_SLOTS) alike.
+
 A token's exit is decided a loop at a time (TokenExit.after_loop), by the same code in both decode modes, on
 the pipeline's steps (one loop a slot): plain decoding lets the next token enter at the exit, SPEED lets it
 enter on a draft earlier and verifies it there (runtimes/decode.py absorb_exits). After its exit a token
@@ -38,29 +43,41 @@ def depth_settings(loops=None, exit_at_step=None, exit_threshold=None, weighted_
 
 @dataclass(frozen=True)
 class DepthRule:
-    """One request's depth: LOOPS run, and the exit rule among them (at most one is set)."""
+    """One request's depth: LOOPS run (core repeats: Ouro's total_ut_steps, Huginn's num_steps), and the exit
+    rule among them (at most one is set). The pipeline runs PER_SLOT loops a slot (exit rules: one), so the
+    readout after a token's slot s follows loop (s + 1) * PER_SLOT - 1."""
     loops: int
     exit_at_step: int | None = None
     exit_threshold: float | None = None
     weighted: bool = False
     gate: "ExitGate | None" = field(default=None, compare=False, repr=False)  # where the rule reads it
+    per_slot: int = 1
 
     @property
     def reads_gate(self) -> bool:
         return self.exit_threshold is not None or self.weighted
 
     @property
-    def head_loops(self) -> range:
-        """The loops whose head a token may exit at (the gate's rules: every loop, reading the weights as they come)."""
-        if self.exit_at_step is not None:
-            return range(self.exit_at_step, self.exit_at_step + 1)
-        return range(self.loops) if self.reads_gate else range(self.loops - 1, self.loops)
+    def slots(self) -> int:
+        """The pipeline slots a token's loops take."""
+        return self.loops // self.per_slot
+
+    def loop_at(self, slot: int) -> int:
+        """The loop (from 0) whose state slot SLOT ends with."""
+        return (slot + 1) * self.per_slot - 1
 
     @property
-    def run_loops(self) -> int:
-        """Loops every token runs: through the last a token may exit at, whose K/V later tokens read there. A
+    def head_slots(self) -> range:
+        """The slots whose readout a token may exit at (the gate's rules: every loop, reading the weights as they come)."""
+        if self.exit_at_step is not None:
+            return range(self.exit_at_step, self.exit_at_step + 1)
+        return range(self.slots) if self.reads_gate else range(self.slots - 1, self.slots)
+
+    @property
+    def run_slots(self) -> int:
+        """Slots every token runs: through the last a token may exit at, whose K/V later tokens read there. A
         fixed exit step reads no deeper loop at all (loop k attends only loop k's K/V), so none deeper runs."""
-        return self.exit_at_step + 1 if self.exit_at_step is not None else self.loops
+        return self.exit_at_step + 1 if self.exit_at_step is not None else self.slots
 
     def describe(self) -> str:
         rule = ("weighted exit" if self.weighted else f"exit at step {self.exit_at_step}" if self.exit_at_step is not None
@@ -77,7 +94,8 @@ class DepthRules:
     loop_exits: bool
     one_loop_a_slot: bool
     gate: "ExitGate | None"
-    recurrent: bool = False  # a recurrent core (Huginn, Parcae): its repeats are chosen at build (--recurrence)
+    recurrent: bool = False  # a recurrent core (Huginn, Parcae): loops is its repeats, read out after the coda
+    slots: int = 1  # the pipeline's P (1: a plain engine)
 
     @classmethod
     def of(cls, manifest) -> "DepthRules":
@@ -85,25 +103,23 @@ class DepthRules:
         plan = manifest.depth_plan
         return cls(manifest.model.get("architecture", "this model"), plan.repeats, plan.loop_exits,
                    manifest.slots == plan.repeats, ExitGate.from_manifest(manifest.model.get("exit_gate")),
-                   plan.injection is not None)
+                   plan.recurrent, manifest.slots)
 
     def rule(self, loops=None, exit_at_step=None, exit_threshold=None, weighted_exit=False) -> DepthRule | None:
         """The checked rule of a request's settings (None: none given: the artifact's full depth as built)."""
         if loops is None and exit_at_step is None and exit_threshold is None and not weighted_exit:
             return None
+        if self.recurrent:
+            return self._recurrence(loops, exit_at_step, exit_threshold, weighted_exit)
         if not self.loop_exits:
-            hint = (f"; its core's repeats ({self.loops} in this artifact) are chosen at build: speedc build "
-                    "--recurrence N" if self.recurrent else "")
             raise GenerationError(f"{self.family} has no per-request depth rules in speedc: loops, exit_at_step, "
                                   "exit_threshold and weighted_exit read a loop's state with the head as it is, which "
-                                  f"only a model normed after every loop has (Ouro, Nanbeige){hint}")
+                                  "only a model normed after every loop has (Ouro, Nanbeige), and loops a recurrent "
+                                  "core's repeats (Huginn, Parcae)")
         if not self.one_loop_a_slot:
             raise GenerationError(f"depth rules need one loop per pipeline slot; this artifact pipelines its {self.loops} "
                                   f"loops otherwise (rebuild with --slots {self.loops})")
-        if loops is not None and (not is_integer(loops) or not 1 <= loops <= self.loops):
-            raise GenerationError(f"loops must be an integer in 1..{self.loops} (the artifact was built for {self.loops}), "
-                                  f"not {loops!r:.20}")
-        loops = self.loops if loops is None else int(loops)
+        loops = self._loops(loops, 1)
         if not isinstance(weighted_exit, bool):
             raise GenerationError(f"weighted_exit must be True or False, not {type(weighted_exit).__name__}")
         if sum((exit_at_step is not None, exit_threshold is not None, weighted_exit)) > 1:
@@ -122,6 +138,28 @@ class DepthRules:
         reads_gate = exit_threshold is not None or weighted_exit
         return DepthRule(loops, None if exit_at_step is None else int(exit_at_step), exit_threshold, weighted_exit,
                          self.gate if reads_gate else None)
+
+    def _loops(self, loops, per_slot: int) -> int:
+        """A request's loop count: an integer in 1..the built loops, a multiple of PER_SLOT (None: the built)."""
+        if loops is not None and (not is_integer(loops) or not 1 <= loops <= self.loops or loops % per_slot):
+            if per_slot > 1:
+                raise GenerationError(f"loops must be a multiple of {per_slot} in {per_slot}..{self.loops}: this artifact "
+                                      f"runs {per_slot} of its {self.loops} loops a pipeline slot (for any count rebuild "
+                                      f"it with --slots {self.loops}), not {loops!r:.20}")
+            raise GenerationError(f"loops must be an integer in 1..{self.loops} (the artifact was built for {self.loops}), "
+                                  f"not {loops!r:.20}")
+        return self.loops if loops is None else int(loops)
+
+    def _recurrence(self, loops, exit_at_step, exit_threshold, weighted_exit) -> DepthRule:
+        """A recurrent core's rule (Huginn's num_steps, Parcae's recurrence): LOOPS repeats, then the readout."""
+        if exit_at_step is not None or exit_threshold is not None or weighted_exit:
+            raise GenerationError(f"{self.family} has no exit rules (exit_at_step, exit_threshold, weighted_exit need a "
+                                  "model that reads out after every loop, as Ouro); give loops, its core's repeats")
+        if self.slots < 2:
+            raise GenerationError(f"loops run on the pipeline's steps; this {self.family} artifact is plain (P = 1): "
+                                  "rebuild it with --slots P (P > 1)")
+        per_slot = self.loops // self.slots
+        return DepthRule(self._loops(loops, per_slot), per_slot=per_slot)
 
 
 @dataclass(frozen=True)
@@ -151,11 +189,11 @@ class TokenExit:
         self.cumulative = F32(0.0)  # sum_{j<=i} p_j
         self.expected: np.ndarray | None = None  # the weighted exit's sum_i p_i * logits_i so far
 
-    def after_loop(self, loop: int, gate: F32 | None, logits: np.ndarray | None) -> bool:
-        """LOOP has run (GATE: its lambda where the rule reads the gate, but at the last loop; LOGITS: its [V]
-        logits under the weighted exit). -> whether the token exits here (its logits: this loop's head, or
-        `expected`)."""
-        rule, last = self.rule, loop == self.rule.loops - 1
+    def after_loop(self, slot: int, gate: F32 | None, logits: np.ndarray | None) -> bool:
+        """The loops of pipeline slot SLOT have run (one a slot where the rule reads the gate or a fixed step; GATE:
+        its lambda where the rule reads the gate, but at the last loop; LOGITS: its [V] logits under the weighted
+        exit). -> whether the token exits here (its logits: this slot's readout, or `expected`)."""
+        rule, loop, last = self.rule, slot, slot == self.rule.slots - 1
         if rule.exit_at_step is not None:
             return loop == rule.exit_at_step
         if not rule.reads_gate:

@@ -50,6 +50,11 @@ class Sequence:
         the last prompt token runs its loops as the decode steps run a token's (decode.absorb_exits)."""
         return len(self.request.prompt) - (self.request.depth_rule is not None)
 
+    @property
+    def readout_loops(self) -> int | None:
+        """The loops its prefill's final readout follows (None: the artifact's all; a recurrent core's only)."""
+        return None if self.request.depth_rule is None else self.request.depth_rule.loops
+
     def follow_rule(self, drafts: bool) -> None:
         """Its request has a depth rule: DRAFTS or not (plain decoding), no early-flush checks (the exit verifies)."""
         self.drafts, self.early_flush, self.stats.depth_rule = drafts, False, self.request.depth_rule.describe()

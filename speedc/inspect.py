@@ -209,15 +209,23 @@ def _render_weights(console, info: dict) -> None:
 
 def _render_depth_rules(console, info: dict, sched: dict) -> None:
     """What a request may choose of the depth (runtimes/exit_rule.py), where the plan allows it."""
+    from speedc.format.depth_plan import DepthPlan
+
     plan = sched["depth_plan"]
+    loops, slots = plan["repeats"], sched["slots"]
+    if DepthPlan.from_json(plan).recurrent:
+        per_slot = loops // slots
+        console.print(f"depth rules per request: loops (the core's repeats, Huginn's num_steps) {per_slot}..{loops} in "
+                      f"steps of {per_slot}, {per_slot} a pipeline slot" if slots > 1 else
+                      "depth rules per request: none in a plain build (P = 1); loops needs the pipeline (--slots)")
+        return
     if not plan.get("loop_exits"):
         return
-    loops = plan["repeats"]
     gate = "" if info["kind"] != "artifact" else (
         ", exit_threshold and weighted_exit (its exit gate is stored)" if "exit_gate" in info["model"] else
         " (no exit gate stored: exit_threshold and weighted_exit are refused)")
     console.print(f"depth rules per request: loops 1..{loops}, exit_at_step 0..{loops - 1}{gate}; they run with one loop "
-                  f"a slot (P = {loops})" + ("" if sched["slots"] == loops else f": not this artifact's P={sched['slots']}"))
+                  f"a slot (P = {loops})" + ("" if slots == loops else f": not this artifact's P={slots}"))
 
 
 def _render_schedule(console, sched: dict) -> None:

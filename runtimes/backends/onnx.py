@@ -136,6 +136,8 @@ class BatchBackend:
         self.vocab_size, self.max_context = dims.vocab_size, dims.max_context
         self.layout = CacheLayout.from_manifest(manifest)  # which pool slab each graph's cache input is
         self.check_width = contract.candidate_count(self.vocab_size)  # K of an early-flush check's candidates
+        # a recurrent core's programs take where each row's final readout reads (contract.READOUT_*)
+        self.core_repeats = manifest.depth_plan.repeats if manifest.depth_plan.recurrent else None
         engine = contract.ENGINE
         if fused is None:
             fused = contract.fused(engine) in manifest.graphs
@@ -250,6 +252,13 @@ class BatchBackend:
             raise GenerationError("internal: a fused graph with a drawn initial state")
         return initial_states(self.dims.initial_state, positions, self.dims.hidden_size, valid)
 
+    def _feed_readout(self, feeds: dict, rows: int, repeats: list | None = None) -> None:
+        """A recurrent core's prefill: each of ROWS rows reads out after REPEATS[row] core repeats (None: all). A
+        plan whose core is not recurrent takes none (a loop's K/V do not depend on the loops after it)."""
+        if self.core_repeats is not None:
+            full = self.core_repeats
+            feeds[contract.READOUT_REPEATS] = np.asarray([full if r is None else r for r in repeats or [None] * rows], np.int64)
+
     def _check_positions(self, positions: np.ndarray) -> None:
         """Fused graphs write K/V in place through raw pointers: a position past the scratch row T would
         write outside the pool, so it is refused, not run."""
@@ -263,9 +272,10 @@ class BatchBackend:
             names += [contract.phase_new_rows(kind, phase) for phase in self.pool.phase_buffers for kind in contract.KV_KINDS]
         return dict(zip(names, self.programs[role].run(names, {**feeds, **slabs})))
 
-    def prefill(self, first: int, chunks: list[list[int]], start: int, want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    def prefill(self, first: int, chunks: list[list[int]], start: int, want_logits: bool,
+                readout_repeats: list | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """Run prompt chunks through all N layers: chunk i belongs to pool row first + i and starts at
-        position START. Several chunks only as first chunks (START 0): ONNX Runtime's GroupQueryAttention
+        position START; a recurrent core's final readout of chunk i after READOUT_REPEATS[i] repeats (None: all). Several chunks only as first chunks (START 0): ONNX Runtime's GroupQueryAttention
         takes a batch of multi-token rows only without past context. They run as one [B, L] batch, right
         padded to the longest (chunk_lengths), so the B prompts share each weight read: on zoo:small one
         prefill of a few tokens costs about as much as one plain token (the weights streamed 16 times).
@@ -284,6 +294,7 @@ class BatchBackend:
             token_positions = np.broadcast_to(start + np.arange(longest), (count, longest)).reshape(-1)
             real = (np.arange(longest)[None, :] < lengths[:, None]).reshape(-1)
             feeds[contract.INITIAL_STATE] = self._initial_states(token_positions, real)
+        self._feed_readout(feeds, count, readout_repeats)
         outputs = [contract.NEXT_TOKEN] + ([contract.LOGITS] if want_logits else [])
         sequences = slice(first, first + count)
         if not self.fused:
@@ -318,6 +329,7 @@ class BatchBackend:
                      contract.POSITIONS: np.where(valid, positions, 0).astype(np.int64), contract.CHUNK_LENGTHS: np.ones(n, np.int64)}
             if self.dims.initial_state is not None:
                 feeds[contract.INITIAL_STATE] = self._initial_states(positions, valid)
+            self._feed_readout(feeds, n)
             outputs = [contract.NEXT_TOKEN] + ([contract.LOGITS] if want_logits else [])
             result = self._run_standard(contract.PREFILL, feeds, self._logical_slabs(slice(0, n)), outputs)
             self.layout.write_token_rows(self.pool.buffers, self._new_rows(result), np.flatnonzero(valid), positions)
@@ -327,12 +339,15 @@ class BatchBackend:
         def tensors():
             return {contract.INPUT_IDS: ((n, 1), np.int64, False), contract.POSITIONS: ((n,), np.int64, False),
                     contract.CHUNK_LENGTHS: ((n,), np.int64, False), contract.NEXT_TOKEN: ((n,), np.int64, True),
+                    **({contract.READOUT_REPEATS: ((n,), np.int64, False)} if self.core_repeats else {}),
                     **({contract.LOGITS: ((n, self.vocab_size), F32, True)} if want_logits else {})}
 
         step = self._step(contract.PREFILL, (n, want_logits), lambda: self._logical_slabs(slice(0, n)), tensors)
         step.inputs[contract.INPUT_IDS][:, 0] = tokens
         step.inputs[contract.POSITIONS][:] = positions
         step.inputs[contract.CHUNK_LENGTHS][:] = 1
+        if self.core_repeats:
+            step.inputs[contract.READOUT_REPEATS][:] = self.core_repeats
         result = step.run()
         return result[contract.NEXT_TOKEN], (result[contract.LOGITS] if want_logits else None)
 
@@ -352,10 +367,16 @@ class BatchBackend:
                      contract.CHECK_CANDIDATES: self.drafts.checks(heads.check, n)}
             if self.dims.initial_state is not None:  # the entering tokens: slot 0's rows
                 feeds[contract.INITIAL_STATE] = self._initial_states(positions[0], valid[0])
+            readout_slots = None
+            if self.core_repeats is not None:  # each sequence's final head row is in its readout slot
+                readout_slots = np.full(n, slots - 1, np.int64)
+                final = np.asarray(heads.final, np.int64)
+                readout_slots[final % n] = final // n
+                feeds[contract.READOUT_SLOTS] = readout_slots
             outputs = [contract.FINAL_TOKEN, contract.EXIT_TOKENS, contract.EXIT_CANDIDATES, contract.CHECK_TOKENS,
                        contract.HIDDEN_OUT] + ([contract.FINAL_LOGITS] if want_logits else [])
             result = self._run_standard(contract.BATCH_STEP, feeds, self._stage_slabs(n), outputs)
-            self.layout.write_step_rows(self.pool.buffers, self._new_rows(result), slots, n, valid, positions)
+            self.layout.write_step_rows(self.pool.buffers, self._new_rows(result), slots, n, valid, positions, readout_slots)
             self.hidden[:, :n] = result[contract.HIDDEN_OUT].reshape(slots, n, self.dims.state_width)
             self.drafts.stepped(heads.exit, result[contract.EXIT_CANDIDATES])
             return SpeedStepResult.of(result, want_logits)

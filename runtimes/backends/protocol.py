@@ -6,7 +6,8 @@ pool row); a backend holds the KV-cache pool (a KVPool, runtimes/backends/kv_poo
 stage layer j, pipeline slot s, pool row b, ...: logical layer s*S + j of sequence b is pool[j, s, b]), what each in-flight
 token carries from step to step (its hidden row, its draft's candidates: DraftCandidates) and runs graphs:
 
-    prefill(first, chunks, start, want_logits)   prompt chunks of pool rows first.. through all N layers
+    prefill(first, chunks, start, want_logits[, readout_repeats])
+                                                 prompt chunks of pool rows first.. through all N layers
     plain_step(tokens, positions, valid, ...)    one token of each of sequences 0..n-1 through all N layers
     speed_step(entering, positions, valid, heads, ...)
                                                  one pipelined step of sequences 0..n-1 ([P, n] slot-major);
@@ -208,9 +209,10 @@ class BatchBackendProtocol(Protocol):
     def move(self, source: int, target: int, length: int | None = None) -> None:
         """Pool row SOURCE's cache (its first LENGTH positions) and pipeline state now live in TARGET."""
 
-    def prefill(self, first: int, chunks: list[list[int]], start: int,
-                want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
-        """-> (argmax next tokens [B], logits [B, V] or None) after each chunk's last token."""
+    def prefill(self, first: int, chunks: list[list[int]], start: int, want_logits: bool,
+                readout_repeats: list | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """-> (argmax next tokens [B], logits [B, V] or None) after each chunk's last token. READOUT_REPEATS: chunk
+        i's loops (None or an entry None: all), where its request runs fewer (a recurrent core's final readout)."""
 
     def plain_step(self, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray,
                    want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:

@@ -240,12 +240,15 @@ class TorchBackend:
 
     # ---- the three runs --------------------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, first: int, chunks: list[list[int]], start: int,
-                want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    def prefill(self, first: int, chunks: list[list[int]], start: int, want_logits: bool,
+                readout_repeats: list | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """Prompt chunks through all N layers: chunk i belongs to pool row first + i and starts at
         position START; several run as one [B, L] batch, right padded to the longest.
-        -> (argmax next tokens [B], logits [B, V] or None) after each chunk's last token."""
+        -> (argmax next tokens [B], logits [B, V] or None) after each chunk's last token. READOUT_REPEATS: only
+        what its plans allow (a recurrent core runs all its repeats here: no depth rule reaches it)."""
         cfg, model = self.cfg, self.model
+        if cfg.depth_plan.recurrent and any(r not in (None, cfg.depth_plan.repeats) for r in readout_repeats or []):
+            raise GenerationError("internal: the PyTorch backend reads a recurrent core out after all its repeats")
         lengths = np.asarray([len(chunk) for chunk in chunks], np.int64)
         count, longest = len(chunks), int(lengths.max())
         if lengths.min() < 1:  # its head would read the row before it

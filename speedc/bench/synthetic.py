@@ -364,7 +364,7 @@ def synthetic_step_costs(*, hidden: int = 1024, blocks: int = 4, passes: int = 4
             if end_to_end:
                 row.update(end_to_end_row(engine, prompts=prompts, new_tokens=new_tokens,
                                           peers=peer_fns if slots == depths[-1] else None))
-            if exit_rules and slots == shape.loops:
+            if exit_rules and slots == (depths[-1] if shape.recurrent else shape.loops):  # Ouro's: one loop a slot
                 row["exit_rules"] = exit_rule_rows(engine, exit_rules, prompts=prompts, new_tokens=new_tokens, progress=progress)
             rows.append(row)
             manifest = engine.manifest

@@ -182,16 +182,19 @@ def bench_artifact(artifact, new_tokens, repeats, prompts, early_flush, backend,
                    "plain decoding, beside the full depth in the same rounds.")
 @click.option("--exit-at-step", type=click.IntRange(0), multiple=True,
               help="Likewise with this fixed exit loop (from 0; repeatable).")
+@click.option("--loops", type=click.IntRange(1), multiple=True,
+              help="With --end-to-end at an Ouro or recurrent shape: also decode with this loop count (Ouro's "
+                   "total_ut_steps, Huginn's num_steps; repeatable), SPEED and plain decoding, beside the full depth.")
 @backend_option
 @threads_option
 @json_option
 def bench_memory_bound(shape, hidden, layers, recurrence, repeats, weights, profile, end_to_end, residual_scale,
-                       new_tokens, peers, exit_threshold, exit_at_step, backend, threads, as_json):
+                       new_tokens, peers, exit_threshold, exit_at_step, loops, backend, threads, as_json):
     """Build a large random-weight model at each pipeline depth and report its step cost c(P), each
     beside the weight floor's (the same weight products and nothing else) measured in the same run."""
     if given_options("hidden") and shape != "zoo":
         raise GenerationError(f"--hidden sizes the zoo shape; {shape} has its own")
-    needs_end_to_end = given_options("new_tokens", "exit_threshold", "exit_at_step") + (["peers"] if peers else [])
+    needs_end_to_end = given_options("new_tokens", "exit_threshold", "exit_at_step", "loops") + (["peers"] if peers else [])
     if needs_end_to_end and not end_to_end:
         raise GenerationError(f"{flag(needs_end_to_end[0])} goes with --end-to-end (it decodes; c(P) alone does not)")
 
@@ -207,6 +210,9 @@ def bench_memory_bound(shape, hidden, layers, recurrence, repeats, weights, prof
     rules = [{"exit_threshold": t} for t in exit_threshold] + [{"exit_at_step": k} for k in exit_at_step]
     if rules and (chosen is None or not chosen.name.startswith("ouro")):
         raise GenerationError("--exit-threshold / --exit-at-step go with an Ouro shape (--shape ouro-1.4b or ouro-2.6b)")
+    if loops and (chosen is None or not (chosen.name.startswith("ouro") or chosen.recurrent)):
+        raise GenerationError("--loops goes with an Ouro or recurrent shape (--shape ouro-1.4b, huginn-3.5b, parcae-770m)")
+    rules += [{"loops": n} for n in loops]
     with Console(stderr=True).status("memory-bound step cost") as spinner:
         report = synthetic_step_costs(hidden=hidden, repeats=repeats, threads=threads, backend=backend,
                                       shape=chosen, layers=layers, end_to_end=end_to_end,

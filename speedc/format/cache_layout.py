@@ -198,24 +198,29 @@ class CacheLayout:
                 pool[layers[:, None], columns[:, None], rows[None], :, positions[rows][None]] = part
 
     def write_step_rows(self, pools: dict[str, tuple[np.ndarray, np.ndarray]], new: dict[str, np.ndarray],
-                        slots: int, n: int, valid: np.ndarray, positions: np.ndarray) -> None:
+                        slots: int, n: int, valid: np.ndarray, positions: np.ndarray,
+                        readout_slots: np.ndarray | None = None) -> None:
         """The batch step's new rows NEW[kind] [S, P*n, kvh, 1, hd] (row s*n + b) into pool[j, s, b, :, positions[s, b]]
         for the valid (slot, sequence) pairs only (bubbles never write). With phases, NEW[(kind, PRELUDE)]
         [Lp, n, kvh, 1, hd] are slot 0's rows, NEW[(kind, CODA)] [Lc, 2, n, kvh, 1, hd] the draft readout's
-        (slot 0's rows) and the final readout's (slot P-1's): each readout writes only its own K/V."""
+        (slot 0's rows) and the final readout's (sequence b's in slot READOUT_SLOTS[b]; None: P-1): each readout
+        writes only its own K/V."""
         s_index, b_index = np.nonzero(valid)
         at = positions[s_index, b_index]
         for kind, pool in zip(contract.KV_KINDS, pools[CORE]):
             rows = new[kind][:, :, :, 0].reshape(self.stage_layers, slots, n, *pool.shape[3:4], -1)  # [S, P, n, kvh, hd]
             pool[:, s_index, b_index, :, at] = rows[:, s_index, b_index].transpose(1, 0, 2, 3)
-        entering, leaving = np.flatnonzero(valid[0]), np.flatnonzero(valid[slots - 1])
+        entering = np.flatnonzero(valid[0])
+        readout_slots = np.full(n, slots - 1) if readout_slots is None else readout_slots
+        leaving = np.flatnonzero(valid[readout_slots, np.arange(n)])  # sequences whose final readout read a token
         for kind, pool in zip(contract.KV_KINDS, pools.get(PRELUDE, ())):
             rows = new[(kind, PRELUDE)][:, :, :, 0]  # [Lp, n, kvh, hd]
             pool[:, 0, entering, :, positions[0, entering]] = rows[:, entering].transpose(1, 0, 2, 3)  # target [k, Lp, kvh, hd]
         for kind, pool in zip(contract.KV_KINDS, pools.get(CODA, ())):
             rows = new[(kind, CODA)][:, :, :, :, 0]  # [Lc, 2, n, kvh, hd]
-            for readout, (picked, slot) in ((DRAFT_READOUT, (entering, 0)), (self.readouts - 1, (leaving, slots - 1))):
-                pool[:, readout, picked, :, positions[slot, picked]] = rows[:, readout, picked].transpose(1, 0, 2, 3)
+            for readout, picked, at in ((DRAFT_READOUT, entering, positions[0, entering]),
+                                        (self.readouts - 1, leaving, positions[readout_slots[leaving], leaving])):
+                pool[:, readout, picked, :, at] = rows[:, readout, picked].transpose(1, 0, 2, 3)
 
     def _core_only(self, what: str) -> None:
         if self.pipelined_phases:

@@ -6,6 +6,8 @@ each file against the manifest), so a change on one side is a one-line ArtifactE
 and tensor, not a failure deep inside a run.
 
     prefill        input_ids [B, L]  positions [B]  chunk_lengths [B]  cache.{key,value}.{l} [B, kvh, T, hd]  (l < N)
+                   (a recurrent core's plan also readout_repeats [B]: the core repeats after which row b's final
+                   readout reads, 1..R; the repeats beyond still run, their K/V unread by such a row's later tokens)
                    -> next_token [B]  logits [B, V]  new_{key,value} [N, B, kvh, L, hd]
                    (row b: its first chunk_lengths[b] tokens are real, the rest right padding; next_token and
                    logits are its last real token's. B sequences at once: first prompt chunks arriving
@@ -23,6 +25,8 @@ and tensor, not a failure deep inside a run.
     batch_step of a depth plan with a prelude / coda (speedc/format/cache_layout.py; standard graph only):
                    as batch_step, plus cache.{key,value}.prelude.{i} [n, kvh, T, hd] (i < Lp) and
                    cache.{key,value}.coda.{i}.{d} [n, kvh, T, hd] (i < Lc, readout depth d: 0 draft, 1 final)
+                   (a recurrent core's plan also readout_slots [n]: the slot whose rows sequence b's final readout
+                   reads, its coda and its final head row; P-1 unless a request runs fewer repeats)
                    -> also new_{key,value}.prelude [Lp, n, kvh, 1, hd]  new_{key,value}.coda [Lc, 2, n, kvh, 1, hd];
                    its prefill reads the N logical layers' slabs and the draft readout's coda slabs but the last
                    (cache.{key,value}.{N+i}, i < Lc - 1: each coda layer attends over its own depth's past) and
@@ -110,6 +114,9 @@ CHUNK_LENGTHS = "chunk_lengths"
 # random): [rows, H], the prefill's token rows (B*L) or the batch step's entering rows (n); the runtime
 # draws each from (seed, position) (speedc/format/initial_state.py), so plain decoding and SPEED agree.
 INITIAL_STATE = "initial_state"
+# A recurrent core's final readout per row (DepthPlan.recurrent: a request may run fewer core repeats than built):
+# the prefill's after READOUT_REPEATS[b] repeats, the batch step's at the end of slot READOUT_SLOTS[b].
+READOUT_REPEATS, READOUT_SLOTS = "readout_repeats", "readout_slots"
 # batch step: an early-flush check (a token's exit head again, one or more stages deeper) scores only the
 # candidates its first exit gave (exit_candidates: that exit's top CHECK_CANDIDATES token ids), not the
 # whole vocabulary; check_tokens is the best of them (runtimes/batch.py)
@@ -179,6 +186,7 @@ class Dims:
     coda_layers: int = 0  # Lc of a pipelined depth plan: two readout depths own its K/V
     state_width: int = 0  # floats a slot carries per token (hidden_in / hidden_out): H, or 2H = [state | e] (0: H)
     random_state: bool = False  # the programs take INITIAL_STATE (a recurrent core started from a random draw)
+    recurrent: bool = False  # the programs take READOUT_REPEATS / READOUT_SLOTS (DepthPlan.recurrent)
 
     @property
     def carried(self) -> int:
@@ -199,7 +207,8 @@ class Dims:
         plan = manifest.depth_plan if manifest.slots > 1 else None
         phases = (len(plan.prelude), len(plan.coda)) if plan else (0, 0)
         return cls(manifest.slots, manifest.stage_layers, model.num_layers, model.kv_heads, model.head_dim,
-                   model.hidden_size, model.vocab_size, *phases, model.state_width, model.initial_state is not None)
+                   model.hidden_size, model.vocab_size, *phases, model.state_width, model.initial_state is not None,
+                   manifest.depth_plan.recurrent)
 
 
 Shape = tuple  # ints for fixed sizes, None where the size is dynamic
@@ -210,6 +219,7 @@ def _prefill_io(d: Dims) -> tuple[list[TensorSpec], list[TensorSpec]]:
     i64, f32 = "int64", "float32"
     inputs = [(INPUT_IDS, i64, (None, None)), (POSITIONS, i64, (None,)), (CHUNK_LENGTHS, i64, (None,))]
     inputs += [(INITIAL_STATE, f32, (None, d.hidden_size))] if d.random_state else []
+    inputs += [(READOUT_REPEATS, i64, (None,))] if d.recurrent else []
     reads = d.num_layers + max(d.coda_layers - 1, 0)  # a draft readout's coda but its last layer (CacheLayout.prefill_reads)
     inputs += [(cache_input(kind, layer), f32, (None, d.kv_heads, None, d.head_dim))
                for layer in range(reads) for kind in KV_KINDS]
@@ -224,6 +234,7 @@ def _batch_step_io(d: Dims) -> tuple[list[TensorSpec], list[TensorSpec]]:
               (FINAL_ROWS, i64, (None,)), (EXIT_ROWS, i64, (None,)), (CHECK_ROWS, i64, (None,)),
               (CHECK_CANDIDATES, i64, (None, d.candidates))]
     inputs += [(INITIAL_STATE, f32, (None, d.hidden_size))] if d.random_state else []
+    inputs += [(READOUT_SLOTS, i64, (None,))] if d.recurrent else []
     inputs += [(batch_cache_input(kind, j, s), f32, (None, d.kv_heads, None, d.head_dim))
                for j in range(d.stage_layers) for s in range(d.slots) for kind in KV_KINDS]
     outputs = [(FINAL_TOKEN, i64, (None,)), (FINAL_LOGITS, f32, (None, d.vocab_size)), (EXIT_TOKENS, i64, (None,)),

@@ -102,6 +102,12 @@ class DepthPlan:
                                   "without prelude, coda or injection")
 
     @property
+    def recurrent(self) -> bool:
+        """A recurrent core (its repeats read the entry state: Huginn, Parcae): a request may run fewer of them
+        (its `loops`, Huginn's num_steps), so the programs take where the final readout reads (contract.READOUT_*)."""
+        return self.injection is not None
+
+    @property
     def carried_vectors(self) -> int:
         """Vectors a slot carries per token between steps: the state, and e where each repeat reads it."""
         return 2 if self.injection else 1
@@ -143,9 +149,12 @@ class DepthPlan:
 
     def ends_loop(self, layer: int) -> bool:
         """Whether model.norm follows logical layer LAYER (the end of a core repeat, when the plan norms there)."""
+        return self.loop_norm and self.ends_repeat(layer)
+
+    def ends_repeat(self, layer: int) -> bool:
+        """Whether logical layer LAYER is the last of a core repeat."""
         core_at = layer - len(self.prelude)
-        return (self.loop_norm and 0 <= core_at < len(self.core) * self.repeats
-                and (core_at + 1) % len(self.core) == 0)
+        return 0 <= core_at < len(self.core) * self.repeats and (core_at + 1) % len(self.core) == 0
 
     def cross_source(self, layer: int) -> int | None:
         """The logical layer whose K/V logical layer LAYER reads across repeats (repeat 0's layer at the same

@@ -332,9 +332,13 @@ def test_memory_bound_on_a_recurrent_shape():
 
     tiny = Shape("huginn-tiny", 64, 4, 4, 16, 96, 128, 2, 4, looped=False, tied=True, prelude=1, coda=1, recurrent=True)
     assert pipeline_depths(tiny, 2) == [2, 4] and pipeline_depths(SHAPES["huginn-3.5b"], 4) == [2, 4, 8]
-    report = synthetic_step_costs(shape=tiny, context=64, repeats=5, end_to_end=True, new_tokens=10, prompts=2)
+    report = synthetic_step_costs(shape=tiny, context=64, repeats=5, end_to_end=True, new_tokens=10, prompts=2,
+                                  exit_rules=[{"loops": 2}])
     assert report["passes"] == 4 and [row["slots"] for row in report["rows"]] == [2, 4]
     assert report["residual_scale"] == round(0.0085 / 6 ** 0.5, 5)
+    (loops,) = report["rows"][-1]["exit_rules"]  # at the deepest pipeline only
+    assert "exit_rules" not in report["rows"][0] and loops["rule"] == "2 loops, last loop"
+    assert loops["exit_loops"] == {1: 2 * 10} and loops["ids_identical"] and loops["speedup_decode"] > 0
     for row in report["rows"]:
         assert row["ids_identical"] and 0 <= row["acceptance"] <= 1 and row["floor_step_cost"] > 0
     assert report["end_to_end"]["peers_missing"] == {"llama.cpp": "no Huginn (RavenForCausalLM) architecture in llama.cpp"}
@@ -371,6 +375,7 @@ def test_memory_bound_peers_say_what_is_missing(monkeypatch, tmp_path):
     (["--new-tokens", "8"], "--new-tokens goes with --end-to-end"),
     (["--exit-threshold", "0.5"], "--exit-threshold goes with --end-to-end"),
     (["--end-to-end", "--exit-at-step", "0"], "--exit-threshold / --exit-at-step go with an Ouro shape"),
+    (["--end-to-end", "--loops", "2"], "--loops goes with an Ouro or recurrent shape"),
     (["--shape", "ouro-1.4b", "--hidden", "64"], "--hidden sizes the zoo shape; ouro-1.4b has its own"),
     (["--no-such-option"], "`speedc bench memory-bound` has no option --no-such-option"),
 ])

@@ -122,8 +122,10 @@ def test_recurrence_chosen_at_build(tmp_path):
     engine = Engine.load(tmp_path / "art", lazy=True)
     assert engine.generate(list(PROMPTS[1]), max_new_tokens=8, stop_at_eos=False).ids == expected
     assert engine.generate(list(PROMPTS[1]), max_new_tokens=8, stop_at_eos=False, mode="autoregressive").ids == expected
-    # the recurrence per request (its generate's num_steps) is not a depth rule here: the refusal says how to choose it
-    with pytest.raises(GenerationError, match=r"huginn has no per-request depth rules.*\(6 in this artifact\).*--recurrence N"):
+    # per request (its generate's num_steps) up to the built 6, in the steps of 2 a slot runs
+    shallower = [int(t) for t in oracle_greedy(tensors, {**config, "mean_recurrence": 4}, list(PROMPTS[1]), 8)]
+    assert engine.generate(list(PROMPTS[1]), max_new_tokens=8, stop_at_eos=False, loops=4).ids == shallower != expected
+    with pytest.raises(GenerationError, match=r"loops must be a multiple of 2 in 2..6: .*rebuild it with --slots 6"):
         engine.generate(list(PROMPTS[1]), max_new_tokens=8, loops=3)
     refused = run_cli("build", directory, "-o", tmp_path / "bad", "--recurrence", "6", "--slots", "4", "--no-measure")
     assert refused.returncode != 0 and "Traceback" not in refused.stderr and not (tmp_path / "bad").exists()

@@ -100,8 +100,8 @@ class ScriptedBackend:
         token = TRUTH[nxt] if clean else wrong(nxt)
         return np.asarray([token]), self._logits([token], want)
 
-    def prefill(self, first, chunks, start, want_logits):
-        assert first == 0 and len(chunks) == 1
+    def prefill(self, first, chunks, start, want_logits, readout_repeats=None):
+        assert first == 0 and len(chunks) == 1 and readout_repeats is None
         return self._through_all_layers("prefill", chunks[0], start, want_logits)
 
     def plain_step(self, tokens, positions, valid, want_logits):

@@ -40,11 +40,28 @@ def test_weighted_exit_sums_every_loops_logits_by_the_exit_distribution():
     np.testing.assert_allclose(token.expected, sum(pi * np.asarray(li) for pi, li in zip(p, logits)), rtol=1e-6)
 
 
-def test_loops_read_and_run():
-    assert list(DepthRule(4).head_loops) == [3] and DepthRule(4).run_loops == 4
-    assert list(DepthRule(3).head_loops) == [2] and DepthRule(3).run_loops == 3
-    assert list(DepthRule(4, exit_at_step=1).head_loops) == [1] and DepthRule(4, exit_at_step=1).run_loops == 2
-    assert list(DepthRule(4, exit_threshold=0.5).head_loops) == [0, 1, 2, 3] and DepthRule(4, exit_threshold=0.5).run_loops == 4
+def test_slots_read_and_run():
+    assert list(DepthRule(4).head_slots) == [3] and DepthRule(4).run_slots == 4
+    assert list(DepthRule(3).head_slots) == [2] and DepthRule(3).run_slots == 3
+    assert list(DepthRule(4, exit_at_step=1).head_slots) == [1] and DepthRule(4, exit_at_step=1).run_slots == 2
+    assert list(DepthRule(4, exit_threshold=0.5).head_slots) == [0, 1, 2, 3] and DepthRule(4, exit_threshold=0.5).run_slots == 4
+
+
+def test_a_recurrent_cores_loops_read_out_at_the_end_of_their_slot():
+    """Huginn built for 8 repeats at P = 4 (two a slot): 4 loops read out after slot 1, whose state is loop 3's."""
+    rules = DepthRules("huginn", 8, False, False, None, recurrent=True, slots=4)
+    rule = rules.rule(loops=4)
+    assert (rule.per_slot, rule.slots, list(rule.head_slots), rule.run_slots, rule.loop_at(1)) == (2, 2, [1], 2, 3)
+    token = TokenExit(rule)
+    assert not token.after_loop(0, None, None) and token.after_loop(1, None, None)
+    assert rules.rule(loops=8).slots == 4 and rules.rule() is None
+    for bad in (3, 10, 0, 2.5):
+        with pytest.raises(GenerationError, match="loops must be a multiple of 2 in 2..8"):
+            rules.rule(loops=bad)
+    with pytest.raises(GenerationError, match="huginn has no exit rules"):
+        rules.rule(exit_at_step=1)
+    with pytest.raises(GenerationError, match=r"plain \(P = 1\)"):
+        DepthRules("huginn", 8, False, False, None, recurrent=True, slots=1).rule(loops=4)
 
 
 def test_gate_is_the_sigmoid_of_a_linear_readout():
@@ -60,8 +77,8 @@ def test_rules_an_artifact_allows():
         DepthRules("ouro", 4, True, False, None).rule(loops=2)
     with pytest.raises(GenerationError, match="does not hold"):
         DepthRules("nanbeige", 4, True, True, None).rule(weighted_exit=True)
-    with pytest.raises(GenerationError, match="huginn has no per-request depth rules.*speedc build --recurrence N"):
-        DepthRules("huginn", 32, False, False, None, recurrent=True).rule(loops=8)
+    with pytest.raises(GenerationError, match="llama has no per-request depth rules"):
+        DepthRules("llama", 4, False, True, None).rule(loops=2)
 
 
 # ---- absorb_exits over a scripted pipeline ----------------------------------------------------------------
