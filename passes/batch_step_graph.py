@@ -197,7 +197,7 @@ def build_phase_batch_step_graph(state: CompileState, decode: gs.Graph) -> gs.Gr
     graph, layout = import_phase_step(cfg, cfg.depth_plan.pipeline(sched.slots, state.exit_layer))
     slabs = slab_names(layout)
     per_sequence = [contract.INITIAL_STATE] if random_state(cfg) else []
-    per_sequence += [contract.READOUT_SLOTS] if cfg.depth_plan.recurrent else []
+    per_sequence += [contract.READOUT_REPEATS] if cfg.depth_plan.recurrent else []
     bind_as_decoded(graph, decode, state, [contract.INPUT_IDS, contract.POSITIONS, contract.HIDDEN_IN, *per_sequence, *slabs])
     linear_to_gemm(graph)
     graph.name = "speedc_batch_step"

@@ -8,15 +8,16 @@ with its own coda K/V (speedc/format/cache_layout.py: the final readout's coda o
     hidden_in [(P-1)n,1,H] -> [(P-1)n,H] ----------------------------------------------------\
     Concat(e, ...) [R,H] -> stage layers j < S (all R rows; past = Concat_s cache.{kind}.{j}.{s}) -> hidden.{S-1} [R,H]
           |                                                                                     |
-      tap after layer draft_layer - 1, rows of slot 0 [n,H]        Gather rows readout_slots[b]*n + b [n,H]
+      tap after layer draft_layer - 1, rows of slot 0 [n,H]        Gather [repeat end k, row s*n + b] [n,H]
           |                                                                                     |
       coda layers (cache.{kind}.coda.{i}.0)                              coda layers (cache.{kind}.coda.{i}.1)
           |                                                                                     |
-      readout.draft = Concat(draft [n,H], zeros [(P-1)n,H]) [R,H]      readout.final = Where(slot s == readout_slots[b],
-                                                                           final[b], 0) [P,n,H] -> [R,H]
+      readout.draft = Concat(draft [n,H], zeros [(P-1)n,H]) [R,H]      readout.final = Where(slot == s_b, final[b], 0)
+                                                                           [P,n,H] -> [R,H]
 
-The final readout reads each sequence's rows in slot P-1, or, where the plan's core is recurrent and a request
-runs fewer repeats (runtimes/exit_rule.py), in the slot READOUT_SLOTS[b] its last repeat ends.
+The final readout reads each sequence's state at the end of slot P-1, or, where the plan's core is recurrent
+and a request runs fewer repeats (runtimes/exit_rule.py), after READOUT_REPEATS[b] = r of them: the end of
+repeat k = (r-1) % K of slot s_b = (r-1) // K (K = R/P repeats a slot), that row's final head reading it.
 
 With an injection (Huginn) a slot carries [state | e] (2H wide: hidden_in, hidden.{S-1}): slot 0's state
 starts at zero beside e = the prelude's output, every repeat first reads adapter(cat[state, e]), and each
@@ -89,11 +90,11 @@ class PhaseStepProgram(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_in: torch.Tensor, *slabs: torch.Tensor):
         cfg, layout, plan = self.cfg, self.layout, self.pipeline.plan
-        initial = readout_slots = None
+        initial = readout_repeats = None
         if plan.state_init == "random":  # [n, H]: the entering tokens' drawn start states
             initial, slabs = slabs[0], slabs[1:]
-        if plan.recurrent:  # [n]: the slot each sequence's final readout reads
-            readout_slots, slabs = slabs[0], slabs[1:]
+        if plan.recurrent:  # [n]: the core repeats each sequence's final readout follows
+            readout_repeats, slabs = slabs[0], slabs[1:]
         p, hidden = layout.slots, cfg.hidden_size
         groups = cfg.num_attention_heads // cfg.num_key_value_heads
         core_count = 2 * layout.stage_layers * p
@@ -102,9 +103,10 @@ class PhaseStepProgram(nn.Module):
         by_slot = positions.reshape(p, -1)  # [P, n]
         past_len = slabs[0].shape[2]
         first_ctx = row_context(by_slot[0], 1, past_len, self.inv_freq, groups)  # slot 0's rows
-        n = input_ids.shape[0]
-        if readout_slots is None:
-            readout_slots = torch.full((n,), p - 1, dtype=torch.long)  # [n]
+        n, per_slot = input_ids.shape[0], self.pipeline.repeats_per_slot
+        if readout_repeats is None:
+            readout_repeats = torch.full((n,), plan.repeats, dtype=torch.long)  # [n]
+        readout_slots = torch.div(readout_repeats - 1, per_slot, rounding_mode="floor")  # [n]
         final_rows = readout_slots * n + torch.arange(n)  # [n]: each sequence's row in its readout slot
         final_ctx = row_context(positions[final_rows], 1, past_len, self.inv_freq, groups)
         x = self.model.embed_tokens(input_ids).reshape(-1, hidden)  # [n, H]
@@ -121,7 +123,9 @@ class PhaseStepProgram(nn.Module):
         final_ids = token_ids[final_rows] if cfg.carries_token_id else None  # [n]: the readout rows' tokens
         draft_coda = _CodaOps(self, first_ctx, coda[0::4], coda[1::4], entering)  # coda slabs (i, depth 0)
         final_coda = _CodaOps(self, final_ctx, coda[2::4], coda[3::4], final_ids)  # (i, depth 1)
-        draft, final = read_out(plan, draft_coda, rows[0]), read_out(plan, final_coda, x[final_rows])  # [n, H]
+        repeat_ends = torch.stack([taps[(k + 1) * len(plan.core) - 1] for k in range(per_slot)])  # [K, R, H]
+        final_in = repeat_ends[(readout_repeats - 1) % per_slot, final_rows]  # [n, H]: the state after r repeats
+        draft, final = read_out(plan, draft_coda, rows[0]), read_out(plan, final_coda, final_in)  # [n, H]
         draft_k, draft_v, final_k, final_v = draft_coda.keys, draft_coda.values, final_coda.keys, final_coda.values
         zeros = torch.zeros_like(behind[:, :hidden])  # [(P-1)n, H]: rows no readout reads
         readout_draft = torch.cat((draft, zeros), dim=0)  # [R, H]
@@ -238,15 +242,15 @@ def trace_phase_step(cfg: ModelConfig, pipeline: SlotPlan) -> tuple[onnx.ModelPr
     slabs = slab_names(layout)
     width = cfg.state_width  # a slot's carried state: [state | e] with an injection, [state | e | id] with value embeddings
     initial = [torch.zeros(n, cfg.hidden_size)] if pipeline.plan.state_init == "random" else []  # [n, H]
-    readout = [torch.tensor([layout.slots - 1, 0])] if pipeline.plan.recurrent else []  # [n]
+    readout = [torch.tensor([pipeline.plan.repeats, 1])] if pipeline.plan.recurrent else []  # [n]
     args = (torch.zeros(n, 1, dtype=torch.long), torch.arange(layout.slots * n), torch.zeros((layout.slots - 1) * n, 1, width),
             *initial, *readout, *[torch.zeros(kv) for _ in slabs], *weights)
     inputs = [contract.INPUT_IDS, contract.POSITIONS, contract.HIDDEN_IN, *([contract.INITIAL_STATE] if initial else []),
-              *([contract.READOUT_SLOTS] if readout else []), *slabs]
+              *([contract.READOUT_REPEATS] if readout else []), *slabs]
     outputs = output_names(layout)
     dynamic = {contract.INPUT_IDS: {0: "sequences"}, contract.POSITIONS: {0: "rows"}, contract.HIDDEN_IN: {0: "rows_behind"},
                **({contract.INITIAL_STATE: {0: "sequences"}} if initial else {}),
-               **({contract.READOUT_SLOTS: {0: "sequences"}} if readout else {})}
+               **({contract.READOUT_REPEATS: {0: "sequences"}} if readout else {})}
     dynamic.update({name: {0: "sequences", 2: "context"} for name in slabs})
     dynamic.update({name: {0: "rows"} for name in outputs[:3]})
     dynamic.update({name: {1: "sequences"} for name in outputs[3:5]})

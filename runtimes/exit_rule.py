@@ -12,9 +12,9 @@ loop its logits are read (Ouro's published OuroForCausalLM.forward; the depth pl
     (none)            logits = lm_head(h_{n-1})
 
 A recurrent core (Huginn's num_steps, Parcae's recurrence; the plan's `recurrent`) takes `loops` alone: its
-repeats, a multiple of those one pipeline slot runs; the readout (coda and head, its own K/V at that depth)
-then reads the state after the token's last slot, in the prefill (contract.READOUT_REPEATS) and the steps
-(contract.READOUT_SLOTS) alike.
+repeats, up to the built R; the readout (coda and head, its own K/V at that depth) then reads the state after
+that many, inside the slot they end in where a slot runs several, in the prefill and the steps alike
+(contract.READOUT_REPEATS).
 
 A token's exit is decided a loop at a time (TokenExit.after_loop), by the same code in both decode modes, on
 the pipeline's steps (one loop a slot): plain decoding lets the next token enter at the exit, SPEED lets it
@@ -45,7 +45,7 @@ def depth_settings(loops=None, exit_at_step=None, exit_threshold=None, weighted_
 class DepthRule:
     """One request's depth: LOOPS run (core repeats: Ouro's total_ut_steps, Huginn's num_steps), and the exit
     rule among them (at most one is set). The pipeline runs PER_SLOT loops a slot (exit rules: one), so the
-    readout after a token's slot s follows loop (s + 1) * PER_SLOT - 1."""
+    readout in a token's slot s follows loop min((s + 1) * PER_SLOT, LOOPS) - 1."""
     loops: int
     exit_at_step: int | None = None
     exit_threshold: float | None = None
@@ -59,12 +59,12 @@ class DepthRule:
 
     @property
     def slots(self) -> int:
-        """The pipeline slots a token's loops take."""
-        return self.loops // self.per_slot
+        """The pipeline slots a token's loops take (the last may run more than they: their state is not read)."""
+        return -(-self.loops // self.per_slot)
 
     def loop_at(self, slot: int) -> int:
-        """The loop (from 0) whose state slot SLOT ends with."""
-        return (slot + 1) * self.per_slot - 1
+        """The loop (from 0) whose state slot SLOT's readout reads."""
+        return min((slot + 1) * self.per_slot, self.loops) - 1
 
     @property
     def head_slots(self) -> range:
@@ -119,7 +119,7 @@ class DepthRules:
         if not self.one_loop_a_slot:
             raise GenerationError(f"depth rules need one loop per pipeline slot; this artifact pipelines its {self.loops} "
                                   f"loops otherwise (rebuild with --slots {self.loops})")
-        loops = self._loops(loops, 1)
+        loops = self._loops(loops)
         if not isinstance(weighted_exit, bool):
             raise GenerationError(f"weighted_exit must be True or False, not {type(weighted_exit).__name__}")
         if sum((exit_at_step is not None, exit_threshold is not None, weighted_exit)) > 1:
@@ -139,13 +139,9 @@ class DepthRules:
         return DepthRule(loops, None if exit_at_step is None else int(exit_at_step), exit_threshold, weighted_exit,
                          self.gate if reads_gate else None)
 
-    def _loops(self, loops, per_slot: int) -> int:
-        """A request's loop count: an integer in 1..the built loops, a multiple of PER_SLOT (None: the built)."""
-        if loops is not None and (not is_integer(loops) or not 1 <= loops <= self.loops or loops % per_slot):
-            if per_slot > 1:
-                raise GenerationError(f"loops must be a multiple of {per_slot} in {per_slot}..{self.loops}: this artifact "
-                                      f"runs {per_slot} of its {self.loops} loops a pipeline slot (for any count rebuild "
-                                      f"it with --slots {self.loops}), not {loops!r:.20}")
+    def _loops(self, loops) -> int:
+        """A request's loop count: an integer in 1..the built loops (None: the built)."""
+        if loops is not None and (not is_integer(loops) or not 1 <= loops <= self.loops):
             raise GenerationError(f"loops must be an integer in 1..{self.loops} (the artifact was built for {self.loops}), "
                                   f"not {loops!r:.20}")
         return self.loops if loops is None else int(loops)
@@ -158,8 +154,7 @@ class DepthRules:
         if self.slots < 2:
             raise GenerationError(f"loops run on the pipeline's steps; this {self.family} artifact is plain (P = 1): "
                                   "rebuild it with --slots P (P > 1)")
-        per_slot = self.loops // self.slots
-        return DepthRule(self._loops(loops, per_slot), per_slot=per_slot)
+        return DepthRule(self._loops(loops), per_slot=self.loops // self.slots)
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,8 @@ def speed_rows(decoding: list[Sequence], bubbles: list[int], slots: int, pipelin
         checked = [s for s in range(1, slots - 1) if pipeline.slots[s] is not None] if sequence.early_flush else []
         rule = sequence.request.depth_rule
         stepping.append((sequence, heads.add(b, n, [token is not None for token in pipeline.slots], checked,
-                                             None if rule is None else exit_heads_wanted(pipeline, rule), sequence.drafts)))
+                                             None if rule is None else exit_heads_wanted(pipeline, rule), sequence.drafts,
+                                             sequence.readout_loops)))
     free = [s.row for s, _ in stepping if s.request.depth_rule is None]
     full = bool((valid[:, free].sum(axis=0) == pipeline_depth).all())
     want = any(s.request.picker.needs_logits and (places.final is not None or places.loop_finals)

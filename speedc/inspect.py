@@ -214,9 +214,8 @@ def _render_depth_rules(console, info: dict, sched: dict) -> None:
     plan = sched["depth_plan"]
     loops, slots = plan["repeats"], sched["slots"]
     if DepthPlan.from_json(plan).recurrent:
-        per_slot = loops // slots
-        console.print(f"depth rules per request: loops (the core's repeats, Huginn's num_steps) {per_slot}..{loops} in "
-                      f"steps of {per_slot}, {per_slot} a pipeline slot" if slots > 1 else
+        console.print(f"depth rules per request: loops 1..{loops} (the core's repeats, Huginn's num_steps; {loops // slots} "
+                      "a pipeline slot)" if slots > 1 else
                       "depth rules per request: none in a plain build (P = 1); loops needs the pipeline (--slots)")
         return
     if not plan.get("loop_exits"):

@@ -136,7 +136,7 @@ class BatchBackend:
         self.vocab_size, self.max_context = dims.vocab_size, dims.max_context
         self.layout = CacheLayout.from_manifest(manifest)  # which pool slab each graph's cache input is
         self.check_width = contract.candidate_count(self.vocab_size)  # K of an early-flush check's candidates
-        # a recurrent core's programs take where each row's final readout reads (contract.READOUT_*)
+        # a recurrent core's programs take the repeats each row's final readout follows (contract.READOUT_REPEATS)
         self.core_repeats = manifest.depth_plan.repeats if manifest.depth_plan.recurrent else None
         engine = contract.ENGINE
         if fused is None:
@@ -368,11 +368,11 @@ class BatchBackend:
             if self.dims.initial_state is not None:  # the entering tokens: slot 0's rows
                 feeds[contract.INITIAL_STATE] = self._initial_states(positions[0], valid[0])
             readout_slots = None
-            if self.core_repeats is not None:  # each sequence's final head row is in its readout slot
-                readout_slots = np.full(n, slots - 1, np.int64)
-                final = np.asarray(heads.final, np.int64)
-                readout_slots[final % n] = final // n
-                feeds[contract.READOUT_SLOTS] = readout_slots
+            if self.core_repeats is not None:  # each sequence's final head row is in the slot of its last repeat
+                repeats = np.full(n, self.core_repeats, np.int64)
+                repeats[list(heads.readout_repeats)] = list(heads.readout_repeats.values())
+                feeds[contract.READOUT_REPEATS] = repeats
+                readout_slots = (repeats - 1) // (self.core_repeats // slots)
             outputs = [contract.FINAL_TOKEN, contract.EXIT_TOKENS, contract.EXIT_CANDIDATES, contract.CHECK_TOKENS,
                        contract.HIDDEN_OUT] + ([contract.FINAL_LOGITS] if want_logits else [])
             result = self._run_standard(contract.BATCH_STEP, feeds, self._stage_slabs(n), outputs)

@@ -83,18 +83,22 @@ class HeadRows:
     final: list[int] = field(default_factory=list)
     exit: list[int] = field(default_factory=list)
     check: list[int] = field(default_factory=list)
+    readout_repeats: dict[int, int] = field(default_factory=dict)  # pool row -> the loops its final readout follows
 
     def __len__(self) -> int:
         """Head rows the step runs (what its cost follows beside its rows: runtimes/step_costs.py)."""
         return len(self.final) + len(self.exit) + len(self.check)
 
     def add(self, row: int, sequences: int, filled: list[bool], checked: list[int],
-            loop_slots: list[int] | None = None, drafts: bool = True) -> SequenceHeads:
+            loop_slots: list[int] | None = None, drafts: bool = True, readout_repeats: int | None = None) -> SequenceHeads:
         """Pool row ROW's heads among SEQUENCES: the final head where its oldest slot holds a token (FILLED:
         per slot), the draft where slot 0 does (and the sequence DRAFTS), a check at each slot in CHECKED. Under
-        a depth rule the final head runs at LOOP_SLOTS instead (decode.exit_heads_wanted: one loop a slot, each a
-        readout). -> where they come back in the step's result (SpeedStepResult.of_sequence)."""
+        a depth rule the final head runs at LOOP_SLOTS instead (decode.exit_heads_wanted: each slot a readout),
+        after READOUT_REPEATS loops where a recurrent core's readout reads within a slot (None: as built).
+        -> where they come back in the step's result (SpeedStepResult.of_sequence)."""
         final = exit = None
+        if readout_repeats is not None:
+            self.readout_repeats[row] = readout_repeats
         loop_finals = {}
         for slot in loop_slots or []:
             loop_finals[slot] = len(self.final)

@@ -56,8 +56,8 @@ def _refuse_batch_options_without_file() -> None:
 @click.option("--early-flush/--no-early-flush", default=None,
               help="Flush as soon as a deeper exit head contradicts the in-flight successor (default: on).")
 @click.option("--loops", type=int, default=None,
-              help="Loops each token runs (Ouro's total_ut_steps; Huginn's num_steps, Parcae's recurrence: a multiple "
-                   "of the repeats a pipeline slot runs), up to the artifact's; default: all.")
+              help="Loops each token runs (Ouro's total_ut_steps; Huginn's num_steps, Parcae's recurrence), up to the "
+                   "artifact's; default: all.")
 @click.option("--exit-at-step", type=int, default=None,
               help="Read every token's logits after this loop (from 0; Ouro's exit_at_step). Deeper loops do not run.")
 @click.option("--exit-threshold", type=FiniteFloat(), default=None,

@@ -25,8 +25,9 @@ and tensor, not a failure deep inside a run.
     batch_step of a depth plan with a prelude / coda (speedc/format/cache_layout.py; standard graph only):
                    as batch_step, plus cache.{key,value}.prelude.{i} [n, kvh, T, hd] (i < Lp) and
                    cache.{key,value}.coda.{i}.{d} [n, kvh, T, hd] (i < Lc, readout depth d: 0 draft, 1 final)
-                   (a recurrent core's plan also readout_slots [n]: the slot whose rows sequence b's final readout
-                   reads, its coda and its final head row; P-1 unless a request runs fewer repeats)
+                   (a recurrent core's plan also readout_repeats [n]: the core repeats after which sequence b's final
+                   readout reads, 1..R: the end of repeat (r-1) % K of slot (r-1) // K, K = R/P, whose row the final
+                   head reads; R unless a request runs fewer)
                    -> also new_{key,value}.prelude [Lp, n, kvh, 1, hd]  new_{key,value}.coda [Lc, 2, n, kvh, 1, hd];
                    its prefill reads the N logical layers' slabs and the draft readout's coda slabs but the last
                    (cache.{key,value}.{N+i}, i < Lc - 1: each coda layer attends over its own depth's past) and
@@ -115,8 +116,8 @@ CHUNK_LENGTHS = "chunk_lengths"
 # draws each from (seed, position) (speedc/format/initial_state.py), so plain decoding and SPEED agree.
 INITIAL_STATE = "initial_state"
 # A recurrent core's final readout per row (DepthPlan.recurrent: a request may run fewer core repeats than built):
-# the prefill's after READOUT_REPEATS[b] repeats, the batch step's at the end of slot READOUT_SLOTS[b].
-READOUT_REPEATS, READOUT_SLOTS = "readout_repeats", "readout_slots"
+# after READOUT_REPEATS[b] repeats, in the prefill's rows and the batch step's sequences alike.
+READOUT_REPEATS = "readout_repeats"
 # batch step: an early-flush check (a token's exit head again, one or more stages deeper) scores only the
 # candidates its first exit gave (exit_candidates: that exit's top CHECK_CANDIDATES token ids), not the
 # whole vocabulary; check_tokens is the best of them (runtimes/batch.py)
@@ -186,7 +187,7 @@ class Dims:
     coda_layers: int = 0  # Lc of a pipelined depth plan: two readout depths own its K/V
     state_width: int = 0  # floats a slot carries per token (hidden_in / hidden_out): H, or 2H = [state | e] (0: H)
     random_state: bool = False  # the programs take INITIAL_STATE (a recurrent core started from a random draw)
-    recurrent: bool = False  # the programs take READOUT_REPEATS / READOUT_SLOTS (DepthPlan.recurrent)
+    recurrent: bool = False  # the programs take READOUT_REPEATS (DepthPlan.recurrent)
 
     @property
     def carried(self) -> int:
@@ -234,7 +235,7 @@ def _batch_step_io(d: Dims) -> tuple[list[TensorSpec], list[TensorSpec]]:
               (FINAL_ROWS, i64, (None,)), (EXIT_ROWS, i64, (None,)), (CHECK_ROWS, i64, (None,)),
               (CHECK_CANDIDATES, i64, (None, d.candidates))]
     inputs += [(INITIAL_STATE, f32, (None, d.hidden_size))] if d.random_state else []
-    inputs += [(READOUT_SLOTS, i64, (None,))] if d.recurrent else []
+    inputs += [(READOUT_REPEATS, i64, (None,))] if d.recurrent else []
     inputs += [(batch_cache_input(kind, j, s), f32, (None, d.kv_heads, None, d.head_dim))
                for j in range(d.stage_layers) for s in range(d.slots) for kind in KV_KINDS]
     outputs = [(FINAL_TOKEN, i64, (None,)), (FINAL_LOGITS, f32, (None, d.vocab_size)), (EXIT_TOKENS, i64, (None,)),

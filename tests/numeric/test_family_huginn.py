@@ -122,11 +122,11 @@ def test_recurrence_chosen_at_build(tmp_path):
     engine = Engine.load(tmp_path / "art", lazy=True)
     assert engine.generate(list(PROMPTS[1]), max_new_tokens=8, stop_at_eos=False).ids == expected
     assert engine.generate(list(PROMPTS[1]), max_new_tokens=8, stop_at_eos=False, mode="autoregressive").ids == expected
-    # per request (its generate's num_steps) up to the built 6, in the steps of 2 a slot runs
-    shallower = [int(t) for t in oracle_greedy(tensors, {**config, "mean_recurrence": 4}, list(PROMPTS[1]), 8)]
-    assert engine.generate(list(PROMPTS[1]), max_new_tokens=8, stop_at_eos=False, loops=4).ids == shallower != expected
-    with pytest.raises(GenerationError, match=r"loops must be a multiple of 2 in 2..6: .*rebuild it with --slots 6"):
-        engine.generate(list(PROMPTS[1]), max_new_tokens=8, loops=3)
+    # per request (its generate's num_steps) up to the built 6: 3 reads out inside slot 1 (2 repeats a slot)
+    shallower = [int(t) for t in oracle_greedy(tensors, {**config, "mean_recurrence": 3}, list(PROMPTS[1]), 8)]
+    assert engine.generate(list(PROMPTS[1]), max_new_tokens=8, stop_at_eos=False, loops=3).ids == shallower != expected
+    with pytest.raises(GenerationError, match=r"loops must be an integer in 1..6 \(the artifact was built for 6\)"):
+        engine.generate(list(PROMPTS[1]), max_new_tokens=8, loops=7)
     refused = run_cli("build", directory, "-o", tmp_path / "bad", "--recurrence", "6", "--slots", "4", "--no-measure")
     assert refused.returncode != 0 and "Traceback" not in refused.stderr and not (tmp_path / "bad").exists()
 

@@ -6,8 +6,8 @@ run on an artifact built for more, against oracles written from the published co
     parcae-settled  prelude 2, core 2 x 8, coda 2, small weights: drafts mostly hold; P = 4 (two repeats a slot)
     parcae-random   the published decay, larger weights: P = 8
 
-For every loop count the artifact allows (a multiple of the repeats a slot runs): greedy ids of SPEED ==
-plain decoding with that count == the oracle's (the whole sequence recomputed a token with that recurrence,
+For every loop count up to the built one (where a slot runs several repeats, counts that end inside a slot
+too): greedy ids of SPEED == plain decoding with that count == the oracle's (the whole sequence recomputed a token with that recurrence,
 the prompt's too); seeded sampling SPEED == plain; sequences of different counts and of the full depth decode
 together as each alone (one prefill and one step read out at different depths); a random start state
 follows the rule too. The prefill reads out at the request's depth (contract.READOUT_REPEATS): without it the
@@ -61,8 +61,7 @@ def model(request, tmp_path_factory) -> Model:
 def test_greedy_speed_equals_plain_equals_oracle(model):
     accepted = flushed = 0
     for slots, engine in model.engines.items():
-        per_slot = model.repeats // slots
-        for loops in range(per_slot, model.repeats + 1, per_slot):
+        for loops in range(1, model.repeats + 1):
             for prompt in PROMPTS:
                 expected = model.oracle(prompt, loops)
                 runs = {mode: engine.generate(prompt, max_new_tokens=NEW_TOKENS, mode=mode, stop_at_eos=False, loops=loops)
@@ -84,8 +83,7 @@ def test_fewer_loops_change_the_continuation(model):
 
 
 def test_seeded_sampling_speed_equals_plain(model):
-    slots = max(model.engines)
-    engine, loops = model.engines[slots], 2 * model.repeats // slots
+    engine, loops = model.engines[min(model.engines)], model.repeats - 1
     for seed in (11, 12):
         runs = [engine.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS, mode=mode, temperature=0.9, top_p=0.95, seed=seed,
                                 stop_at_eos=False, loops=loops) for mode in ("speed-always", "autoregressive")]
@@ -93,11 +91,10 @@ def test_seeded_sampling_speed_equals_plain(model):
 
 
 def test_batch_mixes_loop_counts_and_full_depth(model):
-    """Different counts in one prefill and one step (each sequence's readout slot its own), beside the full
-    depth: each as it decodes alone and as the oracle says."""
-    slots = max(model.engines)
-    engine, per_slot = model.engines[slots], model.repeats // slots
-    counts = [per_slot, None, model.repeats - per_slot if slots > 2 else model.repeats]
+    """Different counts in one prefill and one step (each sequence's readout its own, inside a slot where a
+    slot runs several repeats), beside the full depth: each as the oracle says."""
+    engine = model.engines[min(model.engines)]
+    counts = [1, None, model.repeats - 1]
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0][::-1]]
     settings = [{} if loops is None else {"loops": loops} for loops in counts]
     together = engine.generate_batch(prompts, max_new_tokens=NEW_TOKENS, stop_at_eos=False, settings=settings, max_batch=3)
@@ -142,10 +139,9 @@ def huginn_p2(tmp_path_factory):
 
 
 @pytest.mark.parametrize("rule, message", [
-    (dict(loops=3), "loops must be a multiple of 2 in 2..4: this artifact runs 2 of its 4 loops a pipeline slot "
-                    r"\(for any count rebuild it with --slots 4\)"),
-    (dict(loops=1), "loops must be a multiple of 2"),
-    (dict(loops=6), "loops must be a multiple of 2"),
+    (dict(loops=5), r"loops must be an integer in 1..4 \(the artifact was built for 4\)"),
+    (dict(loops=0), "loops must be an integer in 1..4"),
+    (dict(loops=2.5), "loops must be an integer in 1..4"),
     (dict(loops=2, exit_at_step=0), "huginn has no exit rules"),
     (dict(exit_threshold=0.5), "huginn has no exit rules"),
     (dict(weighted_exit=True), "huginn has no exit rules"),
@@ -162,10 +158,10 @@ def test_a_plain_build_refuses_loops(huginn_p2):
 
 def test_cli_and_inspect(huginn_p2):
     shown = run_cli("inspect", huginn_p2[2], env={"COLUMNS": "400"})
-    assert "depth rules per request: loops (the core's repeats, Huginn's num_steps) 2..4 in steps of 2" in shown.stdout
+    assert "depth rules per request: loops 1..4 (the core's repeats, Huginn's num_steps; 2 a pipeline slot)" in shown.stdout
     result = run_cli("generate", huginn_p2[2], "--prompt-ids", "5,7,9", "--max-new-tokens", "6", "--ignore-eos",
-                     "--loops", "2", "--json")
+                     "--loops", "3", "--json")
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["stats"]["depth_rule"] == "2 loops, last loop"
-    assert_one_line_error(run_cli("generate", huginn_p2[2], "--prompt-ids", "1,2", "--loops", "3"),
-                          "loops must be a multiple of 2")
+    assert json.loads(result.stdout)["stats"]["depth_rule"] == "3 loops, last loop"
+    assert_one_line_error(run_cli("generate", huginn_p2[2], "--prompt-ids", "1,2", "--loops", "5"),
+                          "loops must be an integer in 1..4")

@@ -48,15 +48,18 @@ def test_slots_read_and_run():
 
 
 def test_a_recurrent_cores_loops_read_out_at_the_end_of_their_slot():
-    """Huginn built for 8 repeats at P = 4 (two a slot): 4 loops read out after slot 1, whose state is loop 3's."""
+    """Huginn built for 8 repeats at P = 4 (two a slot): 4 loops read out at the end of slot 1 (loop 3's state),
+    3 loops inside slot 1 (loop 2's: the slot runs loop 3 too, unread)."""
     rules = DepthRules("huginn", 8, False, False, None, recurrent=True, slots=4)
     rule = rules.rule(loops=4)
     assert (rule.per_slot, rule.slots, list(rule.head_slots), rule.run_slots, rule.loop_at(1)) == (2, 2, [1], 2, 3)
     token = TokenExit(rule)
     assert not token.after_loop(0, None, None) and token.after_loop(1, None, None)
-    assert rules.rule(loops=8).slots == 4 and rules.rule() is None
-    for bad in (3, 10, 0, 2.5):
-        with pytest.raises(GenerationError, match="loops must be a multiple of 2 in 2..8"):
+    inside = rules.rule(loops=3)
+    assert (inside.slots, list(inside.head_slots), inside.run_slots, inside.loop_at(1)) == (2, [1], 2, 2)
+    assert rules.rule(loops=1).loop_at(0) == 0 and rules.rule(loops=8).slots == 4 and rules.rule() is None
+    for bad in (10, 0, 2.5):
+        with pytest.raises(GenerationError, match="loops must be an integer in 1..8"):
             rules.rule(loops=bad)
     with pytest.raises(GenerationError, match="huginn has no exit rules"):
         rules.rule(exit_at_step=1)
