@@ -131,9 +131,11 @@ class BatchScheduler:
         return events
 
     def _decode(self, decoding: list[Sequence], events: list[Event]) -> None:
-        """Step 3: the controller's step for the sequences without a depth rule; those with one always take
-        speed steps (one loop a slot), in the same run when the others speculate, else in a run of their own."""
-        ruled = [s for s in decoding if s.request.depth_rule is not None]
+        """Step 3: the controller's step for the sequences without a depth rule; those with one take speed steps
+        (a readout at each slot's end), or plain steps where their rule's plain decoding runs there (a recurrent
+        core's), in the same run where the others take that kind, else in a run of their own."""
+        plain_ruled = [s for s in decoding if s.on_plain_steps]
+        ruled = [s for s in decoding if s.request.depth_rule is not None and not s.on_plain_steps]
         free = [s for s in decoding if s.request.depth_rule is None]
         if free:
             plan = self.controller.decide(free, self.backend.pool.length, self.backend.pool.width)
@@ -144,15 +146,18 @@ class BatchScheduler:
                 for sequence in free:
                     sequence.stats.cost_samples += 1
             start = time.perf_counter()
-            together = ruled if plan.speculate else []
+            together = ruled if plan.speculate else plain_ruled
             kind, heads = (self._speed_step(free + together, events, plan.depth) if plan.speculate
-                           else self._plain_step(free, events))
+                           else self._plain_step(free + together, events))
             self.controller.record(kind, len(free + together), time.perf_counter() - start, plan, heads)
             self.decode_steps[len(free + together)] += 1
-            ruled = [] if plan.speculate else ruled
+            ruled, plain_ruled = ([], plain_ruled) if plan.speculate else (ruled, [])
         if ruled:
             self._speed_step(ruled, events, self.backend.slots)
             self.decode_steps[len(ruled)] += 1
+        if plain_ruled:
+            self._plain_step(plain_ruled, events)
+            self.decode_steps[len(plain_ruled)] += 1
 
     def _admit(self, events: list[Event]) -> None:
         """Waiting requests take free pool rows, first come first served, while the pool can grow to
@@ -296,16 +301,23 @@ class BatchScheduler:
     def _plain_step(self, decoding: list[Sequence], events: list[Event]) -> tuple[str, int]:
         """One plain step of DECODING. -> ("plain", 0: every plain step runs the same heads)."""
         tokens, positions, valid, want = plain_rows(decoding, self._bubbles())
+        readout = [None] * len(tokens)
+        for sequence in decoding:
+            readout[sequence.row] = sequence.readout_loops
         start = time.perf_counter()
-        argmax, logits = self.backend.plain_step(tokens, positions, valid, want)
+        argmax, logits = self.backend.plain_step(tokens, positions, valid, want,
+                                                 None if readout == [None] * len(readout) else readout)
         self.steps["plain"] += 1
         for sequence in decoding:
             sequence.stats.steps += 1
             sequence.stats.plain_steps += 1
-            b = sequence.row
+            b, rule = sequence.row, sequence.request.depth_rule
             try:
                 token = sequence.request.picker.pick(logits[b] if want else None, int(argmax[b]), sequence.request.history)
-                self.acceptance.waited(sequence.acceptance)
+                if rule is None:
+                    self.acceptance.waited(sequence.acceptance)
+                else:  # a recurrent core's rule: read out after its last loop
+                    sequence.stats.exit_loops[rule.loops - 1] = sequence.stats.exit_loops.get(rule.loops - 1, 0) + 1
                 self._emit(sequence, token, events)
             except Exception as error:
                 events.append(sequence.fail_alone(error))

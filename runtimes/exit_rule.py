@@ -52,6 +52,7 @@ class DepthRule:
     weighted: bool = False
     gate: "ExitGate | None" = field(default=None, compare=False, repr=False)  # where the rule reads it
     per_slot: int = 1
+    recurrent: bool = False  # a recurrent core's: read out once, after its loops (the plain program can too)
 
     @property
     def reads_gate(self) -> bool:
@@ -82,7 +83,7 @@ class DepthRule:
     def describe(self) -> str:
         rule = ("weighted exit" if self.weighted else f"exit at step {self.exit_at_step}" if self.exit_at_step is not None
                 else f"exit threshold {self.exit_threshold:g}" if self.exit_threshold is not None else "last loop")
-        return f"{self.loops} loops, {rule}"
+        return f"{self.loops} loop{'s' * (self.loops != 1)}, {rule}"
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,7 @@ class DepthRules:
         if self.slots < 2:
             raise GenerationError(f"loops run on the pipeline's steps; this {self.family} artifact is plain (P = 1): "
                                   "rebuild it with --slots P (P > 1)")
-        return DepthRule(self._loops(loops), per_slot=self.loops // self.slots)
+        return DepthRule(self._loops(loops), per_slot=self.loops // self.slots, recurrent=True)
 
 
 @dataclass(frozen=True)

@@ -55,11 +55,19 @@ class Sequence:
         """The loops its prefill's final readout follows (None: the artifact's all; a recurrent core's only)."""
         return None if self.request.depth_rule is None else self.request.depth_rule.loops
 
+    @property
+    def on_plain_steps(self) -> bool:
+        """Its rule's plain decoding runs on plain steps: a recurrent core reads out once, after its loops, which the
+        plain program does too (readout_repeats); an exit rule reads out a loop at a time, on the pipeline's steps."""
+        rule = self.request.depth_rule
+        return rule is not None and rule.recurrent and not self.drafts
+
     def follow_rule(self, drafts: bool) -> None:
         """Its request has a depth rule: DRAFTS or not (plain decoding), no early-flush checks (the exit verifies)."""
         self.drafts, self.early_flush, self.stats.depth_rule = drafts, False, self.request.depth_rule.describe()
         self.stats.policy = ("depth rule: a draft behind every token, verified at its exit" if drafts
-                             else "depth rule: plain decoding (a token enters at its predecessor's exit)")
+                             else "depth rule: plain decoding (the plain program, read out after its loops)"
+                             if self.on_plain_steps else "depth rule: plain decoding (a token enters at its predecessor's exit)")
 
     def start_decoding(self) -> None:
         """Its prompt is prefilled (all but the last token under a depth rule): its history starts there."""

@@ -318,9 +318,10 @@ class BatchBackend:
         self.programs[contract.PREFILL].run_with_iobinding(binding)
         return token, (logits if want_logits else None)
 
-    def plain_step(self, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray,
-                   want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
-        """Plain decoding of sequences 0..n-1 at once: row b's token at positions[b] through all N layers.
+    def plain_step(self, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray, want_logits: bool,
+                   readout_repeats: list | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """Plain decoding of sequences 0..n-1 at once: row b's token at positions[b] through all N layers (a
+        recurrent core's final readout after READOUT_REPEATS[b] repeats: prefill's).
         -> (argmax next tokens [n], logits [n, V] or None). Invalid rows are bubbles: fused, they run at
         positions[b] (the scheduler's choice, where their K/V land); standard graphs, at 0 (not written)."""
         n = len(tokens)
@@ -329,7 +330,7 @@ class BatchBackend:
                      contract.POSITIONS: np.where(valid, positions, 0).astype(np.int64), contract.CHUNK_LENGTHS: np.ones(n, np.int64)}
             if self.dims.initial_state is not None:
                 feeds[contract.INITIAL_STATE] = self._initial_states(positions, valid)
-            self._feed_readout(feeds, n)
+            self._feed_readout(feeds, n, readout_repeats)
             outputs = [contract.NEXT_TOKEN] + ([contract.LOGITS] if want_logits else [])
             result = self._run_standard(contract.PREFILL, feeds, self._logical_slabs(slice(0, n)), outputs)
             self.layout.write_token_rows(self.pool.buffers, self._new_rows(result), np.flatnonzero(valid), positions)
@@ -347,7 +348,9 @@ class BatchBackend:
         step.inputs[contract.POSITIONS][:] = positions
         step.inputs[contract.CHUNK_LENGTHS][:] = 1
         if self.core_repeats:
-            step.inputs[contract.READOUT_REPEATS][:] = self.core_repeats
+            readout = {}
+            self._feed_readout(readout, n, readout_repeats)
+            step.inputs[contract.READOUT_REPEATS][:] = readout[contract.READOUT_REPEATS]
         result = step.run()
         return result[contract.NEXT_TOKEN], (result[contract.LOGITS] if want_logits else None)
 

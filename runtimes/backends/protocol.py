@@ -218,9 +218,9 @@ class BatchBackendProtocol(Protocol):
         """-> (argmax next tokens [B], logits [B, V] or None) after each chunk's last token. READOUT_REPEATS: chunk
         i's loops (None or an entry None: all), where its request runs fewer (a recurrent core's final readout)."""
 
-    def plain_step(self, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray,
-                   want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
-        """-> (argmax next tokens [n], logits [n, V] or None)."""
+    def plain_step(self, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray, want_logits: bool,
+                   readout_repeats: list | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """-> (argmax next tokens [n], logits [n, V] or None). READOUT_REPEATS: as prefill's, per pool row."""
 
     def carried_state(self, slot: int, row: int) -> np.ndarray:
         """The state [H] slot SLOT of pool row ROW ended the last speed step with (float32; its readout's input

@@ -239,16 +239,21 @@ class TorchBackend:
         return tokens, (logits.float().cpu().numpy() if want_logits else None)
 
     # ---- the three runs --------------------------------------------------------------------------
+    def _full_depth_only(self, readout_repeats: list | None) -> None:
+        """READOUT_REPEATS (prefill's, plain_step's): a recurrent core reads out after all its repeats here (its
+        plans with a prelude / coda are refused at load: no depth rule of theirs reaches this backend)."""
+        plan = self.cfg.depth_plan
+        if plan.recurrent and any(r not in (None, plan.repeats) for r in readout_repeats or []):
+            raise GenerationError("internal: the PyTorch backend reads a recurrent core out after all its repeats")
+
     @torch.no_grad()
     def prefill(self, first: int, chunks: list[list[int]], start: int, want_logits: bool,
                 readout_repeats: list | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """Prompt chunks through all N layers: chunk i belongs to pool row first + i and starts at
         position START; several run as one [B, L] batch, right padded to the longest.
-        -> (argmax next tokens [B], logits [B, V] or None) after each chunk's last token. READOUT_REPEATS: only
-        what its plans allow (a recurrent core runs all its repeats here: no depth rule reaches it)."""
+        -> (argmax next tokens [B], logits [B, V] or None) after each chunk's last token."""
         cfg, model = self.cfg, self.model
-        if cfg.depth_plan.recurrent and any(r not in (None, cfg.depth_plan.repeats) for r in readout_repeats or []):
-            raise GenerationError("internal: the PyTorch backend reads a recurrent core out after all its repeats")
+        self._full_depth_only(readout_repeats)
         lengths = np.asarray([len(chunk) for chunk in chunks], np.int64)
         count, longest = len(chunks), int(lengths.max())
         if lengths.min() < 1:  # its head would read the row before it
@@ -266,8 +271,8 @@ class TorchBackend:
         return self._heads_out(model.final_head(x[last]), want_logits)  # [B, V]
 
     @torch.no_grad()
-    def plain_step(self, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray,
-                   want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    def plain_step(self, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray, want_logits: bool,
+                   readout_repeats: list | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """Plain decoding of sequences 0..n-1 at once: row b's token at positions[b] through all N layers.
         -> (argmax next tokens [n], logits [n, V] or None). Invalid rows (bubbles) run at 0 and write the
         scratch row T.
@@ -277,6 +282,7 @@ class TorchBackend:
         its products has the shape SPEED's has for it: torch's CPU and GPU kernels pick different ones for
         1 and P rows (measured: a 1-row and a 4-row F.linear differ in the last bits on this CPU), and this
         keeps SPEED's logits bitwise plain decoding's, as ONNX Runtime's CPU kernels do without it."""
+        self._full_depth_only(readout_repeats)
         at = np.where(valid, positions, 0).astype(np.int64)
         self._check_positions(at[valid])
         if self.exact:

@@ -104,8 +104,8 @@ class ScriptedBackend:
         assert first == 0 and len(chunks) == 1 and readout_repeats is None
         return self._through_all_layers("prefill", chunks[0], start, want_logits)
 
-    def plain_step(self, tokens, positions, valid, want_logits):
-        assert len(tokens) == 1 and valid[0]
+    def plain_step(self, tokens, positions, valid, want_logits, readout_repeats=None):
+        assert len(tokens) == 1 and valid[0] and readout_repeats is None
         return self._through_all_layers("plain", [int(tokens[0])], int(positions[0]), want_logits)
 
     def speed_step(self, entering, positions, valid, heads, want_logits):
