@@ -14,7 +14,7 @@ loop its logits are read (Ouro's published OuroForCausalLM.forward; the depth pl
 A recurrent core (Huginn's num_steps, Parcae's recurrence; the plan's `recurrent`) takes `loops` alone: its
 repeats, up to the built R; the readout (coda and head, its own K/V at that depth) then reads the state after
 that many, inside the slot they end in where a slot runs several, in the prefill and the steps alike
-(contract.READOUT_REPEATS).
+(contract.READOUT_REPEATS); its plain decoding runs the plain program with that readout (Sequence.on_plain_steps).
 
 A token's exit is decided a loop at a time (TokenExit.after_loop), by the same code in both decode modes, on
 the pipeline's steps (one loop a slot): plain decoding lets the next token enter at the exit, SPEED lets it
