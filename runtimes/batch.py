@@ -186,7 +186,7 @@ class BatchScheduler:
             self.occupied.append(sequence)
             if self.prefix_cache is not None:
                 self.prefix_cache.reuse(sequence, self.backend.pool)
-            if sequence.prefill_target == 0:  # a one-token prompt under a depth rule: nothing to prefill
+            if sequence.prefill_target == 0:  # a one-token prompt under an exit rule: nothing to prefill
                 sequence.start_decoding()
 
     def _refuse(self, sequence: Sequence, error: Exception, events: list[Event]) -> None:
@@ -290,10 +290,12 @@ class BatchScheduler:
             sequence.stats.prefill_seconds += elapsed
             if done:
                 sequence.start_decoding()
-                if request.depth_rule is not None:  # its last prompt token runs on the decode steps
+                if sequence.prefill_target < len(request.prompt):  # its last prompt token runs on the decode steps
                     continue
                 try:
                     token = request.picker.pick(logits[row] if want else None, int(argmax[row]), request.history)
+                    if request.depth_rule is not None:  # a recurrent core's: read out after its loops, as in the steps
+                        sequence.stats.exited(request.depth_rule.loops - 1)
                     self._emit(sequence, token, events)
                 except Exception as error:
                     events.append(sequence.fail_alone(error))
@@ -317,7 +319,7 @@ class BatchScheduler:
                 if rule is None:
                     self.acceptance.waited(sequence.acceptance)
                 else:  # a recurrent core's rule: read out after its last loop
-                    sequence.stats.exit_loops[rule.loops - 1] = sequence.stats.exit_loops.get(rule.loops - 1, 0) + 1
+                    sequence.stats.exited(rule.loops - 1)
                 self._emit(sequence, token, events)
             except Exception as error:
                 events.append(sequence.fail_alone(error))

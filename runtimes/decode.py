@@ -58,6 +58,10 @@ class DecodeStats:
     depth_rule: str = ""  # the request's depth rule (runtimes/exit_rule.py; "": the artifact's full depth)
     exit_loops: dict = field(default_factory=dict)  # loop (from 0) -> emitted tokens whose logits were read there
 
+    def exited(self, loop: int) -> None:
+        """A token was emitted from the logits read after LOOP (from 0), under a depth rule."""
+        self.exit_loops[loop] = self.exit_loops.get(loop, 0) + 1
+
     @property
     def acceptance_rate(self) -> float:
         """Confirmed speculations / checked ones, a failure at the last layer or by an early flush alike
@@ -305,7 +309,7 @@ def absorb_exits(pipeline: Pipeline, request: Request, out: list[int], outcome, 
         if frontier is None or frontier.result is None:
             break
         (logits, argmax), frontier.result = frontier.result, None
-        pipeline.stats.exit_loops[frontier.exit_loop] = pipeline.stats.exit_loops.get(frontier.exit_loop, 0) + 1
+        pipeline.stats.exited(frontier.exit_loop)
         y = request.picker.pick(logits, argmax, request.history)
         if emit(y):
             return

@@ -100,7 +100,7 @@ class PrefixCache:
     def reuse(self, sequence, pool) -> None:
         """SEQUENCE (runtimes/sequence.Sequence) just took its pool row in POOL (a KVPool): its prompt's longest
         cached prefix goes there, and its prefill starts after it with at least two tokens (PrefillTurns.chunk_size;
-        its prefill_target is one short of the prompt under a depth rule). A prompt whose log-probabilities are
+        its prefill_target is one short of the prompt under an exit rule). A prompt whose log-probabilities are
         asked runs whole: each of its tokens' logits is needed."""
         request = sequence.request
         if request.prompt_logprobs is not None:

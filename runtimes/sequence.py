@@ -46,9 +46,11 @@ class Sequence:
 
     @property
     def prefill_target(self) -> int:
-        """Prompt tokens prefilled. Under a depth rule all but the last: the prefill reads out the last loop, so
-        the last prompt token runs its loops as the decode steps run a token's (decode.absorb_exits)."""
-        return len(self.request.prompt) - (self.request.depth_rule is not None)
+        """Prompt tokens prefilled. Under an exit rule all but the last: the prefill reads out the last loop, so
+        the last prompt token runs its loops as the decode steps run a token's (decode.absorb_exits). A recurrent
+        core's count is read out by the prefill as by the steps (readout_repeats): the whole prompt."""
+        rule = self.request.depth_rule
+        return len(self.request.prompt) - (rule is not None and not rule.recurrent)
 
     @property
     def readout_loops(self) -> int | None:
@@ -70,7 +72,7 @@ class Sequence:
                              if self.on_plain_steps else "depth rule: plain decoding (a token enters at its predecessor's exit)")
 
     def start_decoding(self) -> None:
-        """Its prompt is prefilled (all but the last token under a depth rule): its history starts there."""
+        """Its prompt is prefilled (all but the last token under an exit rule): its history starts there."""
         self.request.history = list(self.request.prompt)
         self.stats.prompt_tokens = len(self.request.prompt)
         self.state = DECODE

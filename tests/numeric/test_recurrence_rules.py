@@ -72,8 +72,8 @@ def test_greedy_speed_equals_plain_equals_oracle(model):
                     assert result.stats.exit_loops == {loops - 1: NEW_TOKENS}
                 accepted += runs["speed-always"].stats.accepted
                 flushed += runs["speed-always"].stats.mispredicted
-                plain = runs["autoregressive"].stats  # the plain program, read out after LOOPS repeats
-                assert plain.plain_steps == plain.steps == NEW_TOKENS and plain.speed_steps == 0
+                plain = runs["autoregressive"].stats  # the prefill, then the plain program, read out after LOOPS
+                assert plain.plain_steps == plain.steps == NEW_TOKENS - 1 and plain.speed_steps == 0
     assert (accepted if model.settles else flushed) > 0, (accepted, flushed)  # the path its weights are for ran
 
 
@@ -93,10 +93,10 @@ def test_seeded_sampling_speed_equals_plain(model):
 
 def test_batch_mixes_loop_counts_and_full_depth(model):
     """Different counts in one prefill and one step (each sequence's readout its own, inside a slot where a
-    slot runs several repeats), beside the full depth: each as the oracle says."""
+    slot runs several repeats), beside the full depth, one prompt a single token: each as the oracle says."""
     engine = model.engines[min(model.engines)]
     counts = [1, None, model.repeats - 1]
-    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0][::-1]]
+    prompts = [PROMPTS[0], PROMPTS[1], [7]]
     settings = [{} if loops is None else {"loops": loops} for loops in counts]
     together = engine.generate_batch(prompts, max_new_tokens=NEW_TOKENS, stop_at_eos=False, settings=settings, max_batch=3)
     for prompt, loops, result in zip(prompts, counts, together):
