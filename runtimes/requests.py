@@ -84,8 +84,9 @@ class RequestChecks:
         exit_threshold / weighted_exit (runtimes/exit_rule.py), as the artifact allows."""
         max_new_tokens = self._check_limits(max_new_tokens, stop_at_eos, stop, prompt_logprobs)
         rule = self.depth_rules.rule(**(depth or {}))
-        if rule is not None and prompt_logprobs is not None:
-            raise GenerationError("prompt logprobs are the full depth's: they cannot be asked with a depth rule")
+        if rule is not None and not rule.recurrent and prompt_logprobs is not None:  # (a count's prefill reads out at it)
+            raise GenerationError("prompt logprobs are the full depth's: they cannot be asked with an exit rule or an "
+                                  "Ouro-like loop count")
         ids = self.encode(prompt)
         vocab = self.dims.vocab_size
         bad = next((i for i, _ in sampling.logit_bias if not 0 <= i < vocab), None)

@@ -196,6 +196,7 @@ def test_one_token_prompt(gated):
     (dict(exit_threshold=1.5), "exit_threshold must be a number in 0..1"),
     (dict(exit_threshold=0.5, weighted_exit=True), "give one exit rule"),
     (dict(weighted_exit="yes"), "weighted_exit must be True or False"),
+    (dict(loops=2, prompt_logprobs=1), "prompt logprobs are the full depth's: they cannot be asked with an exit rule"),
 ])
 def test_refusals(gated, rule, message):
     with pytest.raises(GenerationError, match=message):

@@ -11,7 +11,8 @@ too): greedy ids of SPEED == plain decoding with that count == the oracle's (the
 the prompt's too); seeded sampling SPEED == plain; sequences of different counts and of the full depth decode
 together as each alone (one prefill and one step read out at different depths); a random start state
 follows the rule too. The prefill reads out at the request's depth (contract.READOUT_REPEATS): without it the
-coda K/V of the prompt are the full depth's and the ids differ (a test shows it). Then the refusals by name.
+coda K/V of the prompt are the full depth's and the ids differ (a test shows it); prompt log-probabilities
+under a count are that depth's. Then the refusals by name.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import huginn_checkpoints as huginn
 import parcae_checkpoints as parcae
@@ -114,6 +116,18 @@ def test_plain_batch_mixes_loop_counts(model):
     for prompt, loops, result in zip(prompts, counts, together):
         assert result.ids == model.oracle(prompt, model.repeats if loops is None else loops), loops
         assert result.stats.speed_steps == 0
+
+
+def test_prompt_logprobs_at_the_requests_depth(model):
+    """Prompt log-probabilities under a count are its depth's (the prefill reads out after LOOPS), the oracle's."""
+    engine, loops = model.engines[min(model.engines)], model.repeats - 1
+    result = engine.generate(PROMPTS[0], max_new_tokens=2, stop_at_eos=False, loops=loops, prompt_logprobs=1)
+    logits = model.module.oracle_logits(model.tensors, {**model.config, "mean_recurrence": loops}, PROMPTS[0])
+    expected = torch.log_softmax(logits, dim=-1)  # [L, V] float64
+    got = [entry.logprob for entry in result.prompt_logprobs]
+    want = [float(expected[i, token]) for i, token in enumerate(PROMPTS[0][1:])]
+    assert got == pytest.approx(want, abs=1e-3)
+    assert result.ids == model.oracle(PROMPTS[0], loops, new_tokens=2)
 
 
 def test_prefill_reads_out_at_the_requests_depth(model, monkeypatch):
