@@ -153,8 +153,8 @@ class DepthRules:
             raise GenerationError(f"{self.family} has no exit rules (exit_at_step, exit_threshold, weighted_exit need a "
                                   "model that reads out after every loop, as Ouro); give loops, its core's repeats")
         if self.slots < 2:
-            raise GenerationError(f"loops run on the pipeline's steps; this {self.family} artifact is plain (P = 1): "
-                                  "rebuild it with --slots P (P > 1)")
+            raise GenerationError(f"this {self.family} artifact is plain (P = 1) and its loops per request are built "
+                                  "for pipelined ones: rebuild it with --slots P (P > 1)")
         return DepthRule(self._loops(loops), per_slot=self.loops // self.slots, recurrent=True)
 
 
