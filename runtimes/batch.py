@@ -302,13 +302,9 @@ class BatchScheduler:
 
     def _plain_step(self, decoding: list[Sequence], events: list[Event]) -> tuple[str, int]:
         """One plain step of DECODING. -> ("plain", 0: every plain step runs the same heads)."""
-        tokens, positions, valid, want = plain_rows(decoding, self._bubbles())
-        readout = [None] * len(tokens)
-        for sequence in decoding:
-            readout[sequence.row] = sequence.readout_loops
+        tokens, positions, valid, want, readout = plain_rows(decoding, self._bubbles())
         start = time.perf_counter()
-        argmax, logits = self.backend.plain_step(tokens, positions, valid, want,
-                                                 None if readout == [None] * len(readout) else readout)
+        argmax, logits = self.backend.plain_step(tokens, positions, valid, want, readout)
         self.steps["plain"] += 1
         for sequence in decoding:
             sequence.stats.steps += 1

@@ -54,8 +54,9 @@ class Sequence:
 
     @property
     def readout_loops(self) -> int | None:
-        """The loops its prefill's final readout follows (None: the artifact's all; a recurrent core's only)."""
-        return None if self.request.depth_rule is None else self.request.depth_rule.loops
+        """The loops a recurrent core's count reads out after (readout_repeats; None: the artifact's all)."""
+        rule = self.request.depth_rule
+        return rule.loops if rule is not None and rule.recurrent else None
 
     @property
     def on_plain_steps(self) -> bool:

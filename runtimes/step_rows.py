@@ -32,15 +32,19 @@ def bubble_positions(occupied: list[Sequence], capacity: int, slots: int, length
     return [min(cached_positions(sequence, capacity, slots), length) for sequence in occupied]
 
 
-def plain_rows(decoding: list[Sequence], bubbles: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+def plain_rows(decoding: list[Sequence], bubbles: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool, list | None]:
     """A plain step's inputs (tokens, positions, valid [n]): each decoding sequence's frontier token at its
-    position, bubbles elsewhere (BUBBLES: bubble_positions); whether any wants logits."""
+    position, bubbles elsewhere (BUBBLES: bubble_positions); whether any wants logits; each pool row's readout
+    loops (a recurrent core's count: Sequence.readout_loops; None where no row has one)."""
     n = len(bubbles)
     tokens, positions, valid = np.zeros(n, np.int64), np.asarray(bubbles, np.int64), np.zeros(n, bool)
+    readout = [None] * n
     for sequence in decoding:
         frontier = sequence.frontier()
         tokens[sequence.row], positions[sequence.row], valid[sequence.row] = frontier.token, frontier.pos, True
-    return tokens, positions, valid, any(s.request.picker.needs_logits for s in decoding)
+        readout[sequence.row] = sequence.readout_loops
+    return (tokens, positions, valid, any(s.request.picker.needs_logits for s in decoding),
+            readout if any(r is not None for r in readout) else None)
 
 
 @dataclass

@@ -252,12 +252,11 @@ class BatchBackend:
             raise GenerationError("internal: a fused graph with a drawn initial state")
         return initial_states(self.dims.initial_state, positions, self.dims.hidden_size, valid)
 
-    def _feed_readout(self, feeds: dict, rows: int, repeats: list | None = None) -> None:
-        """A recurrent core's prefill: each of ROWS rows reads out after REPEATS[row] core repeats (None: all). A
-        plan whose core is not recurrent takes none (a loop's K/V do not depend on the loops after it)."""
-        if self.core_repeats is not None:
-            full = self.core_repeats
-            feeds[contract.READOUT_REPEATS] = np.asarray([full if r is None else r for r in repeats or [None] * rows], np.int64)
+    def _readout_repeats(self, rows: int, repeats: list | None = None) -> np.ndarray:
+        """A recurrent core's programs' READOUT_REPEATS [ROWS]: row i reads out after REPEATS[i] core repeats
+        (None, or an entry None: all of them). Only where the plan's core is recurrent (core_repeats)."""
+        full = self.core_repeats
+        return np.asarray([full if r is None else r for r in repeats or [None] * rows], np.int64)
 
     def _check_positions(self, positions: np.ndarray) -> None:
         """Fused graphs write K/V in place through raw pointers: a position past the scratch row T would
@@ -294,7 +293,8 @@ class BatchBackend:
             token_positions = np.broadcast_to(start + np.arange(longest), (count, longest)).reshape(-1)
             real = (np.arange(longest)[None, :] < lengths[:, None]).reshape(-1)
             feeds[contract.INITIAL_STATE] = self._initial_states(token_positions, real)
-        self._feed_readout(feeds, count, readout_repeats)
+        if self.core_repeats is not None:
+            feeds[contract.READOUT_REPEATS] = self._readout_repeats(count, readout_repeats)
         outputs = [contract.NEXT_TOKEN] + ([contract.LOGITS] if want_logits else [])
         sequences = slice(first, first + count)
         if not self.fused:
@@ -330,7 +330,8 @@ class BatchBackend:
                      contract.POSITIONS: np.where(valid, positions, 0).astype(np.int64), contract.CHUNK_LENGTHS: np.ones(n, np.int64)}
             if self.dims.initial_state is not None:
                 feeds[contract.INITIAL_STATE] = self._initial_states(positions, valid)
-            self._feed_readout(feeds, n, readout_repeats)
+            if self.core_repeats is not None:
+                feeds[contract.READOUT_REPEATS] = self._readout_repeats(n, readout_repeats)
             outputs = [contract.NEXT_TOKEN] + ([contract.LOGITS] if want_logits else [])
             result = self._run_standard(contract.PREFILL, feeds, self._logical_slabs(slice(0, n)), outputs)
             self.layout.write_token_rows(self.pool.buffers, self._new_rows(result), np.flatnonzero(valid), positions)
@@ -340,17 +341,15 @@ class BatchBackend:
         def tensors():
             return {contract.INPUT_IDS: ((n, 1), np.int64, False), contract.POSITIONS: ((n,), np.int64, False),
                     contract.CHUNK_LENGTHS: ((n,), np.int64, False), contract.NEXT_TOKEN: ((n,), np.int64, True),
-                    **({contract.READOUT_REPEATS: ((n,), np.int64, False)} if self.core_repeats else {}),
+                    **({contract.READOUT_REPEATS: ((n,), np.int64, False)} if self.core_repeats is not None else {}),
                     **({contract.LOGITS: ((n, self.vocab_size), F32, True)} if want_logits else {})}
 
         step = self._step(contract.PREFILL, (n, want_logits), lambda: self._logical_slabs(slice(0, n)), tensors)
         step.inputs[contract.INPUT_IDS][:, 0] = tokens
         step.inputs[contract.POSITIONS][:] = positions
         step.inputs[contract.CHUNK_LENGTHS][:] = 1
-        if self.core_repeats:
-            readout = {}
-            self._feed_readout(readout, n, readout_repeats)
-            step.inputs[contract.READOUT_REPEATS][:] = readout[contract.READOUT_REPEATS]
+        if self.core_repeats is not None:
+            step.inputs[contract.READOUT_REPEATS][:] = self._readout_repeats(n, readout_repeats)
         result = step.run()
         return result[contract.NEXT_TOKEN], (result[contract.LOGITS] if want_logits else None)
 
@@ -372,8 +371,7 @@ class BatchBackend:
                 feeds[contract.INITIAL_STATE] = self._initial_states(positions[0], valid[0])
             readout_slots = None
             if self.core_repeats is not None:  # each sequence's final head row is in the slot of its last repeat
-                repeats = np.full(n, self.core_repeats, np.int64)
-                repeats[list(heads.readout_repeats)] = list(heads.readout_repeats.values())
+                repeats = self._readout_repeats(n, [heads.readout_repeats.get(b) for b in range(n)])
                 feeds[contract.READOUT_REPEATS] = repeats
                 readout_slots = (repeats - 1) // (self.core_repeats // slots)
             outputs = [contract.FINAL_TOKEN, contract.EXIT_TOKENS, contract.EXIT_CANDIDATES, contract.CHECK_TOKENS,
