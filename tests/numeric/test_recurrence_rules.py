@@ -118,6 +118,34 @@ def test_plain_batch_mixes_loop_counts(model):
         assert result.stats.speed_steps == 0
 
 
+def test_a_counts_own_failure_ends_it_alone(model):
+    """One request's own failure (its picker: a stand-in for a grammar's) in a batch mixing counts and the full
+    depth, speculating and not (speed steps, plain steps, and the pick after the prefill): it alone ends with its
+    error; the others equal the oracle."""
+    from conftest import FailsAtPick
+    from speedc.runtimes.sequence import DONE
+
+    engine = model.engines[min(model.engines)]
+    counts, fails_at = [1, None, model.repeats - 1], {0: 1, 2: 4}  # pick 1: the prefill's; pick 4: a step's
+    for row_budget in (None, 0):
+        scheduler = engine.batch_scheduler(max_batch=3, row_budget=row_budget)
+        requests = [engine.request_from(PROMPTS[0], dict(max_new_tokens=NEW_TOKENS, stop_at_eos=False,
+                                                         **({} if loops is None else {"loops": loops})))
+                    for loops in counts]
+        for i, k in fails_at.items():
+            requests[i].picker = FailsAtPick(requests[i].picker, k)
+        sequences = [scheduler.submit(request) for request in requests]
+        scheduler.run()
+        for i, (loops, sequence) in enumerate(zip(counts, sequences)):
+            expected = model.oracle(PROMPTS[0], model.repeats if loops is None else loops)
+            if i in fails_at:
+                assert sequence.state == DONE and str(sequence.error) == f"scripted failure at pick {fails_at[i]}"
+                assert sequence.out == expected[:fails_at[i] - 1], (row_budget, loops)
+            else:
+                assert sequence.error is None and sequence.out == expected, (row_budget, loops)
+        assert not scheduler.occupied and not scheduler.waiting
+
+
 def test_prompt_logprobs_at_the_requests_depth(model):
     """Prompt log-probabilities under a count are its depth's (the prefill reads out after LOOPS), the oracle's."""
     engine, loops = model.engines[min(model.engines)], model.repeats - 1
@@ -139,8 +167,9 @@ def test_prefill_reads_out_at_the_requests_depth(model, monkeypatch):
         pytest.skip("a settled core's coda reads nearly the same K/V at every depth")
     slots = max(model.engines)
     loops = model.repeats // slots
-    feed = BatchBackend._feed_readout
-    monkeypatch.setattr(BatchBackend, "_feed_readout", lambda self, feeds, rows, repeats=None: feed(self, feeds, rows))
+    prefill = BatchBackend.prefill  # without its readout_repeats: every row read out after all repeats
+    monkeypatch.setattr(BatchBackend, "prefill", lambda self, first, chunks, start, want, readout_repeats=None:
+                        prefill(self, first, chunks, start, want))
     results = [model.engines[slots].generate(p, max_new_tokens=NEW_TOKENS, stop_at_eos=False, loops=loops).ids
                for p in PROMPTS]
     assert results != [model.oracle(p, loops) for p in PROMPTS]
