@@ -123,8 +123,10 @@ class PhaseStepProgram(nn.Module):
         final_ids = token_ids[final_rows] if cfg.carries_token_id else None  # [n]: the readout rows' tokens
         draft_coda = _CodaOps(self, first_ctx, coda[0::4], coda[1::4], entering)  # coda slabs (i, depth 0)
         final_coda = _CodaOps(self, final_ctx, coda[2::4], coda[3::4], final_ids)  # (i, depth 1)
-        repeat_ends = torch.stack([taps[(k + 1) * len(plan.core) - 1] for k in range(per_slot)])  # [K, R, H]
-        final_in = repeat_ends[(readout_repeats - 1) % per_slot, final_rows]  # [n, H]: the state after r repeats
+        final_in = x[final_rows]  # [n, H]: the state at the end of each readout slot
+        if plan.recurrent and per_slot > 1:  # a count may end inside its slot: the state after r repeats
+            repeat_ends = torch.stack([taps[(k + 1) * len(plan.core) - 1] for k in range(per_slot)])  # [K, R, H]
+            final_in = repeat_ends[(readout_repeats - 1) % per_slot, final_rows]  # [n, H]
         draft, final = read_out(plan, draft_coda, rows[0]), read_out(plan, final_coda, final_in)  # [n, H]
         draft_k, draft_v, final_k, final_v = draft_coda.keys, draft_coda.values, final_coda.keys, final_coda.values
         zeros = torch.zeros_like(behind[:, :hidden])  # [(P-1)n, H]: rows no readout reads
