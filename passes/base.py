@@ -44,6 +44,7 @@ FACTS: dict[str, str] = {
     "quantized_weights": "weights stored block-quantized for --weights int8/int4 (MatMulNBits, GatherBlockQuantized)",
     "engine_graph": "one engine graph per variant holding the programs as If branches (the artifact's graphs)",
     "native_graphs": "each engine graph's twin whose weight products run speedc's kernel (int8/int4)",
+    "native_attention": "the fused engine graph's twin attends on speedc's kernel over the runtime's float16 KV pool",
 }
 
 
@@ -72,6 +73,7 @@ class CompileState:
     graphs: dict[str, gs.Graph] = field(default_factory=dict)
     native_graphs: dict[str, gs.Graph] = field(default_factory=dict)  # engine graph -> its native twin (native_products)
     native_artifact_id: str | None = None  # the id the twins' products name this artifact's weights by
+    native_cache: dict[str, str] = field(default_factory=dict)  # engine graph -> its twin's KV pool dtype (native_attention)
     exit_layer: int | None = None  # logical layers before the early-exit head (share pass decides)
     exit_norm: str | None = None  # initializer name of the exit head's RMSNorm weight
     # The phases of a token's trip over the layer map the share pass derived from the weights (cfg.depth_plan:

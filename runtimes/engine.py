@@ -444,8 +444,10 @@ class Engine:
         require(kv_cache_mb, "kv_cache_mb", "a number", optional=True)
         if prefill_chunk < 1:
             raise GenerationError("prefill_chunk must be at least 1")
-        if backend is None:
-            capacity = row_capacity(self.manifest, max_batch, kv_cache_mb)
+        if backend is None:  # a pool on the engine's session keeps its dtype (float16 where the kernel attends)
+            same = fused in (None, getattr(self.backend, "fused", None)) and threads in (None, self.threads)
+            dtype = getattr(self.backend, "cache_dtype", None) if same else None
+            capacity = row_capacity(self.manifest, max_batch, kv_cache_mb, 4 if dtype is None else dtype.itemsize)
             backend = pool_backend(self, max_batch, capacity, fused, threads)
         policy = RowPolicy(row_budget=row_budget)
         acceptance = self.speculation_policy if per_sequence else AlwaysSpeculate()

@@ -25,7 +25,8 @@ from speedc.models.checkpoint.files import acceptance_hint_from_training, declar
 from speedc.models import zoo
 from speedc.passes import (batch_step_graph, cleanup, exit_heads, fuse_projections, fuse_skip_norm,  # noqa: F401
                            gqa_attention, kv_cache,
-                           merge_programs, native_products, quantize_weights, schedule, share, trace, trt_lint,
+                           merge_programs, native_attention, native_products, quantize_weights, schedule, share, trace,
+                           trt_lint,
                            untie_head)  # (importing registers the passes)
 from speedc.passes.base import BuildOptions, CompileState, PassReport, require_facts, run_passes
 from speedc.passes.block_quant import ACCURACY_LEVEL, BITS, BLOCK_SIZES, quantized_bytes_per_element
@@ -37,7 +38,7 @@ PIPELINE: list[tuple[str, list[str]]] = [
     ("analysis", ["share", "schedule"]),
     ("lowering", ["batch_step_graph", "exit_heads", "kv_cache", "gqa_attention", "fuse_projections"]),
     ("finalize", ["cleanup", "fuse_skip_norm", "quantize_weights", "untie_head", "trt_lint", "merge_programs",
-                  "native_products"]),
+                  "native_products", "native_attention"]),
 ]
 PASS_ORDER = [name for _, names in PIPELINE for name in names]
 # What the artifact writer needs the pipeline to have produced (passes/base.py FACTS).
@@ -237,7 +238,8 @@ def write_files(state: CompileState, checkpoint: Path, tokenizer: str | None, tm
                 on_weight_bytes: Callable[[int, int], None] | None):
     """(graph specs, weight index): graphs, weights, config, tokenizer and chat template written into TMP."""
     specs, index = write_graphs(state.graphs, tmp, set(state.weights), state.weight_parts, on_bytes=on_weight_bytes,
-                                aliases=state.weight_aliases, native=state.native_graphs)
+                                aliases=state.weight_aliases, native=state.native_graphs,
+                                native_cache=state.native_cache)
     state.cfg.save(tmp / CONFIG)
     if tokenizer is not None:
         (tmp / TOKENIZER).write_text(tokenizer)

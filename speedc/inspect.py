@@ -58,7 +58,8 @@ def _from_artifact(path: Path, alpha: float | None, verify: bool) -> dict:
             "dtype": m.dtype, "quantization": quantization, "target": m.target, "sizes": sizes,
             "step_cost_measured": m.build.get("step_cost_measured"),
             "graphs": {name: {"inputs": len(g["inputs"]), "outputs": len(g["outputs"]),
-                              **({"native_file": g["native_file"]} if "native_file" in g else {})}
+                              **({"native_file": g["native_file"]} if "native_file" in g else {}),
+                              **({"native_cache": g["native_cache"]} if "native_cache" in g else {})}
                        for name, g in m.graphs.items()},
             "notes": m.build.get("notes", []), "files_verified": verify,
             **({"kernel_here": _kernel_here()} if any("native_file" in g for g in m.graphs.values()) else {})}
@@ -199,6 +200,10 @@ def _render_weights(console, info: dict) -> None:
     if twins:
         console.print(f"products: speedc's int8 kernel where it loads ({', '.join(twins)}: the same graphs with the "
                       "products as SpeedcBlockProduct, reading weights.bin in place), else ONNX Runtime's MatMulNBits")
+        caches = {g["native_cache"] for g in info["graphs"].values() if "native_cache" in g}
+        if caches:
+            console.print(f"attention: on the same kernel where it loads, over a {', '.join(sorted(caches))} KV-cache pool "
+                          "(SpeedcAttention), else ONNX Runtime's GroupQueryAttention over a float32 one")
         here = info["kernel_here"]
         console.print(f"  on this CPU: the kernel's {here['path']} path (it runs {', '.join(here['paths'])})" if here["path"]
                       else f"  on this CPU: MatMulNBits (the kernel cannot load: {here['why']})")

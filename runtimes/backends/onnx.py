@@ -60,17 +60,18 @@ MAX_LAYOUTS = 4096  # valid-row patterns remembered (_layout); a few KB each at 
 
 
 
-def pool_bytes_per_position(manifest: Manifest) -> int:
+def pool_bytes_per_position(manifest: Manifest, itemsize: int = 4) -> int:
     """K and V bytes one pool row needs per position (every cache entry: each logical layer, and a
-    pipelined coda's second readout depth)."""
+    pipelined coda's second readout depth), at ITEMSIZE bytes a value (the pool's dtype: BatchBackend.cache_dtype)."""
     dims = manifest.dims
     entries = len(CacheLayout.from_manifest(manifest).entries)
-    return 2 * entries * dims.kv_heads * dims.head_dim * np.dtype(F32).itemsize
+    return 2 * entries * dims.kv_heads * dims.head_dim * itemsize
 
 
-def row_capacity(manifest: Manifest, max_batch: int, kv_cache_mb: float | None) -> int:
+def row_capacity(manifest: Manifest, max_batch: int, kv_cache_mb: float | None, itemsize: int = 4) -> int:
     """Positions each of MAX_BATCH pool rows holds: KV_CACHE_MB shared among them (None: the model's
-    whole context each), at most the context. GenerationError when that leaves no room."""
+    whole context each), at most the context, at ITEMSIZE bytes a cached value. GenerationError when that
+    leaves no room."""
     if max_batch < 1:
         raise GenerationError("max batch must be at least 1")
     context = manifest.dims.max_context
@@ -78,7 +79,7 @@ def row_capacity(manifest: Manifest, max_batch: int, kv_cache_mb: float | None) 
         return context
     if not 0 < kv_cache_mb < math.inf:  # also refuses nan
         raise GenerationError(f"--kv-cache-mb must be a finite number > 0, got {kv_cache_mb}")
-    per_position = pool_bytes_per_position(manifest)
+    per_position = pool_bytes_per_position(manifest, itemsize)
     capacity = min(context, int(kv_cache_mb * (1 << 20) / max_batch // per_position) - 1)  # - 1: the scratch row
     if capacity < 2:
         raise GenerationError(f"--kv-cache-mb {kv_cache_mb:g} leaves no room for {max_batch} sequences "
@@ -87,9 +88,12 @@ def row_capacity(manifest: Manifest, max_batch: int, kv_cache_mb: float | None) 
 
 
 def pool_binding(session, slabs: dict[str, np.ndarray]):
-    """A new IO binding of SESSION with each cache input of SLABS (name -> pool view) bound to its view,
-    as past and as present: the same pool memory, written in place by GroupQueryAttention."""
+    """A new IO binding of SESSION (a ProgramSession) with each cache input of SLABS (name -> pool view) bound
+    to its view, as past and as present: the same pool memory, written in place by GroupQueryAttention.
+    A twin attending over the runtime's own pool (session.native_cache) takes them at each run instead."""
     binding = session.io_binding()
+    if getattr(session, "native_cache", None) is not None:
+        return binding
     for name, view in slabs.items():
         binding.bind_input(name, "cpu", 0, F32, list(view.shape), bound_address(binding, name, view, F32))
         present = contract.in_place_output(name)
@@ -111,6 +115,8 @@ class StepBinding:
         """TENSORS: name -> (buffer, the dtype the graph takes or gives there, is output)."""
         self.session = session
         self.binding = pool_binding(session, slabs)
+        # a twin attending over the runtime's own pool takes the slabs at each run (pool_binding bound none)
+        self.caches = slabs if getattr(session, "native_cache", None) is not None else None
         self.inputs = {name: buffer for name, (buffer, _, output) in tensors.items() if not output}
         self.outputs = {name: buffer for name, (buffer, _, output) in tensors.items() if output}
         for name, (buffer, dtype, output) in tensors.items():
@@ -118,7 +124,10 @@ class StepBinding:
             bind(name, "cpu", 0, dtype, list(buffer.shape), bound_address(self.binding, name, buffer, dtype))
 
     def run(self) -> dict[str, np.ndarray]:
-        self.session.run_with_iobinding(self.binding)
+        if self.caches is None:
+            self.session.run_with_iobinding(self.binding)
+        else:
+            self.session.run_with_iobinding(self.binding, self.caches)
         return self.outputs
 
 
@@ -127,10 +136,12 @@ class BatchBackend:
 
     def __init__(self, directory: Path, manifest: Manifest, max_batch: int, capacity: int, threads: int | None = None,
                  fused: bool | None = None, min_length: int = MIN_POOL_POSITIONS, shrink_after: int = SHRINK_AFTER_STEPS,
-                 session=None, profile_prefix: str | None = None) -> None:
+                 session=None, profile_prefix: str | None = None, cache_dtype: str | None = None) -> None:
         """SESSION: another BatchBackend's session of this artifact (same fused choice), shared instead of
         opened again (a session is stateless between runs; the pool and its bindings stay this backend's).
-        PROFILE_PREFIX: open the session profiling every run per op (end_profiling() names the file)."""
+        PROFILE_PREFIX: open the session profiling every run per op (end_profiling() names the file).
+        CACHE_DTYPE: the KV pool's dtype, "float32" or, where the session's twin attends over the pool
+        natively, "float16" (None: float16 there, else float32)."""
         self.dims = dims = manifest.dims  # the model's sizes (read once at load: speedc/format/manifest_view.py)
         self.slots, self.stage_layers = manifest.slots, manifest.stage_layers
         self.vocab_size, self.max_context = dims.vocab_size, dims.max_context
@@ -149,11 +160,17 @@ class BatchBackend:
         self.products = self.session.speedc_products
         self.hidden = np.zeros((self.slots, max_batch, dims.state_width), F32)  # last hidden_out, [slot, sequence]
         self.drafts = DraftCandidates(self.slots, max_batch, self.check_width)  # beside it, each token's draft's top K
-        self._prefill_bindings: dict[tuple, object] = {}  # fused: (first pool row, count) -> its prefill binding
+        self._prefill_bindings: dict[tuple, tuple] = {}  # fused: (first pool row, count) -> (its prefill binding, slabs)
         self._steps: dict[tuple, StepBinding] = {}  # fused steps: (role, shape of the step) -> StepBinding, oldest first
         self._buffers: dict[tuple, np.ndarray] = {}  # (name, shape) -> the buffer every StepBinding binds NAME of SHAPE to
         self._layouts: dict[tuple, StepLayout] = {}  # (n, valid pattern, head rows) -> _layout's
-        self.pool = KVPool(self._pool_shapes, lambda shape: np.zeros(shape, F32), np.dtype(F32).itemsize, max_batch=max_batch,
+        # the pool's dtype: float16 where the session's twin attends over it natively (passes/native_attention.py)
+        native_cache = self.programs[contract.PREFILL].native_cache
+        if cache_dtype not in (None, "float32", native_cache):
+            raise GenerationError(f"a {cache_dtype} KV cache needs speedc's native attention, which this session does not "
+                                  f"run ({self.products}); it keeps a float32 cache")
+        self.cache_dtype = np.dtype(cache_dtype or native_cache or F32)
+        self.pool = KVPool(self._pool_shapes, lambda shape: np.zeros(shape, self.cache_dtype), self.cache_dtype.itemsize, max_batch=max_batch,
                            capacity=capacity, min_length=min_length, shrink_after=shrink_after)
         self.reserve(0, 1)
 
@@ -304,10 +321,11 @@ class BatchBackend:
         self._check_positions(np.asarray([start + longest - 1]))
         # The chunk length varies, so the ids are bound per call; the slabs' binding is kept per range of pool rows
         # (a padded token writes its K/V past its row's end, where nothing is read before it is rewritten).
-        binding = self._prefill_bindings.get((first, count))
-        if binding is None:
-            binding = self._prefill_bindings[first, count] = pool_binding(self.programs[contract.PREFILL],
-                                                                          self._logical_slabs(sequences))
+        bound = self._prefill_bindings.get((first, count))
+        if bound is None:
+            slabs = self._logical_slabs(sequences)
+            bound = self._prefill_bindings[first, count] = (pool_binding(self.programs[contract.PREFILL], slabs), slabs)
+        binding, slabs = bound
         for name, value in feeds.items():
             binding.bind_cpu_input(name, value)
         token, logits = np.zeros(count, np.int64), np.zeros((count, self.vocab_size), F32)
@@ -315,7 +333,7 @@ class BatchBackend:
                             bound_address(binding, contract.NEXT_TOKEN, token, np.int64))
         binding.bind_output(contract.LOGITS, "cpu", 0, F32, list(logits.shape),
                             bound_address(binding, contract.LOGITS, logits, F32))
-        self.programs[contract.PREFILL].run_with_iobinding(binding)
+        self.programs[contract.PREFILL].run_with_iobinding(binding, slabs)
         return token, (logits if want_logits else None)
 
     def plain_step(self, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray, want_logits: bool,

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from speedc.format import contract
-from speedc.format.artifact import Manifest, is_quantized
+from speedc.format.artifact import Manifest, is_quantized, native_io
 from speedc.errors import ArtifactError, SpeedcError
 from speedc.runtimes.backends.protocol import resolve_threads
 
@@ -77,10 +77,12 @@ def open_session(directory: Path, manifest: Manifest, name: str, providers: list
                             "(speedc build CHECKPOINT -o OUT --force)")
     options = session_options(threads, spin_between_runs=True)
     file, weight_map, products = spec["file"], None, fallback_products(manifest) if "native_file" in spec else "ONNX Runtime"
+    native_cache = None  # the KV pool's dtype where the twin attends over the runtime's own pool
     if "native_file" in spec:
         weight_map, products = _native_products(directory, manifest, threads, options)
         if weight_map is not None:
-            file = spec["native_file"]
+            file, native_cache = spec["native_file"], spec.get(contract.NATIVE_CACHE)
+            spec = {**spec, **native_io(spec, native_cache)}
     if profile_prefix is not None:
         options.enable_profiling = True
         options.profile_file_prefix = f"{profile_prefix}{name}"
@@ -92,6 +94,8 @@ def open_session(directory: Path, manifest: Manifest, name: str, providers: list
     check_session_io(directory, name, {**spec, "file": file}, session)
     session.speedc_products = products  # what runs the weight products (inspect, stats, bench)
     session.speedc_weight_map = weight_map  # keeps the native products' weights registered while the session lives
+    session.speedc_native_cache = native_cache  # the twin attends over a pool the runtime binds (WeightMap.caches_bound)
+    session.speedc_io = spec  # what the file it runs takes and returns
     return session
 
 
@@ -184,7 +188,10 @@ class ProgramSession:
         """SPEC: the engine graph's manifest entry (its inputs, which load checked against the contract)."""
         self.session = session
         self.raise_native_error = None  # a native twin's: raises what its operators met in the last run
-        if getattr(session, "speedc_weight_map", None) is not None:
+        # a twin attending over the runtime's own pool (its dtype; None: caches are bound into ONNX Runtime)
+        self.native_cache = getattr(session, "speedc_native_cache", None)
+        self._weight_map = getattr(session, "speedc_weight_map", None)
+        if self._weight_map is not None:
             from speedc.runtimes.kernels.ort_op import raise_pending
 
             self.raise_native_error = raise_pending
@@ -205,9 +212,15 @@ class ProgramSession:
             binding.bind_cpu_input(name, value)
         return binding
 
-    def run_with_iobinding(self, binding) -> None:
+    def run_with_iobinding(self, binding, caches: dict[str, np.ndarray] | None = None) -> None:
+        """Run BINDING; CACHES (name -> pool view): the KV-cache buffers its attention reads and writes where
+        they are not bound into ONNX Runtime (native_cache)."""
         try:
-            self.session.run_with_iobinding(binding)
+            if self.native_cache is not None:
+                with self._weight_map.caches_bound(caches or {}):
+                    self.session.run_with_iobinding(binding)
+            else:
+                self.session.run_with_iobinding(binding)
         except Exception:  # ONNX Runtime's own types; a native product's error is the cause, raised first
             self._raise_native_error()
             raise
@@ -232,5 +245,6 @@ class ProgramSession:
 def program_sessions(session, graph: str, manifest: Manifest) -> dict[str, ProgramSession]:
     """Program role (contract.PREFILL, contract.BATCH_STEP) -> its ProgramSession over SESSION, an ONNX
     Runtime session of engine graph GRAPH."""
-    return {program.removesuffix(contract.FUSED_SUFFIX): ProgramSession(session, program, manifest.graphs[graph], manifest)
+    spec = getattr(session, "speedc_io", None) or manifest.graphs[graph]
+    return {program.removesuffix(contract.FUSED_SUFFIX): ProgramSession(session, program, spec, manifest)
             for program in contract.engine_programs(graph, manifest.slots)}

@@ -97,6 +97,10 @@ class BlockProductKernel:
         self._half = self._lib.speedc_half_product
         self._half.argtypes = [ptr, i64, i64, ptr, i64, cint, ptr, cint, cint]
         self._half.restype = cint
+        self._attention = self._lib.speedc_attention
+        self._attention.argtypes = [ptr, i64, i64, cint, cint, cint, ptr, ptr, ptr, ptr, ptr, cint, i64, i64, i64, i64,
+                                    ptr, ptr, i64, ctypes.c_float, ptr, cint, cint]
+        self._attention.restype = cint
         self.path = PATH_NAMES[self._lib.speedc_block_product_path()]  # what "auto" runs on this CPU
         mask = self._lib.speedc_block_product_paths()
         self.paths = [name for name, code in PATHS.items() if code and mask >> code & 1]  # what this CPU can run
@@ -169,6 +173,48 @@ class BlockProductKernel:
 
         product.weights = (weight,)  # the memory the pointer points into stays alive with the function
         return product
+
+
+    def attention_bound(self, *, heads: int, kv_heads: int, head_dim: int, theta: float, positions: int,
+                        threads: int = 1, path: str = "auto"):
+        """One layer shape's attention over a KV cache read and written in place (attention.h): a function
+        (qkv [R, L, (heads + 2 kv_heads) hd] float32, row_of [R], pos [R], lengths [R] int64, key, value, out=None)
+        -> out [R, L, heads hd] float32, where KEY / VALUE [rows, kv_heads, T, hd] are float16 or float32 (the
+        last three axes C-contiguous) and row r's tokens i < lengths[r] sit at pos[r] + i of cache row
+        row_of[r]. Rotary: Hugging Face's half-split rope of base THETA at positions 0..POSITIONS-1."""
+        inv_freq = (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))).astype(np.float32)
+        angles = np.arange(positions, dtype=np.float32)[:, None] * inv_freq[None, :]  # [positions, hd/2]
+        cos, sin = np.ascontiguousarray(np.cos(angles), np.float32), np.ascontiguousarray(np.sin(angles), np.float32)
+        width, run, path_code = (heads + 2 * kv_heads) * head_dim, self._attention, PATHS[path]
+        scale = float(np.float32(head_dim ** -0.5))
+
+        def attention(qkv: np.ndarray, row_of: np.ndarray, pos: np.ndarray, lengths: np.ndarray, key: np.ndarray,
+                      value: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+            if qkv.dtype != np.float32 or qkv.ndim != 3 or qkv.shape[2] != width or not qkv.flags.c_contiguous:
+                raise KernelError(f"qkv must be C-contiguous float32 [R, L, {width}], not {qkv.dtype} {qkv.shape}")
+            rows, chunk = qkv.shape[:2]
+            for name, index in (("row_of", row_of), ("pos", pos), ("lengths", lengths)):
+                if index.dtype != np.int64 or index.shape != (rows,) or not index.flags.c_contiguous:
+                    raise KernelError(f"{name} must be C-contiguous int64 [{rows}], not {index.dtype} {index.shape}")
+            if key.dtype != value.dtype or key.shape != value.shape or key.strides != value.strides:
+                raise KernelError("the key and value caches must have one dtype, shape and layout")
+            item = key.itemsize
+            if (key.dtype not in (np.float16, np.float32) or key.ndim != 4 or key.shape[1] != kv_heads
+                    or key.shape[3] != head_dim or key.strides[3] != item or key.strides[2] != head_dim * item):
+                raise KernelError(f"the caches must be float16 or float32 [rows, {kv_heads}, T, {head_dim}], "
+                                  f"positions contiguous, not {key.dtype} {key.shape}")
+            y = np.empty((rows, chunk, heads * head_dim), np.float32) if out is None else out
+            rc = run(qkv.ctypes.data, rows, chunk, heads, kv_heads, head_dim, row_of.ctypes.data, pos.ctypes.data,
+                     lengths.ctypes.data, key.ctypes.data, value.ctypes.data, int(key.dtype == np.float16), key.shape[0],
+                     key.strides[0] // item, key.strides[1] // item, key.shape[2], cos.ctypes.data, sin.ctypes.data,
+                     positions, scale, y.ctypes.data, threads, path_code)
+            if rc != 0:
+                raise KernelError(f"attention refused its arguments (code {rc}: rows {rows}, chunk {chunk}, "
+                                  f"positions {pos.tolist()}, lengths {lengths.tolist()}, cache {key.shape})")
+            return y
+
+        attention.tables = (cos, sin)  # alive with the function
+        return attention
 
 
 def load() -> BlockProductKernel | None:

@@ -4,12 +4,15 @@ An artifact's native engine graphs (passes/native_products.py) run each weight p
 
     x [M, K] ── ai.onnx.contrib SpeedcBlockProduct(artifact, codes, scales, n, k, bits, block_size) ── y [M, N]
     x [M, K] ── ai.onnx.contrib SpeedcHalfProduct(artifact, weight, n, k, dtype) ── y [M, N]   (bf16 / fp16)
+    qkv, positions, lengths, rows ── ai.onnx.contrib SpeedcAttention(artifact, key, value, ...) ── [R, L, h*hd]
 
 Python operators of onnxruntime-extensions whose body is one ctypes call into the kernel. The node
 names its weight by the artifact's id and the weight index names of its codes and scales (or of its
 16-bit weight); the operator reads them from a read-only memory map of the artifact's weights.bin
 (registered by the backend that opens the session, `register_weights`), so ONNX Runtime never holds a
-copy of them.
+copy of them. An attention node names its KV-cache buffers likewise: the runtime's pool, held outside ONNX
+Runtime (a Python operator gets copies of its inputs, so the cache cannot be one), bound by name for the
+length of each run (`WeightMap.caches_bound`) and read and written in place by the kernel (attention.h).
 
 Only onnxruntime-extensions' native module is loaded (its package __init__ imports transformers and
 torch), with our own result handler: its default turns every result into a Python list (3 ms for an
@@ -47,12 +50,41 @@ _keep: list = []  # the operator definition, alive as long as the process
 class WeightMap:
     """One artifact's weights.bin, memory-mapped read-only, and the products its native graphs run."""
 
-    def __init__(self, weights_file: Path, index: dict, threads: int, path: str) -> None:
+    def __init__(self, weights_file: Path, index: dict, threads: int, path: str, artifact_id: str = "") -> None:
         with open(weights_file, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self.data = np.frombuffer(self._map, np.uint8)
-        self.index, self.threads, self.path = index, threads, path
+        self.index, self.threads, self.path, self.artifact_id = index, threads, path, artifact_id
         self.products: dict[tuple, object] = {}  # a node's attributes -> its bound kernel call
+        self.attentions: dict[tuple, object] = {}  # (heads, kv_heads, head_dim, theta) -> its kernel call
+
+    def caches_bound(self, caches: dict[str, np.ndarray]):
+        """A context in which this artifact's attention nodes read and write CACHES (name -> buffer): held
+        around a run, one run of the artifact's sessions at a time (they may share a map, or hold older ones)."""
+        return _CachesBound(self.artifact_id, caches)
+
+    def attend(self, attrs: dict, qkv: np.ndarray, positions: np.ndarray, lengths: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """One attention node's run (contract.NATIVE_ATTENTION): rows[i] indexes positions / lengths; its cache row
+        is that entry's in the bound buffers (slots P > 1: entry s*n + b is pool row s*W + b)."""
+        caches = _bound_caches.get(self.artifact_id, {})
+        key, value = caches.get(attrs["key"]), caches.get(attrs["value"])
+        if key is None or value is None:
+            raise RuntimeError(f"no KV cache is bound under {attrs['key']} / {attrs['value']} (bind it around the run)")
+        found = (attrs["heads"], attrs["kv_heads"], attrs["head_dim"], attrs["theta"])
+        attention = self.attentions.get(found)
+        if attention is None or attention.positions < key.shape[2]:  # its rotary tables cover the pool's positions
+            attention = _kernel.attention_bound(heads=found[0], kv_heads=found[1], head_dim=found[2], theta=float(found[3]),
+                                                positions=key.shape[2], threads=self.threads, path=self.path)
+            attention.positions = key.shape[2]
+            self.attentions[found] = attention
+        slots, rows = attrs["slots"], rows.astype(np.int64, copy=False)
+        row_of = rows
+        if slots > 1:  # entry s*n + b -> pool row s*W + b
+            n, width = positions.size // slots, key.shape[0] // slots
+            row_of = rows // n * width + rows % n
+        qkv = np.ascontiguousarray(qkv if qkv.ndim == 3 else qkv.reshape(len(rows), 1, -1), np.float32)
+        return attention(qkv, np.ascontiguousarray(row_of), np.ascontiguousarray(positions[rows]),
+                         np.ascontiguousarray(lengths[rows]), key, value)
 
     def product(self, attrs: tuple):
         found = self.products.get(attrs)
@@ -96,6 +128,35 @@ class WeightMap:
             self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
+_bound_caches: dict[str, dict[str, np.ndarray]] = {}  # artifact id -> the KV-cache buffers of its run in progress
+_run_locks: "weakref.WeakValueDictionary[str, threading.Lock]" = weakref.WeakValueDictionary()
+
+
+class _CachesBound:
+    def __init__(self, artifact_id: str, caches: dict[str, np.ndarray]) -> None:
+        self.artifact_id, self.given = artifact_id, caches
+        with _lock:
+            self.lock = _run_locks.get(artifact_id)
+            if self.lock is None:
+                self.lock = _run_locks[artifact_id] = _RunLock()
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+        _bound_caches[self.artifact_id] = self.given
+
+    def __exit__(self, *exc) -> None:
+        _bound_caches.pop(self.artifact_id, None)
+        self.lock.release()
+
+
+class _RunLock:
+    """A lock a weak dictionary can hold (threading.Lock cannot be weakly referenced)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.acquire, self.release = self._lock.acquire, self._lock.release
+
+
 def _load_extensions():
     """onnxruntime-extensions' native module and its path, without running the package's __init__."""
     spec = importlib.util.find_spec("onnxruntime_extensions")
@@ -119,13 +180,17 @@ def _install(module) -> None:
         try:
             key = tuple(raw.items())
             node = node_attrs.get(key)
-            if node is None:  # (artifact id, the node's attributes as the weight map keys them)
-                casts = contract.NATIVE_HALF_PRODUCT_ATTRIBUTES if "weight" in raw else contract.NATIVE_PRODUCT_ATTRIBUTES
+            if node is None:  # (artifact id, the node's attributes as the weight map keys them, its attributes)
+                casts = (contract.NATIVE_ATTENTION_ATTRIBUTES if "key" in raw else contract.NATIVE_HALF_PRODUCT_ATTRIBUTES
+                         if "weight" in raw else contract.NATIVE_PRODUCT_ATTRIBUTES)
                 attrs = {name: casts[name](value) for name, value in raw.items()}
-                node = node_attrs[key] = (attrs["artifact"], tuple(sorted(attrs.items())))
+                node = node_attrs[key] = (attrs["artifact"], tuple(sorted(attrs.items())), attrs if "key" in raw else None)
             weights = _artifacts.get(node[0])
             if weights is None:
                 raise RuntimeError(f"artifact {node[0]} has no registered weights (register_weights before the run)")
+            if node[2] is not None:
+                y = weights.attend(node[2], *feed)
+                return op_id, y.shape, y
             y = weights.product(node[1])(feed[0])
             return op_id, y.shape, y
         except BaseException as bad:  # noqa: BLE001 -- must not reach ONNX Runtime (it would abort)
@@ -144,6 +209,15 @@ def _install(module) -> None:
                             for name, cast in casts.items()}
         module.add_custom_op(definition)
         _keep.append(definition)
+    definition = module.PyCustomOpDef()
+    definition.op_type = contract.NATIVE_ATTENTION
+    definition.obj_id = id(definition)
+    definition.input_types = [module.PyCustomOpDef.dt_float] + [module.PyCustomOpDef.dt_int64] * 3
+    definition.output_types = [module.PyCustomOpDef.dt_float]
+    definition.attrs = {name: (module.PyCustomOpDef.dt_string if cast is str else module.PyCustomOpDef.dt_int64)
+                        for name, cast in contract.NATIVE_ATTENTION_ATTRIBUTES.items()}
+    module.add_custom_op(definition)
+    _keep.append(definition)
 
 
 def custom_ops_library() -> str | None:
@@ -198,7 +272,7 @@ def register_weights(artifact_id: str, weights_file: Path, index: dict, threads:
     with _lock:
         found = _artifacts.get(artifact_id)
         if found is None or (found.threads, found.path) != (threads, path):
-            found = WeightMap(weights_file, index, threads, path)
+            found = WeightMap(weights_file, index, threads, path, artifact_id)
             _artifacts[artifact_id] = found
         return found
 

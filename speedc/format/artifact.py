@@ -399,7 +399,7 @@ def lift_stored_initializers(graph) -> None:
 
 def write_graphs(graphs: dict, directory: Path, weight_names: set[str], weight_parts: dict[str, list] | None = None,
                  on_bytes: Callable[[int, int], None] | None = None, aliases: dict[str, str] | None = None,
-                 native: dict | None = None) -> tuple[dict, dict]:
+                 native: dict | None = None, native_cache: dict | None = None) -> tuple[dict, dict]:
     """Write every graph as ONNX with its weights in ONE shared external-data file, weights.bin.
 
     Weights are streamed: each is copied from where it is (checkpoint bytes, converted to its storage
@@ -432,7 +432,7 @@ def write_graphs(graphs: dict, directory: Path, weight_names: set[str], weight_p
     for alias, target in (aliases or {}).items():  # model tensors no graph reads under their own name
         if alias not in index and target in index:
             _within(index, alias, target).update(dtype=index[target]["dtype"], shape=index[target]["shape"])
-    return _write_graph_files(graphs, native, ordered, directory), index
+    return _write_graph_files(graphs, native, native_cache or {}, ordered, directory), index
 
 
 def _write_weights(path: Path, owners: dict[str, list], weight_parts: dict[str, list],
@@ -460,9 +460,10 @@ def _write_weights(path: Path, owners: dict[str, list], weight_parts: dict[str, 
     return index
 
 
-def _write_graph_files(graphs: dict, native: dict, ordered: list[str], directory: Path) -> dict[str, dict]:
+def _write_graph_files(graphs: dict, native: dict, native_cache: dict, ordered: list[str], directory: Path) -> dict[str, dict]:
     """Each graph (and its native twin) as an ONNX file whose initializers reference weights.bin, checked
-    -> the graph I/O specs (a twin must take and return what its graph does)."""
+    -> the graph I/O specs (a twin must take and return what its graph does; one that attends over the
+    runtime's own pool, NATIVE_CACHE (graph -> that pool's dtype), what its graph does less the caches)."""
     import onnx
     import onnx_graphsurgeon as gs
 
@@ -478,13 +479,26 @@ def _write_graph_files(graphs: dict, native: dict, ordered: list[str], directory
             io = {"inputs": _io_spec(model.graph.input), "outputs": _io_spec(model.graph.output)}
             if name not in specs:
                 specs[name] = {"file": file, **io}
-            elif io != {"inputs": specs[name]["inputs"], "outputs": specs[name]["outputs"]}:
-                raise BuildError(f"internal: the native twin of {name} does not take and return what {name} does")
-            else:
-                specs[name]["native_file"] = file
+                continue
+            own = native_io(specs[name], native_cache.get(name))
+            if io != own:
+                raise BuildError(f"internal: the native twin of {name} does not take and return what {name} does"
+                                 + (" less its caches" if name in native_cache else ""))
+            specs[name]["native_file"] = file
+            if name in native_cache:
+                specs[name][contract.NATIVE_CACHE] = native_cache[name]
     for file in written:
         onnx.checker.check_model(str(directory / file), full_check=False)
     return specs
+
+
+def native_io(spec: dict, native_cache: str | None) -> dict:
+    """{inputs, outputs} a graph's native twin takes and returns (SPEC: the graph's manifest entry; NATIVE_CACHE:
+    its twin's KV pool dtype, where the twin attends over the runtime's own pool: then less the caches)."""
+    io = {"inputs": spec["inputs"], "outputs": spec["outputs"]}
+    if native_cache is None:
+        return io
+    return {side: contract.without_caches(tensors) for side, tensors in io.items()}
 
 
 def native_file(graph: str) -> str:

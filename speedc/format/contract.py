@@ -96,6 +96,24 @@ NATIVE_HALF_PRODUCT = "SpeedcHalfProduct"
 NATIVE_HALF_PRODUCT_ATTRIBUTES = {"artifact": str, "weight": str, "n": int, "k": int, "dtype": str}
 
 
+# The fused engine graph's twin also runs each layer's attention on the kernel, over a KV pool the runtime
+# holds outside ONNX Runtime at the precision the manifest records (the graph's NATIVE_CACHE, "float16"):
+#   qkv [R, L, (h + 2 kvh) hd], positions [X], lengths [X], rows [R] int64
+#       -> NATIVE_ATTENTION(artifact, key, value, slots, heads, kv_heads, head_dim, theta) -> [R, L, h hd]
+# Row i is entry rows[i] of positions / lengths; its cache row is that entry's in the pool the runtime binds
+# under the names KEY and VALUE (slots P > 1: entry s*n + b is pool row s*W + b of [P*W, kvh, T+1, hd]). So
+# that twin takes and returns the fused graph's tensors less its caches (without_caches).
+NATIVE_ATTENTION = "SpeedcAttention"
+NATIVE_ATTENTION_ATTRIBUTES = {"artifact": str, "key": str, "value": str, "slots": int, "heads": int, "kv_heads": int,
+                               "head_dim": int, "theta": str}
+NATIVE_CACHE = "native_cache"  # a graph's manifest entry: its twin's KV pool dtype, where its twin attends natively
+
+
+def without_caches(specs: list) -> list:
+    """SPECS (tensor specs, or dicts with a "name") less the cache inputs and their in-place outputs."""
+    return [spec for spec in specs if not is_cache_input(spec["name"] if isinstance(spec, dict) else spec[0])]
+
+
 def native_product_takes(bits: int, block_size: int) -> bool:
     """Whether the kernel runs weights of BITS in blocks of BLOCK_SIZE (activations go per 32 values)."""
     return bits in (4, 8) and block_size >= 32 and block_size % 32 == 0

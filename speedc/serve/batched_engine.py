@@ -83,9 +83,11 @@ class BatchedEngine:
 
     def describe(self) -> str:
         backend = self.loop.scheduler.backend
-        mib = pool_bytes_per_position(self.engine.manifest) * self.max_batch * (backend.pool.capacity + 1) / (1 << 20)
+        itemsize = backend.pool.itemsize
+        mib = pool_bytes_per_position(self.engine.manifest, itemsize) * self.max_batch * (backend.pool.capacity + 1) / (1 << 20)
         return (f"continuous batching: up to {self.max_batch} requests at once, {self.max_queue} may wait; KV-cache pool "
-                f"up to {mib:.0f} MiB (it grows with the requests in it), {backend.pool.capacity} positions per request")
+                f"up to {mib:.0f} MiB ({'float16' if itemsize == 2 else 'float32'}; it grows with the requests in it), "
+                f"{backend.pool.capacity} positions per request")
 
     # ---- what the server asks of the model and the metrics ---------------------------------------
     @property

@@ -52,7 +52,7 @@ def test_artifact_layout_and_weight_bytes(tiny_artifact):
     assert [p["name"] for p in m.build["passes"]] == ["trace", "share", "schedule", "batch_step_graph", "exit_heads",
                                                       "kv_cache", "gqa_attention", "fuse_projections", "cleanup",
                                                       "fuse_skip_norm", "quantize_weights", "untie_head", "trt_lint",
-                                                      "merge_programs", "native_products"]
+                                                      "merge_programs", "native_products", "native_attention"]
 
 
 def test_hf_layout_builds_to_the_same_weights(tmp_path, tiny_artifact):

@@ -19,6 +19,7 @@ from conftest import ZOO, build_artifact, onnx_graphs, onnx_nodes, run_engine_pr
 from speedc import Engine
 from speedc.format import contract
 from speedc.format.artifact import GRAPH_FILES, native_file, read_manifest
+from speedc.runtimes.backends.onnx import BatchBackend
 from speedc.runtimes.backends.onnx_session import open_session
 from speedc.runtimes.kernels import ort_op
 
@@ -58,8 +59,10 @@ def test_before_and_after(tiny_int4):
         assert after["GatherBlockQuantized"] == before["GatherBlockQuantized"] > 0
         assert _zero_row_concats(graph_file) > 0 and _zero_row_concats(twin_file) == 0
         graph, twin = (onnx.load(str(f), load_external_data=False).graph for f in (graph_file, twin_file))
-        assert [(v.name, v.type) for v in graph.input] == [(v.name, v.type) for v in twin.input]
-        assert [(v.name, v.type) for v in graph.output] == [(v.name, v.type) for v in twin.output]
+        # the fused graph's twin attends over the runtime's own pool (passes/native_attention.py): less its caches
+        kept = (lambda v: not contract.is_cache_input(v.name)) if contract.NATIVE_CACHE in spec else (lambda v: True)
+        assert [(v.name, v.type) for v in graph.input if kept(v)] == [(v.name, v.type) for v in twin.input]
+        assert [(v.name, v.type) for v in graph.output if kept(v)] == [(v.name, v.type) for v in twin.output]
         products = [n for n in onnx_nodes(twin) if n.op_type == contract.NATIVE_PRODUCT]
         attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in products]
         assert {a["artifact"].decode() for a in attrs} == {artifact_id}
@@ -218,13 +221,14 @@ def test_16_bit_twin_keeps_speed_equal_to_plain_decoding(random_16bit, dtype):
             assert speed.ids == plain.ids, (params, prompt)
             accepted, mispredicted = accepted + speed.stats.accepted, mispredicted + speed.stats.mispredicted
     assert accepted > 5 and mispredicted > 5
-    manifest = read_manifest(art)
-    outputs = {}
-    for name, engine in (("native", native), ("fp32", onnx_fp32)):
-        ids = np.array([[5, 17, 3, 9, 42, 7]], np.int64)
-        cache = {f"cache.{kind}.{i}": np.zeros((1, manifest.model["num_kv_heads"], 0, manifest.model["head_dim"]), np.float32)
-                 for kind in ("key", "value") for i in range(manifest.model["num_layers"])}
-        outputs[name] = run_engine_program(engine.backend.session, contract.PREFILL, {
-            "input_ids": ids, "positions": np.zeros(1, np.int64), "chunk_lengths": np.array([6], np.int64), **cache})
-    scale = np.abs(outputs["fp32"]["logits"]).max()
-    assert np.abs(outputs["native"]["logits"] - outputs["fp32"]["logits"]).max() < 1e-4 * scale
+    assert native.backend.cache_dtype == np.float16 and onnx_fp32.backend.cache_dtype == np.float32
+    logits = {}
+    for name, engine, cache in (("native", native, None), ("native fp32 cache", native, "float32"), ("fp32", onnx_fp32, None)):
+        backend = BatchBackend(art, engine.manifest, 1, 64, session=engine.backend.session, cache_dtype=cache)
+        backend.reserve(6, 1)
+        logits[name] = backend.prefill(0, [[5, 17, 3, 9, 42, 7]], 0, True)[1]
+    scale = np.abs(logits["fp32"]).max()
+    # over the same fp32 cache the twin's products and attention are GroupQueryAttention's to float32 rounding;
+    # its default float16 pool rounds keys and values to 11 bits (on these random weights 0.3% of the scale)
+    assert np.abs(logits["native fp32 cache"] - logits["fp32"]).max() < 1e-4 * scale
+    assert np.abs(logits["native"] - logits["fp32"]).max() < 1e-2 * scale

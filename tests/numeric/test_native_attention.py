@@ -1,0 +1,134 @@
+"""Pass native_attention: the fused engine graph's native twin runs each layer's attention on speedc's kernel
+(SpeedcAttention) over a float16 KV pool the runtime holds, instead of GroupQueryAttention over fp32 cache
+buffers bound into ONNX Runtime. Before and after on the graphs; then, on the looped families' published
+layouts (Ouro's sandwich blocks, Nanbeige's loops) built at their bf16, SPEED == plain decoding on that pool
+(greedy and seeded, alone and batched, through accepted and refused drafts), and the ids against the
+published code run by transformers."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import onnx
+import pytest
+
+from conftest import ZOO, build_artifact, onnx_nodes
+from looped_checkpoints import assert_batch_lossless, perturb, seeded_prompt, write_nanbeige, write_ouro
+from speedc import Engine
+from speedc.format import contract
+from speedc.format.artifact import GRAPH_FILES, read_manifest
+from speedc.runtimes.kernels import ort_op
+
+NATIVE = ort_op.custom_ops_library() is not None
+needs_kernel = pytest.mark.skipif(not NATIVE, reason="the native kernel or onnxruntime-extensions is not available here")
+
+
+@pytest.fixture(scope="module")
+def tiny_int4(tmp_path_factory):
+    return build_artifact(ZOO / "tiny", tmp_path_factory.mktemp("attention") / "tiny-int4", dtype="int4")
+
+
+def _model(path):
+    return onnx.load(str(path), load_external_data=False).graph
+
+
+def test_before_and_after(tiny_int4):
+    """Before (the fused graph): a GroupQueryAttention per layer of each program, reading and writing the
+    cache inputs in place. After (its twin): as many SpeedcAttentions naming those caches, none of their
+    inputs or outputs left, the step's scatter into pool rows gone; the manifest records the float16 pool.
+    The standard graph's twin keeps its caches (its attention is ONNX Runtime's)."""
+    manifest = read_manifest(tiny_int4)
+    fused = contract.fused(contract.ENGINE)
+    spec = manifest.graphs[fused]
+    assert spec[contract.NATIVE_CACHE] == "float16" and contract.NATIVE_CACHE not in manifest.graphs[contract.ENGINE]
+    before, after = _model(tiny_int4 / GRAPH_FILES[fused]), _model(tiny_int4 / spec["native_file"])
+    gqa = [n for n in onnx_nodes(before) if n.op_type == "GroupQueryAttention"]
+    native = [n for n in onnx_nodes(after) if n.op_type == contract.NATIVE_ATTENTION]
+    layers, stage_layers = manifest.model["num_layers"], manifest.stage_layers
+    assert len(gqa) == len(native) == layers + stage_layers  # the prefill's logical layers, the step's stage layers
+    ops = collections.Counter(n.op_type for n in onnx_nodes(after))
+    assert ops["GroupQueryAttention"] == ops["ScatterND"] == 0
+    attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in native]
+    caches = {(n.input[3], n.input[4]) for n in gqa}
+    assert {(a["key"].decode(), a["value"].decode()) for a in attrs} == caches
+    assert sorted(a["slots"] for a in attrs) == [1] * layers + [manifest.slots] * stage_layers
+    assert {a["artifact"].decode() for a in attrs} == {manifest.weights["native_artifact"]}
+    assert {(a["heads"], a["kv_heads"], a["head_dim"]) for a in attrs} == {
+        (manifest.model["hidden_size"] // manifest.model["head_dim"], manifest.model["num_kv_heads"], manifest.model["head_dim"])}
+    names = {v.name for v in [*after.input, *after.output]}
+    assert not {name for name in names if contract.is_cache_input(name)}
+    assert {v.name for v in before.input if not contract.is_cache_input(v.name)} == {v.name for v in after.input}
+    standard = _model(tiny_int4 / manifest.graphs[contract.ENGINE]["native_file"])
+    assert any(contract.is_cache_input(v.name) for v in standard.input)
+    from speedc.inspect import describe
+
+    assert describe(tiny_int4)["graphs"][fused]["native_cache"] == "float16"
+
+
+@needs_kernel
+def test_an_unbound_cache_is_an_exception_not_an_abort(tiny_int4):
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SPEEDC_NATIVE_KERNEL", "1")
+        engine = Engine.load(tiny_int4)
+    assert engine.backend.cache_dtype == np.float16
+    with pytest.MonkeyPatch.context() as patch:  # a run that binds no pool
+        patch.setattr(ort_op.WeightMap, "caches_bound", lambda self, caches: ort_op._CachesBound(self.artifact_id, {}))
+        with pytest.raises(RuntimeError, match="no KV cache is bound under cache.key"):
+            engine.generate([1, 2, 3], max_new_tokens=2)
+    assert engine.generate([1, 2, 3], max_new_tokens=2).ids
+
+
+FAMILIES = {  # name: (writer, options, perturbed): the published layouts at their bf16
+    "ouro": (write_ouro, dict(layers=2, loops=4, seed=1, residual_scale=0.05), False),
+    "ouro-perturbed": (write_ouro, dict(layers=1, loops=3, seed=1, residual_scale=0.05), True),
+    "nanbeige": (write_nanbeige, dict(layers=2, loops=2, seed=2, residual_scale=0.05), False),
+}
+
+
+@pytest.fixture(scope="module")
+def family_engines(tmp_path_factory):
+    root, built = tmp_path_factory.mktemp("attention-families"), {}
+    for name, (write, options, perturbed) in FAMILIES.items():
+        checkpoint = write(root / name, **options)
+        if perturbed:
+            perturb(checkpoint, factor=20.0)
+        art = build_artifact(checkpoint, root / f"{name}-art")
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("SPEEDC_NATIVE_KERNEL", "1")
+            built[name] = (checkpoint, Engine.load(art))
+    return built
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", FAMILIES)
+def test_speed_equals_plain_decoding_on_the_float16_pool(family_engines, family):
+    checkpoint, engine = family_engines[family]
+    assert engine.backend.cache_dtype == np.float16 and engine.backend.products.startswith("speedc kernel")
+    vocab = engine.manifest.dims.vocab_size
+    prompts = [seeded_prompt(seed, 6, vocab) for seed in (0, 1, 2)]
+    expected = [engine.generate(p, max_new_tokens=20, stop_at_eos=False, mode="autoregressive").ids for p in prompts]
+    for mode in ("speed-always", "speed"):
+        assert [engine.generate(p, max_new_tokens=20, stop_at_eos=False, mode=mode).ids for p in prompts] == expected
+    for seed in (11, 12):
+        runs = [engine.generate(prompts[0], max_new_tokens=20, stop_at_eos=False, mode=mode, temperature=0.9, seed=seed).ids
+                for mode in ("speed-always", "autoregressive")]
+        assert runs[0] == runs[1]
+    accepted, mispredicted = assert_batch_lossless(engine, prompts, expected, 20)
+    if FAMILIES[family][2]:
+        assert mispredicted > 5, "the perturbed weights must refuse drafts"
+    else:
+        assert accepted > 5, "the scaled weights must accept drafts"
+
+
+@needs_kernel
+def test_ids_follow_the_published_code(family_engines):
+    """The float16 pool against transformers running the published Ouro loop at fp32: the greedy ids agree
+    (these weights' top logits lie far enough apart for 11-bit keys and values)."""
+    from test_looped_checkpoints import OuroOracle, oracle_greedy
+
+    checkpoint, engine = family_engines["ouro"]
+    oracle = OuroOracle(checkpoint)
+    for seed in (0, 1):
+        prompt = seeded_prompt(seed, 6, engine.manifest.dims.vocab_size)
+        assert engine.generate(prompt, max_new_tokens=16, stop_at_eos=False, mode="speed-always").ids == oracle_greedy(oracle, prompt, 16)
