@@ -446,8 +446,8 @@ class Engine:
             raise GenerationError("prefill_chunk must be at least 1")
         if backend is None:  # a pool on the engine's session keeps its dtype (float16 where the kernel attends)
             same = fused in (None, getattr(self.backend, "fused", None)) and threads in (None, self.threads)
-            dtype = getattr(self.backend, "cache_dtype", None) if same else None
-            capacity = row_capacity(self.manifest, max_batch, kv_cache_mb, 4 if dtype is None else dtype.itemsize)
+            value_bytes = getattr(self.backend, "cache_value_bytes", 4) if same else 4
+            capacity = row_capacity(self.manifest, max_batch, kv_cache_mb, value_bytes)
             backend = pool_backend(self, max_batch, capacity, fused, threads)
         policy = RowPolicy(row_budget=row_budget)
         acceptance = self.speculation_policy if per_sequence else AlwaysSpeculate()

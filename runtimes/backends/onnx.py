@@ -39,6 +39,7 @@ writes and reads), so a step makes no binding call.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -53,6 +54,7 @@ from speedc.errors import GenerationError, SpeedcError
 from speedc.runtimes.backends.kv_pool import MIN_POOL_POSITIONS, SHRINK_AFTER_STEPS, KVPool
 from speedc.runtimes.backends.protocol import DraftCandidates, HeadRows, SpeedStepResult
 from speedc.runtimes.backends.onnx_session import bound_address, onnxruntime_module, open_session, program_sessions
+from speedc.runtimes.kernels.native import KV_BLOCK, KV_CACHES, kv_row_width
 
 F32 = np.float32
 MAX_STEP_BINDINGS = 1024  # fused step bindings kept (shapes seen: 54 at 8 sequences, 7 at one)
@@ -60,17 +62,17 @@ MAX_LAYOUTS = 4096  # valid-row patterns remembered (_layout); a few KB each at 
 
 
 
-def pool_bytes_per_position(manifest: Manifest, itemsize: int = 4) -> int:
+def pool_bytes_per_position(manifest: Manifest, value_bytes: float = 4) -> int:
     """K and V bytes one pool row needs per position (every cache entry: each logical layer, and a
-    pipelined coda's second readout depth), at ITEMSIZE bytes a value (the pool's dtype: BatchBackend.cache_dtype)."""
+    pipelined coda's second readout depth), at VALUE_BYTES a cached value (BatchBackend.cache_value_bytes)."""
     dims = manifest.dims
     entries = len(CacheLayout.from_manifest(manifest).entries)
-    return 2 * entries * dims.kv_heads * dims.head_dim * itemsize
+    return math.ceil(2 * entries * dims.kv_heads * dims.head_dim * value_bytes)
 
 
-def row_capacity(manifest: Manifest, max_batch: int, kv_cache_mb: float | None, itemsize: int = 4) -> int:
+def row_capacity(manifest: Manifest, max_batch: int, kv_cache_mb: float | None, value_bytes: float = 4) -> int:
     """Positions each of MAX_BATCH pool rows holds: KV_CACHE_MB shared among them (None: the model's
-    whole context each), at most the context, at ITEMSIZE bytes a cached value. GenerationError when that
+    whole context each), at most the context, at VALUE_BYTES a cached value. GenerationError when that
     leaves no room."""
     if max_batch < 1:
         raise GenerationError("max batch must be at least 1")
@@ -79,12 +81,33 @@ def row_capacity(manifest: Manifest, max_batch: int, kv_cache_mb: float | None, 
         return context
     if not 0 < kv_cache_mb < math.inf:  # also refuses nan
         raise GenerationError(f"--kv-cache-mb must be a finite number > 0, got {kv_cache_mb}")
-    per_position = pool_bytes_per_position(manifest, itemsize)
+    per_position = pool_bytes_per_position(manifest, value_bytes)
     capacity = min(context, int(kv_cache_mb * (1 << 20) / max_batch // per_position) - 1)  # - 1: the scratch row
     if capacity < 2:
         raise GenerationError(f"--kv-cache-mb {kv_cache_mb:g} leaves no room for {max_batch} sequences "
                               f"({per_position} bytes per position each)")
     return capacity
+
+
+def kv_cache_choice(asked: str | None, native_cache: str | None, products: str, head_dim: int) -> str:
+    """The KV pool's type (KV_CACHES): ASKED, else $SPEEDC_KV_CACHE, else NATIVE_CACHE (the twin's, where the
+    session attends natively), else float32. Only a natively attending session keeps a float16 or int8 pool: asked
+    elsewhere, a one-line GenerationError; from the environment, float32 there. int8 needs HEAD_DIM a multiple
+    of its blocks (32)."""
+    setting = os.environ.get("SPEEDC_KV_CACHE", "").strip()
+    for name, where in ((asked, "the KV cache"), (setting, "SPEEDC_KV_CACHE")):
+        if name and name not in KV_CACHES:
+            raise GenerationError(f"{where} {name!r}: choose from {', '.join(KV_CACHES)}")
+    if native_cache is None:
+        if asked not in (None, "float32"):
+            raise GenerationError(f"a {asked} KV cache needs speedc's attention, which this session does not run "
+                                  f"(products: {products}); it keeps a float32 cache")
+        return "float32"
+    chosen = asked or setting or native_cache
+    if chosen == "int8" and head_dim % KV_BLOCK:
+        raise GenerationError(f"an int8 KV cache needs head_dim a multiple of {KV_BLOCK} (this model's is {head_dim}); "
+                              "float16 is the default")
+    return chosen
 
 
 def pool_binding(session, slabs: dict[str, np.ndarray]):
@@ -140,8 +163,9 @@ class BatchBackend:
         """SESSION: another BatchBackend's session of this artifact (same fused choice), shared instead of
         opened again (a session is stateless between runs; the pool and its bindings stay this backend's).
         PROFILE_PREFIX: open the session profiling every run per op (end_profiling() names the file).
-        CACHE_DTYPE: the KV pool's dtype, "float32" or, where the session's twin attends over the pool
-        natively, "float16" (None: float16 there, else float32)."""
+        CACHE_DTYPE: the KV pool's type (runtimes/kernels/native.py KV_CACHES): "float32", or where the session's
+        twin attends over the pool natively also "float16" or "int8" (None: $SPEEDC_KV_CACHE where it does,
+        else the twin's float16; float32 where it does not)."""
         self.dims = dims = manifest.dims  # the model's sizes (read once at load: speedc/format/manifest_view.py)
         self.slots, self.stage_layers = manifest.slots, manifest.stage_layers
         self.vocab_size, self.max_context = dims.vocab_size, dims.max_context
@@ -164,18 +188,17 @@ class BatchBackend:
         self._steps: dict[tuple, StepBinding] = {}  # fused steps: (role, shape of the step) -> StepBinding, oldest first
         self._buffers: dict[tuple, np.ndarray] = {}  # (name, shape) -> the buffer every StepBinding binds NAME of SHAPE to
         self._layouts: dict[tuple, StepLayout] = {}  # (n, valid pattern, head rows) -> _layout's
-        # the pool's dtype: float16 where the session's twin attends over it natively (passes/native_attention.py)
-        native_cache = self.programs[contract.PREFILL].native_cache
-        if cache_dtype not in (None, "float32", native_cache):
-            raise GenerationError(f"a {cache_dtype} KV cache needs speedc's native attention, which this session does not "
-                                  f"run ({self.products}); it keeps a float32 cache")
-        self.cache_dtype = np.dtype(cache_dtype or native_cache or F32)
+        # the pool's type: float16 where the session's twin attends over it natively (passes/native_attention.py)
+        self.cache = kv_cache_choice(cache_dtype, self.programs[contract.PREFILL].native_cache, self.products, dims.head_dim)
+        self.cache_dtype = np.dtype(KV_CACHES[self.cache][0])
+        self.cache_width = kv_row_width(self.cache, dims.head_dim)  # the pool's last axis: one position's head
+        self.cache_value_bytes = self.cache_width * self.cache_dtype.itemsize / dims.head_dim  # bytes a cached value
         self.pool = KVPool(self._pool_shapes, lambda shape: np.zeros(shape, self.cache_dtype), self.cache_dtype.itemsize, max_batch=max_batch,
                            capacity=capacity, min_length=min_length, shrink_after=shrink_after)
         self.reserve(0, 1)
 
     def _pool_shapes(self, length: int, width: int) -> dict[str, tuple]:
-        return {phase: self.layout.pool_shape(phase, width, self.dims.kv_heads, length, self.dims.head_dim)
+        return {phase: self.layout.pool_shape(phase, width, self.dims.kv_heads, length, self.cache_width)
                 for phase in self.layout.phases}
 
     @property

@@ -551,8 +551,9 @@ int speedc_half_product(const float *x, int64_t m, int64_t k, const uint16_t *w,
 #define ATTN_PARALLEL_READS (1 << 16)  /* cache values a call reads before it takes the other threads */
 
 /* out [rows, chunk, heads * hd] = attention of packed QKV [rows, chunk, (heads + 2 kv_heads) * hd] over the
-   cache K_CACHE / V_CACHE (KV_DTYPE: 0 float32, 1 float16; CACHE_ROWS rows of ROW_STRIDE elements, row r's
-   at ROW_OF[r], each kv head of HEAD_STRIDE, POSITIONS positions of hd), row r's tokens at POS[r] + i for i < LEN[r], written there
+   cache K_CACHE / V_CACHE (KV_DTYPE: 0 float32, 1 float16, 2 int8 in blocks of 32 (attention.h kv_row_bytes);
+   CACHE_ROWS rows of ROW_STRIDE bytes, row r's at ROW_OF[r], each kv head of HEAD_STRIDE bytes, POSITIONS
+   positions of kv_row_bytes each), row r's tokens at POS[r] + i for i < LEN[r], written there
    first; see attention.h. COS / SIN [TABLE_POSITIONS, hd / 2]. Returns 0, or -1 a head layout it does not
    take, -2 a row or position past the cache or the tables, -3 a path this CPU lacks, -4 no memory. */
 int speedc_attention(const float *qkv, int64_t rows, int64_t chunk, int heads, int kv_heads, int hd,
@@ -560,7 +561,7 @@ int speedc_attention(const float *qkv, int64_t rows, int64_t chunk, int heads, i
                      int kv_dtype, int64_t cache_rows, int64_t row_stride, int64_t head_stride, int64_t positions, const float *cos,
                      const float *sin, int64_t table_positions, float scale, float *out, int threads, int path) {
     if (heads < 1 || kv_heads < 1 || heads % kv_heads || hd < 8 || hd % ATTN_LANES || hd > ATTN_MAX_HEAD_DIM
-        || (kv_dtype != KV_FP32 && kv_dtype != KV_FP16) || chunk < 1) return -1;
+        || kv_dtype < KV_FP32 || kv_dtype > KV_INT8 || (kv_dtype == KV_INT8 && hd % KV_BLOCK) || chunk < 1) return -1;
     if (path == PATH_AUTO) path = speedc_block_product_path();
     if (path <= PATH_AUTO || path >= PATH_COUNT || !(speedc_block_product_paths() & 1u << path)) return -3;
     for (int64_t r = 0; r < rows; r++) {
@@ -568,7 +569,7 @@ int speedc_attention(const float *qkv, int64_t rows, int64_t chunk, int heads, i
         if (pos[r] < 0 || len[r] < 0 || end > positions || end > table_positions || row_of[r] < 0 || row_of[r] >= cache_rows) return -2;
     }
     if (rows <= 0) return 0;
-    attention_t a = {qkv, rows, chunk, heads, kv_heads, hd, kv_dtype, attention_wide(path), row_of, pos, len,
+    attention_t a = {qkv, rows, chunk, heads, kv_heads, hd, kv_dtype, attention_wide(path), kv_row_bytes(hd, kv_dtype), row_of, pos, len,
                      k_cache, v_cache, row_stride, head_stride, cos, sin, scale, out, 0};
     int64_t reads = 0;  /* cache positions read, over the rows' tokens: a short call is not worth a wake-up */
     for (int64_t r = 0; r < rows; r++) reads += (len[r] < chunk ? len[r] : chunk) * (pos[r] + 1);

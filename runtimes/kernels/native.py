@@ -32,6 +32,15 @@ PATHS = {"auto": 0, "portable": 1, "avx2": 2, "avx-vnni": 3, "avx512-vnni": 4, "
 STAND_INS = ("avx-vnni-standin", "amx-standin")  # exact equivalents that test a path's logic on CPUs without it
 PATH_NAMES = {v: k for k, v in PATHS.items()}
 HALF_DTYPES = {"bf16": 0, "fp16": 1}  # half_product.h HALF_*
+# The KV caches the attention reads and writes (attention.h KV_*): name -> (numpy dtype of the buffer, its code).
+# int8: each position's head of hd values is one row of hd + hd / 8 bytes, [hd / 32 float32 scales | hd codes].
+KV_CACHES = {"float32": (np.float32, 0), "float16": (np.float16, 1), "int8": (np.uint8, 2)}
+KV_BLOCK = 32  # int8 caches: values per scale
+
+
+def kv_row_width(cache: str, head_dim: int) -> int:
+    """Elements of a KV buffer's last axis (one position's head) for CACHE (KV_CACHES) at HEAD_DIM."""
+    return head_dim + head_dim // 8 if cache == "int8" else head_dim
 
 _lock = threading.Lock()
 _loaded: "BlockProductKernel | None" = None
@@ -179,9 +188,10 @@ class BlockProductKernel:
                         threads: int = 1, path: str = "auto"):
         """One layer shape's attention over a KV cache read and written in place (attention.h): a function
         (qkv [R, L, (heads + 2 kv_heads) hd] float32, row_of [R], pos [R], lengths [R] int64, key, value, out=None)
-        -> out [R, L, heads hd] float32, where KEY / VALUE [rows, kv_heads, T, hd] are float16 or float32 (the
-        last three axes C-contiguous) and row r's tokens i < lengths[r] sit at pos[r] + i of cache row
-        row_of[r]. Rotary: Hugging Face's half-split rope of base THETA at positions 0..POSITIONS-1."""
+        -> out [R, L, heads hd] float32, where KEY / VALUE [rows, kv_heads, T, kv_row_width] are float32, float16
+        or int8 rows (uint8, KV_CACHES; the last two axes C-contiguous) and row r's tokens i < lengths[r] sit at
+        pos[r] + i of cache row row_of[r]. Rotary: Hugging Face's half-split rope of base THETA at positions
+        0..POSITIONS-1."""
         inv_freq = (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))).astype(np.float32)
         angles = np.arange(positions, dtype=np.float32)[:, None] * inv_freq[None, :]  # [positions, hd/2]
         cos, sin = np.ascontiguousarray(np.cos(angles), np.float32), np.ascontiguousarray(np.sin(angles), np.float32)
@@ -198,15 +208,17 @@ class BlockProductKernel:
                     raise KernelError(f"{name} must be C-contiguous int64 [{rows}], not {index.dtype} {index.shape}")
             if key.dtype != value.dtype or key.shape != value.shape or key.strides != value.strides:
                 raise KernelError("the key and value caches must have one dtype, shape and layout")
-            item = key.itemsize
-            if (key.dtype not in (np.float16, np.float32) or key.ndim != 4 or key.shape[1] != kv_heads
-                    or key.shape[3] != head_dim or key.strides[3] != item or key.strides[2] != head_dim * item):
-                raise KernelError(f"the caches must be float16 or float32 [rows, {kv_heads}, T, {head_dim}], "
-                                  f"positions contiguous, not {key.dtype} {key.shape}")
+            cache = next((name for name, (dtype, _) in KV_CACHES.items() if key.dtype == dtype), None)
+            row = kv_row_width(cache, head_dim) if cache else 0
+            if (cache is None or key.ndim != 4 or key.shape[1] != kv_heads or key.shape[3] != row
+                    or key.strides[3] != key.itemsize or key.strides[2] != row * key.itemsize):
+                raise KernelError(f"the caches must be float32, float16 or int8 rows (uint8) [rows, {kv_heads}, T, "
+                                  f"{head_dim} (int8: {kv_row_width('int8', head_dim)})], positions contiguous, "
+                                  f"not {key.dtype} {key.shape}")
             y = np.empty((rows, chunk, heads * head_dim), np.float32) if out is None else out
             rc = run(qkv.ctypes.data, rows, chunk, heads, kv_heads, head_dim, row_of.ctypes.data, pos.ctypes.data,
-                     lengths.ctypes.data, key.ctypes.data, value.ctypes.data, int(key.dtype == np.float16), key.shape[0],
-                     key.strides[0] // item, key.strides[1] // item, key.shape[2], cos.ctypes.data, sin.ctypes.data,
+                     lengths.ctypes.data, key.ctypes.data, value.ctypes.data, KV_CACHES[cache][1], key.shape[0],
+                     key.strides[0], key.strides[1], key.shape[2], cos.ctypes.data, sin.ctypes.data,
                      positions, scale, y.ctypes.data, threads, path_code)
             if rc != 0:
                 raise KernelError(f"attention refused its arguments (code {rc}: rows {rows}, chunk {chunk}, "

@@ -83,10 +83,10 @@ class BatchedEngine:
 
     def describe(self) -> str:
         backend = self.loop.scheduler.backend
-        itemsize = backend.pool.itemsize
-        mib = pool_bytes_per_position(self.engine.manifest, itemsize) * self.max_batch * (backend.pool.capacity + 1) / (1 << 20)
+        value_bytes = getattr(backend, "cache_value_bytes", 4)
+        mib = pool_bytes_per_position(self.engine.manifest, value_bytes) * self.max_batch * (backend.pool.capacity + 1) / (1 << 20)
         return (f"continuous batching: up to {self.max_batch} requests at once, {self.max_queue} may wait; KV-cache pool "
-                f"up to {mib:.0f} MiB ({'float16' if itemsize == 2 else 'float32'}; it grows with the requests in it), "
+                f"up to {mib:.0f} MiB ({getattr(backend, 'cache', 'float32')}; it grows with the requests in it), "
                 f"{backend.pool.capacity} positions per request")
 
     # ---- what the server asks of the model and the metrics ---------------------------------------

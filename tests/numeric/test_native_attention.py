@@ -2,8 +2,8 @@
 (SpeedcAttention) over a float16 KV pool the runtime holds, instead of GroupQueryAttention over fp32 cache
 buffers bound into ONNX Runtime. Before and after on the graphs; then, on the looped families' published
 layouts (Ouro's sandwich blocks, Nanbeige's loops) built at their bf16, SPEED == plain decoding on that pool
-(greedy and seeded, alone and batched, through accepted and refused drafts), and the ids against the
-published code run by transformers."""
+(greedy and seeded, alone and batched, through accepted and refused drafts) and on an int8 pool, and the
+ids against the published code run by transformers; SPEEDC_KV_CACHE is refused in one line where wrong."""
 
 from __future__ import annotations
 
@@ -79,10 +79,11 @@ def test_an_unbound_cache_is_an_exception_not_an_abort(tiny_int4):
     assert engine.generate([1, 2, 3], max_new_tokens=2).ids
 
 
+CACHES = ("float16", "int8")
 FAMILIES = {  # name: (writer, options, perturbed): the published layouts at their bf16
-    "ouro": (write_ouro, dict(layers=2, loops=4, seed=1, residual_scale=0.05), False),
-    "ouro-perturbed": (write_ouro, dict(layers=1, loops=3, seed=1, residual_scale=0.05), True),
-    "nanbeige": (write_nanbeige, dict(layers=2, loops=2, seed=2, residual_scale=0.05), False),
+    "ouro": (write_ouro, dict(layers=2, loops=4, seed=1, residual_scale=0.05, head_dim=32), False),
+    "ouro-perturbed": (write_ouro, dict(layers=1, loops=3, seed=1, residual_scale=0.05, head_dim=32), True),
+    "nanbeige": (write_nanbeige, dict(layers=2, loops=2, seed=2, residual_scale=0.05, head_dim=32), False),
 }
 
 
@@ -94,17 +95,24 @@ def family_engines(tmp_path_factory):
         if perturbed:
             perturb(checkpoint, factor=20.0)
         art = build_artifact(checkpoint, root / f"{name}-art")
-        with pytest.MonkeyPatch.context() as env:
-            env.setenv("SPEEDC_NATIVE_KERNEL", "1")
-            built[name] = (checkpoint, Engine.load(art))
+        for cache in CACHES:
+            with pytest.MonkeyPatch.context() as env:
+                env.setenv("SPEEDC_NATIVE_KERNEL", "1")
+                env.setenv("SPEEDC_KV_CACHE", cache)
+                engine = Engine.load(art)
+                assert engine.backend.cache == cache  # (opened here, under these settings)
+            built[name, cache] = (checkpoint, engine)
     return built
 
 
 @needs_kernel
+@pytest.mark.parametrize("cache", CACHES)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_speed_equals_plain_decoding_on_the_float16_pool(family_engines, family):
-    checkpoint, engine = family_engines[family]
-    assert engine.backend.cache_dtype == np.float16 and engine.backend.products.startswith("speedc kernel")
+def test_speed_equals_plain_decoding_on_the_kernels_pool(family_engines, family, cache):
+    """SPEED == plain decoding on the float16 pool and on the int8 one (SPEEDC_KV_CACHE=int8)."""
+    checkpoint, engine = family_engines[family, cache]
+    assert engine.backend.cache_dtype == {"float16": np.float16, "int8": np.uint8}[cache]
+    assert engine.backend.products.startswith("speedc kernel")
     vocab = engine.manifest.dims.vocab_size
     prompts = [seeded_prompt(seed, 6, vocab) for seed in (0, 1, 2)]
     expected = [engine.generate(p, max_new_tokens=20, stop_at_eos=False, mode="autoregressive").ids for p in prompts]
@@ -127,8 +135,41 @@ def test_ids_follow_the_published_code(family_engines):
     (these weights' top logits lie far enough apart for 11-bit keys and values)."""
     from test_looped_checkpoints import OuroOracle, oracle_greedy
 
-    checkpoint, engine = family_engines["ouro"]
+    checkpoint, engine = family_engines["ouro", "float16"]
     oracle = OuroOracle(checkpoint)
     for seed in (0, 1):
         prompt = seeded_prompt(seed, 6, engine.manifest.dims.vocab_size)
         assert engine.generate(prompt, max_new_tokens=16, stop_at_eos=False, mode="speed-always").ids == oracle_greedy(oracle, prompt, 16)
+
+
+@needs_kernel
+def test_the_pool_type_is_chosen_and_refused_in_one_line(tiny_int4, tiny_artifact, monkeypatch):
+    from speedc.errors import GenerationError
+    from speedc.runtimes.backends.onnx import BatchBackend
+
+    monkeypatch.setenv("SPEEDC_NATIVE_KERNEL", "1")
+    engine = Engine.load(tiny_int4)
+    manifest = engine.manifest
+    for cache, dtype, width in (("float32", np.float32, 32), ("float16", np.float16, 32), ("int8", np.uint8, 36)):
+        backend = BatchBackend(tiny_int4, manifest, 1, 64, session=engine.backend.session, cache_dtype=cache)
+        backend.reserve(8, 1)
+        assert backend.cache_dtype == dtype and backend.pool.key.shape[-1] == width == backend.cache_width
+    monkeypatch.setenv("SPEEDC_KV_CACHE", "int4")
+    with pytest.raises(GenerationError, match="SPEEDC_KV_CACHE 'int4': choose from float32, float16, int8"):
+        BatchBackend(tiny_int4, manifest, 1, 64, session=engine.backend.session)
+    monkeypatch.setenv("SPEEDC_KV_CACHE", "int8")  # a session without the kernel's attention keeps float32
+    plain = Engine.load(tiny_artifact)
+    assert plain.backend.cache == "float32"
+    with pytest.raises(GenerationError, match="a int8 KV cache needs speedc's attention"):
+        BatchBackend(tiny_artifact, plain.manifest, 1, 64, session=plain.backend.session, cache_dtype="int8")
+
+
+@needs_kernel
+def test_an_int8_pool_needs_whole_blocks(tmp_path, monkeypatch):
+    from speedc.errors import GenerationError
+
+    monkeypatch.setenv("SPEEDC_NATIVE_KERNEL", "1")
+    monkeypatch.setenv("SPEEDC_KV_CACHE", "int8")
+    art = build_artifact(write_ouro(tmp_path / "ouro16", layers=1, loops=2, head_dim=16), tmp_path / "art")
+    with pytest.raises(GenerationError, match="int8 KV cache needs head_dim a multiple of 32 .this model's is 16"):
+        Engine.load(art).backend
