@@ -2,7 +2,8 @@
 # Kernel check: speedc's int4/int8 and 16-bit product kernel (runtimes/kernels/) on this CPU, for CPUs
 # this project's machines may lack (AVX-VNNI, AVX-512 VNNI, AMX, Arm dotprod / i8mm): the paths it runs,
 # every path's tests (exact integer sums, row and thread invariance, the reference, the portable path's
-# bits; tests/numeric/test_block_product_kernel.py and test_half_product_kernel.py),
+# bits; tests/numeric/test_block_product_kernel.py, test_half_product_kernel.py and, for the attention over
+# the KV pool, test_attention_kernel.py),
 # then each path's time for 1, 2, 4 and 8 rows over Ouro-1.4B's products beside MatMulNBits and the
 # memory floor (speedc.bench.floor.measure_kernel, int4 and int8). Written to kernel_check.json (or
 # $OUT/kernel_check.json) with the CPU's model and flags.
@@ -20,7 +21,7 @@ export SPEEDC_KERNEL_CACHE="$STAGE/kernels"
 tests="$(mktemp)"
 set +e
 timeout 300 "$PYTHON" -m pytest -q -p no:cacheprovider "$REPO/tests/numeric/test_block_product_kernel.py" \
-    "$REPO/tests/numeric/test_half_product_kernel.py" >"$tests" 2>&1
+    "$REPO/tests/numeric/test_half_product_kernel.py" "$REPO/tests/numeric/test_attention_kernel.py" >"$tests" 2>&1
 passed=$?
 set -e
 tail -5 "$tests"

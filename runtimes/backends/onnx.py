@@ -159,11 +159,11 @@ class BatchBackend:
 
     def __init__(self, directory: Path, manifest: Manifest, max_batch: int, capacity: int, threads: int | None = None,
                  fused: bool | None = None, min_length: int = MIN_POOL_POSITIONS, shrink_after: int = SHRINK_AFTER_STEPS,
-                 session=None, profile_prefix: str | None = None, cache_dtype: str | None = None) -> None:
+                 session=None, profile_prefix: str | None = None, kv_cache: str | None = None) -> None:
         """SESSION: another BatchBackend's session of this artifact (same fused choice), shared instead of
         opened again (a session is stateless between runs; the pool and its bindings stay this backend's).
         PROFILE_PREFIX: open the session profiling every run per op (end_profiling() names the file).
-        CACHE_DTYPE: the KV pool's type (runtimes/kernels/native.py KV_CACHES): "float32", or where the session's
+        KV_CACHE: the KV pool's type (runtimes/kernels/native.py KV_CACHES): "float32", or where the session's
         twin attends over the pool natively also "float16" or "int8" (None: $SPEEDC_KV_CACHE where it does,
         else the twin's float16; float32 where it does not)."""
         self.dims = dims = manifest.dims  # the model's sizes (read once at load: speedc/format/manifest_view.py)
@@ -189,12 +189,12 @@ class BatchBackend:
         self._buffers: dict[tuple, np.ndarray] = {}  # (name, shape) -> the buffer every StepBinding binds NAME of SHAPE to
         self._layouts: dict[tuple, StepLayout] = {}  # (n, valid pattern, head rows) -> _layout's
         # the pool's type: float16 where the session's twin attends over it natively (passes/native_attention.py)
-        self.cache = kv_cache_choice(cache_dtype, self.programs[contract.PREFILL].native_cache, self.products, dims.head_dim)
-        self.cache_dtype = np.dtype(KV_CACHES[self.cache][0])
-        self.cache_width = kv_row_width(self.cache, dims.head_dim)  # the pool's last axis: one position's head
+        self.kv_cache = kv_cache_choice(kv_cache, self.programs[contract.PREFILL].native_cache, self.products, dims.head_dim)
+        self.cache_dtype = np.dtype(KV_CACHES[self.kv_cache][0])  # its buffers' numpy dtype
+        self.cache_width = kv_row_width(self.kv_cache, dims.head_dim)  # the pool's last axis: one position's head
         self.cache_value_bytes = self.cache_width * self.cache_dtype.itemsize / dims.head_dim  # bytes a cached value
-        self.pool = KVPool(self._pool_shapes, lambda shape: np.zeros(shape, self.cache_dtype), self.cache_dtype.itemsize, max_batch=max_batch,
-                           capacity=capacity, min_length=min_length, shrink_after=shrink_after)
+        self.pool = KVPool(self._pool_shapes, lambda shape: np.zeros(shape, self.cache_dtype), self.cache_dtype.itemsize,
+                           max_batch=max_batch, capacity=capacity, min_length=min_length, shrink_after=shrink_after)
         self.reserve(0, 1)
 
     def _pool_shapes(self, length: int, width: int) -> dict[str, tuple]:

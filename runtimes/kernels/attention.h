@@ -6,7 +6,7 @@
    For row r and token i < len[r] of its chunk, at position p = pos[r] + i, over cache row row_of[r]:
        k, v   the token's kv heads (the packed q|k|v input); k rotated at p (half-split rope, the cos / sin
               tables given); both written at position p, rounded to the cache's type, before any token reads
-              (int8: per block of 32 values scale = max |x| / 127, code = rint(x / scale); read as code * scale)
+              (int8: per block of 32 values scale = max |x| / 127, code = rint(x * (127 / max |x|)); read code * scale)
        out    per query head h (its kv head h / (heads / kv_heads)), q rotated at p:
               softmax over t = 0..p of scale * q . K[t], times V[t]
    Tokens past len[r] (a right-padded chunk) are neither written nor read: their output is 0.
@@ -19,10 +19,12 @@
    One order of operations for a token whatever the rows beside it, its chunk or the thread count (work is
    split over (row, kv head)), and the same on the portable and AVX2 paths (explicit fused multiply-
    adds, an exp of our own), so a token attends bitwise the same in plain decoding and in a step:
-       q . k   8 lanes, lane l += q[d] * k[d] for d = l, l + 8, ... (fma); then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))
+       q . k   8 lanes, lane l += q[d] * k[d] for d = l, l + 8, ... (fma);
+               then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) (two horizontal adds)
        exp     exp_approx: a degree-6 polynomial and 2^n, the same fmas on every path
        sum     of e_t: lane t % 8 in order of t, then reduced as the dot
-       out[d]  fma of e_t * v_t[d] in order of t, divided by the sum */
+       out[d]  fma of e_t * v_t[d] in order of t, divided by the sum
+   A prefill's tokens go four at a time on the AVX2 path (attend_avx2_four), each in that same order. */
 
 #define ATTN_LANES 8
 #define ATTN_MAX_HEAD_DIM 512

@@ -129,16 +129,14 @@ class WeightMap:
 
 
 _bound_caches: dict[str, dict[str, np.ndarray]] = {}  # artifact id -> the KV-cache buffers of its run in progress
-_run_locks: "weakref.WeakValueDictionary[str, threading.Lock]" = weakref.WeakValueDictionary()
+_run_locks: dict[str, threading.Lock] = {}  # artifact id -> held while a run of its sessions has caches bound
 
 
 class _CachesBound:
     def __init__(self, artifact_id: str, caches: dict[str, np.ndarray]) -> None:
         self.artifact_id, self.given = artifact_id, caches
         with _lock:
-            self.lock = _run_locks.get(artifact_id)
-            if self.lock is None:
-                self.lock = _run_locks[artifact_id] = _RunLock()
+            self.lock = _run_locks.setdefault(artifact_id, threading.Lock())
 
     def __enter__(self) -> None:
         self.lock.acquire()
@@ -147,14 +145,6 @@ class _CachesBound:
     def __exit__(self, *exc) -> None:
         _bound_caches.pop(self.artifact_id, None)
         self.lock.release()
-
-
-class _RunLock:
-    """A lock a weak dictionary can hold (threading.Lock cannot be weakly referenced)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.acquire, self.release = self._lock.acquire, self._lock.release
 
 
 def _load_extensions():
@@ -198,26 +188,18 @@ def _install(module) -> None:
             return op_id, (0,), np.empty(0, np.float32)
 
     module.PyCustomOpDef.install_hooker(handle)
-    for op_type, casts in ((contract.NATIVE_PRODUCT, contract.NATIVE_PRODUCT_ATTRIBUTES),
-                           (contract.NATIVE_HALF_PRODUCT, contract.NATIVE_HALF_PRODUCT_ATTRIBUTES)):
+    floats, ints = module.PyCustomOpDef.dt_float, module.PyCustomOpDef.dt_int64
+    for op_type, casts, inputs in ((contract.NATIVE_PRODUCT, contract.NATIVE_PRODUCT_ATTRIBUTES, [floats]),
+                                   (contract.NATIVE_HALF_PRODUCT, contract.NATIVE_HALF_PRODUCT_ATTRIBUTES, [floats]),
+                                   (contract.NATIVE_ATTENTION, contract.NATIVE_ATTENTION_ATTRIBUTES, [floats] + [ints] * 3)):
         definition = module.PyCustomOpDef()
         definition.op_type = op_type
         definition.obj_id = id(definition)
-        definition.input_types = [module.PyCustomOpDef.dt_float]
-        definition.output_types = [module.PyCustomOpDef.dt_float]
-        definition.attrs = {name: (module.PyCustomOpDef.dt_string if cast is str else module.PyCustomOpDef.dt_int64)
-                            for name, cast in casts.items()}
+        definition.input_types = inputs
+        definition.output_types = [floats]
+        definition.attrs = {name: (module.PyCustomOpDef.dt_string if cast is str else ints) for name, cast in casts.items()}
         module.add_custom_op(definition)
         _keep.append(definition)
-    definition = module.PyCustomOpDef()
-    definition.op_type = contract.NATIVE_ATTENTION
-    definition.obj_id = id(definition)
-    definition.input_types = [module.PyCustomOpDef.dt_float] + [module.PyCustomOpDef.dt_int64] * 3
-    definition.output_types = [module.PyCustomOpDef.dt_float]
-    definition.attrs = {name: (module.PyCustomOpDef.dt_string if cast is str else module.PyCustomOpDef.dt_int64)
-                        for name, cast in contract.NATIVE_ATTENTION_ATTRIBUTES.items()}
-    module.add_custom_op(definition)
-    _keep.append(definition)
 
 
 def custom_ops_library() -> str | None:
@@ -282,4 +264,4 @@ def raise_pending() -> None:
     if _errors:
         bad = _errors[0]
         _errors.clear()
-        raise RuntimeError(f"the native product failed: {bad}") from bad
+        raise RuntimeError(f"a native operator failed: {bad}") from bad

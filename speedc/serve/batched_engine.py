@@ -86,7 +86,7 @@ class BatchedEngine:
         value_bytes = getattr(backend, "cache_value_bytes", 4)
         mib = pool_bytes_per_position(self.engine.manifest, value_bytes) * self.max_batch * (backend.pool.capacity + 1) / (1 << 20)
         return (f"continuous batching: up to {self.max_batch} requests at once, {self.max_queue} may wait; KV-cache pool "
-                f"up to {mib:.0f} MiB ({getattr(backend, 'cache', 'float32')}; it grows with the requests in it), "
+                f"up to {mib:.0f} MiB ({getattr(backend, 'kv_cache', 'float32')}; it grows with the requests in it), "
                 f"{backend.pool.capacity} positions per request")
 
     # ---- what the server asks of the model and the metrics ---------------------------------------

@@ -100,7 +100,7 @@ def family_engines(tmp_path_factory):
                 env.setenv("SPEEDC_NATIVE_KERNEL", "1")
                 env.setenv("SPEEDC_KV_CACHE", cache)
                 engine = Engine.load(art)
-                assert engine.backend.cache == cache  # (opened here, under these settings)
+                assert engine.backend.kv_cache == cache  # (opened here, under these settings)
             built[name, cache] = (checkpoint, engine)
     return built
 
@@ -151,7 +151,7 @@ def test_the_pool_type_is_chosen_and_refused_in_one_line(tiny_int4, tiny_artifac
     engine = Engine.load(tiny_int4)
     manifest = engine.manifest
     for cache, dtype, width in (("float32", np.float32, 32), ("float16", np.float16, 32), ("int8", np.uint8, 36)):
-        backend = BatchBackend(tiny_int4, manifest, 1, 64, session=engine.backend.session, cache_dtype=cache)
+        backend = BatchBackend(tiny_int4, manifest, 1, 64, session=engine.backend.session, kv_cache=cache)
         backend.reserve(8, 1)
         assert backend.cache_dtype == dtype and backend.pool.key.shape[-1] == width == backend.cache_width
     monkeypatch.setenv("SPEEDC_KV_CACHE", "int4")
@@ -159,9 +159,9 @@ def test_the_pool_type_is_chosen_and_refused_in_one_line(tiny_int4, tiny_artifac
         BatchBackend(tiny_int4, manifest, 1, 64, session=engine.backend.session)
     monkeypatch.setenv("SPEEDC_KV_CACHE", "int8")  # a session without the kernel's attention keeps float32
     plain = Engine.load(tiny_artifact)
-    assert plain.backend.cache == "float32"
+    assert plain.backend.kv_cache == "float32"
     with pytest.raises(GenerationError, match="a int8 KV cache needs speedc's attention"):
-        BatchBackend(tiny_artifact, plain.manifest, 1, 64, session=plain.backend.session, cache_dtype="int8")
+        BatchBackend(tiny_artifact, plain.manifest, 1, 64, session=plain.backend.session, kv_cache="int8")
 
 
 @needs_kernel

@@ -111,7 +111,7 @@ def test_an_operator_error_is_an_exception_not_an_abort(tiny_int4):
     assert session.speedc_products.startswith("speedc kernel")
     session.speedc_weight_map.products.clear()
     session.speedc_weight_map.index = {}
-    with pytest.raises(RuntimeError, match="the native product failed: .*has no .*q4"):
+    with pytest.raises(RuntimeError, match="a native operator failed: .*has no .*q4"):
         engine.generate([1, 2, 3], max_new_tokens=2)
 
 
@@ -224,7 +224,7 @@ def test_16_bit_twin_keeps_speed_equal_to_plain_decoding(random_16bit, dtype):
     assert native.backend.cache_dtype == np.float16 and onnx_fp32.backend.cache_dtype == np.float32
     logits = {}
     for name, engine, cache in (("native", native, None), ("native fp32 cache", native, "float32"), ("fp32", onnx_fp32, None)):
-        backend = BatchBackend(art, engine.manifest, 1, 64, session=engine.backend.session, cache_dtype=cache)
+        backend = BatchBackend(art, engine.manifest, 1, 64, session=engine.backend.session, kv_cache=cache)
         backend.reserve(6, 1)
         logits[name] = backend.prefill(0, [[5, 17, 3, 9, 42, 7]], 0, True)[1]
     scale = np.abs(logits["fp32"]).max()
