@@ -15,7 +15,8 @@ twin's operator reads the 16-bit weights where weights.bin is mapped. A weight t
 16 bits.
 
 The twin takes and returns exactly what its engine graph does (the manifest records it as the graph's
-`native_file`); only its products differ. Its operator reads the codes and scales from weights.bin by
+`native_file`); only its products differ (the pass native_attention then moves the fused twin's attention onto
+the kernel and its caches out of the graph). Its operator reads the codes and scales from weights.bin by
 their weight index names, so the twin holds no weight of a product: ONNX Runtime loads none of them,
 and the engine graph (MatMulNBits) stays for runtimes without the kernel. The kernel sums a row the
 same whatever the row count, so the twin needs no zero row (the engine graph's int4 products append

@@ -82,7 +82,8 @@ def variant(graph: str) -> str:
 
 # ---- native products (passes/native_products.py writes them, runtimes/kernels/ort_op.py runs them) ----
 # A block-quantized artifact's engine graphs each have a twin (the manifest's `native_file` of the graph)
-# that takes and returns the same tensors, its weight products run by speedc's kernel as this operator:
+# that takes and returns the same tensors (the fused graph's: less its caches, see NATIVE_ATTENTION below),
+# its weight products run by speedc's kernel as this operator:
 #   x [M, K] -> NATIVE_PRODUCT(artifact, codes, scales, n, k, bits, block_size) -> y [M, N]
 # naming its codes and scales in the weight index of the artifact whose manifest records `artifact`.
 NATIVE_DOMAIN = "ai.onnx.contrib"  # onnxruntime-extensions' domain of Python operators
