@@ -42,6 +42,7 @@ def kv_row_width(cache: str, head_dim: int) -> int:
     """Elements of a KV buffer's last axis (one position's head) for CACHE (KV_CACHES) at HEAD_DIM."""
     return head_dim + head_dim // 8 if cache == "int8" else head_dim
 
+
 _lock = threading.Lock()
 _loaded: "BlockProductKernel | None" = None
 _reason: str | None = None
@@ -183,11 +184,10 @@ class BlockProductKernel:
         product.weights = (weight,)  # the memory the pointer points into stays alive with the function
         return product
 
-
     def attention_bound(self, *, heads: int, kv_heads: int, head_dim: int, theta: float, positions: int,
                         threads: int = 1, path: str = "auto"):
         """One layer shape's attention over a KV cache read and written in place (attention.h): a function
-        (qkv [R, L, (heads + 2 kv_heads) hd] float32, row_of [R], pos [R], lengths [R] int64, key, value, out=None)
+        (qkv [R, L, (heads + 2 kv_heads) hd] float32, row_of [R], pos [R], lengths [R] int64, key, value)
         -> out [R, L, heads hd] float32, where KEY / VALUE [rows, kv_heads, T, kv_row_width] are float32, float16
         or int8 rows (uint8, KV_CACHES; the last two axes C-contiguous) and row r's tokens i < lengths[r] sit at
         pos[r] + i of cache row row_of[r]. Rotary: Hugging Face's half-split rope of base THETA at positions
@@ -199,7 +199,7 @@ class BlockProductKernel:
         scale = float(np.float32(head_dim ** -0.5))
 
         def attention(qkv: np.ndarray, row_of: np.ndarray, pos: np.ndarray, lengths: np.ndarray, key: np.ndarray,
-                      value: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+                      value: np.ndarray) -> np.ndarray:
             if qkv.dtype != np.float32 or qkv.ndim != 3 or qkv.shape[2] != width or not qkv.flags.c_contiguous:
                 raise KernelError(f"qkv must be C-contiguous float32 [R, L, {width}], not {qkv.dtype} {qkv.shape}")
             rows, chunk = qkv.shape[:2]
@@ -215,7 +215,7 @@ class BlockProductKernel:
                 raise KernelError(f"the caches must be float32, float16 or int8 rows (uint8) [rows, {kv_heads}, T, "
                                   f"{head_dim} (int8: {kv_row_width('int8', head_dim)})], positions contiguous, "
                                   f"not {key.dtype} {key.shape}")
-            y = np.empty((rows, chunk, heads * head_dim), np.float32) if out is None else out
+            y = np.empty((rows, chunk, heads * head_dim), np.float32)
             rc = run(qkv.ctypes.data, rows, chunk, heads, kv_heads, head_dim, row_of.ctypes.data, pos.ctypes.data,
                      lengths.ctypes.data, key.ctypes.data, value.ctypes.data, KV_CACHES[cache][1], key.shape[0],
                      key.strides[0], key.strides[1], key.shape[2], cos.ctypes.data, sin.ctypes.data,

@@ -173,3 +173,17 @@ def test_an_int8_pool_needs_whole_blocks(tmp_path, monkeypatch):
     art = build_artifact(write_ouro(tmp_path / "ouro16", layers=1, loops=2, head_dim=16), tmp_path / "art")
     with pytest.raises(GenerationError, match="int8 KV cache needs head_dim a multiple of 32 .this model's is 16"):
         Engine.load(art).backend
+
+
+@needs_kernel
+def test_a_plain_engine_attends_natively_too(tmp_path, monkeypatch):
+    """P = 1: the fused engine graph is the prefill program itself (no If); its twin attends on the kernel."""
+    art = build_artifact(ZOO / "tiny", tmp_path / "p1", dtype="int4", slots=1)
+    spec = read_manifest(art).graphs[contract.fused(contract.ENGINE)]
+    twin = _model(art / spec["native_file"])
+    assert spec[contract.NATIVE_CACHE] == "float16" and not any(contract.is_cache_input(v.name) for v in twin.input)
+    assert collections.Counter(n.op_type for n in onnx_nodes(twin))[contract.NATIVE_ATTENTION] == 8
+    monkeypatch.setenv("SPEEDC_NATIVE_KERNEL", "1")
+    engine = Engine.load(art)
+    assert engine.backend.kv_cache == "float16"
+    assert len(engine.generate([1, 2, 3, 4], max_new_tokens=12, stop_at_eos=False).ids) == 12
