@@ -158,18 +158,13 @@ def check_shared_attention(replaced: list[gs.Node], graph_name: str) -> None:
                              f"(its rotary tables, masks or cache): {REFUSAL}")
 
 
-def rotary_inv_freq(head_dim: int, theta: float) -> np.ndarray:
-    """[hd/2] float32, Hugging Face's default rope (models/row_layer.py rotary_inv_freq, in numpy)."""
-    return (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))).astype(np.float32)
-
-
 def rotary_tables(graph: gs.Graph, head_dim: int, theta: float, rows: int) -> tuple[gs.Tensor, gs.Tensor]:
     """cos/sin [rows, hd/2] for positions 0..rows-1 (Hugging Face half-split rotary), computed in the
     graph from inv_freq (ONNX Runtime folds them at load) so the artifact does not store the tables.
 
         Range(rows) [rows] -> Cast float -> Unsqueeze [rows, 1] -> Mul inv_freq [hd/2] -> Cos / Sin
     """
-    inv_freq = rotary_inv_freq(head_dim, theta)
+    inv_freq = contract.rotary_inv_freq(head_dim, theta)
     index = add_layer(graph, op="Range", inputs=[gs.Constant("gqa.rows.start", np.array(0, np.int64)),
                                                  gs.Constant("gqa.rows.stop", np.array(rows, np.int64)),
                                                  gs.Constant("gqa.rows.step", np.array(1, np.int64))], outputs=["gqa.rows"])[0]
@@ -324,7 +319,7 @@ def lower_to_gqa(graph: gs.Graph, *, slots: int, heads: int, kv_heads: int, head
     layers = _layers(graph)
     original_nodes = list(graph.nodes)  # before any rewiring: what falls away is checked against them at the end
     paths = check_layer_paths(graph, layers, head_dim)
-    check_rotary_frequencies(graph, rotary_inv_freq(head_dim, theta))
+    check_rotary_frequencies(graph, contract.rotary_inv_freq(head_dim, theta))
     graph.name = contract.fused(graph.name)
     known = graph.tensors()  # looked up once: graph.tensors() scans the whole graph (per layer: minutes)
     ids_shape, chunk, seqlens, total = _sequence_lengths(graph, known)

@@ -184,15 +184,14 @@ class BlockProductKernel:
         product.weights = (weight,)  # the memory the pointer points into stays alive with the function
         return product
 
-    def attention_bound(self, *, heads: int, kv_heads: int, head_dim: int, theta: float, positions: int,
+    def attention_bound(self, *, heads: int, kv_heads: int, head_dim: int, inv_freq: np.ndarray, positions: int,
                         threads: int = 1, path: str = "auto"):
         """One layer shape's attention over a KV cache read and written in place (attention.h): a function
         (qkv [R, L, (heads + 2 kv_heads) hd] float32, row_of [R], pos [R], lengths [R] int64, key, value)
         -> out [R, L, heads hd] float32, where KEY / VALUE [rows, kv_heads, T, kv_row_width] are float32, float16
         or int8 rows (uint8, KV_CACHES; the last two axes C-contiguous) and row r's tokens i < lengths[r] sit at
-        pos[r] + i of cache row row_of[r]. Rotary: Hugging Face's half-split rope of base THETA at positions
-        0..POSITIONS-1."""
-        inv_freq = (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))).astype(np.float32)
+        pos[r] + i of cache row row_of[r]. Rotary: Hugging Face's half-split rope by INV_FREQ [hd/2] (contract.
+        rotary_inv_freq) at positions 0..POSITIONS-1."""
         angles = np.arange(positions, dtype=np.float32)[:, None] * inv_freq[None, :]  # [positions, hd/2]
         cos, sin = np.ascontiguousarray(np.cos(angles), np.float32), np.ascontiguousarray(np.sin(angles), np.float32)
         width, run, path_code = (heads + 2 * kv_heads) * head_dim, self._attention, PATHS[path]

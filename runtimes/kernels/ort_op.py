@@ -73,7 +73,8 @@ class WeightMap:
         found = (attrs["heads"], attrs["kv_heads"], attrs["head_dim"], attrs["theta"])
         attention = self.attentions.get(found)
         if attention is None or attention.positions < key.shape[2]:  # its rotary tables cover the pool's positions
-            attention = _kernel.attention_bound(heads=found[0], kv_heads=found[1], head_dim=found[2], theta=float(found[3]),
+            attention = _kernel.attention_bound(heads=found[0], kv_heads=found[1], head_dim=found[2],
+                                                inv_freq=contract.rotary_inv_freq(found[2], float(found[3])),
                                                 positions=key.shape[2], threads=self.threads, path=self.path)
             attention.positions = key.shape[2]
             self.attentions[found] = attention

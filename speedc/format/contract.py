@@ -59,6 +59,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from speedc.errors import ArtifactError
 
 # ---- graphs --------------------------------------------------------------------------------------
@@ -108,6 +110,12 @@ NATIVE_ATTENTION = "SpeedcAttention"
 NATIVE_ATTENTION_ATTRIBUTES = {"artifact": str, "key": str, "value": str, "slots": int, "heads": int, "kv_heads": int,
                                "head_dim": int, "theta": str}
 NATIVE_CACHE = "native_cache"  # a graph's manifest entry: its twin's KV pool dtype, where its twin attends natively
+
+
+def rotary_inv_freq(head_dim: int, theta: float) -> np.ndarray:
+    """[hd/2] float32: Hugging Face's default rope frequencies theta^(-2i/hd) (models/row_layer.py rotary_inv_freq, in
+    numpy): what the fused graphs' rotary tables and NATIVE_ATTENTION's `theta` rotate by."""
+    return (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))).astype(np.float32)
 
 
 def without_caches(specs: list) -> list:

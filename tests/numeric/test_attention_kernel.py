@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from speedc.format import contract
 from speedc.runtimes.kernels import native
 from speedc.runtimes.kernels.native import KernelError
 
@@ -23,7 +24,8 @@ SCALES = HD // 32  # int8 rows: [SCALES float32 scales | HD int8 codes]
 
 
 def bound(**kw):
-    return KERNEL.attention_bound(heads=HEADS, kv_heads=KV_HEADS, head_dim=HD, theta=THETA, positions=T, **kw)
+    return KERNEL.attention_bound(heads=HEADS, kv_heads=KV_HEADS, head_dim=HD, inv_freq=contract.rotary_inv_freq(HD, THETA),
+                                  positions=T, **kw)
 
 
 def quantize(x: np.ndarray) -> np.ndarray:
