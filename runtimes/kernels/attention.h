@@ -17,25 +17,29 @@
    GroupQueryAttention is no faster on one. Here each row also reads only its own positions, not the pool's length.
 
    One order of operations for a token whatever the rows beside it, its chunk or the thread count (work is
-   split over (row, kv head)), and the same on the portable and AVX2 paths (explicit fused multiply-
+   split over (row, kv head)), and the same on the portable, AVX2 and AVX-512 paths (explicit fused multiply-
    adds, an exp of our own), so a token attends bitwise the same in plain decoding and in a step:
-       q . k   8 lanes, lane l += q[d] * k[d] for d = l, l + 8, ... (fma);
-               then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) (two horizontal adds)
+       q . k   16 lanes, lane l += q[d] * k[d] for d = l, l + 16, ... (fma); the halves added, lane l + lane
+               l + 8, then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) (two horizontal adds)
        exp     exp_approx: a degree-6 polynomial and 2^n, the same fmas on every path
-       sum     of e_t: lane t % 8 in order of t, then reduced as the dot
+       sum     of e_t: lane t % 16 in order of t, then reduced as the dot
        out[d]  fma of e_t * v_t[d] in order of t, divided by the sum
-   A prefill's tokens go four at a time on the AVX2 path (attend_avx2_four), each in that same order. */
+   AVX-512 holds the 16 lanes in one register, AVX2 in two (values d with d / 8 even, and odd). A prefill's
+   tokens go four at a time (attend_*_four), each in that same order, every cached value converted once for the four. */
 
-#define ATTN_LANES 8
+#define ATTN_LANES 8   /* an AVX2 register's floats */
+#define ATTN_FOLD 16   /* the lanes of a dot or a sum (the order above) */
 #define ATTN_MAX_HEAD_DIM 512
-#define ATTN_TOKENS 4  /* a prefill chunk's tokens attended together (attend_avx2_four) */
+#define ATTN_TOKENS 4  /* a prefill chunk's tokens attended together (attend_*_four) */
+#define ATTN_PREFETCH 1024  /* bytes of the cache read ahead of the position attended */
 #define KV_BLOCK 32  /* int8 cache: values per scale */
 enum { KV_FP32 = 0, KV_FP16 = 1, KV_INT8 = 2 };
+enum { ATTN_PORTABLE = 0, ATTN_AVX2 = 1, ATTN_AVX512 = 2 };
 
 typedef struct {
     const float *qkv;               /* [rows, chunk, (heads + 2 kv_heads) * hd] */
     int64_t rows, chunk;
-    int heads, kv_heads, hd, kv_dtype, wide;
+    int heads, kv_heads, hd, kv_dtype, wide;  /* wide: ATTN_PORTABLE, ATTN_AVX2 or ATTN_AVX512 */
     int64_t kv_row_bytes;           /* kv_row_bytes(hd, kv_dtype) */
     const int64_t *row_of, *pos, *len;  /* [rows] each */
     char *k_cache, *v_cache;        /* position t of (row, g) at byte row * row_stride + g * head_stride + t * kv_row_bytes */
@@ -115,9 +119,12 @@ static inline float exp_approx(float x) {
     return y * two;
 }
 
-/* The 8 lanes' sum in the order of two horizontal adds (hadd_reduce4 below): adjacent pairs, pairs of pairs, halves. */
+/* The 16 lanes' sum in the order of a fold and two horizontal adds (reduce8x4 below): lane l + lane l + 8,
+   then adjacent pairs, pairs of pairs, halves. */
 static inline float lanes_reduce(const float *lane) {
-    return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+    float f[ATTN_LANES];
+    for (int l = 0; l < ATTN_LANES; l++) f[l] = lane[l] + lane[l + ATTN_LANES];
+    return ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
 }
 
 /* v[0..hd) rotated at table row COS / SIN (hd / 2 each): the first half x1 cos - x2 sin, the second x2 cos + x1 sin */
@@ -135,16 +142,16 @@ static void attend_portable(const attention_t *a, const float *q, const char *k,
     const int hd = a->hd;
     float m = -INFINITY;
     for (int64_t t = 0; t < count; t++) {
-        float lane[ATTN_LANES] = {0};
+        float lane[ATTN_FOLD] = {0};
         const char *row = k + t * a->kv_row_bytes;
-        for (int d = 0; d < hd; d++) lane[d % ATTN_LANES] = fmaf(q[d], kv_load(row, d, hd, a->kv_dtype), lane[d % ATTN_LANES]);
+        for (int d = 0; d < hd; d++) lane[d % ATTN_FOLD] = fmaf(q[d], kv_load(row, d, hd, a->kv_dtype), lane[d % ATTN_FOLD]);
         scores[t] = lanes_reduce(lane) * a->scale;
         m = scores[t] > m ? scores[t] : m;
     }
-    float lane[ATTN_LANES] = {0};
+    float lane[ATTN_FOLD] = {0};
     for (int64_t t = 0; t < count; t++) {
         scores[t] = exp_approx(scores[t] - m);
-        lane[t % ATTN_LANES] += scores[t];
+        lane[t % ATTN_FOLD] += scores[t];
     }
     const float sum = lanes_reduce(lane);
     float acc[ATTN_MAX_HEAD_DIM];
@@ -155,28 +162,32 @@ static void attend_portable(const attention_t *a, const float *q, const char *k,
 }
 
 #ifdef SPEEDC_X86
-/* ---- the AVX2 path (with FMA and F16C): the same operations, 8 lanes a register */
+/* ---- the AVX2 path (with FMA and F16C): the same operations, 8 lanes a register, the 16 of a dot or a sum in
+   two (LO: values d with d / 8 even, HI: odd) */
 #define ATTN256_TARGET "avx2,fma,f16c"
+#define INLINE_ATTN256 static inline __attribute__((always_inline, target(ATTN256_TARGET)))
 
 /* Values d .. d + 7 of a position's head ROW (kv_load's, 8 at a time: an int8 block's 32 share one scale). */
-static inline __attribute__((always_inline, target(ATTN256_TARGET))) __m256 kv8(const char *row, int d, int hd, int dtype) {
+INLINE_ATTN256 __m256 kv8(const char *row, int d, int hd, int dtype) {
     if (dtype == KV_FP16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + d)));
     if (dtype == KV_FP32) return _mm256_loadu_ps((const float *)row + d);
     const __m128i codes = _mm_loadl_epi64((const __m128i *)(row + 4 * (hd / KV_BLOCK) + d));
     return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), _mm256_broadcast_ss((const float *)(row + 4 * (d / KV_BLOCK))));
 }
 
-/* Four registers' lane sums [a, b, c, d] at once, each in lanes_reduce's order. */
-static inline __attribute__((always_inline, target(ATTN256_TARGET))) __m128 reduce8x4(__m256 a, __m256 b, __m256 c, __m256 d) {
+/* Four folded registers' lane sums [a, b, c, d] at once, each in lanes_reduce's order. */
+INLINE_ATTN256 __m128 reduce8x4(__m256 a, __m256 b, __m256 c, __m256 d) {
     const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));  /* [a_lo b_lo c_lo d_lo | a_hi ...] */
     return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
 }
 
-static inline __attribute__((always_inline, target(ATTN256_TARGET))) float reduce8(__m256 x) {
-    return _mm_cvtss_f32(reduce8x4(x, x, x, x));
+/* lanes_reduce of the 16 lanes LO and HI */
+INLINE_ATTN256 float reduce16(__m256 lo, __m256 hi) {
+    const __m256 folded = _mm256_add_ps(lo, hi);
+    return _mm_cvtss_f32(reduce8x4(folded, folded, folded, folded));
 }
 
-static inline __attribute__((always_inline, target(ATTN256_TARGET))) __m256 exp8(__m256 x) {
+INLINE_ATTN256 __m256 exp8(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(EXP_LOW));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-EXP_LN2_HI), x);
@@ -188,32 +199,56 @@ static inline __attribute__((always_inline, target(ATTN256_TARGET))) __m256 exp8
     return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
 }
 
-/* Scores [count] to their softmax weights e_t = exp(s_t - max) in place; returns their sum (lane t % 8). */
-static inline __attribute__((always_inline, target(ATTN256_TARGET))) float softmax8(float *scores, int64_t count) {
+/* Scores [count] to their softmax weights e_t = exp(s_t - max) in place; returns their sum (lane t % 16). */
+INLINE_ATTN256 float softmax8(float *scores, int64_t count) {
     float m = -INFINITY;
     for (int64_t t = 0; t < count; t++) m = scores[t] > m ? scores[t] : m;
     const __m256 mv = _mm256_set1_ps(m);
-    __m256 total = _mm256_setzero_ps();
+    __m256 lo = _mm256_setzero_ps(), hi = lo;
     int64_t t = 0;
-    for (; t + ATTN_LANES <= count; t += ATTN_LANES) {
+    for (; t + ATTN_FOLD <= count; t += ATTN_FOLD) {
         const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + t), mv));
+        const __m256 f = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + t + ATTN_LANES), mv));
         _mm256_storeu_ps(scores + t, e);
-        total = _mm256_add_ps(total, e);
+        _mm256_storeu_ps(scores + t + ATTN_LANES, f);
+        lo = _mm256_add_ps(lo, e);
+        hi = _mm256_add_ps(hi, f);
     }
-    float lane[ATTN_LANES];
-    _mm256_storeu_ps(lane, total);
+    float lane[ATTN_FOLD];
+    _mm256_storeu_ps(lane, lo);
+    _mm256_storeu_ps(lane + ATTN_LANES, hi);
     for (; t < count; t++) {
         scores[t] = exp_approx(scores[t] - m);
-        lane[t % ATTN_LANES] += scores[t];
+        lane[t % ATTN_FOLD] += scores[t];
     }
     return lanes_reduce(lane);
 }
 
-/* One position's q . k, the 8 lanes reduced (not yet scaled). */
-static inline __attribute__((always_inline, target(ATTN256_TARGET))) float dot8(const float *q, const char *row, int hd, int dtype) {
-    __m256 s = _mm256_setzero_ps();
-    for (int d = 0; d < hd; d += ATTN_LANES) s = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), kv8(row, d, hd, dtype), s);
-    return reduce8(s);
+/* One position's q . k, the 16 lanes reduced (not yet scaled). */
+INLINE_ATTN256 float dot8(const float *q, const char *row, int hd, int dtype) {
+    __m256 lo = _mm256_setzero_ps(), hi = lo;
+    int d = 0;
+    for (; d + ATTN_FOLD <= hd; d += ATTN_FOLD) {
+        lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), kv8(row, d, hd, dtype), lo);
+        hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + ATTN_LANES), kv8(row, d + ATTN_LANES, hd, dtype), hi);
+    }
+    if (d < hd) lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), kv8(row, d, hd, dtype), lo);
+    return reduce16(lo, hi);
+}
+
+/* out[d0 .. d0 + 64) (WIDTH of them) = sum over t of scores[t] v_t[d], in order of t, divided by SUM */
+INLINE_ATTN256 void values8(const char *v, int64_t stride, int64_t count, const float *scores, float sum, int d0, int width,
+                            int hd, int dtype, float *out) {
+    __m256 acc[8];
+    for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < count; t++) {
+        const __m256 e = _mm256_set1_ps(scores[t]);
+        if (d0 == 0)
+            for (int64_t b = 0; b < stride; b += 64) _mm_prefetch(v + t * stride + ATTN_PREFETCH + b, _MM_HINT_T0);
+        for (int c = 0; c * ATTN_LANES < width; c++) acc[c] = _mm256_fmadd_ps(e, kv8(v + t * stride, d0 + c * ATTN_LANES, hd, dtype), acc[c]);
+    }
+    const __m256 s = _mm256_set1_ps(sum);
+    for (int c = 0; c * ATTN_LANES < width; c++) _mm256_storeu_ps(out + d0 + c * ATTN_LANES, _mm256_div_ps(acc[c], s));
 }
 
 static __attribute__((target(ATTN256_TARGET))) void attend_avx2(const attention_t *a, const float *q, const char *k,
@@ -221,36 +256,39 @@ static __attribute__((target(ATTN256_TARGET))) void attend_avx2(const attention_
     const int hd = a->hd, dtype = a->kv_dtype;
     const int64_t stride = a->kv_row_bytes;
     int64_t t = 0;
-    for (; t + 4 <= count; t += 4) {  /* four positions at once: four independent chains */
-        __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-        for (int d = 0; d < hd; d += ATTN_LANES) {
-            const __m256 qd = _mm256_loadu_ps(q + d);
-            s0 = _mm256_fmadd_ps(qd, kv8(k + t * stride, d, hd, dtype), s0);
-            s1 = _mm256_fmadd_ps(qd, kv8(k + (t + 1) * stride, d, hd, dtype), s1);
-            s2 = _mm256_fmadd_ps(qd, kv8(k + (t + 2) * stride, d, hd, dtype), s2);
-            s3 = _mm256_fmadd_ps(qd, kv8(k + (t + 3) * stride, d, hd, dtype), s3);
+    for (; t + 4 <= count; t += 4) {  /* four positions at once: eight independent chains */
+        __m256 lo[4], hi[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) lo[j] = hi[j] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < 4 * stride; b += 64) _mm_prefetch(k + t * stride + ATTN_PREFETCH + b, _MM_HINT_T0);
+        int d = 0;
+        for (; d + ATTN_FOLD <= hd; d += ATTN_FOLD) {
+            const __m256 q0 = _mm256_loadu_ps(q + d), q1 = _mm256_loadu_ps(q + d + ATTN_LANES);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                lo[j] = _mm256_fmadd_ps(q0, kv8(k + (t + j) * stride, d, hd, dtype), lo[j]);
+                hi[j] = _mm256_fmadd_ps(q1, kv8(k + (t + j) * stride, d + ATTN_LANES, hd, dtype), hi[j]);
+            }
         }
-        _mm_storeu_ps(scores + t, _mm_mul_ps(reduce8x4(s0, s1, s2, s3), _mm_set1_ps(a->scale)));
+        if (d < hd) {
+            const __m256 q0 = _mm256_loadu_ps(q + d);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) lo[j] = _mm256_fmadd_ps(q0, kv8(k + (t + j) * stride, d, hd, dtype), lo[j]);
+        }
+        const __m128 four = reduce8x4(_mm256_add_ps(lo[0], hi[0]), _mm256_add_ps(lo[1], hi[1]), _mm256_add_ps(lo[2], hi[2]),
+                                      _mm256_add_ps(lo[3], hi[3]));
+        _mm_storeu_ps(scores + t, _mm_mul_ps(four, _mm_set1_ps(a->scale)));
     }
     for (; t < count; t++) scores[t] = dot8(q, k + t * stride, hd, dtype) * a->scale;
     const float sum = softmax8(scores, count);
-    for (int d0 = 0; d0 < hd; d0 += 64) {  /* 64 values of out in 8 registers, all positions in order */
-        const int width = hd - d0 < 64 ? hd - d0 : 64;
-        __m256 acc[8];
-        for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
-        for (t = 0; t < count; t++) {
-            const __m256 e = _mm256_set1_ps(scores[t]);
-            for (int c = 0; c * ATTN_LANES < width; c++) acc[c] = _mm256_fmadd_ps(e, kv8(v + t * stride, d0 + c * ATTN_LANES, hd, dtype), acc[c]);
-        }
-        const __m256 s = _mm256_set1_ps(sum);
-        for (int c = 0; c * ATTN_LANES < width; c++) _mm256_storeu_ps(out + d0 + c * ATTN_LANES, _mm256_div_ps(acc[c], s));
-    }
+    for (int d0 = 0; d0 < hd; d0 += 64) values8(v, stride, count, scores, sum, d0, hd - d0 < 64 ? hd - d0 : 64, hd, dtype, out);
 }
 
 /* Four consecutive tokens of a prefill chunk (query rows Q [4][hd], each attending COUNT[j] = COUNT[0] + j
-   positions), each computed exactly as attend_avx2 computes it alone (per token: the same fmas in the same
-   order), but every cached value is loaded and converted once for the four: a prefill's attention reads
-   each key and value once per four tokens instead of once per token. SCORES [4][capacity], OUT [4] rows. */
+   positions; hd a multiple of 16), each computed exactly as attend_avx2 computes it alone (per token: the same
+   fmas in the same order), but every cached value is loaded and converted once for the four: a prefill's
+   attention reads each key and value once per four tokens instead of once per token. SCORES [4][capacity],
+   OUT [4] rows. */
 static __attribute__((target(ATTN256_TARGET))) void attend_avx2_four(const attention_t *a, const float *q, const char *k,
                                                                      const char *v, int64_t count, float *scores,
                                                                      int64_t capacity, float *out, int64_t out_stride) {
@@ -258,47 +296,30 @@ static __attribute__((target(ATTN256_TARGET))) void attend_avx2_four(const atten
     const int64_t stride = a->kv_row_bytes;
     const __m128 scale = _mm_set1_ps(a->scale);
     float four[4];
-    int64_t t = 0;
-    for (; t + 2 <= count; t += 2) {  /* the positions all four read, two at a time: eight independent chains */
-        __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, u0 = s0, u1 = s0, u2 = s0, u3 = s0;
-        for (int d = 0; d < hd; d += ATTN_LANES) {
-            const __m256 kd = kv8(k + t * stride, d, hd, dtype), ke = kv8(k + (t + 1) * stride, d, hd, dtype);
-            const __m256 q0 = _mm256_loadu_ps(q + d), q1 = _mm256_loadu_ps(q + hd + d);
-            const __m256 q2 = _mm256_loadu_ps(q + 2 * hd + d), q3 = _mm256_loadu_ps(q + 3 * hd + d);
-            s0 = _mm256_fmadd_ps(q0, kd, s0);
-            s1 = _mm256_fmadd_ps(q1, kd, s1);
-            s2 = _mm256_fmadd_ps(q2, kd, s2);
-            s3 = _mm256_fmadd_ps(q3, kd, s3);
-            u0 = _mm256_fmadd_ps(q0, ke, u0);
-            u1 = _mm256_fmadd_ps(q1, ke, u1);
-            u2 = _mm256_fmadd_ps(q2, ke, u2);
-            u3 = _mm256_fmadd_ps(q3, ke, u3);
+    for (int64_t t = 0; t < count; t++) {  /* the positions all four read: eight independent chains */
+        __m256 lo[4], hi[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) lo[j] = hi[j] = _mm256_setzero_ps();
+        for (int d = 0; d < hd; d += ATTN_FOLD) {
+            const __m256 k0 = kv8(k + t * stride, d, hd, dtype), k1 = kv8(k + t * stride, d + ATTN_LANES, hd, dtype);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                lo[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * hd + d), k0, lo[j]);
+                hi[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * hd + d + ATTN_LANES), k1, hi[j]);
+            }
         }
-        _mm_storeu_ps(four, _mm_mul_ps(reduce8x4(s0, s1, s2, s3), scale));
-        for (int j = 0; j < 4; j++) scores[j * capacity + t] = four[j];
-        _mm_storeu_ps(four, _mm_mul_ps(reduce8x4(u0, u1, u2, u3), scale));
-        for (int j = 0; j < 4; j++) scores[j * capacity + t + 1] = four[j];
-    }
-    for (; t < count; t++) {
-        __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-        for (int d = 0; d < hd; d += ATTN_LANES) {
-            const __m256 kd = kv8(k + t * stride, d, hd, dtype);
-            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), kd, s0);
-            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + hd + d), kd, s1);
-            s2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 2 * hd + d), kd, s2);
-            s3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 3 * hd + d), kd, s3);
-        }
-        _mm_storeu_ps(four, _mm_mul_ps(reduce8x4(s0, s1, s2, s3), scale));
+        _mm_storeu_ps(four, _mm_mul_ps(reduce8x4(_mm256_add_ps(lo[0], hi[0]), _mm256_add_ps(lo[1], hi[1]),
+                                                 _mm256_add_ps(lo[2], hi[2]), _mm256_add_ps(lo[3], hi[3])), scale));
         for (int j = 0; j < 4; j++) scores[j * capacity + t] = four[j];
     }
     for (int j = 1; j < 4; j++)  /* token j's own last j positions */
-        for (t = count; t < count + j; t++) scores[j * capacity + t] = dot8(q + j * hd, k + t * stride, hd, dtype) * a->scale;
+        for (int64_t t = count; t < count + j; t++) scores[j * capacity + t] = dot8(q + j * hd, k + t * stride, hd, dtype) * a->scale;
     float sum[4];
     for (int j = 0; j < 4; j++) sum[j] = softmax8(scores + j * capacity, count + j);
     for (int d0 = 0; d0 < hd; d0 += 2 * ATTN_LANES) {  /* 16 values of each token's out in 2 registers */
         __m256 acc[4][2];
         for (int j = 0; j < 4; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
-        for (t = 0; t < count; t++) {
+        for (int64_t t = 0; t < count; t++) {
             const __m256 v0 = kv8(v + t * stride, d0, hd, dtype), v1 = kv8(v + t * stride, d0 + ATTN_LANES, hd, dtype);
             for (int j = 0; j < 4; j++) {
                 const __m256 e = _mm256_set1_ps(scores[j * capacity + t]);
@@ -307,7 +328,7 @@ static __attribute__((target(ATTN256_TARGET))) void attend_avx2_four(const atten
             }
         }
         for (int j = 1; j < 4; j++)
-            for (t = count; t < count + j; t++) {
+            for (int64_t t = count; t < count + j; t++) {
                 const __m256 e = _mm256_set1_ps(scores[j * capacity + t]);
                 acc[j][0] = _mm256_fmadd_ps(e, kv8(v + t * stride, d0, hd, dtype), acc[j][0]);
                 acc[j][1] = _mm256_fmadd_ps(e, kv8(v + t * stride, d0 + ATTN_LANES, hd, dtype), acc[j][1]);
@@ -319,7 +340,196 @@ static __attribute__((target(ATTN256_TARGET))) void attend_avx2_four(const atten
         }
     }
 }
+
+#ifdef SPEEDC_VNNI
+/* ---- the AVX-512 path (hd a multiple of 16): the same operations, the 16 lanes in one register, folded into
+   the AVX2 path's two halves' sum before the same horizontal adds */
+#define ATTN512_TARGET "avx2,fma,f16c,avx512f"
+#define INLINE_ATTN512 static inline __attribute__((always_inline, target(ATTN512_TARGET)))
+
+/* Values d .. d + 15 of a position's head ROW (kv_load's; an int8 block's 32 share one scale). */
+INLINE_ATTN512 __m512 kv16(const char *row, int d, int hd, int dtype) {
+    if (dtype == KV_FP16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + d)));
+    if (dtype == KV_FP32) return _mm512_loadu_ps((const float *)row + d);
+    const __m128i codes = _mm_loadu_si128((const __m128i *)(row + 4 * (hd / KV_BLOCK) + d));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), _mm512_set1_ps(*(const float *)(row + 4 * (d / KV_BLOCK))));
+}
+
+/* lane l + lane l + 8 */
+INLINE_ATTN512 __m256 fold16(__m512 x) {
+    return _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+}
+
+INLINE_ATTN512 __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(EXP_LOW));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-EXP_LN2_HI), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(-EXP_LN2_LO), r);
+    __m512 p = _mm512_set1_ps(exp_poly[0]);
+    for (int i = 1; i < 6; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(exp_poly[i]));
+    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+}
+
+/* softmax8's result, 16 scores a register */
+INLINE_ATTN512 float softmax16(float *scores, int64_t count) {
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + ATTN_FOLD <= count; t += ATTN_FOLD) top = _mm512_max_ps(top, _mm512_loadu_ps(scores + t));
+    float m = _mm512_reduce_max_ps(top);  /* a maximum is exact in any order */
+    for (; t < count; t++) m = scores[t] > m ? scores[t] : m;
+    const __m512 mv = _mm512_set1_ps(m);
+    __m512 total = _mm512_setzero_ps();
+    for (t = 0; t + ATTN_FOLD <= count; t += ATTN_FOLD) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + t), mv));
+        _mm512_storeu_ps(scores + t, e);
+        total = _mm512_add_ps(total, e);
+    }
+    float lane[ATTN_FOLD];
+    _mm512_storeu_ps(lane, total);
+    for (; t < count; t++) {
+        scores[t] = exp_approx(scores[t] - m);
+        lane[t % ATTN_FOLD] += scores[t];
+    }
+    return lanes_reduce(lane);
+}
+
+INLINE_ATTN512 float dot16(const float *q, const char *row, int hd, int dtype) {
+    __m512 s = _mm512_setzero_ps();
+    for (int d = 0; d < hd; d += ATTN_FOLD) s = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), kv16(row, d, hd, dtype), s);
+    const __m256 folded = fold16(s);
+    return _mm_cvtss_f32(reduce8x4(folded, folded, folded, folded));
+}
+
+static __attribute__((target(ATTN512_TARGET))) void attend_avx512(const attention_t *a, const float *q, const char *k,
+                                                                  const char *v, int64_t count, float *scores, float *out) {
+    const int hd = a->hd, dtype = a->kv_dtype;
+    const int64_t stride = a->kv_row_bytes;
+    const __m128 scale = _mm_set1_ps(a->scale);
+    int64_t t = 0;
+    for (; t + 8 <= count; t += 8) {  /* eight positions at once: eight independent chains */
+        __m512 s[8];
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) s[j] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < 8 * stride; b += 64) _mm_prefetch(k + t * stride + ATTN_PREFETCH + b, _MM_HINT_T0);
+        for (int d = 0; d < hd; d += ATTN_FOLD) {
+            const __m512 qd = _mm512_loadu_ps(q + d);
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) s[j] = _mm512_fmadd_ps(qd, kv16(k + (t + j) * stride, d, hd, dtype), s[j]);
+        }
+        _mm_storeu_ps(scores + t, _mm_mul_ps(reduce8x4(fold16(s[0]), fold16(s[1]), fold16(s[2]), fold16(s[3])), scale));
+        _mm_storeu_ps(scores + t + 4, _mm_mul_ps(reduce8x4(fold16(s[4]), fold16(s[5]), fold16(s[6]), fold16(s[7])), scale));
+    }
+    for (; t < count; t++) scores[t] = dot16(q, k + t * stride, hd, dtype) * a->scale;
+    const float sum = softmax16(scores, count);
+    const __m512 total = _mm512_set1_ps(sum);
+    for (int d0 = 0; d0 < hd; d0 += 8 * ATTN_FOLD) {  /* 128 values of out in 8 registers, all positions in order */
+        const int width = hd - d0 < 8 * ATTN_FOLD ? hd - d0 : 8 * ATTN_FOLD;
+        __m512 acc[8];
+        for (int c = 0; c < 8; c++) acc[c] = _mm512_setzero_ps();
+        if (width == 8 * ATTN_FOLD)
+            for (int64_t i = 0; i < count; i++) {
+                const __m512 e = _mm512_set1_ps(scores[i]);
+                for (int64_t b = 0; b < stride; b += 64) _mm_prefetch(v + i * stride + ATTN_PREFETCH + b, _MM_HINT_T0);
+#pragma GCC unroll 8
+                for (int c = 0; c < 8; c++) acc[c] = _mm512_fmadd_ps(e, kv16(v + i * stride, d0 + c * ATTN_FOLD, hd, dtype), acc[c]);
+            }
+        else
+            for (int64_t i = 0; i < count; i++) {
+                const __m512 e = _mm512_set1_ps(scores[i]);
+                for (int c = 0; c * ATTN_FOLD < width; c++) acc[c] = _mm512_fmadd_ps(e, kv16(v + i * stride, d0 + c * ATTN_FOLD, hd, dtype), acc[c]);
+            }
+        for (int c = 0; c * ATTN_FOLD < width; c++) _mm512_storeu_ps(out + d0 + c * ATTN_FOLD, _mm512_div_ps(acc[c], total));
+    }
+}
+
+/* attend_avx2_four's work on the AVX-512 path: four tokens of a prefill chunk, each as attend_avx512 computes it alone. */
+static __attribute__((target(ATTN512_TARGET))) void attend_avx512_four(const attention_t *a, const float *q, const char *k,
+                                                                       const char *v, int64_t count, float *scores,
+                                                                       int64_t capacity, float *out, int64_t out_stride) {
+    const int hd = a->hd, dtype = a->kv_dtype;
+    const int64_t stride = a->kv_row_bytes;
+    const __m128 scale = _mm_set1_ps(a->scale);
+    float four[4];
+    int64_t t = 0;
+    for (; t + 2 <= count; t += 2) {  /* the positions all four read, two at a time: eight independent chains */
+        __m512 s[4], u[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) s[j] = u[j] = _mm512_setzero_ps();
+        for (int d = 0; d < hd; d += ATTN_FOLD) {
+            const __m512 kd = kv16(k + t * stride, d, hd, dtype), ke = kv16(k + (t + 1) * stride, d, hd, dtype);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                const __m512 qj = _mm512_loadu_ps(q + j * hd + d);
+                s[j] = _mm512_fmadd_ps(qj, kd, s[j]);
+                u[j] = _mm512_fmadd_ps(qj, ke, u[j]);
+            }
+        }
+        _mm_storeu_ps(four, _mm_mul_ps(reduce8x4(fold16(s[0]), fold16(s[1]), fold16(s[2]), fold16(s[3])), scale));
+        for (int j = 0; j < 4; j++) scores[j * capacity + t] = four[j];
+        _mm_storeu_ps(four, _mm_mul_ps(reduce8x4(fold16(u[0]), fold16(u[1]), fold16(u[2]), fold16(u[3])), scale));
+        for (int j = 0; j < 4; j++) scores[j * capacity + t + 1] = four[j];
+    }
+    for (; t < count; t++)
+        for (int j = 0; j < 4; j++) scores[j * capacity + t] = dot16(q + j * hd, k + t * stride, hd, dtype) * a->scale;
+    for (int j = 1; j < 4; j++)  /* token j's own last j positions */
+        for (t = count; t < count + j; t++) scores[j * capacity + t] = dot16(q + j * hd, k + t * stride, hd, dtype) * a->scale;
+    float sum[4];
+    for (int j = 0; j < 4; j++) sum[j] = softmax16(scores + j * capacity, count + j);
+    for (int d0 = 0; d0 < hd; d0 += 2 * ATTN_FOLD) {  /* 32 values of each token's out in 2 registers (16 at the end of an odd hd / 16) */
+        const int halves = hd - d0 >= 2 * ATTN_FOLD ? 2 : 1;
+        __m512 acc[4][2];
+        for (int j = 0; j < 4; j++) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
+        for (t = 0; t < count; t++) {
+            const __m512 v0 = kv16(v + t * stride, d0, hd, dtype);
+            const __m512 v1 = halves == 2 ? kv16(v + t * stride, d0 + ATTN_FOLD, hd, dtype) : v0;
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                const __m512 e = _mm512_set1_ps(scores[j * capacity + t]);
+                acc[j][0] = _mm512_fmadd_ps(e, v0, acc[j][0]);
+                acc[j][1] = _mm512_fmadd_ps(e, v1, acc[j][1]);
+            }
+        }
+        for (int j = 1; j < 4; j++)
+            for (t = count; t < count + j; t++) {
+                const __m512 e = _mm512_set1_ps(scores[j * capacity + t]);
+                acc[j][0] = _mm512_fmadd_ps(e, kv16(v + t * stride, d0, hd, dtype), acc[j][0]);
+                if (halves == 2) acc[j][1] = _mm512_fmadd_ps(e, kv16(v + t * stride, d0 + ATTN_FOLD, hd, dtype), acc[j][1]);
+            }
+        for (int j = 0; j < 4; j++) {
+            const __m512 s = _mm512_set1_ps(sum[j]);
+            _mm512_storeu_ps(out + j * out_stride + d0, _mm512_div_ps(acc[j][0], s));
+            if (halves == 2) _mm512_storeu_ps(out + j * out_stride + d0 + ATTN_FOLD, _mm512_div_ps(acc[j][1], s));
+        }
+    }
+}
 #endif
+#endif
+
+/* One token's attention on the call's path. */
+static void attend_one(const attention_t *a, const float *q, const char *k, const char *v, int64_t count, float *scores, float *out) {
+#ifdef SPEEDC_X86
+#ifdef SPEEDC_VNNI
+    if (a->wide == ATTN_AVX512) { attend_avx512(a, q, k, v, count, scores, out); return; }
+#endif
+    if (a->wide == ATTN_AVX2) { attend_avx2(a, q, k, v, count, scores, out); return; }
+#endif
+    attend_portable(a, q, k, v, count, scores, out);
+}
+
+/* Four consecutive tokens of a chunk on the call's vector path (hd a multiple of 16; attend_avx2_four). */
+static void attend_four(const attention_t *a, const float *q, const char *k, const char *v, int64_t count, float *scores,
+                        int64_t capacity, float *out, int64_t out_stride) {
+#ifdef SPEEDC_X86
+#ifdef SPEEDC_VNNI
+    if (a->wide == ATTN_AVX512) { attend_avx512_four(a, q, k, v, count, scores, capacity, out, out_stride); return; }
+#endif
+    attend_avx2_four(a, q, k, v, count, scores, capacity, out, out_stride);
+#else
+    (void)a; (void)q; (void)k; (void)v; (void)count; (void)scores; (void)capacity; (void)out; (void)out_stride;
+#endif
+}
 
 /* Units (row, kv head) of the part's share: the row's tokens' K and V of that head written, then each token's
    attention for every query head of the group. A token reads only its own row's cache at that head, so the
@@ -357,35 +567,36 @@ static void attention_part(const void *job, int part, int parts) {
         for (int h = 0; h < group; h++) {
             const int head = g * group + h;
             int64_t i = 0;
-#ifdef SPEEDC_X86
-            if (a->wide && hd % (2 * ATTN_LANES) == 0)
+            if (a->wide != ATTN_PORTABLE && hd % ATTN_FOLD == 0)
                 for (; i + ATTN_TOKENS <= tokens; i += ATTN_TOKENS) {
                     const int64_t p = a->pos[r] + i;
                     for (int j = 0; j < ATTN_TOKENS; j++)
                         rope(a->qkv + (r * a->chunk + i + j) * width + head * hd, a->cos + (p + j) * (hd / 2),
                              a->sin + (p + j) * (hd / 2), hd, rotated + j * hd);
-                    attend_avx2_four(a, rotated, k, v, p + 1, scores, room, out0 + i * out_stride + h * hd, out_stride);
+                    attend_four(a, rotated, k, v, p + 1, scores, room, out0 + i * out_stride + h * hd, out_stride);
                 }
-#endif
             for (; i < tokens; i++) {
                 const int64_t p = a->pos[r] + i;
                 rope(a->qkv + (r * a->chunk + i) * width + head * hd, a->cos + p * (hd / 2), a->sin + p * (hd / 2), hd, rotated);
-#ifdef SPEEDC_X86
-                if (a->wide) { attend_avx2(a, rotated, k, v, p + 1, scores, out0 + i * out_stride + h * hd); continue; }
-#endif
-                attend_portable(a, rotated, k, v, p + 1, scores, out0 + i * out_stride + h * hd);
+                attend_one(a, rotated, k, v, p + 1, scores, out0 + i * out_stride + h * hd);
             }
         }
     }
 }
 
-/* Whether this CPU runs the AVX2 attention (with FMA and F16C) for block-product PATH (not the portable one). */
-static int attention_wide(int path) {
+/* The attention's path for block-product PATH and head size HD: AVX-512 beside the avx512-vnni and amx products
+   (hd a multiple of 16), AVX2 (with FMA and F16C) beside any other vector path, else portable. All give the same bits. */
+static int attention_wide(int path, int hd) {
 #ifdef SPEEDC_X86
     __builtin_cpu_init();
-    return path != PATH_PORTABLE && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    if (path == PATH_PORTABLE || !__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c"))
+        return ATTN_PORTABLE;
+#ifdef SPEEDC_VNNI
+    if ((path == PATH_AVX512_VNNI || path == PATH_AMX) && hd % ATTN_FOLD == 0 && __builtin_cpu_supports("avx512f")) return ATTN_AVX512;
+#endif
+    return ATTN_AVX2;
 #else
-    (void)path;
-    return 0;
+    (void)path; (void)hd;
+    return ATTN_PORTABLE;
 #endif
 }

@@ -569,7 +569,7 @@ int speedc_attention(const float *qkv, int64_t rows, int64_t chunk, int heads, i
         if (pos[r] < 0 || len[r] < 0 || end > positions || end > table_positions || row_of[r] < 0 || row_of[r] >= cache_rows) return -2;
     }
     if (rows <= 0) return 0;
-    attention_t a = {qkv, rows, chunk, heads, kv_heads, hd, kv_dtype, attention_wide(path), kv_row_bytes(hd, kv_dtype), row_of, pos, len,
+    attention_t a = {qkv, rows, chunk, heads, kv_heads, hd, kv_dtype, attention_wide(path, hd), kv_row_bytes(hd, kv_dtype), row_of, pos, len,
                      k_cache, v_cache, row_stride, head_stride, cos, sin, scale, out, 0};
     int64_t reads = 0;  /* cache positions read, over the rows' tokens: a short call is not worth a wake-up */
     for (int64_t r = 0; r < rows; r++) reads += (len[r] < chunk ? len[r] : chunk) * (pos[r] + 1);

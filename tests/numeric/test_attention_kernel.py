@@ -145,6 +145,36 @@ def test_a_token_attends_the_same_alone_in_a_chunk_among_rows_on_any_thread_coun
         assert np.array_equal(out, first), name
 
 
+@pytest.mark.parametrize("hd, cache", [(40, "float16"), (144, "float32"), (160, "int8"), (128, "float16")])
+def test_head_sizes_of_every_register_split_attend_the_same_on_every_path(hd, cache):
+    """Head sizes the vector paths split differently (hd / 16 odd: AVX2's tail; values past 128: AVX-512's second
+    pass), over more positions than a register holds: every path, alone and in a chunk, gives the same bits."""
+    rng = np.random.default_rng(hd)
+    heads, kv_heads, positions, rows, chunk = 2, 1, 90, 2, 6
+    qkv = rng.standard_normal((rows, chunk, (heads + 2 * kv_heads) * hd)).astype(np.float32)
+    if cache == "int8":
+        width = native.kv_row_width("int8", hd)
+        key = rng.integers(0, 256, (rows, kv_heads, positions, width), dtype=np.uint8)
+        key[..., :4 * (hd // 32)] = np.full((rows, kv_heads, positions, hd // 32), 0.02, np.float32).view(np.uint8)
+    else:
+        key = rng.standard_normal((rows, kv_heads, positions, hd)).astype(cache)
+    value = key[::-1].copy()
+    row_of, pos = np.arange(rows, dtype=np.int64), np.array([70, 3], np.int64)
+    runs = {}
+    for path in PATHS:
+        attention = KERNEL.attention_bound(heads=heads, kv_heads=kv_heads, head_dim=hd, inv_freq=contract.rotary_inv_freq(hd, THETA),
+                                           positions=positions, path=path)
+        k, v = key.copy(), value.copy()
+        runs[path, "chunk"] = attention(qkv, row_of, pos, np.full(rows, chunk, np.int64), k, v)
+        k, v = key.copy(), value.copy()
+        runs[path, "alone"] = np.stack([np.concatenate([attention(np.ascontiguousarray(qkv[r:r + 1, i:i + 1]), row_of[r:r + 1],
+                                                                  pos[r:r + 1] + i, np.ones(1, np.int64), k, v)[0]
+                                                        for i in range(chunk)]) for r in range(rows)])
+    assert np.isfinite(runs[PATHS[0], "chunk"]).all() and np.abs(runs[PATHS[0], "chunk"]).max() > 0
+    for name, out in runs.items():
+        assert np.array_equal(out, runs[PATHS[0], "chunk"]), name
+
+
 def test_bad_arguments_are_refused_not_run():
     qkv, row_of, pos, lengths, key, value = case("float16")
     attention = bound()
