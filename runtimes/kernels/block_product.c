@@ -147,32 +147,64 @@ static inline int q4_index(int b, int i, int g) { return (b / g) * g * SUB + (i 
 /* Where value I of a 4-bit sub-block sits in the lanes16 paths' activations (block_product_lanes.h). */
 static inline int lanes_q4_index(int i) { return 8 * (i / 8) + 4 * (i & 1) + (i % 8) / 2; }
 
+/* A superblock's activations X [count] as integers: the largest |x| (returned), and V [values] = rint(x * 127 /
+   largest) (nearbyintf's rounding, to nearest, ties to even), 0 past COUNT. One result on every CPU: the AVX2
+   form does the same float multiply and rounds as the scalar one. */
+static float superblock_codes_scalar(const float *x, int64_t count, int values, int32_t *v) {
+    float largest = 0.0f;
+    for (int64_t i = 0; i < count; i++) {
+        const float a = fabsf(x[i]);
+        largest = a > largest ? a : largest;  /* a NaN counts as none */
+    }
+    const float inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
+    for (int i = 0; i < values; i++) v[i] = i < count ? (int32_t)nearbyintf(x[i] * inverse) : 0;
+    return largest;
+}
+
+#ifdef SPEEDC_X86
+static __attribute__((target("avx2"))) float superblock_codes_avx2(const float *x, int64_t count, int values, int32_t *v) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 top = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= count; i += 8) top = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), magnitude), top);  /* NaN: top kept */
+    float lane[8], largest = 0.0f;
+    _mm256_storeu_ps(lane, top);
+    for (int l = 0; l < 8; l++) largest = lane[l] > largest ? lane[l] : largest;
+    for (; i < count; i++) largest = fabsf(x[i]) > largest ? fabsf(x[i]) : largest;
+    const float inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
+    const __m256 scale = _mm256_set1_ps(inverse);
+    for (i = 0; i + 8 <= count; i += 8)  /* the rounding mode's rint: to nearest, ties to even */
+        _mm256_storeu_si256((__m256i *)(v + i), _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), scale)));
+    for (; i < values; i++) v[i] = i < count ? (int32_t)nearbyintf(x[i] * inverse) : 0;
+    return largest;
+}
+#endif
+
 /* The activations X [m, k] as int8 per superblock into Q (the path's order, see product_t) and DX; QS:
    each sub-block's sum of q (lanes16 paths, else NULL). */
 static void quantize_rows(const float *x, const product_t *p, uint8_t *q, int16_t *qs, float *dx) {
     const int super = super_of(p->bits), values = SUB * super, shift = shifted_q4(p->path) ? 128 : 0;
     const int64_t width = p->supers * values;
+    float (*codes_of)(const float *, int64_t, int, int32_t *) = superblock_codes_scalar;
+#ifdef SPEEDC_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2")) codes_of = superblock_codes_avx2;
+#endif
+    int32_t v[SUPER_MAX * SUB];
     for (int64_t r = 0; r < p->m; r++) {
         const float *row = x + r * p->k;
         for (int64_t s = 0; s < p->supers; s++) {
             const int64_t start = s * values;
-            const int64_t count = p->k - start < values ? p->k - start : values;
-            float largest = 0.0f;
-            for (int64_t i = 0; i < count; i++) {
-                const float a = fabsf(row[start + i]);
-                largest = a > largest ? a : largest;
-            }
-            const float inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
+            const float largest = codes_of(row + start, p->k - start < values ? p->k - start : values, values, v);
             uint8_t *out = q + r * width + start;
             for (int b = 0; b < super; b++) {
                 int sum = 0;
                 for (int i = 0; i < SUB; i++) {
-                    const int64_t at = b * SUB + i;
-                    const int v = at < count ? (int)nearbyintf(row[start + at] * inverse) : 0;
-                    sum += v;
-                    if (qs) out[b * SUB + (p->bits == 4 ? lanes_q4_index(i) : i)] = (uint8_t)(int8_t)v;
-                    else if (p->bits == 4) out[q4_index(b, i, p->group)] = (uint8_t)(v + shift);
-                    else out[b * SUB + i] = (uint8_t)(int8_t)v;
+                    const int c = v[b * SUB + i];
+                    sum += c;
+                    if (qs) out[b * SUB + (p->bits == 4 ? lanes_q4_index(i) : i)] = (uint8_t)(int8_t)c;
+                    else if (p->bits == 4) out[q4_index(b, i, p->group)] = (uint8_t)(c + shift);
+                    else out[b * SUB + i] = (uint8_t)(int8_t)c;
                 }
                 if (qs) qs[r * p->supers * super + s * super + b] = (int16_t)sum;  /* |sum| <= 32 x 127 */
             }

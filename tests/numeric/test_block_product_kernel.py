@@ -134,6 +134,24 @@ def test_integer_sums_are_exact(path, bits, block_size, k):
     assert np.array_equal(y, expected.astype(np.float32))
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("bits,k", [(4, 256), (4, 300), (8, 70)])
+def test_activations_round_to_nearest_even(path, bits, k):
+    """exact_case's operands off the int8 grid: x = q + 1/2 and q + 1/4 (each superblock's largest still 127, so
+    x * 127 / largest = x), ties going to the even integer as rint says; K past a whole register and a whole
+    superblock, so every part of the activations' quantization rounds."""
+    x, codes, scales = exact_case(k, bits, 32, n=21, m=5)
+    rng = np.random.default_rng(k)
+    offsets = rng.choice(np.array([0.5, -0.5, 0.25, -0.25], np.float32), size=x.shape)
+    inside = np.abs(x) < 126
+    x[inside] += offsets[inside]
+    expected, totals, _ = reference(x, codes, scales, bits, 32)
+    ties = np.abs(offsets) == 0.5
+    assert np.abs(totals).max() > 0 and (ties & inside).any() and (~ties & inside).any()
+    y = product(x, codes, scales, 21, k, bits, 32, path=path)
+    assert np.array_equal(y, expected.astype(np.float32))
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_prepared_steps_and_units_follow_the_description(bits):
     """The weight's prepared form in place (portable, avx2, avx-vnni, Arm): units largest |scale| / 2047
