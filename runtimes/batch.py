@@ -169,6 +169,7 @@ class BatchScheduler:
                 if not self.waiting:
                     return
                 sequence = self.waiting[0]
+            start = time.perf_counter()
             try:
                 self._grow_pool(self.occupied + [sequence])
             except OutOfMemory as error:
@@ -186,6 +187,9 @@ class BatchScheduler:
             self.occupied.append(sequence)
             if self.prefix_cache is not None:
                 self.prefix_cache.reuse(sequence, self.backend.pool)
+            # growing the pool for its cache (about a second a GB: new pages are zeroed) and copying a cached
+            # prefix in are its prompt's cost, paid before its first token: not its decoding's
+            sequence.stats.prefill_seconds += time.perf_counter() - start
             if sequence.prefill_target == 0:  # a one-token prompt under an exit rule: nothing to prefill
                 sequence.start_decoding()
 

@@ -39,7 +39,7 @@ class DecodeStats:
     mispredicted: int = 0  # speculations contradicted at the last layer (flush + refill)
     early_flushes: int = 0  # flushes triggered by a deeper exit head
     flushed_tokens: int = 0  # in-flight tokens discarded by any flush
-    prefill_seconds: float = 0.0
+    prefill_seconds: float = 0.0  # its prompt's: the prefill's runs, the pool's growth and prefix copy at admission
     decode_seconds: float = 0.0
     stop_reason: str = ""
     # The speculation policy's record of this sequence (runtimes/acceptance_policy.py, step_costs.py):

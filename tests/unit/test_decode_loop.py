@@ -340,3 +340,27 @@ def test_deepest_contradiction_wins(P):
     extra, early, mis, flushed = DOUBLE_ALARM[P]
     assert (stats.steps, stats.early_flushes, stats.mispredicted, stats.flushed_tokens) == \
         ((P - 1) + (n - 1) + extra, early, mis, flushed)
+
+
+def test_growing_the_pool_at_admission_is_the_prompts_time_not_the_decodings(monkeypatch):
+    """A request the pool must grow for pays that (new pages zeroed: about a second a GB) before its first token:
+    prefill_seconds holds it, decode_seconds does not (a clock that only the growth advances)."""
+    import time
+
+    clock = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    backend = ScriptedBackend(4)
+    grown = []
+    backend.pool.would_grow = lambda positions, sequences: not grown
+
+    def reserve(positions, sequences=None):
+        if not grown:
+            grown.append(positions)
+            clock[0] += 100.0
+
+    backend.reserve = reserve
+    scheduler = BatchScheduler(backend, policy=RowPolicy(), acceptance=AlwaysSpeculate(), prefill_chunk=V)
+    out, stats = run_to_end(scheduled(scheduler, scheduler.submit(Request(list(TRUTH[:L]), 6, TokenPicker(SamplingParams()),
+                                                                          lambda out: None))))
+    assert out == TRUTH[L:L + 6] and grown == [L + 6]
+    assert stats.prefill_seconds == 100.0 and stats.decode_seconds == 0.0
