@@ -360,41 +360,6 @@ INLINE_ATTN512 __m256 fold16(__m512 x) {
     return _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
 }
 
-INLINE_ATTN512 __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(EXP_LOW));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-EXP_LN2_HI), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(-EXP_LN2_LO), r);
-    __m512 p = _mm512_set1_ps(exp_poly[0]);
-    for (int i = 1; i < 6; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(exp_poly[i]));
-    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
-}
-
-/* softmax8's result, 16 scores a register */
-INLINE_ATTN512 float softmax16(float *scores, int64_t count) {
-    __m512 top = _mm512_set1_ps(-INFINITY);
-    int64_t t = 0;
-    for (; t + ATTN_FOLD <= count; t += ATTN_FOLD) top = _mm512_max_ps(top, _mm512_loadu_ps(scores + t));
-    float m = _mm512_reduce_max_ps(top);  /* a maximum is exact in any order */
-    for (; t < count; t++) m = scores[t] > m ? scores[t] : m;
-    const __m512 mv = _mm512_set1_ps(m);
-    __m512 total = _mm512_setzero_ps();
-    for (t = 0; t + ATTN_FOLD <= count; t += ATTN_FOLD) {
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + t), mv));
-        _mm512_storeu_ps(scores + t, e);
-        total = _mm512_add_ps(total, e);
-    }
-    float lane[ATTN_FOLD];
-    _mm512_storeu_ps(lane, total);
-    for (; t < count; t++) {
-        scores[t] = exp_approx(scores[t] - m);
-        lane[t % ATTN_FOLD] += scores[t];
-    }
-    return lanes_reduce(lane);
-}
-
 INLINE_ATTN512 float dot16(const float *q, const char *row, int hd, int dtype) {
     __m512 s = _mm512_setzero_ps();
     for (int d = 0; d < hd; d += ATTN_FOLD) s = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), kv16(row, d, hd, dtype), s);
@@ -422,7 +387,7 @@ static __attribute__((target(ATTN512_TARGET))) void attend_avx512(const attentio
         _mm_storeu_ps(scores + t + 4, _mm_mul_ps(reduce8x4(fold16(s[4]), fold16(s[5]), fold16(s[6]), fold16(s[7])), scale));
     }
     for (; t < count; t++) scores[t] = dot16(q, k + t * stride, hd, dtype) * a->scale;
-    const float sum = softmax16(scores, count);
+    const float sum = softmax8(scores, count);  /* two exps a position: AVX2's, the same bits */
     const __m512 total = _mm512_set1_ps(sum);
     for (int d0 = 0; d0 < hd; d0 += 8 * ATTN_FOLD) {  /* 128 values of out in 8 registers, all positions in order */
         const int width = hd - d0 < 8 * ATTN_FOLD ? hd - d0 : 8 * ATTN_FOLD;
@@ -476,7 +441,7 @@ static __attribute__((target(ATTN512_TARGET))) void attend_avx512_four(const att
     for (int j = 1; j < 4; j++)  /* token j's own last j positions */
         for (t = count; t < count + j; t++) scores[j * capacity + t] = dot16(q + j * hd, k + t * stride, hd, dtype) * a->scale;
     float sum[4];
-    for (int j = 0; j < 4; j++) sum[j] = softmax16(scores + j * capacity, count + j);
+    for (int j = 0; j < 4; j++) sum[j] = softmax8(scores + j * capacity, count + j);
     for (int d0 = 0; d0 < hd; d0 += 2 * ATTN_FOLD) {  /* 32 values of each token's out in 2 registers (16 at the end of an odd hd / 16) */
         const int halves = hd - d0 >= 2 * ATTN_FOLD ? 2 : 1;
         __m512 acc[4][2];
