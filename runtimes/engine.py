@@ -46,20 +46,27 @@ class GenerationResult:
         return {"ids": self.ids, "text": self.text, "stats": self.stats.to_json()}
 
 
-def _onnx(directory: Path, manifest: Manifest, max_batch: int, capacity: int, device: str, threads: int | None):
+def _onnx(directory: Path, manifest: Manifest, max_batch: int, capacity: int, device: str, threads: int | None,
+          kv_cache: str | None = None):
     from speedc.runtimes.backends.onnx import make_batch_backend
 
-    return make_batch_backend(directory, manifest, max_batch, capacity, device=device, threads=threads)  # fused when built
+    return make_batch_backend(directory, manifest, max_batch, capacity, device=device, threads=threads,  # fused when built
+                              kv_cache=kv_cache)
 
 
-def _onnx_numpy(directory: Path, manifest: Manifest, max_batch: int, capacity: int, device: str, threads: int | None):
+def _onnx_numpy(directory: Path, manifest: Manifest, max_batch: int, capacity: int, device: str, threads: int | None,
+                kv_cache: str | None = None):
     from speedc.runtimes.backends.onnx import make_batch_backend
 
-    return make_batch_backend(directory, manifest, max_batch, capacity, device=device, threads=threads, fused=False)
+    return make_batch_backend(directory, manifest, max_batch, capacity, device=device, threads=threads, fused=False,
+                              kv_cache=kv_cache)
 
 
 def _torch(directory: Path, manifest: Manifest, max_batch: int, capacity: int, device: str, threads: int | None,
-           compile_step: bool = False):
+           kv_cache: str | None = None, compile_step: bool = False):
+    if kv_cache not in (None, "float32"):
+        raise GenerationError(f"{kv_cache} KV values need speedc's attention (--backend onnx); the PyTorch backend "
+                              "keeps a float32 cache")
     try:
         from speedc.runtimes.backends.torch_backend import TorchBackend
     except ImportError as missing:
@@ -73,7 +80,7 @@ def _torch(directory: Path, manifest: Manifest, max_batch: int, capacity: int, d
 
 @dataclass(frozen=True)
 class BackendEntry:
-    make: Callable  # (directory, manifest, max_batch, capacity, device, threads) -> a batch backend
+    make: Callable  # (directory, manifest, max_batch, capacity, device, threads, kv_cache) -> a batch backend
     help: str
 
 
@@ -87,17 +94,18 @@ DEFAULT_BACKEND = "onnx"
 
 
 def make_backend(directory: Path, manifest: Manifest, backend: str, device: str, threads: int | None, *,
-                 max_batch: int = 1, capacity: int | None = None, compile_step: bool = False):
+                 max_batch: int = 1, capacity: int | None = None, compile_step: bool = False, kv_cache: str | None = None):
     """The batch backend BACKEND names, of MAX_BATCH pool rows of CAPACITY positions (None: the context).
-    COMPILE_STEP: its step through torch.compile (the PyTorch backend's)."""
+    COMPILE_STEP: its step through torch.compile (the PyTorch backend's). KV_CACHE: the pool's values
+    (kv_cache_choice; None: the default)."""
     entry = BACKENDS.get(backend)
     if entry is None:
         raise SpeedcError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
     capacity = manifest.dims.max_context if capacity is None else capacity
     if compile_step:
         check_compile(backend)
-        return entry.make(directory, manifest, max_batch, capacity, device, threads, compile_step=True)
-    return entry.make(directory, manifest, max_batch, capacity, device, threads)
+        return entry.make(directory, manifest, max_batch, capacity, device, threads, kv_cache, compile_step=True)
+    return entry.make(directory, manifest, max_batch, capacity, device, threads, kv_cache)
 
 
 def check_compile(backend: str) -> None:
@@ -132,9 +140,9 @@ def pool_backend(engine: "Engine", max_batch: int, capacity: int, fused: bool | 
     own = engine.backend
     if fused in (None, own.fused) and threads in (None, engine.threads):
         return make_batch_backend(engine.directory, engine.manifest, max_batch, capacity, device=engine.device,
-                                  fused=own.fused, session=own.session)
+                                  fused=own.fused, session=own.session, kv_cache=own.kv_cache)
     return make_batch_backend(engine.directory, engine.manifest, max_batch, capacity, device=engine.device,
-                              threads=threads, fused=fused)
+                              threads=threads, fused=fused, kv_cache=engine.kv_cache)
 
 
 def check_batching(backend_name: str) -> None:
@@ -262,12 +270,13 @@ class TextStream:
 class Engine:
     def __init__(self, directory: Path, manifest: Manifest, backend, tokenizer, *, device: str = "cpu",
                  make_backend: Callable[[], object] | None = None, backend_name: str = DEFAULT_BACKEND,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, kv_cache: str | None = None) -> None:
         """BACKEND: the engine's batch backend (one pool row; its session serves every call, batched
         ones too), or None to have MAKE_BACKEND make it on first use. BACKEND_NAME: its name in BACKENDS
-        (continuous batching runs on some only); THREADS: the intra-op threads its session was opened with."""
+        (continuous batching runs on some only); THREADS: the intra-op threads its session was opened with;
+        KV_CACHE: the KV cache's values asked for (None: the default; a backend resolves it: kv_cache_choice)."""
         self.directory, self.manifest, self.tokenizer, self.device = directory, manifest, tokenizer, device
-        self.backend_name, self.threads = backend_name, threads
+        self.backend_name, self.threads, self.kv_cache = backend_name, threads, kv_cache
         self._backend, self._make_backend = backend, make_backend
         self._backend_lock = threading.Lock()
         self.eos_token_id, self.eos_token_ids = manifest.dims.eos_token_id, manifest.dims.eos_token_ids
@@ -313,19 +322,20 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path, *, backend: str = "onnx", device: str = "cpu", threads: int | None = None,
              verify: bool = False, lazy: bool = False, prefix_cache_mb: float | None = None,
-             compile_step: bool = False) -> "Engine":
+             compile_step: bool = False, kv_cache: str | None = None) -> "Engine":
         """LAZY: open the backend (its session) only when a call first needs it. PREFIX_CACHE_MB:
         set_prefix_cache's. COMPILE_STEP (backend torch): the step through torch.compile, one compile per
-        step shape on first use (seconds to minutes), then no Python between its operations."""
+        step shape on first use (seconds to minutes), then no Python between its operations. KV_CACHE:
+        the KV cache's values where speedc's kernel attends ("float16", its default; "int8"; "float32")."""
         directory = Path(path)
         manifest = read_manifest(directory, verify_hashes=verify)
         tokenizer = load_tokenizer(directory / TOKENIZER)
 
         def make() -> object:
-            return make_backend(directory, manifest, backend, device, threads, compile_step=compile_step)
+            return make_backend(directory, manifest, backend, device, threads, compile_step=compile_step, kv_cache=kv_cache)
 
         engine = cls(directory, manifest, None if lazy else make(), tokenizer, device=device, make_backend=make,
-                     backend_name=backend, threads=threads)
+                     backend_name=backend, threads=threads, kv_cache=kv_cache)
         engine.set_prefix_cache(prefix_cache_mb)
         return engine
 

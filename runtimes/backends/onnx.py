@@ -100,7 +100,7 @@ def kv_cache_choice(asked: str | None, native_cache: str | None, products: str, 
             raise GenerationError(f"{where} {name!r}: choose from {', '.join(KV_CACHES)}")
     if native_cache is None:
         if asked not in (None, "float32"):
-            raise GenerationError(f"a {asked} KV cache needs speedc's attention, which this session does not run "
+            raise GenerationError(f"{asked} KV values need speedc's attention, which this session does not run "
                                   f"(products: {products}); it keeps a float32 cache")
         return "float32"
     chosen = asked or setting or native_cache
@@ -488,9 +488,11 @@ BATCHING_BACKENDS = ("onnx", "onnx-numpy")  # Engine backends that batch many se
 
 
 def make_batch_backend(directory: Path, manifest: Manifest, max_batch: int, capacity: int, device: str = "cpu",
-                       threads: int | None = None, fused: bool | None = None, session=None) -> BatchBackend:
+                       threads: int | None = None, fused: bool | None = None, session=None,
+                       kv_cache: str | None = None) -> BatchBackend:
     if device != "cpu":
         raise SpeedcError(f"device {device!r}: the ONNX Runtime backends run on the CPU in this version "
                           "(--backend torch runs on CUDA)")
     onnxruntime_module()
-    return BatchBackend(directory, manifest, max_batch, capacity, threads=threads, fused=fused, session=session)
+    return BatchBackend(directory, manifest, max_batch, capacity, threads=threads, fused=fused, session=session,
+                        kv_cache=kv_cache)

@@ -83,6 +83,13 @@ def open_session(directory: Path, manifest: Manifest, name: str, providers: list
         if weight_map is not None:
             file, native_cache = spec["native_file"], spec.get(contract.NATIVE_CACHE)
             spec = {**spec, **native_io(spec, native_cache)}
+    if native_cache is not None:
+        # Products and attention run on the kernel's threads, so ONNX Runtime keeps the rest (norms, activations,
+        # the heads' argmax) on the calling thread: its sleeping workers cost a wake-up wherever it split an op of
+        # a few rows (a norm of [4, 2048] 29 us on two threads, 12 on one). A P = 4 step of Ouro-1.4B ran 5%
+        # faster, a plain token 1.5%, a 128-token prefill chunk and a 32-row step alike (docs/benchmarks.md,
+        # "ONNX Runtime's own ops on one thread").
+        options.intra_op_num_threads = 1
     if profile_prefix is not None:
         options.enable_profiling = True
         options.profile_file_prefix = f"{profile_prefix}{name}"

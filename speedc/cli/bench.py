@@ -90,8 +90,8 @@ def bench() -> None:
               help="Peak RSS of each system, each measured in a fresh process.")
 @plot_option("tokens/s per system (end to end), decode-only speedup vs pipeline depth with the bound")
 @json_option
-def bench_artifact(artifact, new_tokens, repeats, prompts, early_flush, backend, device, threads, peers, only_peers,
-                   sweeps, memory, plot, as_json):
+def bench_artifact(artifact, new_tokens, repeats, prompts, early_flush, backend, device, threads, kv_cache, peers,
+                   only_peers, sweeps, memory, plot, as_json):
     """SPEED against plain decoding (and peers) on ARTIFACT: interleaved runs, identical ids checked first
     (peers at another precision, e.g. ORT GenAI int4: their agreement with SPEED's ids is reported instead).
 
@@ -114,6 +114,8 @@ def bench_artifact(artifact, new_tokens, repeats, prompts, early_flush, backend,
     from speedc.runtimes.engine import Engine
 
     status = Console(stderr=True)
+    if kv_cache is not None:  # every engine of the bench, those of its fresh processes (memory, sweeps) too
+        os.environ["SPEEDC_KV_CACHE"] = kv_cache
     engine = Engine.load(artifact, backend=backend, device=device, threads=threads)
     use_peers = bool(only_peers) or (peers_available() if peers is None else peers)
     with tempfile.TemporaryDirectory() as tmp, status.status("bench") as spinner:

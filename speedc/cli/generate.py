@@ -72,7 +72,7 @@ def _refuse_batch_options_without_file() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with ids, text and stats.")
 def generate(artifact, prompt, prompt_ids, prompts_file, max_batch, kv_cache_mb, row_budget, max_new_tokens, mode, temperature, top_k, top_p, repetition_penalty, seed,
              stop, ignore_eos, early_flush, loops, exit_at_step, exit_threshold, weighted_exit, backend, device, threads,
-             compile_step, stream, stats, as_json):
+             kv_cache, compile_step, stream, stats, as_json):
     """Generate from a compiled ARTIFACT with SPEED (or plain autoregressive decoding)."""
     from speedc.runtimes.engine import Engine
 
@@ -88,7 +88,7 @@ def generate(artifact, prompt, prompt_ids, prompts_file, max_batch, kv_cache_mb,
             raise GenerationError("--stream prints one sequence; with --prompts-file use --json or plain output")
         prompts = _read_prompts(prompts_file)
         engine = Engine.load(artifact, backend=backend, device=device, threads=threads, lazy=True,  # opened when the batch starts
-                             compile_step=compile_step)
+                             compile_step=compile_step, kv_cache=kv_cache)
         _generate_file(engine, prompts, options, max_batch=max_batch, kv_cache_mb=kv_cache_mb, row_budget=row_budget,
                        threads=threads, stats=stats, as_json=as_json)
         return
@@ -96,7 +96,7 @@ def generate(artifact, prompt, prompt_ids, prompts_file, max_batch, kv_cache_mb,
     if stream and as_json:
         raise GenerationError("--stream prints text as it comes, --json one object at the end: choose one")
     source = prompt if prompt is not None else _parse_ids(prompt_ids)
-    engine = Engine.load(artifact, backend=backend, device=device, threads=threads, compile_step=compile_step)
+    engine = Engine.load(artifact, backend=backend, device=device, threads=threads, compile_step=compile_step, kv_cache=kv_cache)
     if stream:
         pieces = engine.stream(source, **options)
         for piece in pieces:

@@ -60,6 +60,17 @@ def compile_option(fn):
                              "first use, seconds to minutes; the KV cache is allocated at its full length).")(fn)
 
 
+def kv_cache_option(fn):
+    from speedc.runtimes.kernels.native import KV_CACHES
+
+    return click.option("--kv-cache", type=click.Choice(list(KV_CACHES)), default=None,
+                        help="The KV cache's values where speedc's kernel attends (the fused graphs of int8, int4 and "
+                             "16-bit artifacts): float16 (the default there), int8 (half its memory and reads, each 32 "
+                             "values scaled together; the outputs move slightly, SPEED still equals plain decoding) or "
+                             "float32. Elsewhere the cache is float32. Default: $SPEEDC_KV_CACHE, else float16 where "
+                             "the kernel attends.")(fn)
+
+
 def backend_options(fn):
-    """--backend, --device, --threads: how an artifact is run."""
-    return backend_option(device_option(threads_option(fn)))
+    """--backend, --device, --threads, --kv-cache: how an artifact is run."""
+    return backend_option(device_option(threads_option(kv_cache_option(fn))))

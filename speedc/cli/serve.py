@@ -90,7 +90,7 @@ def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_q
 @click.option("--replica-cpus", type=FiniteFloat(), default=1.0, show_default=True, help="--ray: CPUs reserved per replica.")
 def serve(artifact, host, port, model_name, chat_template, mode, max_batch, kv_cache_mb, prefix_cache_mb, max_queue,
           request_timeout, max_request_bytes,
-          backend, device, threads, compile_step, log_level, use_ray, replicas, autoscale, max_ongoing_requests, replica_cpus):
+          backend, device, threads, kv_cache, compile_step, log_level, use_ray, replicas, autoscale, max_ongoing_requests, replica_cpus):
     """Serve a compiled ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics)."""
     from speedc.serve.app import ServeSettings
@@ -111,7 +111,8 @@ def serve(artifact, host, port, model_name, chat_template, mode, max_batch, kv_c
     if problem:
         raise SpeedcError(f"the model name is not Unicode text ({problem}); give one with --model-name")
     settings = ServeSettings(artifact=artifact.resolve(), model_name=model_name,
-                             backend=backend, device=device, threads=threads, compile_step=compile_step, mode=mode,
+                             backend=backend, device=device, threads=threads, kv_cache=kv_cache, compile_step=compile_step,
+                             mode=mode,
                              max_batch=max_batch,
                              kv_cache_mb=kv_cache_mb, prefix_cache_mb=prefix_cache_mb, max_queue=max_queue,
                              request_timeout=request_timeout, max_request_bytes=max_request_bytes,

@@ -57,6 +57,7 @@ class ServeSettings:
     backend: str = "onnx"
     device: str = "cpu"
     threads: int | None = None
+    kv_cache: str | None = None  # --kv-cache: the KV cache's values where speedc's kernel attends (None: its default)
     compile_step: bool = False  # --compile: the PyTorch backend's step through torch.compile
     mode: str = "speed"
     max_batch: int = 8  # requests decoded together (continuous batching); 1: one at a time, single-sequence engine
@@ -75,7 +76,7 @@ def make_adapter(settings: ServeSettings):
 
     batched = settings.max_batch > 1
     engine = Engine.load(settings.artifact, backend=settings.backend, device=settings.device, threads=settings.threads,
-                         compile_step=settings.compile_step)
+                         compile_step=settings.compile_step, kv_cache=settings.kv_cache)
     if engine.tokenizer is None:
         raise SpeedcError(f"{settings.artifact}: the server needs an artifact with a tokenizer.json")
     if not batched:

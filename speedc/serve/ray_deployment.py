@@ -82,7 +82,7 @@ def build_application(settings: ServeSettings, scale: ScaleOut):
 
 def build_app(args: dict):
     """For `serve run speedc.serve.ray_deployment:build_app artifact=PATH [key=value ...]`: keys are
-    ServeSettings fields (model_name, backend, threads, mode, max_batch, kv_cache_mb, max_queue,
+    ServeSettings fields (model_name, backend, threads, kv_cache, mode, max_batch, kv_cache_mb, max_queue,
     request_timeout, chat_template) and ScaleOut's (num_replicas, min_replicas + max_replicas, max_ongoing_requests,
     replica_cpus)."""
     args = dict(args)
@@ -94,7 +94,7 @@ def build_app(args: dict):
     chat = args.pop("chat_template", None)
     settings = ServeSettings(artifact=artifact, model_name=args.pop("model_name", artifact.name),
                              chat_template=Path(chat).resolve() if chat else None,
-                             **{k: numbers.get(k, str)(args.pop(k)) for k in ("backend", "device", "threads", "mode",
+                             **{k: numbers.get(k, str)(args.pop(k)) for k in ("backend", "device", "threads", "kv_cache", "mode",
                                                                              "max_batch", "kv_cache_mb", "prefix_cache_mb",
                                                                              "max_queue",
                                                                              "request_timeout") if k in args})

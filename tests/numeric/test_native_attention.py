@@ -8,6 +8,7 @@ ids against the published code run by transformers; SPEEDC_KV_CACHE is refused i
 from __future__ import annotations
 
 import collections
+import json
 
 import numpy as np
 import onnx
@@ -64,6 +65,24 @@ def test_before_and_after(tiny_int4):
     from speedc.inspect import describe
 
     assert describe(tiny_int4)["graphs"][fused]["native_cache"] == "float16"
+
+
+@needs_kernel
+def test_onnx_runtime_keeps_one_thread_where_the_kernel_attends(tiny_int4):
+    """Where the twin's products and attention both run on the kernel's threads, ONNX Runtime runs the rest
+    on the calling thread; where it still attends itself (the standard graph's twin), it keeps the threads
+    asked for."""
+    from speedc.runtimes.backends.onnx_session import open_session
+
+    manifest = read_manifest(tiny_int4)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SPEEDC_NATIVE_KERNEL", "1")
+        fused = open_session(tiny_int4, manifest, contract.fused(contract.ENGINE), ["CPUExecutionProvider"], 2)
+        standard = open_session(tiny_int4, manifest, contract.ENGINE, ["CPUExecutionProvider"], 2)
+    assert fused.speedc_native_cache == "float16" and standard.speedc_native_cache is None
+    assert fused.speedc_products.startswith("speedc kernel") and standard.speedc_products.startswith("speedc kernel")
+    assert fused.get_session_options().intra_op_num_threads == 1
+    assert standard.get_session_options().intra_op_num_threads == 2
 
 
 @needs_kernel
@@ -160,8 +179,35 @@ def test_the_pool_type_is_chosen_and_refused_in_one_line(tiny_int4, tiny_artifac
     monkeypatch.setenv("SPEEDC_KV_CACHE", "int8")  # a session without the kernel's attention keeps float32
     plain = Engine.load(tiny_artifact)
     assert plain.backend.kv_cache == "float32"
-    with pytest.raises(GenerationError, match="a int8 KV cache needs speedc's attention"):
+    with pytest.raises(GenerationError, match="int8 KV values need speedc's attention"):
         BatchBackend(tiny_artifact, plain.manifest, 1, 64, session=plain.backend.session, kv_cache="int8")
+
+
+@needs_kernel
+def test_the_pool_type_is_an_option_of_the_engine_and_the_cli(tiny_int4, tiny_artifact, monkeypatch):
+    """Engine.load(kv_cache=...) and `--kv-cache`: the engine's pool and a batch scheduler's (on its session or
+    on one of its own) hold that type, the CLI's ids are the engine's, SPEED == plain decoding on it; where
+    the session does not attend on the kernel, one line and a non-zero exit."""
+    from conftest import assert_one_line_error, run_cli
+
+    monkeypatch.setenv("SPEEDC_NATIVE_KERNEL", "1")
+    monkeypatch.delenv("SPEEDC_KV_CACHE", raising=False)
+    engine = Engine.load(tiny_int4, kv_cache="int8")
+    assert engine.backend.kv_cache == "int8" and engine.backend.cache_dtype == np.uint8
+    assert engine.batch_scheduler(max_batch=2).backend.kv_cache == "int8"
+    assert engine.batch_scheduler(max_batch=2, threads=1).backend.kv_cache == "int8"
+    prompt = [5, 17, 3, 99, 42, 7]
+    plain = engine.generate(prompt, max_new_tokens=12, stop_at_eos=False, mode="autoregressive").ids
+    assert engine.generate(prompt, max_new_tokens=12, stop_at_eos=False, mode="speed-always").ids == plain
+    assert [r.ids for r in engine.generate_batch([prompt, prompt[:3]], max_new_tokens=12, stop_at_eos=False,
+                                                 per_sequence=False, max_batch=2)][0] == plain
+    env = {"SPEEDC_NATIVE_KERNEL": "1"}
+    done = run_cli("generate", tiny_int4, "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "12",
+                   "--ignore-eos", "--kv-cache", "int8", "--json", env=env)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["ids"] == plain
+    assert_one_line_error(run_cli("generate", tiny_artifact, "--prompt-ids", "1,2", "--kv-cache", "int8", env=env),
+                          "int8 KV values need speedc's attention")
 
 
 @needs_kernel
