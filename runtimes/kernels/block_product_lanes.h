@@ -27,6 +27,9 @@
 
 #define LANES 16
 #define PREFETCH_AHEAD 2  /* superblocks: the rows' work between reads left the memory idle without it */
+/* One row reads the weight as fast as memory gives it: further ahead, into L2 (a layer stack's products of one
+   row 36.8 -> 34.8 ms on the AMX Xeon, 2 threads); four rows ran 3% slower so (they compute between reads). */
+#define PREFETCH_AHEAD_ONE_ROW 4
 
 static inline int64_t lanes_groups(int64_t n) { return (n + LANES - 1) / LANES; }
 static inline int lanes_chunk(int bits) { return bits == 4 ? 256 : 512; }  /* packed bytes per group and sub-block */
@@ -87,7 +90,10 @@ INLINE_AVX512 void group_rows_avx512_vnni(const product_t *p, int64_t g, int64_t
         for (int i = 0; i < 8; i++) total[i] = fix[i] = _mm512_setzero_si512();
         for (int b = 0; b < super; b++) {
             const __m512i pair = _mm512_loadu_si512(pairs + (b / 2) * 2 * LANES), step = lanes_step(pairs, b);
-            for (int t = 0; t < chunk; t += 64) _mm_prefetch((const char *)codes + PREFETCH_AHEAD * super * chunk + b * chunk + t, _MM_HINT_T0);
+            for (int t = 0; t < chunk; t += 64) {
+                if (rows == 1) _mm_prefetch((const char *)codes + PREFETCH_AHEAD_ONE_ROW * super * chunk + b * chunk + t, _MM_HINT_T1);
+                else _mm_prefetch((const char *)codes + PREFETCH_AHEAD * super * chunk + b * chunk + t, _MM_HINT_T0);
+            }
             __m512i w[8];
             if (bits == 4) {
                 for (int h = 0; h < 4; h++) {

@@ -101,7 +101,12 @@ ROWS_INLINE void ROWS_CAT(feature_rows_, ROWS_NAME)(const product_t *p, int64_t 
 }
 
 static __attribute__((target(ROWS_TARGET))) void ROWS_CAT(features_, ROWS_NAME)(const product_t *p, int64_t n0, int64_t n1) {
+    const int64_t row_bytes = p->blocks * (p->block_size * p->bits / 8);
     for (int64_t n = n0; n < n1; n++) {
+        if (n + FEATURE_PREFETCH < n1) {  /* the codes of the feature FEATURE_PREFETCH ahead, while this one computes */
+            const char *ahead = (const char *)p->codes + (n + FEATURE_PREFETCH) * row_bytes;
+            for (int64_t t = 0; t < row_bytes; t += 64) _mm_prefetch(ahead + t, _MM_HINT_T0);
+        }
         for (int64_t r = 0; r < p->m; r += 4) {
             const int bits = p->bits;
             switch (p->m - r < 4 ? p->m - r : 4) {  /* each case its own unrolled copy */
