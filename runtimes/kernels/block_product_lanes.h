@@ -20,8 +20,10 @@
 
    in int32, wrapping (a product may leave int32; the total, the exact sum of step x (code - zp) x q,
    does not: see STEP_LIMIT). Steps are stored as int16 pairs [g][s][b / 2][16][2] (one 64-byte load
-   gives two sub-blocks' steps, as vpdpwssd pairs them with qs), units [g][s][16]. The tile path
-   unpacks 4-bit codes as code - zp instead (block_product_tiles.h): the same integers.
+   gives two sub-blocks' steps, as vpdpwssd pairs them with qs), units [g][s][16]. At 4 bits both paths
+   take the zero point off each D_b before scaling (vpdpbusd starts it at -8 qs_b; the tile path unpacks
+   codes as code - zp, block_product_tiles.h), so D_b fits int16 and a pair of them meets its two steps in
+   one vpdpwssd: the same integers.
 
    Padding: features past n and sub-blocks past the row have zero steps and codes at the zero point. */
 
@@ -73,7 +75,11 @@ INLINE_AVX512 __m512i lanes_step(const int16_t *pairs, int b) {
 
 /* Rows R0 .. R0 + ROWS - 1 (ROWS <= 8, a constant after inlining) of the 16 features of group G: each
    sub-block's codes are unpacked once into 8 registers (a tile's 8 rows of 16 features x 4 bytes) and
-   applied to every row with 8 vpdpbusd, the activations' 4 bytes broadcast from memory. */
+   applied to every row with 8 vpdpbusd, the activations' 4 bytes broadcast from memory.
+   4 bits: each row's D_b starts at -8 qs_b, so it ends as the zero-pointed sum of q x (code - 8), within
+   int16 (32 x 127 x 8); a pair of sub-blocks' D_b is then scaled by its two steps in one vpdpwssd, as the
+   tile path does (a vpmulld per row and sub-block took 10% of a 4-row product). 8 bits: D_b x step (the
+   sums leave int16), the zero point's share taken off once per superblock. */
 INLINE_AVX512 void group_rows_avx512_vnni(const product_t *p, int64_t g, int64_t r0, const int rows, const int bits) {
     const int super = super_of(bits), chunk = lanes_chunk(bits);
     const int64_t width = p->supers * super * SUB;
@@ -86,10 +92,10 @@ INLINE_AVX512 void group_rows_avx512_vnni(const product_t *p, int64_t g, int64_t
     for (int64_t s = 0; s < p->supers; s++) {
         const uint8_t *codes = p->codes + (g * p->supers + s) * super * chunk;
         const int16_t *pairs = p->steps + (g * p->supers + s) * super * LANES;
-        __m512i total[8], fix[8];
-        for (int i = 0; i < 8; i++) total[i] = fix[i] = _mm512_setzero_si512();
+        __m512i total[8], fix[8], even[8];
+        for (int i = 0; i < 8; i++) total[i] = fix[i] = even[i] = _mm512_setzero_si512();
         for (int b = 0; b < super; b++) {
-            const __m512i pair = _mm512_loadu_si512(pairs + (b / 2) * 2 * LANES), step = lanes_step(pairs, b);
+            const __m512i pair = _mm512_loadu_si512(pairs + (b / 2) * 2 * LANES);
             for (int t = 0; t < chunk; t += 64) {
                 if (rows == 1) _mm_prefetch((const char *)codes + PREFETCH_AHEAD_ONE_ROW * super * chunk + b * chunk + t, _MM_HINT_T1);
                 else _mm_prefetch((const char *)codes + PREFETCH_AHEAD * super * chunk + b * chunk + t, _MM_HINT_T0);
@@ -107,21 +113,28 @@ INLINE_AVX512 void group_rows_avx512_vnni(const product_t *p, int64_t g, int64_t
 #pragma GCC unroll 8
             for (int i = 0; i < rows; i++) {
                 const int32_t *x = (const int32_t *)(q + i * width + (s * super + b) * SUB);
-                __m512i d = _mm512_setzero_si512();
+                const int16_t *row_qs = qs + i * p->supers * super + s * super;
+                __m512i d = bits == 4 ? _mm512_set1_epi32(-8 * (int32_t)row_qs[b]) : _mm512_setzero_si512();
 #pragma GCC unroll 8
                 for (int h = 0; h < 8; h++) d = _mm512_dpbusd_epi32(d, w[h], _mm512_set1_epi32(x[h]));
-                total[i] = _mm512_add_epi32(total[i], _mm512_mullo_epi32(d, step));
-                if (b & 1) {  /* the pair's zero-point term: step_b qs_b + step_b+1 qs_b+1 */
-                    int32_t two;
-                    memcpy(&two, qs + i * p->supers * super + s * super + b - 1, sizeof two);
-                    fix[i] = _mm512_dpwssd_epi32(fix[i], pair, _mm512_set1_epi32(two));
+                if (bits == 4) {  /* [D_b | D_b+1] as int16 pairs, times [step_b | step_b+1] */
+                    if (b & 1) total[i] = _mm512_dpwssd_epi32(total[i], _mm512_mask_mov_epi16(even[i], 0xAAAAAAAA,
+                                                                                               _mm512_slli_epi32(d, 16)), pair);
+                    else even[i] = d;
+                } else {
+                    total[i] = _mm512_add_epi32(total[i], _mm512_mullo_epi32(d, lanes_step(pairs, b)));
+                    if (b & 1) {  /* the pair's zero-point term: step_b qs_b + step_b+1 qs_b+1 */
+                        int32_t two;
+                        memcpy(&two, row_qs + b - 1, sizeof two);
+                        fix[i] = _mm512_dpwssd_epi32(fix[i], pair, _mm512_set1_epi32(two));
+                    }
                 }
             }
         }
         const __m512 unit = _mm512_loadu_ps(p->units + (g * p->supers + s) * LANES);
 #pragma GCC unroll 8
         for (int i = 0; i < rows; i++) {
-            const __m512i exact = _mm512_sub_epi32(total[i], _mm512_slli_epi32(fix[i], bits - 1));
+            const __m512i exact = bits == 4 ? total[i] : _mm512_sub_epi32(total[i], _mm512_slli_epi32(fix[i], bits - 1));
             const __m512 scale = _mm512_mul_ps(unit, _mm512_set1_ps(dx[i * p->supers + s]));  /* unit x dx */
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, acc[i]);
         }
