@@ -33,7 +33,8 @@
        path          instructions per superblock per row                          4 bits   8 bits
        avx2          maddubs x2 + madd per pair of sub-blocks (256-bit)              3        4
        avx-vnni      dpbusd x4 + dpwssd per 4 sub-blocks (256-bit, AVX-VNNI)        2.5       4
-       avx512-vnni   dpbusd x8 + mulld per sub-block and 16 features (512-bit)      1.1      1.1
+       avx512-vnni   dpbusd x8 per sub-block and 16 features (512-bit), dpwssd    1.1      1.2
+                     per pair of sub-blocks (4 bits) or mulld per sub-block (8)
        amx           tdpbssd / tdpbsud per sub-block, 16 features x up to 16 rows    -        -
        dotprod       sdot x2 + mla per sub-block (128-bit, Arm dotprod)              6        6
        i8mm          smmla x4 + mla per sub-block, 2 rows x 2 features (Arm i8mm)    2.5      2.5
