@@ -9,13 +9,14 @@ import click
 
 from speedc.cli.options import FiniteFloat, backend_options, compile_option, flag, given_options
 from speedc.errors import SpeedcError
+from speedc.format import contract
 from speedc.runtimes.detokenize import not_unicode
 from speedc.runtimes.speculation import MODES
 
 
 def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_queue: int, timeout: float,
                     max_batch: int, kv_cache_mb: float | None, backend: str, device: str,
-                    prefix_cache_mb: float | None = None) -> None:
+                    prefix_cache_mb: float | None = None, kv_cache: str | None = None) -> None:
     """What can be refused in one line before anything starts (the engine itself loads in the background)."""
     from speedc.format.artifact import read_manifest
     from speedc.serve.chat_template import load_chat_template
@@ -32,6 +33,10 @@ def _check_up_front(artifact: Path, chat_template: Path | None, port: int, max_q
         raise SpeedcError("--prefix-cache-mb must be >= 0 (0: no prefix cache)")
     manifest = read_manifest(artifact, verify_hashes=False)  # hashes are checked by the load itself
     load_chat_template(artifact, chat_template)  # a template that does not parse fails here
+    if kv_cache not in (None, "float32") and (backend != "onnx" or contract.NATIVE_CACHE not in
+                                              manifest.graphs.get(contract.fused(contract.ENGINE), {})):
+        raise SpeedcError(f"--kv-cache {kv_cache} needs speedc's attention (--backend onnx on an int8, int4 or 16-bit "
+                          f"build), which this run would not have; its KV cache is float32")
     if max_batch == 1:
         if kv_cache_mb is not None:
             raise SpeedcError("--kv-cache-mb sizes the batching pool; with --max-batch 1 there is none")
@@ -96,7 +101,7 @@ def serve(artifact, host, port, model_name, chat_template, mode, max_batch, kv_c
     from speedc.serve.app import ServeSettings
 
     _check_up_front(artifact, chat_template, port, max_queue, request_timeout, max_batch, kv_cache_mb, backend, device,
-                    prefix_cache_mb)
+                    prefix_cache_mb, kv_cache)
     if max_request_bytes < 1024:
         raise SpeedcError("--max-request-bytes must be at least 1024")
     if compile_step:

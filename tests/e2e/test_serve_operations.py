@@ -75,7 +75,9 @@ def test_bad_command_lines_are_one_line_errors(tiny_artifact, tmp_path):
                           "model name is not Unicode text", "0xe9")
     # the batching options are refused by the same up-front check (in this process: no CLI start-up each)
     refusals = [(dict(kv_cache_mb=0.001), "leaves no room for 8 sequences"), (dict(max_batch=0), "at least 1"),
-                (dict(backend="torch"), "--max-batch 1"), (dict(max_batch=1, kv_cache_mb=5.0), "with --max-batch 1")]
+                (dict(backend="torch"), "--max-batch 1"), (dict(max_batch=1, kv_cache_mb=5.0), "with --max-batch 1"),
+                # an fp32 build has no twin that attends on the kernel: its pool stays float32
+                (dict(kv_cache="int8"), "--kv-cache int8 needs speedc's attention")]
     for changed, message in refusals:
         options = {"max_batch": 8, "kv_cache_mb": None, "backend": "onnx", "device": "cpu", **changed}
         with pytest.raises(SpeedcError, match=message):
