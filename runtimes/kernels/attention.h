@@ -69,25 +69,31 @@ static inline int64_t kv_row_bytes(int hd, int dtype) {
     return dtype == KV_FP32 ? 4 * (int64_t)hd : dtype == KV_FP16 ? 2 * (int64_t)hd : hd + 4 * (int64_t)(hd / KV_BLOCK);
 }
 
+/* An int8 row's parts: its codes (after the hd / 32 scales) and the scale of value d's block. */
+static inline const int8_t *kv_int8_codes(const char *row, int hd) { return (const int8_t *)(row + 4 * (hd / KV_BLOCK)); }
+static inline float kv_int8_scale(const char *row, int d) {
+    float scale;
+    memcpy(&scale, row + 4 * (d / KV_BLOCK), sizeof scale);
+    return scale;
+}
+
 /* Value d of a position's head ROW (hd values). */
 static inline float kv_load(const char *row, int d, int hd, int dtype) {
     if (dtype == KV_FP16) return fp16_to_float(((const uint16_t *)row)[d]);
     if (dtype == KV_FP32) return ((const float *)row)[d];
-    float scale;
-    memcpy(&scale, row + 4 * (d / KV_BLOCK), sizeof scale);
-    return (float)((const int8_t *)(row + 4 * (hd / KV_BLOCK)))[d] * scale;
+    return (float)kv_int8_codes(row, hd)[d] * kv_int8_scale(row, d);
 }
 
 /* A position's head ROW from VALUES [hd], rounded to the cache's type. */
 static inline void kv_store(char *row, const float *values, int hd, int dtype) {
     if (dtype == KV_FP16) { for (int d = 0; d < hd; d++) ((uint16_t *)row)[d] = float_to_fp16(values[d]); return; }
     if (dtype == KV_FP32) { memcpy(row, values, sizeof(float) * hd); return; }
-    int8_t *codes = (int8_t *)(row + 4 * (hd / KV_BLOCK));
+    int8_t *codes = (int8_t *)kv_int8_codes(row, hd);
     for (int b = 0; b < hd / KV_BLOCK; b++) {
         float top = 0.0f;
         for (int d = b * KV_BLOCK; d < (b + 1) * KV_BLOCK; d++) top = fabsf(values[d]) > top ? fabsf(values[d]) : top;
         const float scale = top / 127.0f, inverse = top > 0.0f ? 127.0f / top : 0.0f;
-        memcpy(row + 4 * b, &scale, sizeof scale);
+        memcpy(row + 4 * b, &scale, sizeof scale);  /* kv_int8_scale's place for block b */
         for (int d = b * KV_BLOCK; d < (b + 1) * KV_BLOCK; d++) {
             const float code = nearbyintf(values[d] * inverse);
             codes[d] = (int8_t)(code > 127.0f ? 127.0f : code < -127.0f ? -127.0f : code);
@@ -171,8 +177,8 @@ static void attend_portable(const attention_t *a, const float *q, const char *k,
 INLINE_ATTN256 __m256 kv8(const char *row, int d, int hd, int dtype) {
     if (dtype == KV_FP16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + d)));
     if (dtype == KV_FP32) return _mm256_loadu_ps((const float *)row + d);
-    const __m128i codes = _mm_loadl_epi64((const __m128i *)(row + 4 * (hd / KV_BLOCK) + d));
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), _mm256_broadcast_ss((const float *)(row + 4 * (d / KV_BLOCK))));
+    const __m128i codes = _mm_loadl_epi64((const __m128i *)(kv_int8_codes(row, hd) + d));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), _mm256_set1_ps(kv_int8_scale(row, d)));
 }
 
 /* Four folded registers' lane sums [a, b, c, d] at once, each in lanes_reduce's order. */
@@ -351,8 +357,8 @@ static __attribute__((target(ATTN256_TARGET))) void attend_avx2_four(const atten
 INLINE_ATTN512 __m512 kv16(const char *row, int d, int hd, int dtype) {
     if (dtype == KV_FP16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + d)));
     if (dtype == KV_FP32) return _mm512_loadu_ps((const float *)row + d);
-    const __m128i codes = _mm_loadu_si128((const __m128i *)(row + 4 * (hd / KV_BLOCK) + d));
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), _mm512_set1_ps(*(const float *)(row + 4 * (d / KV_BLOCK))));
+    const __m128i codes = _mm_loadu_si128((const __m128i *)(kv_int8_codes(row, hd) + d));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), _mm512_set1_ps(kv_int8_scale(row, d)));
 }
 
 /* lane l + lane l + 8 */
