@@ -104,7 +104,7 @@ static __attribute__((target(ROWS_TARGET))) void ROWS_CAT(features_, ROWS_NAME)(
     const int64_t row_bytes = p->blocks * (p->block_size * p->bits / 8);
     for (int64_t n = n0; n < n1; n++) {
         if (n + FEATURE_PREFETCH < n1) {  /* the codes of the feature FEATURE_PREFETCH ahead, while this one computes */
-            const char *ahead = (const char *)p->codes + (n + FEATURE_PREFETCH) * row_bytes;
+            const char *ahead = (const char *)sub_block_codes(p, n + FEATURE_PREFETCH, 0);
             for (int64_t t = 0; t < row_bytes; t += 64) _mm_prefetch(ahead + t, _MM_HINT_T0);
         }
         for (int64_t r = 0; r < p->m; r += 4) {
